@@ -1,0 +1,66 @@
+"""The Docker Engine: connecting with a clear error, streaming build output, run folders for logs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from pathlib import Path
+
+from . import ROOT
+from .errors import UserError
+
+
+def client(base_url: str | None = None):
+    import docker   # imported here: `--dry-run` and `--help` work without an engine
+
+    try:
+        c = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
+        c.ping()
+        return c
+    except docker.errors.DockerException as e:
+        where = base_url or os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+        raise UserError(f"cannot reach the Docker Engine at {where} ({str(e).splitlines()[0][:120]}); "
+                        f"start it (`dockerd &` or `systemctl start docker`) or set DOCKER_HOST") from None
+
+
+def image_or_none(c, ref: str):
+    import docker
+
+    try:
+        return c.images.get(ref)
+    except docker.errors.ImageNotFound:
+        return None
+
+
+def run_dir(kind: str) -> Path:
+    """A fresh folder under runs/ that keeps this run's logs and reports."""
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(os.environ.get("FLEETBOX_RUNS", ROOT / "runs"))
+    d = base / f"{kind}-{stamp}"
+    n = 1
+    while d.exists():
+        n += 1
+        d = base / f"{kind}-{stamp}-{n}"
+    d.mkdir(parents=True)
+    return d
+
+
+def stream_build(chunks, log_file: Path, echo=print) -> str:
+    """Print a `docker build` JSON stream as it comes, keep it in `log_file`; return the image ID."""
+    image_id, tail = "", []
+    with open(log_file, "a") as log:
+        for chunk in chunks:
+            if "error" in chunk:
+                log.write(chunk["error"] + "\n")
+                raise UserError(f"build failed: {chunk['error'].strip()} (full log: {log_file})")
+            text = chunk.get("stream", "")
+            if "aux" in chunk and "ID" in chunk["aux"]:
+                image_id = chunk["aux"]["ID"]
+            if text:
+                log.write(text)
+                for line in text.rstrip("\n").splitlines():
+                    echo(f"  | {line}")
+                    tail = (tail + [line])[-20:]
+    if not image_id:
+        raise UserError(f"build ended without an image (full log: {log_file})")
+    return image_id

@@ -1,0 +1,195 @@
+"""Image builds (`invoke build`): plan (pure) and act (hermetic docker build from the wheelhouse).
+
+The content tag hashes everything the image is made of: Dockerfile, lock, base image ID and build args.
+Same inputs, same tag: when it exists, nothing is rebuilt (and nothing is sent to the engine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import ROOT, locks, wheelhouse
+from .engine import image_or_none, run_dir, stream_build
+from .errors import UserError
+from .matrix import DOCKERFILE, Variant
+
+UNKNOWN = "<unknown until the base exists>"
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    variant: Variant
+    dockerfile: Path
+    base_ref: str
+    base_id: str
+    build_args: dict[str, str]
+    lock_sha256: str
+    content_hash: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.variant.image}:{self.variant.name}-{self.content_hash[:12]}" if self.content_hash else UNKNOWN
+
+    @property
+    def tags(self) -> list[str]:
+        return [self.tag, *self.variant.aliases]
+
+    def describe(self) -> list[str]:
+        v = self.variant
+        args = " ".join(f"--build-arg {k}={val}" for k, val in self.build_args.items())
+        return [
+            f"variant   {v.name}: {v.description} [{v.device}{''.join(f', {k} {x}' for k, x in v.accel.items())}]",
+            f"paddle    {v.paddle} from {v.paddle_index or v.pypi}",
+            f"extras    {' '.join([*v.extras, *v.tools])} from {v.pypi}",
+            f"python    {v.python_version} on {v.platform}",
+            f"base      {self.base_ref} (id {self.base_id[7:19] if self.base_id.startswith('sha256:') else self.base_id})",
+            f"lock      {v.lock_path.relative_to(ROOT)} "
+            + (f"sha256 {self.lock_sha256[:16]}…" if self.lock_sha256 else "MISSING: "
+               + f"make it with `invoke lock --variant {v.name}` where {v.paddle_index or v.pypi} is reachable"),
+            f"tag       {self.tag}",
+            f"aliases   {' '.join(v.aliases)}",
+            f"command   docker build --network none -f {self.dockerfile.relative_to(ROOT)} {args} CONTEXT",
+        ]
+
+
+def pip_wheel(entries: list[locks.Locked]) -> str:
+    """pip runs from its own wheel inside the build; pip only ships py3-none-any wheels."""
+    pip = next((e for e in entries if e.name.lower() == "pip"), None)
+    if pip is None:
+        raise UserError("the lock has no pip: add pip to the variant's `tools` in images/matrix.toml")
+    return f"pip-{pip.version}-py3-none-any.whl"
+
+
+def build_args(variant: Variant, entries: list[locks.Locked]) -> dict[str, str]:
+    return {"BASE_IMAGE": variant.base_ref, "PYTHON": variant.base.python, "PIP_WHEEL": pip_wheel(entries),
+            "VARIANT": variant.name, "DEVICE": variant.device}
+
+
+def content_hash(dockerfile_text: str, lock_text: str, base_id: str, args: dict[str, str]) -> str:
+    blob = json.dumps({"dockerfile": dockerfile_text, "lock": lock_text, "base_id": base_id, "args": args},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def source_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def freeze(entries: list[locks.Locked]) -> str:
+    return "\n".join(f"{e.name}=={e.version}" for e in sorted(entries, key=lambda e: e.name.lower()))
+
+
+def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, revision: str) -> dict[str, str]:
+    return {
+        "org.opencontainers.image.title": f"fleetbox paddle {variant.name}",
+        "org.opencontainers.image.description": variant.description,
+        "org.opencontainers.image.version": variant.paddle_version,
+        "org.opencontainers.image.revision": revision,
+        "org.opencontainers.image.source": "fleetbox",
+        "org.opencontainers.image.base.name": variant.base_ref,
+        "org.opencontainers.image.base.digest": base_id,
+        "io.fleetbox.variant": variant.name,
+        "io.fleetbox.device": variant.device,
+        "io.fleetbox.lock-sha256": lock_sha,
+        "io.fleetbox.inputs-sha256": chash,
+        "io.fleetbox.pip-freeze": freeze(entries),
+        **{f"io.fleetbox.{k}": v for k, v in variant.accel.items()},
+    }
+
+
+def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, revision: str = "") -> BuildPlan:
+    """Pure: everything the build will do, from the variant, its base's ID and its lock (None if missing)."""
+    dockerfile_text = DOCKERFILE.read_text()
+    lock_text, entries = lock if lock else ("", [])
+    args = build_args(variant, entries) if entries else {
+        "BASE_IMAGE": variant.base_ref, "PYTHON": variant.base.python, "PIP_WHEEL": "<from the lock>",
+        "VARIANT": variant.name, "DEVICE": variant.device}
+    lock_sha = locks.lock_hash(lock_text) if lock_text else ""
+    chash = content_hash(dockerfile_text, lock_text, base_id, args) if (base_id and lock_text) else ""
+    lbl = labels(variant, lock_sha, base_id or "", chash, entries, revision) if chash else {}
+    return BuildPlan(variant, DOCKERFILE, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl)
+
+
+def dry_run(variant: Variant, client_or_none) -> BuildPlan:
+    """The plan for any variant, with whatever is known here (no lock or no base is not an error)."""
+    try:
+        lock = locks.read(variant)
+    except UserError:
+        lock = None
+    base = image_or_none(client_or_none, variant.base_ref) if client_or_none else None
+    return plan(variant, base.id if base else None, lock)
+
+
+def _context(p: BuildPlan, wheels: list[Path], lock_text: str, tmp: Path) -> Path:
+    """Dockerfile + lock + wheels/, hard-linked where possible (no copy of the 300 MB wheelhouse)."""
+    ctx = tmp / "context"
+    (ctx / "wheels").mkdir(parents=True)
+    shutil.copy(p.dockerfile, ctx / "Dockerfile")
+    (ctx / "requirements.lock").write_text(lock_text)
+    for w in wheels:
+        try:
+            os.link(w, ctx / "wheels" / w.name)
+        except OSError:
+            shutil.copy(w, ctx / "wheels" / w.name)
+    return ctx
+
+
+def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = False, log=print) -> BuildPlan:
+    """Build the variant's image with the network off, unless an image with the same inputs exists."""
+    lock_text, entries = locks.read(variant)
+    base = image_or_none(c, variant.base_ref)
+    if base is None:
+        raise UserError(f"base {variant.base_ref} is missing; run `invoke base --variant {variant.name}`")
+    p = plan(variant, base.id, (lock_text, entries), source_revision())
+    existing = image_or_none(c, p.tag)
+    if existing and not force:
+        _alias(existing, variant)
+        log(f"{p.tag} is up to date (same Dockerfile, lock, base and args); nothing to build")
+        return p
+    wheel_dir = wheel_dir or wheelhouse.default_dir(variant)
+    wheels = wheelhouse.verify(variant, wheel_dir, lock_text, entries)
+    for line in p.describe():
+        log(line)
+    rd = run_dir(f"build-{variant.name}")
+    with tempfile.TemporaryDirectory(prefix="fleetbox-build-", dir=wheel_dir.parent) as tmp:
+        ctx = _context(p, wheels, lock_text, Path(tmp))
+        log(f"building with the network off (log: {rd / 'build.log'})")
+        chunks = c.api.build(path=str(ctx), tag=p.tag, buildargs=p.build_args, labels=p.labels,
+                             network_mode="none", rm=True, forcerm=True, decode=True, pull=False,
+                             nocache=force)
+        stream_build(chunks, rd / "build.log", echo=log)
+    image = c.images.get(p.tag)
+    _alias(image, variant)
+    (rd / "plan.json").write_text(json.dumps({"tags": p.tags, "build_args": p.build_args, "labels": p.labels},
+                                             indent=1))
+    log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(variant.aliases)}")
+    return p
+
+
+def _alias(image, variant: Variant) -> None:
+    for alias in variant.aliases:
+        repo, tag = alias.rsplit(":", 1)
+        image.tag(repo, tag)
+
+
+def resolve(c, variant: Variant):
+    """The built image for a variant (by alias), or a clear error saying how to build it."""
+    image = image_or_none(c, variant.aliases[0])
+    if image is None:
+        raise UserError(f"image {variant.aliases[0]} is not built; run `invoke build --variant {variant.name}`")
+    return image
