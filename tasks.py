@@ -93,13 +93,14 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False):
     images.build(engine.client(), v, Path(wheelhouse) if wheelhouse else None, force=force, log=_log)
 
 
-@task(help={"variant": VARIANT_HELP, "json_out": "also write the JSON report to this path"})
+@task(help={"variant": VARIANT_HELP, "json_out": "also write the JSON report to this path",
+            "image": "verify this image reference instead of the variant's build (e.g. a pulled image)"})
 @_fleetbox
-def verify(c, variant=None, json_out=None):
+def verify(c, variant=None, json_out=None, image=None):
     """Check the image with the network off: run_check(), device, scipy/cv2, installed == lock."""
     from fleetbox import engine, verify as verify_mod
     v = _variant(variant)
-    report = verify_mod.run(engine.client(), v, log=_log)
+    report = verify_mod.run(engine.client(), v, image, log=_log)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=1)

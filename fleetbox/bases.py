@@ -51,11 +51,12 @@ def plan(variant: Variant, bootstrap: bool = False, mirror: str | None = None, o
     """Choose how to make the base. `os_image_available` is a callable (ref -> bool); None means unknown."""
     b = variant.base
     mirror = mirror or b.mirror
+    if bootstrap and not b.bootstrappable:
+        raise UserError(f"base {b.name} ({b.distro}) cannot be bootstrapped with debootstrap; "
+                        f"`docker load` the vendor image {b.os_image}")
     if not b.packages:
         return BasePlan(variant.base_ref, "vendor", b, mirror)
     if bootstrap:
-        if not b.bootstrappable:
-            raise UserError(f"base {b.name} ({b.distro}) cannot be bootstrapped with debootstrap")
         return BasePlan(variant.base_ref, "debootstrap", b, mirror)
     if os_image_available is not None and not os_image_available(b.os_image) and b.bootstrappable:
         return BasePlan(variant.base_ref, "debootstrap", b, mirror)

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from .errors import UserError
 
-CHUNK = 1 << 20
+CHUNK = 1 << 20        # reading local files
+NET_CHUNK = 1 << 16    # network reads: small, so a cut connection loses little
 
 
 def file_digest(path: Path, algo: str = "sha256") -> str:
@@ -66,7 +67,7 @@ def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float) -> 
         mode = "ab" if have else "wb"
         total = int(r.headers.get("Content-Length", 0)) + have or None
         with open(part, mode) as f, _bar(part.name.removesuffix(".part"), total, have) as bar:
-            for chunk in r.iter_content(CHUNK):
+            for chunk in r.iter_content(NET_CHUNK):
                 h.update(chunk)
                 f.write(chunk)
                 bar.update(len(chunk))

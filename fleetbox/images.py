@@ -175,10 +175,23 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
         stream_build(chunks, rd / "build.log", echo=log)
     image = c.images.get(p.tag)
     _alias(image, variant)
+    _tidy(c, existing, image)
     (rd / "plan.json").write_text(json.dumps({"tags": p.tags, "build_args": p.build_args, "labels": p.labels},
                                              indent=1))
     log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(variant.aliases)}")
     return p
+
+
+def _tidy(c, replaced, image) -> None:
+    """Drop the install stage (it holds the wheels) and an image a forced rebuild left without tags."""
+    import docker
+    c.images.prune(filters={"dangling": True, "label": "io.fleetbox.stage=install"})
+    if replaced is not None and replaced.id != image.id:
+        try:
+            if not c.images.get(replaced.id).tags:
+                c.images.remove(replaced.id)
+        except docker.errors.APIError:
+            pass   # still used by a container: leave it
 
 
 def _alias(image, variant: Variant) -> None:

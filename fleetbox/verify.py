@@ -50,8 +50,15 @@ def table(variant: str, image: str, checks: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def run(c, variant: Variant, log=print) -> dict:
-    image = resolve(c, variant)
+def run(c, variant: Variant, image_ref: str | None = None, log=print) -> dict:
+    """Verify the variant's built image, or any image given by reference (e.g. one pulled from a registry)."""
+    if image_ref:
+        from .engine import image_or_none
+        image = image_or_none(c, image_ref)
+        if image is None:
+            raise UserError(f"image {image_ref} is not here; build or pull it first")
+    else:
+        image = resolve(c, variant)
     labels = image.labels or {}
     rd = run_dir(f"verify-{variant.name}")
     log(f"verifying {image.tags[0] if image.tags else image.id} with the network off")

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Prepare a Debian/Ubuntu host for fleetbox: Docker Engine (installed and started), debootstrap, and the
+# fleetbox Python package with its dev tools. Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '== %s\n' "$*"; }
+if [ "$(id -u)" -ne 0 ]; then echo "setup-host.sh: run as root (it installs packages and starts dockerd)" >&2; exit 2; fi
+
+missing=()
+command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]} from the distribution"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! docker info >/dev/null 2>&1; then
+  say "starting the Docker Engine (log: /var/log/fleetbox-dockerd.log)"
+  if command -v systemctl >/dev/null 2>&1 && systemctl is-system-running >/dev/null 2>&1; then
+    systemctl start docker
+  else
+    nohup dockerd >/var/log/fleetbox-dockerd.log 2>&1 &
+  fi
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { echo "setup-host.sh: dockerd did not come up; see /var/log/fleetbox-dockerd.log" >&2; exit 1; }
+fi
+say "Docker Engine $(docker version --format '{{.Server.Version}}') is up"
+
+say "installing the fleetbox package (editable, with dev tools)"
+python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+say "host ready"

@@ -1,0 +1,104 @@
+"""Real Docker Engine, real Paddle: bootstrap base -> hermetic build -> verify -> no-op rebuild."""
+import json
+import os
+import subprocess
+
+from tests.conftest import invoke
+from tests.unit.test_cli import one_line_error
+
+
+def docker(*args):
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_base_is_ours_and_runs_python(cpu_image):
+    from fleetbox import matrix
+    v = matrix.load().get("cpu")
+    info = json.loads(docker("image", "inspect", v.base_ref).stdout)[0]
+    assert info["Config"]["Labels"]["io.fleetbox.base"] == "bookworm"
+    assert info["Config"]["Labels"]["io.fleetbox.base.method"] in ("debootstrap", "os-image")
+    out = docker("run", "--rm", "--network", "none", v.base_ref, "python3", "-c", "import sys; print(sys.version)")
+    assert out.returncode == 0 and out.stdout.startswith("3.11"), out.stderr
+
+
+def test_verify_passes_and_writes_a_report(cpu_image, tmp_path):
+    report_path = tmp_path / "report.json"
+    proc = invoke("verify", "--variant", "cpu", "--json-out", str(report_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    checks = {c["check"]: c for c in report["checks"]}
+    assert report["ok"] and all(c["ok"] for c in report["checks"])
+    assert checks["import paddle"]["detail"].startswith("paddle 3.3.1")
+    assert checks["compiled device"]["detail"] == "cpu"
+    assert "installed successfully" in checks["paddle.utils.run_check()"]["detail"]
+    assert checks["import scipy"]["detail"].startswith("scipy ") and checks["import cv2"]["detail"].startswith("opencv")
+    assert "packages match" in checks["installed == lock"]["detail"]
+    assert "PASS  paddle.utils.run_check()" in proc.stdout
+    assert os.path.exists(report["path"])   # the run keeps its own copy under runs/
+
+
+def test_second_build_is_a_no_op(cpu_image):
+    before = cpu_image["image"].id
+    proc = invoke("build", "--variant", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "is up to date" in proc.stdout and "Step " not in proc.stdout
+    after = json.loads(docker("image", "inspect", "fleetbox/paddle:cpu").stdout)[0]["Id"]
+    assert after == before
+
+
+def test_final_image_has_no_wheels_no_pip_cache_and_little_overhead(cpu_image):
+    image = cpu_image["image"]
+    find = docker("run", "--rm", "--network", "none", image.id, "sh", "-c",
+                  "find / -xdev \\( -name '*.whl' -o -path '*/.cache/pip' -o -path /wheels \\) -print 2>/dev/null;"
+                  "du -sb /opt/venv | cut -f1")
+    lines = find.stdout.split()
+    assert find.returncode == 0 and len(lines) == 1, f"unexpected files in the image: {lines[:-1]}"
+    venv_bytes = int(lines[0])
+    labels = image.labels
+    base = json.loads(docker("image", "inspect", labels["org.opencontainers.image.base.name"]).stdout)[0]
+    assert base["Id"] == labels["org.opencontainers.image.base.digest"]
+    ratio = image.attrs["Size"] / (base["Size"] + venv_bytes)
+    assert ratio <= 1.05, f"image is {ratio:.2f}x its base + environment"
+
+
+def test_image_carries_provenance(cpu_image):
+    labels = cpu_image["image"].labels
+    from fleetbox import locks, matrix
+    v = matrix.load().get("cpu")
+    text, entries = locks.read(v)
+    assert labels["io.fleetbox.lock-sha256"] == locks.lock_hash(text)
+    assert "paddlepaddle==3.3.1" in labels["io.fleetbox.pip-freeze"].split("\n")
+    assert labels["io.fleetbox.variant"] == "cpu" and labels["org.opencontainers.image.revision"]
+    tags = set(cpu_image["image"].tags)
+    assert {"fleetbox/paddle:cpu", "fleetbox/paddle:3.3.1-cpu-py311"} <= tags
+    assert any(t.startswith("fleetbox/paddle:cpu-") and len(t) == len("fleetbox/paddle:cpu-") + 12 for t in tags)
+
+
+def test_tampered_wheelhouse_stops_the_build_and_builds_nothing(cpu_image, tmp_path):
+    from fleetbox import matrix, wheelhouse
+    src = wheelhouse.default_dir(matrix.load().get("cpu"))
+    dest = tmp_path / "cpu"
+    dest.mkdir()
+    for f in src.iterdir():
+        os.link(f, dest / f.name) if f.suffix == ".whl" else (dest / f.name).write_bytes(f.read_bytes())
+    pip = next(dest.glob("pip-*.whl"))
+    pip.unlink()
+    pip.write_bytes(b"not the locked pip")
+    images_before = docker("images", "-q").stdout
+    proc = invoke("build", "--variant", "cpu", "--force", "--wheelhouse", str(dest))
+    one_line_error(proc, pip.name, "which lock cpu.lock does not allow")
+    assert docker("images", "-q").stdout == images_before
+
+
+def test_verify_fails_on_a_broken_image(cpu_image, tmp_path):
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {cpu_image['image'].id}\nRUN rm -rf /opt/venv/lib/python3.11/site-packages/cv2\n")
+    tag = "fleetbox-test/broken:cv2"
+    assert docker("build", "--network", "none", "-q", "-t", tag, str(tmp_path)).returncode == 0
+    try:
+        proc = invoke("verify", "--variant", "cpu", "--image", tag)
+        assert proc.returncode == 1
+        assert "FAIL  import cv2" in proc.stdout and "PASS  import paddle" in proc.stdout
+        assert "verify failed for cpu" in proc.stderr and "Traceback" not in proc.stderr
+    finally:
+        docker("rmi", "-f", tag)

@@ -1,0 +1,56 @@
+import hashlib
+
+import pytest
+
+from fleetbox import fetch
+from fleetbox.errors import UserError
+from tests.httpserver import Server
+
+DATA = bytes(range(256)) * 4096   # 1 MiB
+
+
+@pytest.fixture
+def server(tmp_path):
+    (tmp_path / "srv").mkdir()
+    (tmp_path / "srv" / "blob.bin").write_bytes(DATA)
+    with Server(tmp_path / "srv") as s:
+        yield s
+
+
+def test_fresh_download_verifies_and_renames(server, tmp_path):
+    dest = tmp_path / "out" / "blob.bin"
+    fetch.download(f"{server.url}/blob.bin", dest, hashlib.sha256(DATA).hexdigest())
+    assert dest.read_bytes() == DATA and not dest.with_name("blob.bin.part").exists()
+
+
+def test_resume_after_cut_fetches_only_the_rest(server, tmp_path):
+    server.cut_after["blob.bin"] = 300_000
+    dest = tmp_path / "blob.bin"
+    fetch.download(f"{server.url}/blob.bin", dest, hashlib.sha256(DATA).hexdigest(), backoff=0.01)
+    assert dest.read_bytes() == DATA
+    ranges = [r for p, r in server.requests if p == "/blob.bin"]
+    assert len(ranges) == 2 and ranges[0] == ""
+    on_disk = int(ranges[1].removeprefix("bytes=").rstrip("-"))   # what the .part held when it resumed
+    assert on_disk == 300_000 // fetch.NET_CHUNK * fetch.NET_CHUNK > 0
+    # the second request fetched exactly the bytes not on disk: nothing already written came again
+    assert server.bytes_sent["blob.bin"] == 300_000 + (len(DATA) - on_disk)
+
+
+def test_corrupt_content_retries_then_fails_leaving_nothing(server, tmp_path):
+    server.corrupt.add("blob.bin")
+    dest = tmp_path / "blob.bin"
+    with pytest.raises(UserError, match=r"giving up on .*blob.bin after 3 attempts: sha256 mismatch"):
+        fetch.download(f"{server.url}/blob.bin", dest, hashlib.sha256(DATA).hexdigest(), retries=2, backoff=0.01)
+    assert len([p for p, _ in server.requests if p == "/blob.bin"]) == 3
+    assert list(tmp_path.glob("blob.bin*")) == []
+
+
+def test_404_is_one_clear_error(server, tmp_path):
+    with pytest.raises(UserError, match="HTTP 404"):
+        fetch.download(f"{server.url}/nope.bin", tmp_path / "nope.bin", "0" * 64)
+    assert not (tmp_path / "nope.bin").exists()
+
+
+def test_unreachable_server_gives_up_with_the_reason(tmp_path):
+    with pytest.raises(UserError, match="ConnectionError"):
+        fetch.download("http://127.0.0.1:9/x", tmp_path / "x", "0" * 64, retries=1, backoff=0.01)
