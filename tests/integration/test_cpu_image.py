@@ -102,3 +102,8 @@ def test_verify_fails_on_a_broken_image(cpu_image, tmp_path):
         assert "verify failed for cpu" in proc.stderr and "Traceback" not in proc.stderr
     finally:
         docker("rmi", "-f", tag)
+
+
+def test_vendor_base_that_cannot_be_had_is_one_clear_error():
+    proc = invoke("base", "--variant", "dcu")
+    one_line_error(proc, "paddle-dcu:dtk24.04.1-kylinv10-gcc82 is missing", "cannot be bootstrapped", "docker load")
