@@ -75,22 +75,24 @@ def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=F
 
 @task(help={"variant": VARIANT_HELP, "dry_run": "print the whole build plan (any variant), build nothing",
             "wheelhouse": "wheelhouse folder (default wheelhouse/<variant>/)",
-            "force": "build again even if an image with the same inputs exists"})
+            "force": "build again even if an image with the same inputs exists",
+            "datasets": "bake these seeded data sets (see `invoke cache`) into the image at Paddle's cache path"})
 @_fleetbox
-def build(c, variant=None, dry_run=False, wheelhouse=None, force=False):
+def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets=None):
     """Build the variant's image hermetically (network off) from the wheelhouse; no-op when up to date."""
     from pathlib import Path
-    from fleetbox import engine, images
+    from fleetbox import datasets as ds, engine, images
     v = _variant(variant)
+    data = ds.select(ds.load(), datasets) if datasets else []
     if dry_run:
         try:
             client = engine.client()
         except UserError:
             client = None
-        for line in images.dry_run(v, client).describe():
+        for line in images.dry_run(v, client, data).describe():
             _log(line)
         return
-    images.build(engine.client(), v, Path(wheelhouse) if wheelhouse else None, force=force, log=_log)
+    images.build(engine.client(), v, Path(wheelhouse) if wheelhouse else None, force=force, log=_log, data=data)
 
 
 @task(help={"variant": VARIANT_HELP, "json_out": "also write the JSON report to this path",
@@ -129,3 +131,40 @@ def up(c, variant=None, mirror=None):
             if not report["ok"]:
                 raise Exit(f"fleetbox: verify failed for {v.name} (report: {report['path']})", code=1)
     sys.stdout.flush()
+
+
+@task(help={"datasets": "comma-separated data sets from offline_cache/datasets.toml, e.g. mnist,flowers",
+            "mirror": "HTTP base URL or local folder laid out as <module>/<file> (default: the original URLs)",
+            "dest": "cache folder (default offline_cache/dataset/, Paddle's ~/.cache/paddle/dataset layout)",
+            "verify": "re-check the MD5 of what is in the cache instead of downloading",
+            "pack": "write the named data sets (all known ones if none named) to this archive with checksums",
+            "from_": "restore a cache archive made with --pack (every MD5 checked, unsafe members refused)",
+            "manifest": "another dataset manifest (default offline_cache/datasets.toml)"})
+@_fleetbox
+def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, from_=None, manifest=None):
+    """Seed Paddle's dataset cache offline-ready: download (MD5, resume, retry), verify, pack, restore."""
+    from pathlib import Path
+    from fleetbox import datasets as ds
+    known = ds.load(manifest)
+    dest = Path(dest) if dest else ds.default_dest()
+    if from_:
+        rows = ds.restore(Path(from_), dest, known, log=_log)
+        _log(ds.table(rows))
+        _log(f"restored {len(rows)} files into {dest}")
+        return
+    chosen = ds.select(known, datasets) if (datasets or not pack) else [
+        d for d in known.values() if all((dest / f.relpath).exists() for f in d.files)]
+    if pack:
+        out = ds.pack(chosen, dest, Path(pack))
+        _log(f"packed {', '.join(d.name for d in chosen)} into {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        return
+    if verify:
+        rows = ds.check(chosen, dest)
+        _log(ds.table(rows))
+        bad = [r for r in rows if r["status"] != "ok"]
+        if bad:
+            raise Exit(f"fleetbox: {len(bad)} of {len(rows)} files missing or bad in {dest}", code=1)
+        return
+    rows = ds.seed(chosen, dest, mirror, log=_log)
+    _log(ds.table(rows))
+    _log(f"cache {dest}: {len(rows)} files verified; mount it at {ds.CONTAINER_CACHE} (read-only)")

@@ -15,10 +15,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import ROOT, locks, wheelhouse
+from . import ROOT, datasets, locks, wheelhouse
 from .engine import image_or_none, run_dir, stream_build
 from .errors import UserError
 from .matrix import DOCKERFILE, Variant
+
+DATA_DOCKERFILE = DOCKERFILE.parent / "data.Dockerfile"
 
 UNKNOWN = "<unknown until the base exists>"
 
@@ -33,6 +35,23 @@ class BuildPlan:
     lock_sha256: str
     content_hash: str
     labels: dict[str, str] = field(default_factory=dict)
+    data: tuple = ()   # data sets baked on top, in a thin image of their own
+
+    @property
+    def aliases(self) -> list[str]:
+        return self.variant.aliases
+
+    @property
+    def data_tag(self) -> str:
+        if not (self.data and self.content_hash):
+            return ""
+        h = content_hash(self.content_hash, "", "", {}, datasets.identity(list(self.data)))
+        return f"{self.variant.image}:{self.variant.name}-{h[:12]}"
+
+    @property
+    def data_aliases(self) -> list[str]:
+        names = "-".join(d.name for d in self.data)
+        return [f"{a}-with-{names}" for a in self.variant.aliases] if self.data else []
 
     @property
     def tag(self) -> str:
@@ -40,7 +59,7 @@ class BuildPlan:
 
     @property
     def tags(self) -> list[str]:
-        return [self.tag, *self.variant.aliases]
+        return [self.tag, *self.aliases]
 
     def describe(self) -> list[str]:
         v = self.variant
@@ -55,7 +74,9 @@ class BuildPlan:
             + (f"sha256 {self.lock_sha256[:16]}…" if self.lock_sha256 else "MISSING: "
                + f"make it with `invoke lock --variant {v.name}` where {v.paddle_index or v.pypi} is reachable"),
             f"tag       {self.tag}",
-            f"aliases   {' '.join(v.aliases)}",
+            f"aliases   {' '.join(self.aliases)}",
+            f"datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {datasets.CONTAINER_CACHE} in "
+                             f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})" if self.data else "none baked"),
             f"command   docker build --network none -f {self.dockerfile.relative_to(ROOT)} {args} CONTEXT",
         ]
 
@@ -73,9 +94,12 @@ def build_args(variant: Variant, entries: list[locks.Locked]) -> dict[str, str]:
             "VARIANT": variant.name, "DEVICE": variant.device}
 
 
-def content_hash(dockerfile_text: str, lock_text: str, base_id: str, args: dict[str, str]) -> str:
-    blob = json.dumps({"dockerfile": dockerfile_text, "lock": lock_text, "base_id": base_id, "args": args},
-                      sort_keys=True)
+def content_hash(dockerfile_text: str, lock_text: str, base_id: str, args: dict[str, str],
+                 data: list | None = None) -> str:
+    inputs = {"dockerfile": dockerfile_text, "lock": lock_text, "base_id": base_id, "args": args}
+    if data:
+        inputs["datasets"] = data
+    blob = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -112,8 +136,10 @@ def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, r
     }
 
 
-def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, revision: str = "") -> BuildPlan:
-    """Pure: everything the build will do, from the variant, its base's ID and its lock (None if missing)."""
+def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, revision: str = "",
+         data: list[datasets.Dataset] = ()) -> BuildPlan:
+    """Pure: everything the build will do, from the variant, its base's ID, its lock (None if missing) and
+    the data sets to bake."""
     dockerfile_text = DOCKERFILE.read_text()
     lock_text, entries = lock if lock else ("", [])
     args = build_args(variant, entries) if entries else {
@@ -122,17 +148,26 @@ def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, r
     lock_sha = locks.lock_hash(lock_text) if lock_text else ""
     chash = content_hash(dockerfile_text, lock_text, base_id, args) if (base_id and lock_text) else ""
     lbl = labels(variant, lock_sha, base_id or "", chash, entries, revision) if chash else {}
-    return BuildPlan(variant, DOCKERFILE, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl)
+    return BuildPlan(variant, DOCKERFILE, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl,
+                     tuple(data))
 
 
-def dry_run(variant: Variant, client_or_none) -> BuildPlan:
+def dry_run(variant: Variant, client_or_none, data: list[datasets.Dataset] = ()) -> BuildPlan:
     """The plan for any variant, with whatever is known here (no lock or no base is not an error)."""
     try:
         lock = locks.read(variant)
     except UserError:
         lock = None
     base = image_or_none(client_or_none, variant.base_ref) if client_or_none else None
-    return plan(variant, base.id if base else None, lock)
+    return plan(variant, base.id if base else None, lock, data=data)
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy(src, dst)
 
 
 def _context(p: BuildPlan, wheels: list[Path], lock_text: str, tmp: Path) -> Path:
@@ -142,26 +177,31 @@ def _context(p: BuildPlan, wheels: list[Path], lock_text: str, tmp: Path) -> Pat
     shutil.copy(p.dockerfile, ctx / "Dockerfile")
     (ctx / "requirements.lock").write_text(lock_text)
     for w in wheels:
-        try:
-            os.link(w, ctx / "wheels" / w.name)
-        except OSError:
-            shutil.copy(w, ctx / "wheels" / w.name)
+        _link(w, ctx / "wheels" / w.name)
     return ctx
 
 
-def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = False, log=print) -> BuildPlan:
+def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = False, log=print,
+          data: list[datasets.Dataset] = (), data_dir: Path | None = None) -> BuildPlan:
     """Build the variant's image with the network off, unless an image with the same inputs exists."""
     lock_text, entries = locks.read(variant)
     base = image_or_none(c, variant.base_ref)
     if base is None:
         raise UserError(f"base {variant.base_ref} is missing; run `invoke base --variant {variant.name}`")
-    p = plan(variant, base.id, (lock_text, entries), source_revision())
+    p = plan(variant, base.id, (lock_text, entries), source_revision(), data=list(data))
     existing = image_or_none(c, p.tag)
     if existing and not force:
-        _alias(existing, variant)
+        _alias(existing, p.aliases)
         log(f"{p.tag} is up to date (same Dockerfile, lock, base and args); nothing to build")
-        return p
-    wheel_dir = wheel_dir or wheelhouse.default_dir(variant)
+    else:
+        _build_main(c, p, lock_text, entries, wheel_dir or wheelhouse.default_dir(variant), existing, force, log)
+    if data:
+        _bake(c, p, data_dir or datasets.default_dest(), force, log)
+    return p
+
+
+def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, force: bool, log) -> None:
+    variant = p.variant
     wheels = wheelhouse.verify(variant, wheel_dir, lock_text, entries)
     for line in p.describe():
         log(line)
@@ -174,12 +214,34 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
                              nocache=force)
         stream_build(chunks, rd / "build.log", echo=log)
     image = c.images.get(p.tag)
-    _alias(image, variant)
+    _alias(image, p.aliases)
     _tidy(c, existing, image)
     (rd / "plan.json").write_text(json.dumps({"tags": p.tags, "build_args": p.build_args, "labels": p.labels},
                                              indent=1))
-    log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(variant.aliases)}")
-    return p
+    log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}")
+
+
+def _bake(c, p: BuildPlan, data_dir: Path, force: bool, log) -> None:
+    """A thin image on top of the variant's: the verified data set files at Paddle's cache path."""
+    existing = image_or_none(c, p.data_tag)
+    if existing and not force:
+        _alias(existing, p.data_aliases)
+        log(f"{p.data_tag} is up to date; nothing to bake")
+        return
+    files = datasets.require(list(p.data), data_dir)
+    rd = run_dir(f"build-{p.variant.name}-data")
+    with tempfile.TemporaryDirectory(prefix="fleetbox-data-", dir=data_dir.parent) as tmp:
+        ctx = Path(tmp)
+        shutil.copy(DATA_DOCKERFILE, ctx / "Dockerfile")
+        for f, path in zip([f for d in p.data for f in d.files], files):
+            _link(path, ctx / "dataset" / f.relpath)
+        log(f"baking {', '.join(d.name for d in p.data)} into {p.data_tag} (log: {rd / 'build.log'})")
+        lbl = {**p.labels, "io.fleetbox.datasets": json.dumps(datasets.identity(list(p.data)))}
+        chunks = c.api.build(path=str(ctx), tag=p.data_tag, buildargs={"IMAGE": p.tag}, labels=lbl,
+                             network_mode="none", rm=True, forcerm=True, decode=True, pull=False)
+        stream_build(chunks, rd / "build.log", echo=log)
+    _alias(c.images.get(p.data_tag), p.data_aliases)
+    log(f"baked {p.data_tag}; aliases {', '.join(p.data_aliases)}")
 
 
 def _tidy(c, replaced, image) -> None:
@@ -194,8 +256,8 @@ def _tidy(c, replaced, image) -> None:
             pass   # still used by a container: leave it
 
 
-def _alias(image, variant: Variant) -> None:
-    for alias in variant.aliases:
+def _alias(image, aliases: list[str]) -> None:
+    for alias in aliases:
         repo, tag = alias.rsplit(":", 1)
         image.tag(repo, tag)
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from importlib import resources
 
+from pathlib import Path
+
+from .datasets import CONTAINER_CACHE, default_dest
 from .engine import run_dir
 from .errors import UserError
 from .images import resolve
@@ -17,8 +20,9 @@ def probe_source() -> str:
     return resources.files("fleetbox.probes").joinpath("verify_image.py").read_text()
 
 
-def container_kwargs(variant: Variant, image_labels: dict) -> dict:
-    """Pure: how the verify container is run (no network; the variant's devices)."""
+def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None) -> dict:
+    """Pure: how the verify container is run (no network; the variant's devices; the seeded dataset
+    cache mounted read-only at Paddle's cache path when there is one)."""
     kw = {"network_mode": "none", "environment": {
         "FLEETBOX_DEVICE": variant.device,
         "FLEETBOX_EXPECT_FREEZE": image_labels.get("io.fleetbox.pip-freeze", "")}}
@@ -32,6 +36,8 @@ def container_kwargs(variant: Variant, image_labels: dict) -> dict:
         kw["group_add"] = rt["group_add"]
     if rt.get("security_opt"):
         kw["security_opt"] = rt["security_opt"]
+    if data_dir is not None:
+        kw["volumes"] = {str(Path(data_dir).resolve()): {"bind": CONTAINER_CACHE, "mode": "ro"}}
     return kw
 
 
@@ -50,7 +56,7 @@ def table(variant: str, image: str, checks: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def run(c, variant: Variant, image_ref: str | None = None, log=print) -> dict:
+def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: Path | None = None) -> dict:
     """Verify the variant's built image, or any image given by reference (e.g. one pulled from a registry)."""
     if image_ref:
         from .engine import image_or_none
@@ -62,8 +68,12 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print) -> dict:
     labels = image.labels or {}
     rd = run_dir(f"verify-{variant.name}")
     log(f"verifying {image.tags[0] if image.tags else image.id} with the network off")
+    data_dir = data_dir or default_dest()
+    mount = data_dir if data_dir.is_dir() and any(data_dir.iterdir()) else None
+    if mount:
+        log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
     container = c.containers.run(image.id, ["python", "-c", probe_source()], detach=True,
-                                 labels={"io.fleetbox.role": "verify"}, **container_kwargs(variant, labels))
+                                 labels={"io.fleetbox.role": "verify"}, **container_kwargs(variant, labels, mount))
     try:
         status = container.wait(timeout=600)
         output = container.logs().decode(errors="replace")

@@ -75,3 +75,12 @@ class Server:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+if __name__ == "__main__":   # a standalone server process: python -m tests.httpserver FOLDER
+    import sys
+    import time
+    with Server(Path(sys.argv[1])) as s:
+        print(s.url, flush=True)
+        while True:
+            time.sleep(3600)

@@ -114,4 +114,13 @@ def _freeze():
     return f"{len(want)} packages match"
 
 
+@check("dataset cache")
+def _datasets():
+    from paddle.dataset import common
+    home = common.DATA_HOME
+    files = sorted(os.path.relpath(os.path.join(d, f), home) for d, _, fs in os.walk(home) for f in fs)
+    return f"{len(files)} files under {home}" + (f" ({', '.join(sorted({f.split('/')[0] for f in files}))})"
+                                                  if files else "")
+
+
 print("FLEETBOX-REPORT " + json.dumps({"checks": checks, "ok": all(c["ok"] for c in checks)}))

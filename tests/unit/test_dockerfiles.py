@@ -5,9 +5,9 @@ import pytest
 
 from fleetbox import ROOT, matrix
 from fleetbox.bases import BASE_DOCKERFILE
-from fleetbox.images import DOCKERFILE
+from fleetbox.images import DATA_DOCKERFILE, DOCKERFILE
 
-DOCKERFILES = sorted({DOCKERFILE, BASE_DOCKERFILE})
+DOCKERFILES = sorted({DOCKERFILE, BASE_DOCKERFILE, DATA_DOCKERFILE})
 
 
 @pytest.mark.parametrize("variant", sorted(matrix.load().variants))
