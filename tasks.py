@@ -168,3 +168,75 @@ def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, fro
     rows = ds.seed(chosen, dest, mirror, log=_log)
     _log(ds.table(rows))
     _log(f"cache {dest}: {len(rows)} files verified; mount it at {ds.CONTAINER_CACHE} (read-only)")
+
+
+TRAIN_HELP = {
+    "nodes": "number of nodes: one container each (default 2)",
+    "procs_per_node": "training processes per node (default 1)",
+    "variant": VARIANT_HELP,
+    "script": "training script (default train/smoke.py); its folder is the workspace",
+    "args": "arguments for the script, as one string (e.g. \"--epochs 2\")",
+    "image": "image to run (default fleetbox/paddle:<variant>)",
+    "hosts": "comma-separated Docker Engine URLs, one per node (ssh://user@h1,ssh://user@h2); master = first",
+    "iface": "network interface for NCCL/Gloo (default: the one that routes to the master)",
+    "ib_hca": "InfiniBand HCA, e.g. mlx5_0 (sets NCCL_IB_HCA and NCCL_IB_DISABLE=0)",
+    "debug": "NCCL_DEBUG=INFO",
+    "gpus_per_node": "GPUs per node (CUDA variants)",
+    "devices": "accelerator ids, e.g. 0,1",
+    "port": "master port (default: a free one)",
+    "env": "extra environment, comma-separated KEY=VALUE pairs",
+    "mount": "extra bind mounts, comma-separated SRC:DST[:ro]",
+    "data_dir": "seeded dataset cache to mount read-only at Paddle's cache path (default offline_cache/dataset)",
+    "shm_size": "shared memory per container (default 8g; NCCL needs more than Docker's 64m)",
+    "timeout": "stop the job after this many seconds (default: none)",
+    "dry_run": "print the exact docker run command of every node; start nothing",
+}
+
+
+def _spec(variant, nodes, procs_per_node, script, args, image, hosts, iface, ib_hca, debug, gpus_per_node,
+          devices, port, env, mount, data_dir, shm_size):
+    import shlex
+    from fleetbox import datasets as ds, jobs
+    data = data_dir or (str(ds.default_dest()) if ds.default_dest().is_dir() and not hosts else "")
+    spec = jobs.JobSpec(
+        variant=_variant(variant), nodes=int(nodes), procs_per_node=int(procs_per_node),
+        script=script or str(jobs.DEFAULT_SCRIPT), args=tuple(shlex.split(args or "")), image=image or "",
+        hosts=tuple(h for h in (hosts or "").split(",") if h), iface=iface or "", ib_hca=ib_hca or "",
+        debug=debug, gpus_per_node=int(gpus_per_node or 0), devices=devices or "", port=int(port or 0),
+        env=dict(kv.split("=", 1) for kv in (env or "").split(",") if "=" in kv),
+        mounts=tuple(m for m in (mount or "").split(",") if m), data_dir=data, shm_size=shm_size or "8g",
+        job_id=jobs.new_job_id())
+    jobs.validate(spec)
+    return spec
+
+
+@task(help=TRAIN_HELP)
+@_fleetbox
+def train(c, nodes=2, procs_per_node=1, variant=None, script=None, args=None, image=None, hosts=None,
+          iface=None, ib_hca=None, debug=False, gpus_per_node=0, devices=None, port=0, env=None, mount=None,
+          data_dir=None, shm_size=None, timeout=None, dry_run=False):
+    """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
+    from fleetbox import backend_docker, jobs
+    spec = _spec(variant, nodes, procs_per_node, script, args, image, hosts, iface, ib_hca, debug,
+                 gpus_per_node, devices, port, env, mount, data_dir, shm_size)
+    if dry_run:
+        for n in backend_docker.dry_run(spec):
+            _log(f"# node{n.rank} (rank {n.rank}) on {n.host or 'this machine'}")
+            _log(n.shell())
+        return
+    result = backend_docker.run(spec, log=_log, timeout=float(timeout) if timeout else None)
+    _log(backend_docker.table(result))
+    if not result["ok"]:
+        raise Exit(f"fleetbox: train failed: " + (
+            f"node{result['failed_rank']} (rank {result['failed_rank']}) exited with code "
+            f"{result['failed_exit_code']}" if result.get("failed_rank") is not None else "timed out")
+            + f" (logs: {backend_docker.runs_root() / spec.job_id})", code=1)
+
+
+@task(help={"hosts": "comma-separated Docker Engine URLs to clean too (default: this machine)"})
+@_fleetbox
+def clean(c, hosts=None):
+    """Remove containers that earlier jobs left behind (found by their io.fleetbox.job label)."""
+    from fleetbox import backend_docker
+    n = backend_docker.clean([h for h in (hosts or "").split(",") if h], log=_log)
+    _log(f"removed {n} leftover container(s)")

@@ -1,0 +1,70 @@
+"""Default fleetbox smoke job: a small model on synthetic data, a few seconds on CPU, any number of ranks.
+
+Checks that the loss falls and that every rank ends with identical parameters (an all-gather of a
+parameter checksum); prints samples/s; exits non-zero otherwise. `--fail-rank R --fail-step S
+--fail-code C` makes rank R exit with code C at step S (to test failure handling).
+"""
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--fail-step", type=int, default=10)
+    ap.add_argument("--fail-code", type=int, default=3)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="slow each step down (for interrupt tests)")
+    args = ap.parse_args()
+
+    dist.init_parallel_env()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    paddle.seed(1234)                        # same initial parameters on every rank
+    rng = np.random.default_rng(100 + rank)  # a different data shard on every rank
+    w_true = np.linspace(-1, 1, 16).astype("float32")[:, None]
+
+    model = paddle.DataParallel(paddle.nn.Sequential(
+        paddle.nn.Linear(16, 64), paddle.nn.ReLU(), paddle.nn.Linear(64, 1)))
+    opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
+    losses, start = [], time.perf_counter()
+    for step in range(args.steps):
+        if rank == args.fail_rank and step == args.fail_step:
+            print(f"rank {rank}: failing on purpose at step {step} with exit code {args.fail_code}", flush=True)
+            sys.exit(args.fail_code)
+        x = rng.normal(size=(args.batch, 16)).astype("float32")
+        y = x @ w_true + 0.01 * rng.normal(size=(args.batch, 1)).astype("float32")
+        loss = paddle.nn.functional.mse_loss(model(paddle.to_tensor(x)), paddle.to_tensor(y))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if rank == 0 and step % 20 == 0:
+            print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+    elapsed = time.perf_counter() - start
+
+    checksum = paddle.to_tensor([float(sum(p.sum() for p in model.parameters()))], dtype="float64")
+    gathered = []
+    dist.all_gather(gathered, checksum)
+    sums = [float(t) for t in gathered]
+    total = paddle.to_tensor([args.steps * args.batch / elapsed], dtype="float64")
+    dist.all_reduce(total)
+    report = {"rank": rank, "world": world, "first_loss": np.mean(losses[:5]), "last_loss": np.mean(losses[-5:]),
+              "checksums": sums, "samples_per_s": float(total), "seconds": elapsed}
+    ok_loss = report["last_loss"] < 0.5 * report["first_loss"]
+    ok_sync = max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0]))
+    report.update(loss_falls=bool(ok_loss), params_identical=bool(ok_sync), world_ok=len(sums) == world)
+    print("FLEETBOX-SMOKE " + json.dumps(report), flush=True)
+    sys.exit(0 if ok_loss and ok_sync and len(sums) == world else 1)
+
+
+if __name__ == "__main__":
+    main()
