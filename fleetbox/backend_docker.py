@@ -57,6 +57,7 @@ class Job:
         self.containers: dict[int, object] = {}
         self.exits: list[tuple[int, int]] = []
         self.stopped: set[int] = set()   # nodes we stopped (rather than nodes that ended by themselves)
+        self.finished: dict[int, str] = {}
         self.nodes: list[jobs.NodeRun] = []
 
     # -- planning against real engines --
@@ -203,6 +204,8 @@ class Job:
             d = self.dir / f"node{rank}"
             d.mkdir(parents=True, exist_ok=True)
             try:
+                c.reload()
+                self.finished[rank] = c.attrs["State"].get("FinishedAt", "")
                 (d / "container.log").write_bytes(c.logs())
                 if self.nodes[rank].host:   # remote: the log folder lives on that host; copy it out
                     bits, _ = c.get_archive(jobs.LOG_DIR)
@@ -227,7 +230,8 @@ class Job:
             state = ("ok" if code == 0 else "FAILED" if n.rank == bad else "stopped" if n.rank in self.stopped
                      else "aborted" if code else "?")
             rows.append({"node": f"node{n.rank}", "host": n.host or "local", "rank": n.rank, "exit_code": code,
-                         "state": state, "logs": str(self.dir / f"node{n.rank}")})
+                         "state": state, "finished_at": self.finished.get(n.rank, ""),
+                         "logs": str(self.dir / f"node{n.rank}")})
         result = {"job_id": self.spec.job_id, "ok": bad is None and -1 not in exits, "rows": rows,
                   "failed_rank": bad, "smoke": _smoke_report(self.dir)}
         if bad is not None:

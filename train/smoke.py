@@ -1,11 +1,14 @@
 """Default fleetbox smoke job: a small model on synthetic data, a few seconds on CPU, any number of ranks.
 
 Checks that the loss falls and that every rank ends with identical parameters (an all-gather of a
-parameter checksum); prints samples/s; exits non-zero otherwise. `--fail-rank R --fail-step S
---fail-code C` makes rank R exit with code C at step S (to test failure handling).
+parameter checksum); prints samples/s; exits non-zero otherwise. To test failure handling:
+`--fail-rank R --fail-step S --fail-code C` makes rank R exit with code C at step S (S = -1: before joining
+the group), and `--hang-rank R` makes rank R sleep before joining, like a stuck node that never notices a peer
+died.
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -22,7 +25,17 @@ def main():
     ap.add_argument("--fail-step", type=int, default=10)
     ap.add_argument("--fail-code", type=int, default=3)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="slow each step down (for interrupt tests)")
+    ap.add_argument("--hang-rank", type=int, default=-1)
+    ap.add_argument("--hang-seconds", type=float, default=300)
     args = ap.parse_args()
+
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))   # set by paddle.distributed.launch
+    if rank == args.fail_rank and args.fail_step < 0:
+        print(f"rank {rank}: failing on purpose before joining with exit code {args.fail_code}", flush=True)
+        sys.exit(args.fail_code)
+    if rank == args.hang_rank:
+        print(f"rank {rank}: hanging on purpose for {args.hang_seconds:.0f} s", flush=True)
+        time.sleep(args.hang_seconds)
 
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,107 @@
+"""invoke train with the real Docker Engine and real Paddle (Gloo on CPU, two host-network containers)."""
+import datetime as dt
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT, invoke
+from tests.unit.test_cli import one_line_error
+
+
+def job_containers(job_id=None):
+    label = f"io.fleetbox.job={job_id}" if job_id else "io.fleetbox.job"
+    return subprocess.run(["docker", "ps", "-aq", "--filter", f"label={label}"], capture_output=True,
+                          text=True).stdout.split()
+
+
+def summary_of(proc):
+    logs = proc.stdout.split("logs in ")[1].split()[0].rstrip(",")
+    return json.loads((ROOT / logs / "summary.json").read_text()) if (ROOT / logs).exists() else \
+        json.loads(open(f"{logs}/summary.json").read())
+
+
+def when(ts):   # docker's RFC 3339 with nanoseconds
+    return dt.datetime.fromisoformat(ts[:26].rstrip("Z"))
+
+
+def test_two_node_cpu_job_passes_the_smoke_checks(cpu_image):
+    proc = invoke("train", "--nodes", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s = summary_of(proc)
+    assert s["ok"] and [r["state"] for r in s["rows"]] == ["ok", "ok"]
+    smoke = s["smoke"]
+    assert smoke["world"] == 2 and smoke["loss_falls"] and smoke["params_identical"] and smoke["samples_per_s"] > 0
+    assert "[node0] step    0  loss" in proc.stdout            # rank 0 streamed live, prefixed
+    for r in s["rows"]:                                        # every node's launcher logs gathered
+        assert (ROOT / r["logs"] / "workerlog.0").exists() or open(f"{r['logs']}/workerlog.0")
+    assert job_containers(s["job_id"]) == []
+
+
+def test_failing_rank_stops_the_others_and_is_named(cpu_image):
+    # rank 0 is stuck (it would not notice rank 1's death for 300 s by itself): fleetbox must stop it
+    proc = invoke("train", "--nodes", "2", "--args", "--fail-rank 1 --fail-step -1 --hang-rank 0")
+    assert proc.returncode == 1
+    one_line_error(proc, "train failed: node1 (rank 1) exited with code 3", job_output=True)
+    s = summary_of(proc)
+    rows = {r["node"]: r for r in s["rows"]}
+    assert s["failed_rank"] == 1 and rows["node1"]["exit_code"] == 3 and rows["node1"]["state"] == "FAILED"
+    assert rows["node0"]["state"] == "stopped"
+    assert (when(rows["node0"]["finished_at"]) - when(rows["node1"]["finished_at"])).total_seconds() <= 10
+    assert "failing on purpose" in "\n".join(s["log_tail"])
+    assert "hanging on purpose" in proc.stdout
+    assert "node1 (rank 1) failed with exit code 3; last lines of its log:" in proc.stdout
+    assert job_containers(s["job_id"]) == []
+
+
+def test_sigint_stops_and_removes_every_container(cpu_image):
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--nodes", "2", "--args", "--step-sleep 1"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(job_containers()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    running = job_containers()
+    assert len(running) == 2, "the job's containers never appeared"
+    time.sleep(2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert job_containers() == []
+
+
+def test_bad_input_ends_in_one_line_and_starts_nothing(cpu_image, tmp_path):
+    import socket
+    cases = [
+        (["--nodes", "0"], "--nodes must be at least 1"),
+        (["--procs-per-node", "0"], "--procs-per-node must be at least 1"),
+        (["--script", str(tmp_path / "missing.py")], "training script not found"),
+        (["--image", "fleetbox/paddle:not-built"], "image fleetbox/paddle:not-built is not here; run `invoke build"),
+        (["--iface", "nope0"], "interface 'nope0' does not exist here"),
+        (["--gpus-per-node", "1"], "variant cpu is CPU-only"),
+        (["--hosts", "tcp://127.0.0.1:1,tcp://127.0.0.1:1"], "cannot reach the Docker Engine at tcp://127.0.0.1:1"),
+    ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        cases.append((["--port", str(s.getsockname()[1])], "is already in use"))
+        for args, needle in cases:
+            one_line_error(invoke("train", *args), needle)
+    assert job_containers() == []
+
+
+def test_dry_run_prints_every_node_and_starts_nothing(cpu_image):
+    proc = invoke("train", "--nodes", "3", "--dry-run", "--ib-hca", "mlx5_0")
+    assert proc.returncode == 0
+    cmds = [ln for ln in proc.stdout.splitlines() if ln.startswith("docker run")]
+    assert len(cmds) == 3 and all("--network host" in c and "NCCL_IB_HCA=mlx5_0" in c for c in cmds)
+    assert [c.split("--rank ")[1].split()[0] for c in cmds] == ["0", "1", "2"]
+    assert job_containers() == []
+
+
+def test_clean_removes_leftovers(cpu_image):
+    subprocess.run(["docker", "create", "--label", "io.fleetbox.job=leftover-test", "--name", "fleetbox-leftover",
+                    cpu_image["image"].id, "true"], check=True, capture_output=True)
+    proc = invoke("clean")
+    assert proc.returncode == 0 and "fleetbox-leftover" in proc.stdout
+    assert job_containers("leftover-test") == []

@@ -1,0 +1,130 @@
+"""The job planner: docker argv and environment per node, for cpu / CUDA / DCU, 1 and several nodes."""
+from dataclasses import replace
+
+import pytest
+
+from fleetbox import jobs, matrix
+from fleetbox.errors import UserError
+
+
+def spec(variant="cpu", **kw):
+    kw.setdefault("job_id", "train-test-0001")
+    return jobs.JobSpec(variant=matrix.load().get(variant), **kw)
+
+
+def plan(s, master="10.0.0.1", port=29500, iface="eth0", hyhal=True):
+    return jobs.plan_nodes(s, master, port, [iface] * s.nodes, [f"/logs/node{k}" for k in range(s.nodes)], hyhal)
+
+
+def flag_values(argv, flag):
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_cpu_two_nodes_same_command_but_rank():
+    n0, n1 = plan(spec(nodes=2))
+    a0, a1 = n0.argv(), n1.argv()
+    for a in (a0, a1):
+        assert a[:2] == ["docker", "run"] and "--network" in a and a[a.index("--network") + 1] == "host"
+        assert flag_values(a, "--shm-size") == ["8g"] and "memlock=-1:-1" in flag_values(a, "--ulimit")
+        assert "--gpus" not in a and "--device" not in a
+    cmd0 = list(n0.command)
+    assert cmd0[:3] == ["python", "-m", "paddle.distributed.launch"]
+    assert cmd0[cmd0.index("--master") + 1] == "10.0.0.1:29500" and cmd0[cmd0.index("--nnodes") + 1] == "2"
+    assert cmd0[cmd0.index("--rank") + 1] == "0" and list(n1.command)[cmd0.index("--rank") + 1] == "1"
+    assert cmd0[cmd0.index("--log_dir") + 1] == jobs.LOG_DIR and cmd0[-1] == "/workspace/smoke.py"
+    assert n0.env["GLOO_SOCKET_IFNAME"] == n0.env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert n0.env["NCCL_IB_DISABLE"] == "1" and "NCCL_IB_HCA" not in n0.env and "NCCL_DEBUG" not in n0.env
+    assert n0.labels == {"io.fleetbox.job": "train-test-0001", "io.fleetbox.node": "node0", "io.fleetbox.rank": "0",
+                         "io.fleetbox.variant": "cpu"}
+    assert f"{jobs.ROOT / 'train'}:/workspace:ro" in flag_values(a0, "-v")
+    assert "/logs/node0:/fleetbox/logs" in flag_values(a0, "-v") and "/logs/node1:/fleetbox/logs" in flag_values(a1, "-v")
+
+
+def test_single_node_and_procs_per_node():
+    (n,) = plan(spec(nodes=1, procs_per_node=4))
+    c = list(n.command)
+    assert c[c.index("--nnodes") + 1] == "1" and c[c.index("--nproc_per_node") + 1] == "4"
+
+
+def test_ib_hca_and_debug():
+    (n,) = plan(spec(nodes=1, ib_hca="mlx5_0", debug=True))
+    assert n.env["NCCL_IB_HCA"] == "mlx5_0" and n.env["NCCL_IB_DISABLE"] == "0" and n.env["NCCL_DEBUG"] == "INFO"
+
+
+@pytest.mark.parametrize("kw,gpus", [({}, "all"), ({"gpus_per_node": 4}, "4"), ({"devices": "0,1"}, "device=0,1")])
+def test_cuda_requests_gpus(kw, gpus):
+    (n,) = plan(spec("cu126", nodes=1, **kw))
+    assert flag_values(n.argv(), "--gpus") == [gpus]
+    req = n.sdk_kwargs()["device_requests"][0]
+    assert req["Capabilities"] == [["gpu"]]
+    if kw.get("devices"):
+        assert req["DeviceIDs"] == ["0", "1"]
+
+
+def test_dcu_gets_kfd_dri_video_and_hyhal_when_present():
+    (n,) = plan(spec("dcu", nodes=1, devices="0,1"))
+    a = n.argv()
+    assert flag_values(a, "--device") == ["/dev/kfd", "/dev/dri"] and flag_values(a, "--group-add") == ["video"]
+    assert "/opt/hyhal:/opt/hyhal:ro" in flag_values(a, "-v") and n.env["HIP_VISIBLE_DEVICES"] == "0,1"
+    (no_hyhal,) = plan(spec("dcu", nodes=1), hyhal=False)
+    assert not any("hyhal" in v for v in flag_values(no_hyhal.argv(), "-v"))
+    assert n.sdk_kwargs()["devices"] == ["/dev/kfd:/dev/kfd:rwm", "/dev/dri:/dev/dri:rwm"]
+
+
+def test_hosts_put_each_node_on_its_engine_and_copy_the_workspace():
+    s = spec(nodes=2, hosts=("ssh://u@10.0.0.1", "ssh://u@10.0.0.2"))
+    n0, n1 = plan(s)
+    assert n0.argv()[:3] == ["docker", "-H", "ssh://u@10.0.0.1"] and n1.host == "ssh://u@10.0.0.2"
+    assert not any(v.endswith(":/workspace:ro") for v in flag_values(n0.argv(), "-v"))
+    assert jobs.host_address("ssh://u@10.0.0.1") == "10.0.0.1"
+    assert jobs.host_address("tcp://127.0.0.1:2375") == "127.0.0.1"
+    with pytest.raises(UserError, match="cannot tell the address"):
+        jobs.host_address("unix:///var/run/docker.sock")
+
+
+def test_data_dir_and_extra_mounts_and_env(tmp_path):
+    (n,) = plan(spec(nodes=1, data_dir=str(tmp_path), mounts=(f"{tmp_path}:/data:ro",), env={"A": "1"}))
+    vols = flag_values(n.argv(), "-v")
+    assert f"{tmp_path}:/root/.cache/paddle/dataset:ro" in vols and f"{tmp_path}:/data:ro" in vols
+    assert n.env["A"] == "1"
+
+
+def test_sdk_kwargs_match_the_argv():
+    (n,) = plan(spec(nodes=1))
+    kw = n.sdk_kwargs()
+    assert kw["network_mode"] == "host" and kw["shm_size"] == "8g" and kw["name"] == n.name
+    assert kw["ulimits"][0]["Name"] == "memlock" and kw["ulimits"][0]["Hard"] == -1
+    assert kw["volumes"][str(jobs.ROOT / "train")] == {"bind": "/workspace", "mode": "ro"}
+    assert kw["environment"] == n.env and kw["labels"] == n.labels
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"nodes": 0}, "--nodes must be at least 1"),
+    ({"procs_per_node": 0}, "--procs-per-node must be at least 1"),
+    ({"script": "/nonexistent/train.py"}, "training script not found"),
+    ({"gpus_per_node": 1}, "variant cpu is CPU-only"),
+    ({"hosts": ("ssh://a",)}, "names 1 hosts for 2 nodes"),
+    ({"port": 80}, "--port must be between"),
+])
+def test_bad_input_is_one_clear_error(kw, needle):
+    with pytest.raises(UserError, match=needle):
+        jobs.validate(spec(**kw))
+
+
+def test_culprit_prefers_a_real_exit_code_over_a_peer_abort():
+    assert jobs.culprit([(0, 250), (1, 3)]) == 1      # rank 0 aborted first because rank 1 left
+    assert jobs.culprit([(1, 137), (0, 134)]) == 1    # only signals: the first seen
+    assert jobs.culprit([(0, 0), (1, 0)]) is None
+    assert jobs.culprit([(1, 2), (0, 1)]) == 1
+
+
+def test_network_facts_of_this_machine():
+    assert jobs.route_iface("127.0.0.1") == "lo"
+    with pytest.raises(UserError, match="interface 'nope0' does not exist here"):
+        jobs.check_iface("nope0")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(UserError, match=f"port {s.getsockname()[1]} on 127.0.0.1 is already in use"):
+            jobs.check_port("127.0.0.1", s.getsockname()[1])
