@@ -96,13 +96,20 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets
 
 
 @task(help={"variant": VARIANT_HELP, "json_out": "also write the JSON report to this path",
-            "image": "verify this image reference instead of the variant's build (e.g. a pulled image)"})
+            "image": "verify this image reference instead of the variant's build (e.g. a pulled image)",
+            "nodes": "also run the checks in every node's container and the smoke job across N nodes",
+            "hosts": "with --nodes: comma-separated Docker Engine URLs, one per node"})
 @_fleetbox
-def verify(c, variant=None, json_out=None, image=None):
+def verify(c, variant=None, json_out=None, image=None, nodes=0, hosts=None):
     """Check the image with the network off: run_check(), device, scipy/cv2, installed == lock."""
     from fleetbox import engine, verify as verify_mod
     v = _variant(variant)
-    report = verify_mod.run(engine.client(), v, image, log=_log)
+    if int(nodes or 0):
+        spec = _spec(variant, nodes, 1, None, None, image, hosts, None, None, False, 0, None, 0, None, None,
+                     None, None)
+        report = verify_mod.run_nodes(spec, log=_log)
+    else:
+        report = verify_mod.run(engine.client(), v, image, log=_log)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=1)
@@ -110,14 +117,15 @@ def verify(c, variant=None, json_out=None, image=None):
         raise Exit(f"fleetbox: verify failed for {v.name} (report: {report['path']})", code=1)
 
 
-@task(help={"variant": VARIANT_HELP, "mirror": "Debian mirror for a bootstrapped base"})
+@task(help={"variant": VARIANT_HELP, "mirror": "Debian mirror for a bootstrapped base",
+            "nodes": "nodes of the closing training run (default 2; 0 skips it)"})
 @_fleetbox
-def up(c, variant=None, mirror=None):
-    """The whole path for a variant: base -> wheels -> build -> verify."""
-    from fleetbox import bases, engine, images, verify as verify_mod, wheelhouse
+def up(c, variant=None, mirror=None, nodes=2):
+    """The main job: base -> wheels -> build -> verify -> a 2-node training run (smoke), on this machine."""
+    from fleetbox import backend_docker, bases, engine, images, verify as verify_mod, wheelhouse
     v = _variant(variant)
     client = engine.client()
-    steps = ["base", "wheels", "build", "verify"]
+    steps = ["base", "wheels", "build", "verify"] + ([f"train --nodes {nodes}"] if int(nodes) else [])
     for i, step in enumerate(steps, 1):
         _log(f"== [{i}/{len(steps)}] {step} ({v.name})")
         if step == "base":
@@ -126,10 +134,18 @@ def up(c, variant=None, mirror=None):
             wheelhouse.ensure(v, log=_log)
         elif step == "build":
             images.build(client, v, log=_log)
-        else:
+        elif step == "verify":
             report = verify_mod.run(client, v, log=_log)
             if not report["ok"]:
                 raise Exit(f"fleetbox: verify failed for {v.name} (report: {report['path']})", code=1)
+        else:
+            spec = _spec(v.name, nodes, 1, None, None, None, None, None, None, False, 0, None, 0, None, None,
+                         None, None)
+            result = backend_docker.run(spec, log=_log)
+            _log(backend_docker.table(result))
+            if not result["ok"]:
+                raise Exit(f"fleetbox: the {nodes}-node training run failed (logs: "
+                           f"{backend_docker.runs_root() / spec.job_id})", code=1)
     sys.stdout.flush()
 
 

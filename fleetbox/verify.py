@@ -88,3 +88,40 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     log(table(variant.name, image.tags[0] if image.tags else image.id, report["checks"]))
     log(f"{'PASSED' if report['ok'] else 'FAILED'}; report: {rd / 'report.json'}")
     return report
+
+
+def run_nodes(spec, log=print) -> dict:
+    """`verify --nodes N`: the image checks (run_check() included) in every node's container, then the
+    smoke job across all nodes; one table, one JSON report."""
+    from . import backend_docker
+    from .engine import client as engine_client
+
+    hosts = list(spec.hosts) or [""] * spec.nodes
+    rows = []
+    for k, host in enumerate(hosts):
+        c = engine_client(host or None)
+        rep = run(c, spec.variant, spec.image or None, log=lambda m: None,
+                  data_dir=Path(spec.data_dir) if spec.data_dir and not host else None)
+        passed = sum(ch["ok"] for ch in rep["checks"])
+        failed = [ch["check"] for ch in rep["checks"] if not ch["ok"]]
+        rows.append({"what": f"node{k}", "host": host or "local", "ok": rep["ok"],
+                     "detail": f"{passed}/{len(rep['checks'])} image checks pass (run_check() included)"
+                               + (f"; failed: {', '.join(failed)}" if failed else ""), "report": rep["path"]})
+        log(f"node{k} ({host or 'local'}): {'PASS' if rep['ok'] else 'FAIL'}")
+    log(f"running the smoke job across {spec.nodes} nodes")
+    job = backend_docker.run(spec, log=lambda m: None)
+    smoke = job.get("smoke") or {}
+    detail = (f"loss {smoke['first_loss']:.4f} -> {smoke['last_loss']:.4f}, parameters identical on "
+              f"{smoke['world']} ranks, {smoke['samples_per_s']:.0f} samples/s" if smoke else
+              f"node{job.get('failed_rank')} exited with {job.get('failed_exit_code')}")
+    rows.append({"what": "smoke", "host": f"{spec.nodes} nodes", "ok": job["ok"], "detail": detail,
+                 "report": str(backend_docker.runs_root() / spec.job_id / "summary.json")})
+    rd = run_dir(f"verify-{spec.variant.name}-{spec.nodes}nodes")
+    report = {"variant": spec.variant.name, "nodes": spec.nodes, "rows": rows, "ok": all(r["ok"] for r in rows),
+              "path": str(rd / "report.json")}
+    (rd / "report.json").write_text(json.dumps(report, indent=1))
+    log(f"verify {spec.variant.name} across {spec.nodes} nodes")
+    for r in rows:
+        log(f"  {'PASS' if r['ok'] else 'FAIL'}  {r['what']:<6} {r['host']:<24} {r['detail']}")
+    log(f"{'PASSED' if report['ok'] else 'FAILED'}; report: {report['path']}")
+    return report

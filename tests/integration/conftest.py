@@ -39,3 +39,46 @@ def cpu_image():
     c = engine.client()
     image = images.resolve(c, matrix.load().get("cpu"))
     return {"image": image, "build": build, "client": c}
+
+
+MD5_ATTRS = {"train-images-idx3-ubyte.gz": "TRAIN_IMAGE_MD5", "train-labels-idx1-ubyte.gz": "TRAIN_LABEL_MD5",
+             "t10k-images-idx3-ubyte.gz": "TEST_IMAGE_MD5", "t10k-labels-idx1-ubyte.gz": "TEST_LABEL_MD5"}
+
+
+@pytest.fixture(scope="session")
+def seeded_mnist(tmp_path_factory):
+    """Synthetic MNIST served over loopback HTTP and seeded with `invoke cache`, as a user would."""
+    from tests import mnistgen
+    from tests.httpserver import Server
+    tmp = tmp_path_factory.mktemp("mnist")
+    md5s = mnistgen.write(tmp / "srv")
+    with Server(tmp / "srv") as s:
+        manifest = mnistgen.manifest(tmp / "datasets.toml", s.url, md5s)
+        _ok(invoke("cache", "--datasets", "mnist", "--manifest", str(manifest), "--dest", str(tmp / "cache")))
+    return {"dest": tmp / "cache", "manifest": manifest, "md5": {MD5_ATTRS[n]: m for n, m in md5s.items()}}
+
+
+@pytest.fixture(scope="session")
+def seeded_flowers(cpu_image, tmp_path_factory):
+    """A tiny Flowers set in Paddle's real formats (made in the image, which has cv2 and scipy), seeded from a
+    folder mirror with `invoke cache`, which also unpacks the images as Paddle would."""
+    import hashlib
+    from tests.conftest import ROOT
+    tmp = tmp_path_factory.mktemp("flowers")
+    srv = tmp / "srv"
+    srv.mkdir()
+    subprocess.run(["docker", "run", "--rm", "--network", "none", "-v", f"{srv}:/out",
+                    "-v", f"{ROOT / 'tests/probes'}:/probes:ro", cpu_image["image"].id,
+                    "python", "/probes/make_flowers.py", "/out"], check=True, capture_output=True)
+    names = ("102flowers.tgz", "imagelabels.mat", "setid.mat")
+    md5 = {n: hashlib.md5((srv / "flowers" / n).read_bytes()).hexdigest() for n in names}
+    manifest = tmp / "datasets.toml"
+    manifest.write_text(
+        '[datasets.flowers]\nmodule = "flowers"\n'
+        'unpack = [{ file = "102flowers.tgz", into = "102flowers", marker = "jpg" }]\nfiles = [\n'
+        + ",\n".join(f'  {{ url = "http://origin.invalid/flowers/{n}", md5 = "{m}" }}' for n, m in md5.items())
+        + "\n]\n")
+    _ok(invoke("cache", "--datasets", "flowers", "--manifest", str(manifest), "--dest", str(tmp / "cache"),
+               "--mirror", str(srv)))
+    return {"dest": tmp / "cache", "md5_attrs": {"DATA_MD5": md5["102flowers.tgz"],
+                                                 "LABEL_MD5": md5["imagelabels.mat"], "SETID_MD5": md5["setid.mat"]}}

@@ -105,3 +105,12 @@ def test_clean_removes_leftovers(cpu_image):
     proc = invoke("clean")
     assert proc.returncode == 0 and "fleetbox-leftover" in proc.stdout
     assert job_containers("leftover-test") == []
+
+
+def test_verify_across_two_nodes(cpu_image, tmp_path):
+    proc = invoke("verify", "--nodes", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    report = json.loads(open(proc.stdout.split("report: ")[-1].strip()).read())
+    assert report["ok"] and [r["what"] for r in report["rows"]] == ["node0", "node1", "smoke"]
+    assert "run_check() included" in report["rows"][0]["detail"] and "parameters identical" in report["rows"][2]["detail"]
+    assert job_containers() == []
