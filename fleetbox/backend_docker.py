@@ -26,7 +26,7 @@ STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 
 POLL_S = 0.25
 
 DETECT = r"""
-import fcntl, json, socket, struct, sys
+import fcntl, json, resource, socket, struct, sys
 master, port = sys.argv[1], int(sys.argv[2])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect((master, 9)); local = s.getsockname()[0]
 def addr(n):
@@ -39,7 +39,9 @@ if local == master:
     t = socket.socket(); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try: t.bind((master, port))
     except OSError: free = False
-print(json.dumps({"iface": iface, "local": local, "names": names, "port_free": free}))
+hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+memlock = -1 if hard == resource.RLIM_INFINITY else hard   # what this engine's containers may get
+print(json.dumps({"iface": iface, "local": local, "names": names, "port_free": free, "memlock": memlock}))
 """
 
 
@@ -78,7 +80,11 @@ class Job:
         if s.hosts:
             master_ip = jobs.host_address(s.hosts[0])
             port = s.port or 29000 + int.from_bytes(os.urandom(2), "big") % 20000
-            ifaces = [self._probe(h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(s.hosts)]
+            probes = [self._probe(h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(s.hosts)]
+            ifaces = [p["iface"] for p in probes]
+            node_ips = [p["local"] for p in probes]
+            caps = [p["memlock"] for p in probes if p["memlock"] != -1]
+            memlock = min(caps) if caps else -1
             log_dirs = [f"/tmp/fleetbox-runs/{s.job_id}/node{k}" for k in range(s.nodes)]
         else:
             master_ip = "127.0.0.1"   # every node on this machine: loopback, numeric as Paddle needs
@@ -87,17 +93,20 @@ class Job:
             port = s.port or jobs.free_port(master_ip)
             if s.iface:
                 jobs.check_iface(s.iface)
-            ifaces = [s.iface or jobs.route_iface(master_ip)] * s.nodes
+            iface, own = jobs.route(master_ip)
+            ifaces, node_ips = [s.iface or iface] * s.nodes, [own] * s.nodes
             log_dirs = [str(self.dir / f"node{k}") for k in range(s.nodes)]
-        memlock = jobs.local_memlock() if not s.hosts else -1
+            memlock = jobs.local_memlock()
         if memlock != -1:
-            self.log(f"note: this machine caps locked memory at {memlock} bytes, so containers get that, not "
+            self.log(f"note: the engine caps locked memory at {memlock} bytes, so containers get that, not "
                      f"unlimited (fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)")
-        self.nodes = jobs.plan_nodes(s, master_ip, port, ifaces, log_dirs, Path("/opt/hyhal").exists(), memlock)
+        self.nodes = jobs.plan_nodes(s, master_ip, port, ifaces, log_dirs, Path("/opt/hyhal").exists(), memlock,
+                                     node_ips)
         return self.nodes
 
-    def _probe(self, host: str, master_ip: str, port: int, check_port: bool) -> str:
-        """Ask a throwaway host-network container on `host` which NIC reaches the master (and if the port is free)."""
+    def _probe(self, host: str, master_ip: str, port: int, check_port: bool) -> dict:
+        """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
+        whether the port is free, and how much locked memory that engine's containers may get."""
         c = self.engine(host)
         out = c.containers.run(self.spec.image_ref, ["python", "-c", DETECT, master_ip, str(port)],
                                network_mode="host", remove=True, labels={jobs.LABEL_JOB: self.spec.job_id})
@@ -106,12 +115,12 @@ class Job:
             if self.spec.iface not in info["names"]:
                 raise UserError(f"interface {self.spec.iface!r} does not exist on {host} "
                                 f"(have: {', '.join(info['names'])})")
-            return self.spec.iface
+            return {**info, "iface": self.spec.iface}
         if check_port and not info["port_free"]:
             raise UserError(f"port {port} on {master_ip} is already in use; pick another with --port")
         if not info["iface"]:
             raise UserError(f"no interface on {host} routes to the master {master_ip}; pass --iface")
-        return info["iface"]
+        return info
 
     # -- acting --
 
@@ -208,7 +217,7 @@ class Job:
                 self.finished[rank] = c.attrs["State"].get("FinishedAt", "")
                 (d / "container.log").write_bytes(c.logs())
                 if self.nodes[rank].host:   # remote: the log folder lives on that host; copy it out
-                    bits, _ = c.get_archive(jobs.LOG_DIR)
+                    bits, _ = c.get_archive(jobs.LOG_DIR + "/.")   # the folder's content, not the folder
                     with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
                         tar.extractall(d, filter="data")
             except Exception as e:
@@ -297,7 +306,8 @@ def dry_run(spec: jobs.JobSpec) -> list[jobs.NodeRun]:
     if spec.hosts:
         iface = spec.iface or "<NIC that routes to the master on that host; pass --iface>"
         return jobs.plan_nodes(spec, jobs.host_address(spec.hosts[0]), spec.port or 29500, [iface] * spec.nodes,
-                               [f"/tmp/fleetbox-runs/{spec.job_id}/node{k}" for k in range(spec.nodes)])
+                               [f"/tmp/fleetbox-runs/{spec.job_id}/node{k}" for k in range(spec.nodes)],
+                               node_ips=[jobs.host_address(h) for h in spec.hosts])
     if spec.iface:
         jobs.check_iface(spec.iface)
     iface = spec.iface or jobs.route_iface("127.0.0.1")

@@ -97,8 +97,8 @@ def iface_address(name: str) -> str | None:
     return socket.inet_ntoa(packed[20:24])
 
 
-def route_iface(master_ip: str) -> str:
-    """The interface this machine uses to reach the master (the one holding it, on the master itself)."""
+def route(master_ip: str) -> tuple[str, str]:
+    """(interface, own address) this machine uses to reach the master (on the master: the one holding it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((master_ip, 9))
@@ -107,8 +107,12 @@ def route_iface(master_ip: str) -> str:
         local = s.getsockname()[0]
     for name in interfaces():
         if iface_address(name) == local:
-            return name
+            return name, local
     raise UserError(f"no interface holds {local}, the address that routes to {master_ip}; pass --iface")
+
+
+def route_iface(master_ip: str) -> str:
+    return route(master_ip)[0]
 
 
 def check_iface(name: str) -> None:
@@ -233,10 +237,13 @@ def network_env(iface: str, ib_hca: str = "", debug: bool = False) -> dict:
     return env
 
 
-def launch_command(spec: JobSpec, rank: int, master: str) -> tuple[str, ...]:
-    return ("python", "-m", "paddle.distributed.launch", "--master", master, "--nnodes", str(spec.nodes),
-            "--rank", str(rank), "--nproc_per_node", str(spec.procs_per_node), "--log_dir", LOG_DIR,
-            f"{WORKDIR}/{spec.script_path.name}", *spec.args)
+def launch_command(spec: JobSpec, rank: int, master: str, node_ip: str) -> tuple[str, ...]:
+    """`--host` is the node's own address towards the master: without it Paddle takes the address its
+    hostname resolves to (often 127.0.1.1), never recognises itself as the master, and waits forever
+    ("master not ready"); its trainer endpoints would be unreachable from other nodes too."""
+    return ("python", "-m", "paddle.distributed.launch", "--master", master, "--host", node_ip,
+            "--nnodes", str(spec.nodes), "--rank", str(rank), "--nproc_per_node", str(spec.procs_per_node),
+            "--log_dir", LOG_DIR, f"{WORKDIR}/{spec.script_path.name}", *spec.args)
 
 
 def device_options(spec: JobSpec, hyhal_present: bool = True) -> dict:
@@ -259,9 +266,11 @@ def device_options(spec: JobSpec, hyhal_present: bool = True) -> dict:
 
 
 def plan_nodes(spec: JobSpec, master_ip: str, port: int, ifaces: list[str], log_dirs: list[str],
-               hyhal_present: bool = True, memlock: int = -1) -> list[NodeRun]:
-    """Pure: the container of every node. `ifaces[k]` is node k's NIC towards the master; `log_dirs[k]` the
-    folder (on node k's host) mounted at LOG_DIR."""
+               hyhal_present: bool = True, memlock: int = -1, node_ips: list[str] | None = None) -> list[NodeRun]:
+    """Pure: the container of every node. `ifaces[k]`/`node_ips[k]` are node k's NIC and own address towards
+    the master (default: the master's own address, as for nodes on one machine); `log_dirs[k]` the folder
+    (on node k's host) mounted at LOG_DIR."""
+    node_ips = node_ips or [master_ip] * spec.nodes
     master = f"{master_ip}:{port}"
     dev = device_options(spec, hyhal_present)
     runs = []
@@ -279,7 +288,7 @@ def plan_nodes(spec: JobSpec, master_ip: str, port: int, ifaces: list[str], log_
             mounts.append(Mount(str(Path(src).resolve()), dst, ro=mode == ["ro"]))
         runs.append(NodeRun(
             name=f"fleetbox-{spec.job_id}-node{rank}", host=spec.hosts[rank] if spec.hosts else "", rank=rank,
-            image=spec.image_ref, command=launch_command(spec, rank, master), env=env, mounts=tuple(mounts),
+            image=spec.image_ref, command=launch_command(spec, rank, master, node_ips[rank]), env=env, mounts=tuple(mounts),
             labels={LABEL_JOB: spec.job_id, LABEL_NODE: f"node{rank}", LABEL_RANK: str(rank),
                     "io.fleetbox.variant": spec.variant.name},
             shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),

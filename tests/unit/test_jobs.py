@@ -30,6 +30,7 @@ def test_cpu_two_nodes_same_command_but_rank():
     cmd0 = list(n0.command)
     assert cmd0[:3] == ["python", "-m", "paddle.distributed.launch"]
     assert cmd0[cmd0.index("--master") + 1] == "10.0.0.1:29500" and cmd0[cmd0.index("--nnodes") + 1] == "2"
+    assert cmd0[cmd0.index("--host") + 1] == "10.0.0.1"   # the node's own address, never left to its hostname
     assert cmd0[cmd0.index("--rank") + 1] == "0" and list(n1.command)[cmd0.index("--rank") + 1] == "1"
     assert cmd0[cmd0.index("--log_dir") + 1] == jobs.LOG_DIR and cmd0[-1] == "/workspace/smoke.py"
     assert n0.env["GLOO_SOCKET_IFNAME"] == n0.env["NCCL_SOCKET_IFNAME"] == "eth0"
@@ -73,7 +74,8 @@ def test_dcu_gets_kfd_dri_video_and_hyhal_when_present():
 
 def test_hosts_put_each_node_on_its_engine_and_copy_the_workspace():
     s = spec(nodes=2, hosts=("ssh://u@10.0.0.1", "ssh://u@10.0.0.2"))
-    n0, n1 = plan(s)
+    n0, n1 = jobs.plan_nodes(s, "10.0.0.1", 29500, ["eth0", "eth1"], ["/l0", "/l1"], node_ips=["10.0.0.1", "10.0.0.2"])
+    assert list(n1.command)[list(n1.command).index("--host") + 1] == "10.0.0.2" and n1.env["GLOO_SOCKET_IFNAME"] == "eth1"
     assert n0.argv()[:3] == ["docker", "-H", "ssh://u@10.0.0.1"] and n1.host == "ssh://u@10.0.0.2"
     assert not any(v.endswith(":/workspace:ro") for v in flag_values(n0.argv(), "-v"))
     assert jobs.host_address("ssh://u@10.0.0.1") == "10.0.0.1"

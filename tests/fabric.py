@@ -1,0 +1,98 @@
+"""Test hosts made by the tests: network namespaces on one bridge, each with its own Docker Engine.
+
+    root ns  fbr0 10.213.77.1/24 ─┐
+                                  ├─ br0 (in namespace fbfab, away from Docker's FORWARD rules)
+    fbn1     fbn1e 10.213.77.11 ──┤   dockerd on tcp://10.213.77.11:2375
+    fbn2     fbn2e 10.213.77.12 ──┘   dockerd on tcp://10.213.77.12:2375
+
+Every address is inside namespaces these tests create. dockerd is started with `nsenter --net` (not
+`ip netns exec`, which remounts /sys and hides the cgroup filesystem).
+"""
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+SUBNET = "10.213.77"
+STATE = Path("/var/lib/fleetbox-test")     # engines' data roots: kept, so a loaded image is reused next time
+RUN = Path("/run/fleetbox-test")
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, capture_output=True, text=True, check=check)
+
+
+def teardown(n=2):
+    for k in range(1, n + 1):
+        pidfile = RUN / f"n{k}.pid"
+        if pidfile.exists():
+            try:
+                pid = int(pidfile.read_text())
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(100):
+                    os.kill(pid, 0)
+                    time.sleep(0.2)
+            except (ProcessLookupError, ValueError):
+                pass
+    sh("ip", "link", "del", "fbr0", check=False)   # a leftover veth makes the next setup fail
+    for ns in [f"fbn{k}" for k in range(1, n + 1)] + ["fbfab"]:
+        sh("ip", "netns", "del", ns, check=False)
+
+
+def setup(n=2) -> list[str]:
+    """Make the fabric and start one engine per host; returns the engines' URLs."""
+    teardown(n)
+    sh("ip", "netns", "add", "fbfab")
+    sh("ip", "-n", "fbfab", "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", "fbfab", "link", "set", "br0", "up")
+    sh("ip", "link", "add", "fbr0", "type", "veth", "peer", "name", "fbr0p")
+    sh("ip", "link", "set", "fbr0p", "netns", "fbfab")
+    sh("ip", "-n", "fbfab", "link", "set", "fbr0p", "master", "br0", "up")
+    sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", "fbr0")
+    sh("ip", "link", "set", "fbr0", "up")
+    urls = []
+    RUN.mkdir(parents=True, exist_ok=True)
+    for k in range(1, n + 1):
+        ns, ip = f"fbn{k}", f"{SUBNET}.{10 + k}"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", f"{ns}e", "type", "veth", "peer", "name", f"{ns}p")
+        sh("ip", "link", "set", f"{ns}e", "netns", ns)
+        sh("ip", "link", "set", f"{ns}p", "netns", "fbfab")
+        sh("ip", "-n", "fbfab", "link", "set", f"{ns}p", "master", "br0", "up")
+        sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", f"{ns}e")
+        sh("ip", "-n", ns, "link", "set", f"{ns}e", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "route", "add", "default", "via", f"{SUBNET}.1")
+        (STATE / f"n{k}").mkdir(parents=True, exist_ok=True)
+        log = open(RUN / f"n{k}.log", "w")
+        subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", "dockerd", "-H", f"tcp://{ip}:2375",
+                          "--data-root", str(STATE / f"n{k}"), "--exec-root", str(RUN / f"n{k}"),
+                          "--pidfile", str(RUN / f"n{k}.pid"), "--bridge", "none", "--iptables=false",
+                          "--ip-masq=false"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        urls.append(f"tcp://{ip}:2375")
+    for url in urls:
+        deadline = time.monotonic() + 90
+        while sh("docker", "-H", url, "info", check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {url} did not come up; see {RUN}")
+            time.sleep(0.5)
+    return urls
+
+
+def load_image(urls: list[str], ref: str) -> None:
+    """Give every engine the image (skipped where it already has the same ID)."""
+    want = sh("docker", "image", "inspect", "-f", "{{.Id}}", ref).stdout.strip()
+    todo = [u for u in urls
+            if sh("docker", "-H", u, "image", "inspect", "-f", "{{.Id}}", ref, check=False).stdout.strip() != want]
+    procs = []
+    for u in todo:
+        save = subprocess.Popen(["docker", "save", ref], stdout=subprocess.PIPE)
+        procs.append((subprocess.Popen(["docker", "-H", u, "load", "-q"], stdin=save.stdout,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE), save))
+        save.stdout.close()
+    for load, save in procs:
+        out, err = load.communicate(timeout=900)
+        save.wait()
+        if load.returncode != 0:
+            raise RuntimeError(f"docker load failed: {err.decode()[-500:]}")

@@ -1,0 +1,43 @@
+"""A 2-node job across two hosts made by the test: network namespaces, each with its own Docker Engine."""
+import json
+import os
+
+import pytest
+
+from tests import fabric
+from tests.conftest import ROOT, invoke
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and extra engines need root")
+
+
+@pytest.fixture(scope="module")
+def hosts(cpu_image):
+    urls = fabric.setup(2)
+    try:
+        fabric.load_image(urls, "fleetbox/paddle:cpu")
+        yield urls
+    finally:
+        fabric.teardown(2)
+
+
+def test_two_node_job_across_two_engines_with_hosts(hosts):
+    proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert "master 10.213.77.11:" in proc.stdout
+    job_dir = proc.stdout.split("logs in ")[1].split()[0]
+    summary = json.loads(open(os.path.join(job_dir, "summary.json")).read())
+    assert summary["ok"] and [r["host"] for r in summary["rows"]] == hosts
+    assert summary["smoke"]["world"] == 2 and summary["smoke"]["params_identical"]
+    job = json.loads(open(os.path.join(job_dir, "job.json")).read())
+    # each node found its own NIC towards the master, inside its own namespace
+    assert "GLOO_SOCKET_IFNAME=fbn1e" in job["commands"][0] and "GLOO_SOCKET_IFNAME=fbn2e" in job["commands"][1]
+    for k in (0, 1):   # logs gathered back from each engine
+        assert os.path.exists(os.path.join(job_dir, f"node{k}", "workerlog.0"))
+    for url in hosts:
+        left = fabric.sh("docker", "-H", url, "ps", "-aq", "--filter", "label=io.fleetbox.job").stdout.split()
+        assert left == []
+
+
+def test_unreachable_host_is_one_clear_error(hosts):
+    proc = invoke("train", "--nodes", "2", "--hosts", f"{hosts[0]},tcp://10.213.77.99:2375")
+    assert proc.returncode == 2 and "cannot reach the Docker Engine at tcp://10.213.77.99:2375" in proc.stderr
