@@ -131,17 +131,22 @@ class Job:
             "procs_per_node": self.spec.procs_per_node, "image": self.spec.image_ref,
             "commands": [n.shell() for n in self.nodes]}, indent=1))
         import docker
+        from concurrent.futures import ThreadPoolExecutor
+
+        def create(n: jobs.NodeRun):
+            if not n.host:
+                Path(next(m.src for m in n.mounts if m.dst == jobs.LOG_DIR)).mkdir(parents=True, exist_ok=True)
+            container = self.engine(n.host).containers.create(n.image, list(n.command), **n.sdk_kwargs())
+            self.containers[n.rank] = container
+            if n.host:   # a remote engine cannot see our files: copy the workspace in
+                container.put_archive(jobs.WORKDIR, _tar_dir(self.spec.script_path.parent))
+
+        for n in self.nodes:   # engine clients are made here, once, not from several threads
+            self.engine(n.host)
         try:
-            for n in self.nodes:
-                if not n.host:
-                    Path(next(m.src for m in n.mounts if m.dst == jobs.LOG_DIR)).mkdir(parents=True, exist_ok=True)
-                c = self.engine(n.host)
-                container = c.containers.create(n.image, list(n.command), **n.sdk_kwargs())
-                self.containers[n.rank] = container
-                if n.host:   # a remote engine cannot see our files: copy the workspace in
-                    container.put_archive(jobs.WORKDIR, _tar_dir(self.spec.script_path.parent))
-            for rank in sorted(self.containers):
-                self.containers[rank].start()
+            with ThreadPoolExecutor(max_workers=min(16, len(self.nodes))) as pool:
+                list(pool.map(create, self.nodes))                     # all created before any starts
+                list(pool.map(lambda r: self.containers[r].start(), sorted(self.containers)))
         except docker.errors.APIError as e:
             self.remove_all()
             why = (e.explanation or str(e)).strip().splitlines()[-1]
@@ -224,11 +229,15 @@ class Job:
                 (d / "gather-error.txt").write_text(str(e))
 
     def remove_all(self) -> None:
-        for c in self.containers.values():
+        from concurrent.futures import ThreadPoolExecutor
+
+        def remove(c):
             try:
                 c.remove(force=True)
             except Exception:
                 pass
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(self.containers)))) as pool:
+            list(pool.map(remove, self.containers.values()))
 
     def summary(self) -> dict:
         exits = dict(self.exits)

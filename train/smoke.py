@@ -65,11 +65,14 @@ def main():
     elapsed = time.perf_counter() - start
 
     checksum = paddle.to_tensor([float(sum(p.sum() for p in model.parameters()))], dtype="float64")
-    gathered = []
-    dist.all_gather(gathered, checksum)
-    sums = [float(t) for t in gathered]
     total = paddle.to_tensor([args.steps * args.batch / elapsed], dtype="float64")
-    dist.all_reduce(total)
+    gathered = []
+    if world > 1:   # with one rank there is no global group to gather over
+        dist.all_gather(gathered, checksum)
+        dist.all_reduce(total)
+    else:
+        gathered = [checksum]
+    sums = [float(t) for t in gathered]
     report = {"rank": rank, "world": world, "first_loss": np.mean(losses[:5]), "last_loss": np.mean(losses[-5:]),
               "checksums": sums, "samples_per_s": float(total), "seconds": elapsed}
     ok_loss = report["last_loss"] < 0.5 * report["first_loss"]

@@ -39,6 +39,13 @@ def test_two_node_cpu_job_passes_the_smoke_checks(cpu_image):
     assert job_containers(s["job_id"]) == []
 
 
+def test_single_node_job(cpu_image):
+    proc = invoke("train", "--nodes", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s = summary_of(proc)
+    assert s["ok"] and s["smoke"]["world"] == 1 and s["smoke"]["loss_falls"]
+
+
 def test_failing_rank_stops_the_others_and_is_named(cpu_image):
     # rank 0 is stuck (it would not notice rank 1's death for 300 s by itself): fleetbox must stop it
     proc = invoke("train", "--nodes", "2", "--args", "--fail-rank 1 --fail-step -1 --hang-rank 0")
