@@ -62,6 +62,8 @@ def main():
             t, _ = timed(docker_argv)
             plain.append(t)
         subprocess.run(["docker", "rmi", "-f", "fleetbox-bench/plain:cpu"], capture_output=True)
+        subprocess.run(["docker", "image", "prune", "-f", "--filter", "label=io.fleetbox.stage=install"],
+                       capture_output=True)   # the plain build's install stage (it holds the wheels)
 
     base = c.images.get(v.base_ref)
     venv = subprocess.run(["docker", "run", "--rm", "--network", "none", image.id, "du", "-sb", "/opt/venv"],
