@@ -105,9 +105,7 @@ def verify(c, variant=None, json_out=None, image=None, nodes=0, hosts=None):
     from fleetbox import engine, verify as verify_mod
     v = _variant(variant)
     if int(nodes or 0):
-        spec = _spec(variant, nodes, 1, None, None, image, hosts, None, None, False, 0, None, 0, None, None,
-                     None, None)
-        report = verify_mod.run_nodes(spec, log=_log)
+        report = verify_mod.run_nodes(_spec(variant, nodes, image=image, hosts=hosts), log=_log)
     else:
         report = verify_mod.run(engine.client(), v, image, log=_log)
     if json_out:
@@ -122,7 +120,7 @@ def verify(c, variant=None, json_out=None, image=None, nodes=0, hosts=None):
 @_fleetbox
 def up(c, variant=None, mirror=None, nodes=2):
     """The main job: base -> wheels -> build -> verify -> a 2-node training run (smoke), on this machine."""
-    from fleetbox import backend_docker, bases, engine, images, verify as verify_mod, wheelhouse
+    from fleetbox import bases, engine, images, verify as verify_mod, wheelhouse
     v = _variant(variant)
     client = engine.client()
     steps = ["base", "wheels", "build", "verify"] + ([f"train --nodes {nodes}"] if int(nodes) else [])
@@ -139,13 +137,7 @@ def up(c, variant=None, mirror=None, nodes=2):
             if not report["ok"]:
                 raise Exit(f"fleetbox: verify failed for {v.name} (report: {report['path']})", code=1)
         else:
-            spec = _spec(v.name, nodes, 1, None, None, None, None, None, None, False, 0, None, 0, None, None,
-                         None, None)
-            result = backend_docker.run(spec, log=_log)
-            _log(backend_docker.table(result))
-            if not result["ok"]:
-                raise Exit(f"fleetbox: the {nodes}-node training run failed (logs: "
-                           f"{backend_docker.runs_root() / spec.job_id})", code=1)
+            _run_job(_spec(v.name, nodes))
     sys.stdout.flush()
 
 
@@ -209,8 +201,10 @@ TRAIN_HELP = {
 }
 
 
-def _spec(variant, nodes, procs_per_node, script, args, image, hosts, iface, ib_hca, debug, gpus_per_node,
-          devices, port, env, mount, data_dir, shm_size):
+def _spec(variant=None, nodes=2, procs_per_node=1, script=None, args=None, image=None, hosts=None, iface=None,
+          ib_hca=None, debug=False, gpus_per_node=0, devices=None, port=0, env=None, mount=None, data_dir=None,
+          shm_size=None):
+    """A validated JobSpec from command-line strings."""
     import shlex
     from fleetbox import datasets as ds, jobs
     data = data_dir or (str(ds.default_dest()) if ds.default_dest().is_dir() and not hosts else "")
@@ -232,7 +226,7 @@ def train(c, nodes=2, procs_per_node=1, variant=None, script=None, args=None, im
           iface=None, ib_hca=None, debug=False, gpus_per_node=0, devices=None, port=0, env=None, mount=None,
           data_dir=None, shm_size=None, timeout=None, dry_run=False):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
-    from fleetbox import backend_docker, jobs
+    from fleetbox import backend_docker
     spec = _spec(variant, nodes, procs_per_node, script, args, image, hosts, iface, ib_hca, debug,
                  gpus_per_node, devices, port, env, mount, data_dir, shm_size)
     if dry_run:
@@ -240,6 +234,11 @@ def train(c, nodes=2, procs_per_node=1, variant=None, script=None, args=None, im
             _log(f"# node{n.rank} (rank {n.rank}) on {n.host or 'this machine'}")
             _log(n.shell())
         return
+    _run_job(spec, timeout)
+
+
+def _run_job(spec, timeout=None):
+    from fleetbox import backend_docker
     result = backend_docker.run(spec, log=_log, timeout=float(timeout) if timeout else None)
     _log(backend_docker.table(result))
     if not result["ok"]:
