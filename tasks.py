@@ -197,7 +197,12 @@ TRAIN_HELP = {
     "data_dir": "seeded dataset cache to mount read-only at Paddle's cache path (default offline_cache/dataset)",
     "shm_size": "shared memory per container (default 8g; NCCL needs more than Docker's 64m)",
     "timeout": "stop the job after this many seconds (default: none)",
-    "dry_run": "print the exact docker run command of every node; start nothing",
+    "dry_run": "print the exact docker run command of every node (slurm: the sbatch script); start nothing",
+    "backend": "docker (default: containers via Docker Engines) or slurm (an sbatch job)",
+    "runtime": "with --backend slurm: apptainer, pyxis, charliecloud, podman or docker (default docker)",
+    "partition": "with --backend slurm: the partition (-p)",
+    "time": "with --backend slurm: the time limit (e.g. 01:00:00)",
+    "account": "with --backend slurm: the account (-A)",
 }
 
 
@@ -224,17 +229,37 @@ def _spec(variant=None, nodes=2, procs_per_node=1, script=None, args=None, image
 @_fleetbox
 def train(c, nodes=2, procs_per_node=1, variant=None, script=None, args=None, image=None, hosts=None,
           iface=None, ib_hca=None, debug=False, gpus_per_node=0, devices=None, port=0, env=None, mount=None,
-          data_dir=None, shm_size=None, timeout=None, dry_run=False):
+          data_dir=None, shm_size=None, timeout=None, dry_run=False, backend="docker", runtime="docker",
+          partition=None, time=None, account=None):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import backend_docker
     spec = _spec(variant, nodes, procs_per_node, script, args, image, hosts, iface, ib_hca, debug,
                  gpus_per_node, devices, port, env, mount, data_dir, shm_size)
+    if backend == "slurm":
+        return _train_slurm(spec, runtime, image, partition, time, account, int(port or 0), dry_run)
+    if backend != "docker":
+        raise Exit(f"fleetbox: error: unknown backend {backend!r}; choose docker or slurm", code=2)
     if dry_run:
         for n in backend_docker.dry_run(spec):
             _log(f"# node{n.rank} (rank {n.rank}) on {n.host or 'this machine'}")
             _log(n.shell())
         return
     _run_job(spec, timeout)
+
+
+def _train_slurm(spec, runtime, image, partition, time_limit, account, port, dry_run):
+    from fleetbox import backend_slurm as slurm
+    sj = slurm.make(spec, runtime, image or "", partition or "", time_limit or "", account or "", port)
+    if dry_run:
+        _log(f"# {sj.dir}/job.sbatch\n{slurm.render_sbatch(sj)}\n# {sj.dir}/node.sh\n{slurm.render_node_script(sj)}")
+        return
+    job_id = slurm.submit(sj)
+    result = slurm.follow(sj, job_id, log=_log)
+    _log(slurm.table(result))
+    if not result["ok"]:
+        who = (f"{result['failed_node']} (rank {result['failed_rank']}) exited with code {result['failed_exit_code']}"
+               if result.get("failed_rank") is not None else f"job ended {result['state']}")
+        raise Exit(f"fleetbox: train failed: {who} (logs: {sj.dir})", code=1)
 
 
 def _run_job(spec, timeout=None):
@@ -255,3 +280,54 @@ def clean(c, hosts=None):
     from fleetbox import backend_docker
     n = backend_docker.clean([h for h in (hosts or "").split(",") if h], log=_log)
     _log(f"removed {n} leftover container(s)")
+
+
+@task(help={"variant": VARIANT_HELP,
+            "format": "docker-archive (with .sha256), charliecloud (ch-convert), sif (apptainer), sqsh (enroot)",
+            "squash": "charliecloud: a squashfs file instead of a directory",
+            "dest": "output folder (default exports/)", "image": "image to export (default: the variant's)"})
+@_fleetbox
+def export(c, variant=None, format="docker-archive", squash=False, dest=None, image=None):
+    """Export the image for HPC runtimes; where a converter is missing, print the command for the cluster."""
+    from pathlib import Path
+    from fleetbox import engine, hpc, images
+    v = _variant(variant)
+    client = engine.client()
+    ref = image or images.resolve(client, v).tags[0]
+    hpc.export(client, v, format, ref, squash, Path(dest) if dest else None, log=_log)
+
+
+@task(help={"variant": VARIANT_HELP, "registry": "HOST[:PORT]/NAMESPACE, e.g. registry.example.org:5000/paddle"})
+@_fleetbox
+def push(c, variant=None, registry=None):
+    """Push the content tag and the aliases of the variant's image to a registry."""
+    from fleetbox import engine, hpc, images, matrix
+    v = _variant(variant)
+    client = engine.client()
+    image = images.resolve(client, v)
+    content = next((t for t in image.tags if t.startswith(f"{v.image}:{v.name}-")), None)
+    if content is None:
+        raise Exit(f"fleetbox: error: image {v.aliases[0]} has no content tag; run `invoke build --variant {v.name}`",
+                   code=2)
+    for ref in hpc.push(client, image, hpc.registry_refs(v, registry or "", content), log=_log):
+        _log(f"pushed {ref}")
+
+
+@task(name="pull-cmd", help={"variant": VARIANT_HELP, "runtime": "apptainer, pyxis, charliecloud, podman or docker",
+                             "registry": "HOST[:PORT]/NAMESPACE it was pushed to",
+                             "insecure": "the registry speaks plain HTTP"})
+@_fleetbox
+def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False):
+    """Print the pull/convert commands a cluster user runs for a runtime (immutable content tag first)."""
+    from fleetbox import engine, hpc, images
+    v = _variant(variant)
+    try:
+        tags = images.resolve(engine.client(), v).tags
+        content = next(t for t in tags if t.startswith(f"{v.image}:{v.name}-"))
+    except (UserError, StopIteration):
+        content = f"{v.image}:{v.name}"
+    refs = hpc.registry_refs(v, registry or "", content)
+    for ref, what in ((refs[0], "content tag (immutable)"), (refs[1], "alias")):
+        _log(f"# {what}")
+        for line in hpc.pull_commands(runtime, ref, hpc.export_name(v), insecure):
+            _log(line)

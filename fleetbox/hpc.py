@@ -1,0 +1,167 @@
+"""Getting images onto HPC container platforms: export/convert (`invoke export`), registry push (`invoke push`)
+and the pull/convert command each runtime needs (`invoke pull-cmd`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from . import ROOT
+from .errors import UserError
+from .matrix import Variant
+
+FORMATS = ("docker-archive", "charliecloud", "sif", "sqsh")
+
+
+def export_dir() -> Path:
+    return Path(os.environ.get("FLEETBOX_EXPORTS", ROOT / "exports"))
+
+
+def export_name(variant: Variant) -> str:
+    return f"fleetbox-paddle-{variant.name}"
+
+
+def export_path(variant: Variant, fmt: str, squash: bool = False, dest: Path | None = None) -> Path:
+    suffix = {"docker-archive": ".tar", "charliecloud": ".sqfs" if squash else ".ch", "sif": ".sif",
+              "sqsh": ".sqsh"}[fmt]
+    return (dest or export_dir()) / f"{export_name(variant)}{suffix}"
+
+
+def export_argv(fmt: str, image: str, out: Path, archive: Path | None = None) -> list[str]:
+    """Pure: the converter command for a format (docker-archive is written by fleetbox itself)."""
+    if fmt == "charliecloud":
+        return ["ch-convert", "-i", "docker", image, str(out)]
+    if fmt == "sif":
+        src = f"docker-archive://{archive}" if archive else f"docker-daemon://{image}"
+        return ["apptainer", "build", str(out), src]
+    if fmt == "sqsh":
+        return ["enroot", "import", "-o", str(out), f"dockerd://{image}"]
+    raise UserError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+
+
+def _tool_missing(fmt: str, image: str, variant: Variant) -> str:
+    name = export_name(variant)
+    on_cluster = {
+        "charliecloud": f"ch-convert -i docker-archive {name}.tar {name}.sqfs",
+        "sif": f"apptainer build {name}.sif docker-archive://{name}.tar",
+        "sqsh": f"enroot import -o {name}.sqsh docker-archive://{name}.tar",
+    }[fmt]
+    tool = export_argv(fmt, image, Path("x"))[0]
+    return (f"{tool} is not installed here; run `invoke export --variant {variant.name} --format docker-archive`, "
+            f"copy {name}.tar to the cluster and run there: {on_cluster}")
+
+
+def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest: Path | None = None,
+           log=print) -> Path:
+    """Write the image in `fmt`; temp name first, renamed once complete."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    out = export_path(variant, fmt, squash, dest)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "docker-archive":
+        return _docker_archive(c, image, out, log)
+    tool = export_argv(fmt, image, out)[0]
+    if not shutil.which(tool):
+        raise UserError(_tool_missing(fmt, image, variant))
+    part = out.with_name(out.name + ".part")
+    _remove(part)
+    argv = export_argv(fmt, image, part)
+    log(f"running {' '.join(argv)}")
+    env = {**os.environ, "PATH": "/usr/bin:" + os.environ.get("PATH", "")}   # ch-* want Debian's python3
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        _remove(part)
+        last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise UserError(f"{tool} failed: {last[0][:300]}")
+    _remove(out)
+    part.rename(out)
+    log(f"exported {image} as {fmt}: {out}")
+    return out
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def _docker_archive(c, image: str, out: Path, log) -> Path:
+    """`docker save` with a sha256 file beside it, for air-gapped transfer (sha256sum -c checks it)."""
+    part = out.with_name(out.name + ".part")
+    h = hashlib.sha256()
+    log(f"saving {image} to {out}")
+    try:
+        with open(part, "wb") as f:
+            for chunk in c.images.get(image).save(named=True):
+                h.update(chunk)
+                f.write(chunk)
+    except OSError as e:
+        part.unlink(missing_ok=True)
+        raise UserError(f"cannot write {out}: {e.strerror}") from None
+    part.rename(out)
+    Path(f"{out}.sha256").write_text(f"{h.hexdigest()}  {out.name}\n")
+    log(f"exported {out} ({out.stat().st_size / 1e6:.0f} MB), sha256 {h.hexdigest()[:16]}… in {out.name}.sha256")
+    return out
+
+
+def runtime_image(variant: Variant, runtime: str, image_ref: str) -> str:
+    """What a runtime is handed when no --image is given: the export made for it if there is one."""
+    if runtime == "charliecloud":
+        sq = export_path(variant, "charliecloud", squash=True)
+        return str(sq if sq.exists() else export_path(variant, "charliecloud"))
+    if runtime == "apptainer":
+        sif = export_path(variant, "sif")
+        return str(sif) if sif.exists() else f"docker://{image_ref}"
+    if runtime == "pyxis":
+        sqsh = export_path(variant, "sqsh")
+        return str(sqsh) if sqsh.exists() else image_ref
+    return image_ref
+
+
+# ---- registries ----
+
+def registry_refs(variant: Variant, registry: str, content_tag: str) -> list[str]:
+    """HOST[:PORT]/NAMESPACE/paddle:<tag> for the content tag and every alias."""
+    if not registry or "/" not in registry.strip("/"):
+        raise UserError(f"--registry must be HOST[:PORT]/NAMESPACE (got {registry!r})")
+    base = registry.rstrip("/") + "/" + variant.image.split("/")[-1]
+    tags = [content_tag.split(":", 1)[1], *(a.split(":", 1)[1] for a in variant.aliases)]
+    return [f"{base}:{t}" for t in tags]
+
+
+def push(c, image, refs: list[str], log=print) -> list[str]:
+    import docker
+    for ref in refs:
+        repo, tag = ref.rsplit(":", 1)
+        image.tag(repo, tag)
+        log(f"pushing {ref}")
+        try:
+            for line in c.images.push(repo, tag, stream=True, decode=True):
+                if "error" in line:
+                    raise UserError(f"the registry refused {ref}: {line['error'].strip()}")
+        except docker.errors.APIError as e:
+            raise UserError(f"push of {ref} failed: {(e.explanation or str(e)).strip()[:300]}") from None
+    return refs
+
+
+def pull_commands(runtime: str, ref: str, out_name: str, insecure: bool = False) -> list[str]:
+    """Pure: the commands a cluster user runs to get `ref` into `runtime`."""
+    host, _, path = ref.partition("/")
+    if runtime == "apptainer":
+        return [("APPTAINER_NOHTTPS=1 " if insecure else "") + f"apptainer pull {out_name}.sif docker://{ref}"]
+    if runtime == "pyxis":
+        return [f"enroot import -o {out_name}.sqsh 'docker://{host}#{path}'",
+                f"srun --container-image={out_name}.sqsh ...   # or --container-image={host}#{path}"]
+    if runtime == "charliecloud":
+        return [f"ch-image pull {'--tls-no-verify ' if insecure else ''}{ref}",
+                f"ch-convert {ref} {out_name}.sqfs"]
+    if runtime == "podman":
+        return [f"podman pull {'--tls-verify=false ' if insecure else ''}{ref}"]
+    if runtime == "docker":
+        return [f"docker pull {ref}"]
+    raise UserError(f"unknown runtime {runtime!r}; choose one of: apptainer, pyxis, charliecloud, podman, docker")

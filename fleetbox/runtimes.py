@@ -1,0 +1,88 @@
+"""Container runtimes on HPC nodes: how one node's container (a jobs.NodeRun) is started by each runtime.
+
+Pure rendering to shell words. Values may hold shell variables ($SLURM_NODEID, $MASTER_IP, $IFACE, ...),
+which stay expandable; everything else is quoted.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from .errors import UserError
+from .jobs import WORKDIR, NodeRun
+
+RUNTIMES = ("apptainer", "pyxis", "charliecloud", "podman", "docker")
+
+
+def q(word: str) -> str:
+    """Quote for bash, keeping $VARIABLES (and $(commands)) expandable."""
+    if "$" in word:
+        return '"' + word.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
+    return shlex.quote(word)
+
+
+def words(ws: list[str]) -> str:
+    return " ".join(q(w) for w in ws)
+
+
+def check(runtime: str) -> str:
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}; choose one of: {', '.join(RUNTIMES)}")
+    return runtime
+
+
+def command(runtime: str, n: NodeRun, device: str, image: str) -> list[str]:
+    """The words that start node `n`'s container under `runtime` (pyxis: the command inside it)."""
+    check(runtime)
+    if runtime == "docker":
+        argv = n.argv()
+        argv[argv.index("-d")] = "--rm"
+        return argv
+    if runtime == "podman":
+        a = ["podman", "run", "--rm", "--name", n.name, "--network", "host", "--shm-size", n.shm_size,
+             "--ulimit", "host",                       # the node's limits, as Slurm set them (memlock included)
+             "--add-host", "$(hostname):$NODE_IP",     # Gloo resolves the node's hostname
+             "-w", WORKDIR]
+        for k, v in n.labels.items():
+            a += ["--label", f"{k}={v}"]
+        for m in n.mounts:
+            a += ["-v", f"{m.src}:{m.dst}" + (":ro" if m.ro else "")]
+        for k, v in n.env.items():
+            a += ["-e", f"{k}={v}"]
+        for d in n.devices:
+            a += ["--device", d]
+        if n.group_add:
+            a += ["--group-add", "keep-groups"]
+        if n.gpus:
+            a += ["--device", "nvidia.com/gpu=all"]   # CDI
+        return a + [image, *n.command]
+    if runtime == "apptainer":
+        a = ["apptainer", "exec", "--cleanenv", "--pwd", WORKDIR]
+        if device == "cuda":
+            a.append("--nv")
+        elif device == "rocm":
+            a.append("--rocm")
+        for m in n.mounts:
+            a += ["--bind", f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}"]
+        for k, v in n.env.items():
+            a += ["--env", f"{k}={v}"]
+        return a + [image, *n.command]
+    if runtime == "charliecloud":
+        a = ["ch-run", "--set-env"]                   # the image's own environment (PATH to the venv)
+        for k, v in n.env.items():
+            a.append(f"--set-env={k}={v}")
+        for m in n.mounts:
+            a += ["-b", f"{m.src}:{m.dst}"]
+        return a + ["-c", WORKDIR, image, "--", *n.command]
+    return list(n.command)   # pyxis: srun runs the command inside --container-image
+
+
+def srun_options(runtime: str, n: NodeRun, image: str) -> list[str]:
+    """Options srun itself takes for a runtime (only pyxis lives inside srun)."""
+    if runtime != "pyxis":
+        return []
+    mounts = ",".join(f"{m.src}:{m.dst}" + (":ro" if m.ro else "") for m in n.mounts)
+    return [f"--container-image={image}", f"--container-mounts={mounts}", f"--container-workdir={WORKDIR}",
+            "--no-container-mount-home"]
+
+

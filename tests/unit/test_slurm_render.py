@@ -1,0 +1,112 @@
+"""The sbatch renderer for every runtime and variant family, the export commands and the pull commands."""
+import subprocess
+
+import pytest
+
+from fleetbox import backend_slurm as slurm, hpc, jobs, matrix, runtimes
+from fleetbox.errors import UserError
+
+
+def job(variant="cpu", runtime="podman", **kw):
+    spec = jobs.JobSpec(variant=matrix.load().get(variant), nodes=kw.pop("nodes", 2), job_id="train-t-0001", **kw)
+    return slurm.make(spec, runtime, image=kw.get("image", ""), partition="gpu", time_limit="01:00:00",
+                      account="proj42", port=29555)
+
+
+def bash_ok(text):
+    proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("runtime", runtimes.RUNTIMES)
+@pytest.mark.parametrize("variant", ["cpu", "cu126", "dcu"])
+def test_every_runtime_and_variant_renders_valid_bash(runtime, variant):
+    sj = job(variant, runtime)
+    sb, node = slurm.render_sbatch(sj), slurm.render_node_script(sj)
+    bash_ok(sb)
+    bash_ok(node)
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=01:00:00", "#SBATCH --account=proj42", "MASTER_PORT=29555",
+                 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1'):
+        assert line in sb, line
+    assert "srun --kill-on-bad-exit=1 --wait=60" in sb
+    for piece in ('--master "$MASTER_IP:$MASTER_PORT"', '--host "$NODE_IP"', '--nnodes "$SLURM_NNODES"',
+                  '--rank "$SLURM_NODEID"', "paddle.distributed.launch"):
+        assert piece in node, piece
+    for piece in ("GLOO_SOCKET_IFNAME=$IFACE", "NCCL_SOCKET_IFNAME=$IFACE", "NCCL_IB_DISABLE=1"):
+        assert piece in node.replace('"', ""), piece
+
+
+def test_runtime_specifics():
+    podman = slurm.render_node_script(job(runtime="podman"))
+    assert "exec podman run --rm" in podman and "--network host" in podman and "--ulimit host" in podman
+    docker = slurm.render_node_script(job(runtime="docker"))
+    assert "exec docker run --rm" in docker and "-d " not in docker
+    ch = slurm.render_node_script(job(runtime="charliecloud"))
+    assert "exec ch-run --set-env" in ch and " -c /workspace " in ch and " -- python -m paddle" in ch
+    app = slurm.render_node_script(job(runtime="apptainer"))
+    assert "exec apptainer exec --cleanenv" in app and "--bind /" in app
+    cuda_app = slurm.render_node_script(job("cu126", "apptainer"))
+    assert " --nv " in cuda_app
+    dcu_app = slurm.render_node_script(job("dcu", "apptainer"))
+    assert " --rocm " in dcu_app and "/opt/hyhal:/opt/hyhal:ro" in dcu_app
+    pyxis_sj = job(runtime="pyxis")
+    sb = slurm.render_sbatch(pyxis_sj)
+    assert "--container-image=fleetbox/paddle:cpu" in sb and "--container-mounts=" in sb
+    assert "exec python -m paddle.distributed.launch" in slurm.render_node_script(pyxis_sj)
+    assert "export GLOO_SOCKET_IFNAME=" in slurm.render_node_script(pyxis_sj)
+
+
+def test_cuda_asks_slurm_for_gpus_and_docker_runtime_for_them():
+    sj = job("cu126", "docker", gpus_per_node=4)
+    assert "#SBATCH --gpus-per-node=4" in slurm.render_sbatch(sj)
+    assert "--gpus 4" in slurm.render_node_script(sj)
+    dcu = slurm.render_node_script(job("dcu", "podman"))
+    assert "--device /dev/kfd --device /dev/dri" in dcu and "--group-add keep-groups" in dcu
+
+
+def test_ib_and_iface_overrides_reach_the_node_script():
+    node = slurm.render_node_script(job(ib_hca="mlx5_0", iface="ib0", debug=True))
+    assert "NCCL_IB_HCA=mlx5_0" in node and "NCCL_IB_DISABLE=0" in node and "IFACE=ib0" in node
+    assert "NCCL_DEBUG=INFO" in node
+
+
+def test_unknown_runtime():
+    with pytest.raises(UserError, match="unknown runtime 'singularity'; choose one of: apptainer"):
+        job(runtime="singularity")
+
+
+def test_failures_are_read_from_sruns_messages():
+    out = ("srun: error: node1: task 0: Exited with exit code 250\n"
+           "srun: error: node2: task 1: Exited with exit code 3\n"
+           "srun: error: node3: task 2: Killed\n")
+    assert slurm.failures(out) == [(0, 250, "node1"), (1, 3, "node2"), (2, 137, "node3")]
+    assert jobs.culprit([(r, c) for r, c, _ in slurm.failures(out)]) == 1
+
+
+def test_export_commands_and_paths(tmp_path):
+    v = matrix.load().get("cpu")
+    assert hpc.export_argv("charliecloud", "fleetbox/paddle:cpu", tmp_path / "x.ch") == [
+        "ch-convert", "-i", "docker", "fleetbox/paddle:cpu", str(tmp_path / "x.ch")]
+    assert hpc.export_argv("sif", "img", tmp_path / "x.sif")[:3] == ["apptainer", "build", str(tmp_path / "x.sif")]
+    assert hpc.export_argv("sqsh", "img", tmp_path / "x")[-1] == "dockerd://img"
+    assert hpc.export_path(v, "charliecloud", squash=True, dest=tmp_path).name == "fleetbox-paddle-cpu.sqfs"
+    assert hpc.export_path(v, "docker-archive", dest=tmp_path).name == "fleetbox-paddle-cpu.tar"
+    with pytest.raises(UserError, match="unknown export format 'zip'"):
+        hpc.export_argv("zip", "img", tmp_path)
+
+
+def test_registry_refs_and_pull_commands():
+    v = matrix.load().get("cpu")
+    refs = hpc.registry_refs(v, "reg.example:5000/team", "fleetbox/paddle:cpu-0123456789ab")
+    assert refs == ["reg.example:5000/team/paddle:cpu-0123456789ab", "reg.example:5000/team/paddle:cpu",
+                    "reg.example:5000/team/paddle:3.3.1-cpu-py311"]
+    with pytest.raises(UserError, match="HOST\\[:PORT\\]/NAMESPACE"):
+        hpc.registry_refs(v, "reg.example", "x:y")
+    ref = refs[0]
+    assert hpc.pull_commands("apptainer", ref, "p") == [f"apptainer pull p.sif docker://{ref}"]
+    assert hpc.pull_commands("pyxis", ref, "p")[0] == ("enroot import -o p.sqsh "
+                                                     "'docker://reg.example:5000#team/paddle:cpu-0123456789ab'")
+    assert hpc.pull_commands("charliecloud", ref, "p", insecure=True)[0] == f"ch-image pull --tls-no-verify {ref}"
+    assert hpc.pull_commands("podman", ref, "p", insecure=True) == [f"podman pull --tls-verify=false {ref}"]
+    assert hpc.pull_commands("docker", ref, "p") == [f"docker pull {ref}"]
