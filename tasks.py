@@ -203,6 +203,7 @@ TRAIN_HELP = {
     "partition": "with --backend slurm: the partition (-p)",
     "time": "with --backend slurm: the time limit (e.g. 01:00:00)",
     "account": "with --backend slurm: the account (-A)",
+    "runtime_args": "with --backend slurm: extra options for the runtime, e.g. \"--ulimit nproc=32768:32768\"",
 }
 
 
@@ -230,13 +231,13 @@ def _spec(variant=None, nodes=2, procs_per_node=1, script=None, args=None, image
 def train(c, nodes=2, procs_per_node=1, variant=None, script=None, args=None, image=None, hosts=None,
           iface=None, ib_hca=None, debug=False, gpus_per_node=0, devices=None, port=0, env=None, mount=None,
           data_dir=None, shm_size=None, timeout=None, dry_run=False, backend="docker", runtime="docker",
-          partition=None, time=None, account=None):
+          partition=None, time=None, account=None, runtime_args=None):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import backend_docker
     spec = _spec(variant, nodes, procs_per_node, script, args, image, hosts, iface, ib_hca, debug,
                  gpus_per_node, devices, port, env, mount, data_dir, shm_size)
     if backend == "slurm":
-        return _train_slurm(spec, runtime, image, partition, time, account, int(port or 0), dry_run)
+        return _train_slurm(spec, runtime, image, partition, time, account, int(port or 0), dry_run, runtime_args)
     if backend != "docker":
         raise Exit(f"fleetbox: error: unknown backend {backend!r}; choose docker or slurm", code=2)
     if dry_run:
@@ -247,9 +248,10 @@ def train(c, nodes=2, procs_per_node=1, variant=None, script=None, args=None, im
     _run_job(spec, timeout)
 
 
-def _train_slurm(spec, runtime, image, partition, time_limit, account, port, dry_run):
+def _train_slurm(spec, runtime, image, partition, time_limit, account, port, dry_run, runtime_args=None):
     from fleetbox import backend_slurm as slurm
-    sj = slurm.make(spec, runtime, image or "", partition or "", time_limit or "", account or "", port)
+    sj = slurm.make(spec, runtime, image or "", partition or "", time_limit or "", account or "", port,
+                    runtime_args or "")
     if dry_run:
         _log(f"# {sj.dir}/job.sbatch\n{slurm.render_sbatch(sj)}\n# {sj.dir}/node.sh\n{slurm.render_node_script(sj)}")
         return

@@ -55,6 +55,7 @@ class SlurmJob:
     time_limit: str = ""
     account: str = ""
     port: int = 29500
+    runtime_args: tuple[str, ...] = ()   # site-specific runtime options, e.g. podman --ulimit values
 
     @property
     def dir(self) -> Path:
@@ -80,6 +81,8 @@ def render_node_script(sj: SlurmJob) -> str:
     n = template_node(sj)
     lines = ["#!/bin/bash", f"# fleetbox {sj.spec.job_id}: one node's part (runtime {sj.runtime}); "
              f"run by srun on every node", "set -euo pipefail", 'export USER="${USER:-$(id -un)}"']
+    if sj.runtime == "podman":
+        lines.append('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')
     if sj.runtime == "pyxis":
         lines.append(f'read -r IFACE NODE_IP <<<"$(python -c {runtimes.q(ROUTE_PY)} "$MASTER_IP")"')
     else:
@@ -93,7 +96,13 @@ def render_node_script(sj: SlurmJob) -> str:
         lines.append(f'mkdir -p {runtimes.q(str(sj.dir / "node$SLURM_NODEID"))}')
     else:   # inside the container: the variables the launcher needs
         lines += [f"export {k}={runtimes.q(v)}" for k, v in n.env.items()]
-    lines.append("exec " + runtimes.words(runtimes.command(sj.runtime, n, sj.spec.variant.device, sj.image)))
+    run = runtimes.words(runtimes.command(sj.runtime, n, sj.spec.variant.device, sj.image, list(sj.runtime_args)))
+    if sj.runtime in ("docker", "podman"):
+        # A killed client leaves its container running: remove it when Slurm stops this task.
+        lines += [f'trap \'{sj.runtime} rm -f "{n.name}" >/dev/null 2>&1; exit 143\' TERM INT',
+                  f"{run} &", "wait $!"]
+    else:
+        lines.append("exec " + run)
     return "\n".join(lines) + "\n"
 
 
@@ -116,10 +125,17 @@ def render_sbatch(sj: SlurmJob) -> str:
         f"MASTER_PORT={sj.port}",
         "export MASTER_IP MASTER_PORT",
         'echo "fleetbox: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_HOST = $MASTER_IP:$MASTER_PORT"',
+        "set +e",
         runtimes.words(["srun", "--kill-on-bad-exit=1", "--wait=60", "--nodes=$SLURM_NNODES", "--ntasks-per-node=1",
                         f"--output={sj.dir}/node%n.log", *runtimes.srun_options(sj.runtime, n, sj.image),
                         "bash", str(sj.dir / "node.sh")]),
+        "rc=$?",
     ]
+    if sj.runtime in ("docker", "podman"):   # whatever a killed task left behind, on every node
+        rt = sj.runtime
+        body.append(f"srun --nodes=$SLURM_NNODES --ntasks-per-node=1 --output=/dev/null bash -c "
+                    f"'{rt} ps -aq --filter label={jobs.LABEL_JOB}={s.job_id} | xargs -r {rt} rm -f' || true")
+    body.append('exit "$rc"')
     return "\n".join([h for h in head if h] + body) + "\n"
 
 
@@ -216,8 +232,9 @@ def table(result: dict) -> str:
 
 
 def make(spec: jobs.JobSpec, runtime: str, image: str = "", partition: str = "", time_limit: str = "",
-         account: str = "", port: int = 0) -> SlurmJob:
+         account: str = "", port: int = 0, runtime_args: str = "") -> SlurmJob:
+    import shlex
     runtimes.check(runtime)
     img = image or hpc.runtime_image(spec.variant, runtime, spec.image_ref)
     return SlurmJob(spec, runtime, img, partition, time_limit, account,
-                    port or 29000 + int.from_bytes(os.urandom(2), "big") % 20000)
+                    port or 29000 + int.from_bytes(os.urandom(2), "big") % 20000, tuple(shlex.split(runtime_args)))

@@ -31,16 +31,25 @@ def check(runtime: str) -> str:
     return runtime
 
 
-def command(runtime: str, n: NodeRun, device: str, image: str) -> list[str]:
-    """The words that start node `n`'s container under `runtime` (pyxis: the command inside it)."""
+def command(runtime: str, n: NodeRun, device: str, image: str, extra: list[str] = ()) -> list[str]:
+    """The words that start node `n`'s container under `runtime` (pyxis: the command inside it).
+    `extra`: site-specific runtime options, placed before the image."""
     check(runtime)
+    words_ = _command(runtime, n, device, image)
+    if extra and runtime != "pyxis":
+        at = words_.index(image)
+        words_[at:at] = list(extra)
+    return words_
+
+
+def _command(runtime: str, n: NodeRun, device: str, image: str) -> list[str]:
     if runtime == "docker":
         argv = n.argv()
         argv[argv.index("-d")] = "--rm"
         return argv
     if runtime == "podman":
         a = ["podman", "run", "--rm", "--name", n.name, "--network", "host", "--shm-size", n.shm_size,
-             "--ulimit", "host",                       # the node's limits, as Slurm set them (memlock included)
+             "--ulimit", "memlock=$(hard_limit l)",   # the node's own limit, as Slurm set it (NCCL/IB)
              "--add-host", "$(hostname):$NODE_IP",     # Gloo resolves the node's hostname
              "-w", WORKDIR]
         for k, v in n.labels.items():

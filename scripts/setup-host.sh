@@ -10,6 +10,14 @@ if [ "$(id -u)" -ne 0 ]; then echo "setup-host.sh: run as root (it installs pack
 missing=()
 command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
+# HPC runtimes and a scheduler, for `invoke export`/`train --backend slurm` here and for the tests
+# (a 2-node Slurm cluster in network namespaces, Podman, Charliecloud, a local registry).
+command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
+command -v ch-run >/dev/null 2>&1 || missing+=(charliecloud)
+command -v podman >/dev/null 2>&1 || missing+=(podman)
+command -v skopeo >/dev/null 2>&1 || missing+=(skopeo)
+command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]} from the distribution"
   apt-get update -qq

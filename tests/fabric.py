@@ -40,8 +40,8 @@ def teardown(n=2):
         sh("ip", "netns", "del", ns, check=False)
 
 
-def setup(n=2) -> list[str]:
-    """Make the fabric and start one engine per host; returns the engines' URLs."""
+def network(n=2) -> list[str]:
+    """Make the namespaces and the bridge (no engines); returns the hosts' addresses."""
     teardown(n)
     sh("ip", "netns", "add", "fbfab")
     sh("ip", "-n", "fbfab", "link", "add", "br0", "type", "bridge")
@@ -51,8 +51,6 @@ def setup(n=2) -> list[str]:
     sh("ip", "-n", "fbfab", "link", "set", "fbr0p", "master", "br0", "up")
     sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", "fbr0")
     sh("ip", "link", "set", "fbr0", "up")
-    urls = []
-    RUN.mkdir(parents=True, exist_ok=True)
     for k in range(1, n + 1):
         ns, ip = f"fbn{k}", f"{SUBNET}.{10 + k}"
         sh("ip", "netns", "add", ns)
@@ -64,6 +62,16 @@ def setup(n=2) -> list[str]:
         sh("ip", "-n", ns, "link", "set", f"{ns}e", "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
         sh("ip", "-n", ns, "route", "add", "default", "via", f"{SUBNET}.1")
+    return [f"{SUBNET}.{10 + k}" for k in range(1, n + 1)]
+
+
+def setup(n=2) -> list[str]:
+    """Make the fabric and start one engine per host; returns the engines' URLs."""
+    addrs = network(n)
+    urls = []
+    RUN.mkdir(parents=True, exist_ok=True)
+    for k, ip in enumerate(addrs, 1):
+        ns = f"fbn{k}"
         (STATE / f"n{k}").mkdir(parents=True, exist_ok=True)
         log = open(RUN / f"n{k}.log", "w")
         subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", "dockerd", "-H", f"tcp://{ip}:2375",

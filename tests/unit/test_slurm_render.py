@@ -39,9 +39,14 @@ def test_every_runtime_and_variant_renders_valid_bash(runtime, variant):
 
 def test_runtime_specifics():
     podman = slurm.render_node_script(job(runtime="podman"))
-    assert "exec podman run --rm" in podman and "--network host" in podman and "--ulimit host" in podman
+    assert "\npodman run --rm" in podman and "--network host" in podman
+    assert '--ulimit "memlock=$(hard_limit l)"' in podman and "hard_limit() {" in podman
+    assert "trap 'podman rm -f \"fleetbox-train-t-0001-node$SLURM_NODEID\"" in podman and podman.endswith("wait $!\n")
     docker = slurm.render_node_script(job(runtime="docker"))
-    assert "exec docker run --rm" in docker and "-d " not in docker
+    assert "\ndocker run --rm" in docker and " -d " not in docker
+    sb = slurm.render_sbatch(job(runtime="podman"))
+    assert "podman ps -aq --filter label=io.fleetbox.job=train-t-0001 | xargs -r podman rm -f" in sb
+    assert sb.rstrip().endswith('exit "$rc"')
     ch = slurm.render_node_script(job(runtime="charliecloud"))
     assert "exec ch-run --set-env" in ch and " -c /workspace " in ch and " -- python -m paddle" in ch
     app = slurm.render_node_script(job(runtime="apptainer"))
@@ -69,6 +74,13 @@ def test_ib_and_iface_overrides_reach_the_node_script():
     node = slurm.render_node_script(job(ib_hca="mlx5_0", iface="ib0", debug=True))
     assert "NCCL_IB_HCA=mlx5_0" in node and "NCCL_IB_DISABLE=0" in node and "IFACE=ib0" in node
     assert "NCCL_DEBUG=INFO" in node
+
+
+def test_runtime_args_go_before_the_image():
+    spec = jobs.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-t-0001")
+    sj = slurm.make(spec, "podman", runtime_args="--ulimit nproc=32768:32768")
+    node = slurm.render_node_script(sj)
+    assert "--ulimit nproc=32768:32768 fleetbox/paddle:cpu python -m paddle" in node
 
 
 def test_unknown_runtime():

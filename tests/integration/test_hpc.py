@@ -1,0 +1,140 @@
+"""HPC paths for real: a 2-node Slurm cluster made by the test (runtimes Podman and Charliecloud), image
+export for Charliecloud, and a registry on loopback (push, pull back with Podman, verify the pulled image)."""
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests import slurmcluster
+from tests.conftest import ROOT, invoke
+from tests.unit.test_cli import one_line_error
+
+needs = [t for t in ("slurmctld", "slurmd", "munged", "podman", "ch-run", "ch-convert", "skopeo", "docker-registry")
+         if not shutil.which(t)]
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+              pytest.mark.skipif(bool(needs) and not os.environ.get("CI"), reason=f"missing {needs}")]
+
+# This machine refuses podman's default nofile/nproc limits: a site setting, passed as a cluster admin would.
+PODMAN_ARGS = "--ulimit nofile=20000:20000 --ulimit nproc=32768:32768"
+
+
+@pytest.fixture(scope="module")
+def charliecloud_image(cpu_image):
+    proc = invoke("export", "--variant", "cpu", "--format", "charliecloud")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1].split(": ")[-1]
+
+
+@pytest.fixture(scope="module")
+def podman_image(cpu_image):
+    want = cpu_image["image"].id.split(":")[1][:12]
+    have = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", "fleetbox/paddle:cpu"],
+                          capture_output=True, text=True).stdout
+    if not have.startswith(want):   # same image ID: podman load keeps it
+        save = subprocess.Popen(["docker", "save", "fleetbox/paddle:cpu"], stdout=subprocess.PIPE)
+        subprocess.run(["podman", "load", "-q"], stdin=save.stdout, check=True, capture_output=True)
+        save.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, cpu_image):
+    d = tmp_path_factory.mktemp("slurm")
+    env = slurmcluster.start(d)
+    try:
+        yield env
+    finally:
+        slurmcluster.stop(d)
+
+
+def slurm_train(env, *args):
+    return invoke("train", "--backend", "slurm", *args, env=env, timeout=900)
+
+
+def summary(proc):
+    job_dir = proc.stdout.split("logs in ")[1].split()[0].rstrip(";")
+    return json.loads(open(os.path.join(job_dir, "summary.json")).read()), job_dir
+
+
+def test_export_charliecloud_runs_run_check(charliecloud_image):
+    proc = subprocess.run(["ch-run", "--set-env", charliecloud_image, "--", "python", "-c",
+                           "import paddle; paddle.utils.run_check()"], capture_output=True, text=True,
+                          env={**os.environ, "USER": "root"}, timeout=300)
+    assert proc.returncode == 0 and "installed successfully" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_slurm_two_nodes_with_podman(cluster, podman_image):
+    proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s, job_dir = summary(proc)
+    assert s["state"] == "COMPLETED" and s["ok"]
+    assert "[node0] FLEETBOX-SMOKE" in proc.stdout and '"params_identical": true' in proc.stdout
+    out = open(os.path.join(job_dir, f"slurm-{s['slurm_job']}.out")).read()
+    assert "master node1 = 10.213.77.11:" in out   # the first host, resolved to a numeric IP
+    node1 = open(os.path.join(job_dir, "node1.log")).read()
+    assert "fbn2e 10.213.77.12 -> master 10.213.77.11" in node1   # node 2 found its own NIC and address
+    for k in (0, 1):
+        assert os.path.exists(os.path.join(job_dir, f"node{k}", "workerlog.0"))
+
+
+def test_slurm_two_nodes_with_charliecloud(cluster, charliecloud_image):
+    proc = slurm_train(cluster, "--runtime", "charliecloud", "--image", charliecloud_image)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s, _ = summary(proc)
+    assert s["ok"] and '"world": 2' in proc.stdout
+
+
+def test_slurm_failing_rank_names_the_node(cluster, podman_image):
+    proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
+                       "--args", "--fail-rank 1 --fail-step -1 --hang-rank 0")
+    one_line_error(proc, "train failed: node2 (rank 1) exited with code 3", job_output=True)
+    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
+                          text=True).stdout.split()
+    assert left == []
+
+
+def test_slurm_bad_partition_passes_slurms_message_on(cluster):
+    proc = slurm_train(cluster, "--runtime", "podman", "--partition", "nosuchpart")
+    one_line_error(proc, "sbatch failed", "Invalid partition name specified")
+
+
+def test_sbatch_missing_is_one_clear_line(cpu_image):
+    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", env={"PATH": "/nonexistent"})
+    one_line_error(proc, "sbatch not found: run on a Slurm login node")
+
+
+def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, tmp_path):
+    cfg = tmp_path / "registry.yml"
+    cfg.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path}/data\n"
+                   f"http:\n  addr: 127.0.0.1:5055\n")
+    reg = subprocess.Popen(["docker-registry", "serve", str(cfg)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    pulled = "127.0.0.1:5055/fleetbox/paddle:cpu"
+    try:
+        for _ in range(100):
+            if subprocess.run(["curl", "-sf", "http://127.0.0.1:5055/v2/"], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        proc = invoke("push", "--variant", "cpu", "--registry", "127.0.0.1:5055/fleetbox")
+        assert proc.returncode == 0, proc.stderr
+        assert "pushed 127.0.0.1:5055/fleetbox/paddle:cpu-" in proc.stdout
+        cmds = invoke("pull-cmd", "--variant", "cpu", "--runtime", "podman", "--registry", "127.0.0.1:5055/fleetbox",
+                      "--insecure").stdout
+        pull = next(ln for ln in cmds.splitlines() if ln.startswith("podman pull") and ln.endswith(":cpu"))
+        assert subprocess.run(pull.split(), capture_output=True).returncode == 0
+        # run verify from the pulled image: podman -> docker, then `invoke verify --image`
+        save = subprocess.Popen(["podman", "save", pulled], stdout=subprocess.PIPE)
+        subprocess.run(["docker", "load", "-q"], stdin=save.stdout, check=True, capture_output=True)
+        save.wait()
+        v = invoke("verify", "--variant", "cpu", "--image", pulled)
+        assert v.returncode == 0 and "PASS  paddle.utils.run_check()" in v.stdout, v.stdout[-2000:]
+        refused = invoke("push", "--variant", "cpu", "--registry", "127.0.0.1:5099/fleetbox")
+        one_line_error(refused, "127.0.0.1:5099/fleetbox/paddle:cpu-")
+    finally:
+        reg.terminate()
+        reg.wait()
+        subprocess.run(["podman", "rmi", "-f", pulled], capture_output=True)
+        subprocess.run(["docker", "rmi", pulled, "127.0.0.1:5055/fleetbox/paddle:3.3.1-cpu-py311"],
+                       capture_output=True)

@@ -1,0 +1,90 @@
+"""A real 2-node Slurm cluster made by the tests: slurmctld here, one slurmd per node namespace.
+
+Nodes are the fabric's namespaces (fbn1, fbn2 with their own addresses). Each slurmd gets its own UTS
+namespace (hostname nodeN) and enters the node's network namespace with nsenter (not `ip netns exec`,
+which remounts /sys so slurmd finds no cgroup filesystem). Clients use SLURM_CONF.
+"""
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from tests import fabric
+
+
+def _munge(d: Path):
+    """Start munged unless it runs; remember that we did, so stop() ends it again."""
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["chown", "munge:munge", "/run/munge"], check=True)
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+        (d / "started-munged").touch()
+
+
+def conf(d: Path, addrs: list[str]) -> str:
+    host = socket.gethostname().split(".")[0]
+    nodes = "\n".join(f"NodeName=node{k} NodeAddr={ip} CPUs=2 RealMemory=2000 State=UNKNOWN"
+                      for k, ip in enumerate(addrs, 1))
+    return f"""ClusterName=fleetboxtest
+SlurmctldHost={host}({fabric.SUBNET}.1)
+SlurmUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SelectType=select/linear
+ReturnToService=2
+MpiDefault=none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MinJobAge=600
+KillWait=5
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd-%n.log
+{nodes}
+PartitionName=debug Nodes={','.join(f'node{k}' for k in range(1, len(addrs) + 1))} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def start(d: Path, n: int = 2) -> dict:
+    addrs = fabric.network(n)
+    _munge(d)
+    for sub in ("state", "spool"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    for k in range(1, n + 1):
+        (d / "spool" / f"node{k}").mkdir(parents=True, exist_ok=True)
+    (d / "slurm.conf").write_text(conf(d, addrs))
+    env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
+    subprocess.run(["slurmctld", "-f", str(d / "slurm.conf")], check=True, env=env)
+    for k in range(1, n + 1):
+        subprocess.run(["unshare", "--uts", "sh", "-c",
+                        f"hostname node{k}; exec nsenter --net=/run/netns/fbn{k} slurmd -N node{k} "
+                        f"-f {d / 'slurm.conf'}"], check=True, env=env)
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, env=env).stdout
+        if out.count("idle") == n:
+            return {"SLURM_CONF": str(d / "slurm.conf")}
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test cluster did not come up: {out!r}; logs in {d}")
+        time.sleep(0.5)
+
+
+def stop(d: Path, n: int = 2) -> None:
+    pids = [d / "slurmctld.pid"] + [d / f"slurmd-node{k}.pid" for k in range(1, n + 1)]
+    for p in pids:
+        try:
+            os.kill(int(p.read_text()), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+    time.sleep(1)
+    if (d / "started-munged").exists():
+        subprocess.run(["pkill", "-x", "munged"], capture_output=True)
+    fabric.teardown(n)
