@@ -135,17 +135,26 @@ def registry_refs(variant: Variant, registry: str, content_tag: str) -> list[str
 
 
 def push(c, image, refs: list[str], log=print) -> list[str]:
+    """Tag and push every ref; if the registry refuses, the local tags made for it are removed again."""
     import docker
-    for ref in refs:
-        repo, tag = ref.rsplit(":", 1)
-        image.tag(repo, tag)
-        log(f"pushing {ref}")
-        try:
-            for line in c.images.push(repo, tag, stream=True, decode=True):
-                if "error" in line:
-                    raise UserError(f"the registry refused {ref}: {line['error'].strip()}")
-        except docker.errors.APIError as e:
-            raise UserError(f"push of {ref} failed: {(e.explanation or str(e)).strip()[:300]}") from None
+    try:
+        for ref in refs:
+            repo, tag = ref.rsplit(":", 1)
+            image.tag(repo, tag)
+            log(f"pushing {ref}")
+            try:
+                for line in c.images.push(repo, tag, stream=True, decode=True):
+                    if "error" in line:
+                        raise UserError(f"the registry refused {ref}: {line['error'].strip()}")
+            except docker.errors.APIError as e:
+                raise UserError(f"push of {ref} failed: {(e.explanation or str(e)).strip()[:300]}") from None
+    except UserError:
+        for ref in refs:
+            try:
+                c.images.remove(ref, noprune=True)
+            except docker.errors.APIError:
+                pass
+        raise
     return refs
 
 

@@ -132,9 +132,16 @@ def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, tm
         assert v.returncode == 0 and "PASS  paddle.utils.run_check()" in v.stdout, v.stdout[-2000:]
         refused = invoke("push", "--variant", "cpu", "--registry", "127.0.0.1:5099/fleetbox")
         one_line_error(refused, "127.0.0.1:5099/fleetbox/paddle:cpu-")
+        tags = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}"], capture_output=True,
+                              text=True).stdout.split()
+        assert not [t for t in tags if t.startswith("127.0.0.1:5099/")]   # a refused push leaves no tags
     finally:
         reg.terminate()
         reg.wait()
         subprocess.run(["podman", "rmi", "-f", pulled], capture_output=True)
-        subprocess.run(["docker", "rmi", pulled, "127.0.0.1:5055/fleetbox/paddle:3.3.1-cpu-py311"],
-                       capture_output=True)
+        images = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}"],
+                                capture_output=True, text=True).stdout.splitlines()
+        ours = [ln.split()[0] if not ln.split()[0].endswith(":<none>") else ln.split()[1]
+                for ln in images if ln.startswith(("127.0.0.1:5055/", "127.0.0.1:5099/"))]
+        if ours:
+            subprocess.run(["docker", "rmi", *ours], capture_output=True)
