@@ -98,8 +98,10 @@ def render_node_script(sj: SlurmJob) -> str:
         lines += [f"export {k}={runtimes.q(v)}" for k, v in n.env.items()]
     run = runtimes.words(runtimes.command(sj.runtime, n, sj.spec.variant.device, sj.image, list(sj.runtime_args)))
     if sj.runtime in ("docker", "podman"):
-        # A killed client leaves its container running: remove it when Slurm stops this task.
-        lines += [f'trap \'{sj.runtime} rm -f "{n.name}" >/dev/null 2>&1; exit 143\' TERM INT',
+        # A killed client leaves its container running: remove it when Slurm stops this task, at once (Slurm
+        # sends SIGKILL after KillWait, which may be shorter than podman's 10 s graceful stop).
+        rm = f"{sj.runtime} rm -f" + (" --time 0" if sj.runtime == "podman" else "")
+        lines += [f'trap \'{rm} "{n.name}" >/dev/null 2>&1; exit 143\' TERM INT',
                   f"{run} &", "wait $!"]
     else:
         lines.append("exec " + run)

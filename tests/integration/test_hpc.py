@@ -145,3 +145,42 @@ def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, tm
                 for ln in images if ln.startswith(("127.0.0.1:5055/", "127.0.0.1:5099/"))]
         if ours:
             subprocess.run(["docker", "rmi", *ours], capture_output=True)
+
+
+@pytest.mark.parametrize("fmt,cmd", [("sif", "apptainer build fleetbox-paddle-cpu.sif docker-archive://"),
+                                     ("sqsh", "enroot import -o fleetbox-paddle-cpu.sqsh docker-archive://")])
+def test_export_without_its_tool_says_what_to_run_on_the_cluster(cpu_image, fmt, cmd):
+    if shutil.which({"sif": "apptainer", "sqsh": "enroot"}[fmt]):
+        pytest.skip("the converter is installed here")
+    proc = invoke("export", "--variant", "cpu", "--format", fmt)
+    one_line_error(proc, "is not installed here", "--format docker-archive", cmd)
+
+
+def test_ctrl_c_cancels_the_slurm_job_and_leaves_no_container(cluster, podman_image):
+    import signal
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
+                          "--runtime-args", PODMAN_ARGS, "--args", "--hang-rank 0 --hang-seconds 600"],
+                         cwd=ROOT, env={**os.environ, **cluster}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:   # wait until both nodes' containers run
+        running = subprocess.run(["podman", "ps", "-q", "--filter", "label=io.fleetbox.job"], capture_output=True,
+                                 text=True).stdout.split()
+        if len(running) == 2:
+            break
+        time.sleep(0.5)
+    assert len(running) == 2, "the job's containers never started"
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "scancel" in out
+    job = out.split("submitted Slurm job ")[1].split()[0]
+    env = {**os.environ, **cluster}
+    for _ in range(60):
+        state = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, env=env).stdout
+        left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
+                              text=True).stdout.split()
+        if "JobState=CANCELLED" in state and not left:
+            break
+        time.sleep(1)
+    assert "JobState=CANCELLED" in state and left == []

@@ -41,7 +41,7 @@ def test_runtime_specifics():
     podman = slurm.render_node_script(job(runtime="podman"))
     assert "\npodman run --rm" in podman and "--network host" in podman
     assert '--ulimit "memlock=$(hard_limit l)"' in podman and "hard_limit() {" in podman
-    assert "trap 'podman rm -f \"fleetbox-train-t-0001-node$SLURM_NODEID\"" in podman and podman.endswith("wait $!\n")
+    assert "trap 'podman rm -f --time 0 \"fleetbox-train-t-0001-node$SLURM_NODEID\"" in podman and podman.endswith("wait $!\n")
     docker = slurm.render_node_script(job(runtime="docker"))
     assert "\ndocker run --rm" in docker and " -d " not in docker
     sb = slurm.render_sbatch(job(runtime="podman"))
