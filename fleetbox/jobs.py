@@ -179,16 +179,22 @@ class NodeRun:
     gpus: str = ""                # "all", "2" or "device=0,1" (docker --gpus syntax); "" none
     memlock: int = -1             # -1 unlimited (NCCL/InfiniBand); lower only where the engine cannot raise it
 
-    def argv(self) -> list[str]:
-        a = ["docker"] + (["-H", self.host] if self.host else []) + [
-            "run", "-d", "--name", self.name, "--network", "host", "--shm-size", self.shm_size,
-            "--ulimit", f"memlock={self.memlock}:{self.memlock}", "--ulimit", "stack=67108864", "-w", WORKDIR]
+    def cli_flags(self) -> list[str]:
+        """Labels, volumes and environment in the `docker run` spelling (Podman takes the same)."""
+        a = []
         for k, v in self.labels.items():
             a += ["--label", f"{k}={v}"]
         for m in self.mounts:
             a += ["-v", f"{m.src}:{m.dst}" + (":ro" if m.ro else "")]
         for k, v in self.env.items():
             a += ["-e", f"{k}={v}"]
+        return a
+
+    def argv(self) -> list[str]:
+        a = ["docker"] + (["-H", self.host] if self.host else []) + [
+            "run", "-d", "--name", self.name, "--network", "host", "--shm-size", self.shm_size,
+            "--ulimit", f"memlock={self.memlock}:{self.memlock}", "--ulimit", "stack=67108864", "-w", WORKDIR,
+            *self.cli_flags()]
         for d in self.devices:
             a += ["--device", d]
         for g in self.group_add:

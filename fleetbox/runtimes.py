@@ -51,13 +51,7 @@ def _command(runtime: str, n: NodeRun, device: str, image: str) -> list[str]:
         a = ["podman", "run", "--rm", "--name", n.name, "--network", "host", "--shm-size", n.shm_size,
              "--ulimit", "memlock=$(hard_limit l)",   # the node's own limit, as Slurm set it (NCCL/IB)
              "--add-host", "$(hostname):$NODE_IP",     # Gloo resolves the node's hostname
-             "-w", WORKDIR]
-        for k, v in n.labels.items():
-            a += ["--label", f"{k}={v}"]
-        for m in n.mounts:
-            a += ["-v", f"{m.src}:{m.dst}" + (":ro" if m.ro else "")]
-        for k, v in n.env.items():
-            a += ["-e", f"{k}={v}"]
+             "-w", WORKDIR, *n.cli_flags()]
         for d in n.devices:
             a += ["--device", d]
         if n.group_add:
