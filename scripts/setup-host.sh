@@ -36,6 +36,14 @@ if ! docker info >/dev/null 2>&1; then
 fi
 say "Docker Engine $(docker version --format '{{.Server.Version}}') is up"
 
-say "installing the fleetbox package (editable, with dev tools)"
-python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+say "installing the fleetbox package (editable, with dev tools) for $(command -v python3)"
+# Debian's own python3 refuses pip installs (PEP 668, "externally managed"); on such a host install next
+# to it anyway, since this machine is dedicated to fleetbox (use a venv by hand if it is not).
+if ! python3 -m pip install -q --disable-pip-version-check -e ".[dev]" 2>/tmp/fleetbox-pip.err; then
+  if grep -q externally-managed /tmp/fleetbox-pip.err; then
+    python3 -m pip install -q --disable-pip-version-check --break-system-packages -e ".[dev]"
+  else
+    cat /tmp/fleetbox-pip.err >&2; exit 1
+  fi
+fi
 say "host ready"
