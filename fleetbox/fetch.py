@@ -89,7 +89,9 @@ def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float) -> 
         if have and r.status_code != 206:  # server ignored Range: start over
             raise _Restart()
         mode = "ab" if have else "wb"
-        total = int(r.headers.get("Content-Length", 0)) + have or None
+        expected = int(r.headers.get("Content-Length", 0)) if "gzip" not in r.headers.get("Content-Encoding", "") else 0
+        total = expected + have or None
+        got = 0
         hasher = _Hasher(h)
         try:
             with open(part, mode) as f, _bar(part.name.removesuffix(".part"), total, have) as bar:
@@ -97,8 +99,11 @@ def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float) -> 
                     f.write(chunk)
                     hasher.update(chunk)
                     bar.update(len(chunk))
+                    got += len(chunk)
         finally:
             hasher.close()   # every byte written is hashed, also when the connection broke
+        if expected and got < expected:   # urllib3 1.x does not raise on a short body: resume it ourselves
+            raise requests.ConnectionError(f"connection closed after {got} of {expected} bytes")
 
 
 class _Restart(Exception):
