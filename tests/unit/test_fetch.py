@@ -31,7 +31,7 @@ def test_resume_after_cut_fetches_only_the_rest(server, tmp_path):
     ranges = [r for p, r in server.requests if p == "/blob.bin"]
     assert len(ranges) == 2 and ranges[0] == ""
     on_disk = int(ranges[1].removeprefix("bytes=").rstrip("-"))   # what the .part held when it resumed
-    assert on_disk == 300_000 // fetch.NET_CHUNK * fetch.NET_CHUNK > 0
+    assert 0 < on_disk <= 300_000   # what arrived before the cut (whole chunks, or all of it with urllib3 1.x)
     # the second request fetched exactly the bytes not on disk: nothing already written came again
     assert server.bytes_sent["blob.bin"] == 300_000 + (len(DATA) - on_disk)
 
