@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import ROOT, jobs
+from .datasets import safe_extract
 from .engine import client as engine_client, image_or_none
 from .errors import UserError
 
@@ -224,7 +225,7 @@ class Job:
                 if self.nodes[rank].host:   # remote: the log folder lives on that host; copy it out
                     bits, _ = c.get_archive(jobs.LOG_DIR + "/.")   # the folder's content, not the folder
                     with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
-                        tar.extractall(d, filter="data")
+                        safe_extract(tar, d)
             except Exception as e:
                 (d / "gather-error.txt").write_text(str(e))
 

@@ -184,3 +184,20 @@ def test_cli_summary_verify_and_errors(site, run_invoke):
     bad = run_invoke("cache", "--datasets", "mnist", "--manifest", str(manifest), "--dest", str(dest), "--verify")
     assert bad.returncode == 1 and "bad md5" in bad.stdout
     one_line_error(run_invoke("cache", "--datasets", "nope", "--manifest", str(manifest)), "unknown data set 'nope'")
+
+
+def test_safe_extract_checks_members_itself_where_tarfile_has_no_filters(tmp_path, monkeypatch):
+    import tarfile as tf
+    monkeypatch.delattr(tf, "data_filter", raising=False)   # as on Python < 3.11.4 (Debian 12's 3.11.2)
+    good = tmp_path / "good.tar"
+    with tf.open(good, "w") as tar:
+        info = tf.TarInfo("jpg/image_00001.jpg")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"jpg"))
+    with tf.open(good) as tar:
+        ds.safe_extract(tar, tmp_path / "out")
+    assert (tmp_path / "out" / "jpg" / "image_00001.jpg").read_bytes() == b"jpg"
+    with tf.open(_crafted(tmp_path, tf.TarInfo("dataset/../../etc/evil"))) as tar:
+        with pytest.raises(UserError, match="climbs out"):
+            ds.safe_extract(tar, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
