@@ -271,7 +271,8 @@ def _run_job(spec, timeout=None):
     if not result["ok"]:
         raise Exit(f"fleetbox: train failed: " + (
             f"node{result['failed_rank']} (rank {result['failed_rank']}) exited with code "
-            f"{result['failed_exit_code']}" if result.get("failed_rank") is not None else "timed out")
+            f"{result['failed_exit_code']}" if result.get("failed_rank") is not None else
+            f"timed out after {timeout} s")
             + f" (logs: {backend_docker.runs_root() / spec.job_id})", code=1)
 
 

@@ -61,6 +61,7 @@ class Job:
         self.exits: list[tuple[int, int]] = []
         self.stopped: set[int] = set()   # nodes we stopped (rather than nodes that ended by themselves)
         self.finished: dict[int, str] = {}
+        self.timed_out = False
         self.nodes: list[jobs.NodeRun] = []
 
     # -- planning against real engines --
@@ -192,8 +193,8 @@ class Job:
                 return
             if deadline and time.monotonic() > deadline:
                 self.log(f"timeout after {timeout:.0f} s; stopping every node")
+                self.timed_out = True
                 self.stop_all()
-                self.exits.append((-1, 124))
                 return
             time.sleep(POLL_S)
 
@@ -251,9 +252,10 @@ class Job:
             rows.append({"node": f"node{n.rank}", "host": n.host or "local", "rank": n.rank, "exit_code": code,
                          "state": state, "finished_at": self.finished.get(n.rank, ""),
                          "logs": str(self.dir / f"node{n.rank}")})
-        result = {"job_id": self.spec.job_id, "ok": bad is None and -1 not in exits, "rows": rows,
-                  "failed_rank": bad, "smoke": _smoke_report(self.dir)}
-        if bad is not None:
+        result = {"job_id": self.spec.job_id, "ok": bad is None and not self.timed_out, "rows": rows,
+                  "failed_rank": None if self.timed_out else bad, "timed_out": self.timed_out,
+                  "smoke": _smoke_report(self.dir)}
+        if result["failed_rank"] is not None:
             result["failed_exit_code"] = exits[bad]
             result["log_tail"] = _tail(self.dir / f"node{bad}")
         (self.dir / "summary.json").write_text(json.dumps(result, indent=1))

@@ -116,8 +116,8 @@ def render_sbatch(sj: SlurmJob) -> str:
     for flag, val in (("partition", sj.partition), ("time", sj.time_limit), ("account", sj.account)):
         if val:
             head.append(f"#SBATCH --{flag}={val}")
-    if s.variant.device == "cuda":
-        head.append(f"#SBATCH --gpus-per-node={s.gpus_per_node or 1}" if not s.devices else "")
+    if s.variant.device == "cuda" and not s.devices:
+        head.append(f"#SBATCH --gpus-per-node={s.gpus_per_node or 1}")
     body = [
         "set -euo pipefail",
         "# the master: first host of the allocation, as a numeric IP (Paddle's master needs one)",
@@ -138,7 +138,7 @@ def render_sbatch(sj: SlurmJob) -> str:
         body.append(f"srun --nodes=$SLURM_NNODES --ntasks-per-node=1 --output=/dev/null bash -c "
                     f"'{rt} ps -aq --filter label={jobs.LABEL_JOB}={s.job_id} | xargs -r {rt} rm -f' || true")
     body.append('exit "$rc"')
-    return "\n".join([h for h in head if h] + body) + "\n"
+    return "\n".join(head + body) + "\n"
 
 
 # ---- acting: submit, follow, gather ----

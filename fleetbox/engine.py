@@ -47,7 +47,7 @@ def run_dir(kind: str) -> Path:
 
 def stream_build(chunks, log_file: Path, echo=print) -> str:
     """Print a `docker build` JSON stream as it comes, keep it in `log_file`; return the image ID."""
-    image_id, tail = "", []
+    image_id = ""
     with open(log_file, "a") as log:
         for chunk in chunks:
             if "error" in chunk:
@@ -60,7 +60,6 @@ def stream_build(chunks, log_file: Path, echo=print) -> str:
                 log.write(text)
                 for line in text.rstrip("\n").splitlines():
                     echo(f"  | {line}")
-                    tail = (tail + [line])[-20:]
     if not image_id:
         raise UserError(f"build ended without an image (full log: {log_file})")
     return image_id

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import queue
-import shutil
 import sys
 import threading
 import time
@@ -154,13 +153,3 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
             time.sleep(backoff * 2 ** attempt)
     part.unlink(missing_ok=True)
     raise UserError(f"giving up on {url} after {retries + 1} attempts: {last}")
-
-
-def copy_verified(src: Path, dest: Path, digest: str, algo: str = "sha256") -> Path:
-    """Copy a local file to `dest` only if it matches `digest` (temp name, then rename)."""
-    part = dest.with_name(dest.name + ".part")
-    shutil.copyfile(src, part)
-    if file_digest(part, algo) != digest:
-        part.unlink()
-        raise UserError(f"{src}: {algo} does not match the expected {digest}")
-    return part.replace(dest)

@@ -62,6 +62,14 @@ def test_failing_rank_stops_the_others_and_is_named(cpu_image):
     assert job_containers(s["job_id"]) == []
 
 
+def test_timeout_stops_the_job_and_says_so(cpu_image):
+    proc = invoke("train", "--nodes", "2", "--timeout", "20", "--args", "--hang-rank 0 --hang-seconds 300")
+    one_line_error(proc, "train failed: timed out after 20 s", job_output=True)
+    s = summary_of(proc)
+    assert s["timed_out"] and s["failed_rank"] is None and not s["ok"]
+    assert job_containers(s["job_id"]) == []
+
+
 def test_sigint_stops_and_removes_every_container(cpu_image):
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--nodes", "2", "--args", "--step-sleep 1"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
