@@ -269,7 +269,7 @@ def _run_job(spec, timeout=None):
     result = backend_docker.run(spec, log=_log, timeout=float(timeout) if timeout else None)
     _log(backend_docker.table(result))
     if not result["ok"]:
-        raise Exit(f"fleetbox: train failed: " + (
+        raise Exit("fleetbox: train failed: " + (
             f"node{result['failed_rank']} (rank {result['failed_rank']}) exited with code "
             f"{result['failed_exit_code']}" if result.get("failed_rank") is not None else
             f"timed out after {timeout} s")
@@ -304,7 +304,7 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
 @_fleetbox
 def push(c, variant=None, registry=None):
     """Push the content tag and the aliases of the variant's image to a registry."""
-    from fleetbox import engine, hpc, images, matrix
+    from fleetbox import engine, hpc, images
     v = _variant(variant)
     client = engine.client()
     image = images.resolve(client, v)

@@ -14,10 +14,9 @@ import signal
 import tarfile
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from . import ROOT, jobs
+from . import ROOT, jobs, probes
 from .datasets import safe_extract
 from .engine import client as engine_client, image_or_none
 from .errors import UserError
@@ -26,28 +25,25 @@ GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to 
 STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
 POLL_S = 0.25
 
-DETECT = r"""
-import fcntl, json, resource, socket, struct, sys
-master, port = sys.argv[1], int(sys.argv[2])
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect((master, 9)); local = s.getsockname()[0]
-def addr(n):
-    try: return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", n[:15].encode()))[20:24])
-    except OSError: return None
-names = [n for _, n in socket.if_nameindex()]
-iface = next((n for n in names if addr(n) == local), "")
-free = True
-if local == master:
-    t = socket.socket(); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try: t.bind((master, port))
-    except OSError: free = False
-hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
-memlock = -1 if hard == resource.RLIM_INFINITY else hard   # what this engine's containers may get
-print(json.dumps({"iface": iface, "local": local, "names": names, "port_free": free, "memlock": memlock}))
-"""
-
-
 def runs_root() -> Path:
     return Path(os.environ.get("FLEETBOX_RUNS", ROOT / "runs"))
+
+
+def remote_log_dirs(spec: jobs.JobSpec) -> list[str]:
+    """Per-node log folders on remote hosts (copied back when the job ends)."""
+    return [f"/tmp/fleetbox-runs/{spec.job_id}/node{k}" for k in range(spec.nodes)]
+
+
+def local_plan(spec: jobs.JobSpec, port: int) -> list[jobs.NodeRun]:
+    """Every node on this machine: loopback master (numeric, as Paddle needs), this machine's NIC and address
+    towards it, logs under runs/<job-id>/, the locked memory this machine's engine can give."""
+    master_ip = "127.0.0.1"
+    if spec.iface:
+        jobs.check_iface(spec.iface)
+    iface, own = jobs.route(master_ip)
+    return jobs.plan_nodes(spec, master_ip, port, [spec.iface or iface] * spec.nodes,
+                           [str(runs_root() / spec.job_id / f"node{k}") for k in range(spec.nodes)],
+                           Path("/opt/hyhal").exists(), jobs.local_memlock(), [own] * spec.nodes)
 
 
 class Job:
@@ -81,36 +77,27 @@ class Job:
                                 + (" there (or push it and pull it there)" if host else ""))
         if s.hosts:
             master_ip = jobs.host_address(s.hosts[0])
-            port = s.port or 29000 + int.from_bytes(os.urandom(2), "big") % 20000
-            probes = [self._probe(h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(s.hosts)]
-            ifaces = [p["iface"] for p in probes]
-            node_ips = [p["local"] for p in probes]
-            caps = [p["memlock"] for p in probes if p["memlock"] != -1]
-            memlock = min(caps) if caps else -1
-            log_dirs = [f"/tmp/fleetbox-runs/{s.job_id}/node{k}" for k in range(s.nodes)]
+            port = s.port or jobs.random_port()
+            probes_ = [self._probe(h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(s.hosts)]
+            caps = [p["memlock"] for p in probes_ if p["memlock"] != -1]
+            self.nodes = jobs.plan_nodes(s, master_ip, port, [p["iface"] for p in probes_], remote_log_dirs(s),
+                                         Path("/opt/hyhal").exists(), min(caps) if caps else -1,
+                                         [p["local"] for p in probes_])
         else:
-            master_ip = "127.0.0.1"   # every node on this machine: loopback, numeric as Paddle needs
             if s.port:
-                jobs.check_port(master_ip, s.port)
-            port = s.port or jobs.free_port(master_ip)
-            if s.iface:
-                jobs.check_iface(s.iface)
-            iface, own = jobs.route(master_ip)
-            ifaces, node_ips = [s.iface or iface] * s.nodes, [own] * s.nodes
-            log_dirs = [str(self.dir / f"node{k}") for k in range(s.nodes)]
-            memlock = jobs.local_memlock()
+                jobs.check_port("127.0.0.1", s.port)
+            self.nodes = local_plan(s, s.port or jobs.free_port("127.0.0.1"))
+        memlock = self.nodes[0].memlock
         if memlock != -1:
             self.log(f"note: the engine caps locked memory at {memlock} bytes, so containers get that, not "
                      f"unlimited (fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)")
-        self.nodes = jobs.plan_nodes(s, master_ip, port, ifaces, log_dirs, Path("/opt/hyhal").exists(), memlock,
-                                     node_ips)
         return self.nodes
 
     def _probe(self, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
         whether the port is free, and how much locked memory that engine's containers may get."""
         c = self.engine(host)
-        out = c.containers.run(self.spec.image_ref, ["python", "-c", DETECT, master_ip, str(port)],
+        out = c.containers.run(self.spec.image_ref, ["python", "-c", probes.source("netinfo"), master_ip, str(port)],
                                network_mode="host", remove=True, labels={jobs.LABEL_JOB: self.spec.job_id})
         info = json.loads(out.decode().strip().splitlines()[-1])
         if self.spec.iface:
@@ -206,7 +193,6 @@ class Job:
             t.start()
         for t in threads:
             t.join()
-        seen = dict(self.exits)
         for rank, c in self.containers.items():
             if rank not in seen:
                 try:
@@ -318,21 +304,15 @@ def dry_run(spec: jobs.JobSpec) -> list[jobs.NodeRun]:
     if spec.hosts:
         iface = spec.iface or "<NIC that routes to the master on that host; pass --iface>"
         return jobs.plan_nodes(spec, jobs.host_address(spec.hosts[0]), spec.port or 29500, [iface] * spec.nodes,
-                               [f"/tmp/fleetbox-runs/{spec.job_id}/node{k}" for k in range(spec.nodes)],
-                               node_ips=[jobs.host_address(h) for h in spec.hosts])
-    if spec.iface:
-        jobs.check_iface(spec.iface)
-    iface = spec.iface or jobs.route_iface("127.0.0.1")
-    return jobs.plan_nodes(spec, "127.0.0.1", spec.port or jobs.free_port("127.0.0.1"), [iface] * spec.nodes,
-                           [str(runs_root() / spec.job_id / f"node{k}") for k in range(spec.nodes)],
-                           Path("/opt/hyhal").exists(), jobs.local_memlock())
+                               remote_log_dirs(spec), node_ips=[jobs.host_address(h) for h in spec.hosts])
+    return local_plan(spec, spec.port or jobs.free_port("127.0.0.1"))
 
 
 def run(spec: jobs.JobSpec, log=print, timeout: float | None = None) -> dict:
     """Run the job to its end; every container is removed whatever happens (Ctrl-C and SIGTERM included)."""
     job = Job(spec, log)
     job.prepare()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         job.start()
         job.stream_rank0()
@@ -350,7 +330,8 @@ def run(spec: jobs.JobSpec, log=print, timeout: float | None = None) -> dict:
     return job.summary()
 
 
-def _raise_interrupt(signum, frame):
+def raise_interrupt(signum, frame):
+    """SIGTERM (e.g. from a scheduler) takes the same cleanup path as Ctrl-C."""
     raise KeyboardInterrupt
 
 

@@ -8,7 +8,6 @@ found on the node itself. The container is started by the chosen runtime (see ru
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -17,8 +16,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import ROOT, hpc, jobs, runtimes
-from .backend_docker import runs_root
+from . import hpc, jobs, probes, runtimes
+from .backend_docker import raise_interrupt, runs_root
 from .errors import UserError
 
 NODE_VARS = {"rank": "$SLURM_NODEID", "master": "$MASTER_IP", "port": "$MASTER_PORT", "iface": "$IFACE",
@@ -37,14 +36,6 @@ ROUTE_SH = r'''route_to() {
   fi
   echo "$dev $src"
 }'''
-
-# The same inside the container, for pyxis (whose wrapper runs in the image, which has Python, not iproute2).
-ROUTE_PY = ("import fcntl, socket, struct, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
-            "s.connect((sys.argv[1], 9)); ip = s.getsockname()[0]; "
-            "a = lambda n: socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack('256s', n[:15].encode()))[20:24]); "
-            "names = [n for _, n in socket.if_nameindex()]; "
-            "print(next(n for n in names if (lambda: a(n))() == ip), ip)")
-
 
 @dataclass(frozen=True)
 class SlurmJob:
@@ -84,7 +75,9 @@ def render_node_script(sj: SlurmJob) -> str:
     if sj.runtime == "podman":
         lines.append('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')
     if sj.runtime == "pyxis":
-        lines.append(f'read -r IFACE NODE_IP <<<"$(python -c {runtimes.q(ROUTE_PY)} "$MASTER_IP")"')
+        # the wrapper runs inside the image (Python, no iproute2): the same probe the Docker backend uses
+        src = runtimes.q(probes.source("netinfo"))
+        lines.append(f'read -r IFACE NODE_IP <<<"$(python -c {src} "$MASTER_IP" --plain)"')
     else:
         lines.append(ROUTE_SH)
         lines.append('read -r IFACE NODE_IP <<<"$(route_to "$MASTER_IP")"')
@@ -185,7 +178,7 @@ def follow(sj: SlurmJob, job_id: str, log=print, poll: float = 1.0) -> dict:
     """Stream node 0's output until the job ends; scancel on Ctrl-C/SIGTERM; return a summary."""
     log(f"submitted Slurm job {job_id} ({sj.spec.nodes} nodes, runtime {sj.runtime}); logs in {sj.dir}")
     node0, pos, state = sj.dir / "node0.log", 0, "PENDING"
-    previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         while True:
             if node0.exists():
@@ -239,4 +232,4 @@ def make(spec: jobs.JobSpec, runtime: str, image: str = "", partition: str = "",
     runtimes.check(runtime)
     img = image or hpc.runtime_image(spec.variant, runtime, spec.image_ref)
     return SlurmJob(spec, runtime, img, partition, time_limit, account,
-                    port or 29000 + int.from_bytes(os.urandom(2), "big") % 20000, tuple(shlex.split(runtime_args)))
+                    port or jobs.random_port(), tuple(shlex.split(runtime_args)))

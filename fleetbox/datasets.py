@@ -187,10 +187,7 @@ def table(rows: list[dict]) -> str:
 
 def pack(datasets: list[Dataset], dest: Path, out: Path) -> Path:
     """One archive with the verified files and their checksums (temp name, then rename)."""
-    rows = check(datasets, dest)
-    bad = [r for r in rows if r["status"] != "ok"]
-    if bad:
-        raise UserError(f"cannot pack: {bad[0]['file']} is {bad[0]['status']} in {dest}; run `invoke cache` first")
+    require(datasets, dest)
     index = {"format": 1, "files": {}}
     for d in datasets:
         for f in d.files:

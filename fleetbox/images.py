@@ -75,7 +75,7 @@ class BuildPlan:
                + f"make it with `invoke lock --variant {v.name}` where {v.paddle_index or v.pypi} is reachable"),
             f"tag       {self.tag}",
             f"aliases   {' '.join(self.aliases)}",
-            f"datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {datasets.CONTAINER_CACHE} in "
+            "datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {datasets.CONTAINER_CACHE} in "
                              f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})" if self.data else "none baked"),
             f"command   docker build --network none -f {self.dockerfile.relative_to(ROOT)} {args} CONTEXT",
         ]

@@ -4,13 +4,11 @@ the pure planning that turns it into one container per node. Backends (Docker he
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import os
 import secrets
 import shlex
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +18,7 @@ from . import ROOT
 from .datasets import CONTAINER_CACHE
 from .errors import UserError
 from .matrix import Variant
+from .probes import netinfo
 
 LOG_DIR = "/fleetbox/logs"     # inside each node's container; --log_dir of paddle.distributed.launch
 WORKDIR = "/workspace"
@@ -84,31 +83,22 @@ def validate(spec: JobSpec) -> None:
 # ---- network facts (read from this machine; for remote hosts a probe container answers the same) ----
 
 def interfaces() -> list[str]:
-    return [name for _, name in socket.if_nameindex()]
+    return netinfo.interfaces()
 
 
 def iface_address(name: str) -> str | None:
-    """IPv4 address of an interface (SIOCGIFADDR), or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
+    return netinfo.iface_address(name)
 
 
 def route(master_ip: str) -> tuple[str, str]:
     """(interface, own address) this machine uses to reach the master (on the master: the one holding it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((master_ip, 9))
-        except OSError as e:
-            raise UserError(f"no route to master {master_ip}: {e.strerror}") from None
-        local = s.getsockname()[0]
-    for name in interfaces():
-        if iface_address(name) == local:
-            return name, local
-    raise UserError(f"no interface holds {local}, the address that routes to {master_ip}; pass --iface")
+    try:
+        iface, local = netinfo.route(master_ip)
+    except OSError as e:
+        raise UserError(f"no route to master {master_ip}: {e.strerror}") from None
+    if not iface:
+        raise UserError(f"no interface holds {local}, the address that routes to {master_ip}; pass --iface")
+    return iface, local
 
 
 def route_iface(master_ip: str) -> str:
@@ -127,13 +117,14 @@ def free_port(ip: str) -> int:
         return s.getsockname()[1]
 
 
+def random_port() -> int:
+    """A master port for machines we cannot ask (remote hosts, Slurm nodes)."""
+    return 29000 + int.from_bytes(os.urandom(2), "big") % 20000
+
+
 def check_port(ip: str, port: int) -> None:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((ip, port))
-        except OSError:
-            raise UserError(f"port {port} on {ip} is already in use; pick another with --port") from None
+    if not netinfo.port_free(ip, port):
+        raise UserError(f"port {port} on {ip} is already in use; pick another with --port")
 
 
 def host_address(url: str) -> str:
@@ -304,9 +295,7 @@ def plan_nodes(spec: JobSpec, master_ip: str, port: int, ifaces: list[str], log_
 
 def local_memlock() -> int:
     """-1 (unlimited) unless this machine's hard limit is lower: dockerd, started here, cannot go above it."""
-    import resource
-    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
-    return -1 if hard == resource.RLIM_INFINITY else hard
+    return netinfo.memlock_limit()
 
 
 def culprit(exits: list[tuple[int, int]]) -> int | None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from importlib import resources
 
 from pathlib import Path
 
+from . import probes
 from .datasets import CONTAINER_CACHE, default_dest
 from .engine import run_dir
 from .errors import UserError
@@ -14,10 +14,6 @@ from .images import resolve
 from .matrix import Variant
 
 MARK = "FLEETBOX-REPORT "
-
-
-def probe_source() -> str:
-    return resources.files("fleetbox.probes").joinpath("verify_image.py").read_text()
 
 
 def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None) -> dict:
@@ -72,7 +68,7 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     mount = data_dir if data_dir.is_dir() and any(data_dir.iterdir()) else None
     if mount:
         log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
-    container = c.containers.run(image.id, ["python", "-c", probe_source()], detach=True,
+    container = c.containers.run(image.id, ["python", "-c", probes.source("verify_image")], detach=True,
                                  labels={"io.fleetbox.role": "verify"}, **container_kwargs(variant, labels, mount))
     try:
         status = container.wait(timeout=600)

@@ -2,7 +2,6 @@
 import json
 import subprocess
 
-import pytest
 
 from fleetbox import datasets as ds
 from tests.conftest import invoke

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from tests import fabric
-from tests.conftest import ROOT, invoke
+from tests.conftest import invoke
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and extra engines need root")
 

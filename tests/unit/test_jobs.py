@@ -1,5 +1,4 @@
 """The job planner: docker argv and environment per node, for cpu / CUDA / DCU, 1 and several nodes."""
-from dataclasses import replace
 
 import pytest
 
