@@ -147,9 +147,10 @@ def up(c, variant=None, mirror=None, nodes=2):
             "verify": "re-check the MD5 of what is in the cache instead of downloading",
             "pack": "write the named data sets (all known ones if none named) to this archive with checksums",
             "from_": "restore a cache archive made with --pack (every MD5 checked, unsafe members refused)",
-            "manifest": "another dataset manifest (default offline_cache/datasets.toml)"})
+            "manifest": "another dataset manifest (default offline_cache/datasets.toml)",
+            "jobs": "files downloaded at a time (default 4)"})
 @_fleetbox
-def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, from_=None, manifest=None):
+def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, from_=None, manifest=None, jobs=4):
     """Seed Paddle's dataset cache offline-ready: download (MD5, resume, retry), verify, pack, restore."""
     from pathlib import Path
     from fleetbox import datasets as ds
@@ -173,7 +174,7 @@ def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, fro
         if bad:
             raise Exit(f"fleetbox: {len(bad)} of {len(rows)} files missing or bad in {dest}", code=1)
         return
-    rows = ds.seed(chosen, dest, mirror, log=_log)
+    rows = ds.seed(chosen, dest, mirror, log=_log, jobs=int(jobs))
     _log(ds.table(rows))
     _log(f"cache {dest}: {len(rows)} files verified; mount it at {ds.CONTAINER_CACHE} (read-only)")
 

@@ -7,20 +7,22 @@ A file only ever appears under its final name after its digest matched; partial 
 from __future__ import annotations
 
 import hashlib
+import http.client
+import os
 import queue
 import sys
 import threading
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 import requests
+import urllib3
 from tqdm import tqdm
 
 from .errors import UserError
 
-CHUNK = 1 << 20        # reading local files
-NET_CHUNK = 1 << 16    # network reads: small, so a cut connection loses little
+CHUNK = 1 << 20   # one read: large, so per-read overhead vanishes; a reset loses at most this much
+BUFFERS = 4       # in flight between the reader and the hashing thread
 
 
 def file_digest(path: Path, algo: str = "sha256") -> str:
@@ -31,29 +33,54 @@ def file_digest(path: Path, algo: str = "sha256") -> str:
 def session() -> requests.Session:
     s = requests.Session()
     s.headers["User-Agent"] = "fleetbox"
+    # The bytes as stored: what the digest is over, and what Range offsets count (no on-the-fly gzip).
+    s.headers["Accept-Encoding"] = "identity"
     return s
 
 
-class _Hasher:
-    """Hash in a second thread, overlapped with the network read: hashlib releases the GIL on large
-    buffers, so download and MD5/SHA run on two cores instead of one after the other."""
+class _Broken(Exception):
+    """The connection failed mid-body: retry, resuming from what is on disk."""
 
-    def __init__(self, h):
-        self.h = h
-        self.q: queue.Queue = queue.Queue(maxsize=64)
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
 
-    def _run(self):
-        while (chunk := self.q.get()) is not None:
-            self.h.update(chunk)
+class Stopped(Exception):
+    """Another download failed or the user interrupted: stop, keeping the `.part` to resume later."""
 
-    def update(self, chunk: bytes) -> None:
-        self.q.put(chunk)
 
-    def close(self) -> None:
-        self.q.put(None)
-        self.t.join()
+def _pump(readinto, fd: int, h, bar, stop: threading.Event | None = None) -> int:
+    """Copy from `readinto` to `fd` through reused buffers, hashing in a second thread.
+
+    MD5 is the costliest step (one core does ~700 MB/s), so it overlaps the next read and write:
+    hashlib releases the GIL on large buffers. Reused buffers avoid allocating (and page-faulting) a
+    fresh megabyte per read. Every byte written is hashed, also when a read fails, so a later resume
+    starts from a `.part` whose digest state is exact. Returns the number of bytes copied."""
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    full: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(BUFFERS):
+        free.put(memoryview(bytearray(CHUNK)))
+
+    def hash_loop():
+        while (item := full.get()) is not None:
+            buf, n = item
+            h.update(buf[:n])
+            free.put(buf)
+
+    t = threading.Thread(target=hash_loop, daemon=True)
+    t.start()
+    copied = 0
+    try:
+        while n := readinto(buf := free.get()):
+            done = 0
+            while done < n:
+                done += os.write(fd, buf[done:n])
+            full.put((buf, n))
+            copied += n
+            bar.update(n)
+            if stop is not None and stop.is_set():
+                raise Stopped()
+    finally:
+        full.put(None)
+        t.join()
+    return copied
 
 
 def _bar(name: str, total: int | None, initial: int):
@@ -62,16 +89,32 @@ def _bar(name: str, total: int | None, initial: int):
                 disable=None)  # None: no bar when stderr is not a terminal
 
 
-def _copy_local(src: Path, part: Path, h) -> None:
+def _copy_local(src: Path, part: Path, h, stop=None) -> None:
     if not src.is_file():
         raise UserError(f"not found in mirror folder: {src}")
-    with open(src, "rb") as fi, open(part, "wb") as fo:
-        while chunk := fi.read(CHUNK):
-            h.update(chunk)
-            fo.write(chunk)
+    with open(src, "rb", buffering=0) as fi, open(part, "wb") as fo, \
+            _bar(part.name.removesuffix(".part"), src.stat().st_size, 0) as bar:
+        _pump(fi.readinto, fo.fileno(), h, bar, stop)
 
 
-def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float) -> None:
+def _body_reader(r: requests.Response):
+    """`readinto` for the raw body. http.client's own response fills our buffer in one call; urllib3's
+    readinto would read into a new bytes object and copy it. Read errors become `_Broken`."""
+    raw = r.raw
+    body = getattr(raw, "_fp", None)
+    if not isinstance(body, http.client.HTTPResponse):   # some other transport adapter: its own readinto
+        raw.decode_content = False
+        body = raw
+
+    def readinto(b):
+        try:
+            return body.readinto(b)
+        except (OSError, http.client.HTTPException, urllib3.exceptions.HTTPError) as e:
+            raise _Broken(type(e).__name__) from None
+    return readinto
+
+
+def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float, stop=None) -> None:
     """Append to `part` from where it stops (Range), feeding every byte on disk through `h`."""
     have = part.stat().st_size if part.exists() else 0
     if have:
@@ -87,22 +130,12 @@ def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float) -> 
         r.raise_for_status()
         if have and r.status_code != 206:  # server ignored Range: start over
             raise _Restart()
-        mode = "ab" if have else "wb"
-        expected = int(r.headers.get("Content-Length", 0)) if "gzip" not in r.headers.get("Content-Encoding", "") else 0
-        total = expected + have or None
-        got = 0
-        hasher = _Hasher(h)
-        try:
-            with open(part, mode) as f, _bar(part.name.removesuffix(".part"), total, have) as bar:
-                for chunk in r.iter_content(NET_CHUNK):
-                    f.write(chunk)
-                    hasher.update(chunk)
-                    bar.update(len(chunk))
-                    got += len(chunk)
-        finally:
-            hasher.close()   # every byte written is hashed, also when the connection broke
-        if expected and got < expected:   # urllib3 1.x does not raise on a short body: resume it ourselves
-            raise requests.ConnectionError(f"connection closed after {got} of {expected} bytes")
+        expected = int(r.headers.get("Content-Length") or 0)
+        with open(part, "ab" if have else "wb") as f, \
+                _bar(part.name.removesuffix(".part"), expected + have or None, have) as bar:
+            got = _pump(_body_reader(r), f.fileno(), h, bar, stop)
+        if expected and got < expected:   # a cut connection can look like a clean end of the body
+            raise _Broken(f"connection closed after {got} of {expected} bytes")
 
 
 class _Restart(Exception):
@@ -110,8 +143,10 @@ class _Restart(Exception):
 
 
 def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: requests.Session | None = None,
-             retries: int = 4, backoff: float = 1.0, timeout: float = 60) -> Path:
-    """Fetch `url` (http(s) URL or local path) to `dest`, verifying `digest`. Returns `dest`."""
+             retries: int = 4, backoff: float = 1.0, timeout: float = 60,
+             stop: threading.Event | None = None) -> Path:
+    """Fetch `url` (http(s) URL or local path) to `dest`, verifying `digest`. Returns `dest`.
+    Setting `stop` (from another thread) ends the download with `Stopped`, keeping what is on disk."""
     if dest.exists() and file_digest(dest, algo) == digest:
         return dest
     sess = sess or session()
@@ -123,9 +158,9 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
         h = hashlib.new(algo)
         try:
             if local:
-                _copy_local(Path(urlparse(url).path), part, h)
+                _copy_local(Path(urlparse(url).path), part, h, stop)
             else:
-                _stream(sess, url, part, h, timeout)
+                _stream(sess, url, part, h, timeout, stop)
         except UserError:
             part.unlink(missing_ok=True)
             raise
@@ -133,8 +168,10 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
             part.unlink(missing_ok=True)
             last = "server ignored Range"
             continue
-        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
-            last = f"{type(e).__name__}"
+        except (requests.ConnectionError, requests.Timeout) as e:
+            last = type(e).__name__
+        except _Broken as e:
+            last = f"connection broken ({e})"
         except requests.HTTPError as e:
             last = f"HTTP {e.response.status_code}"
             if e.response.status_code < 500 and e.response.status_code != 429:
@@ -149,7 +186,7 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
                 return dest
             last = f"{algo} mismatch (got {h.hexdigest()[:16]}…, want {digest[:16]}…)"
             part.unlink(missing_ok=True)   # corrupt bytes cannot be resumed
-        if attempt < retries:
-            time.sleep(backoff * 2 ** attempt)
+        if attempt < retries and (stop or threading.Event()).wait(backoff * 2 ** attempt):
+            raise Stopped()
     part.unlink(missing_ok=True)
     raise UserError(f"giving up on {url} after {retries + 1} attempts: {last}")

@@ -12,6 +12,13 @@ class Server:
         self.corrupt: set[str] = set()          # paths always served with a flipped byte
         self.requests: list[tuple[str, str]] = []   # (path, Range header)
         self.bytes_sent: dict[str, int] = {}
+        self.headers_seen: list[dict[str, str]] = []   # each GET's request headers
+        self.extra_headers: dict[str, dict[str, str]] = {}   # path -> response headers to add
+        self.hold_for = 0        # hold each body until this many GETs are in flight (or 10 s passed)
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._cond = threading.Condition()
+        self._held = True
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -24,45 +31,64 @@ class Server:
             def do_GET(self, head=False):
                 rel = self.path.split("?")[0].lstrip("/")
                 server.requests.append((self.path, self.headers.get("Range", "")))
+                server.headers_seen.append(dict(self.headers))
                 path = server.root / rel
                 if path.is_dir():
                     path = path / "index.html"
                 if not path.is_file():
                     self.send_error(404)
                     return
-                data = path.read_bytes()
-                if "/" + rel in server.corrupt or rel in server.corrupt:
-                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+                size = path.stat().st_size
+                corrupt = "/" + rel in server.corrupt or rel in server.corrupt
                 start, status = 0, 200
                 rng = self.headers.get("Range", "")
                 if rng.startswith("bytes="):
                     start = int(rng[6:].split("-")[0])
-                    if start >= len(data):
+                    if start >= size:
                         self.send_response(416)
-                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Range", f"bytes */{size}")
                         self.end_headers()
                         return
                     status = 206
-                body = data[start:]
                 self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(size - start))
                 self.send_header("Content-Type", "text/html" if path.suffix == ".html" else "application/octet-stream")
                 if status == 206:
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                    self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
+                for k, v in server.extra_headers.get(rel, {}).items():
+                    self.send_header(k, v)
                 self.send_header("Accept-Ranges", "bytes")
                 self.end_headers()
                 if head:
                     return
+                with server._cond:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    if server.in_flight >= server.hold_for:
+                        server._held = False   # released for good, also for those still waking up
+                        server._cond.notify_all()
+                    server._cond.wait_for(lambda: not server._held, timeout=10)
+                try:
+                    self._send_body(rel, path, size, start, corrupt)
+                finally:
+                    with server._cond:
+                        server.in_flight -= 1
+
+            def _send_body(self, rel, path, size, start, corrupt):
                 cut = server.cut_after.pop(rel, None)
+                count = size - start if cut is None else min(cut, size - start)
+                self.wfile.flush()
+                with open(path, "rb") as f:   # from the file with sendfile, as nginx or Apache would
+                    if corrupt and start == 0 and count:
+                        self.connection.sendall(bytes([f.read(1)[0] ^ 0xFF]))
+                        sent = 1 + self.connection.sendfile(f, 1, count - 1)
+                    else:
+                        sent = self.connection.sendfile(f, start, count)
+                with server._cond:
+                    server.bytes_sent[rel] = server.bytes_sent.get(rel, 0) + sent
                 if cut is not None:
-                    self.wfile.write(body[:cut])
-                    self.wfile.flush()
-                    server.bytes_sent[rel] = server.bytes_sent.get(rel, 0) + cut
                     self.close_connection = True
                     self.connection.shutdown(2)
-                    return
-                self.wfile.write(body)
-                server.bytes_sent[rel] = server.bytes_sent.get(rel, 0) + len(body)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -44,6 +44,23 @@ def test_fresh_download_then_cached(site):
     assert [r["status"] for r in rows] == ["cached"] * 4 and len(server.requests) == n
 
 
+def test_files_of_a_data_set_download_at_the_same_time(site):
+    server, known, _, tmp = site
+    server.hold_for = 4   # the server holds each body until all four requests are in flight
+    rows = ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None, jobs=4)
+    assert server.max_in_flight == 4 and [r["status"] for r in rows] == ["downloaded"] * 4
+
+
+def test_after_a_failure_no_further_file_starts(site):
+    server, known, _, tmp = site
+    (tmp / "srv" / "mnist" / "train-labels-idx1-ubyte.gz").unlink()   # the second file
+    with pytest.raises(UserError, match="HTTP 404.*train-labels"):
+        ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None, jobs=1)
+    asked = [p for p, _ in server.requests]
+    assert asked == ["/mnist/train-images-idx3-ubyte.gz", "/mnist/train-labels-idx1-ubyte.gz"]
+    assert (tmp / "cache" / "mnist" / "train-images-idx3-ubyte.gz").exists()   # what finished stays
+
+
 def test_resume_after_the_server_cuts_mid_file(site):
     server, known, _, tmp = site
     name = "mnist/train-images-idx3-ubyte.gz"

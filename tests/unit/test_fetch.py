@@ -1,4 +1,6 @@
+import gzip
 import hashlib
+import threading
 
 import pytest
 
@@ -54,3 +56,27 @@ def test_404_is_one_clear_error(server, tmp_path):
 def test_unreachable_server_gives_up_with_the_reason(tmp_path):
     with pytest.raises(UserError, match="ConnectionError"):
         fetch.download("http://127.0.0.1:9/x", tmp_path / "x", "0" * 64, retries=1, backoff=0.01)
+
+
+def test_stored_bytes_are_kept_even_when_the_server_says_gzip(server, tmp_path):
+    # Apache's `AddEncoding x-gzip .gz` labels a .gz file gzip-encoded; the digest is over the stored bytes.
+    stored = gzip.compress(DATA)
+    (server.root / "idx.gz").write_bytes(stored)
+    server.extra_headers["idx.gz"] = {"Content-Encoding": "gzip"}
+    dest = tmp_path / "idx.gz"
+    fetch.download(f"{server.url}/idx.gz", dest, hashlib.md5(stored).hexdigest(), "md5")
+    assert dest.read_bytes() == stored
+    assert server.headers_seen[-1]["Accept-Encoding"] == "identity"   # and no on-the-fly compression asked for
+
+
+def test_stop_keeps_the_part_file_and_a_rerun_resumes(server, tmp_path):
+    big = DATA * 3
+    (server.root / "big.bin").write_bytes(big)
+    dest, stop = tmp_path / "big.bin", threading.Event()
+    stop.set()   # as if another thread asked to stop while the first megabyte arrived
+    with pytest.raises(fetch.Stopped):
+        fetch.download(f"{server.url}/big.bin", dest, hashlib.sha256(big).hexdigest(), stop=stop)
+    part = tmp_path / "big.bin.part"
+    assert not dest.exists() and part.stat().st_size == fetch.CHUNK
+    fetch.download(f"{server.url}/big.bin", dest, hashlib.sha256(big).hexdigest())
+    assert dest.read_bytes() == big and server.requests[-1][1] == f"bytes={fetch.CHUNK}-"
