@@ -117,7 +117,7 @@ def seed(datasets: list[Dataset], dest: Path, mirror: str | None = None, log=pri
     if mirror:
         _check_mirror(mirror)
     files = [f for d in datasets for f in d.files]
-    stop, failed = threading.Event(), threading.Event()
+    stop, failed, said = threading.Event(), threading.Event(), threading.Lock()
 
     def one(i: int, f: DataFile) -> dict | None:
         if failed.is_set():   # a file failed: start no more
@@ -134,7 +134,8 @@ def seed(datasets: list[Dataset], dest: Path, mirror: str | None = None, log=pri
             return _row(f, target, "cached", 0.0)
         src = source(f, mirror)
         resumed = target.with_name(target.name + ".part").exists()
-        log(f"[{i}/{len(files)}] {f.dataset}: {src}")
+        with said:   # one whole line at a time from the worker threads
+            log(f"[{i}/{len(files)}] {f.dataset}: {src}")
         t = time.perf_counter()
         fetch.download(src, target, f.md5, "md5", retries=retries, backoff=backoff, stop=stop)
         return _row(f, target, "resumed" if resumed else "downloaded", time.perf_counter() - t)

@@ -1,6 +1,7 @@
 """A real HTTP server on loopback for tests: serves a folder, honours Range, can misbehave on purpose."""
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -14,6 +15,7 @@ class Server:
         self.bytes_sent: dict[str, int] = {}
         self.headers_seen: list[dict[str, str]] = []   # each GET's request headers
         self.extra_headers: dict[str, dict[str, str]] = {}   # path -> response headers to add
+        self.rate = 0            # bytes per second for each body (0: as fast as it goes)
         self.hold_for = 0        # hold each body until this many GETs are in flight (or 10 s passed)
         self.in_flight = 0
         self.max_in_flight = 0
@@ -82,6 +84,11 @@ class Server:
                     if corrupt and start == 0 and count:
                         self.connection.sendall(bytes([f.read(1)[0] ^ 0xFF]))
                         sent = 1 + self.connection.sendfile(f, 1, count - 1)
+                    elif server.rate:   # a slow link: 64 KiB pieces, paced
+                        sent, t0 = 0, time.monotonic()
+                        while sent < count:
+                            sent += self.connection.sendfile(f, start + sent, min(1 << 16, count - sent))
+                            time.sleep(max(0.0, t0 + sent / server.rate - time.monotonic()))
                     else:
                         sent = self.connection.sendfile(f, start, count)
                 with server._cond:

@@ -2,14 +2,18 @@
 import io
 import json
 import os
+import signal
 import subprocess
+import sys
 import tarfile
+import time
 
 import pytest
 
-from fleetbox import datasets as ds
+from fleetbox import datasets as ds, fetch
 from fleetbox.errors import UserError
 from tests import mnistgen
+from tests.conftest import ROOT
 from tests.httpserver import Server
 from tests.unit.test_cli import one_line_error
 
@@ -201,6 +205,36 @@ def test_cli_summary_verify_and_errors(site, run_invoke):
     bad = run_invoke("cache", "--datasets", "mnist", "--manifest", str(manifest), "--dest", str(dest), "--verify")
     assert bad.returncode == 1 and "bad md5" in bad.stdout
     one_line_error(run_invoke("cache", "--datasets", "nope", "--manifest", str(manifest)), "unknown data set 'nope'")
+
+
+def test_ctrl_c_stops_at_once_keeping_the_part_to_resume(site):
+    server, known, manifest, tmp = site
+    name = "mnist/train-images-idx3-ubyte.gz"
+    size = 2 << 20   # a file of several chunks, on a slow link: about 2 s
+    (tmp / "srv" / name).write_bytes(os.urandom(size))
+    md5s = {f.relpath.split("/")[1]: f.md5 for f in known["mnist"].files}
+    md5s["train-images-idx3-ubyte.gz"] = fetch.file_digest(tmp / "srv" / name, "md5")
+    known = ds.load(mnistgen.manifest(manifest, server.url, md5s))
+    server.rate = 1 << 20
+    dest = tmp / "cache"
+    part = dest / (name + ".part")
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "cache", "--datasets", "mnist", "--manifest",
+                             str(manifest), "--dest", str(dest)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (part.exists() and part.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    t = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "fleetbox: interrupted"
+    assert time.monotonic() - t < 1.5   # within a chunk, not after the whole download
+    kept = part.stat().st_size
+    assert 0 < kept < size and not (dest / name).exists()
+    server.rate = 0
+    ds.seed(ds.select(known, "mnist"), dest, log=lambda m: None)
+    assert (f"/{name}", f"bytes={kept}-") in server.requests   # resumed where it stopped
+    assert ds.check(known.values(), dest)[0]["status"] == "ok"
 
 
 def test_safe_extract_checks_members_itself_where_tarfile_has_no_filters(tmp_path, monkeypatch):
