@@ -85,8 +85,9 @@ def render_node_script(sj: SlurmJob) -> str:
         lines.append(f"IFACE={runtimes.q(sj.spec.iface)}")
     lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
               'echo "fleetbox: node $SLURM_NODEID on $(hostname): $IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
-    if sj.runtime != "pyxis":
-        lines.append(f'mkdir -p {runtimes.q(str(sj.dir / "node$SLURM_NODEID"))}')
+    if sj.runtime != "pyxis":   # the node's log folder and, for runtimes run as the user, the cache's mount point
+        made = [str(sj.dir / "node$SLURM_NODEID"), runtimes.home_cache_dir(sj.runtime, n)]
+        lines.append("mkdir -p " + runtimes.words([d for d in made if d]))
     else:   # inside the container: the variables the launcher needs
         lines += [f"export {k}={runtimes.q(v)}" for k, v in n.env.items()]
     run = runtimes.words(runtimes.command(sj.runtime, n, sj.spec.variant.device, sj.image, list(sj.runtime_args)))
@@ -120,6 +121,11 @@ def render_sbatch(sj: SlurmJob) -> str:
         f"MASTER_PORT={sj.port}",
         "export MASTER_IP MASTER_PORT",
         'echo "fleetbox: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_HOST = $MASTER_IP:$MASTER_PORT"',
+    ]
+    if sj.runtime == "pyxis" and (home_cache := runtimes.home_cache_dir(sj.runtime, n)):
+        # the dataset cache's mount point in the (shared) home; Pyxis mounts before node.sh runs
+        body.append(f"mkdir -p {runtimes.q(home_cache)}")
+    body += [
         "set +e",
         runtimes.words(["srun", "--kill-on-bad-exit=1", "--wait=60", "--nodes=$SLURM_NNODES", "--ntasks-per-node=1",
                         f"--output={sj.dir}/node%n.log", *runtimes.srun_options(sj.runtime, n, sj.image),

@@ -7,11 +7,20 @@ which stay expandable; everything else is quoted.
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 
+from .datasets import CONTAINER_CACHE
 from .errors import UserError
 from .jobs import WORKDIR, NodeRun
 
 RUNTIMES = ("apptainer", "pyxis", "charliecloud", "podman", "docker")
+
+# Runtimes that run the job as the calling user. Paddle keeps its cache under that user's home
+# (`~/.cache/paddle/dataset`; /tmp/... when the home is missing or read-only), never under /root. So
+# the home is mounted and the seeded cache goes where Paddle will look: the home as seen in the
+# container (Apptainer and Pyxis mount it at its own path, Charliecloud's --home at /home/$USER).
+USER_HOME = {"apptainer": "$HOME", "pyxis": "$HOME", "charliecloud": "/home/$USER"}
+HOME_CACHE = ".cache/paddle/dataset"
 
 
 def q(word: str) -> str:
@@ -35,11 +44,26 @@ def command(runtime: str, n: NodeRun, device: str, image: str, extra: list[str] 
     """The words that start node `n`'s container under `runtime` (pyxis: the command inside it).
     `extra`: site-specific runtime options, placed before the image."""
     check(runtime)
-    words_ = _command(runtime, n, device, image)
+    words_ = _command(runtime, as_user(runtime, n), device, image)
     if extra and runtime != "pyxis":
         at = words_.index(image)
         words_[at:at] = list(extra)
     return words_
+
+
+def as_user(runtime: str, n: NodeRun) -> NodeRun:
+    """`n` with the dataset cache mounted where Paddle looks for it under `runtime`."""
+    if runtime not in USER_HOME:
+        return n
+    home_cache = f"{USER_HOME[runtime]}/{HOME_CACHE}"
+    return replace(n, mounts=tuple(replace(m, dst=home_cache) if m.dst == CONTAINER_CACHE else m for m in n.mounts))
+
+
+def home_cache_dir(runtime: str, n: NodeRun) -> str | None:
+    """The folder in the user's home (on the host) that must exist before the cache can be mounted over it."""
+    if runtime in USER_HOME and any(m.dst == CONTAINER_CACHE for m in n.mounts):
+        return f"$HOME/{HOME_CACHE}"
+    return None
 
 
 def _command(runtime: str, n: NodeRun, device: str, image: str) -> list[str]:
@@ -71,7 +95,7 @@ def _command(runtime: str, n: NodeRun, device: str, image: str) -> list[str]:
             a += ["--env", f"{k}={v}"]
         return a + [image, *n.command]
     if runtime == "charliecloud":
-        a = ["ch-run", "--set-env"]                   # the image's own environment (PATH to the venv)
+        a = ["ch-run", "--set-env", "--home"]         # the image's own environment (PATH to the venv)
         for k, v in n.env.items():
             a.append(f"--set-env={k}={v}")
         for m in n.mounts:
@@ -84,8 +108,8 @@ def srun_options(runtime: str, n: NodeRun, image: str) -> list[str]:
     """Options srun itself takes for a runtime (only pyxis lives inside srun)."""
     if runtime != "pyxis":
         return []
-    mounts = ",".join(f"{m.src}:{m.dst}" + (":ro" if m.ro else "") for m in n.mounts)
+    mounts = ",".join(f"{m.src}:{m.dst}" + (":ro" if m.ro else "") for m in as_user(runtime, n).mounts)
     return [f"--container-image={image}", f"--container-mounts={mounts}", f"--container-workdir={WORKDIR}",
-            "--no-container-mount-home"]
+            "--container-mount-home"]
 
 

@@ -4,11 +4,15 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
+from fleetbox import backend_slurm, jobs, matrix
 from tests import slurmcluster
+from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.conftest import ROOT, invoke
 from tests.unit.test_cli import one_line_error
 
@@ -63,6 +67,39 @@ def test_export_charliecloud_runs_run_check(charliecloud_image):
                            "import paddle; paddle.utils.run_check()"], capture_output=True, text=True,
                           env={**os.environ, "USER": "root"}, timeout=300)
     assert proc.returncode == 0 and "installed successfully" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_charliecloud_run_as_a_user_finds_the_seeded_cache_in_its_home(charliecloud_image, seeded_mnist,
+                                                                       monkeypatch):
+    """On a cluster the job runs as the user, whose Paddle looks in ~/.cache/paddle/dataset, not /root: the
+    real node.sh, run by a real non-root user with ch-run, must put the cache there."""
+    user = "fleetbox-test"
+    subprocess.run(["useradd", "-m", user], capture_output=True)   # may exist from an interrupted run
+    shared = Path(tempfile.mkdtemp(prefix="fleetbox-user-"))
+    try:
+        shutil.copytree(seeded_mnist["dest"], shared / "cache")
+        (shared / "ws").mkdir()
+        (shared / "ws" / "read_mnist.py").write_text(READ_MNIST)
+        (shared / "runs").mkdir()
+        os.chmod(shared / "runs", 0o1777)
+        subprocess.run(["chmod", "-R", "a+rX", str(shared)], check=True)
+        monkeypatch.setenv("FLEETBOX_RUNS", str(shared / "runs"))
+        spec = jobs.JobSpec(variant=matrix.load().get("cpu"), nodes=1, job_id="train-user-0001",
+                            script=str(shared / "ws" / "read_mnist.py"), args=(json.dumps(seeded_mnist["md5"]),),
+                            data_dir=str(shared / "cache"))
+        sj = backend_slurm.make(spec, "charliecloud", image=charliecloud_image)
+        (shared / "node.sh").write_text(backend_slurm.render_node_script(sj))
+        env = f"SLURM_NODEID=0 SLURM_NNODES=1 SLURM_JOB_ID=1 MASTER_IP=127.0.0.1 MASTER_PORT={sj.port}"
+        proc = subprocess.run(["su", "-", user, "-c", f"{env} bash {shared / 'node.sh'}"], capture_output=True,
+                              text=True, timeout=600)
+        log = shared / "runs" / "train-user-0001" / "node0" / "workerlog.0"
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + (log.read_text()[-2000:] if log.exists() else "")
+        out = json.loads([ln for ln in log.read_text().splitlines() if ln.startswith("{")][-1])
+        assert out == {"home": f"/home/{user}/.cache/paddle/dataset", "train": 600, "test": 100, "label3": 4,
+                       "shape": [28, 28]}
+    finally:
+        subprocess.run(["userdel", "-r", user], capture_output=True)
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_slurm_two_nodes_with_podman(cluster, podman_image):

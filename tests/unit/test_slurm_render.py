@@ -122,3 +122,21 @@ def test_registry_refs_and_pull_commands():
     assert hpc.pull_commands("charliecloud", ref, "p", insecure=True)[0] == f"ch-image pull --tls-no-verify {ref}"
     assert hpc.pull_commands("podman", ref, "p", insecure=True) == [f"podman pull --tls-verify=false {ref}"]
     assert hpc.pull_commands("docker", ref, "p") == [f"docker pull {ref}"]
+
+
+@pytest.mark.parametrize("runtime,dst", [
+    ("apptainer", "$HOME/.cache/paddle/dataset"), ("pyxis", "$HOME/.cache/paddle/dataset"),
+    ("charliecloud", "/home/$USER/.cache/paddle/dataset"),
+    ("podman", "/root/.cache/paddle/dataset"), ("docker", "/root/.cache/paddle/dataset")])
+def test_dataset_cache_is_mounted_where_paddle_looks_as_the_runtimes_user(runtime, dst, tmp_path):
+    sj = job(runtime=runtime, data_dir=str(tmp_path))
+    sb, node = slurm.render_sbatch(sj), slurm.render_node_script(sj)
+    assert f"{tmp_path}:{dst}" in (sb + node).replace('"', "")
+    made = [ln for ln in (sb + node).splitlines() if ln.startswith("mkdir -p")]
+    if runtime in runtimes.USER_HOME:   # the mount point in the user's home exists before the container starts
+        assert "/root/.cache" not in sb + node
+        assert any('"$HOME/.cache/paddle/dataset"' in ln for ln in made)
+        assert ("--home" in node) if runtime == "charliecloud" else True
+        assert ("--container-mount-home" in sb) if runtime == "pyxis" else True
+    else:
+        assert not any(".cache" in ln for ln in made)
