@@ -15,6 +15,7 @@ class Server:
         self.bytes_sent: dict[str, int] = {}
         self.headers_seen: list[dict[str, str]] = []   # each GET's request headers
         self.extra_headers: dict[str, dict[str, str]] = {}   # path -> response headers to add
+        self.chunked: set[str] = set()          # paths sent with Transfer-Encoding: chunked (no length)
         self.rate = 0            # bytes per second for each body (0: as fast as it goes)
         self.hold_for = 0        # hold each body until this many GETs are in flight (or 10 s passed)
         self.in_flight = 0
@@ -53,7 +54,10 @@ class Server:
                         return
                     status = 206
                 self.send_response(status)
-                self.send_header("Content-Length", str(size - start))
+                if rel in server.chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.send_header("Content-Length", str(size - start))
                 self.send_header("Content-Type", "text/html" if path.suffix == ".html" else "application/octet-stream")
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
@@ -71,6 +75,13 @@ class Server:
                         server._cond.notify_all()
                     server._cond.wait_for(lambda: not server._held, timeout=10)
                 try:
+                    if rel in server.chunked:   # as a dynamic server would: 64 KiB chunks, then the last one
+                        with open(path, "rb") as f:
+                            f.seek(start)
+                            while piece := f.read(1 << 16):
+                                self.wfile.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+                        self.wfile.write(b"0\r\n\r\n")
+                        return
                     self._send_body(rel, path, size, start, corrupt)
                 finally:
                     with server._cond:

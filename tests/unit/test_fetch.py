@@ -80,3 +80,12 @@ def test_stop_keeps_the_part_file_and_a_rerun_resumes(server, tmp_path):
     assert not dest.exists() and part.stat().st_size == fetch.CHUNK
     fetch.download(f"{server.url}/big.bin", dest, hashlib.sha256(big).hexdigest())
     assert dest.read_bytes() == big and server.requests[-1][1] == f"bytes={fetch.CHUNK}-"
+
+
+def test_a_chunked_body_without_length(server, tmp_path):
+    big = DATA * 2 + b"tail"
+    (server.root / "dyn.bin").write_bytes(big)
+    server.chunked.add("dyn.bin")
+    dest = tmp_path / "dyn.bin"
+    fetch.download(f"{server.url}/dyn.bin", dest, hashlib.sha256(big).hexdigest())
+    assert dest.read_bytes() == big
