@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 from fleetbox import datasets as ds  # noqa: E402
 
 JOBS = 4   # seeding's default
+SEED, SEED_ONE = f"invoke cache seeding ({JOBS} at a time)", "invoke cache seeding, one at a time"
+CURL, CURL_PAR, CURL_MD5 = "curl -o, one after another", f"curl --parallel ({JOBS} at a time)", "curl -o, then md5sum"
 MNIST = (9912422, 28881, 1648877, 4542)   # bytes of the four real files, in NAMES order
 NAMES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
          "t10k-labels-idx1-ubyte.gz")
@@ -84,11 +86,11 @@ def main():
                         subprocess.run(["md5sum", str(out / n)], check=True, capture_output=True)
 
             methods = {
-                f"invoke cache seeding ({JOBS} at a time)": seeding(JOBS),
-                "curl -o, one after another": curl,
-                f"curl --parallel ({JOBS} at a time)": lambda out: curl(out, parallel=True),
-                "invoke cache seeding, one at a time": seeding(1),
-                "curl -o, then md5sum": lambda out: curl(out, md5sum=True),
+                SEED: seeding(JOBS),
+                CURL: curl,
+                CURL_PAR: lambda out: curl(out, parallel=True),
+                SEED_ONE: seeding(1),
+                CURL_MD5: lambda out: curl(out, md5sum=True),
             }
             times = {m: [] for m in methods}
             cpu = {m: [] for m in methods}
@@ -107,27 +109,26 @@ def main():
             proc.wait()
 
     med = {m: statistics.median(t) for m, t in times.items()}
-    ceiling = md5_speed(tmp_bytes=64 << 20)
+    ceiling = md5_speed(64 << 20)
     print(f"{len(NAMES)} files, {total / 1e6:.0f} MB, loopback HTTP server (sendfile) in its own process, "
           f"median of {args.repeat}:")
     for m, t in med.items():
         extra = f", {statistics.median(cpu[m]):.2f} s CPU" if m.startswith("invoke") else ""
         print(f"  {m:<40} {total / t / 1e6:8.1f} MB/s  ({t:.2f} s{extra})")
     print(f"  one core's MD5 (hashlib)                 {ceiling / 1e6:8.1f} MB/s  (ceiling of any one verified stream)")
-    names = list(med)
-    seed, seed1 = med[names[0]], med[names[3]]
-    print(f"  ratio seeding / curl one after another   {med[names[1]] / seed:8.2f}x  (target >= 0.9x)")
-    print(f"  ratio seeding / curl --parallel          {med[names[2]] / seed:8.2f}x")
-    print(f"  ratio one at a time / curl one after another {med[names[1]] / seed1:4.2f}x")
-    print(f"  ratio seeding / curl + md5sum            {med[names[4]] / seed:8.2f}x")
+    print(f"  ratio seeding / curl one after another   {med[CURL] / med[SEED]:8.2f}x  (target >= 0.9x)")
+    print(f"  ratio seeding / curl --parallel          {med[CURL_PAR] / med[SEED]:8.2f}x")
+    print(f"  ratio one at a time / curl one after another {med[CURL] / med[SEED_ONE]:4.2f}x")
+    print(f"  ratio seeding / curl + md5sum            {med[CURL_MD5] / med[SEED]:8.2f}x")
 
 
-def md5_speed(tmp_bytes: int) -> float:
+def md5_speed(nbytes: int) -> float:
+    """One core's MD5 throughput over in-memory data."""
     data = random.Random(1).randbytes(1 << 20)
     h, t = hashlib.md5(), time.perf_counter()
-    for _ in range(tmp_bytes >> 20):
+    for _ in range(nbytes >> 20):
         h.update(data)
-    return tmp_bytes / (time.perf_counter() - t)
+    return nbytes / (time.perf_counter() - t)
 
 
 if __name__ == "__main__":

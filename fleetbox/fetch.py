@@ -43,7 +43,7 @@ class _Broken(Exception):
 
 
 class Stopped(Exception):
-    """Another download failed or the user interrupted: stop, keeping the `.part` to resume later."""
+    """The caller asked to stop (Ctrl-C during a parallel seed): the `.part` is kept, to resume later."""
 
 
 def _pump(readinto, fd: int, h, bar, stop: threading.Event | None = None) -> int:
@@ -51,8 +51,8 @@ def _pump(readinto, fd: int, h, bar, stop: threading.Event | None = None) -> int
 
     MD5 is the costliest step (one core hashes ~730 MB/s here), so it overlaps the next read and
     write: hashlib releases the GIL on large buffers. Reused buffers avoid allocating (and
-    page-faulting) a fresh buffer per read. Every byte written is hashed, also when a read fails, so a later resume
-    starts from a `.part` whose digest state is exact. Returns the number of bytes copied."""
+    page-faulting) a fresh buffer per read. Every byte written is hashed, also when a read fails,
+    so a later resume starts from a `.part` whose digest state is exact. Returns the bytes copied."""
     free: queue.SimpleQueue = queue.SimpleQueue()
     full: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(BUFFERS):
