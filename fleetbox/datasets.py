@@ -117,7 +117,7 @@ def seed(datasets: list[Dataset], dest: Path, mirror: str | None = None, log=pri
     if mirror:
         _check_mirror(mirror)
     files = [f for d in datasets for f in d.files]
-    stop, failed, said = threading.Event(), threading.Event(), threading.Lock()
+    stop, failed, said = fetch.Stop(), threading.Event(), threading.Lock()
 
     def one(i: int, f: DataFile) -> dict | None:
         if failed.is_set():   # a file failed: start no more

@@ -10,8 +10,10 @@ import hashlib
 import http.client
 import os
 import queue
+import socket
 import sys
 import threading
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -46,7 +48,51 @@ class Stopped(Exception):
     """The caller asked to stop (Ctrl-C during a parallel seed): the `.part` is kept, to resume later."""
 
 
-def _pump(readinto, fd: int, h, bar, stop: threading.Event | None = None) -> int:
+class Stop:
+    """Tells downloads running in other threads to stop. Each checks it after every read; and its
+    connection is shut down, so a read blocked on a stalled server ends at once instead of at the timeout."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._fds: set[int] = set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+    def set(self) -> None:
+        with self._lock:
+            self._event.set()
+            for fd in self._fds:
+                _shutdown(fd)
+
+    @contextmanager
+    def watching(self, fd: int):
+        """While inside, `set()` also shuts down socket `fd`."""
+        with self._lock:
+            if self._event.is_set():
+                raise Stopped()
+            self._fds.add(fd)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._fds.discard(fd)
+
+
+def _shutdown(fd: int) -> None:
+    """Shut down the socket behind `fd` (through a duplicate: the owner closes `fd` itself)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _pump(readinto, fd: int, h, bar, stop: Stop | None = None) -> int:
     """Copy from `readinto` to `fd` through reused buffers, hashing in a second thread.
 
     MD5 is the costliest step (one core hashes ~730 MB/s here), so it overlaps the next read and
@@ -77,6 +123,8 @@ def _pump(readinto, fd: int, h, bar, stop: threading.Event | None = None) -> int
             bar.update(n)
             if stop is not None and stop.is_set():
                 raise Stopped()
+        if stop is not None and stop.is_set():   # the read was cut short by stop
+            raise Stopped()
     finally:
         full.put(None)
         t.join()
@@ -114,6 +162,11 @@ def _body_reader(r: requests.Response):
     return readinto
 
 
+def _socket_fd(r: requests.Response) -> int:
+    body = getattr(r.raw, "_fp", None)
+    return body.fileno() if isinstance(body, http.client.HTTPResponse) else -1
+
+
 def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float, stop=None) -> None:
     """Append to `part` from where it stops (Range), feeding every byte on disk through `h`."""
     have = part.stat().st_size if part.exists() else 0
@@ -132,7 +185,8 @@ def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float, sto
             raise _Restart()
         expected = int(r.headers.get("Content-Length") or 0)
         with open(part, "ab" if have else "wb", buffering=0) as f, \
-                _bar(part.name.removesuffix(".part"), expected + have or None, have) as bar:
+                _bar(part.name.removesuffix(".part"), expected + have or None, have) as bar, \
+                (stop.watching(_socket_fd(r)) if stop is not None else nullcontext()):
             got = _pump(_body_reader(r), f.fileno(), h, bar, stop)
         if expected and got < expected:   # a cut connection can look like a clean end of the body
             raise _Broken(f"connection closed after {got} of {expected} bytes")
@@ -144,7 +198,7 @@ class _Restart(Exception):
 
 def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: requests.Session | None = None,
              retries: int = 4, backoff: float = 1.0, timeout: float = 60,
-             stop: threading.Event | None = None) -> Path:
+             stop: Stop | None = None) -> Path:
     """Fetch `url` (http(s) URL or local path) to `dest`, verifying `digest`. Returns `dest`.
     Setting `stop` (from another thread) ends the download with `Stopped`, keeping what is on disk."""
     if dest.exists() and file_digest(dest, algo) == digest:
@@ -171,6 +225,8 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
         except (requests.ConnectionError, requests.Timeout) as e:
             last = type(e).__name__
         except _Broken as e:
+            if stop is not None and stop.is_set():   # broken by stop itself
+                raise Stopped() from None
             last = f"connection broken ({e})"
         except requests.HTTPError as e:
             last = f"HTTP {e.response.status_code}"
@@ -186,7 +242,7 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
                 return dest
             last = f"{algo} mismatch (got {h.hexdigest()[:16]}…, want {digest[:16]}…)"
             part.unlink(missing_ok=True)   # corrupt bytes cannot be resumed
-        if attempt < retries and (stop or threading.Event()).wait(backoff * 2 ** attempt):
+        if attempt < retries and (stop or Stop()).wait(backoff * 2 ** attempt):
             raise Stopped()
     part.unlink(missing_ok=True)
     raise UserError(f"giving up on {url} after {retries + 1} attempts: {last}")

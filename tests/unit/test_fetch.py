@@ -1,6 +1,7 @@
 import gzip
 import hashlib
 import threading
+import time
 
 import pytest
 
@@ -69,17 +70,17 @@ def test_stored_bytes_are_kept_even_when_the_server_says_gzip(server, tmp_path):
     assert server.headers_seen[-1]["Accept-Encoding"] == "identity"   # and no on-the-fly compression asked for
 
 
-def test_stop_keeps_the_part_file_and_a_rerun_resumes(server, tmp_path):
-    big = DATA * 3
-    (server.root / "big.bin").write_bytes(big)
-    dest, stop = tmp_path / "big.bin", threading.Event()
-    stop.set()   # as if another thread asked to stop while the first megabyte arrived
+def test_stop_ends_a_read_blocked_on_a_stalled_server_at_once(server, tmp_path):
+    server.hold_for = 99   # headers, then the body stalls (for 10 s)
+    dest, stop = tmp_path / "blob.bin", fetch.Stop()
+    threading.Timer(0.5, stop.set).start()
+    t = time.monotonic()
     with pytest.raises(fetch.Stopped):
-        fetch.download(f"{server.url}/big.bin", dest, hashlib.sha256(big).hexdigest(), stop=stop)
-    part = tmp_path / "big.bin.part"
-    assert not dest.exists() and part.stat().st_size == fetch.CHUNK
-    fetch.download(f"{server.url}/big.bin", dest, hashlib.sha256(big).hexdigest())
-    assert dest.read_bytes() == big and server.requests[-1][1] == f"bytes={fetch.CHUNK}-"
+        fetch.download(f"{server.url}/blob.bin", dest, hashlib.sha256(DATA).hexdigest(), stop=stop)
+    assert time.monotonic() - t < 3 and not dest.exists()   # not after the stall, nor the 60 s read timeout
+    server.hold_for = 0
+    fetch.download(f"{server.url}/blob.bin", dest, hashlib.sha256(DATA).hexdigest())
+    assert dest.read_bytes() == DATA
 
 
 def test_a_chunked_body_without_length(server, tmp_path):
