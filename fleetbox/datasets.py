@@ -140,7 +140,7 @@ def seed(datasets: list[Dataset], dest: Path, mirror: str | None = None, log=pri
         fetch.download(src, target, f.md5, "md5", retries=retries, backoff=backoff, stop=stop)
         return _row(f, target, "resumed" if resumed else "downloaded", time.perf_counter() - t)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="seed") as pool:
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="seed") as pool:
         futures = [pool.submit(one, i, f) for i, f in enumerate(files, 1)]
         try:
             wait(futures)

@@ -13,7 +13,7 @@ import queue
 import socket
 import sys
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -92,7 +92,7 @@ def _shutdown(fd: int) -> None:
         pass
 
 
-def _pump(readinto, fd: int, h, bar, stop: Stop | None = None) -> int:
+def _pump(readinto, fd: int, h, bar, stop: Stop) -> int:
     """Copy from `readinto` to `fd` through reused buffers, hashing in a second thread.
 
     MD5 is the costliest step (one core hashes ~730 MB/s here), so it overlaps the next read and
@@ -121,9 +121,9 @@ def _pump(readinto, fd: int, h, bar, stop: Stop | None = None) -> int:
             full.put((buf, n))
             copied += n
             bar.update(n)
-            if stop is not None and stop.is_set():
+            if stop.is_set():
                 raise Stopped()
-        if stop is not None and stop.is_set():   # the read was cut short by stop
+        if stop.is_set():   # the read was cut short by stop
             raise Stopped()
     finally:
         full.put(None)
@@ -137,7 +137,7 @@ def _bar(name: str, total: int | None, initial: int):
                 disable=None)  # None: no bar when stderr is not a terminal
 
 
-def _copy_local(src: Path, part: Path, h, stop=None) -> None:
+def _copy_local(src: Path, part: Path, h, stop: Stop) -> None:
     if not src.is_file():
         raise UserError(f"not found in mirror folder: {src}")
     with open(src, "rb", buffering=0) as fi, open(part, "wb", buffering=0) as fo, \
@@ -146,28 +146,26 @@ def _copy_local(src: Path, part: Path, h, stop=None) -> None:
 
 
 def _body_reader(r: requests.Response):
-    """`readinto` for the raw body. http.client's own response fills our buffer in one call; urllib3's
-    readinto would read into a new bytes object and copy it. Read errors become `_Broken`."""
+    """(`readinto` for the raw body, its socket's fd or -1). http.client's own response fills our buffer
+    in one call; urllib3's readinto would read into a new bytes object and copy it. Read errors become
+    `_Broken`."""
     raw = r.raw
     body = getattr(raw, "_fp", None)
-    if not isinstance(body, http.client.HTTPResponse):   # some other transport adapter: its own readinto
+    if isinstance(body, http.client.HTTPResponse):
+        fd = body.fileno()
+    else:   # some other transport adapter: its own readinto
         raw.decode_content = False
-        body = raw
+        body, fd = raw, -1
 
     def readinto(b):
         try:
             return body.readinto(b)
         except (OSError, http.client.HTTPException, urllib3.exceptions.HTTPError) as e:
             raise _Broken(type(e).__name__) from None
-    return readinto
+    return readinto, fd
 
 
-def _socket_fd(r: requests.Response) -> int:
-    body = getattr(r.raw, "_fp", None)
-    return body.fileno() if isinstance(body, http.client.HTTPResponse) else -1
-
-
-def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float, stop=None) -> None:
+def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float, stop: Stop) -> None:
     """Append to `part` from where it stops (Range), feeding every byte on disk through `h`."""
     have = part.stat().st_size if part.exists() else 0
     if have:
@@ -184,10 +182,11 @@ def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float, sto
         if have and r.status_code != 206:  # server ignored Range: start over
             raise _Restart()
         expected = int(r.headers.get("Content-Length") or 0)
+        readinto, fd = _body_reader(r)
         with open(part, "ab" if have else "wb", buffering=0) as f, \
                 _bar(part.name.removesuffix(".part"), expected + have or None, have) as bar, \
-                (stop.watching(_socket_fd(r)) if stop is not None else nullcontext()):
-            got = _pump(_body_reader(r), f.fileno(), h, bar, stop)
+                stop.watching(fd):
+            got = _pump(readinto, f.fileno(), h, bar, stop)
         if expected and got < expected:   # a cut connection can look like a clean end of the body
             raise _Broken(f"connection closed after {got} of {expected} bytes")
 
@@ -204,6 +203,7 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
     if dest.exists() and file_digest(dest, algo) == digest:
         return dest
     sess = sess or session()
+    stop = stop or Stop()
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     local = urlparse(url).scheme in ("", "file")
@@ -225,7 +225,7 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
         except (requests.ConnectionError, requests.Timeout) as e:
             last = type(e).__name__
         except _Broken as e:
-            if stop is not None and stop.is_set():   # broken by stop itself
+            if stop.is_set():   # broken by stop itself
                 raise Stopped() from None
             last = f"connection broken ({e})"
         except requests.HTTPError as e:
@@ -242,7 +242,7 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
                 return dest
             last = f"{algo} mismatch (got {h.hexdigest()[:16]}…, want {digest[:16]}…)"
             part.unlink(missing_ok=True)   # corrupt bytes cannot be resumed
-        if attempt < retries and (stop or Stop()).wait(backoff * 2 ** attempt):
+        if attempt < retries and stop.wait(backoff * 2 ** attempt):
             raise Stopped()
     part.unlink(missing_ok=True)
     raise UserError(f"giving up on {url} after {retries + 1} attempts: {last}")
