@@ -82,14 +82,6 @@ def validate(spec: JobSpec) -> None:
 
 # ---- network facts (read from this machine; for remote hosts a probe container answers the same) ----
 
-def interfaces() -> list[str]:
-    return netinfo.interfaces()
-
-
-def iface_address(name: str) -> str | None:
-    return netinfo.iface_address(name)
-
-
 def route(master_ip: str) -> tuple[str, str]:
     """(interface, own address) this machine uses to reach the master (on the master: the one holding it)."""
     try:
@@ -101,12 +93,8 @@ def route(master_ip: str) -> tuple[str, str]:
     return iface, local
 
 
-def route_iface(master_ip: str) -> str:
-    return route(master_ip)[0]
-
-
 def check_iface(name: str) -> None:
-    have = interfaces()
+    have = netinfo.interfaces()
     if name not in have:
         raise UserError(f"interface {name!r} does not exist here (have: {', '.join(have)})")
 

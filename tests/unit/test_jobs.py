@@ -120,7 +120,7 @@ def test_culprit_prefers_a_real_exit_code_over_a_peer_abort():
 
 
 def test_network_facts_of_this_machine():
-    assert jobs.route_iface("127.0.0.1") == "lo"
+    assert jobs.route("127.0.0.1") == ("lo", "127.0.0.1")
     with pytest.raises(UserError, match="interface 'nope0' does not exist here"):
         jobs.check_iface("nope0")
     import socket
