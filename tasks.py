@@ -309,7 +309,7 @@ def push(c, variant=None, registry=None):
     v = _variant(variant)
     client = engine.client()
     image = images.resolve(client, v)
-    content = next((t for t in image.tags if t.startswith(f"{v.image}:{v.name}-")), None)
+    content = images.content_tag(image, v)
     if content is None:
         raise Exit(f"fleetbox: error: image {v.aliases[0]} has no content tag; run `invoke build --variant {v.name}`",
                    code=2)
@@ -326,10 +326,10 @@ def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False
     from fleetbox import engine, hpc, images
     v = _variant(variant)
     try:
-        tags = images.resolve(engine.client(), v).tags
-        content = next(t for t in tags if t.startswith(f"{v.image}:{v.name}-"))
-    except (UserError, StopIteration):
-        content = f"{v.image}:{v.name}"
+        content = images.content_tag(images.resolve(engine.client(), v), v)
+    except UserError:
+        content = None
+    content = content or f"{v.image}:{v.name}"
     refs = hpc.registry_refs(v, registry or "", content)
     for ref, what in ((refs[0], "content tag (immutable)"), (refs[1], "alias")):
         _log(f"# {what}")

@@ -11,7 +11,6 @@ Needs the cpu image and wheelhouse (`invoke up`). Usage: python bench/launch.py 
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fleetbox.jobs import free_port  # noqa: E402
+
 VENV = Path(os.environ.get("FLEETBOX_BENCH_VENV", "/var/cache/fleetbox/bench-venv"))
 
 
@@ -35,14 +38,8 @@ def host_paddle() -> Path:
     return py
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bare(py: Path, steps: int) -> float:
-    port, t = free_port(), time.perf_counter()
+    port, t = free_port("127.0.0.1"), time.perf_counter()
     with tempfile.TemporaryDirectory() as logs:
         procs = [subprocess.Popen([str(py), "-m", "paddle.distributed.launch", "--master", f"127.0.0.1:{port}",
                                    "--host", "127.0.0.1", "--nnodes", "2", "--rank", str(r), "--nproc_per_node",

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from . import ROOT
+from . import ROOT, runtimes
 from .errors import UserError
 from .matrix import Variant
 
@@ -160,6 +160,7 @@ def push(c, image, refs: list[str], log=print) -> list[str]:
 
 def pull_commands(runtime: str, ref: str, out_name: str, insecure: bool = False) -> list[str]:
     """Pure: the commands a cluster user runs to get `ref` into `runtime`."""
+    runtimes.check(runtime)
     host, _, path = ref.partition("/")
     if runtime == "apptainer":
         return [("APPTAINER_NOHTTPS=1 " if insecure else "") + f"apptainer pull {out_name}.sif docker://{ref}"]
@@ -171,6 +172,4 @@ def pull_commands(runtime: str, ref: str, out_name: str, insecure: bool = False)
                 f"ch-convert {ref} {out_name}.sqfs"]
     if runtime == "podman":
         return [f"podman pull {'--tls-verify=false ' if insecure else ''}{ref}"]
-    if runtime == "docker":
-        return [f"docker pull {ref}"]
-    raise UserError(f"unknown runtime {runtime!r}; choose one of: apptainer, pyxis, charliecloud, podman, docker")
+    return [f"docker pull {ref}"]
