@@ -95,7 +95,8 @@ def _command(runtime: str, n: NodeRun, device: str, image: str) -> list[str]:
             a += ["--env", f"{k}={v}"]
         return a + [image, *n.command]
     if runtime == "charliecloud":
-        a = ["ch-run", "--set-env", "--home"]         # the image's own environment (PATH to the venv)
+        # --set-env: the image's own environment (PATH to the venv); --home: the user's home, for the cache
+        a = ["ch-run", "--set-env", "--home"]
         for k, v in n.env.items():
             a.append(f"--set-env={k}={v}")
         for m in n.mounts:

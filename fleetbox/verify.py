@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import probes
 from .datasets import CONTAINER_CACHE, default_dest
-from .engine import run_dir
+from .engine import image_or_none, run_dir
 from .errors import UserError
 from .images import resolve
 from .matrix import Variant
@@ -55,7 +55,6 @@ def table(variant: str, image: str, checks: list[dict]) -> str:
 def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: Path | None = None) -> dict:
     """Verify the variant's built image, or any image given by reference (e.g. one pulled from a registry)."""
     if image_ref:
-        from .engine import image_or_none
         image = image_or_none(c, image_ref)
         if image is None:
             raise UserError(f"image {image_ref} is not here; build or pull it first")
