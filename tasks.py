@@ -5,11 +5,10 @@ Each task parses its options and calls the package; user errors end as one line 
 
 import functools
 import json
-import sys
 
 from invoke import Exit, task
 
-from fleetbox.errors import UserError
+from fleetbox.errors import Failed, UserError
 
 VARIANT_HELP = "matrix variant (images/matrix.toml): cpu (default), cu118, cu126, cu129, dcu"
 
@@ -22,13 +21,17 @@ def _fleetbox(fn):
             return fn(c, *args, **kwargs)
         except UserError as e:
             raise Exit(f"fleetbox: error: {e}", code=2) from None
+        except Failed as e:
+            raise Exit(f"fleetbox: {e}", code=1) from None
         except KeyboardInterrupt:
             raise Exit("fleetbox: interrupted", code=130) from None
     return wrapper
 
 
 def _variant(name):
-    from fleetbox import matrix
+    from fleetbox.build import matrix
+    if name is not None and not name.strip():
+        raise UserError("--variant is empty; name a variant (default: cpu)")
     return matrix.load().get(name)
 
 
@@ -40,7 +43,7 @@ def _log(msg):
 @_fleetbox
 def lock(c, variant=None):
     """Resolve the variant's pins across PyPI and Paddle's index into images/locks/<variant>.lock (sha256)."""
-    from fleetbox import locks
+    from fleetbox.build import locks
     v = _variant(variant)
     path = locks.make(v)
     _, entries = locks.read(v)
@@ -52,7 +55,7 @@ def lock(c, variant=None):
 def wheels(c, variant=None, dest=None):
     """Download the lock's wheels into an offline wheelhouse (hash-checked; reused when complete)."""
     from pathlib import Path
-    from fleetbox import wheelhouse
+    from fleetbox.build import wheelhouse
     wheelhouse.ensure(_variant(variant), Path(dest) if dest else None, log=_log)
 
 
@@ -64,7 +67,8 @@ def wheels(c, variant=None, dest=None):
 @_fleetbox
 def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=False):
     """Make the variant's system base (OS + Python + runtime libraries) under fleetbox/base:<name>-<hash>."""
-    from fleetbox import bases, engine
+    from fleetbox import engine
+    from fleetbox.build import bases
     v = _variant(variant)
     if dry_run:
         for line in bases.plan(v, bootstrap, mirror).describe():
@@ -81,7 +85,9 @@ def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=F
 def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets=None):
     """Build the variant's image hermetically (network off) from the wheelhouse; no-op when up to date."""
     from pathlib import Path
-    from fleetbox import datasets as ds, engine, images
+    from fleetbox import engine
+    from fleetbox.build import images
+    from fleetbox.data import datasets as ds
     v = _variant(variant)
     data = ds.select(ds.load(), datasets) if datasets else []
     if dry_run:
@@ -100,45 +106,30 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets
             "nodes": "also run the checks in every node's container and the smoke job across N nodes",
             "hosts": "with --nodes: comma-separated Docker Engine URLs, one per node"})
 @_fleetbox
-def verify(c, variant=None, json_out=None, image=None, nodes=0, hosts=None):
+def verify(c, variant=None, json_out=None, image=None, nodes=None, hosts=None):
     """Check the image with the network off: run_check(), device, scipy/cv2, installed == lock."""
-    from fleetbox import engine, verify as verify_mod
+    from fleetbox import engine, options, verify as verify_mod
+    from fleetbox.run import spec as spec_mod
     v = _variant(variant)
-    if int(nodes or 0):
-        report = verify_mod.run_nodes(_spec(variant, nodes, image=image, hosts=hosts), log=_log)
+    n = options.integer("--nodes", nodes or 0, 0)
+    if n:
+        report = verify_mod.run_nodes(spec_mod.from_options(v, nodes=n, image=image, hosts=hosts), log=_log)
     else:
         report = verify_mod.run(engine.client(), v, image, log=_log)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=1)
     if not report["ok"]:
-        raise Exit(f"fleetbox: verify failed for {v.name} (report: {report['path']})", code=1)
+        raise Failed(f"verify failed for {v.name} (report: {report['path']})")
 
 
 @task(help={"variant": VARIANT_HELP, "mirror": "Debian mirror for a bootstrapped base",
             "nodes": "nodes of the closing training run (default 2; 0 skips it)"})
 @_fleetbox
-def up(c, variant=None, mirror=None, nodes=2):
+def up(c, variant=None, mirror=None, nodes=None):
     """The main job: base -> wheels -> build -> verify -> a 2-node training run (smoke), on this machine."""
-    from fleetbox import bases, engine, images, verify as verify_mod, wheelhouse
-    v = _variant(variant)
-    client = engine.client()
-    steps = ["base", "wheels", "build", "verify"] + ([f"train --nodes {nodes}"] if int(nodes) else [])
-    for i, step in enumerate(steps, 1):
-        _log(f"== [{i}/{len(steps)}] {step} ({v.name})")
-        if step == "base":
-            bases.ensure(client, v, mirror=mirror, log=_log)
-        elif step == "wheels":
-            wheelhouse.ensure(v, log=_log)
-        elif step == "build":
-            images.build(client, v, log=_log)
-        elif step == "verify":
-            report = verify_mod.run(client, v, log=_log)
-            if not report["ok"]:
-                raise Exit(f"fleetbox: verify failed for {v.name} (report: {report['path']})", code=1)
-        else:
-            _run_job(_spec(v.name, nodes))
-    sys.stdout.flush()
+    from fleetbox import options, pipeline
+    pipeline.up(_variant(variant), mirror, options.integer("--nodes", 2 if nodes is None else nodes, 0), log=_log)
 
 
 @task(help={"datasets": "comma-separated data sets from offline_cache/datasets.toml, e.g. mnist,flowers",
@@ -150,33 +141,10 @@ def up(c, variant=None, mirror=None, nodes=2):
             "manifest": "another dataset manifest (default offline_cache/datasets.toml)",
             "jobs": "files downloaded at a time (default 4)"})
 @_fleetbox
-def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, from_=None, manifest=None, jobs=4):
+def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, from_=None, manifest=None, jobs=None):
     """Seed Paddle's dataset cache offline-ready: download (MD5, resume, retry), verify, pack, restore."""
-    from pathlib import Path
-    from fleetbox import datasets as ds
-    known = ds.load(manifest)
-    dest = Path(dest) if dest else ds.default_dest()
-    if from_:
-        rows = ds.restore(Path(from_), dest, known, log=_log)
-        _log(ds.table(rows))
-        _log(f"restored {len(rows)} files into {dest}")
-        return
-    chosen = ds.select(known, datasets) if (datasets or not pack) else [
-        d for d in known.values() if all((dest / f.relpath).exists() for f in d.files)]
-    if pack:
-        out = ds.pack(chosen, dest, Path(pack))
-        _log(f"packed {', '.join(d.name for d in chosen)} into {out} ({out.stat().st_size / 1e6:.1f} MB)")
-        return
-    if verify:
-        rows = ds.check(chosen, dest)
-        _log(ds.table(rows))
-        bad = [r for r in rows if r["status"] != "ok"]
-        if bad:
-            raise Exit(f"fleetbox: {len(bad)} of {len(rows)} files missing or bad in {dest}", code=1)
-        return
-    rows = ds.seed(chosen, dest, mirror, log=_log, jobs=int(jobs))
-    _log(ds.table(rows))
-    _log(f"cache {dest}: {len(rows)} files verified; mount it at {ds.CONTAINER_CACHE} (read-only)")
+    from fleetbox.data import datasets as ds
+    ds.cache_command(datasets, mirror, dest, verify, pack, from_, manifest, 4 if jobs is None else jobs, log=_log)
 
 
 TRAIN_HELP = {
@@ -192,7 +160,7 @@ TRAIN_HELP = {
     "debug": "NCCL_DEBUG=INFO",
     "gpus_per_node": "GPUs per node (CUDA variants)",
     "devices": "accelerator ids, e.g. 0,1",
-    "port": "master port (default: a free one)",
+    "port": "master port (default: a free one here, a random one for Slurm)",
     "env": "extra environment, comma-separated KEY=VALUE pairs",
     "mount": "extra bind mounts, comma-separated SRC:DST[:ro]",
     "data_dir": "seeded dataset cache to mount read-only at Paddle's cache path (default offline_cache/dataset)",
@@ -205,84 +173,33 @@ TRAIN_HELP = {
     "time": "with --backend slurm: the time limit (e.g. 01:00:00)",
     "account": "with --backend slurm: the account (-A)",
     "runtime_args": "with --backend slurm: extra options for the runtime, e.g. \"--ulimit nproc=32768:32768\"",
+    "job_id": "the job's id (default: train-<time>-<random>); with --port, a dry-run can be replayed exactly",
 }
-
-
-def _spec(variant=None, nodes=2, procs_per_node=1, script=None, args=None, image=None, hosts=None, iface=None,
-          ib_hca=None, debug=False, gpus_per_node=0, devices=None, port=0, env=None, mount=None, data_dir=None,
-          shm_size=None):
-    """A validated JobSpec from command-line strings."""
-    import shlex
-    from fleetbox import datasets as ds, jobs
-    data = data_dir or (str(ds.default_dest()) if ds.default_dest().is_dir() and not hosts else "")
-    spec = jobs.JobSpec(
-        variant=_variant(variant), nodes=int(nodes), procs_per_node=int(procs_per_node),
-        script=script or str(jobs.DEFAULT_SCRIPT), args=tuple(shlex.split(args or "")), image=image or "",
-        hosts=tuple(h for h in (hosts or "").split(",") if h), iface=iface or "", ib_hca=ib_hca or "",
-        debug=debug, gpus_per_node=int(gpus_per_node or 0), devices=devices or "", port=int(port or 0),
-        env=dict(kv.split("=", 1) for kv in (env or "").split(",") if "=" in kv),
-        mounts=tuple(m for m in (mount or "").split(",") if m), data_dir=data, shm_size=shm_size or "8g",
-        job_id=jobs.new_job_id())
-    jobs.validate(spec)
-    return spec
 
 
 @task(help=TRAIN_HELP)
 @_fleetbox
-def train(c, nodes=2, procs_per_node=1, variant=None, script=None, args=None, image=None, hosts=None,
-          iface=None, ib_hca=None, debug=False, gpus_per_node=0, devices=None, port=0, env=None, mount=None,
+def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=None, image=None, hosts=None,
+          iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, mount=None,
           data_dir=None, shm_size=None, timeout=None, dry_run=False, backend="docker", runtime="docker",
-          partition=None, time=None, account=None, runtime_args=None):
+          partition=None, time=None, account=None, runtime_args=None, job_id=None):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
-    from fleetbox import backend_docker
-    spec = _spec(variant, nodes, procs_per_node, script, args, image, hosts, iface, ib_hca, debug,
-                 gpus_per_node, devices, port, env, mount, data_dir, shm_size)
-    if backend == "slurm":
-        return _train_slurm(spec, runtime, image, partition, time, account, int(port or 0), dry_run, runtime_args)
-    if backend != "docker":
-        raise Exit(f"fleetbox: error: unknown backend {backend!r}; choose docker or slurm", code=2)
-    if dry_run:
-        for n in backend_docker.dry_run(spec):
-            _log(f"# node{n.rank} (rank {n.rank}) on {n.host or 'this machine'}")
-            _log(n.shell())
-        return
-    _run_job(spec, timeout)
-
-
-def _train_slurm(spec, runtime, image, partition, time_limit, account, port, dry_run, runtime_args=None):
-    from fleetbox import backend_slurm as slurm
-    sj = slurm.make(spec, runtime, image or "", partition or "", time_limit or "", account or "", port,
-                    runtime_args or "")
-    if dry_run:
-        _log(f"# {sj.dir}/job.sbatch\n{slurm.render_sbatch(sj)}\n# {sj.dir}/node.sh\n{slurm.render_node_script(sj)}")
-        return
-    job_id = slurm.submit(sj)
-    result = slurm.follow(sj, job_id, log=_log)
-    _log(slurm.table(result))
-    if not result["ok"]:
-        who = (f"{result['failed_node']} (rank {result['failed_rank']}) exited with code {result['failed_exit_code']}"
-               if result.get("failed_rank") is not None else f"job ended {result['state']}")
-        raise Exit(f"fleetbox: train failed: {who} (logs: {sj.dir})", code=1)
-
-
-def _run_job(spec, timeout=None):
-    from fleetbox import backend_docker
-    result = backend_docker.run(spec, log=_log, timeout=float(timeout) if timeout else None)
-    _log(backend_docker.table(result))
-    if not result["ok"]:
-        raise Exit("fleetbox: train failed: " + (
-            f"node{result['failed_rank']} (rank {result['failed_rank']}) exited with code "
-            f"{result['failed_exit_code']}" if result.get("failed_rank") is not None else
-            f"timed out after {timeout} s")
-            + f" (logs: {backend_docker.runs_root() / spec.job_id})", code=1)
+    from fleetbox import options
+    from fleetbox.run import jobs, spec as spec_mod
+    spec = spec_mod.from_options(_variant(variant), nodes, procs_per_node, script, args, image, hosts, iface, ib_hca,
+                                 debug, gpus_per_node, devices, port, env, mount, data_dir, shm_size, job_id)
+    slurm = {"runtime": runtime, "image": image or "", "partition": partition, "time": time, "account": account,
+             "runtime_args": runtime_args} if backend == "slurm" else {}
+    jobs.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), log=_log)
 
 
 @task(help={"hosts": "comma-separated Docker Engine URLs to clean too (default: this machine)"})
 @_fleetbox
 def clean(c, hosts=None):
     """Remove containers that earlier jobs left behind (found by their io.fleetbox.job label)."""
-    from fleetbox import backend_docker
-    n = backend_docker.clean([h for h in (hosts or "").split(",") if h], log=_log)
+    from fleetbox import options
+    from fleetbox.run.docker_backend import DockerBackend
+    n = DockerBackend().clean(options.items(hosts), log=_log)
     _log(f"removed {n} leftover container(s)")
 
 
@@ -294,7 +211,9 @@ def clean(c, hosts=None):
 def export(c, variant=None, format="docker-archive", squash=False, dest=None, image=None):
     """Export the image for HPC runtimes; where a converter is missing, print the command for the cluster."""
     from pathlib import Path
-    from fleetbox import engine, hpc, images
+    from fleetbox import engine
+    from fleetbox.build import images
+    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     client = engine.client()
     ref = image or images.resolve(client, v).tags[0]
@@ -305,14 +224,15 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
 @_fleetbox
 def push(c, variant=None, registry=None):
     """Push the content tag and the aliases of the variant's image to a registry."""
-    from fleetbox import engine, hpc, images
+    from fleetbox import engine
+    from fleetbox.build import images
+    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     client = engine.client()
     image = images.resolve(client, v)
     content = images.content_tag(image, v)
     if content is None:
-        raise Exit(f"fleetbox: error: image {v.aliases[0]} has no content tag; run `invoke build --variant {v.name}`",
-                   code=2)
+        raise UserError(f"image {v.aliases[0]} has no content tag; run `invoke build --variant {v.name}`")
     for ref in hpc.push(client, image, hpc.registry_refs(v, registry or "", content), log=_log):
         _log(f"pushed {ref}")
 
@@ -323,15 +243,14 @@ def push(c, variant=None, registry=None):
 @_fleetbox
 def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False):
     """Print the pull/convert commands a cluster user runs for a runtime (immutable content tag first)."""
-    from fleetbox import engine, hpc, images
+    from fleetbox import engine
+    from fleetbox.build import images
+    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     try:
         content = images.content_tag(images.resolve(engine.client(), v), v)
     except UserError:
         content = None
-    content = content or f"{v.image}:{v.name}"
-    refs = hpc.registry_refs(v, registry or "", content)
-    for ref, what in ((refs[0], "content tag (immutable)"), (refs[1], "alias")):
-        _log(f"# {what}")
-        for line in hpc.pull_commands(runtime, ref, hpc.export_name(v), insecure):
-            _log(line)
+    refs = hpc.registry_refs(v, registry or "", content or f"{v.image}:{v.name}")
+    for line in hpc.pull_commands(runtime, refs, hpc.export_name(v), insecure):
+        _log(line)

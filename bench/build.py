@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleetbox import engine, images, locks, matrix, wheelhouse  # noqa: E402
+from fleetbox import engine  # noqa: E402
+from fleetbox.build import images, locks, matrix, wheelhouse  # noqa: E402
 
 
 def timed(argv, **kw):

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleetbox import datasets as ds  # noqa: E402
+from fleetbox.data import datasets as ds  # noqa: E402
 
 JOBS = 4   # seeding's default
 SEED, SEED_ONE = f"invoke cache seeding ({JOBS} at a time)", "invoke cache seeding, one at a time"

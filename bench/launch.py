@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleetbox.jobs import free_port  # noqa: E402
+from fleetbox.run.hostnet import free_port  # noqa: E402
 
 VENV = Path(os.environ.get("FLEETBOX_BENCH_VENV", "/var/cache/fleetbox/bench-venv"))
 

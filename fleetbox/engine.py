@@ -6,7 +6,7 @@ import datetime as dt
 import os
 from pathlib import Path
 
-from . import ROOT
+from . import settings
 from .errors import UserError
 
 
@@ -35,7 +35,7 @@ def image_or_none(c, ref: str):
 def run_dir(kind: str) -> Path:
     """A fresh folder under runs/ that keeps this run's logs and reports."""
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(os.environ.get("FLEETBOX_RUNS", ROOT / "runs"))
+    base = settings.runs_root()
     d = base / f"{kind}-{stamp}"
     n = 1
     while d.exists():
@@ -43,6 +43,12 @@ def run_dir(kind: str) -> Path:
         d = base / f"{kind}-{stamp}-{n}"
     d.mkdir(parents=True)
     return d
+
+
+def build(c, log_file: Path, echo=print, **kwargs) -> str:
+    """`docker build` through the engine API (never pulling, intermediate containers always removed),
+    its output printed as it comes and kept in `log_file`; returns the image ID."""
+    return stream_build(c.api.build(decode=True, rm=True, forcerm=True, pull=False, **kwargs), log_file, echo)
 
 
 def stream_build(chunks, log_file: Path, echo=print) -> str:

@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """A problem with input or environment, explained in one line that says what to do."""
+
+
+class Failed(Exception):
+    """The work ran and did not pass (a job, a check): one line saying what failed and where the logs are."""

@@ -7,31 +7,27 @@ import json
 from pathlib import Path
 
 from . import probes
-from .datasets import CONTAINER_CACHE, default_dest
+from . import settings
+from .settings import CONTAINER_CACHE
 from .engine import image_or_none, run_dir
 from .errors import UserError
-from .images import resolve
-from .matrix import Variant
+from .build.images import resolve
+from .build.matrix import Variant
 
 MARK = "FLEETBOX-REPORT "
 
 
 def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None) -> dict:
-    """Pure: how the verify container is run (no network; the variant's devices; the seeded dataset
-    cache mounted read-only at Paddle's cache path when there is one)."""
+    """Pure: how the verify container is run: no network; the variant's devices, as a job's node gets them;
+    the seeded dataset cache mounted read-only at Paddle's cache path when there is one."""
+    from .run.plan import device_kwargs, device_options
+    from .run.spec import JobSpec
+    dev = device_options(JobSpec(variant=variant))
     kw = {"network_mode": "none", "environment": {
         "FLEETBOX_DEVICE": variant.device,
-        "FLEETBOX_EXPECT_FREEZE": image_labels.get("io.fleetbox.pip-freeze", "")}}
-    if variant.device == "cuda":
-        import docker.types
-        kw["device_requests"] = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
-    rt = variant.runtime
-    if rt.get("devices"):
-        kw["devices"] = [f"{d}:{d}:rwm" for d in rt["devices"]]
-    if rt.get("group_add"):
-        kw["group_add"] = rt["group_add"]
-    if rt.get("security_opt"):
-        kw["security_opt"] = rt["security_opt"]
+        "FLEETBOX_EXPECT_FREEZE": image_labels.get("io.fleetbox.pip-freeze", "")},
+          **device_kwargs(dev.get("devices", ()), dev.get("group_add", ()), dev.get("security_opt", ()),
+                          dev.get("gpus", ""))}
     if data_dir is not None:
         kw["volumes"] = {str(Path(data_dir).resolve()): {"bind": CONTAINER_CACHE, "mode": "ro"}}
     return kw
@@ -63,7 +59,7 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     labels = image.labels or {}
     rd = run_dir(f"verify-{variant.name}")
     log(f"verifying {image.tags[0] if image.tags else image.id} with the network off")
-    data_dir = data_dir or default_dest()
+    data_dir = data_dir or settings.data_dir()
     mount = data_dir if data_dir.is_dir() and any(data_dir.iterdir()) else None
     if mount:
         log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
@@ -88,7 +84,6 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
 def run_nodes(spec, log=print) -> dict:
     """`verify --nodes N`: the image checks (run_check() included) in every node's container, then the
     smoke job across all nodes; one table, one JSON report."""
-    from . import backend_docker
     from .engine import client as engine_client
 
     hosts = list(spec.hosts) or [""] * spec.nodes
@@ -104,13 +99,15 @@ def run_nodes(spec, log=print) -> dict:
                                + (f"; failed: {', '.join(failed)}" if failed else ""), "report": rep["path"]})
         log(f"node{k} ({host or 'local'}): {'PASS' if rep['ok'] else 'FAIL'}")
     log(f"running the smoke job across {spec.nodes} nodes")
-    job = backend_docker.run(spec, log=lambda m: None)
-    smoke = job.get("smoke") or {}
+    from .run.docker_backend import DockerBackend
+    backend = DockerBackend()
+    job = backend.run(backend.plan(spec), log=lambda m: None)
+    smoke = job.smoke or {}
     detail = (f"loss {smoke['first_loss']:.4f} -> {smoke['last_loss']:.4f}, parameters identical on "
-              f"{smoke['world']} ranks, {smoke['samples_per_s']:.0f} samples/s" if smoke else
-              f"node{job.get('failed_rank')} exited with {job.get('failed_exit_code')}")
-    rows.append({"what": "smoke", "host": f"{spec.nodes} nodes", "ok": job["ok"], "detail": detail,
-                 "report": str(backend_docker.runs_root() / spec.job_id / "summary.json")})
+              f"{smoke['world']} ranks: {smoke['params_identical']}, {smoke['samples_per_s']:.0f} samples/s"
+              if smoke else job.failure())
+    rows.append({"what": "smoke", "host": f"{spec.nodes} nodes", "ok": job.ok, "detail": detail,
+                 "report": str(Path(job.dir) / "summary.json")})
     rd = run_dir(f"verify-{spec.variant.name}-{spec.nodes}nodes")
     report = {"variant": spec.variant.name, "nodes": spec.nodes, "rows": rows, "ok": all(r["ok"] for r in rows),
               "path": str(rd / "report.json")}

@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--step-sleep", type=float, default=0.0, help="slow each step down (for interrupt tests)")
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--hang-seconds", type=float, default=300)
+    ap.add_argument("--tag", nargs="*", default=[], help="words echoed back in the report (to check what arrived)")
     args = ap.parse_args()
 
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))   # set by paddle.distributed.launch
@@ -74,7 +75,8 @@ def main():
         gathered = [checksum]
     sums = [float(t) for t in gathered]
     report = {"rank": rank, "world": world, "first_loss": np.mean(losses[:5]), "last_loss": np.mean(losses[-5:]),
-              "checksums": sums, "samples_per_s": float(total), "seconds": elapsed}
+              "checksums": sums, "samples_per_s": float(total), "seconds": elapsed, "tag": args.tag,
+              "env_tag": os.environ.get("FLEETBOX_TAG")}
     ok_loss = report["last_loss"] < 0.5 * report["first_loss"]
     ok_sync = max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0]))
     report.update(loss_falls=bool(ok_loss), params_identical=bool(ok_sync), world_ok=len(sums) == world)

@@ -35,7 +35,8 @@ def cpu_image():
     # In CI (or when asked) build for real even if an image with the same inputs is cached on this machine.
     rebuild = os.environ.get("CI") or os.environ.get("FLEETBOX_TEST_REBUILD")
     build = _ok(invoke("build", "--variant", "cpu", *(["--force"] if rebuild else [])))
-    from fleetbox import engine, images, matrix
+    from fleetbox import engine
+    from fleetbox.build import images, matrix
     c = engine.client()
     image = images.resolve(c, matrix.load().get("cpu"))
     return {"image": image, "build": build, "client": c}

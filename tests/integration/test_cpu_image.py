@@ -12,7 +12,7 @@ def docker(*args):
 
 
 def test_base_is_ours_and_runs_python(cpu_image):
-    from fleetbox import matrix
+    from fleetbox.build import matrix
     v = matrix.load().get("cpu")
     info = json.loads(docker("image", "inspect", v.base_ref).stdout)[0]
     assert info["Config"]["Labels"]["io.fleetbox.base"] == "bookworm"
@@ -63,7 +63,7 @@ def test_final_image_has_no_wheels_no_pip_cache_and_little_overhead(cpu_image):
 
 def test_image_carries_provenance(cpu_image):
     labels = cpu_image["image"].labels
-    from fleetbox import locks, matrix
+    from fleetbox.build import locks, matrix
     v = matrix.load().get("cpu")
     text, entries = locks.read(v)
     assert labels["io.fleetbox.lock-sha256"] == locks.lock_hash(text)
@@ -75,7 +75,7 @@ def test_image_carries_provenance(cpu_image):
 
 
 def test_tampered_wheelhouse_stops_the_build_and_builds_nothing(cpu_image, tmp_path):
-    from fleetbox import matrix, wheelhouse
+    from fleetbox.build import matrix, wheelhouse
     src = wheelhouse.default_dir(matrix.load().get("cpu"))
     dest = tmp_path / "cpu"
     dest.mkdir()

@@ -3,7 +3,8 @@ import json
 import subprocess
 
 
-from fleetbox import datasets as ds
+from fleetbox import settings
+from fleetbox.data import datasets as ds
 from tests.conftest import invoke
 
 LOADER_CONSTANTS = r"""
@@ -71,15 +72,15 @@ def test_manifest_agrees_with_paddles_own_loaders(cpu_image):
 
 def test_paddles_mnist_loader_reads_the_seeded_cache_offline_and_read_only(cpu_image, seeded_mnist):
     out = run_py(cpu_image["image"].id, READ_MNIST, json.dumps(seeded_mnist["md5"]),
-                 mounts=[f"{seeded_mnist['dest']}:{ds.CONTAINER_CACHE}:ro"])
-    assert out == {"home": ds.CONTAINER_CACHE, "train": 600, "test": 100, "label3": 4, "shape": [28, 28]}
+                 mounts=[f"{seeded_mnist['dest']}:{settings.CONTAINER_CACHE}:ro"])
+    assert out == {"home": settings.CONTAINER_CACHE, "train": 600, "test": 100, "label3": 4, "shape": [28, 28]}
 
 
 def test_flowers_is_unpacked_at_seed_time_so_a_read_only_cache_works(cpu_image, seeded_flowers):
     cache = seeded_flowers["dest"]
     assert (cache / "flowers" / "102flowers" / "jpg" / "image_00001.jpg").exists()
     out = run_py(cpu_image["image"].id, READ_FLOWERS, json.dumps(seeded_flowers["md5_attrs"]),
-                 mounts=[f"{cache}:{ds.CONTAINER_CACHE}:ro"])
+                 mounts=[f"{cache}:{settings.CONTAINER_CACHE}:ro"])
     assert out == {"train": 6, "label0": 1, "shape": [32, 40, 3]}   # labels stay 1-based: the lowest is 1, not 0
 
 
@@ -94,7 +95,7 @@ def test_build_bakes_seeded_datasets_into_a_thin_image(cpu_image, seeded_mnist):
     try:
         assert "baked" in proc.stdout
         out = run_py(tag, READ_MNIST, json.dumps(seeded_mnist["md5"]))   # no mount: the files are in the image
-        assert out["train"] == 600 and out["home"] == ds.CONTAINER_CACHE
+        assert out["train"] == 600 and out["home"] == settings.CONTAINER_CACHE
         again = invoke("build", "--variant", "cpu", "--datasets", "mnist", env=env)
         assert again.returncode == 0 and "nothing to bake" in again.stdout
         labels = json.loads(subprocess.run(["docker", "image", "inspect", tag], capture_output=True,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetbox import backend_slurm, jobs, matrix
+from fleetbox.build import matrix
+from fleetbox.run import slurm_backend, spec as spec_mod
 from tests import slurmcluster
 from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.conftest import ROOT, invoke
@@ -84,12 +85,14 @@ def test_charliecloud_run_as_a_user_finds_the_seeded_cache_in_its_home(charliecl
         os.chmod(shared / "runs", 0o1777)
         subprocess.run(["chmod", "-R", "a+rX", str(shared)], check=True)
         monkeypatch.setenv("FLEETBOX_RUNS", str(shared / "runs"))
-        spec = jobs.JobSpec(variant=matrix.load().get("cpu"), nodes=1, job_id="train-user-0001",
-                            script=str(shared / "ws" / "read_mnist.py"), args=(json.dumps(seeded_mnist["md5"]),),
-                            data_dir=str(shared / "cache"))
-        sj = backend_slurm.make(spec, "charliecloud", image=charliecloud_image)
-        (shared / "node.sh").write_text(backend_slurm.render_node_script(sj))
-        env = f"SLURM_NODEID=0 SLURM_NNODES=1 SLURM_JOB_ID=1 MASTER_IP=127.0.0.1 MASTER_PORT={sj.port}"
+        spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=1, job_id="train-user-0001",
+                                script=str(shared / "ws" / "read_mnist.py"), args=(json.dumps(seeded_mnist["md5"]),),
+                                data_dir=str(shared / "cache"))
+        plan = slurm_backend.SlurmBackend("charliecloud", image=charliecloud_image).plan(spec)
+        (shared / "node.sh").write_text(dict(plan.files)["node.sh"])
+        (shared / "runs" / "train-user-0001" / "node0").mkdir(parents=True)   # the batch script makes it
+        subprocess.run(["chmod", "-R", "a+rwX", str(shared / "runs")], check=True)
+        env = f"SLURM_NODEID=0 SLURM_NNODES=1 SLURM_JOB_ID=1 MASTER_IP=127.0.0.1 MASTER_PORT={plan.port}"
         proc = subprocess.run(["su", "-", user, "-c", f"{env} bash {shared / 'node.sh'}"], capture_output=True,
                               text=True, timeout=600)
         log = shared / "runs" / "train-user-0001" / "node0" / "workerlog.0"
@@ -106,9 +109,9 @@ def test_slurm_two_nodes_with_podman(cluster, podman_image):
     proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     s, job_dir = summary(proc)
-    assert s["state"] == "COMPLETED" and s["ok"]
+    assert s["scheduler_state"] == "COMPLETED" and s["ok"]
     assert "[node0] FLEETBOX-SMOKE" in proc.stdout and '"params_identical": true' in proc.stdout
-    out = open(os.path.join(job_dir, f"slurm-{s['slurm_job']}.out")).read()
+    out = open(os.path.join(job_dir, f"slurm-{s['scheduler_job']}.out")).read()
     assert "master node1 = 10.213.77.11:" in out   # the first host, resolved to a numeric IP
     node1 = open(os.path.join(job_dir, "node1.log")).read()
     assert "fbn2e 10.213.77.12 -> master 10.213.77.11" in node1   # node 2 found its own NIC and address
@@ -126,7 +129,7 @@ def test_slurm_two_nodes_with_charliecloud(cluster, charliecloud_image):
 def test_slurm_failing_rank_names_the_node(cluster, podman_image):
     proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
                        "--args", "--fail-rank 1 --fail-step -1 --hang-rank 0")
-    one_line_error(proc, "train failed: node2 (rank 1) exited with code 3", job_output=True)
+    one_line_error(proc, "train failed: node1 (rank 1) on node2 exited with exit code 3", job_output=True)
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
                           text=True).stdout.split()
     assert left == []
@@ -221,3 +224,36 @@ def test_ctrl_c_cancels_the_slurm_job_and_leaves_no_container(cluster, podman_im
             break
         time.sleep(1)
     assert "JobState=CANCELLED" in state and left == []
+
+
+HOSTILE_ARGS = "--tag '$(touch /tmp/fleetbox-pwned)' '`touch /tmp/fleetbox-pwned`' {rank} 'a b;c' \"q'uote\" '$HOME'"
+HOSTILE_TAG = ["$(touch /tmp/fleetbox-pwned)", "`touch /tmp/fleetbox-pwned`", "0", "a b;c", "q'uote", "$HOME"]
+HOSTILE_ENV = "FLEETBOX_TAG=$(touch /tmp/fleetbox-pwned); `id` $HOME {node}"
+
+
+@pytest.mark.parametrize("runtime", ["podman", "charliecloud"])
+def test_slurm_dry_run_is_what_slurm_got_and_hostile_values_arrive_unchanged(cluster, runtime, request):
+    """The dry-run's job.sbatch equals, byte for byte, the script Slurm holds for the job (scontrol write
+    batch_script) and its node.sh the one the nodes ran; hostile values reach the script unchanged."""
+    if runtime == "podman":
+        request.getfixturevalue("podman_image")
+        extra = ["--runtime-args", PODMAN_ARGS]
+    else:
+        extra = ["--image", request.getfixturevalue("charliecloud_image")]
+    job = f"train-same-{runtime}-{int(time.time())}"
+    common = ["--runtime", runtime, *extra, "--job-id", job, "--port", str(29000 + int(time.time()) % 20000),
+              "--args", HOSTILE_ARGS, "--env", HOSTILE_ENV]
+    dry = slurm_train(cluster, "--dry-run", *common)
+    assert dry.returncode == 0, dry.stderr
+    proc = slurm_train(cluster, *common)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s, job_dir = summary(proc)
+    said_sbatch = dry.stdout.split(f"# {job_dir}/job.sbatch\n", 1)[1].split(f"\n# {job_dir}/node.sh\n")[0]
+    said_node = dry.stdout.split(f"\n# {job_dir}/node.sh\n", 1)[1][:-1]   # print() added the last newline
+    held = subprocess.run(["scontrol", "write", "batch_script", s["scheduler_job"], "-"], capture_output=True,
+                          text=True, env={**os.environ, **cluster})
+    assert held.returncode == 0, held.stderr
+    assert held.stdout == said_sbatch
+    assert open(os.path.join(job_dir, "node.sh")).read() == said_node
+    assert not os.path.exists("/tmp/fleetbox-pwned")
+    assert s["smoke"]["tag"] == HOSTILE_TAG and s["smoke"]["env_tag"] == "$(touch /tmp/fleetbox-pwned); `id` $HOME node0"

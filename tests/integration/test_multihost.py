@@ -26,7 +26,7 @@ def test_two_node_job_across_two_engines_with_hosts(hosts):
     assert "master 10.213.77.11:" in proc.stdout
     job_dir = proc.stdout.split("logs in ")[1].split()[0]
     summary = json.loads(open(os.path.join(job_dir, "summary.json")).read())
-    assert summary["ok"] and [r["host"] for r in summary["rows"]] == hosts
+    assert summary["ok"] and [r["host"] for r in summary["nodes"]] == hosts
     assert summary["smoke"]["world"] == 2 and summary["smoke"]["params_identical"]
     job = json.loads(open(os.path.join(job_dir, "job.json")).read())
     # each node found its own NIC towards the master, inside its own namespace

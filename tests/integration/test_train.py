@@ -1,5 +1,6 @@
 """invoke train with the real Docker Engine and real Paddle (Gloo on CPU, two host-network containers)."""
 import datetime as dt
+import os
 import json
 import signal
 import subprocess
@@ -30,11 +31,11 @@ def test_two_node_cpu_job_passes_the_smoke_checks(cpu_image):
     proc = invoke("train", "--nodes", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     s = summary_of(proc)
-    assert s["ok"] and [r["state"] for r in s["rows"]] == ["ok", "ok"]
+    assert s["ok"] and [r["state"] for r in s["nodes"]] == ["ok", "ok"]
     smoke = s["smoke"]
     assert smoke["world"] == 2 and smoke["loss_falls"] and smoke["params_identical"] and smoke["samples_per_s"] > 0
     assert "[node0] step    0  loss" in proc.stdout            # rank 0 streamed live, prefixed
-    for r in s["rows"]:                                        # every node's launcher logs gathered
+    for r in s["nodes"]:                                        # every node's launcher logs gathered
         assert (ROOT / r["logs"] / "workerlog.0").exists() or open(f"{r['logs']}/workerlog.0")
     assert job_containers(s["job_id"]) == []
 
@@ -50,10 +51,10 @@ def test_failing_rank_stops_the_others_and_is_named(cpu_image):
     # rank 0 is stuck (it would not notice rank 1's death for 300 s by itself): fleetbox must stop it
     proc = invoke("train", "--nodes", "2", "--args", "--fail-rank 1 --fail-step -1 --hang-rank 0")
     assert proc.returncode == 1
-    one_line_error(proc, "train failed: node1 (rank 1) exited with code 3", job_output=True)
+    one_line_error(proc, "train failed: node1 (rank 1) exited with exit code 3", job_output=True)
     s = summary_of(proc)
-    rows = {r["node"]: r for r in s["rows"]}
-    assert s["failed_rank"] == 1 and rows["node1"]["exit_code"] == 3 and rows["node1"]["state"] == "FAILED"
+    rows = {r["node"]: r for r in s["nodes"]}
+    assert s["culprit"] == 1 and rows["node1"]["exit_code"] == 3 and rows["node1"]["state"] == "FAILED"
     assert rows["node0"]["state"] == "stopped"
     assert (when(rows["node0"]["finished_at"]) - when(rows["node1"]["finished_at"])).total_seconds() <= 10
     assert "failing on purpose" in "\n".join(s["log_tail"])
@@ -64,9 +65,9 @@ def test_failing_rank_stops_the_others_and_is_named(cpu_image):
 
 def test_timeout_stops_the_job_and_says_so(cpu_image):
     proc = invoke("train", "--nodes", "2", "--timeout", "20", "--args", "--hang-rank 0 --hang-seconds 300")
-    one_line_error(proc, "train failed: timed out after 20 s", job_output=True)
+    one_line_error(proc, "train failed: timed out", job_output=True)
     s = summary_of(proc)
-    assert s["timed_out"] and s["failed_rank"] is None and not s["ok"]
+    assert s["timed_out"] and s["culprit"] is None and not s["ok"]
     assert job_containers(s["job_id"]) == []
 
 
@@ -127,5 +128,50 @@ def test_verify_across_two_nodes(cpu_image, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     report = json.loads(open(proc.stdout.split("report: ")[-1].strip()).read())
     assert report["ok"] and [r["what"] for r in report["rows"]] == ["node0", "node1", "smoke"]
-    assert "run_check() included" in report["rows"][0]["detail"] and "parameters identical" in report["rows"][2]["detail"]
+    assert "run_check() included" in report["rows"][0]["detail"]
+    assert "parameters identical on 2 ranks: True" in report["rows"][2]["detail"]   # the measured value
     assert job_containers() == []
+
+
+def test_dry_run_is_what_runs(cpu_image, tmp_path):
+    """--job-id and --port make a plan repeatable: the dry-run's `docker run` lines equal what the engine got
+    (docker inspect of the containers actually created), value for value."""
+    import shlex
+    job, port = f"train-same-{int(time.time())}", str(29000 + int(time.time()) % 20000)
+    common = ["--nodes", "2", "--job-id", job, "--port", port, "--args", "--step-sleep 0.3 --tag '$(touch /tmp/no)' {rank}",
+              "--env", "FLEETBOX_TAG=$(id) `id`,WHERE={node}"]
+    dry = invoke("train", "--dry-run", *common)
+    assert dry.returncode == 0, dry.stderr
+    said = [shlex.split(ln) for ln in dry.stdout.splitlines() if ln.startswith("docker run")]
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", *common], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(job_containers(job)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        got = {}
+        for cid in job_containers(job):
+            info = json.loads(subprocess.run(["docker", "inspect", cid], capture_output=True, text=True).stdout)[0]
+            got[info["Config"]["Labels"]["io.fleetbox.rank"]] = info
+    finally:
+        out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-2000:] + err
+    assert sorted(got) == ["0", "1"] and len(said) == 2
+    for rank, argv in enumerate(said):
+        info = got[str(rank)]
+        flags = lambda f: [argv[i + 1] for i, a in enumerate(argv) if a == f]
+        image_at = argv.index("fleetbox/paddle:cpu")
+        assert info["Config"]["Image"] == argv[image_at] and info["Config"]["Cmd"] == argv[image_at + 1:]
+        assert info["Name"] == "/" + flags("--name")[0] and info["HostConfig"]["NetworkMode"] == flags("--network")[0]
+        assert set(flags("-e")) <= set(info["Config"]["Env"])
+        assert {f"{m['Source']}:{m['Destination']}" + ("" if m["RW"] else ":ro") for m in info["Mounts"]} == set(flags("-v"))
+        assert {f"{k}={v}" for k, v in info["Config"]["Labels"].items()} >= set(flags("--label"))
+        assert info["HostConfig"]["ShmSize"] == 8 << 30 and flags("--shm-size") == ["8g"]
+        ulimits = {u["Name"]: f"{u['Soft']}:{u['Hard']}" for u in info["HostConfig"]["Ulimits"]}
+        assert f"memlock={ulimits['memlock']}" in flags("--ulimit")
+        assert info["Config"]["Cmd"][-3:] == ["--tag", "$(touch /tmp/no)", str(rank)]
+        assert "FLEETBOX_TAG=$(id) `id`" in info["Config"]["Env"]
+        assert f"WHERE=node{rank}" in info["Config"]["Env"]
+    assert f"master 127.0.0.1:{port}," in out and not os.path.exists("/tmp/no")
+    smoke = json.loads((ROOT / "runs" / job / "summary.json").read_text())["smoke"]   # what the script got
+    assert smoke["tag"] == ["$(touch /tmp/no)", "0"] and smoke["env_tag"] == "$(id) `id`"

@@ -49,3 +49,20 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
 def test_lock_for_unreachable_paddle_index_says_where_to_run_it(run_invoke):
     one_line_error(run_invoke("lock", "--variant", "cu126"), "cannot reach https://www.paddlepaddle.org.cn",
                    "invoke lock")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--nodes", "abc"], "--nodes takes a whole number"),
+    (["train", "--timeout", "abc"], "--timeout takes a number of seconds"),
+    (["train", "--timeout", "nan"], "--timeout must be a positive number"),
+    (["train", "--env", "A=1,NOEQ"], "--env 'NOEQ' must be NAME=VALUE"),
+    (["train", "--mount", "/tmp:/x:rx"], "the mode must be ro or rw"),
+    (["train", "--job-id", "a;b", "--dry-run"], "--job-id 'a;b'"),
+    (["train", "--backend", "slurm", "--partition", "gpu\nrm -rf /", "--dry-run"], "--partition"),
+    (["train", "--backend", "slurm", "--timeout", "5", "--dry-run"], "--timeout is for the docker backend"),
+    (["train", "--backend", "k8s"], "unknown backend 'k8s'"),
+    (["build", "--variant", ""], "--variant is empty"),
+    (["cache", "--datasets", "mnist", "--jobs", "x"], "--jobs takes a whole number"),
+])
+def test_bad_values_are_one_line(run_invoke, args, needle):
+    one_line_error(run_invoke(*args), needle)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fleetbox import datasets as ds, fetch
+from fleetbox.data import datasets as ds, fetch
 from fleetbox.errors import UserError
 from tests import mnistgen
 from tests.conftest import ROOT

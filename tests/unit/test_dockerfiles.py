@@ -3,9 +3,10 @@ import subprocess
 
 import pytest
 
-from fleetbox import ROOT, matrix
-from fleetbox.bases import BASE_DOCKERFILE
-from fleetbox.images import DATA_DOCKERFILE, DOCKERFILE
+from fleetbox import ROOT
+from fleetbox.build import matrix
+from fleetbox.build.bases import BASE_DOCKERFILE
+from fleetbox.build.images import DATA_DOCKERFILE, DOCKERFILE
 
 DOCKERFILES = sorted({DOCKERFILE, BASE_DOCKERFILE, DATA_DOCKERFILE})
 

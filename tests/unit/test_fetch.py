@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from fleetbox import fetch
+from fleetbox.data import fetch
 from fleetbox.errors import UserError
 from tests.httpserver import Server
 

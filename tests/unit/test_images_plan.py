@@ -1,8 +1,8 @@
 
 import pytest
 
-from fleetbox import images, locks, matrix
-from fleetbox.matrix import DOCKERFILE
+from fleetbox.build import images, locks, matrix
+from fleetbox.build.matrix import DOCKERFILE
 
 LOCK = ("# fleetbox-lock\npip==25.3 \\\n    --hash=sha256:aa\npaddlepaddle==3.3.1 \\\n    --hash=sha256:bb\n")
 

@@ -1,6 +1,6 @@
 import pytest
 
-from fleetbox import locks, matrix
+from fleetbox.build import locks, matrix
 from fleetbox.errors import UserError
 
 SAMPLE = """# fleetbox-lock: variant=x inputs=abc

@@ -1,6 +1,6 @@
 import pytest
 
-from fleetbox import matrix
+from fleetbox.build import matrix
 from fleetbox.errors import UserError
 
 

@@ -3,14 +3,26 @@ import subprocess
 
 import pytest
 
-from fleetbox import backend_slurm as slurm, hpc, jobs, matrix, runtimes
+from fleetbox.build import matrix
 from fleetbox.errors import UserError
+from fleetbox.run import runtimes, slurm_backend as slurm, spec as spec_mod
+from fleetbox.ship import exports as hpc
 
 
-def job(variant="cpu", runtime="podman", **kw):
-    spec = jobs.JobSpec(variant=matrix.load().get(variant), nodes=kw.pop("nodes", 2), job_id="train-t-0001", **kw)
-    return slurm.make(spec, runtime, image=kw.get("image", ""), partition="gpu", time_limit="01:00:00",
-                      account="proj42", port=29555)
+def job(variant="cpu", runtime="podman", runtime_args="", **kw):
+    spec = spec_mod.JobSpec(variant=matrix.load().get(variant), nodes=kw.pop("nodes", 2), job_id="train-t-0001",
+                            port=29555, **kw)
+    backend = slurm.SlurmBackend(runtime, image=kw.get("image", ""), partition="gpu", time="01:00:00",
+                                 account="proj42", runtime_args=runtime_args)
+    return dict(backend.plan(spec).files)
+
+
+def sbatch(files):
+    return files["job.sbatch"]
+
+
+def node_script(files):
+    return files["node.sh"]
 
 
 def bash_ok(text):
@@ -18,11 +30,11 @@ def bash_ok(text):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("runtime", runtimes.RUNTIMES)
+@pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
 @pytest.mark.parametrize("variant", ["cpu", "cu126", "dcu"])
 def test_every_runtime_and_variant_renders_valid_bash(runtime, variant):
     sj = job(variant, runtime)
-    sb, node = slurm.render_sbatch(sj), slurm.render_node_script(sj)
+    sb, node = sbatch(sj), node_script(sj)
     bash_ok(sb)
     bash_ok(node)
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu",
@@ -30,56 +42,56 @@ def test_every_runtime_and_variant_renders_valid_bash(runtime, variant):
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1'):
         assert line in sb, line
     assert "srun --kill-on-bad-exit=1 --wait=60" in sb
-    for piece in ('--master "$MASTER_IP:$MASTER_PORT"', '--host "$NODE_IP"', '--nnodes "$SLURM_NNODES"',
+    for piece in ('--master "$MASTER_IP":"$MASTER_PORT"', '--host "$NODE_IP"', '--nnodes "$SLURM_NNODES"',
                   '--rank "$SLURM_NODEID"', "paddle.distributed.launch"):
         assert piece in node, piece
     for piece in ("GLOO_SOCKET_IFNAME=$IFACE", "NCCL_SOCKET_IFNAME=$IFACE", "NCCL_IB_DISABLE=1"):
         assert piece in node.replace('"', ""), piece
+    assert "'" not in node.split("paddle.distributed.launch")[1]   # no literal text needed quoting
 
 
 def test_runtime_specifics():
-    podman = slurm.render_node_script(job(runtime="podman"))
+    podman = node_script(job(runtime="podman"))
     assert "\npodman run --rm" in podman and "--network host" in podman
     assert '--ulimit "memlock=$(hard_limit l)"' in podman and "hard_limit() {" in podman
-    assert "trap 'podman rm -f --time 0 \"fleetbox-train-t-0001-node$SLURM_NODEID\"" in podman and podman.endswith("wait $!\n")
-    docker = slurm.render_node_script(job(runtime="docker"))
+    assert 'cleanup() { podman rm -f --time 0 fleetbox-train-t-0001-node"$SLURM_NODEID" ' in podman
+    assert "trap cleanup TERM INT" in podman and podman.endswith("wait $!\n")
+    docker = node_script(job(runtime="docker"))
     assert "\ndocker run --rm" in docker and " -d " not in docker
-    sb = slurm.render_sbatch(job(runtime="podman"))
+    sb = sbatch(job(runtime="podman"))
     assert "podman ps -aq --filter label=io.fleetbox.job=train-t-0001 | xargs -r podman rm -f" in sb
     assert sb.rstrip().endswith('exit "$rc"')
-    ch = slurm.render_node_script(job(runtime="charliecloud"))
-    assert "exec ch-run --set-env" in ch and " -c /workspace " in ch and " -- python -m paddle" in ch
-    app = slurm.render_node_script(job(runtime="apptainer"))
+    ch = node_script(job(runtime="charliecloud"))
+    assert "exec ch-run --env-no-expand --set-env" in ch and " -c /workspace " in ch and " -- python -m paddle" in ch
+    app = node_script(job(runtime="apptainer"))
     assert "exec apptainer exec --cleanenv" in app and "--bind /" in app
-    cuda_app = slurm.render_node_script(job("cu126", "apptainer"))
+    cuda_app = node_script(job("cu126", "apptainer"))
     assert " --nv " in cuda_app
-    dcu_app = slurm.render_node_script(job("dcu", "apptainer"))
+    dcu_app = node_script(job("dcu", "apptainer"))
     assert " --rocm " in dcu_app and "/opt/hyhal:/opt/hyhal:ro" in dcu_app
     pyxis_sj = job(runtime="pyxis")
-    sb = slurm.render_sbatch(pyxis_sj)
+    sb = sbatch(pyxis_sj)
     assert "--container-image=fleetbox/paddle:cpu" in sb and "--container-mounts=" in sb
-    assert "exec python -m paddle.distributed.launch" in slurm.render_node_script(pyxis_sj)
-    assert "export GLOO_SOCKET_IFNAME=" in slurm.render_node_script(pyxis_sj)
+    assert "exec python -m paddle.distributed.launch" in node_script(pyxis_sj)
+    assert "export GLOO_SOCKET_IFNAME=" in node_script(pyxis_sj)
 
 
 def test_cuda_asks_slurm_for_gpus_and_docker_runtime_for_them():
     sj = job("cu126", "docker", gpus_per_node=4)
-    assert "#SBATCH --gpus-per-node=4" in slurm.render_sbatch(sj)
-    assert "--gpus 4" in slurm.render_node_script(sj)
-    dcu = slurm.render_node_script(job("dcu", "podman"))
+    assert "#SBATCH --gpus-per-node=4" in sbatch(sj)
+    assert "--gpus 4" in node_script(sj)
+    dcu = node_script(job("dcu", "podman"))
     assert "--device /dev/kfd --device /dev/dri" in dcu and "--group-add keep-groups" in dcu
 
 
 def test_ib_and_iface_overrides_reach_the_node_script():
-    node = slurm.render_node_script(job(ib_hca="mlx5_0", iface="ib0", debug=True))
+    node = node_script(job(ib_hca="mlx5_0", iface="ib0", debug=True))
     assert "NCCL_IB_HCA=mlx5_0" in node and "NCCL_IB_DISABLE=0" in node and "IFACE=ib0" in node
     assert "NCCL_DEBUG=INFO" in node
 
 
 def test_runtime_args_go_before_the_image():
-    spec = jobs.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-t-0001")
-    sj = slurm.make(spec, "podman", runtime_args="--ulimit nproc=32768:32768")
-    node = slurm.render_node_script(sj)
+    node = node_script(job(runtime_args="--ulimit nproc=32768:32768"))
     assert "--ulimit nproc=32768:32768 fleetbox/paddle:cpu python -m paddle" in node
 
 
@@ -93,7 +105,8 @@ def test_failures_are_read_from_sruns_messages():
            "srun: error: node2: task 1: Exited with exit code 3\n"
            "srun: error: node3: task 2: Killed\n")
     assert slurm.failures(out) == [(0, 250, "node1"), (1, 3, "node2"), (2, 137, "node3")]
-    assert jobs.culprit([(r, c) for r, c, _ in slurm.failures(out)]) == 1
+    from fleetbox.run.result import culprit
+    assert culprit([(r, c) for r, c, _ in slurm.failures(out)]) == 1
 
 
 def test_export_commands_and_paths(tmp_path):
@@ -116,12 +129,23 @@ def test_registry_refs_and_pull_commands():
     with pytest.raises(UserError, match="HOST\\[:PORT\\]/NAMESPACE"):
         hpc.registry_refs(v, "reg.example", "x:y")
     ref = refs[0]
-    assert hpc.pull_commands("apptainer", ref, "p") == [f"apptainer pull p.sif docker://{ref}"]
-    assert hpc.pull_commands("pyxis", ref, "p")[0] == ("enroot import -o p.sqsh "
-                                                     "'docker://reg.example:5000#team/paddle:cpu-0123456789ab'")
-    assert hpc.pull_commands("charliecloud", ref, "p", insecure=True)[0] == f"ch-image pull --tls-no-verify {ref}"
-    assert hpc.pull_commands("podman", ref, "p", insecure=True) == [f"podman pull --tls-verify=false {ref}"]
-    assert hpc.pull_commands("docker", ref, "p") == [f"docker pull {ref}"]
+    def pull(rt, **kw):   # the content tag's commands
+        lines = hpc.pull_commands(rt, refs, "p", **kw)
+        return lines[1:lines.index("# alias")]
+    assert pull("apptainer") == [f"apptainer pull p.sif docker://{ref}"]
+    assert pull("apptainer", insecure=True) == [f"env APPTAINER_NOHTTPS=1 apptainer pull p.sif docker://{ref}"]
+    assert pull("pyxis")[0] == "enroot import -o p.sqsh 'docker://reg.example:5000#team/paddle:cpu-0123456789ab'"
+    assert pull("charliecloud", insecure=True)[0] == f"ch-image pull --tls-no-verify {ref}"
+    assert pull("podman", insecure=True) == [f"podman pull --tls-verify=false {ref}"]
+    assert pull("docker") == [f"docker pull {ref}"]
+    # a hostile registry value is quoted, never run
+    evil = hpc.registry_refs(v, "reg.example/$(touch x);y", "fleetbox/paddle:cpu-0")
+    for rt in runtimes.RUNTIMES:
+        for ln in hpc.pull_commands(rt, evil, "p"):
+            if "docker://" in ln or " pull " in ln:
+                assert "'" in ln and "$(touch x)" in ln, ln
+                words = subprocess.run(["bash", "-c", "printf '%s\\n' " + ln], capture_output=True, text=True).stdout
+                assert "$(touch x);y" in words
 
 
 @pytest.mark.parametrize("runtime,dst", [
@@ -130,12 +154,13 @@ def test_registry_refs_and_pull_commands():
     ("podman", "/root/.cache/paddle/dataset"), ("docker", "/root/.cache/paddle/dataset")])
 def test_dataset_cache_is_mounted_where_paddle_looks_as_the_runtimes_user(runtime, dst, tmp_path):
     sj = job(runtime=runtime, data_dir=str(tmp_path))
-    sb, node = slurm.render_sbatch(sj), slurm.render_node_script(sj)
-    assert f"{tmp_path}:{dst}" in (sb + node).replace('"', "")
+    sb, node = sbatch(sj), node_script(sj)
+    dst = dst.replace("$HOME", '"$HOME"').replace("$USER", '"$USER"')
+    assert f"{tmp_path}:{dst}" in sb + node
     made = [ln for ln in (sb + node).splitlines() if ln.startswith("mkdir -p")]
-    if runtime in runtimes.USER_HOME:   # the mount point in the user's home exists before the container starts
+    if runtimes.get(runtime).runs_as_user:   # the mount point in the user's home exists before the container starts
         assert "/root/.cache" not in sb + node
-        assert any('"$HOME/.cache/paddle/dataset"' in ln for ln in made)
+        assert any('"$HOME"/.cache/paddle/dataset' in ln for ln in made)
         assert ("--home" in node) if runtime == "charliecloud" else True
         assert ("--container-mount-home" in sb) if runtime == "pyxis" else True
     else:

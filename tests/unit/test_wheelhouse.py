@@ -3,7 +3,7 @@ import hashlib
 import pytest
 from packaging.tags import Tag
 
-from fleetbox import locks, matrix, wheelhouse
+from fleetbox.build import locks, matrix, wheelhouse
 from fleetbox.errors import UserError
 
 

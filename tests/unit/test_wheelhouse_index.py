@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from fleetbox import locks, matrix, wheelhouse
+from fleetbox.build import locks, matrix, wheelhouse
 from fleetbox.errors import UserError
 from tests.httpserver import Server
 

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
-from . import ROOT, fetch
-from .errors import UserError
+from .. import settings
+from . import fetch
+from ..errors import UserError
 
-MANIFEST_PATH = ROOT / "offline_cache" / "datasets.toml"
-CONTAINER_CACHE = "/root/.cache/paddle/dataset"   # Paddle's DATA_HOME for the images' user (root)
 PACK_INDEX = "fleetbox-cache.json"
 
 
@@ -53,7 +52,7 @@ class Dataset:
 
 
 def load(path: Path | None = None) -> dict[str, Dataset]:
-    path = Path(path or os.environ.get("FLEETBOX_DATASETS_MANIFEST", MANIFEST_PATH))
+    path = Path(path or settings.datasets_manifest())
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -76,10 +75,6 @@ def select(manifest: dict[str, Dataset], names) -> list[Dataset]:
     if unknown:
         raise UserError(f"unknown data set {', '.join(map(repr, unknown))}; known: {', '.join(manifest)}")
     return [manifest[n] for n in dict.fromkeys(names)]
-
-
-def default_dest() -> Path:
-    return Path(os.environ.get("FLEETBOX_DATA", ROOT / "offline_cache" / "dataset"))
 
 
 def _is_http(s: str) -> bool:
@@ -322,3 +317,33 @@ def restore(archive: Path, dest: Path, manifest: dict[str, Dataset] | None = Non
             raise UserError(f"cannot restore into {dest}: {e.strerror}") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def cache_command(datasets=None, mirror=None, dest=None, verify=False, pack_to=None, restore_from=None,
+                  manifest=None, jobs=4, log=print) -> None:
+    """`invoke cache`: restore a pack, pack, verify, or seed (in that order of precedence)."""
+    from ..errors import Failed
+    from ..options import integer
+    known = load(manifest)
+    dest = Path(dest) if dest else settings.data_dir()
+    if restore_from:
+        rows = restore(Path(restore_from), dest, known, log=log)
+        log(table(rows))
+        log(f"restored {len(rows)} files into {dest}")
+        return
+    chosen = select(known, datasets) if (datasets or not pack_to) else [
+        d for d in known.values() if all((dest / f.relpath).exists() for f in d.files)]
+    if pack_to:
+        out = pack(chosen, dest, Path(pack_to))
+        log(f"packed {', '.join(d.name for d in chosen)} into {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        return
+    if verify:
+        rows = check(chosen, dest)
+        log(table(rows))
+        bad = [r for r in rows if r["status"] != "ok"]
+        if bad:
+            raise Failed(f"{len(bad)} of {len(rows)} files missing or bad in {dest}")
+        return
+    rows = seed(chosen, dest, mirror, log=log, jobs=integer("--jobs", jobs, 1))
+    log(table(rows))
+    log(f"cache {dest}: {len(rows)} files verified; mount it at {settings.CONTAINER_CACHE} (read-only)")

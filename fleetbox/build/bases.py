@@ -14,9 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import ROOT
-from .engine import image_or_none, run_dir, stream_build
-from .errors import UserError
+from .. import ROOT
+from .. import engine
+from ..engine import image_or_none, run_dir
+from ..errors import UserError
 from .matrix import Base, Variant
 
 BASE_DOCKERFILE = ROOT / "images" / "base.Dockerfile"
@@ -120,9 +121,7 @@ def _from_os_image(c, p: BasePlan, log_file: Path, log) -> str:
     args = {"OS_IMAGE": p.base.os_image, "PACKAGES": " ".join(p.base.packages), "MIRROR": p.mirror}
     with tempfile.TemporaryDirectory(prefix="fleetbox-base-") as ctx:
         shutil.copy(BASE_DOCKERFILE, Path(ctx) / "Dockerfile")
-        chunks = c.api.build(path=ctx, tag=p.ref, buildargs=args, labels=labels(p), rm=True, forcerm=True,
-                             decode=True, pull=False)
-        return stream_build(chunks, log_file, echo=log)
+        return engine.build(c, log_file, echo=log, path=ctx, tag=p.ref, buildargs=args, labels=labels(p))
 
 
 def _bootstrap(c, p: BasePlan, log_file: Path, log) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import requests
 
-from .errors import UserError
+from ..errors import UserError
 from .matrix import Variant
 
 HEADER = "# fleetbox-lock"

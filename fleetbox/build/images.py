@@ -15,9 +15,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import ROOT, datasets, locks, wheelhouse
-from .engine import image_or_none, run_dir, stream_build
-from .errors import UserError
+from .. import ROOT, settings
+from ..data import datasets
+from . import locks, wheelhouse
+from .. import engine
+from ..engine import image_or_none, run_dir
+from ..errors import UserError
 from .matrix import DOCKERFILE, Variant
 
 DATA_DOCKERFILE = DOCKERFILE.parent / "data.Dockerfile"
@@ -75,7 +78,7 @@ class BuildPlan:
                + f"make it with `invoke lock --variant {v.name}` where {v.paddle_index or v.pypi} is reachable"),
             f"tag       {self.tag}",
             f"aliases   {' '.join(self.aliases)}",
-            "datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {datasets.CONTAINER_CACHE} in "
+            "datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {settings.CONTAINER_CACHE} in "
                              f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})" if self.data else "none baked"),
             f"command   docker build --network none -f {self.dockerfile.relative_to(ROOT)} {args} CONTEXT",
         ]
@@ -196,7 +199,7 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
     else:
         _build_main(c, p, lock_text, entries, wheel_dir or wheelhouse.default_dir(variant), existing, force, log)
     if data:
-        _bake(c, p, data_dir or datasets.default_dest(), force, log)
+        _bake(c, p, data_dir or settings.data_dir(), force, log)
     return p
 
 
@@ -209,10 +212,8 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     with tempfile.TemporaryDirectory(prefix="fleetbox-build-", dir=wheel_dir.parent) as tmp:
         ctx = _context(p, wheels, lock_text, Path(tmp))
         log(f"building with the network off (log: {rd / 'build.log'})")
-        chunks = c.api.build(path=str(ctx), tag=p.tag, buildargs=p.build_args, labels=p.labels,
-                             network_mode="none", rm=True, forcerm=True, decode=True, pull=False,
-                             nocache=force)
-        stream_build(chunks, rd / "build.log", echo=log)
+        engine.build(c, rd / "build.log", echo=log, path=str(ctx), tag=p.tag, buildargs=p.build_args,
+                     labels=p.labels, network_mode="none", nocache=force)
     image = c.images.get(p.tag)
     _alias(image, p.aliases)
     _tidy(c, existing, image)
@@ -237,9 +238,8 @@ def _bake(c, p: BuildPlan, data_dir: Path, force: bool, log) -> None:
             _link(path, ctx / "dataset" / f.relpath)
         log(f"baking {', '.join(d.name for d in p.data)} into {p.data_tag} (log: {rd / 'build.log'})")
         lbl = {**p.labels, "io.fleetbox.datasets": json.dumps(datasets.identity(list(p.data)))}
-        chunks = c.api.build(path=str(ctx), tag=p.data_tag, buildargs={"IMAGE": p.tag}, labels=lbl,
-                             network_mode="none", rm=True, forcerm=True, decode=True, pull=False)
-        stream_build(chunks, rd / "build.log", echo=log)
+        engine.build(c, rd / "build.log", echo=log, path=str(ctx), tag=p.data_tag, buildargs={"IMAGE": p.tag},
+                     labels=lbl, network_mode="none")
     _alias(c.images.get(p.data_tag), p.data_aliases)
     log(f"baked {p.data_tag}; aliases {', '.join(p.data_aliases)}")
 

@@ -10,15 +10,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from . import ROOT, runtimes
-from .errors import UserError
-from .matrix import Variant
+from .. import settings
+from ..errors import UserError
+from ..build.matrix import Variant
 
 FORMATS = ("docker-archive", "charliecloud", "sif", "sqsh")
 
 
 def export_dir() -> Path:
-    return Path(os.environ.get("FLEETBOX_EXPORTS", ROOT / "exports"))
+    return settings.exports_dir()
 
 
 def export_name(variant: Variant) -> str:
@@ -109,20 +109,6 @@ def _docker_archive(c, image: str, out: Path, log) -> Path:
     return out
 
 
-def runtime_image(variant: Variant, runtime: str, image_ref: str) -> str:
-    """What a runtime is handed when no --image is given: the export made for it if there is one."""
-    if runtime == "charliecloud":
-        sq = export_path(variant, "charliecloud", squash=True)
-        return str(sq if sq.exists() else export_path(variant, "charliecloud"))
-    if runtime == "apptainer":
-        sif = export_path(variant, "sif")
-        return str(sif) if sif.exists() else f"docker://{image_ref}"
-    if runtime == "pyxis":
-        sqsh = export_path(variant, "sqsh")
-        return str(sqsh) if sqsh.exists() else image_ref
-    return image_ref
-
-
 # ---- registries ----
 
 def registry_refs(variant: Variant, registry: str, content_tag: str) -> list[str]:
@@ -158,18 +144,13 @@ def push(c, image, refs: list[str], log=print) -> list[str]:
     return refs
 
 
-def pull_commands(runtime: str, ref: str, out_name: str, insecure: bool = False) -> list[str]:
-    """Pure: the commands a cluster user runs to get `ref` into `runtime`."""
-    runtimes.check(runtime)
-    host, _, path = ref.partition("/")
-    if runtime == "apptainer":
-        return [("APPTAINER_NOHTTPS=1 " if insecure else "") + f"apptainer pull {out_name}.sif docker://{ref}"]
-    if runtime == "pyxis":
-        return [f"enroot import -o {out_name}.sqsh 'docker://{host}#{path}'",
-                f"srun --container-image={out_name}.sqsh ...   # or --container-image={host}#{path}"]
-    if runtime == "charliecloud":
-        return [f"ch-image pull {'--tls-no-verify ' if insecure else ''}{ref}",
-                f"ch-convert {ref} {out_name}.sqfs"]
-    if runtime == "podman":
-        return [f"podman pull {'--tls-verify=false ' if insecure else ''}{ref}"]
-    return [f"docker pull {ref}"]
+def pull_commands(runtime: str, refs: list[str], out_name: str, insecure: bool = False) -> list[str]:
+    """Pure: the commands (quoted) a cluster user runs to get the content tag, then the alias, into `runtime`."""
+    from ..run import runtimes
+    from ..run.shell import line
+    rt = runtimes.get(runtime)
+    out = []
+    for ref, what in ((refs[0], "content tag (immutable)"), (refs[1], "alias")):
+        out.append(f"# {what}")
+        out += [line(words) for words in rt.pull_commands(ref, out_name, insecure)]
+    return out

@@ -1,18 +1,25 @@
-"""The job planner: docker argv and environment per node, for cpu / CUDA / DCU, 1 and several nodes."""
+"""The job planner: the node template, its placeholders filled per node, docker argv and SDK arguments,
+for cpu / CUDA / DCU, 1 and several nodes; spec validation; network facts."""
 
 import pytest
 
-from fleetbox import jobs, matrix
+from fleetbox import ROOT, settings
+from fleetbox.build import matrix
 from fleetbox.errors import UserError
+from fleetbox.run import hostnet, plan as planner, result, spec as spec_mod
+from fleetbox.run.spec import Mount
 
 
 def spec(variant="cpu", **kw):
     kw.setdefault("job_id", "train-test-0001")
-    return jobs.JobSpec(variant=matrix.load().get(variant), **kw)
+    return spec_mod.JobSpec(variant=matrix.load().get(variant), **kw)
 
 
-def plan(s, master="10.0.0.1", port=29500, iface="eth0", hyhal=True):
-    return jobs.plan_nodes(s, master, port, [iface] * s.nodes, [f"/logs/node{k}" for k in range(s.nodes)], hyhal)
+def plan(s, master="10.0.0.1", port=29500, iface="eth0", hyhal=True, node_ips=None, hosts=None):
+    t = planner.template(s, s.job_id, "/logs/{node}", workspace=not s.hosts, hyhal_present=hyhal)
+    return [planner.replace(t, host=(hosts or [""] * s.nodes)[k]).fill(planner.node_values(
+        k, s.nodes, s.job_id, master, port, (node_ips or [master] * s.nodes)[k],
+        iface[k] if isinstance(iface, list) else iface, "/home/u", "u")) for k in range(s.nodes)]
 
 
 def flag_values(argv, flag):
@@ -31,12 +38,12 @@ def test_cpu_two_nodes_same_command_but_rank():
     assert cmd0[cmd0.index("--master") + 1] == "10.0.0.1:29500" and cmd0[cmd0.index("--nnodes") + 1] == "2"
     assert cmd0[cmd0.index("--host") + 1] == "10.0.0.1"   # the node's own address, never left to its hostname
     assert cmd0[cmd0.index("--rank") + 1] == "0" and list(n1.command)[cmd0.index("--rank") + 1] == "1"
-    assert cmd0[cmd0.index("--log_dir") + 1] == jobs.LOG_DIR and cmd0[-1] == "/workspace/smoke.py"
+    assert cmd0[cmd0.index("--log_dir") + 1] == settings.LOG_DIR and cmd0[-1] == "/workspace/smoke.py"
     assert n0.env["GLOO_SOCKET_IFNAME"] == n0.env["NCCL_SOCKET_IFNAME"] == "eth0"
     assert n0.env["NCCL_IB_DISABLE"] == "1" and "NCCL_IB_HCA" not in n0.env and "NCCL_DEBUG" not in n0.env
     assert n0.labels == {"io.fleetbox.job": "train-test-0001", "io.fleetbox.node": "node0", "io.fleetbox.rank": "0",
                          "io.fleetbox.variant": "cpu"}
-    assert f"{jobs.ROOT / 'train'}:/workspace:ro" in flag_values(a0, "-v")
+    assert f"{ROOT / 'train'}:/workspace:ro" in flag_values(a0, "-v")
     assert "/logs/node0:/fleetbox/logs" in flag_values(a0, "-v") and "/logs/node1:/fleetbox/logs" in flag_values(a1, "-v")
 
 
@@ -73,18 +80,18 @@ def test_dcu_gets_kfd_dri_video_and_hyhal_when_present():
 
 def test_hosts_put_each_node_on_its_engine_and_copy_the_workspace():
     s = spec(nodes=2, hosts=("ssh://u@10.0.0.1", "ssh://u@10.0.0.2"))
-    n0, n1 = jobs.plan_nodes(s, "10.0.0.1", 29500, ["eth0", "eth1"], ["/l0", "/l1"], node_ips=["10.0.0.1", "10.0.0.2"])
+    n0, n1 = plan(s, iface=["eth0", "eth1"], node_ips=["10.0.0.1", "10.0.0.2"], hosts=list(s.hosts))
     assert list(n1.command)[list(n1.command).index("--host") + 1] == "10.0.0.2" and n1.env["GLOO_SOCKET_IFNAME"] == "eth1"
     assert n0.argv()[:3] == ["docker", "-H", "ssh://u@10.0.0.1"] and n1.host == "ssh://u@10.0.0.2"
     assert not any(v.endswith(":/workspace:ro") for v in flag_values(n0.argv(), "-v"))
-    assert jobs.host_address("ssh://u@10.0.0.1") == "10.0.0.1"
-    assert jobs.host_address("tcp://127.0.0.1:2375") == "127.0.0.1"
+    assert hostnet.host_address("ssh://u@10.0.0.1") == "10.0.0.1"
+    assert hostnet.host_address("tcp://127.0.0.1:2375") == "127.0.0.1"
     with pytest.raises(UserError, match="cannot tell the address"):
-        jobs.host_address("unix:///var/run/docker.sock")
+        hostnet.host_address("unix:///var/run/docker.sock")
 
 
 def test_data_dir_and_extra_mounts_and_env(tmp_path):
-    (n,) = plan(spec(nodes=1, data_dir=str(tmp_path), mounts=(f"{tmp_path}:/data:ro",), env={"A": "1"}))
+    (n,) = plan(spec(nodes=1, data_dir=str(tmp_path), mounts=(Mount(str(tmp_path), "/data", True),), env={"A": "1"}))
     vols = flag_values(n.argv(), "-v")
     assert f"{tmp_path}:/root/.cache/paddle/dataset:ro" in vols and f"{tmp_path}:/data:ro" in vols
     assert n.env["A"] == "1"
@@ -95,7 +102,7 @@ def test_sdk_kwargs_match_the_argv():
     kw = n.sdk_kwargs()
     assert kw["network_mode"] == "host" and kw["shm_size"] == "8g" and kw["name"] == n.name
     assert kw["ulimits"][0]["Name"] == "memlock" and kw["ulimits"][0]["Hard"] == -1
-    assert kw["volumes"][str(jobs.ROOT / "train")] == {"bind": "/workspace", "mode": "ro"}
+    assert f"{ROOT / 'train'}:/workspace:ro" in kw["volumes"] and "/logs/node0:/fleetbox/logs:rw" in kw["volumes"]
     assert kw["environment"] == n.env and kw["labels"] == n.labels
 
 
@@ -106,26 +113,29 @@ def test_sdk_kwargs_match_the_argv():
     ({"gpus_per_node": 1}, "variant cpu is CPU-only"),
     ({"hosts": ("ssh://a",)}, "names 1 hosts for 2 nodes"),
     ({"port": 80}, "--port must be between"),
+    ({"job_id": "a b"}, "--job-id 'a b': use letters"),
+    ({"job_id": "x\n#SBATCH --uid=0"}, "--job-id"),
+    ({"shm_size": "8g; rm -rf /"}, "--shm-size"),
 ])
 def test_bad_input_is_one_clear_error(kw, needle):
     with pytest.raises(UserError, match=needle):
-        jobs.validate(spec(**kw))
+        spec_mod.validate(spec(**kw))
 
 
 def test_culprit_prefers_a_real_exit_code_over_a_peer_abort():
-    assert jobs.culprit([(0, 250), (1, 3)]) == 1      # rank 0 aborted first because rank 1 left
-    assert jobs.culprit([(1, 137), (0, 134)]) == 1    # only signals: the first seen
-    assert jobs.culprit([(0, 0), (1, 0)]) is None
-    assert jobs.culprit([(1, 2), (0, 1)]) == 1
+    assert result.culprit([(0, 250), (1, 3)]) == 1      # rank 0 aborted first because rank 1 left
+    assert result.culprit([(1, 137), (0, 134)]) == 1    # only signals: the first seen
+    assert result.culprit([(0, 0), (1, 0)]) is None
+    assert result.culprit([(1, 2), (0, 1)]) == 1
 
 
 def test_network_facts_of_this_machine():
-    assert jobs.route("127.0.0.1") == ("lo", "127.0.0.1")
+    assert hostnet.route("127.0.0.1") == ("lo", "127.0.0.1")
     with pytest.raises(UserError, match="interface 'nope0' does not exist here"):
-        jobs.check_iface("nope0")
+        hostnet.check_iface("nope0")
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         with pytest.raises(UserError, match=f"port {s.getsockname()[1]} on 127.0.0.1 is already in use"):
-            jobs.check_port("127.0.0.1", s.getsockname()[1])
+            hostnet.check_port("127.0.0.1", s.getsockname()[1])

@@ -8,8 +8,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import ROOT
-from .errors import UserError
+from .. import ROOT
+from ..errors import UserError
 
 MATRIX_PATH = ROOT / "images" / "matrix.toml"
 DOCKERFILE = ROOT / "images" / "Dockerfile"

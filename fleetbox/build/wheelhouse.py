@@ -16,8 +16,10 @@ from urllib.parse import urldefrag, urljoin
 from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
-from . import ROOT, fetch, locks
-from .errors import UserError
+from .. import settings
+from ..data import fetch
+from . import locks
+from ..errors import UserError
 from .matrix import Variant
 
 MANIFEST = "manifest.json"
@@ -25,7 +27,7 @@ LOCK_COPY = "requirements.lock"
 
 
 def default_dir(variant: Variant) -> Path:
-    return Path(os.environ.get("FLEETBOX_WHEELHOUSE", ROOT / "wheelhouse")) / variant.name
+    return settings.wheelhouse_root() / variant.name
 
 
 def platforms(platform_tag: str) -> list[str]:

@@ -1,0 +1,1 @@
+"""Data for offline training: verified downloads and Paddle dataset caches."""

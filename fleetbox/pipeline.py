@@ -1,0 +1,28 @@
+"""`invoke up`, the main job on one variant: base -> wheels -> build -> verify -> a training run."""
+
+from __future__ import annotations
+
+from . import engine, verify
+from .build import bases, images, wheelhouse
+from .build.matrix import Variant
+from .errors import Failed
+from .run import jobs, spec as spec_mod
+
+
+def up(variant: Variant, mirror: str | None = None, nodes: int = 2, log=print) -> None:
+    client = engine.client()
+    steps = ["base", "wheels", "build", "verify"] + ([f"train --nodes {nodes}"] if nodes else [])
+    for i, step in enumerate(steps, 1):
+        log(f"== [{i}/{len(steps)}] {step} ({variant.name})")
+        if step == "base":
+            bases.ensure(client, variant, mirror=mirror, log=log)
+        elif step == "wheels":
+            wheelhouse.ensure(variant, log=log)
+        elif step == "build":
+            images.build(client, variant, log=log)
+        elif step == "verify":
+            report = verify.run(client, variant, log=log)
+            if not report["ok"]:
+                raise Failed(f"verify failed for {variant.name} (report: {report['path']})")
+        else:
+            jobs.train(spec_mod.from_options(variant, nodes=nodes), log=log)

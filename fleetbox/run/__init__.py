@@ -1,0 +1,1 @@
+"""Running jobs: one spec, one plan, backends (Docker, Slurm) and container runtimes."""

@@ -1,0 +1,108 @@
+"""The job lifecycle every backend implements (TorchX's Scheduler shape, in our words):
+
+    spec --plan--> Plan --describe--> what --dry-run prints
+                   Plan --submit--> Handle --follow / status / logs / cancel--> JobResult
+
+`plan` makes every choice once (job id, port, per-node values); `describe` and `submit` only read the plan,
+so a dry-run shows exactly what runs. `run` is submit + follow, with cancel on every way out.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .result import JobResult
+from .spec import JobSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a backend will do, fully decided. Backends add their own fields."""
+    spec: JobSpec
+    job_id: str
+    dir: Path          # runs/<job-id>/ on this machine
+    port: int
+
+
+@dataclass
+class Handle:
+    """A submitted job: enough to follow, ask, read and cancel it (also from another process, via job.json)."""
+    backend: str
+    job_id: str
+    dir: str
+    nodes: int = 0
+    hosts: list[str] = field(default_factory=list)   # Docker: the engines ("" for this machine)
+    scheduler_job: str = ""                           # Slurm: its job id
+
+    def save(self) -> None:
+        Path(self.dir, "handle.json").write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, job_dir: Path) -> "Handle":
+        return cls(**json.loads(Path(job_dir, "handle.json").read_text()))
+
+
+class Backend(ABC):
+    name = ""
+
+    @abstractmethod
+    def plan(self, spec: JobSpec) -> Plan: ...
+
+    @abstractmethod
+    def describe(self, plan: Plan) -> str: ...
+
+    @abstractmethod
+    def submit(self, plan: Plan, log=print) -> Handle: ...
+
+    @abstractmethod
+    def follow(self, handle: Handle, log=print, timeout: float | None = None) -> JobResult: ...
+
+    @abstractmethod
+    def status(self, handle: Handle) -> str: ...
+
+    @abstractmethod
+    def logs(self, handle: Handle, node: int) -> str: ...
+
+    @abstractmethod
+    def cancel(self, handle: Handle, log=print) -> None: ...
+
+    def run(self, plan: Plan, log=print, timeout: float | None = None) -> JobResult:
+        """Submit and follow to the end. Ctrl-C, SIGTERM and any error cancel the job before going on up."""
+        handle = None
+        with sigterm_as_interrupt():
+            try:
+                handle = self.submit(plan, log)
+                return self.follow(handle, log, timeout)
+            except BaseException as e:
+                if handle is not None:
+                    why = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped by an error"
+                    log(f"{why}: cancelling {plan.job_id}")
+                    self.cancel(handle, log)
+                raise
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (a scheduler, `kill`) takes the same way out as Ctrl-C."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def get(name: str, **options) -> Backend:
+    from ..errors import UserError
+    from .docker_backend import DockerBackend
+    from .slurm_backend import SlurmBackend
+    backends = {b.name: b for b in (DockerBackend, SlurmBackend)}
+    if name not in backends:
+        raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(backends)}")
+    return backends[name](**options)

@@ -1,0 +1,368 @@
+"""The Docker backend: one container per node, on this machine or on `--hosts` engines.
+
+It starts every node, streams rank 0's output live, stops every other node within seconds of the first
+failure (Paddle's HTTP master does not notice a dead peer), gathers each node's logs under runs/<job-id>/,
+and removes every container of the job, also on Ctrl-C, SIGTERM and engine errors.
+"""
+
+from __future__ import annotations
+
+import getpass
+import io
+import json
+import tarfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .. import engine, probes, settings
+from ..errors import UserError
+from . import hostnet, placeholders, plan as planner, spec as spec_mod
+from .backend import Backend, Handle, Plan
+from .result import JobResult, NodeResult, culprit, smoke_report, tail
+
+GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
+STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
+POLL_S = 0.25
+REMOTE_RUNS = "/tmp/fleetbox-runs"   # log folders on --hosts machines (copied back when the job ends)
+
+
+@dataclass(frozen=True)
+class DockerPlan(Plan):
+    nodes: tuple[planner.NodeRun, ...]    # every node's container, placeholders filled
+    notes: tuple[str, ...] = ()            # facts the plan had to settle for (e.g. a memlock cap)
+
+
+class DockerBackend(Backend):
+    name = "docker"
+
+    def __init__(self, connect=engine.client):
+        self.connect = connect            # host URL ("" = this machine) -> engine client; tests pass a fake
+        self.engines: dict[str, object] = {}
+        self.live: dict[str, _Live] = {}
+
+    def engine(self, host: str):
+        if host not in self.engines:
+            self.engines[host] = self.connect(host or None)
+        return self.engines[host]
+
+    # -- plan: read the hosts' facts, decide everything --
+
+    def plan(self, spec: spec_mod.JobSpec) -> DockerPlan:
+        job_id = spec.job_id or spec_mod.new_job_id()
+        hosts = list(spec.hosts) or [""] * spec.nodes
+        for host in dict.fromkeys(hosts):
+            if engine.image_or_none(self.engine(host), spec.image_ref) is None:
+                where = f"on {host}" if host else "here"
+                raise UserError(f"image {spec.image_ref} is not {where}; run `invoke build --variant "
+                                f"{spec.variant.name}`" + (" there (or push it and pull it there)" if host else ""))
+        if spec.hosts:
+            master_ip = hostnet.host_address(spec.hosts[0])
+            port = spec.port or hostnet.random_port()
+            facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(hosts)]
+            caps = [f["memlock"] for f in facts if f["memlock"] != -1]
+            t = planner.template(spec, job_id, f"{REMOTE_RUNS}/{job_id}/{{node}}", workspace=False,
+                                 hyhal_present=Path("/opt/hyhal").exists(), memlock=min(caps) if caps else -1)
+            home, user = "", ""
+            if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
+                raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
+        else:
+            master_ip = "127.0.0.1"
+            if spec.iface:
+                hostnet.check_iface(spec.iface)
+            iface, own = hostnet.route(master_ip)
+            if spec.port:
+                hostnet.check_port(master_ip, spec.port)
+            port = spec.port or hostnet.free_port(master_ip)
+            facts = [{"iface": spec.iface or iface, "local": own}] * spec.nodes
+            t = planner.template(spec, job_id, str(settings.runs_root() / job_id / "{node}"),
+                                 hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock())
+            home, user = str(Path.home()), getpass.getuser()
+        nodes = tuple(
+            replace(t, host=hosts[k]).fill(planner.node_values(
+                k, spec.nodes, job_id, master_ip, port, facts[k]["local"], facts[k]["iface"], home, user))
+            for k in range(spec.nodes))
+        notes = () if t.memlock == -1 else (
+            f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
+            f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
+        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes)
+
+    def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
+        """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
+        whether the port is free, and how much locked memory that engine's containers may get."""
+        out = self.engine(host).containers.run(
+            spec.image_ref, ["python", "-c", probes.source("netinfo"), master_ip, str(port)], network_mode="host",
+            remove=True, labels={settings.LABEL_JOB: job_id})
+        info = json.loads(out.decode().strip().splitlines()[-1])
+        if spec.iface:
+            if spec.iface not in info["names"]:
+                raise UserError(f"interface {spec.iface!r} does not exist on {host} (have: {', '.join(info['names'])})")
+            return {**info, "iface": spec.iface}
+        if check_port and not info["port_free"]:
+            raise UserError(f"port {port} on {master_ip} is already in use; pick another with --port")
+        if not info["iface"]:
+            raise UserError(f"no interface on {host} routes to the master {master_ip}; pass --iface")
+        return info
+
+    def describe(self, plan: DockerPlan) -> str:
+        out = list(plan.notes)
+        for k, n in enumerate(plan.nodes):
+            out += [f"# node{k} (rank {k}) on {n.host or 'this machine'}", n.shell()]
+        return "\n".join(out)
+
+    # -- acting --
+
+    def submit(self, plan: DockerPlan, log=print) -> Handle:
+        for note in plan.notes:
+            log(note)
+        plan.dir.mkdir(parents=True, exist_ok=True)
+        spec = plan.spec
+        (plan.dir / "job.json").write_text(json.dumps({
+            "job_id": plan.job_id, "variant": spec.variant.name, "nodes": spec.nodes,
+            "procs_per_node": spec.procs_per_node, "image": spec.image_ref,
+            "commands": [n.shell() for n in plan.nodes]}, indent=1))
+        handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes])
+        handle.save()
+        live = _Live(self, plan)
+        with engine_errors():
+            live.start()
+        self.live[plan.job_id] = live
+        log(f"job {plan.job_id}: {spec.nodes} node(s) x {spec.procs_per_node} process(es), master "
+            f"{master_of(plan)}, logs in {plan.dir}")
+        return handle
+
+    def follow(self, handle: Handle, log=print, timeout: float | None = None) -> JobResult:
+        live = self.live[handle.job_id]
+        with engine_errors():
+            pump = live.stream_rank0(log)
+            live.watch(log, timeout)
+            pump.join(timeout=2)   # rank 0's last lines before the summary
+            live.gather()
+            live.remove_all()
+        del self.live[handle.job_id]
+        return live.result()
+
+    def status(self, handle: Handle) -> str:
+        states = [c.status for c in self._containers(handle)]
+        if not states:
+            return "GONE"
+        return "RUNNING" if any(s in ("created", "running", "restarting") for s in states) else "EXITED"
+
+    def logs(self, handle: Handle, node: int) -> str:
+        for c in self._containers(handle):
+            if c.labels.get(settings.LABEL_RANK) == str(node):
+                return c.logs().decode(errors="replace")
+        p = Path(handle.dir) / f"node{node}" / "container.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def cancel(self, handle: Handle, log=print) -> None:
+        live = self.live.pop(handle.job_id, None)
+        if live is not None:   # this process started it: stop, keep the logs, remove
+            live.stop_all()
+            live.gather()
+            live.remove_all()
+            live.result()
+            return
+        for c in self._containers(handle):
+            _quietly(lambda: c.remove(force=True))
+
+    def _containers(self, handle: Handle) -> list:
+        found = []
+        for host in dict.fromkeys(handle.hosts or [""]):
+            found += self.engine(host).containers.list(all=True, filters={"label": f"{settings.LABEL_JOB}={handle.job_id}"})
+        return found
+
+    def clean(self, hosts: list[str], log=print) -> int:
+        """Remove every fleetbox job container left on these engines (by label). Returns how many."""
+        n = 0
+        for host in hosts or [""]:
+            for c in self.engine(host).containers.list(all=True, filters={"label": settings.LABEL_JOB}):
+                c.remove(force=True)
+                log(f"removed {c.name} ({c.labels.get(settings.LABEL_JOB)}) on {host or 'this machine'}")
+                n += 1
+        return n
+
+
+def master_of(plan: DockerPlan) -> str:
+    cmd = plan.nodes[0].command
+    return cmd[cmd.index("--master") + 1]
+
+
+class _Live:
+    """A job this process started: its containers and what happened to each node."""
+
+    def __init__(self, backend: DockerBackend, plan: DockerPlan):
+        self.backend, self.plan = backend, plan
+        self.containers: dict[int, object] = {}
+        self.exits: list[tuple[int, int]] = []
+        self.stopped: set[int] = set()   # nodes we stopped (rather than nodes that ended by themselves)
+        self.finished: dict[int, str] = {}
+        self.oom: dict[int, bool] = {}
+        self.timed_out = False
+
+    def start(self) -> None:
+        import docker
+        nodes = self.plan.nodes
+
+        def create(k: int):
+            n = nodes[k]
+            if not n.host:
+                Path(next(m.src for m in n.mounts if m.dst == settings.LOG_DIR)).mkdir(parents=True, exist_ok=True)
+            container = self.backend.engine(n.host).containers.create(n.image, list(n.command), **n.sdk_kwargs())
+            self.containers[k] = container
+            if n.host:   # a remote engine cannot see our files: copy the workspace in
+                container.put_archive(settings.WORKDIR, _tar_dir(self.plan.spec.script_path.parent))
+
+        for n in nodes:   # engine clients are made here, once, not from several threads
+            self.backend.engine(n.host)
+        try:
+            with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
+                list(pool.map(create, range(len(nodes))))                   # all created before any starts
+                list(pool.map(lambda k: self.containers[k].start(), sorted(self.containers)))
+        except docker.errors.APIError as e:
+            self.remove_all()
+            why = (e.explanation or str(e)).strip().splitlines()[-1]
+            raise UserError(f"the engine refused to start the job's containers: {why[:300]}") from None
+        except BaseException:
+            self.remove_all()
+            raise
+
+    def stream_rank0(self, log) -> threading.Thread:
+        def pump():
+            buf = b""
+            try:
+                for chunk in self.containers[0].logs(stream=True, follow=True):
+                    buf += chunk
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        log(f"[node0] {line.decode(errors='replace')}")
+            except Exception:   # the container went away: nothing more to show
+                pass
+            if buf:
+                log(f"[node0] {buf.decode(errors='replace')}")
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        return t
+
+    def watch(self, log, timeout: float | None = None) -> None:
+        """Until every node exited, or the first failure (plus a short grace) stops the rest."""
+        deadline = time.monotonic() + timeout if timeout else None
+        first_fail = None
+        while True:
+            for rank, c in self.containers.items():
+                if rank in dict(self.exits):
+                    continue
+                c.reload()
+                if c.status in ("exited", "dead"):
+                    self.exits.append((rank, c.attrs["State"]["ExitCode"]))
+                    if self.exits[-1][1] != 0 and first_fail is None:
+                        first_fail = time.monotonic()
+                        log(f"node{rank} (rank {rank}) exited with code {self.exits[-1][1]}; stopping the other nodes")
+            if len(self.exits) == len(self.containers):
+                return
+            if first_fail is not None and time.monotonic() - first_fail >= GRACE_S:
+                self.stop_all()
+                return
+            if deadline and time.monotonic() > deadline:
+                log(f"timeout after {timeout:g} s; stopping every node")
+                self.timed_out = True
+                self.stop_all()
+                return
+            time.sleep(POLL_S)
+
+    def stop_all(self) -> None:
+        seen = dict(self.exits)
+        self.stopped |= {r for r in self.containers if r not in seen}
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(self.containers)))) as pool:
+            list(pool.map(lambda c: _quietly(lambda: c.stop(timeout=STOP_TIMEOUT_S)), self.containers.values()))
+        for rank, c in self.containers.items():
+            if rank not in seen:
+                try:
+                    c.reload()
+                    self.exits.append((rank, c.attrs["State"]["ExitCode"]))
+                except Exception:
+                    self.exits.append((rank, 137))
+
+    def gather(self) -> None:
+        for rank, c in self.containers.items():
+            d = self.plan.dir / f"node{rank}"
+            d.mkdir(parents=True, exist_ok=True)
+            try:
+                c.reload()
+                state = c.attrs["State"]
+                self.finished[rank] = state.get("FinishedAt", "")
+                self.oom[rank] = bool(state.get("OOMKilled"))
+                (d / "container.log").write_bytes(c.logs())
+                if self.plan.nodes[rank].host:   # remote: the log folder lives on that host; copy it out
+                    bits, _ = c.get_archive(settings.LOG_DIR + "/.")   # the folder's content, not the folder
+                    from ..data.datasets import safe_extract
+                    with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
+                        safe_extract(tar, d)
+            except Exception as e:
+                (d / "gather-error.txt").write_text(str(e))
+
+    def remove_all(self) -> None:
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(self.containers)))) as pool:
+            list(pool.map(lambda c: _quietly(lambda: c.remove(force=True)), self.containers.values()))
+
+    def result(self) -> JobResult:
+        exits = dict(self.exits)
+        # Only a node that ended by itself can be to blame: one we stopped exits 15 or 137 because we did.
+        bad = None if self.timed_out else culprit([(r, c) for r, c in self.exits if r not in self.stopped])
+        d = self.plan.dir
+        nodes = []
+        for k, n in enumerate(self.plan.nodes):
+            code = exits.get(k)
+            state = ("ok" if code == 0 else "FAILED" if k == bad else "stopped" if k in self.stopped
+                     else "aborted" if code else "?")
+            nodes.append(NodeResult(f"node{k}", k, n.host or "local", code, state, str(d / f"node{k}"),
+                                    self.finished.get(k, ""), self.oom.get(k, False)))
+        ok = not self.timed_out and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
+        r = JobResult(self.plan.job_id, "docker", ok, nodes, bad, self.timed_out, str(d),
+                      smoke=smoke_report(d / "node0" / "workerlog.0"))
+        if r.culprit is not None:
+            r.log_tail = _node_tail(d / f"node{bad}")
+        r.save()
+        return r
+
+
+class engine_errors:
+    """An engine error while following a job (container gone, connection lost) becomes one line; the
+    backend's run() then cancels the job."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        import docker
+        import requests
+        if kind is not None and issubclass(kind, (docker.errors.DockerException, requests.RequestException)):
+            raise UserError(f"the Docker Engine failed while following the job: {str(e).splitlines()[0][:300]}") from None
+        return False
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+def _tar_dir(folder: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for p in sorted(folder.iterdir()):
+            if p.is_file():
+                tar.add(p, arcname=p.name)
+    return buf.getvalue()
+
+
+def _node_tail(node_dir: Path) -> list[str]:
+    """The end of the node's most telling log: the launcher's workerlog.0, else the container output."""
+    for name in ("workerlog.0", "container.log"):
+        p = node_dir / name
+        if p.exists() and p.stat().st_size:
+            return tail(p)
+    return []

@@ -1,0 +1,25 @@
+"""`invoke train` and `invoke up`'s training step: choose the backend, plan once, then describe that plan
+(--dry-run) or run it, and report one JobResult."""
+
+from __future__ import annotations
+
+from ..errors import Failed, UserError
+from . import backend as backends
+from .result import JobResult
+from .spec import JobSpec
+
+
+def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, dry_run: bool = False,
+          timeout: float | None = None, log=print) -> JobResult | None:
+    if timeout and backend != "docker":
+        raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
+    b = backends.get(backend, **(backend_options or {}))
+    plan = b.plan(spec)
+    if dry_run:
+        log(b.describe(plan))
+        return None
+    result = b.run(plan, log=log, timeout=timeout)
+    log(result.table())
+    if not result.ok:
+        raise Failed(f"train failed: {result.failure()}")
+    return result

@@ -1,0 +1,187 @@
+"""The pure part of running a job: one node's container as a template whose per-node values are
+placeholders ({rank}, {master_ip}, ...), and its spellings for the Docker CLI and the Docker SDK.
+Backends fill the template per node (Docker: with values; Slurm: with shell variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .. import settings
+from ..settings import LABEL_JOB, LABEL_NODE, LABEL_RANK, LABEL_VARIANT, LOG_DIR, WORKDIR
+from . import placeholders, shell
+from .spec import JobSpec, Mount
+
+STACK_BYTES = 67108864
+
+
+@dataclass(frozen=True)
+class NodeRun:
+    """Everything one node's container needs. In a template, strings hold placeholders; `fill` makes a node."""
+    name: str
+    host: str                     # engine URL, "" for this machine
+    image: str
+    command: tuple[str, ...]
+    env: dict
+    mounts: tuple[Mount, ...]
+    labels: dict
+    shm_size: str
+    devices: tuple[str, ...] = ()
+    group_add: tuple[str, ...] = ()
+    security_opt: tuple[str, ...] = ()
+    gpus: str = ""                # "all", "2" or "device=0,1" (docker --gpus syntax); "" none
+    memlock: int = -1             # -1 unlimited (NCCL/InfiniBand); lower only where the engine cannot raise it
+
+    def fill(self, values: dict[str, str]) -> "NodeRun":
+        f = lambda s: placeholders.fill(s, values)
+        return replace(self, name=f(self.name), command=tuple(map(f, self.command)),
+                       env={k: f(v) for k, v in self.env.items()}, labels={k: f(v) for k, v in self.labels.items()},
+                       mounts=tuple(Mount(f(m.src), f(m.dst), m.ro) for m in self.mounts))
+
+    def strings(self):
+        """Every user-visible string of the node, with where it goes (for checks of what a runtime can carry)."""
+        yield "image", self.image
+        yield from (("argument", c) for c in self.command)
+        yield from ((f"--env {k}", v) for k, v in self.env.items())
+        for m in self.mounts:
+            yield "mount source", m.src
+            yield "mount destination", m.dst
+
+    def cli_flags(self) -> list[str]:
+        """Labels, volumes and environment in the `docker run` spelling (Podman takes the same)."""
+        a = []
+        for k, v in self.labels.items():
+            a += ["--label", f"{k}={v}"]
+        for m in self.mounts:
+            a += ["-v", f"{m.src}:{m.dst}" + (":ro" if m.ro else "")]
+        for k, v in self.env.items():
+            a += ["-e", f"{k}={v}"]
+        return a
+
+    def run_flags(self) -> list[str]:
+        """`docker run` options, image and command excluded."""
+        a = ["--name", self.name, "--network", "host", "--shm-size", self.shm_size,
+             "--ulimit", f"memlock={self.memlock}:{self.memlock}", "--ulimit", f"stack={STACK_BYTES}",
+             "-w", WORKDIR, *self.cli_flags()]
+        for d in self.devices:
+            a += ["--device", d]
+        for g in self.group_add:
+            a += ["--group-add", g]
+        for s in self.security_opt:
+            a += ["--security-opt", s]
+        if self.gpus:
+            a += ["--gpus", self.gpus]
+        return a
+
+    def argv(self) -> list[str]:
+        """The `docker run -d` command that creates and starts this node's container."""
+        return ["docker", *(["-H", self.host] if self.host else []), "run", "-d", *self.run_flags(),
+                self.image, *self.command]
+
+    def shell(self) -> str:
+        return shell.line(self.argv())
+
+    def sdk_kwargs(self) -> dict:
+        """The same container for the Docker SDK's containers.create (image and command excluded)."""
+        import docker.types
+        kw = {"name": self.name, "network_mode": "host", "shm_size": self.shm_size, "working_dir": WORKDIR,
+              "ulimits": [docker.types.Ulimit(name="memlock", soft=self.memlock, hard=self.memlock),
+                          docker.types.Ulimit(name="stack", soft=STACK_BYTES, hard=STACK_BYTES)],
+              "labels": dict(self.labels), "environment": dict(self.env),
+              "volumes": [f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}" for m in self.mounts]}
+        return {**kw, **device_kwargs(self.devices, self.group_add, self.security_opt, self.gpus)}
+
+
+def device_kwargs(devices=(), group_add=(), security_opt=(), gpus: str = "") -> dict:
+    """Devices in the Docker SDK's spelling (the node containers and `invoke verify` share it)."""
+    import docker.types
+    kw = {}
+    if devices:
+        kw["devices"] = [f"{d}:{d}:rwm" for d in devices]
+    if group_add:
+        kw["group_add"] = list(group_add)
+    if security_opt:
+        kw["security_opt"] = list(security_opt)
+    if gpus:
+        if gpus == "all":
+            req = docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
+        elif gpus.startswith("device="):
+            req = docker.types.DeviceRequest(device_ids=gpus[7:].split(","), capabilities=[["gpu"]])
+        else:
+            req = docker.types.DeviceRequest(count=int(gpus), capabilities=[["gpu"]])
+        kw["device_requests"] = [req]
+    return kw
+
+
+def network_env(iface: str, ib_hca: str = "", debug: bool = False) -> dict:
+    env = {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}
+    if ib_hca:
+        env.update(NCCL_IB_HCA=ib_hca, NCCL_IB_DISABLE="0")
+    else:
+        env["NCCL_IB_DISABLE"] = "1"
+    if debug:
+        env.update(NCCL_DEBUG="INFO", GLOG_v="1")
+    return env
+
+
+def launch_command(spec: JobSpec) -> tuple[str, ...]:
+    """`--host` is the node's own address towards the master: without it Paddle takes the address its
+    hostname resolves to (often 127.0.1.1), never recognises itself as the master, and waits forever
+    ("master not ready"); its trainer endpoints would be unreachable from other nodes too."""
+    return ("python", "-m", "paddle.distributed.launch", "--master", "{master_ip}:{master_port}",
+            "--host", "{node_ip}", "--nnodes", "{nnodes}", "--rank", "{rank}",
+            "--nproc_per_node", str(spec.procs_per_node), "--log_dir", LOG_DIR,
+            f"{WORKDIR}/{spec.script_path.name}", *spec.args)
+
+
+def device_options(spec: JobSpec, hyhal_present: bool = True) -> dict:
+    """Devices by variant: CUDA -> GPU requests; DCU/ROCm -> /dev/kfd, /dev/dri, video, /opt/hyhal; CPU -> none."""
+    v = spec.variant
+    if v.device == "cuda":
+        gpus = f"device={spec.devices}" if spec.devices else str(spec.gpus_per_node) if spec.gpus_per_node else "all"
+        return {"gpus": gpus}
+    if v.device == "rocm":
+        rt = v.runtime
+        env = {"HIP_VISIBLE_DEVICES": spec.devices} if spec.devices else {}
+        mounts = []
+        for m in rt.get("mounts", []):
+            src, dst, *mode = m.split(":")
+            if src != "/opt/hyhal" or hyhal_present:
+                mounts.append(Mount(src, dst, ro=mode == ["ro"]))
+        return {"devices": tuple(rt.get("devices", [])), "group_add": tuple(rt.get("group_add", [])),
+                "security_opt": tuple(rt.get("security_opt", [])), "mounts": tuple(mounts), "env": env}
+    return {}
+
+
+def _abs(path: str) -> str:
+    """An absolute path for a mount source given relative to here; one that starts with a placeholder
+    ({home}/x) is resolved on the node."""
+    return path if path.startswith("{") else str(Path(path).resolve())
+
+
+def template(spec: JobSpec, job_id: str, log_dir: str, workspace: bool = True, hyhal_present: bool = True,
+             memlock: int = -1, host: str = "") -> NodeRun:
+    """Pure: node {rank}'s container. `log_dir` is the folder (on the node's host) mounted at LOG_DIR, with
+    placeholders; `workspace`: mount the script's folder (False where the backend copies it in)."""
+    dev = device_options(spec, hyhal_present)
+    env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}",
+           **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}), **spec.env}
+    mounts = [Mount(str(spec.script_path.parent), WORKDIR, ro=True)] if workspace else []
+    mounts.append(Mount(log_dir, LOG_DIR, ro=False))
+    if spec.data_dir:
+        mounts.append(Mount(str(Path(spec.data_dir).resolve()), settings.CONTAINER_CACHE, ro=True))
+    mounts += list(dev.get("mounts", ()))
+    mounts += [Mount(_abs(m.src), m.dst, m.ro) for m in spec.mounts]
+    return NodeRun(
+        name=f"fleetbox-{job_id}-{{node}}", host=host, image=spec.image_ref, command=launch_command(spec),
+        env=env, mounts=tuple(mounts),
+        labels={LABEL_JOB: job_id, LABEL_NODE: "{node}", LABEL_RANK: "{rank}", LABEL_VARIANT: spec.variant.name},
+        shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),
+        security_opt=dev.get("security_opt", ()), gpus=dev.get("gpus", ""), memlock=memlock)
+
+
+def node_values(rank: int, nnodes: int, job_id: str, master_ip: str, port: int, node_ip: str, iface: str,
+                home: str = "", user: str = "") -> dict[str, str]:
+    """The placeholders' values on one node."""
+    return {"rank": str(rank), "node": f"node{rank}", "nnodes": str(nnodes), "job_id": job_id, "home": home, "user": user,
+            "master_ip": master_ip, "master_port": str(port), "node_ip": node_ip, "iface": iface}

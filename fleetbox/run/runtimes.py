@@ -1,0 +1,239 @@
+"""Container runtimes on HPC nodes, one class each: how a node's container (a plan.NodeRun template) is
+started, what srun needs, what a node script does first and on the way out, what values the runtime can
+carry unchanged, and how a cluster user pulls an image for it.
+
+Words are typed (see shell.py): `str` words are user values or literal text and are always quoted, and may
+hold placeholders that the node script fills from shell variables; `Raw` words are ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .. import settings
+from ..errors import UserError
+from ..settings import WORKDIR
+from .plan import NodeRun
+from .shell import Raw
+
+
+class Runtime:
+    name = ""
+    runs_as_user = False          # Apptainer, Pyxis and Charliecloud run the job as the calling user
+    container_home = "{home}"     # that user's home as the container sees it
+    kills_client_only = False     # Docker, Podman: killing the client leaves the container running
+    bind_separators = ":"         # characters that split a bind mount option for this runtime
+    unverified_env = ""           # characters we cannot show this runtime keeps in an --env value
+
+    # -- what the runtime can carry --
+
+    def check(self, n: NodeRun, image: str) -> None:
+        """Refuse, with one line, a value this runtime would split or change (never pass it on mangled)."""
+        for m in n.mounts:
+            for what, path in (("source", m.src), ("destination", m.dst)):
+                bad = sorted({c for c in path if c in self.bind_separators + "\n"})
+                if bad:
+                    raise UserError(f"mount {what} {path!r} holds {' '.join(map(repr, bad))}, which {self.name} "
+                                    f"reads as a separator; use a path without it")
+        for key, value in n.env.items():
+            bad = sorted({c for c in value if c in self.unverified_env})
+            if bad:
+                raise UserError(f"--env {key}: {' '.join(map(repr, bad))} cannot be passed through {self.name} "
+                                f"unchanged (not verified on a real {self.name}); set it in the script instead")
+        if "\n" in image or not image:
+            raise UserError(f"image {image!r} is not a valid image reference for {self.name}")
+
+    def as_user(self, n: NodeRun) -> NodeRun:
+        """`n` with the dataset cache mounted where Paddle looks for it: a runtime that runs as the user has
+        Paddle look under that user's home (~/.cache/paddle/dataset), never under /root."""
+        if not self.runs_as_user:
+            return n
+        home_cache = f"{self.container_home}/{settings.HOME_CACHE}"
+        return replace(n, mounts=tuple(replace(m, dst=home_cache) if m.dst == settings.CONTAINER_CACHE else m
+                                       for m in n.mounts))
+
+    def home_cache_dir(self, n: NodeRun) -> str | None:
+        """The folder in the user's home on the node that must exist before the cache is mounted over it."""
+        cache = {settings.CONTAINER_CACHE, f"{self.container_home}/{settings.HOME_CACHE}"}
+        if self.runs_as_user and any(m.dst in cache for m in n.mounts):
+            return "{home}/" + settings.HOME_CACHE
+        return None
+
+    # -- starting the container --
+
+    def launch(self, n: NodeRun, image: str, extra: list[str] = ()) -> list:
+        """The words that start node n's container (pyxis: the command run inside it). `extra`: site-specific
+        runtime options (--runtime-args), placed before the image."""
+        raise NotImplementedError
+
+    def srun_options(self, n: NodeRun, image: str) -> list:
+        return []
+
+    def prelude(self) -> list[Raw]:
+        """Lines the node script runs first (our own shell)."""
+        return []
+
+    def exports(self, n: NodeRun) -> dict[str, str]:
+        """Environment the node script exports for the runtime to pass on (values are user values)."""
+        return {}
+
+    # -- getting the image --
+
+    def default_image(self, variant, image_ref: str) -> str:
+        """What the runtime is handed when no --image is given."""
+        return image_ref
+
+    def pull_commands(self, ref: str, out_name: str, insecure: bool = False) -> list[list[str]]:
+        raise NotImplementedError
+
+
+class Docker(Runtime):
+    name = "docker"
+    kills_client_only = True
+
+    def launch(self, n, image, extra=()):
+        return ["docker", "run", "--rm", *n.run_flags(), *extra, image, *n.command]
+
+    def pull_commands(self, ref, out_name, insecure=False):
+        return [["docker", "pull", ref]]
+
+
+class Podman(Runtime):
+    name = "podman"
+    kills_client_only = True
+
+    def prelude(self):
+        return [Raw('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')]
+
+    def launch(self, n, image, extra=()):
+        a = ["podman", "run", "--rm", "--name", n.name, "--network", "host", "--shm-size", n.shm_size,
+             "--ulimit", Raw('"memlock=$(hard_limit l)"'),     # the node's own limit, as Slurm set it (NCCL/IB)
+             "--add-host", Raw('"$(hostname):$NODE_IP"'),       # Gloo resolves the node's hostname
+             "-w", WORKDIR, *n.cli_flags()]
+        for d in n.devices:
+            a += ["--device", d]
+        if n.group_add:
+            a += ["--group-add", "keep-groups"]
+        if n.gpus:
+            a += ["--device", "nvidia.com/gpu=all"]   # CDI
+        return a + [*extra, image, *n.command]
+
+    def pull_commands(self, ref, out_name, insecure=False):
+        return [["podman", "pull", *(["--tls-verify=false"] if insecure else []), ref]]
+
+
+class Apptainer(Runtime):
+    name = "apptainer"
+    runs_as_user = True
+    bind_separators = ":,"        # --bind SRC:DST[:OPTS][,...]
+    # Environment goes in as APPTAINERENV_<NAME> (--env splits on commas); whether Apptainer then expands
+    # `$` or drops quotes we could not run here to see, so such values are refused rather than guessed.
+    unverified_env = "$`\\\"'\n"
+
+    def launch(self, n, image, extra=()):
+        a = ["apptainer", "exec", "--cleanenv", "--pwd", WORKDIR]
+        device = "cuda" if n.gpus else "rocm" if n.devices else ""
+        a += {"cuda": ["--nv"], "rocm": ["--rocm"]}.get(device, [])
+        for m in n.mounts:
+            a += ["--bind", f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}"]
+        return a + [*extra, image, *n.command]
+
+    def exports(self, n):
+        return {f"APPTAINERENV_{k}": v for k, v in n.env.items()}
+
+    def default_image(self, variant, image_ref):
+        from ..ship.exports import export_path
+        sif = export_path(variant, "sif")
+        return str(sif) if sif.exists() else f"docker://{image_ref}"
+
+    def pull_commands(self, ref, out_name, insecure=False):
+        return [[*(["env", "APPTAINER_NOHTTPS=1"] if insecure else []), "apptainer", "pull", f"{out_name}.sif",
+                 f"docker://{ref}"]]
+
+
+class Charliecloud(Runtime):
+    name = "charliecloud"
+    runs_as_user = True
+    container_home = "/home/{user}"   # ch-run --home mounts the host's $HOME there
+    # ch-run --set-env=NAME=VALUE strips one pair of quotes around a value and a newline ends a value
+    # (measured with ch-run 0.31); `$` is kept by --env-no-expand.
+    unverified_env = "\n"
+
+    def check(self, n, image):
+        super().check(n, image)
+        for key, value in n.env.items():
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                raise UserError(f"--env {key}: charliecloud strips the quotes around {value!r}; "
+                                f"drop them or set it in the script instead")
+
+    def launch(self, n, image, extra=()):
+        # --set-env: the image's own environment (PATH to the venv); --home: the user's home, for the cache;
+        # --env-no-expand: `$` in a value is literal, as everywhere in fleetbox
+        a = ["ch-run", "--env-no-expand", "--set-env", "--home"]
+        a += [f"--set-env={k}={v}" for k, v in n.env.items()]
+        for m in n.mounts:
+            a += ["-b", f"{m.src}:{m.dst}"]
+        return a + ["-c", WORKDIR, *extra, image, "--", *n.command]
+
+    def default_image(self, variant, image_ref):
+        from ..ship.exports import export_path
+        sq = export_path(variant, "charliecloud", squash=True)
+        return str(sq if sq.exists() else export_path(variant, "charliecloud"))
+
+    def pull_commands(self, ref, out_name, insecure=False):
+        return [["ch-image", "pull", *(["--tls-no-verify"] if insecure else []), ref],
+                ["ch-convert", ref, f"{out_name}.sqfs"]]
+
+
+class Pyxis(Runtime):
+    name = "pyxis"
+    runs_as_user = True
+    bind_separators = ":,"        # --container-mounts=SRC:DST[:FLAGS][,...]
+
+    def check(self, n, image):
+        super().check(n, image)
+        if "," in image:
+            raise UserError(f"image {image!r}: pyxis reads ',' in --container-image as a separator")
+
+    JOB_MOUNT = "/fleetbox/job"
+
+    def as_user(self, n):
+        """Also: srun's --container-mounts are one line for every node, so the job folder is mounted whole
+        and each node's launcher writes into its own node<rank> folder in it."""
+        n = super().as_user(n)
+        log = next(m for m in n.mounts if m.dst == settings.LOG_DIR)
+        job_dir = log.src.rsplit("/", 1)[0]
+        cmd = list(n.command)
+        cmd[cmd.index("--log_dir") + 1] = f"{self.JOB_MOUNT}/{{node}}"
+        return replace(n, command=tuple(cmd), mounts=tuple(
+            replace(m, src=job_dir, dst=self.JOB_MOUNT) if m is log else m for m in n.mounts))
+
+    def launch(self, n, image, extra=()):
+        return list(n.command)   # srun runs node.sh inside --container-image; node.sh runs the command
+
+    def exports(self, n):
+        return dict(n.env)       # node.sh runs inside the container: the launcher's environment
+
+    def srun_options(self, n, image):
+        mounts = ",".join(f"{m.src}:{m.dst}" + (":ro" if m.ro else "") for m in n.mounts)
+        return [f"--container-image={image}", f"--container-mounts={mounts}", f"--container-workdir={WORKDIR}",
+                "--container-mount-home"]
+
+    def default_image(self, variant, image_ref):
+        from ..ship.exports import export_path
+        sqsh = export_path(variant, "sqsh")
+        return str(sqsh) if sqsh.exists() else image_ref
+
+    def pull_commands(self, ref, out_name, insecure=False):
+        host, _, path = ref.partition("/")
+        return [["enroot", "import", "-o", f"{out_name}.sqsh", f"docker://{host}#{path}"],
+                ["srun", f"--container-image={out_name}.sqsh", "..."]]
+
+
+RUNTIMES = {r.name: r for r in (Apptainer(), Pyxis(), Charliecloud(), Podman(), Docker())}
+
+
+def get(name: str) -> Runtime:
+    if name not in RUNTIMES:
+        raise UserError(f"unknown runtime {name!r}; choose one of: {', '.join(RUNTIMES)}")
+    return RUNTIMES[name]

@@ -1,0 +1,258 @@
+"""The Slurm backend: the same job as an sbatch script plus a per-node script, submitted and followed.
+
+One srun task per node (`--kill-on-bad-exit=1 --wait=60`); the master is the first host of the allocation,
+resolved to a numeric IP; each node finds its own NIC and address towards the master, and the node's
+placeholders become shell variables there ({rank} is $SLURM_NODEID). The container is started by the chosen
+runtime (runtimes.py). Both scripts are rendered once, in `plan`: --dry-run prints them and `submit` writes
+them, byte for byte.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import probes, settings
+from ..errors import UserError
+from . import hostnet, placeholders, plan as planner, runtimes, spec as spec_mod
+from .backend import Backend, Handle, Plan
+from .result import JobResult, NodeResult, culprit, smoke_report, tail
+from .shell import Raw, line
+
+# The placeholders on a Slurm node: shell variables of the node script (the job id is known in advance).
+NODE_VARS = {"rank": Raw('"$SLURM_NODEID"'), "node": Raw('node"$SLURM_NODEID"'), "nnodes": Raw('"$SLURM_NNODES"'),
+             "home": Raw('"$HOME"'), "user": Raw('"$USER"'), "master_ip": Raw('"$MASTER_IP"'),
+             "master_port": Raw('"$MASTER_PORT"'), "node_ip": Raw('"$NODE_IP"'), "iface": Raw('"$IFACE"')}
+
+# The node's NIC and own address towards the master, found on the node (iproute2); on the master itself
+# `ip route get` answers "local ... dev lo", so the interface holding the address is looked up instead.
+ROUTE_SH = Raw(r'''route_to() {
+  local out dev src
+  out=$(ip -o route get "$1")
+  dev=$(sed -n 's/.* dev \([^ ]*\).*/\1/p' <<<"$out")
+  src=$(sed -n 's/.* src \([^ ]*\).*/\1/p' <<<"$out")
+  if [ "$dev" = lo ] && [ "${1#127.}" = "$1" ]; then
+    dev=$(ip -o -4 addr show | awk -v ip="$1" 'index($4, ip "/") == 1 {print $2; exit}')
+    src=$1
+  fi
+  echo "$dev $src"
+}''')
+
+# What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
+SBATCH_VALUES = {
+    "partition": re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*"),
+    "account": re.compile(r"[A-Za-z0-9_.-]+"),
+    "time": re.compile(r"(\d+-)?\d+(:\d+){0,2}|(?i:unlimited|infinite)"),
+}
+SBATCH_PATH = re.compile(r"[A-Za-z0-9_./%+-]+")
+
+
+@dataclass(frozen=True)
+class SlurmPlan(Plan):
+    runtime: str
+    image: str
+    files: tuple[tuple[str, str], ...]    # (name in the job folder, text): job.sbatch, node.sh
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+
+    def __init__(self, runtime: str = "docker", image: str = "", partition: str = "", time: str = "",
+                 account: str = "", runtime_args: str = ""):
+        self.runtime = runtimes.get(runtime)
+        self.image = image
+        self.sbatch = {"partition": partition or "", "time": time or "", "account": account or ""}
+        for key, value in self.sbatch.items():
+            if value and not SBATCH_VALUES[key].fullmatch(value):
+                raise UserError(f"--{key} {value!r} is not a value Slurm accepts for --{key}")
+        try:
+            self.runtime_args = tuple(shlex.split(runtime_args or ""))
+        except ValueError as e:
+            raise UserError(f"--runtime-args cannot be split into words: {e}") from None
+
+    # -- plan and describe (pure once the spec is given) --
+
+    def plan(self, spec: spec_mod.JobSpec) -> SlurmPlan:
+        if spec.hosts:
+            raise UserError("--hosts is for the docker backend; Slurm chooses the nodes")
+        job_id = spec.job_id or spec_mod.new_job_id()
+        job_dir = settings.runs_root() / job_id
+        if not SBATCH_PATH.fullmatch(str(job_dir)):
+            raise UserError(f"the runs folder {job_dir} cannot be written in an #SBATCH line (use letters, digits "
+                            f"and ._-/ only); set FLEETBOX_RUNS to another folder")
+        port = spec.port or hostnet.random_port()
+        image = self.image or self.runtime.default_image(spec.variant, spec.image_ref)
+        t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}"))
+        self.runtime.check(t, image)
+        files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image)),
+                 ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
+        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files)
+
+    def words(self, words, job_id: str) -> str:
+        return line(placeholders.to_shell(w, {**NODE_VARS, "job_id": job_id}) for w in words)
+
+    def render_node_script(self, spec, job_id: str, job_dir: Path, t: planner.NodeRun, image: str) -> str:
+        """What every srun task runs on its node."""
+        rt = self.runtime
+        lines = ["#!/bin/bash", f"# fleetbox {job_id}: one node's part (runtime {rt.name}); run by srun on every node",
+                 "set -euo pipefail", 'export USER="${USER:-$(id -un)}"', *rt.prelude()]
+        if rt.name == "pyxis":   # runs inside the image (Python, no iproute2): the probe the Docker backend uses
+            lines.append(f'read -r IFACE NODE_IP <<<"$(python -c {shlex.quote(probes.source("netinfo"))} '
+                         f'"$MASTER_IP" --plain)"')
+        else:
+            lines += [ROUTE_SH, 'read -r IFACE NODE_IP <<<"$(route_to "$MASTER_IP")"']
+        if spec.iface:
+            lines.append(f"IFACE={shlex.quote(spec.iface)}")
+        lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
+                  'echo "fleetbox: node $SLURM_NODEID on $(hostname): $IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
+        if rt.name != "pyxis" and (home_cache := rt.home_cache_dir(t)):   # pyxis mounts before node.sh runs
+            lines.append(self.words(["mkdir", "-p", home_cache], job_id))
+        lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
+        run = self.words([*rt.launch(t, image, list(self.runtime_args))], job_id)
+        if rt.kills_client_only:
+            # A killed client leaves its container running: remove it when Slurm stops this task, at once (Slurm
+            # sends SIGKILL after KillWait, which may be shorter than podman's 10 s graceful stop).
+            rm = [rt.name, "rm", "-f", *(["--time", "0"] if rt.name == "podman" else []), t.name]
+            lines += [f"cleanup() {{ {self.words(rm, job_id)} >/dev/null 2>&1; exit 143; }}", "trap cleanup TERM INT",
+                      f"{run} &", "wait $!"]
+        else:
+            lines.append("exec " + run)
+        return "\n".join(lines) + "\n"
+
+    def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str) -> str:
+        rt = self.runtime
+        head = ["#!/bin/bash", f"#SBATCH --job-name=fleetbox-{job_id}", f"#SBATCH --nodes={spec.nodes}",
+                "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={job_dir}/slurm-%j.out"]
+        head += [f"#SBATCH --{k}={v}" for k, v in self.sbatch.items() if v]
+        if spec.variant.device == "cuda" and not spec.devices:
+            head.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node or 1}")
+        body = [
+            "set -euo pipefail",
+            "# the master: first host of the allocation, as a numeric IP (Paddle's master needs one)",
+            'MASTER_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            "MASTER_ADDR=$(scontrol show node \"$MASTER_HOST\" -o | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+            "MASTER_IP=$(getent ahostsv4 \"${MASTER_ADDR:-$MASTER_HOST}\" | awk 'NR == 1 {print $1}')",
+            f"MASTER_PORT={port}",
+            "export MASTER_IP MASTER_PORT",
+            'echo "fleetbox: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_HOST = $MASTER_IP:$MASTER_PORT"',
+            "mkdir -p " + line([str(job_dir / f"node{k}") for k in range(spec.nodes)]),
+        ]
+        if rt.name == "pyxis" and (home_cache := rt.home_cache_dir(t)):
+            body.append(self.words(["mkdir", "-p", home_cache], job_id))   # the mount point, before srun mounts
+        srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", Raw('--nodes="$SLURM_NNODES"'), "--ntasks-per-node=1",
+                f"--output={job_dir}/node%n.log", *rt.srun_options(t, image), "bash", str(job_dir / "node.sh")]
+        body += ["set +e", self.words(srun, job_id), "rc=$?"]
+        if rt.kills_client_only:   # whatever a killed task left behind, on every node
+            sweep = line([rt.name, "ps", "-aq", "--filter", f"label={settings.LABEL_JOB}={job_id}"]) + \
+                f" | xargs -r {rt.name} rm -f"
+            body.append('srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --output=/dev/null bash -c '
+                        f"{shlex.quote(sweep)} || true")
+        body.append('exit "$rc"')
+        return "\n".join(head + body) + "\n"
+
+    def describe(self, plan: SlurmPlan) -> str:
+        return "\n".join(f"# {plan.dir / name}\n{text}" for name, text in plan.files)
+
+    # -- acting --
+
+    def submit(self, plan: SlurmPlan, log=print) -> Handle:
+        plan.dir.mkdir(parents=True, exist_ok=True)
+        for name, text in plan.files:   # complete files only: written aside, then renamed
+            part = plan.dir / f".{name}.part"
+            part.write_text(text)
+            part.rename(plan.dir / name)
+        out = _slurm("sbatch", "--parsable", str(plan.dir / "job.sbatch")).stdout.strip()
+        handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0])
+        handle.save()
+        log(f"submitted Slurm job {handle.scheduler_job} ({plan.spec.nodes} nodes, runtime {plan.runtime}); "
+            f"logs in {plan.dir}")
+        return handle
+
+    def status(self, handle: Handle) -> str:
+        return job_state(handle.scheduler_job)[0]
+
+    def logs(self, handle: Handle, node: int) -> str:
+        p = Path(handle.dir) / f"node{node}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def cancel(self, handle: Handle, log=print) -> None:
+        log(f"scancel {handle.scheduler_job}")
+        subprocess.run(["scancel", handle.scheduler_job], capture_output=True)
+
+    def follow(self, handle: Handle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
+        """Stream node 0's output until the job ends (the time limit is Slurm's: --time)."""
+        node0, pos, state, code = Path(handle.dir) / "node0.log", 0, "PENDING", ""
+        while True:
+            if node0.exists():
+                with open(node0, errors="replace") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos = f.tell()
+                for ln in chunk.splitlines():
+                    log(f"[node0] {ln}")
+            state, code = job_state(handle.scheduler_job)
+            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+                break
+            time.sleep(poll)
+        return self.result(handle, state)
+
+    def result(self, handle: Handle, state: str) -> JobResult:
+        job_dir = Path(handle.dir)
+        batch = job_dir / f"slurm-{handle.scheduler_job}.out"
+        fails = failures(batch.read_text(errors="replace") if batch.exists() else "")
+        bad = culprit([(r, c) for r, c, _ in fails])
+        by_rank = {r: (c, n) for r, c, n in fails}
+        nodes = []
+        for k in range(handle.nodes):
+            code, host = by_rank.get(k, (0 if state == "COMPLETED" else None, ""))
+            nodes.append(NodeResult(f"node{k}", k, host or node_host(job_dir / f"node{k}.log"), code,
+                                    "ok" if code == 0 else "FAILED" if k == bad else "aborted" if code else "?",
+                                    str(job_dir / f"node{k}.log")))
+        r = JobResult(handle.job_id, self.name, state == "COMPLETED" and not fails, nodes, bad, dir=str(job_dir),
+                      log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
+                      smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
+                      scheduler_job=handle.scheduler_job, scheduler_state=state)
+        r.save()
+        return r
+
+
+def node_host(node_log: Path) -> str:
+    """The Slurm node a task ran on, from the line node.sh prints first."""
+    m = re.search(r"^fleetbox: node \d+ on (\S+):", node_log.read_text(errors="replace") if node_log.exists() else "",
+                  re.M)
+    return m.group(1) if m else "?"
+
+
+def _slurm(*argv, check=True) -> subprocess.CompletedProcess:
+    if not shutil.which(argv[0]):
+        raise UserError(f"{argv[0]} not found: run on a Slurm login node (or install Slurm's client tools)")
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        raise UserError(f"{argv[0]} failed: {msg[-1] if msg else f'exit {proc.returncode}'}")
+    return proc
+
+
+def job_state(job_id: str) -> tuple[str, str]:
+    """(JobState, ExitCode) from scontrol; works without accounting while the job is remembered."""
+    out = _slurm("scontrol", "show", "job", job_id, "-o", check=False).stdout
+    state = re.search(r"JobState=(\S+)", out)
+    code = re.search(r"ExitCode=(\S+)", out)
+    return (state.group(1) if state else "UNKNOWN"), (code.group(1) if code else "")
+
+
+FAILED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (?:Exited with exit code (\d+)|(Killed|Terminated))")
+
+
+def failures(batch_output: str) -> list[tuple[int, int, str]]:
+    """(rank, exit code, node) of failed tasks, in the order srun reported them (one task per node)."""
+    out = []
+    for m in FAILED_TASK.finditer(batch_output):
+        code = int(m.group(3)) if m.group(3) else 137
+        out.append((int(m.group(2)), code, m.group(1)))
+    return out

@@ -1,0 +1,119 @@
+"""A training job as data: what to run, on how many nodes, with which image, environment and mounts.
+Pure: building and validating a spec reads no network, engine or host facts."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import options, settings
+from ..build.matrix import Variant
+from ..errors import UserError
+
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")   # a container name, a label, a folder, a Slurm job name
+
+
+@dataclass(frozen=True)
+class Mount:
+    src: str
+    dst: str
+    ro: bool = True
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    variant: Variant
+    nodes: int = 2
+    procs_per_node: int = 1
+    script: str = str(settings.DEFAULT_SCRIPT)
+    args: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+    mounts: tuple[Mount, ...] = ()       # extra bind mounts
+    image: str = ""                      # default: the variant's alias (fleetbox/paddle:<variant>)
+    hosts: tuple[str, ...] = ()          # one Docker Engine URL per node (ssh://user@h1, tcp://IP:2375); empty: here
+    iface: str = ""                      # NIC for NCCL/Gloo; default: the one that routes to the master
+    ib_hca: str = ""                     # e.g. mlx5_0: InfiniBand on
+    debug: bool = False
+    gpus_per_node: int = 0
+    devices: str = ""                    # accelerator ids, e.g. "0,1"
+    port: int = 0                        # master port; 0: the plan picks one
+    shm_size: str = "8g"                 # NCCL needs more than Docker's 64 MB default ("NCCL error 2")
+    data_dir: str = ""                   # seeded dataset cache, mounted read-only at Paddle's cache path
+    job_id: str = ""                     # "": the plan makes one
+
+    @property
+    def image_ref(self) -> str:
+        return self.image or self.variant.aliases[0]
+
+    @property
+    def script_path(self) -> Path:
+        return Path(self.script).resolve()
+
+
+def new_job_id() -> str:
+    return f"train-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def parse_mount(text: str) -> Mount:
+    src, sep, rest = text.partition(":")
+    dst, _, mode = rest.partition(":")
+    if not sep or not src or not dst:
+        raise UserError(f"--mount {text!r} must be SRC:DST[:ro|rw]")
+    if mode not in ("", "ro", "rw"):
+        raise UserError(f"--mount {text!r}: the mode must be ro or rw (got {mode!r})")
+    return Mount(src, dst, ro=mode == "ro")
+
+
+def from_options(variant: Variant, nodes=None, procs_per_node=None, script=None, args=None, image=None, hosts=None,
+                 iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None,
+                 mount=None, data_dir=None, shm_size=None, job_id=None) -> JobSpec:
+    """A validated JobSpec from command-line strings."""
+    import shlex
+    host_list = tuple(options.items(hosts))
+    if data_dir is None:   # the default cache is used when it exists here (a remote engine cannot see it)
+        default = settings.data_dir()
+        data_dir = str(default) if default.is_dir() and not host_list else ""
+    elif data_dir and not Path(data_dir).is_dir():
+        raise UserError(f"--data-dir {data_dir} is not a folder")
+    try:
+        argv = tuple(shlex.split(args or ""))
+    except ValueError as e:
+        raise UserError(f"--args cannot be split into words: {e}") from None
+    spec = JobSpec(
+        variant=variant, nodes=options.integer("--nodes", 2 if nodes is None else nodes, 1),
+        procs_per_node=options.integer("--procs-per-node", 1 if procs_per_node is None else procs_per_node, 1),
+        script=script or str(settings.DEFAULT_SCRIPT), args=argv, image=image or "", hosts=host_list,
+        iface=iface or "", ib_hca=ib_hca or "", debug=bool(debug),
+        gpus_per_node=options.integer("--gpus-per-node", gpus_per_node or 0, 0), devices=devices or "",
+        port=options.integer("--port", port, 1024, 65535) if port else 0, env=options.pairs("--env", env),
+        mounts=tuple(parse_mount(m) for m in options.items(mount)), data_dir=data_dir,
+        shm_size=shm_size or "8g", job_id=job_id or "")
+    validate(spec)
+    return spec
+
+
+def validate(spec: JobSpec) -> None:
+    """Input errors a user can fix, each as one line."""
+    if spec.nodes < 1:
+        raise UserError(f"--nodes must be at least 1 (got {spec.nodes})")
+    if spec.procs_per_node < 1:
+        raise UserError(f"--procs-per-node must be at least 1 (got {spec.procs_per_node})")
+    if not spec.script_path.is_file():
+        raise UserError(f"training script not found: {spec.script}")
+    if spec.variant.device == "cpu" and (spec.gpus_per_node or spec.devices):
+        raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
+                        f"or choose a GPU variant (cu118, cu126, cu129, dcu)")
+    if spec.hosts and len(spec.hosts) != spec.nodes:
+        raise UserError(f"--hosts names {len(spec.hosts)} hosts for {spec.nodes} nodes: give one per node")
+    if spec.port and not 1024 <= spec.port <= 65535:
+        raise UserError(f"--port must be between 1024 and 65535 (got {spec.port})")
+    if spec.job_id and not JOB_ID.fullmatch(spec.job_id):
+        raise UserError(f"--job-id {spec.job_id!r}: use letters, digits, '.', '_' and '-' (at most 63)")
+    if not re.fullmatch(r"[0-9]+[bkmg]?", spec.shm_size, re.I):
+        raise UserError(f"--shm-size {spec.shm_size!r} must be a size such as 8g or 512m")
+    for m in spec.mounts:
+        if not m.src or not m.dst.startswith("/"):
+            raise UserError(f"--mount {m.src}:{m.dst}: the destination must be an absolute path")

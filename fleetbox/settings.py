@@ -1,0 +1,51 @@
+"""Facts in one place: where fleetbox keeps things on this machine (every FLEETBOX_* variable with its
+default) and the fixed paths and labels inside job containers.
+
+Paths are functions, not constants: a variable set after import (a test, a wrapper script) still counts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import ROOT
+
+
+def _path(var: str, default: Path) -> Path:
+    return Path(os.environ.get(var) or default)
+
+
+def runs_root() -> Path:
+    """Every run's logs and reports: runs/<task>-<variant>-<time>/ and runs/<job-id>/."""
+    return _path("FLEETBOX_RUNS", ROOT / "runs")
+
+
+def wheelhouse_root() -> Path:
+    """Offline wheelhouses, one folder per variant."""
+    return _path("FLEETBOX_WHEELHOUSE", ROOT / "wheelhouse")
+
+
+def data_dir() -> Path:
+    """The seeded dataset cache (Paddle's ~/.cache/paddle/dataset layout)."""
+    return _path("FLEETBOX_DATA", ROOT / "offline_cache" / "dataset")
+
+
+def datasets_manifest() -> Path:
+    return _path("FLEETBOX_DATASETS_MANIFEST", ROOT / "offline_cache" / "datasets.toml")
+
+
+def exports_dir() -> Path:
+    return _path("FLEETBOX_EXPORTS", ROOT / "exports")
+
+
+DEFAULT_SCRIPT = ROOT / "train" / "smoke.py"
+
+# Inside job containers.
+CONTAINER_CACHE = "/root/.cache/paddle/dataset"   # Paddle's DATA_HOME for the images' user (root)
+HOME_CACHE = ".cache/paddle/dataset"              # the same, under the home of a runtime that runs as the user
+LOG_DIR = "/fleetbox/logs"                        # --log_dir of paddle.distributed.launch
+WORKDIR = "/workspace"                            # the training script's folder
+
+LABEL_JOB, LABEL_NODE, LABEL_RANK = "io.fleetbox.job", "io.fleetbox.node", "io.fleetbox.rank"
+LABEL_VARIANT = "io.fleetbox.variant"

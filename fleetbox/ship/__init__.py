@@ -1,0 +1,1 @@
+"""Getting images onto HPC platforms: exports, registry push, pull commands."""

@@ -1,0 +1,376 @@
+"""The Docker backend against a fake engine, without Docker (cog's pattern: a fake of the SDK surface the
+backend uses, each container's life scripted). Every way a job can end is checked in milliseconds: all
+pass, one node fails, a peer aborts first, the engine fails, Ctrl-C / SIGTERM, a refused create, a timeout,
+an OOM kill; that the engine gets exactly what `describe()` shows; and status/logs/cancel from another
+process. Every path must leave no container behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import docker
+import pytest
+import requests
+
+from fleetbox import settings
+from fleetbox.build import matrix
+from fleetbox.errors import UserError
+from fleetbox.run import docker_backend, spec as spec_mod
+from fleetbox.run.backend import Handle
+from fleetbox.run.docker_backend import DockerBackend
+
+JOB = "train-fake-0001"
+IMAGE = "fleetbox/paddle:cpu"
+
+
+# -- the fake engine --
+
+@dataclass
+class Life:
+    """How one node's container behaves once started."""
+    code: int | None = None               # its exit code; None: runs until stopped
+    after: int = 1                        # ... reached on this many-th reload while running
+    oom: bool = False                     # State.OOMKilled when it exits by itself
+    stop_code: int = 137                  # exit code when stopped (137: SIGKILL; Paddle's launcher says 15)
+    error: BaseException | None = None    # reload raises this ...
+    errors: int = 1                       # ... this many times
+    sigterm: bool = False                 # the first reload sends SIGTERM to this process (a `kill`)
+
+
+class FakeContainer:
+    def __init__(self, image, command, kwargs, life: Life):
+        self.image, self.command, self.kwargs, self.life = image, command, kwargs, life
+        self.name = kwargs["name"]
+        self.labels = dict(kwargs["labels"])
+        self.rank = int(self.labels[settings.LABEL_RANK])
+        self.output = f"hello from node{self.rank}\nbye from node{self.rank}\n".encode()
+        self.status = "created"
+        self.attrs = {"State": {"ExitCode": 0, "FinishedAt": "0001-01-01T00:00:00Z", "OOMKilled": False}}
+        self.started = self.stopped = self.removed = False
+        self.removes: list[bool] = []     # the `force` of every remove call
+        self.running_reloads = 0
+
+    def start(self):
+        assert self.status == "created" and not self.removed, f"{self.name} started twice or after removal"
+        self.started, self.status = True, "running"
+
+    def _exit(self, code: int, oom: bool = False):
+        self.status = "exited"
+        self.attrs["State"].update(ExitCode=code, OOMKilled=oom, FinishedAt="2025-01-01T00:00:00Z")
+
+    def reload(self):
+        if self.removed:
+            raise docker.errors.NotFound(f"No such container: {self.name}")
+        if self.life.sigterm:
+            self.life.sigterm = False
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.life.error is not None and self.life.errors > 0:
+            self.life.errors -= 1
+            raise self.life.error
+        if self.status == "running" and self.life.code is not None:
+            self.running_reloads += 1
+            if self.running_reloads >= self.life.after:
+                self._exit(self.life.code, self.life.oom)
+
+    def stop(self, timeout=None):
+        if self.status == "running":
+            self.stopped = True
+            self._exit(self.life.stop_code)
+
+    def remove(self, force=False):
+        self.removes.append(force)
+        if self.removed:
+            raise docker.errors.NotFound(f"No such container: {self.name}")
+        if self.status == "running" and not force:
+            raise docker.errors.APIError("Conflict", explanation="cannot remove a running container")
+        self.removed = True
+
+    def logs(self, stream=False, follow=False):
+        if stream:
+            return iter(self.output.splitlines(keepends=True))
+        return self.output
+
+
+class _Images:
+    def __init__(self, refs):
+        self.refs = set(refs)
+
+    def get(self, ref):
+        if ref not in self.refs:
+            raise docker.errors.ImageNotFound(f"No such image: {ref}")
+        return object()
+
+
+class _Containers:
+    def __init__(self, engine: "FakeEngine"):
+        self.engine = engine
+
+    def create(self, image, command, **kwargs):
+        rank = int(kwargs["labels"][settings.LABEL_RANK])
+        if rank in self.engine.refuse:
+            raise self.engine.refuse[rank]
+        c = FakeContainer(image, command, kwargs, self.engine.lives.get(rank, Life(code=0)))
+        with self.engine.lock:   # the backend creates from several threads
+            self.engine.made[rank] = c
+        return c
+
+    def list(self, all=False, filters=None):
+        want = (filters or {}).get("label")
+        key, _, value = (want or "").partition("=")
+        return [c for c in self.engine.made.values() if not c.removed and (all or c.status == "running")
+                and (not want or key in c.labels and (not value or c.labels[key] == value))]
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("the network probe runs only for --hosts jobs")
+
+
+class FakeEngine:
+    """The Docker SDK client as the backend uses it, with each node's container scripted by a Life."""
+
+    def __init__(self, lives: dict[int, Life] | None = None, images=(IMAGE,), refuse=None):
+        self.lives = lives or {}
+        self.refuse = refuse or {}        # rank -> the exception its create raises
+        self.images = _Images(images)
+        self.containers = _Containers(self)
+        self.made: dict[int, FakeContainer] = {}
+        self.lock = threading.Lock()
+
+    def connect(self, host):
+        assert host is None, "a local job talks to this machine's engine only"
+        return self
+
+    def all_removed(self) -> bool:
+        return bool(self.made) and all(c.removed and True in c.removes for c in self.made.values())
+
+
+# -- helpers --
+
+@pytest.fixture(autouse=True)
+def fast(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    monkeypatch.setattr(docker_backend, "POLL_S", 0.01)
+    monkeypatch.setattr(docker_backend, "GRACE_S", 0.05)
+
+
+def make_spec(nodes=2, **kw) -> spec_mod.JobSpec:
+    return spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=nodes, job_id=JOB, **kw)
+
+
+def job(engine: FakeEngine, nodes=2):
+    """A backend on the fake engine and its plan for a local job."""
+    b = DockerBackend(connect=engine.connect)
+    return b, b.plan(make_spec(nodes))
+
+
+def run(engine: FakeEngine, nodes=2, **kw):
+    b, plan = job(engine, nodes)
+    lines: list[str] = []
+    return b, plan, b.run(plan, log=lines.append, **kw), lines
+
+
+def eventually(check, within=2.0) -> bool:
+    """For rank 0's output, which a background thread prints."""
+    end = time.monotonic() + within
+    while not check() and time.monotonic() < end:
+        time.sleep(0.01)
+    return check()
+
+
+def states(result) -> list[str]:
+    return [n.state for n in result.nodes]
+
+
+# -- how a job ends --
+
+def test_all_nodes_pass():
+    engine = FakeEngine({0: Life(code=0, after=3), 1: Life(code=0, after=1)})
+    b, plan, r, lines = run(engine)
+    assert r.ok and r.culprit is None and not r.timed_out and r.failure() == ""
+    assert states(r) == ["ok", "ok"] and [n.exit_code for n in r.nodes] == [0, 0]
+    assert all(c.started and not c.stopped for c in engine.made.values())
+    assert engine.all_removed()
+    summary = json.loads((plan.dir / "summary.json").read_text())
+    assert summary["ok"] is True and summary["job_id"] == JOB
+    for k in (0, 1):
+        assert (plan.dir / f"node{k}" / "container.log").read_text() == f"hello from node{k}\nbye from node{k}\n"
+    assert eventually(lambda: "[node0] bye from node0" in lines)   # rank 0's output is streamed live
+    assert not b.live                                # nothing of the job is kept once it ended
+
+
+def test_failed_node_stops_the_others_and_is_blamed():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=3, after=2)})
+    b, plan, r, lines = run(engine)
+    assert engine.made[0].stopped and not engine.made[1].stopped
+    assert not r.ok and r.culprit == 1
+    assert states(r) == ["stopped", "FAILED"] and r.nodes[1].exit_code == 3
+    assert "node1 (rank 1)" in r.failure() and "exit code 3" in r.failure()
+    assert engine.all_removed()
+    assert any("node1 (rank 1) exited with code 3; stopping the other nodes" in ln for ln in lines)
+    assert json.loads((plan.dir / "summary.json").read_text())["culprit"] == 1
+
+
+def test_peer_abort_does_not_hide_the_real_failure(monkeypatch):
+    monkeypatch.setattr(docker_backend, "GRACE_S", 5.0)   # both exit by themselves well within the grace
+    engine = FakeEngine({0: Life(code=250, after=1), 1: Life(code=3, after=3)})
+    b, plan, r, lines = run(engine)
+    assert not r.ok and r.culprit == 1                      # exit 3 beats rank 0's earlier abort (250)
+    assert states(r) == ["aborted", "FAILED"]
+    assert not any(c.stopped for c in engine.made.values())
+    assert "node1 (rank 1)" in r.failure() and "exit code 3" in r.failure()
+    assert engine.all_removed()
+
+
+@pytest.mark.parametrize("error", [
+    docker.errors.APIError("500 Server Error: Internal Server Error", explanation="engine is shutting down"),
+    requests.exceptions.ConnectionError("Connection aborted."),
+], ids=["api-error", "connection-lost"])
+def test_engine_error_while_watching_cleans_up(error):
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None, error=error, errors=10**6)})
+    b, plan = job(engine)
+    with pytest.raises(UserError, match="the Docker Engine failed while following the job"):
+        b.run(plan, log=lambda _: None)
+    assert engine.all_removed()
+    assert not b.live
+
+
+def test_ctrl_c_stops_and_removes_every_container():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None, error=KeyboardInterrupt(), errors=1)})
+    b, plan = job(engine)
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        b.run(plan, log=lines.append)
+    assert all(c.stopped for c in engine.made.values())
+    assert engine.all_removed()
+    assert f"interrupted: cancelling {JOB}" in lines
+    assert (plan.dir / "summary.json").exists()   # what happened is kept
+
+
+class _NotMapped(BaseException):
+    """What SIGTERM raises here unless the backend maps it to KeyboardInterrupt."""
+
+
+def test_sigterm_cancels_like_ctrl_c():
+    def not_mapped(signum, frame):
+        raise _NotMapped
+    previous = signal.signal(signal.SIGTERM, not_mapped)   # never let a stray SIGTERM end pytest
+    try:
+        engine = FakeEngine({0: Life(code=None, sigterm=True), 1: Life(code=None)})
+        b, plan = job(engine)
+        with pytest.raises(KeyboardInterrupt):
+            b.run(plan, log=lambda _: None)
+        assert signal.getsignal(signal.SIGTERM) is not_mapped   # the caller's handler is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert all(c.stopped for c in engine.made.values())
+    assert engine.all_removed()
+
+
+def test_refused_create_removes_what_was_created():
+    refusal = docker.errors.APIError("409 Client Error: Conflict",
+                                     explanation='Conflict. The container name "/x" is already in use')
+    engine = FakeEngine(refuse={1: refusal})
+    b, plan = job(engine)
+    with pytest.raises(UserError, match="the engine refused to start the job's containers: .*already in use"):
+        b.run(plan, log=lambda _: None)
+    assert list(engine.made) == [0]
+    assert engine.made[0].removed and not engine.made[0].started
+
+
+def test_timeout_stops_every_node():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan, r, lines = run(engine, timeout=0.2)
+    assert r.timed_out and not r.ok and r.culprit is None
+    assert "timed out" in r.failure()
+    assert all(c.stopped for c in engine.made.values())
+    assert engine.all_removed()
+
+
+def test_oom_kill_is_named():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=137, after=2, oom=True)})
+    b, plan, r, lines = run(engine)
+    assert not r.ok and r.culprit == 1 and r.nodes[1].oom_killed and not r.nodes[0].oom_killed
+    assert "node1 (rank 1) exited with exit code 137 (killed by SIGKILL: out of memory)" in r.failure()
+    assert engine.all_removed()
+
+
+# -- blame and states when we stopped nodes --
+
+def test_timeout_marks_no_node_failed():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan, r, lines = run(engine, timeout=0.2)
+    assert states(r) == ["stopped", "stopped"]
+
+
+def test_node_stopped_by_us_is_never_blamed():
+    engine = FakeEngine({0: Life(code=None, stop_code=15), 1: Life(code=137, after=2, oom=True)})
+    b, plan, r, lines = run(engine)
+    assert r.culprit == 1 and states(r) == ["stopped", "FAILED"]
+
+
+# -- what the engine gets --
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_engine_gets_what_describe_shows():
+    engine = FakeEngine()
+    b, plan = job(engine, nodes=3)
+    shown = b.describe(plan).splitlines()
+    r = b.run(plan, log=lambda _: None)
+    assert r.ok and sorted(engine.made) == [0, 1, 2]
+    for k, node in enumerate(plan.nodes):
+        c = engine.made[k]
+        want = node.sdk_kwargs()
+        assert c.image == node.image == IMAGE and c.command == list(node.command)
+        assert c.kwargs == want        # docker.types values compare by value (they are dicts)
+        for key in ("name", "environment", "labels", "volumes", "network_mode", "shm_size", "working_dir"):
+            assert c.kwargs[key] == want[key], key
+        # the dry-run line for this node says the same
+        argv = shlex.split(shown[shown.index(f"# node{k} (rank {k}) on this machine") + 1])
+        assert argv[-len(c.command):] == c.command and argv[-len(c.command) - 1] == c.image
+        assert _flag_values(argv, "--name") == [c.kwargs["name"]]
+        assert _flag_values(argv, "--network") == [c.kwargs["network_mode"]]
+        assert _flag_values(argv, "--shm-size") == [c.kwargs["shm_size"]]
+        assert _flag_values(argv, "-w") == [c.kwargs["working_dir"]]
+        assert dict(e.split("=", 1) for e in _flag_values(argv, "-e")) == c.kwargs["environment"]
+        assert dict(e.split("=", 1) for e in _flag_values(argv, "--label")) == c.kwargs["labels"]
+        assert [v if v.endswith(":ro") else v + ":rw" for v in _flag_values(argv, "-v")] == c.kwargs["volumes"]
+        assert c.kwargs["labels"][settings.LABEL_JOB] == JOB and c.kwargs["labels"][settings.LABEL_RANK] == str(k)
+
+
+# -- another process: status, logs, cancel by label --
+
+def test_status_logs_cancel_from_another_process():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=0, after=1)})
+    starter, plan = job(engine)
+    starter.submit(plan, log=lambda _: None)              # started; this process never follows it
+    engine.made[1].reload()                               # node1 ends by itself
+    other = DockerBackend(connect=engine.connect)         # e.g. `invoke job-status` in another shell
+    handle = Handle.load(plan.dir)
+    assert handle.job_id == JOB and other.live == {}
+    assert other.status(handle) == "RUNNING"
+    assert other.logs(handle, 0) == "hello from node0\nbye from node0\n"
+    foreign = FakeContainer(IMAGE, ["sleep"], {"name": "fleetbox-other-node0", "labels": {
+        settings.LABEL_JOB: "train-other-0002", settings.LABEL_RANK: "0"}}, Life(code=None))
+    foreign.start()
+    engine.made[99] = foreign                             # another job's container on the same engine
+    other.cancel(handle, log=lambda _: None)
+    assert all(engine.made[k].removed and engine.made[k].removes == [True] for k in (0, 1))
+    assert not foreign.removed
+    assert other.status(handle) == "GONE"
+
+
+def test_missing_image_is_a_user_error():
+    engine = FakeEngine(images=())
+    b = DockerBackend(connect=engine.connect)
+    with pytest.raises(UserError, match=r"image fleetbox/paddle:cpu is not here; run `invoke build --variant cpu`"):
+        b.plan(make_spec())
+    assert engine.made == {}

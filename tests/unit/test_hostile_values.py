@@ -1,0 +1,157 @@
+"""Hostile values in every user-controlled field, rendered for every runtime and executed by bash with stub
+runtime commands that record what they were given: the payload never runs, and each value reaches the
+container (and the training script's argv and environment) unchanged, or the runtime refuses it in one line."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetbox.build import matrix
+from fleetbox.errors import UserError
+from fleetbox.run import runtimes, slurm_backend as slurm, spec as spec_mod
+from fleetbox.run.spec import Mount
+
+PAYLOADS = ["$(touch {m})", "`touch {m}`", "a'b\"c", "two words", "new\nline", ";touch {m};", "$HOME", "{{x}}"]
+
+# Records argv and environment as JSON; for pyxis the node script itself runs inside the container, so the
+# same stub stands in for `python` (the route probe answers "lo 127.0.0.1", the launcher records).
+STUB = r'''#!{py}
+import json, os, sys
+if sys.argv[1:2] == ["-c"]:
+    print("lo 127.0.0.1")
+    sys.exit(0)
+with open(os.environ["STUB_OUT"], "a") as f:
+    f.write(json.dumps({{"tool": os.path.basename(sys.argv[0]), "argv": sys.argv[1:], "env": dict(os.environ)}}) + "\n")
+'''
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    d = tmp_path / "bin"
+    d.mkdir()
+    for tool in ("docker", "podman", "ch-run", "apptainer", "python", "srun"):
+        (d / tool).write_text(STUB.format(py=sys.executable))
+        (d / tool).chmod(0o755)
+    (d / "scontrol").write_text('#!/bin/sh\ncase "$2" in hostnames) echo localhost;; *) echo "NodeAddr=127.0.0.1";; esac\n')
+    (d / "scontrol").chmod(0o755)
+    return d
+
+
+def hostile_spec(tmp_path, payload, **kw):
+    src = tmp_path / ("data " + payload.replace("/", "_").replace("\n", "_"))
+    src.mkdir(exist_ok=True)
+    return spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-evil-0001", port=29555,
+                            args=("--x", payload, "{rank}"), env={"EVIL": payload, "WHERE": "{node}"},
+                            mounts=(Mount(str(src), "/data/" + payload.replace("\n", "_"), True),), **kw)
+
+
+def run_node_script(text, stubs, tmp_path):
+    script = tmp_path / "node.sh"
+    script.write_text(text)
+    out = tmp_path / "calls.jsonl"
+    out.unlink(missing_ok=True)
+    env = {"PATH": f"{stubs}:/usr/sbin:/usr/bin:/bin", "STUB_OUT": str(out), "HOME": str(tmp_path), "USER": "u",
+           "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost",
+           "MASTER_IP": "127.0.0.1",
+           "MASTER_PORT": "29555"}
+    cwd = tmp_path / "cwd"   # a payload that ran would leave a file here (or at its marker)
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert list(cwd.iterdir()) == []
+    return [json.loads(ln) for ln in out.read_text().splitlines()]
+
+
+def carried(call, runtime):
+    """(argv after the image, {env}, [mount specs]) as the runtime was told them."""
+    argv = call["argv"]
+    if runtime == "pyxis":   # the stub is `python` itself, run inside the container
+        return argv, call["env"], None
+    env, mounts = {}, []
+    flags = {"docker": ("-e", "-v"), "podman": ("-e", "-v"), "apptainer": (None, "--bind"), "charliecloud": (None, "-b")}
+    e_flag, v_flag = flags[runtime]
+    for i, a in enumerate(argv):
+        if a == e_flag:
+            k, _, v = argv[i + 1].partition("=")
+            env[k] = v
+        if a.startswith("--set-env="):
+            k, _, v = a[len("--set-env="):].partition("=")
+            env[k] = v
+        if a == v_flag:
+            mounts.append(argv[i + 1])
+    if runtime == "apptainer":
+        env = {k[len("APPTAINERENV_"):]: v for k, v in call["env"].items() if k.startswith("APPTAINERENV_")}
+    cmd = argv[argv.index("python"):]
+    return cmd, env, mounts
+
+
+@pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
+@pytest.mark.parametrize("raw", PAYLOADS)
+def test_a_hostile_value_never_runs_and_arrives_unchanged(runtime, raw, stubs, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    marker = tmp_path / "pwned"
+    payload = raw.format(m=marker)
+    spec = hostile_spec(tmp_path, payload, iface="eth0")
+    backend = slurm.SlurmBackend(runtime, image="img:" + "tag", runtime_args="--opt 'x y'")
+    try:
+        plan = backend.plan(spec)
+    except UserError as e:   # refused for this runtime: one line that names the field
+        assert "\n" not in str(e) and ("--env EVIL" in str(e) or "mount" in str(e)), e
+        assert runtime in ("apptainer", "charliecloud", "pyxis") or "\n" in payload
+        return
+    files = dict(plan.files)
+    calls = run_node_script(files["node.sh"], stubs, tmp_path)
+    assert not marker.exists(), "the payload ran"
+    (call,) = [c for c in calls if c["tool"] == {"charliecloud": "ch-run", "pyxis": "python"}.get(runtime, runtime)]
+    cmd, env, mounts = carried(call, runtime)
+    assert cmd[cmd.index("--rank") + 1] == "1" and cmd[-3:] == ["--x", payload, "1"]   # {rank} filled per node
+    assert env["EVIL"] == payload and env["WHERE"] == "node1" and env["GLOO_SOCKET_IFNAME"] == "eth0"
+    if mounts is not None:
+        assert any(m.startswith(str(tmp_path / "data ")) for m in mounts)
+    if runtime != "pyxis":
+        argv = call["argv"]
+        assert argv[argv.index("img:tag") - 2:argv.index("img:tag")] == ["--opt", "x y"]   # --runtime-args words
+    # the batch script: srun's own arguments (pyxis mounts) arrive whole, nothing runs
+    calls = run_node_script(files["job.sbatch"], stubs, tmp_path)
+    assert not marker.exists()
+    srun = calls[0]["argv"]
+    if runtime == "pyxis":
+        mounts = next(a for a in srun if a.startswith("--container-mounts="))
+        assert f"{tmp_path}/data " in mounts and "/fleetbox/job" in mounts
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("partition", "gpu\nrm -rf ~", "--partition"), ("partition", "gpu;id", "--partition"),
+    ("time", "1:00:00\n#SBATCH --uid=0", "--time"), ("time", "soon", "--time"),
+    ("account", "proj 42", "--account"), ("account", "$(id)", "--account"),
+])
+def test_bad_sbatch_values_are_refused_in_one_line(field, value, needle):
+    with pytest.raises(UserError, match=needle) as e:
+        slurm.SlurmBackend("podman", **{field: value})
+    assert "\n" not in str(e.value)
+
+
+def test_good_sbatch_values_pass(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    b = slurm.SlurmBackend("podman", partition="gpu,debug", time="2-00:30:00", account="proj_42.x")
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555)
+    text = dict(b.plan(spec).files)["job.sbatch"]
+    assert "#SBATCH --partition=gpu,debug\n#SBATCH --time=2-00:30:00\n#SBATCH --account=proj_42.x\n" in text
+
+
+def test_a_runs_folder_that_cannot_be_an_sbatch_line_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "my runs"))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555)
+    with pytest.raises(UserError, match="cannot be written in an #SBATCH line"):
+        slurm.SlurmBackend("podman").plan(spec)
+
+
+def test_planner_modules_do_not_load_requests_docker_or_tqdm():
+    code = ("import sys; import fleetbox.run.spec, fleetbox.run.plan, fleetbox.run.placeholders, "
+            "fleetbox.run.runtimes, fleetbox.run.slurm_backend, fleetbox.run.result, fleetbox.run.backend, "
+            "fleetbox.build.matrix; print(sorted({'requests', 'docker', 'tqdm'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
