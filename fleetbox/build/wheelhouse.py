@@ -7,7 +7,6 @@ copied to an air-gapped machine and built there.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path

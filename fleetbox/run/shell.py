@@ -16,8 +16,6 @@ class Joined(tuple):
     """One shell word from parts: `str` parts are quoted, `Raw` parts are emitted as is."""
 
 
-Word = "str | Raw | Joined"
-
 
 def word(w) -> str:
     if isinstance(w, Raw):

@@ -17,10 +17,6 @@ from ..build.matrix import Variant
 FORMATS = ("docker-archive", "charliecloud", "sif", "sqsh")
 
 
-def export_dir() -> Path:
-    return settings.exports_dir()
-
-
 def export_name(variant: Variant) -> str:
     return f"fleetbox-paddle-{variant.name}"
 
@@ -28,7 +24,7 @@ def export_name(variant: Variant) -> str:
 def export_path(variant: Variant, fmt: str, squash: bool = False, dest: Path | None = None) -> Path:
     suffix = {"docker-archive": ".tar", "charliecloud": ".sqfs" if squash else ".ch", "sif": ".sif",
               "sqsh": ".sqsh"}[fmt]
-    return (dest or export_dir()) / f"{export_name(variant)}{suffix}"
+    return (dest or settings.exports_dir()) / f"{export_name(variant)}{suffix}"
 
 
 def export_argv(fmt: str, image: str, out: Path, archive: Path | None = None) -> list[str]:

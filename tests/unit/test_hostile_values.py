@@ -2,10 +2,8 @@
 runtime commands that record what they were given: the payload never runs, and each value reaches the
 container (and the training script's argv and environment) unchanged, or the runtime refuses it in one line."""
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
