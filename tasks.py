@@ -157,7 +157,7 @@ TRAIN_HELP = {
     "hosts": "comma-separated Docker Engine URLs, one per node (ssh://user@h1,ssh://user@h2); master = first",
     "iface": "network interface for NCCL/Gloo (default: the one that routes to the master)",
     "ib_hca": "InfiniBand HCA, e.g. mlx5_0 (sets NCCL_IB_HCA and NCCL_IB_DISABLE=0)",
-    "debug": "NCCL_DEBUG=INFO",
+    "debug": "NCCL_DEBUG=INFO, and the launcher's HTTP polling lines in the live output",
     "gpus_per_node": "GPUs per node (CUDA variants)",
     "devices": "accelerator ids, e.g. 0,1",
     "port": "master port (default: a free one here, a random one for Slurm)",
@@ -193,14 +193,20 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
     jobs.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), log=_log)
 
 
-@task(help={"hosts": "comma-separated Docker Engine URLs to clean too (default: this machine)"})
+@task(help={"hosts": "comma-separated Docker Engine URLs to clean too (default: this machine)",
+            "job": "remove every container of this job, running or not",
+            "force": "also remove running containers of live jobs"})
 @_fleetbox
-def clean(c, hosts=None):
-    """Remove containers that earlier jobs left behind (found by their io.fleetbox.job label)."""
+def clean(c, hosts=None, job=None, force=False):
+    """Remove containers that earlier jobs left behind (found by their io.fleetbox.job label); running ones
+    belong to live jobs and are kept unless --job or --force."""
     from fleetbox import options
+    from fleetbox.run import spec as spec_mod
     from fleetbox.run.docker_backend import DockerBackend
-    n = DockerBackend().clean(options.items(hosts), log=_log)
-    _log(f"removed {n} leftover container(s)")
+    if job and not spec_mod.JOB_ID.fullmatch(job):
+        raise UserError(f"--job {job!r} is not a job id")
+    removed, kept = DockerBackend().clean(options.items(hosts), job or "", force, log=_log)
+    _log(f"removed {removed} leftover container(s)" + (f"; kept {kept} running" if kept else ""))
 
 
 @task(help={"variant": VARIANT_HELP,
@@ -251,6 +257,7 @@ def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False
         content = images.content_tag(images.resolve(engine.client(), v), v)
     except UserError:
         content = None
-    refs = hpc.registry_refs(v, registry or "", content or f"{v.image}:{v.name}")
-    for line in hpc.pull_commands(runtime, refs, hpc.export_name(v), insecure):
+    refs = hpc.registry_refs(v, registry or "", content)
+    content_ref, alias_ref = (refs[0], refs[1]) if content else (None, refs[0])
+    for line in hpc.pull_commands(runtime, content_ref, alias_ref, hpc.export_name(v), insecure):
         _log(line)

@@ -94,18 +94,19 @@ def run_nodes(spec, log=print) -> dict:
                   data_dir=Path(spec.data_dir) if spec.data_dir and not host else None)
         passed = sum(ch["ok"] for ch in rep["checks"])
         failed = [ch["check"] for ch in rep["checks"] if not ch["ok"]]
+        found = {ch["check"]: ch["detail"] for ch in rep["checks"]}
         rows.append({"what": f"node{k}", "host": host or "local", "ok": rep["ok"],
-                     "detail": f"{passed}/{len(rep['checks'])} image checks pass (run_check() included)"
+                     "detail": f"{passed}/{len(rep['checks'])} image checks pass; {found.get('import paddle', '?')}, "
+                               f"device {found.get('compiled device', '?')}"
                                + (f"; failed: {', '.join(failed)}" if failed else ""), "report": rep["path"]})
         log(f"node{k} ({host or 'local'}): {'PASS' if rep['ok'] else 'FAIL'}")
     log(f"running the smoke job across {spec.nodes} nodes")
     from .run.docker_backend import DockerBackend
+    from .run.result import smoke_line
     backend = DockerBackend()
     job = backend.run(backend.plan(spec), log=lambda m: None)
     smoke = job.smoke or {}
-    detail = (f"loss {smoke['first_loss']:.4f} -> {smoke['last_loss']:.4f}, parameters identical on "
-              f"{smoke['world']} ranks: {smoke['params_identical']}, {smoke['samples_per_s']:.0f} samples/s"
-              if smoke else job.failure())
+    detail = smoke_line(smoke) if smoke else job.failure()
     rows.append({"what": "smoke", "host": f"{spec.nodes} nodes", "ok": job.ok, "detail": detail,
                  "report": str(Path(job.dir) / "summary.json")})
     rd = run_dir(f"verify-{spec.variant.name}-{spec.nodes}nodes")

@@ -3,6 +3,8 @@
 ARG OS_IMAGE=debian:bookworm
 FROM ${OS_IMAGE}
 ARG PACKAGES="python3 libgomp1 ca-certificates"
+# MIRROR is checked by fleetbox.build.bases.check_mirror: http(s), no credentials (build args stay in the
+# image history), nothing sed or bash reads specially.
 ARG MIRROR=""
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Versions come from the suite the OS image tracks; the base's tag hashes the package list.

@@ -10,6 +10,9 @@ class Server:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.cut_after: dict[str, int] = {}     # path -> bytes to send before dropping the connection (once)
+        self.break_after: dict[str, int] = {}   # path -> bytes of every body to send before dropping it
+        self.status: dict[str, int] = {}        # path -> an error status to answer with instead
+        self.redirects: dict[str, str] = {}     # path -> where a 302 sends the client
         self.corrupt: set[str] = set()          # paths always served with a flipped byte
         self.requests: list[tuple[str, str]] = []   # (path, Range header)
         self.bytes_sent: dict[str, int] = {}
@@ -35,6 +38,15 @@ class Server:
                 rel = self.path.split("?")[0].lstrip("/")
                 server.requests.append((self.path, self.headers.get("Range", "")))
                 server.headers_seen.append(dict(self.headers))
+                if rel in server.status:
+                    self.send_error(server.status[rel])
+                    return
+                if rel in server.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", server.redirects[rel])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 path = server.root / rel
                 if path.is_dir():
                     path = path / "index.html"
@@ -88,7 +100,7 @@ class Server:
                         server.in_flight -= 1
 
             def _send_body(self, rel, path, size, start, corrupt):
-                cut = server.cut_after.pop(rel, None)
+                cut = server.cut_after.pop(rel, server.break_after.get(rel))
                 count = size - start if cut is None else min(cut, size - start)
                 self.wfile.flush()
                 with open(path, "rb") as f:   # from the file with sendfile, as nginx or Apache would

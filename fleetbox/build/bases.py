@@ -8,11 +8,13 @@ debootstrap + `docker import`.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .. import ROOT
 from .. import engine
@@ -28,12 +30,37 @@ IMPORT_CHANGES = [
 ]
 
 
+# A mirror URL reaches a `sed` in base.Dockerfile and argv of debootstrap: nothing sed or a shell reads specially.
+_MIRROR_CHARS = re.compile(r"[A-Za-z0-9._~:/@%+-]+")
+
+
+def check_mirror(url: str) -> tuple[str, str]:
+    """(public, download): the mirror without and with its user info. Only `public` may be recorded (labels,
+    build args, the image's apt sources); `download` is for debootstrap's download alone."""
+    shown = re.sub(r"//[^/]*@", "//***@", url)   # never echo credentials, not even in an error
+    bad = f"mirror {shown!r} is not usable: "
+    if not _MIRROR_CHARS.fullmatch(url):
+        raise UserError(bad + "it may hold only letters, digits and . _ ~ : / @ % + - (percent-encode the rest)")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise UserError(bad + "want an http:// or https:// URL")
+    try:
+        parts.port   # raises on a port that is not a number
+    except ValueError:
+        raise UserError(bad + "its port is not a number from 0 to 65535") from None
+    if not parts.hostname:
+        raise UserError(bad + "it names no host (want http://HOST/PATH)")
+    public = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return public, (url if parts.username or parts.password else public)
+
+
 @dataclass(frozen=True)
 class BasePlan:
     ref: str
     method: str          # "os-image" | "debootstrap" | "vendor"
     base: Base
-    mirror: str
+    mirror: str          # without user info: the one that is recorded
+    download_mirror: str = field(repr=False)   # may hold credentials: for debootstrap's download only
 
     def describe(self) -> list[str]:
         b = self.base
@@ -41,6 +68,8 @@ class BasePlan:
         if self.method == "debootstrap":
             lines.append("command   " + " ".join(debootstrap_argv(b, Path("ROOTFS"), self.mirror))
                          + f" && tar -C ROOTFS -c . | docker import - {self.ref}")
+            if self.download_mirror != self.mirror:
+                lines.append("          (the credentials in --mirror are used for the download only)")
         elif self.method == "os-image":
             lines.append(f"from      {b.os_image} + apt-get install {' '.join(b.packages)}")
         else:
@@ -51,17 +80,18 @@ class BasePlan:
 def plan(variant: Variant, bootstrap: bool = False, mirror: str | None = None, os_image_available=None) -> BasePlan:
     """Choose how to make the base. `os_image_available` is a callable (ref -> bool); None means unknown."""
     b = variant.base
-    mirror = mirror or b.mirror
+    public, download = check_mirror(mirror or b.mirror) if (mirror or b.mirror) else ("", "")
     if bootstrap and not b.bootstrappable:
         raise UserError(f"base {b.name} ({b.distro}) cannot be bootstrapped with debootstrap; "
                         f"`docker load` the vendor image {b.os_image}")
     if not b.packages:
-        return BasePlan(variant.base_ref, "vendor", b, mirror)
-    if bootstrap:
-        return BasePlan(variant.base_ref, "debootstrap", b, mirror)
-    if os_image_available is not None and not os_image_available(b.os_image) and b.bootstrappable:
-        return BasePlan(variant.base_ref, "debootstrap", b, mirror)
-    return BasePlan(variant.base_ref, "os-image", b, mirror)
+        return BasePlan(variant.base_ref, "vendor", b, public, download)
+    if bootstrap or (os_image_available is not None and not os_image_available(b.os_image) and b.bootstrappable):
+        return BasePlan(variant.base_ref, "debootstrap", b, public, download)
+    if download != public:   # a build arg that reaches a RUN is kept in the image's history
+        raise UserError("mirror credentials can be used only with --bootstrap (a docker build would keep them "
+                        "in the image history)")
+    return BasePlan(variant.base_ref, "os-image", b, public, download)
 
 
 def debootstrap_argv(b: Base, rootfs: Path, mirror: str) -> list[str]:
@@ -91,6 +121,8 @@ def _can_have(c, ref: str, log) -> bool:
 def ensure(c, variant: Variant, bootstrap: bool = False, mirror: str | None = None, rebuild: bool = False,
            log=print) -> str:
     """Make the variant's base unless it exists; returns its image ID."""
+    if mirror:
+        check_mirror(mirror)   # a bad --mirror is refused whether or not the base has to be made
     ref = variant.base_ref
     have = image_or_none(c, ref)
     if have and not rebuild:
@@ -117,8 +149,13 @@ def ensure(c, variant: Variant, bootstrap: bool = False, mirror: str | None = No
     return image_id
 
 
+def build_args(p: BasePlan) -> dict[str, str]:
+    """base.Dockerfile's args: the image history keeps them, so the mirror is the one without credentials."""
+    return {"OS_IMAGE": p.base.os_image, "PACKAGES": " ".join(p.base.packages), "MIRROR": p.mirror}
+
+
 def _from_os_image(c, p: BasePlan, log_file: Path, log) -> str:
-    args = {"OS_IMAGE": p.base.os_image, "PACKAGES": " ".join(p.base.packages), "MIRROR": p.mirror}
+    args = build_args(p)
     with tempfile.TemporaryDirectory(prefix="fleetbox-base-") as ctx:
         shutil.copy(BASE_DOCKERFILE, Path(ctx) / "Dockerfile")
         return engine.build(c, log_file, echo=log, path=ctx, tag=p.ref, buildargs=args, labels=labels(p))
@@ -131,13 +168,15 @@ def _bootstrap(c, p: BasePlan, log_file: Path, log) -> str:
         raise UserError("debootstrap not found: `apt-get install -y debootstrap` (or load an OS image)")
     with tempfile.TemporaryDirectory(prefix="fleetbox-rootfs-", dir=os.environ.get("TMPDIR", "/var/tmp")) as tmp:
         rootfs = Path(tmp) / "rootfs"
-        argv = debootstrap_argv(p.base, rootfs, p.mirror)
-        log(f"running {' '.join(argv)} (about a minute; output in {log_file})")
+        argv = debootstrap_argv(p.base, rootfs, p.download_mirror)
+        shown = debootstrap_argv(p.base, rootfs, p.mirror)
+        log(f"running {' '.join(shown)} (about a minute; output in {log_file})")
         with open(log_file, "a") as lf:
             proc = subprocess.run(argv, stdout=lf, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             tail = log_file.read_text().strip().splitlines()[-1:] or [""]
-            raise UserError(f"debootstrap failed (exit {proc.returncode}): {tail[0][:200]} (log: {log_file})")
+            tail = tail[0].replace(p.download_mirror, p.mirror)
+            raise UserError(f"debootstrap failed (exit {proc.returncode}): {tail[:200]} (log: {log_file})")
         _trim(rootfs, p.mirror, p.base.suite)
         log("importing the root filesystem into Docker")
         tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-cf", "-", "."],
@@ -155,10 +194,13 @@ def _bootstrap(c, p: BasePlan, log_file: Path, log) -> str:
 
 
 def _trim(rootfs: Path, mirror: str, suite: str) -> None:
-    """Drop what only the bootstrap needed (downloaded .debs, package lists) and point apt at the mirror."""
+    """Drop what only the bootstrap needed (downloaded .debs, package lists) and point apt at the mirror
+    (`mirror` is the one without credentials: debootstrap wrote the download URL into sources.list, and
+    its log, moved to var/log/bootstrap.log, holds the download URLs)."""
     for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
         d = rootfs / sub
         for f in d.glob("*"):
             if f.is_file():
                 f.unlink()
+    (rootfs / "var/log/bootstrap.log").unlink(missing_ok=True)
     (rootfs / "etc/apt/sources.list").write_text(f"deb {mirror} {suite} main\n")

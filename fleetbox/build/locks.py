@@ -121,27 +121,27 @@ def _check_reachable(url: str) -> None:
                         f"and commit the lock") from None
 
 
-def make(variant: Variant) -> Path:
-    """Resolve and write images/locks/<variant>.lock atomically."""
+def make(variant: Variant, out: Path | None = None) -> Path:
+    """Resolve and write the lock atomically to `out` (default images/locks/<variant>.lock)."""
     _check_reachable(variant.pypi)
     if variant.paddle_index:
         _check_reachable(variant.paddle_index)
-    path = variant.lock_path
+    path = out or variant.lock_path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fleetbox-lock-") as tmp:
-        project, out = Path(tmp) / "pyproject.toml", Path(tmp) / "out.lock"
+        project, compiled = Path(tmp) / "pyproject.toml", Path(tmp) / "out.lock"
         project.write_text(project_file(variant))
-        argv = [_uv_binary(), *compile_argv(variant, project, out)[1:]]
+        argv = [_uv_binary(), *compile_argv(variant, project, compiled)[1:]]
         proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp,
                               env={**os.environ, "UV_NO_CONFIG": "1"})
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["(no output)"])
             raise UserError(f"uv could not resolve variant {variant.name}: {' '.join(last[-3:])}")
-        body = out.read_text().replace(str(project), f"images/matrix.toml [{variant.name}]")
+        body = compiled.read_text().replace(str(project), f"images/matrix.toml [{variant.name}]")
         entries = parse(body)
         if not entries or any(not e.hashes for e in entries):
             raise UserError(f"uv produced a lock without hashes for {variant.name}")
-        staged = path.with_suffix(".lock.tmp")
+        staged = path.with_name(path.name + ".tmp")
         staged.write_text(header(variant) + body)
         staged.replace(path)
     return path

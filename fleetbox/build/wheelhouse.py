@@ -125,8 +125,9 @@ def plan(variant: Variant, entries: list[locks.Locked], sess=None) -> list[Wheel
     return [select(e, index_files(sess, e.index or variant.index_for(e.name), e.name), tags) for e in entries]
 
 
-def check_wheel(variant: Variant, path: Path, entries: list[locks.Locked], tags: list[Tag] | None = None) -> None:
-    """A wheelhouse file must be for the variant's Python/platform and carry a locked hash."""
+def check_wheel(variant: Variant, path: Path, entries: list[locks.Locked],
+                tags: list[Tag] | None = None) -> locks.Locked:
+    """A wheelhouse file must be for the variant's Python/platform and carry a locked hash; returns its entry."""
     tags = tags or target_tags(variant)
     try:
         name, version, _, wtags = parse_wheel_filename(path.name)
@@ -142,27 +143,46 @@ def check_wheel(variant: Variant, path: Path, entries: list[locks.Locked], tags:
     if digest not in entry.hashes:
         raise UserError(f"{path} has sha256 {digest[:16]}…, which lock {variant.lock_path.name} does not allow; "
                         f"delete it and run `invoke wheels --variant {variant.name}`")
+    return entry
+
+
+def _read_manifest(manifest: Path, again: str) -> dict:
+    """The manifest as ensure() writes it; anything else (a torn write, an edit) makes the wheelhouse incomplete."""
+    try:
+        data = json.loads(manifest.read_text())
+        ok = (isinstance(data["lock_sha256"], str) and isinstance(data["files"], dict)
+              and all(f == Path(f).name and f.endswith(".whl") for f in data["files"]))   # no paths out of dest
+    except (OSError, ValueError, KeyError, TypeError):   # ValueError: bad JSON or bad UTF-8
+        ok = False
+    if not ok:
+        raise UserError(f"wheelhouse manifest {manifest} is corrupt; {again}")
+    return data
 
 
 def verify(variant: Variant, dest: Path, lock_text: str, entries: list[locks.Locked]) -> list[Path]:
-    """The wheelhouse's files, after checking it was made from this lock and every wheel is right."""
+    """The wheelhouse's files, after checking it was made from this lock and holds exactly one right wheel
+    per lock entry (a count alone would pass two wheels of one package and none of another)."""
     manifest = dest / MANIFEST
+    again = f"run `invoke wheels --variant {variant.name}`"
     if not manifest.exists():
-        raise UserError(f"no wheelhouse for {variant.name} at {dest}; run `invoke wheels --variant {variant.name}`")
-    data = json.loads(manifest.read_text())
-    if data.get("lock_sha256") != locks.lock_hash(lock_text):
-        raise UserError(f"wheelhouse {dest} was made from another lock; run `invoke wheels --variant {variant.name}`")
+        raise UserError(f"no wheelhouse for {variant.name} at {dest}; {again}")
+    data = _read_manifest(manifest, again)
+    if data["lock_sha256"] != locks.lock_hash(lock_text):
+        raise UserError(f"wheelhouse {dest} was made from another lock; {again}")
     tags = target_tags(variant)
-    paths = []
+    found: dict[tuple[str, str], list[Path]] = {}
     for filename in data["files"]:
         path = dest / filename
         if not path.exists():
-            raise UserError(f"wheelhouse lacks {filename}; run `invoke wheels --variant {variant.name}`")
-        check_wheel(variant, path, entries, tags)
-        paths.append(path)
-    if len(paths) != len(entries):
-        raise UserError(f"wheelhouse {dest} does not cover the lock; run `invoke wheels --variant {variant.name}`")
-    return paths
+            raise UserError(f"wheelhouse lacks {filename}; {again}")
+        entry = check_wheel(variant, path, entries, tags)
+        found.setdefault((entry.name, entry.version), []).append(path)
+    for e in entries:
+        wheels = found.get((e.name, e.version), [])
+        if len(wheels) != 1:
+            what = "no wheel" if not wheels else f"{len(wheels)} wheels ({', '.join(w.name for w in wheels)})"
+            raise UserError(f"wheelhouse {dest} has {what} for {e.name}=={e.version}, not one; {again}")
+    return [w for ws in found.values() for w in ws]
 
 
 def ensure(variant: Variant, dest: Path | None = None, log=print) -> Path:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import lzma
+import os
 import shutil
 import tarfile
 import tempfile
 import threading
 import time
 import tomllib
+import zlib
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
 from .. import settings
 from . import fetch
@@ -76,27 +79,77 @@ def select(manifest: dict[str, Dataset], names) -> list[Dataset]:
     return [manifest[n] for n in dict.fromkeys(names)]
 
 
-def _is_http(s: str) -> bool:
-    return urlparse(s).scheme in ("http", "https")
-
-
 def source(f: DataFile, mirror: str | None) -> str:
-    """Where a file comes from: its own URL, or the same <module>/<name> under a mirror URL or folder."""
+    """Where a file comes from: its own URL, or the same <module>/<name> under a mirror URL or folder.
+    A mirror without scheme:// is a folder, its name taken as is ('#' and '?' included)."""
     if not mirror:
         return f.url
-    if _is_http(mirror):
+    if fetch.URL.match(mirror):
         return mirror.rstrip("/") + "/" + f.relpath
     return str(Path(mirror) / f.relpath)
 
 
 def _check_mirror(mirror: str) -> None:
-    if _is_http(mirror):
-        try:
-            fetch.session().head(mirror, timeout=10)
-        except fetch.requests.RequestException as e:
-            raise UserError(f"mirror {mirror} is unreachable ({type(e).__name__})") from None
-    elif not Path(mirror).is_dir():
-        raise UserError(f"mirror folder {mirror} does not exist")
+    if not fetch.URL.match(mirror):
+        if not Path(mirror).is_dir():
+            raise UserError(f"mirror folder {mirror} does not exist")
+        return
+    try:
+        url = urlsplit(mirror)
+        url.port   # a bad port raises here
+    except ValueError as e:
+        raise UserError(f"mirror {mirror} is not a valid URL ({e})") from None
+    if url.scheme.lower() not in ("http", "https"):
+        raise UserError(f"mirror {mirror}: a mirror is an http(s) URL or a folder, not {url.scheme}://")
+    if not url.hostname:
+        raise UserError(f"mirror {mirror} is not a valid URL (no host)")
+    try:
+        fetch.session().head(mirror, timeout=10)
+    except fetch.requests.RequestException as e:
+        raise UserError(f"mirror {mirror} is unreachable ({type(e).__name__})") from None
+
+
+def _folder(dest: Path) -> Path:
+    """The nearest existing folder on the way to the cache `dest` (`dest` itself once it exists): where
+    new folders for it would be made. One clear line when that is a file instead."""
+    p = dest
+    while not (p.exists() or p.is_symlink()) and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise UserError(f"the cache {dest} exists and is not a folder" if p == dest else
+                        f"the cache {dest} cannot be made: {p} is not a folder")
+    return p
+
+
+def _mkdir(path: Path) -> None:
+    """mkdir -p, each new folder 0755 whatever the umask: containers read the cache as other users too."""
+    if path.is_dir():
+        return
+    _mkdir(path.parent)
+    try:
+        path.mkdir()
+        path.chmod(0o755)
+    except OSError as e:
+        raise UserError(f"cannot make folder {path}: {e.strerror}") from None
+
+
+def _share(root: Path) -> None:
+    """Folders 0755 and files 0644 under `root` (itself included): readable by a container's non-root user."""
+    root.chmod(0o755)
+    for top, dirs, files in os.walk(root):
+        for name in dirs:
+            if not os.path.islink(p := os.path.join(top, name)):
+                os.chmod(p, 0o755)
+        for name in files:
+            if not os.path.islink(p := os.path.join(top, name)):
+                os.chmod(p, 0o644)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def seed(datasets: list[Dataset], dest: Path, mirror: str | None = None, log=print, retries: int = 4,
@@ -108,9 +161,12 @@ def seed(datasets: list[Dataset], dest: Path, mirror: str | None = None, log=pri
     After a failure no further file starts, the running ones finish, and the first error is raised."""
     if jobs < 1:
         raise UserError(f"--jobs must be at least 1, not {jobs}")
+    _folder(dest)
     if mirror:
         _check_mirror(mirror)
     files = [f for d in datasets for f in d.files]
+    for module in dict.fromkeys(f.module for f in files):
+        _mkdir(dest / module)
     stop, failed, said = fetch.Stop(), threading.Event(), threading.Lock()
 
     def one(i: int, f: DataFile) -> dict | None:
@@ -150,25 +206,30 @@ def seed(datasets: list[Dataset], dest: Path, mirror: str | None = None, log=pri
     return rows
 
 
-def unpack_all(datasets: list[Dataset], dest: Path, log=print) -> None:
-    """Extract what Paddle's loader would extract on first use, so a read-only cache works."""
+def unpack_all(datasets: list[Dataset], dest: Path, log=print, fresh: bool = False) -> None:
+    """Extract what Paddle's loader would extract on first use, so a read-only cache works. A folder already
+    unpacked is kept, unless `fresh` (a restore: its content must come from the verified archive alone).
+    Extracted into a temp folder beside, then swapped in: never seen half-extracted; readable by all."""
     for d in datasets:
         for archive, into, marker in d.unpack:
             folder = dest / d.module / into
-            if (folder / marker).exists():
+            if not fresh and (folder / marker).exists():
                 continue
             log(f"unpacking {d.module}/{archive} into {d.module}/{into}/ (as Paddle's loader would)")
             staging = Path(tempfile.mkdtemp(prefix=f".{into}-", dir=dest / d.module))
+            old = staging.with_name(staging.name + "-old")
             try:
                 with tarfile.open(dest / d.module / archive) as tar:
                     safe_extract(tar, staging)
-                if folder.exists():
-                    shutil.rmtree(folder)
+                _share(staging)   # mkdtemp made it 0700; the archive may carry private modes too
+                if folder.exists() or folder.is_symlink():
+                    folder.replace(old)
                 staging.replace(folder)
             except (tarfile.TarError, OSError, UserError) as e:
                 raise UserError(f"cannot unpack {d.module}/{archive}: {e}") from None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
+                _remove(old)
 
 
 def _row(f: DataFile, path: Path, status: str, seconds: float) -> dict:
@@ -178,6 +239,7 @@ def _row(f: DataFile, path: Path, status: str, seconds: float) -> dict:
 
 def check(datasets: list[Dataset], dest: Path) -> list[dict]:
     """Re-check what is in the cache: ok, missing or bad (MD5 differs)."""
+    _folder(dest)
     rows = []
     for d in datasets:
         for f in d.files:
@@ -211,7 +273,13 @@ def table(rows: list[dict]) -> str:
 
 
 def pack(datasets: list[Dataset], dest: Path, out: Path) -> Path:
-    """One archive with the verified files and their checksums (temp name, then rename)."""
+    """One archive with the verified files and their checksums (temp name, then rename). It holds the
+    files' contents, also where the cache holds links to them; not unpacked folders: a restore makes those
+    anew from the verified archives."""
+    _folder(dest)
+    if not datasets:
+        raise UserError(f"nothing to pack: no data set is seeded in {dest}; seed one with "
+                        f"`invoke cache --datasets NAME`")
     require(datasets, dest)
     index = {"format": 1, "files": {}}
     for d in datasets:
@@ -222,17 +290,17 @@ def pack(datasets: list[Dataset], dest: Path, out: Path) -> Path:
     part = out.with_name(out.name + ".part")
     mode = "w:gz" if out.name.endswith((".tgz", ".tar.gz")) else "w"
     try:
-        with tarfile.open(part, mode) as tar:
+        with tarfile.open(part, mode, dereference=True) as tar:   # a link's target, not the link
             blob = json.dumps(index, indent=1, sort_keys=True).encode()
             info = tarfile.TarInfo(PACK_INDEX)
             info.size, info.mtime = len(blob), int(time.time())
             tar.addfile(info, io.BytesIO(blob))
             for rel in index["files"]:
                 tar.add(dest / rel, arcname=f"dataset/{rel}", recursive=False)
+        return part.replace(out)
     except OSError as e:
         part.unlink(missing_ok=True)
         raise UserError(f"cannot write {out}: {e.strerror}") from None
-    return part.replace(out)
 
 
 def safe_extract(tar: tarfile.TarFile, dest: Path) -> None:
@@ -262,60 +330,99 @@ def _safe_member(m: tarfile.TarInfo) -> str:
 
 
 def restore(archive: Path, dest: Path, manifest: dict[str, Dataset] | None = None, log=print) -> list[dict]:
-    """Unpack a cache archive into `dest`, checking every member and every checksum before anything lands."""
+    """Restore a cache archive into `dest`. Only the manifest's files are accepted, each checked against the
+    manifest's MD5 and the pack's SHA-256, in a temp folder; they move into place only when all passed, so a
+    bad pack leaves `dest` as it was. Unpacked folders are then made anew from the verified archives."""
+    manifest = load() if manifest is None else manifest
     if not archive.is_file():
         raise UserError(f"no such archive: {archive}")
-    known = {f.relpath: f.md5 for d in (manifest or {}).values() for f in d.files}
+    base = _folder(dest)
+    staging = None
+    try:
+        # In dest or the folder that will hold it: the same file system, so moving into place is a rename.
+        staging = Path(tempfile.mkdtemp(prefix=".restore-", dir=base))
+        try:
+            rows = _verified_copy(archive, staging, {f.relpath: f for d in manifest.values() for f in d.files})
+        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as e:
+            raise UserError(f"{archive} is damaged or truncated ({' '.join(str(e).split())})") from None
+        except OSError as e:
+            if e.errno is None:   # gzip and bz2 report bad data so; a failed write always has an errno
+                raise UserError(f"{archive} is damaged or truncated ({e})") from None
+            raise
+        for r in rows:   # every check passed: move into place
+            target = dest / r["file"]
+            _mkdir(target.parent)
+            (staging / r["file"]).replace(target)
+    except OSError as e:
+        raise UserError(f"cannot restore into {dest}: {e.strerror}") from None
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+    restored = {r["file"] for r in rows}
+    unpack = [d for d in manifest.values() if d.unpack and all(f"{d.module}/{a}" in restored for a, *_ in d.unpack)]
+    unpack_all(unpack, dest, log, fresh=True)
+    return rows
+
+
+def _index(blob: bytes, archive: Path) -> dict[str, dict]:
+    """The pack's {relpath: {"md5", "sha256", ...}}, or one line saying it is not one."""
+    try:
+        files = json.loads(blob)["files"]
+        ok = isinstance(files, dict) and all(
+            isinstance(m, dict) and isinstance(m.get("md5"), str) and isinstance(m.get("sha256"), str)
+            for m in files.values())
+    except (ValueError, TypeError, KeyError):   # ValueError: not JSON, or not UTF-8
+        ok = False
+    if not ok:
+        raise UserError(f"{archive}: its {PACK_INDEX} is not a cache index; make the pack again with "
+                        f"`invoke cache --pack`")
+    return files
+
+
+def _verified_copy(archive: Path, staging: Path, known: dict[str, DataFile]) -> list[dict]:
+    """Copy the pack's files into `staging` (0644), refusing anything but the manifest's files and any
+    checksum that differs. Returns a row per file."""
     try:
         tar = tarfile.open(archive)
-    except tarfile.TarError as e:
-        raise UserError(f"{archive} is not a readable archive ({e})") from None
+    except tarfile.TarError:   # its message lists every compression tried, over several lines
+        raise UserError(f"{archive} is not a readable archive (damaged, truncated or not a tar file)") from None
     with tar:
         members = tar.getmembers()
         names = [_safe_member(m) for m in members]
         if PACK_INDEX not in names:
             raise UserError(f"{archive} has no {PACK_INDEX}: not made by `invoke cache --pack`")
-        index = json.loads(tar.extractfile(members[names.index(PACK_INDEX)]).read())
-        dest.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".restore-", dir=dest))
-        try:
-            rows = []
-            for m, name in zip(members, names):
-                if not m.isfile() or name == PACK_INDEX:
-                    continue
-                rel = name.removeprefix("dataset/")
-                meta = index["files"].get(rel)
-                if not name.startswith("dataset/") or meta is None:
-                    raise UserError(f"refusing archive: member {name!r} is not listed in its {PACK_INDEX}")
-                out = staging / rel
-                out.parent.mkdir(parents=True, exist_ok=True)
-                md5, sha = hashlib.md5(), hashlib.sha256()
-                with tar.extractfile(m) as src, open(out, "wb") as dst:
-                    while chunk := src.read(fetch.CHUNK):
-                        md5.update(chunk)
-                        sha.update(chunk)
-                        dst.write(chunk)
-                if md5.hexdigest() != meta["md5"] or sha.hexdigest() != meta["sha256"]:
-                    raise UserError(f"refusing archive: {rel} does not match its checksum in {archive.name}")
-                if rel in known and known[rel] != meta["md5"]:
-                    raise UserError(f"refusing archive: {rel} has MD5 {meta['md5']}, Paddle expects {known[rel]}")
-                rows.append({"dataset": meta.get("dataset", ""), "file": rel, "bytes": m.size,
-                             "status": "restored", "seconds": 0.0})
-            missing = set(index["files"]) - {r["file"] for r in rows}
-            if missing:
-                raise UserError(f"refusing archive: {sorted(missing)[0]} is listed but missing")
-            for r in rows:   # every check passed: move into place
-                target = dest / r["file"]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                (staging / r["file"]).replace(target)
-            restored = {r["file"] for r in rows}
-            unpack_all([d for d in (manifest or {}).values() if all(f.relpath in restored for f in d.files)],
-                       dest, log)
-            return rows
-        except OSError as e:
-            raise UserError(f"cannot restore into {dest}: {e.strerror}") from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        index = _index((tar.extractfile(members[names.index(PACK_INDEX)]) or io.BytesIO()).read(), archive)
+        rows = {}
+        for m, name in zip(members, names):
+            if m.isdir() or name == PACK_INDEX:
+                continue
+            rel = name.removeprefix("dataset/")
+            f = known.get(rel) if name.startswith("dataset/") else None
+            if f is None:   # e.g. an unpacked folder's file: those are made here from the verified archives
+                raise UserError(f"refusing archive: member {name!r} is no data set's file in the manifest")
+            meta = index.get(rel)
+            if meta is None or rel in rows:
+                raise UserError(f"refusing archive: member {name!r} is not listed once in its {PACK_INDEX}")
+            if meta["md5"] != f.md5:
+                raise UserError(f"refusing archive: {rel} has MD5 {meta['md5']}, Paddle expects {f.md5}")
+            out = staging / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            md5, sha = hashlib.md5(), hashlib.sha256()
+            with tar.extractfile(m) as src, open(out, "wb") as dst:
+                while chunk := src.read(fetch.CHUNK):
+                    md5.update(chunk)
+                    sha.update(chunk)
+                    dst.write(chunk)
+            if md5.hexdigest() != f.md5 or sha.hexdigest() != meta["sha256"]:
+                raise UserError(f"refusing archive: {rel} does not match its checksum in {archive.name}")
+            out.chmod(0o644)
+            rows[rel] = {"dataset": f.dataset, "file": rel, "bytes": m.size, "status": "restored", "seconds": 0.0}
+    missing = sorted(set(index) - set(rows))
+    if missing:
+        raise UserError(f"refusing archive: {missing[0]} is listed in its {PACK_INDEX} but missing (truncated?)")
+    if not rows:
+        raise UserError(f"{archive} holds no files to restore")
+    return list(rows.values())
 
 
 def cache_command(datasets=None, mirror=None, dest=None, verify=False, pack_to=None, restore_from=None,

@@ -10,12 +10,14 @@ import hashlib
 import http.client
 import os
 import queue
+import re
 import socket
 import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 import requests
 import urllib3
@@ -25,6 +27,7 @@ from ..errors import UserError
 
 CHUNK = 1 << 18   # one read: large enough that per-read overhead vanishes, small enough to stay in L2 for MD5
 BUFFERS = 16      # in flight between the reader and the hashing thread
+URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")   # scheme://...; anything else is a local path
 
 
 def file_digest(path: Path, algo: str = "sha256") -> str:
@@ -195,24 +198,40 @@ class _Restart(Exception):
     """The server does not honour Range: drop the partial file and fetch from the start."""
 
 
+def _local_file(src: str) -> Path | None:
+    """The file a local source names: a path, taken as is (so '#' and '?' stay part of a folder's name), or
+    a file:// URL. None for any other URL."""
+    if src.lower().startswith("file://"):
+        return Path(url2pathname(urlsplit(src).path))
+    return None if URL.match(src) else Path(src)
+
+
 def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: requests.Session | None = None,
              retries: int = 4, backoff: float = 1.0, timeout: float = 60,
              stop: Stop | None = None) -> Path:
-    """Fetch `url` (http(s) URL or local path) to `dest`, verifying `digest`. Returns `dest`.
+    """Fetch `url` (http(s) URL or local path) to `dest`, verifying `digest`; the file is made 0644, readable
+    by the non-root users of containers that mount it. Returns `dest`.
+    After transient failures (connection, timeout, 5xx) the `.part` is kept, so a later run resumes; it is
+    deleted only when its bytes are wrong (digest mismatch) or the server refused the file (4xx but 429).
     Setting `stop` (from another thread) ends the download with `Stopped`, keeping what is on disk."""
     if dest.exists() and file_digest(dest, algo) == digest:
         return dest
+    local = _local_file(url)
+    if local is None and URL.match(url)[1].lower() not in ("http", "https"):
+        raise UserError(f"cannot download {url}: not an http(s) URL or a local path")
     sess = sess or session()
     stop = stop or Stop()
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot make folder {dest.parent}: {e.strerror}") from None
     part = dest.with_name(dest.name + ".part")
-    local = urlparse(url).scheme in ("", "file")
     last = "no attempt"
     for attempt in range(retries + 1):
         h = hashlib.new(algo)
         try:
             if local:
-                _copy_local(Path(urlparse(url).path), part, h, stop)
+                _copy_local(local, part, h, stop)
             else:
                 _stream(sess, url, part, h, timeout, stop)
         except UserError:
@@ -233,16 +252,22 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
             if e.response.status_code < 500 and e.response.status_code != 429:
                 part.unlink(missing_ok=True)
                 raise UserError(f"download failed ({last}): {url}") from None
+        except requests.TooManyRedirects:
+            loop = f"redirect loop (more than {sess.max_redirects} redirects)"
+            raise UserError(f"cannot download {url}: {loop}") from None
+        except requests.RequestException as e:   # a malformed URL and the like: another try cannot help
+            raise UserError(f"cannot download {url}: {' '.join(str(e).split())}") from None
         except OSError as e:
             part.unlink(missing_ok=True)
             raise UserError(f"cannot write {part}: {e.strerror}") from None
         else:
             if h.hexdigest() == digest:
+                part.chmod(0o644)
                 part.replace(dest)
                 return dest
             last = f"{algo} mismatch (got {h.hexdigest()[:16]}…, want {digest[:16]}…)"
             part.unlink(missing_ok=True)   # corrupt bytes cannot be resumed
         if attempt < retries and stop.wait(backoff * 2 ** attempt):
             raise Stopped()
-    part.unlink(missing_ok=True)
-    raise UserError(f"giving up on {url} after {retries + 1} attempts: {last}")
+    kept = f"; {part} keeps the bytes received, to resume from next time" if part.exists() else ""
+    raise UserError(f"giving up on {url} after {retries + 1} attempts: {last}{kept}")

@@ -80,10 +80,20 @@ class Backend(ABC):
                 return self.follow(handle, log, timeout)
             except BaseException as e:
                 if handle is not None:
+                    log = never_failing(log)   # the terminal may be gone (a closed pipe): clean up all the same
                     why = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped by an error"
                     log(f"{why}: cancelling {plan.job_id}")
                     self.cancel(handle, log)
                 raise
+
+
+def never_failing(log):
+    def safe(line: str) -> None:
+        try:
+            log(line)
+        except Exception:
+            pass
+    return safe
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 It starts every node, streams rank 0's output live, stops every other node within seconds of the first
 failure (Paddle's HTTP master does not notice a dead peer), gathers each node's logs under runs/<job-id>/,
 and removes every container of the job, also on Ctrl-C, SIGTERM and engine errors.
+On `--hosts` engines the logs stay in each container (no folder on that host) and are copied out at the end.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import getpass
 import io
 import json
+import os
 import tarfile
 import threading
 import time
@@ -18,15 +20,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import engine, probes, settings
-from ..errors import UserError
+from ..errors import Failed, UserError
 from . import hostnet, placeholders, plan as planner, spec as spec_mod
 from .backend import Backend, Handle, Plan
-from .result import JobResult, NodeResult, culprit, smoke_report, tail
+from .result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
 STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
 POLL_S = 0.25
-REMOTE_RUNS = "/tmp/fleetbox-runs"   # log folders on --hosts machines (copied back when the job ends)
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,16 @@ class DockerBackend(Backend):
             port = spec.port or hostnet.random_port()
             facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(hosts)]
             caps = [f["memlock"] for f in facts if f["memlock"] != -1]
-            t = planner.template(spec, job_id, f"{REMOTE_RUNS}/{job_id}/{{node}}", workspace=False,
+            t = planner.template(spec, job_id, None, workspace=False,
                                  hyhal_present=Path("/opt/hyhal").exists(), memlock=min(caps) if caps else -1)
             home, user = "", ""
             if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
                 raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
         else:
             master_ip = "127.0.0.1"
+            for src in [spec.data_dir] * bool(spec.data_dir) + [m.src for m in spec.mounts]:
+                if not src.startswith("{") and not Path(src).exists():   # Docker would make an empty folder
+                    raise UserError(f"mount source {src} does not exist here")
             if spec.iface:
                 hostnet.check_iface(spec.iface)
             iface, own = hostnet.route(master_ip)
@@ -125,17 +129,20 @@ class DockerBackend(Backend):
             "commands": [n.shell() for n in plan.nodes]}, indent=1))
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes])
         handle.save()
-        live = _Live(self, plan)
-        with engine_errors():
-            live.start()
-        self.live[plan.job_id] = live
+        live = self.live[plan.job_id] = _Live(self, plan)
+        try:
+            with engine_errors(plan.dir):
+                live.start()   # removes what it created on any error, Ctrl-C included
+        except BaseException:
+            del self.live[plan.job_id]
+            raise
         log(f"job {plan.job_id}: {spec.nodes} node(s) x {spec.procs_per_node} process(es), master "
             f"{master_of(plan)}, logs in {plan.dir}")
         return handle
 
     def follow(self, handle: Handle, log=print, timeout: float | None = None) -> JobResult:
         live = self.live[handle.job_id]
-        with engine_errors():
+        with engine_errors(handle.dir):
             pump = live.stream_rank0(log)
             live.watch(log, timeout)
             pump.join(timeout=2)   # rank 0's last lines before the summary
@@ -174,15 +181,31 @@ class DockerBackend(Backend):
             found += self.engine(host).containers.list(all=True, filters={"label": f"{settings.LABEL_JOB}={handle.job_id}"})
         return found
 
-    def clean(self, hosts: list[str], log=print) -> int:
-        """Remove every fleetbox job container left on these engines (by label). Returns how many."""
-        n = 0
+    def clean(self, hosts: list[str], job: str = "", force: bool = False, log=print) -> tuple[int, int]:
+        """Remove fleetbox job containers left on these engines (found by label): the finished ones, or every
+        one of `job`, or every one with `force`. A running container without either belongs to a live job
+        and is kept. Returns (removed, kept)."""
+        import docker
+        label = f"{settings.LABEL_JOB}={job}" if job else settings.LABEL_JOB
+        removed = kept = 0
         for host in hosts or [""]:
-            for c in self.engine(host).containers.list(all=True, filters={"label": settings.LABEL_JOB}):
-                c.remove(force=True)
-                log(f"removed {c.name} ({c.labels.get(settings.LABEL_JOB)}) on {host or 'this machine'}")
-                n += 1
-        return n
+            where = host or "this machine"
+            for c in self.engine(host).containers.list(all=True, filters={"label": label}):
+                if c.status in ("running", "restarting", "paused") and not (job or force):
+                    log(f"kept {c.name}: running ({c.labels.get(settings.LABEL_JOB)}; --job or --force removes it)")
+                    kept += 1
+                    continue
+                try:
+                    c.remove(force=True)
+                except docker.errors.NotFound:
+                    continue   # gone between list and remove (its job cleaned up itself)
+                except docker.errors.APIError as e:
+                    if e.status_code == 409:   # a removal already in progress
+                        continue
+                    raise UserError(f"cannot remove {c.name} on {where}: {(e.explanation or str(e)).strip()[:200]}") from None
+                log(f"removed {c.name} ({c.labels.get(settings.LABEL_JOB)}) on {where}")
+                removed += 1
+        return removed, kept
 
 
 def master_of(plan: DockerPlan) -> str:
@@ -200,6 +223,7 @@ class _Live:
         self.stopped: set[int] = set()   # nodes we stopped (rather than nodes that ended by themselves)
         self.finished: dict[int, str] = {}
         self.oom: dict[int, bool] = {}
+        self.gone: set[int] = set()      # containers removed behind our back while the job ran
         self.timed_out = False
 
     def start(self) -> None:
@@ -248,13 +272,22 @@ class _Live:
 
     def watch(self, log, timeout: float | None = None) -> None:
         """Until every node exited, or the first failure (plus a short grace) stops the rest."""
+        import docker
         deadline = time.monotonic() + timeout if timeout else None
         first_fail = None
         while True:
             for rank, c in self.containers.items():
                 if rank in dict(self.exits):
                     continue
-                c.reload()
+                try:
+                    c.reload()
+                except docker.errors.NotFound:   # removed behind our back: that node is lost
+                    self.gone.add(rank)
+                    self.exits.append((rank, None))
+                    if first_fail is None:
+                        first_fail = time.monotonic()
+                        log(f"node{rank}'s container was removed while the job ran; stopping the other nodes")
+                    continue
                 if c.status in ("exited", "dead"):
                     self.exits.append((rank, c.attrs["State"]["ExitCode"]))
                     if self.exits[-1][1] != 0 and first_fail is None:
@@ -289,6 +322,8 @@ class _Live:
         for rank, c in self.containers.items():
             d = self.plan.dir / f"node{rank}"
             d.mkdir(parents=True, exist_ok=True)
+            if rank in self.gone:
+                continue
             try:
                 c.reload()
                 state = c.attrs["State"]
@@ -309,16 +344,23 @@ class _Live:
 
     def result(self) -> JobResult:
         exits = dict(self.exits)
-        # Only a node that ended by itself can be to blame: one we stopped exits 15 or 137 because we did.
-        bad = None if self.timed_out else culprit([(r, c) for r, c in self.exits if r not in self.stopped])
         d = self.plan.dir
+        # Only a node that ended by itself can be to blame: one we stopped exits 15 or 137 because we did.
+        # Among those, the engine's finish times give the order; the workers' own last words, where we have
+        # them with full precision (local log folders), decide.
+        failed = sorted((r for r, c in self.exits if c != 0 and r not in self.stopped),
+                        key=lambda r: (r not in self.gone, self.finished.get(r, "")))
+        evidence = {r: t for r in failed if not self.plan.nodes[r].host and r not in self.gone
+                    and (t := last_words(d / f"node{r}")) is not None}
+        bad = None if self.timed_out else culprit(failed, evidence)
         nodes = []
         for k, n in enumerate(self.plan.nodes):
             code = exits.get(k)
             state = ("ok" if code == 0 else "FAILED" if k == bad else "stopped" if k in self.stopped
-                     else "aborted" if code else "?")
+                     else "gone" if k in self.gone else "aborted" if k in exits else "?")
             nodes.append(NodeResult(f"node{k}", k, n.host or "local", code, state, str(d / f"node{k}"),
-                                    self.finished.get(k, ""), self.oom.get(k, False)))
+                                    self.finished.get(k, ""), self.oom.get(k, False),
+                                    "lost its container (removed while the job ran)" if k in self.gone else ""))
         ok = not self.timed_out and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
         r = JobResult(self.plan.job_id, "docker", ok, nodes, bad, self.timed_out, str(d),
                       smoke=smoke_report(d / "node0" / "workerlog.0"))
@@ -329,8 +371,11 @@ class _Live:
 
 
 class engine_errors:
-    """An engine error while following a job (container gone, connection lost) becomes one line; the
-    backend's run() then cancels the job."""
+    """An engine error while starting or following a job (connection lost, engine stopped) becomes one line;
+    the backend's run() then cancels the job (stop, gather what can be, remove)."""
+
+    def __init__(self, job_dir):
+        self.job_dir = job_dir
 
     def __enter__(self):
         return self
@@ -339,7 +384,9 @@ class engine_errors:
         import docker
         import requests
         if kind is not None and issubclass(kind, (docker.errors.DockerException, requests.RequestException)):
-            raise UserError(f"the Docker Engine failed while following the job: {str(e).splitlines()[0][:300]}") from None
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise Failed(f"train failed: the Docker Engine failed while running the job: {why} "
+                         f"(logs: {self.job_dir})") from None
         return False
 
 
@@ -351,11 +398,24 @@ def _quietly(fn) -> None:
 
 
 def _tar_dir(folder: Path) -> bytes:
+    """The workspace as a remote engine gets it: every file in every sub-folder, symlinks resolved to what
+    they point at (an absolute link would dangle on the other host)."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for p in sorted(folder.iterdir()):
-            if p.is_file():
-                tar.add(p, arcname=p.name)
+    seen: set[str] = set()
+    with tarfile.open(fileobj=buf, mode="w", dereference=True) as tar:
+        for top, dirs, files in os.walk(folder, followlinks=True):
+            real = os.path.realpath(top)
+            if real in seen:   # a link back up the tree: once is enough
+                dirs[:] = []
+                continue
+            seen.add(real)
+            dirs.sort()
+            rel = Path(top).relative_to(folder)
+            for name in sorted(files):
+                p = Path(top, name)
+                if not p.exists():
+                    raise UserError(f"the workspace has a broken link: {p} -> {os.readlink(p)}")
+                tar.add(p, arcname=str(rel / name))
     return buf.getvalue()
 
 

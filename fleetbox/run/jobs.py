@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 from ..errors import Failed, UserError
 from . import backend as backends
 from .result import JobResult
@@ -18,8 +20,17 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     if dry_run:
         log(b.describe(plan))
         return None
-    result = b.run(plan, log=log, timeout=timeout)
+    result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
     log(result.table())
     if not result.ok:
         raise Failed(f"train failed: {result.failure()}")
     return result
+
+
+# Paddle's launcher logs every poll of its HTTP master (dozens of lines per job); the log files keep them.
+LAUNCHER_POLLING = re.compile(r"\[node\d+\] .*HTTP Request: [A-Z]+ \S+ \"HTTP/[\d.]+ \d+")
+
+
+def quiet(log):
+    """The live stream without the launcher's polling lines (`--debug` shows them)."""
+    return lambda line: None if LAUNCHER_POLLING.match(line) else log(line)

@@ -159,15 +159,17 @@ def _abs(path: str) -> str:
     return path if path.startswith("{") else str(Path(path).resolve())
 
 
-def template(spec: JobSpec, job_id: str, log_dir: str, workspace: bool = True, hyhal_present: bool = True,
+def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = True, hyhal_present: bool = True,
              memlock: int = -1, host: str = "") -> NodeRun:
     """Pure: node {rank}'s container. `log_dir` is the folder (on the node's host) mounted at LOG_DIR, with
-    placeholders; `workspace`: mount the script's folder (False where the backend copies it in)."""
+    placeholders (None: no mount, the logs stay in the container until it is removed); `workspace`: mount the
+    script's folder (False where the backend copies it in)."""
     dev = device_options(spec, hyhal_present)
     env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}",
            **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}), **spec.env}
     mounts = [Mount(str(spec.script_path.parent), WORKDIR, ro=True)] if workspace else []
-    mounts.append(Mount(log_dir, LOG_DIR, ro=False))
+    if log_dir is not None:
+        mounts.append(Mount(log_dir, LOG_DIR, ro=False))
     if spec.data_dir:
         mounts.append(Mount(str(Path(spec.data_dir).resolve()), settings.CONTAINER_CACHE, ro=True))
     mounts += list(dev.get("mounts", ()))

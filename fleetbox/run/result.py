@@ -4,6 +4,7 @@ line that `train`, `verify --nodes` and both backends share."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,10 +16,11 @@ class NodeResult:
     rank: int
     host: str                    # engine URL, Slurm node name, or "local"
     exit_code: int | None        # None: never seen to end
-    state: str                   # ok | FAILED | stopped | aborted | ?
+    state: str                   # ok | FAILED | stopped | aborted | gone | ?
     logs: str                    # this node's log folder (or file)
     finished_at: str = ""
     oom_killed: bool = False
+    why: str = ""                # what ended it, when an exit code cannot say (e.g. its container was removed)
 
 
 @dataclass
@@ -47,7 +49,8 @@ class JobResult:
             why = "timed out"
         elif (bad := self.failed) is not None:
             where = f" on {bad.host}" if self.backend == "slurm" else ""
-            why = f"{bad.node} (rank {bad.rank}){where} exited with {exit_meaning(bad.exit_code, bad.oom_killed)}"
+            why = f"{bad.node} (rank {bad.rank}){where} " + (
+                bad.why or f"exited with {exit_meaning(bad.exit_code, bad.oom_killed)}")
         else:
             why = f"job ended {self.scheduler_state or 'without a result'}"
         return f"{why} (logs: {self.dir})"
@@ -60,12 +63,10 @@ class JobResult:
         for n in self.nodes:
             out.append(f"  {n.node:<6} {n.host:<28} {n.rank:>4} {str(n.exit_code):>5}  {n.state:<8} {n.logs}")
         if self.smoke:
-            s = self.smoke
-            out.append(f"  smoke: loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, parameters identical on "
-                       f"{s['world']} ranks: {s['params_identical']}, {s['samples_per_s']:.0f} samples/s")
+            out.append(f"  smoke: {smoke_line(self.smoke)}")
         if (bad := self.failed) is not None:
-            out.append(f"  {bad.node} (rank {bad.rank}) failed with {exit_meaning(bad.exit_code, bad.oom_killed)}; "
-                       f"last lines of its log:")
+            out.append(f"  {bad.node} (rank {bad.rank}) failed: "
+                       f"{bad.why or exit_meaning(bad.exit_code, bad.oom_killed)}; last lines of its log:")
             out += [f"    | {ln}" for ln in self.log_tail]
         return "\n".join(out)
 
@@ -87,13 +88,32 @@ def exit_meaning(code: int | None, oom_killed: bool = False) -> str:
     return text
 
 
-def culprit(exits: list[tuple[int, int]]) -> int | None:
-    """The node that failed in substance, from (rank, exit code) in the order the exits were seen.
-    A real exit code (1..127) beats a signal-style one (>= 128): peers abort (SIGABRT, exit 250) when a rank
-    disappears, sometimes before that rank's own launcher has reported."""
-    failed = [(r, c) for r, c in exits if c != 0]
-    real = [r for r, c in failed if 0 < c < 128]
-    return real[0] if real else failed[0][0] if failed else None
+def culprit(failed: list[int], last_words: dict[int, float]) -> int | None:
+    """The node that failed first, by evidence, not by the kind of its exit code.
+    `last_words`: when each failed node's failing worker last wrote to its log. A peer can only notice a
+    rank's death after that rank's process has ended, and then writes its own error (the Gloo/NCCL abort), so
+    the earliest last words are the culprit's. When a node has none (it failed before its workers started,
+    or its log came back without exact times), `failed` is in the order the nodes were seen to end."""
+    if not failed:
+        return None
+    if all(r in last_words for r in failed):
+        return min(failed, key=lambda r: last_words[r])
+    return failed[0]
+
+
+FAILED_WORKER = re.compile(r"status failed cmd .* log \S*?(workerlog\.\d+)")
+
+
+def last_words(node_dir: Path, launcher_log: Path | None = None) -> float | None:
+    """When the node's failing worker last wrote to its log (file time, in ns precision), if we can tell:
+    the worker Paddle's launcher reported failed first, else the node's only worker."""
+    launcher_log = launcher_log or node_dir / "container.log"
+    text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
+    named = FAILED_WORKER.search(text)
+    logs = [node_dir / named.group(1)] if named else sorted(node_dir.glob("workerlog.*"))
+    if len(logs) != 1 or not logs[0].exists():
+        return None
+    return logs[0].stat().st_mtime_ns / 1e9
 
 
 def smoke_report(node0_log: Path) -> dict | None:
@@ -102,6 +122,15 @@ def smoke_report(node0_log: Path) -> dict | None:
         if line.startswith("FLEETBOX-SMOKE "):
             return json.loads(line[len("FLEETBOX-SMOKE "):])
     return None
+
+
+def smoke_line(s: dict) -> str:
+    """The smoke job's measured figures: the loss, every rank's parameter checksum, the throughput."""
+    sums = s.get("checksums", [])
+    spread = max(sums) - min(sums) if sums else float("nan")
+    return (f"loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, parameter checksums on {s['world']} ranks: "
+            f"{', '.join(f'{x:.6f}' for x in sums)} (spread {spread:.1e}; identical: {s['params_identical']}), "
+            f"{s['samples_per_s']:.0f} samples/s")
 
 
 def tail(path: Path, lines: int = 15) -> list[str]:

@@ -21,7 +21,7 @@ from .. import probes, settings
 from ..errors import UserError
 from . import hostnet, placeholders, plan as planner, runtimes, spec as spec_mod
 from .backend import Backend, Handle, Plan
-from .result import JobResult, NodeResult, culprit, smoke_report, tail
+from .result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 from .shell import Raw, line
 
 # The placeholders on a Slurm node: shell variables of the node script (the job id is known in advance).
@@ -205,14 +205,15 @@ class SlurmBackend(Backend):
         job_dir = Path(handle.dir)
         batch = job_dir / f"slurm-{handle.scheduler_job}.out"
         fails = failures(batch.read_text(errors="replace") if batch.exists() else "")
-        bad = culprit([(r, c) for r, c, _ in fails])
-        by_rank = {r: (c, n) for r, c, n in fails}
+        evidence = {r: t for r, *_ in fails if (t := last_words(job_dir / f"node{r}", job_dir / f"node{r}.log"))}
+        bad = culprit([r for r, *_ in fails], evidence)
+        by_rank = {r: (c, n, oom) for r, c, n, oom in fails}
         nodes = []
         for k in range(handle.nodes):
-            code, host = by_rank.get(k, (0 if state == "COMPLETED" else None, ""))
+            code, host, oom = by_rank.get(k, (0 if state == "COMPLETED" else None, "", False))
             nodes.append(NodeResult(f"node{k}", k, host or node_host(job_dir / f"node{k}.log"), code,
                                     "ok" if code == 0 else "FAILED" if k == bad else "aborted" if code else "?",
-                                    str(job_dir / f"node{k}.log")))
+                                    str(job_dir / f"node{k}.log"), oom_killed=oom))
         r = JobResult(handle.job_id, self.name, state == "COMPLETED" and not fails, nodes, bad, dir=str(job_dir),
                       log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
                       smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
@@ -246,13 +247,16 @@ def job_state(job_id: str) -> tuple[str, str]:
     return (state.group(1) if state else "UNKNOWN"), (code.group(1) if code else "")
 
 
-FAILED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (?:Exited with exit code (\d+)|(Killed|Terminated))")
+FAILED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: "
+                         r"(?:Exited with exit code (\d+)|(Killed|Terminated|Out Of Memory))")
+SIGNALLED = {"Killed": 128 + 9, "Out Of Memory": 128 + 9, "Terminated": 128 + 15}
 
 
-def failures(batch_output: str) -> list[tuple[int, int, str]]:
-    """(rank, exit code, node) of failed tasks, in the order srun reported them (one task per node)."""
+def failures(batch_output: str) -> list[tuple[int, int, str, bool]]:
+    """(rank, exit code, node, out of memory) of failed tasks, in the order srun reported them (one task
+    per node). srun names a task killed by a signal rather than giving its code: we give the shell's 128+N."""
     out = []
     for m in FAILED_TASK.finditer(batch_output):
-        code = int(m.group(3)) if m.group(3) else 137
-        out.append((int(m.group(2)), code, m.group(1)))
+        code = int(m.group(3)) if m.group(3) else SIGNALLED[m.group(4)]
+        out.append((int(m.group(2)), code, m.group(1), m.group(4) == "Out Of Memory"))
     return out

@@ -107,12 +107,13 @@ def _docker_archive(c, image: str, out: Path, log) -> Path:
 
 # ---- registries ----
 
-def registry_refs(variant: Variant, registry: str, content_tag: str) -> list[str]:
-    """HOST[:PORT]/NAMESPACE/paddle:<tag> for the content tag and every alias."""
+def registry_refs(variant: Variant, registry: str, content_tag: str | None) -> list[str]:
+    """HOST[:PORT]/NAMESPACE/paddle:<tag> for the content tag (when known) and every alias."""
     if not registry or "/" not in registry.strip("/"):
         raise UserError(f"--registry must be HOST[:PORT]/NAMESPACE (got {registry!r})")
     base = registry.rstrip("/") + "/" + variant.image.split("/")[-1]
-    tags = [content_tag.split(":", 1)[1], *(a.split(":", 1)[1] for a in variant.aliases)]
+    tags = [content_tag.split(":", 1)[1]] if content_tag else []
+    tags += [a.split(":", 1)[1] for a in variant.aliases]
     return [f"{base}:{t}" for t in tags]
 
 
@@ -140,13 +141,17 @@ def push(c, image, refs: list[str], log=print) -> list[str]:
     return refs
 
 
-def pull_commands(runtime: str, refs: list[str], out_name: str, insecure: bool = False) -> list[str]:
-    """Pure: the commands (quoted) a cluster user runs to get the content tag, then the alias, into `runtime`."""
+def pull_commands(runtime: str, content_ref: str | None, alias_ref: str, out_name: str,
+                  insecure: bool = False) -> list[str]:
+    """Pure: the commands (quoted) a cluster user runs to get the content tag, then the alias, into `runtime`.
+    Without a content tag (the image is not built here) only the alias, said to be mutable."""
     from ..run import runtimes
     from ..run.shell import line
     rt = runtimes.get(runtime)
     out = []
-    for ref, what in ((refs[0], "content tag (immutable)"), (refs[1], "alias")):
+    pairs = [(content_ref, "content tag (immutable)"), (alias_ref, "alias")] if content_ref else \
+        [(alias_ref, "alias (mutable: the image is not built here, so its immutable content tag is unknown)")]
+    for ref, what in pairs:
         out.append(f"# {what}")
         out += [line(words) for words in rt.pull_commands(ref, out_name, insecure)]
     return out

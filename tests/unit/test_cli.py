@@ -46,17 +46,17 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     one_line_error(proc, "cannot reach the Docker Engine", "dockerd")
 
 
-def test_lock_for_unreachable_paddle_index_says_where_to_run_it(run_invoke):
-    one_line_error(run_invoke("lock", "--variant", "cu126"), "cannot reach https://www.paddlepaddle.org.cn",
-                   "invoke lock")
-
-
 @pytest.mark.parametrize("args,needle", [
     (["train", "--nodes", "abc"], "--nodes takes a whole number"),
     (["train", "--timeout", "abc"], "--timeout takes a number of seconds"),
     (["train", "--timeout", "nan"], "--timeout must be a positive number"),
-    (["train", "--env", "A=1,NOEQ"], "--env 'NOEQ' must be NAME=VALUE"),
+    (["train", "--timeout", "0"], "--timeout must be a positive number"),
+    (["train", "--timeout", "-5"], "--timeout must be a positive number"),
+    (["train", "--variant", "", "--dry-run"], "--variant is empty"),
+    (["train", "--data-dir", "/nonexistent/cache", "--dry-run"], "--data-dir /nonexistent/cache is not a folder"),
     (["train", "--mount", "/tmp:/x:rx"], "the mode must be ro or rw"),
+    (["clean", "--job", "a;b"], "--job 'a;b' is not a job id"),
+    (["train", "--env", "A=1,NOEQ"], "--env 'NOEQ' must be NAME=VALUE"),
     (["train", "--job-id", "a;b", "--dry-run"], "--job-id 'a;b'"),
     (["train", "--backend", "slurm", "--partition", "gpu\nrm -rf /", "--dry-run"], "--partition"),
     (["train", "--backend", "slurm", "--timeout", "5", "--dry-run"], "--timeout is for the docker backend"),
@@ -66,3 +66,38 @@ def test_lock_for_unreachable_paddle_index_says_where_to_run_it(run_invoke):
 ])
 def test_bad_values_are_one_line(run_invoke, args, needle):
     one_line_error(run_invoke(*args), needle)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("seed-into-a-file", "exists and is not a folder"),
+    ("verify-a-file", "exists and is not a folder"),
+    ("restore-into-a-file", "exists and is not a folder"),
+    ("restore-random-bytes", "is not a readable archive"),
+    ("restore-index-not-json", "fleetbox-cache.json is not a cache index"),
+    ("malformed-mirror", "mirror http://[::1 is not a valid URL"),
+    ("pack-an-empty-cache", "nothing to pack"),
+])
+def test_cache_bad_input_is_one_line_and_changes_nothing(run_invoke, tmp_path, case, needle):
+    import io
+    import tarfile
+    from tests import mnistgen
+    md5s = dict.fromkeys(mnistgen.NAMES, "0" * 32)   # nothing is downloaded: each case fails before
+    manifest = mnistgen.manifest(tmp_path / "datasets.toml", "http://127.0.0.1:9", md5s)
+    afile, dest, out = tmp_path / "afile", tmp_path / "dest", tmp_path / "out.tar"
+    afile.write_bytes(b"mine")
+    (tmp_path / "random.tar").write_bytes(bytes(range(256)) * 64)
+    with tarfile.open(tmp_path / "notjson.tar", "w") as tar:
+        info = tarfile.TarInfo("fleetbox-cache.json")
+        info.size = 9
+        tar.addfile(info, io.BytesIO(b"{not json"))
+    args = {"seed-into-a-file": ["--datasets", "mnist", "--dest", afile],
+            "verify-a-file": ["--datasets", "mnist", "--dest", afile, "--verify"],
+            "restore-into-a-file": ["--from", tmp_path / "random.tar", "--dest", afile],
+            "restore-random-bytes": ["--from", tmp_path / "random.tar", "--dest", dest],
+            "restore-index-not-json": ["--from", tmp_path / "notjson.tar", "--dest", dest],
+            "malformed-mirror": ["--datasets", "mnist", "--mirror", "http://[::1", "--dest", dest],
+            "pack-an-empty-cache": ["--pack", out, "--dest", dest]}[case]
+    proc = run_invoke("cache", "--manifest", str(manifest), *map(str, args))
+    assert proc.returncode == 2
+    one_line_error(proc, needle)
+    assert afile.read_bytes() == b"mine" and not dest.exists() and not list(tmp_path.glob("out.tar*"))

@@ -1,8 +1,12 @@
 """`invoke cache` against a real HTTP server on loopback serving synthetic MNIST files in the real format."""
+import hashlib
 import io
 import json
 import os
+import random
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
@@ -252,3 +256,256 @@ def test_safe_extract_checks_members_itself_where_tarfile_has_no_filters(tmp_pat
         with pytest.raises(UserError, match="climbs out"):
             ds.safe_extract(tar, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def _tree(root):
+    """{relative path: bytes, or None for a folder} of everything under root: to see that nothing changed."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def _modes(root):
+    """{relative path: permission bits} of root and everything under it."""
+    return {str(p.relative_to(root)): stat.S_IMODE(p.lstat().st_mode) for p in [root, *root.rglob("*")]}
+
+
+def _pack(path, files, index=None, gz=False):
+    """A pack as `invoke cache --pack` writes one: its index, then dataset/<rel> for each of `files`."""
+    if index is None:
+        index = {"format": 1, "files": {rel: {"md5": hashlib.md5(b).hexdigest(), "bytes": len(b),
+                                              "sha256": hashlib.sha256(b).hexdigest()} for rel, b in files.items()}}
+    blob = index if isinstance(index, bytes) else json.dumps(index).encode()
+    with tarfile.open(path, "w:gz" if gz else "w") as tar:
+        for name, data in [(ds.PACK_INDEX, blob), *((f"dataset/{r}", b) for r, b in files.items())]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _flowers_tgz():
+    """A small 102flowers.tgz: jpg/ with two images, stored with private modes (0700 folder, 0600 files)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        d = tarfile.TarInfo("jpg")
+        d.type, d.mode = tarfile.DIRTYPE, 0o700
+        tar.addfile(d)
+        for n in (1, 2):
+            info = tarfile.TarInfo(f"jpg/image_{n:05}.jpg")
+            info.size, info.mode = 3, 0o600
+            tar.addfile(info, io.BytesIO(b"jp%d" % n))
+    return buf.getvalue()
+
+
+FLOWERS = {"jpg/image_00001.jpg": b"jp1", "jpg/image_00002.jpg": b"jp2"}
+
+
+@pytest.fixture
+def flowers(site):
+    """The MNIST site plus a flowers data set that is unpacked after seeding, as the real manifest has it."""
+    server, _, manifest, tmp = site
+    blobs = {"102flowers.tgz": _flowers_tgz(), "imagelabels.mat": b"labels", "setid.mat": b"setid"}
+    for name, data in blobs.items():
+        (tmp / "srv" / "flowers").mkdir(exist_ok=True)
+        (tmp / "srv" / "flowers" / name).write_bytes(data)
+    files = ",\n".join(f'  {{ url = "{server.url}/flowers/{n}", md5 = "{hashlib.md5(b).hexdigest()}" }}'
+                       for n, b in blobs.items())
+    manifest.write_text(manifest.read_text() + f'\n[datasets.flowers]\nmodule = "flowers"\n'
+                        f'unpack = [{{ file = "102flowers.tgz", into = "102flowers", marker = "jpg" }}]\n'
+                        f'files = [\n{files}\n]\n')
+    yield server, ds.load(manifest), manifest, tmp
+
+
+def _unpacked(cache):
+    folder = cache / "flowers" / "102flowers"
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_giving_up_keeps_the_part_and_a_rerun_resumes_it(site):
+    server, known, _, tmp = site
+    name = "mnist/train-images-idx3-ubyte.gz"
+    server.break_after[name] = 50_000   # the connection breaks mid-body every time
+    dest = tmp / "cache"
+    with pytest.raises(UserError, match="giving up .* after 3 attempts: connection broken"):
+        ds.seed(ds.select(known, "mnist"), dest, log=lambda m: None, retries=2, backoff=0.01)
+    part = dest / (name + ".part")
+    kept = part.stat().st_size
+    assert kept == server.bytes_sent[name] == 150_000
+    assert part.read_bytes() == (tmp / "srv" / name).read_bytes()[:kept]
+    server.break_after.clear()
+    rows = ds.seed(ds.select(known, "mnist"), dest, log=lambda m: None)
+    assert (f"/{name}", f"bytes={kept}-") in server.requests
+    assert rows[0]["status"] == "resumed" and all(r["status"] == "ok" for r in ds.check(known.values(), dest))
+
+
+def test_restore_refuses_a_file_that_is_not_in_the_manifest(site):
+    _, known, _, tmp = site
+    ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None)
+    files = {f.relpath: (tmp / "cache" / f.relpath).read_bytes() for f in known["mnist"].files}
+    archive = _pack(tmp / "extra.tar", {**files, "mnist/extra.bin": b"not paddle's"})   # its own checksums match
+    dest = tmp / "dest"
+    dest.mkdir()
+    (dest / "keep.txt").write_bytes(b"mine")
+    with pytest.raises(UserError, match=r"member 'dataset/mnist/extra.bin' is no data set's file in the manifest"):
+        ds.restore(archive, dest, known)
+    assert _tree(dest) == {"keep.txt": b"mine"}
+
+
+def test_restore_refuses_an_unpacked_folder_in_the_pack(flowers):
+    _, known, _, tmp = flowers
+    cache = tmp / "cache"
+    ds.seed(ds.select(known, "flowers"), cache, log=lambda m: None)
+    files = {f.relpath: (cache / f.relpath).read_bytes() for f in known["flowers"].files}
+    evil = {"flowers/102flowers/jpg/image_00001.jpg": b"evil"}   # the marker is there: unpacking was skipped
+    with pytest.raises(UserError, match=r"'dataset/flowers/102flowers/jpg/image_00001.jpg' is no data set's file"):
+        ds.restore(_pack(tmp / "evil.tar", {**files, **evil}), tmp / "dest", known)
+    assert not (tmp / "dest").exists()
+
+
+def test_restore_unpacks_afresh_from_the_verified_archive(flowers):
+    _, known, _, tmp = flowers
+    cache = tmp / "cache"
+    ds.seed(ds.select(known, "mnist,flowers"), cache, log=lambda m: None)
+    assert _unpacked(cache) == FLOWERS
+    archive = ds.pack(ds.select(known, "mnist,flowers"), cache, tmp / "all.tgz")
+    with tarfile.open(archive) as tar:   # what a pack holds: its index and the manifest's files, nothing unpacked
+        assert sorted(tar.getnames()) == sorted([ds.PACK_INDEX] + [f"dataset/{f.relpath}" for d in known.values()
+                                                                    for f in d.files])
+    dest = tmp / "dest"
+    stale = dest / "flowers" / "102flowers" / "jpg"
+    stale.mkdir(parents=True)
+    (stale / "image_00001.jpg").write_bytes(b"old")
+    (stale / "planted.jpg").write_bytes(b"planted")
+    rows = ds.restore(archive, dest, known, log=lambda m: None)
+    assert len(rows) == 7 and _unpacked(dest) == FLOWERS
+    assert [p.name for p in (dest / "flowers").iterdir() if p.name.startswith(".")] == []
+    assert all(r["status"] == "ok" for r in ds.check(known.values(), dest))
+
+
+def test_a_pack_holds_the_contents_of_linked_files(site):
+    _, known, _, tmp = site
+    ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None)
+    linked = tmp / "linked" / "mnist"
+    linked.mkdir(parents=True)
+    for f in known["mnist"].files:
+        (tmp / "linked" / f.relpath).symlink_to(tmp / "cache" / f.relpath)
+    archive = ds.pack(ds.select(known, "mnist"), tmp / "linked", tmp / "linked.tar")
+    with tarfile.open(archive) as tar:
+        assert all(m.isfile() for m in tar.getmembers())
+    ds.restore(archive, tmp / "dest", known)
+    for f in known["mnist"].files:
+        p = tmp / "dest" / f.relpath
+        assert not p.is_symlink() and p.read_bytes() == (tmp / "cache" / f.relpath).read_bytes()
+
+
+def test_packing_an_empty_cache_is_refused_and_writes_nothing(site):
+    _, known, manifest, tmp = site
+    (tmp / "empty").mkdir()
+    for dest in (tmp / "empty", tmp / "absent"):
+        with pytest.raises(UserError, match=f"nothing to pack: no data set is seeded in {dest}"):
+            ds.cache_command(pack_to=str(tmp / "p.tar"), dest=str(dest), manifest=manifest, log=lambda m: None)
+    assert not list(tmp.glob("p.tar*")) and not (tmp / "absent").exists() and _tree(tmp / "empty") == {}
+
+
+@pytest.fixture
+def private_umask():
+    old = os.umask(0o077)   # as on a hardened host: files 0600, folders 0700 unless made otherwise
+    yield
+    os.umask(old)
+
+
+def test_seeded_and_restored_caches_are_readable_by_all(flowers, private_umask):
+    _, known, _, tmp = flowers
+    chosen = ds.select(known, "mnist,flowers")
+    ds.seed(chosen, tmp / "cache", log=lambda m: None)
+    archive = ds.pack(chosen, tmp / "cache", tmp / "all.tar")
+    ds.restore(archive, tmp / "dest", known, log=lambda m: None)
+    for cache in (tmp / "cache", tmp / "dest"):
+        modes = _modes(cache)
+        assert len(modes) == 14   # the cache, mnist/ + 4 files, flowers/ + 3 files, 102flowers/, jpg/, 2 images
+        assert {p: m for p, m in modes.items() if m != (0o755 if (cache / p).is_dir() else 0o644)} == {}
+
+
+@pytest.mark.parametrize("op", ["seed", "restore", "verify", "pack"])
+def test_a_dest_that_is_a_file_is_one_line_and_left_alone(site, op):
+    _, known, _, tmp = site
+    ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None)
+    archive = ds.pack(ds.select(known, "mnist"), tmp / "cache", tmp / "a.tar")
+    (tmp / "afile").write_bytes(b"mine")
+    run = {"seed": lambda d: ds.seed(ds.select(known, "mnist"), d, log=lambda m: None),
+           "restore": lambda d: ds.restore(archive, d, known),
+           "verify": lambda d: ds.check(ds.select(known, "mnist"), d),
+           "pack": lambda d: ds.pack(ds.select(known, "mnist"), d, tmp / "b.tar")}[op]
+    for dest, needle in [(tmp / "afile", "exists and is not a folder"),
+                         (tmp / "afile" / "sub", f"cannot be made: {tmp / 'afile'} is not a folder")]:
+        with pytest.raises(UserError, match=needle):
+            run(dest)
+    assert (tmp / "afile").read_bytes() == b"mine" and not list(tmp.glob("b.tar*"))
+
+
+def _bad_packs(tmp, files):
+    good = _pack(tmp / "good.tar", files).read_bytes()
+    good_gz = _pack(tmp / "good.tgz", files, gz=True).read_bytes()
+    mid = len(good_gz) // 2
+    return {
+        "truncated": good[:len(good) * 6 // 10],
+        "truncated-gz": good_gz[:mid],
+        "index-not-json": _pack(tmp / "x.tar", files, index=b"{not json").read_bytes(),
+        "index-a-list": _pack(tmp / "x.tar", files, index=[]).read_bytes(),
+        "index-files-a-list": _pack(tmp / "x.tar", files, index={"files": []}).read_bytes(),
+        "index-entry-a-string": _pack(tmp / "x.tar", files, index={"files": {r: "abc" for r in files}}).read_bytes(),
+        "random-bytes": random.Random(1).randbytes(100_000),
+        # zeros across more than a deflate block (<= 64 KiB): a block header breaks, not only content
+        "gzip-corrupt-midway": good_gz[:mid] + bytes(70_000) + good_gz[mid + 70_000:],
+    }
+
+
+@pytest.mark.parametrize("kind", ["truncated", "truncated-gz", "index-not-json", "index-a-list", "index-files-a-list",
+                                  "index-entry-a-string", "random-bytes", "gzip-corrupt-midway"])
+def test_a_bad_pack_is_one_line_and_dest_is_unchanged(site, kind):
+    _, known, _, tmp = site
+    ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None)
+    files = {f.relpath: (tmp / "cache" / f.relpath).read_bytes() for f in known["mnist"].files}
+    archive = tmp / "bad.pack"
+    archive.write_bytes(_bad_packs(tmp, files)[kind])
+    dest = tmp / "dest"
+    (dest / "mnist").mkdir(parents=True)
+    (dest / "mnist" / "train-images-idx3-ubyte.gz").write_bytes(b"older")
+    before = _tree(dest)
+    for target in (dest, tmp / "new" / "cache"):
+        with pytest.raises(UserError) as e:
+            ds.restore(archive, target, known)
+        assert "\n" not in str(e.value) and "None" not in str(e.value) and archive.name in str(e.value)
+    assert _tree(dest) == before and not (tmp / "new").exists()
+
+
+def test_folder_mirror_with_hash_and_question_mark_in_its_name(site):
+    _, known, _, tmp = site
+    mirror = tmp / "mirror#1?x"
+    shutil.copytree(tmp / "srv", mirror)
+    rows = ds.seed(ds.select(known, "mnist"), tmp / "cache", mirror=str(mirror), log=lambda m: None)
+    assert [r["status"] for r in rows] == ["downloaded"] * 4
+    assert all(r["status"] == "ok" for r in ds.check(known.values(), tmp / "cache"))
+
+
+@pytest.mark.parametrize("mirror,needle", [
+    ("http://", "mirror http:// is not a valid URL (no host)"),
+    ("http://[::1", "mirror http://[::1 is not a valid URL (Invalid IPv6 URL)"),
+    ("http://127.0.0.1:abc/", "mirror http://127.0.0.1:abc/ is not a valid URL (Port could not be cast"),
+    ("ftp://x", "mirror ftp://x: a mirror is an http(s) URL or a folder, not ftp://"),
+])
+def test_a_malformed_mirror_is_one_line_naming_it(site, mirror, needle):
+    server, known, _, tmp = site
+    with pytest.raises(UserError) as e:
+        ds.seed(ds.select(known, "mnist"), tmp / "cache", mirror=mirror, log=lambda m: None)
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value)
+    assert server.requests == [] and not (tmp / "cache").exists()
+
+
+def test_a_redirect_loop_is_one_line_naming_the_url(site):
+    server, known, _, tmp = site
+    name = "mnist/t10k-images-idx3-ubyte.gz"
+    server.redirects[name] = "/" + name
+    with pytest.raises(UserError) as e:
+        ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None, backoff=0.01)
+    assert str(e.value) == f"cannot download {server.url}/{name}: redirect loop (more than 30 redirects)"
+    assert sum(p == "/" + name for p, _ in server.requests) == 31   # followed once, not retried

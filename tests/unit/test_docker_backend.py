@@ -21,7 +21,7 @@ import requests
 
 from fleetbox import settings
 from fleetbox.build import matrix
-from fleetbox.errors import UserError
+from fleetbox.errors import Failed, UserError
 from fleetbox.run import docker_backend, spec as spec_mod
 from fleetbox.run.backend import Handle
 from fleetbox.run.docker_backend import DockerBackend
@@ -42,6 +42,16 @@ class Life:
     error: BaseException | None = None    # reload raises this ...
     errors: int = 1                       # ... this many times
     sigterm: bool = False                 # the first reload sends SIGTERM to this process (a `kill`)
+    start_error: BaseException | None = None   # start() raises this (e.g. Ctrl-C while the job starts)
+
+
+_ticks = iter(range(10**9))
+
+
+def _clock() -> str:
+    """The engine's finish times: later calls, later times (RFC 3339 with nanoseconds, as Docker writes)."""
+    n = next(_ticks)
+    return f"2025-01-01T00:{n // 60 % 60:02d}:{n % 60:02d}.000000000Z"
 
 
 class FakeContainer:
@@ -59,11 +69,13 @@ class FakeContainer:
 
     def start(self):
         assert self.status == "created" and not self.removed, f"{self.name} started twice or after removal"
+        if self.life.start_error is not None:
+            raise self.life.start_error
         self.started, self.status = True, "running"
 
     def _exit(self, code: int, oom: bool = False):
         self.status = "exited"
-        self.attrs["State"].update(ExitCode=code, OOMKilled=oom, FinishedAt="2025-01-01T00:00:00Z")
+        self.attrs["State"].update(ExitCode=code, OOMKilled=oom, FinishedAt=_clock())
 
     def reload(self):
         if self.removed:
@@ -216,15 +228,36 @@ def test_failed_node_stops_the_others_and_is_blamed():
     assert json.loads((plan.dir / "summary.json").read_text())["culprit"] == 1
 
 
-def test_peer_abort_does_not_hide_the_real_failure(monkeypatch):
+def _last_words(plan, when: dict[int, float]) -> None:
+    """Each node's worker log, last written at `when[rank]` (what Paddle's launcher leaves in the log folder)."""
+    for rank, t in when.items():
+        p = plan.dir / f"node{rank}" / "workerlog.0"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(f"rank {rank} last words\n")
+        os.utime(p, ns=(int(t * 1e9), int(t * 1e9)))
+
+
+@pytest.mark.parametrize("codes", [(250, 3), (3, 1), (1, 137)], ids=["abort-vs-3", "3-vs-1", "1-vs-137"])
+def test_blame_goes_by_last_words_not_by_exit_code_or_finish_order(monkeypatch, codes):
+    # rank 0's container is seen to end first, but rank 1's worker wrote its last words earlier: rank 0 only
+    # noticed rank 1's death (a Gloo error, an abort) afterwards. The exit codes must not matter.
     monkeypatch.setattr(docker_backend, "GRACE_S", 5.0)   # both exit by themselves well within the grace
-    engine = FakeEngine({0: Life(code=250, after=1), 1: Life(code=3, after=3)})
-    b, plan, r, lines = run(engine)
-    assert not r.ok and r.culprit == 1                      # exit 3 beats rank 0's earlier abort (250)
-    assert states(r) == ["aborted", "FAILED"]
+    engine = FakeEngine({0: Life(code=codes[0], after=1), 1: Life(code=codes[1], after=3)})
+    b, plan = job(engine)
+    _last_words(plan, {0: 1_700_000_000.5, 1: 1_700_000_000.2})
+    r = b.run(plan, log=lambda _: None)
+    assert engine.made[0].attrs["State"]["FinishedAt"] < engine.made[1].attrs["State"]["FinishedAt"]
+    assert not r.ok and r.culprit == 1 and states(r) == ["aborted", "FAILED"]
     assert not any(c.stopped for c in engine.made.values())
-    assert "node1 (rank 1)" in r.failure() and "exit code 3" in r.failure()
+    assert r.failure().startswith(f"node1 (rank 1) exited with exit code {codes[1]}")
     assert engine.all_removed()
+
+
+def test_without_last_words_the_first_to_finish_is_blamed(monkeypatch):
+    monkeypatch.setattr(docker_backend, "GRACE_S", 5.0)
+    engine = FakeEngine({0: Life(code=3, after=3), 1: Life(code=250, after=1)})
+    b, plan, r, lines = run(engine)
+    assert r.culprit == 1 and states(r) == ["aborted", "FAILED"]   # node1 ended first; no log says otherwise
 
 
 @pytest.mark.parametrize("error", [
@@ -234,9 +267,34 @@ def test_peer_abort_does_not_hide_the_real_failure(monkeypatch):
 def test_engine_error_while_watching_cleans_up(error):
     engine = FakeEngine({0: Life(code=None), 1: Life(code=None, error=error, errors=10**6)})
     b, plan = job(engine)
-    with pytest.raises(UserError, match="the Docker Engine failed while following the job"):
+    with pytest.raises(Failed, match="the Docker Engine failed while running the job"):
         b.run(plan, log=lambda _: None)
     assert engine.all_removed()
+    assert not b.live
+    assert (plan.dir / "summary.json").exists()
+
+
+def test_container_removed_behind_our_back_names_that_node():
+    gone = docker.errors.NotFound("No such container: fleetbox-train-fake-0001-node1")
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None, error=gone, errors=10**6, after=2)})
+    b, plan, r, lines = run(engine)
+    assert not r.ok and r.culprit == 1 and states(r) == ["stopped", "FAILED"] and r.nodes[1].exit_code is None
+    assert r.failure().startswith("node1 (rank 1) lost its container (removed while the job ran) (logs: ")
+    assert engine.made[0].stopped and engine.all_removed()
+
+
+@pytest.mark.parametrize("where", ["create", "start"])
+def test_interrupt_while_the_job_starts_leaves_nothing(where):
+    # Ctrl-C (or SIGTERM, which becomes the same) while node1's container is being created or started
+    if where == "create":
+        engine = FakeEngine(refuse={1: KeyboardInterrupt()})
+    else:
+        engine = FakeEngine({1: Life(code=None, start_error=KeyboardInterrupt())})
+    b, plan = job(engine)
+    with pytest.raises(KeyboardInterrupt):
+        b.run(plan, log=lambda _: None)
+    assert engine.made and all(c.removed for c in engine.made.values())
+    assert not any(c.status == "running" and not c.removed for c in engine.made.values())
     assert not b.live
 
 
@@ -366,6 +424,35 @@ def test_status_logs_cancel_from_another_process():
     assert all(engine.made[k].removed and engine.made[k].removes == [True] for k in (0, 1))
     assert not foreign.removed
     assert other.status(handle) == "GONE"
+
+
+# -- invoke clean --
+
+def test_clean_keeps_live_jobs_unless_asked_and_tolerates_races():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=0, after=1)})
+    starter, plan = job(engine)
+    starter.submit(plan, log=lambda _: None)
+    engine.made[1].reload()                               # node1 finished; node0 still runs
+    vanished = FakeContainer(IMAGE, ["true"], {"name": "fleetbox-old-node0", "labels": {
+        settings.LABEL_JOB: "train-old-0003", settings.LABEL_RANK: "0"}}, Life(code=0))
+    vanished.status = "exited"
+    vanished.remove = lambda force=False: (_ for _ in ()).throw(docker.errors.NotFound("gone meanwhile"))
+    engine.made[98] = vanished                            # removed by its own job between list and remove
+    b = DockerBackend(connect=engine.connect)
+    assert b.clean([], log=lambda _: None) == (1, 1)      # node1 removed, node0 kept, the vanished one skipped
+    assert engine.made[1].removed and not engine.made[0].removed
+    assert b.clean([], job=JOB, log=lambda _: None) == (1, 0)
+    assert engine.made[0].removed
+
+
+def test_clean_force_removes_running_containers():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    starter, plan = job(engine)
+    starter.submit(plan, log=lambda _: None)
+    b = DockerBackend(connect=engine.connect)
+    assert b.clean([], log=lambda _: None) == (0, 2)
+    assert b.clean([], force=True, log=lambda _: None) == (2, 0)
+    assert all(c.removed for c in engine.made.values())
 
 
 def test_missing_image_is_a_user_error():

@@ -1,5 +1,7 @@
 import gzip
 import hashlib
+import os
+import stat
 import threading
 import time
 
@@ -90,3 +92,82 @@ def test_a_chunked_body_without_length(server, tmp_path):
     dest = tmp_path / "dyn.bin"
     fetch.download(f"{server.url}/dyn.bin", dest, hashlib.sha256(big).hexdigest())
     assert dest.read_bytes() == big
+
+
+def test_a_connection_that_keeps_breaking_keeps_the_part_to_resume(server, tmp_path):
+    server.break_after["blob.bin"] = 100_000   # every body is cut after 100 kB
+    dest = tmp_path / "blob.bin"
+    part = tmp_path / "blob.bin.part"
+    digest = hashlib.sha256(DATA).hexdigest()
+    with pytest.raises(UserError, match="giving up .* after 3 attempts: connection broken"):
+        fetch.download(f"{server.url}/blob.bin", dest, digest, retries=2, backoff=0.01)
+    kept = part.stat().st_size
+    assert kept == server.bytes_sent["blob.bin"] == 300_000 and part.read_bytes() == DATA[:kept]
+    assert not dest.exists()
+    server.break_after.clear()
+    fetch.download(f"{server.url}/blob.bin", dest, digest)
+    assert server.requests[-1] == ("/blob.bin", f"bytes={kept}-") and dest.read_bytes() == DATA
+    assert not part.exists()
+
+
+def test_5xx_and_an_unreachable_server_keep_the_part_404_and_a_mismatch_remove_it(server, tmp_path):
+    dest, part = tmp_path / "blob.bin", tmp_path / "blob.bin.part"
+    digest = hashlib.sha256(DATA).hexdigest()
+    part.write_bytes(DATA[:200_000])
+    server.status["blob.bin"] = 503
+    with pytest.raises(UserError, match="after 2 attempts: HTTP 503"):
+        fetch.download(f"{server.url}/blob.bin", dest, digest, retries=1, backoff=0.01)
+    assert part.read_bytes() == DATA[:200_000]
+    with pytest.raises(UserError, match="ConnectionError"):
+        fetch.download("http://127.0.0.1:9/blob.bin", dest, digest, retries=0)
+    assert part.read_bytes() == DATA[:200_000]
+    server.status["blob.bin"] = 404
+    with pytest.raises(UserError, match="HTTP 404"):
+        fetch.download(f"{server.url}/blob.bin", dest, digest, retries=1, backoff=0.01)
+    assert not part.exists()
+    del server.status["blob.bin"]
+    part.write_bytes(b"x" * 200_000)   # wrong bytes: the rest arrives, the digest cannot match
+    with pytest.raises(UserError, match="sha256 mismatch"):
+        fetch.download(f"{server.url}/blob.bin", dest, digest, retries=0)
+    assert server.requests[-1] == ("/blob.bin", "bytes=200000-")
+    assert not part.exists() and not dest.exists()
+
+
+def test_a_redirect_loop_is_one_clear_line(server, tmp_path):
+    server.redirects["loop.bin"] = "/loop.bin"
+    url = f"{server.url}/loop.bin"
+    with pytest.raises(UserError) as e:
+        fetch.download(url, tmp_path / "loop.bin", "0" * 64, backoff=0.01)
+    assert str(e.value) == f"cannot download {url}: redirect loop (more than 30 redirects)"
+    assert len(server.requests) == 31 and list(tmp_path.iterdir()) == [tmp_path / "srv"]   # one try, no file
+
+
+@pytest.mark.parametrize("url,problem", [
+    ("http://", "Invalid URL 'http://': No host supplied"),
+    ("http://[::1/blob.bin", "Failed to parse: http://[::1/blob.bin"),
+    ("http://127.0.0.1:abc/blob.bin", "Failed to parse: http://127.0.0.1:abc/blob.bin"),
+    ("ftp://example.org/blob.bin", "not an http(s) URL or a local path"),
+])
+def test_a_malformed_url_is_one_clear_line(tmp_path, url, problem):
+    with pytest.raises(UserError) as e:
+        fetch.download(url, tmp_path / "out" / "blob.bin", "0" * 64, backoff=0.01)
+    assert str(e.value) == f"cannot download {url}: {problem}"
+    assert not list(tmp_path.rglob("blob.bin*"))
+
+
+def test_a_local_path_with_hash_and_question_mark_is_a_path(tmp_path):
+    src = tmp_path / "a#b?c" / "blob.bin"
+    src.parent.mkdir()
+    src.write_bytes(DATA)
+    dest = tmp_path / "blob.bin"
+    fetch.download(str(src), dest, hashlib.sha256(DATA).hexdigest())
+    assert dest.read_bytes() == DATA
+
+
+def test_a_download_is_readable_by_all_whatever_the_umask(server, tmp_path):
+    old = os.umask(0o077)
+    try:
+        fetch.download(f"{server.url}/blob.bin", tmp_path / "blob.bin", hashlib.sha256(DATA).hexdigest())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "blob.bin").stat().st_mode) == 0o644

@@ -1,7 +1,14 @@
+import hashlib
+import io
+import socket
+import zipfile
+from dataclasses import replace
+
 import pytest
 
 from fleetbox.build import locks, matrix
 from fleetbox.errors import UserError
+from tests.httpserver import Server
 
 SAMPLE = """# fleetbox-lock: variant=x inputs=abc
 numpy==2.2.6 \\
@@ -72,3 +79,61 @@ def test_missing_and_stale_locks_say_how_to_fix(tmp_path, monkeypatch):
     (tmp_path / "cpu.lock").write_text(locks.header(replace(cpu, python_version="3.12")) + SAMPLE)
     with pytest.raises(UserError, match="lock cpu.lock is stale"):
         locks.read(cpu)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connecting is refused at once, with or without internet."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_wheel(name: str, version: str) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        info = f"{name}-{version}.dist-info"
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def pypi(tmp_path, monkeypatch):
+    """A PEP 503 index on loopback holding one wheel, paddlepaddle 3.3.1; the checkout's lock folder moved
+    aside, so a lock written to the default place would show (and not land in the checkout)."""
+    monkeypatch.setattr(matrix, "LOCK_DIR", tmp_path / "default-locks")
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))
+    root = tmp_path / "index"
+    wheel = tiny_wheel("paddlepaddle", "3.3.1")
+    name = "paddlepaddle-3.3.1-py3-none-any.whl"
+    (root / "files").mkdir(parents=True)
+    (root / "files" / name).write_bytes(wheel)
+    (root / "simple" / "paddlepaddle").mkdir(parents=True)
+    (root / "simple" / "paddlepaddle" / "index.html").write_text(
+        f'<a href="../../files/{name}#sha256={hashlib.sha256(wheel).hexdigest()}">{name}</a>\n')
+    with Server(root) as s:
+        yield f"{s.url}/simple", hashlib.sha256(wheel).hexdigest()
+
+
+def test_lock_for_unreachable_paddle_index(pypi, tmp_path):
+    index, _ = pypi
+    dead = f"http://127.0.0.1:{closed_port()}/packages/stable/cu126/"
+    v = replace(matrix.load().get("cu126"), pypi=index, paddle_index=dead)
+    out = tmp_path / "out" / "cu126.lock"
+    with pytest.raises(UserError, match=rf"^cannot reach {dead} \(ConnectionError\); run `invoke lock` where it is "
+                                        r"reachable and commit the lock$"):
+        locks.make(v, out=out)
+    assert not (tmp_path / "out").exists() and not matrix.LOCK_DIR.exists()
+
+
+def test_lock_is_written_where_asked_and_nowhere_else(pypi, tmp_path):
+    index, digest = pypi
+    v = replace(matrix.load().get("cpu"), pypi=index, extras=(), tools=())
+    out = tmp_path / "out" / "cpu.lock"
+    assert locks.make(v, out=out) == out
+    assert [(e.name, e.version, e.hashes, e.index) for e in locks.parse(out.read_text())] == [
+        ("paddlepaddle", "3.3.1", (digest,), index)]
+    assert out.read_text().startswith(locks.header(v))
+    assert sorted(p.name for p in out.parent.iterdir()) == ["cpu.lock"]   # no staged file left behind
+    assert not matrix.LOCK_DIR.exists()

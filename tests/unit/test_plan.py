@@ -122,11 +122,24 @@ def test_bad_input_is_one_clear_error(kw, needle):
         spec_mod.validate(spec(**kw))
 
 
-def test_culprit_prefers_a_real_exit_code_over_a_peer_abort():
-    assert result.culprit([(0, 250), (1, 3)]) == 1      # rank 0 aborted first because rank 1 left
-    assert result.culprit([(1, 137), (0, 134)]) == 1    # only signals: the first seen
-    assert result.culprit([(0, 0), (1, 0)]) is None
-    assert result.culprit([(1, 2), (0, 1)]) == 1
+def test_culprit_is_the_earliest_last_words_else_the_first_seen():
+    assert result.culprit([0, 1], {0: 10.5, 1: 10.2}) == 1   # rank 0 ended first, rank 1's worker spoke last first
+    assert result.culprit([1, 0], {0: 10.1, 1: 10.2}) == 0
+    assert result.culprit([0, 1], {1: 10.2}) == 0           # rank 0 has no log to go by: the order seen
+    assert result.culprit([], {}) is None
+
+
+def test_last_words_reads_the_worker_the_launcher_named(tmp_path):
+    import os
+    for name, t in (("workerlog.0", 100), ("workerlog.1", 50)):
+        (tmp_path / name).write_text("x")
+        os.utime(tmp_path / name, ns=(t * 10**9, t * 10**9))
+    assert result.last_words(tmp_path) is None               # two workers, none named: cannot tell
+    (tmp_path / "container.log").write_text(
+        "Container rank 1 status failed cmd ['python', 'x.py'] code 3 log /fleetbox/logs/workerlog.1\n")
+    assert result.last_words(tmp_path) == 50
+    (tmp_path / "workerlog.1").unlink()
+    assert result.last_words(tmp_path) is None
 
 
 def test_network_facts_of_this_machine():
@@ -139,3 +152,14 @@ def test_network_facts_of_this_machine():
         s.listen()
         with pytest.raises(UserError, match=f"port {s.getsockname()[1]} on 127.0.0.1 is already in use"):
             hostnet.check_port("127.0.0.1", s.getsockname()[1])
+
+
+def test_launcher_polling_stays_out_of_the_live_stream_unless_debug():
+    from fleetbox.run import jobs
+    shown = []
+    log = jobs.quiet(shown.append)
+    poll = ('[node0] [2026-11-22 07:16:55,479] [    INFO] _client.py:1025 - HTTP Request: POST '
+            'http://127.0.0.1:39605/default/info/yehgad/0 "HTTP/1.0 200 OK"')
+    for line in (poll, "[node0] step    0  loss 4.39", "[node0] my script says HTTP Request: hello"):
+        log(line)
+    assert shown == ["[node0] step    0  loss 4.39", "[node0] my script says HTTP Request: hello"]

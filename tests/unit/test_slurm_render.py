@@ -103,10 +103,46 @@ def test_unknown_runtime():
 def test_failures_are_read_from_sruns_messages():
     out = ("srun: error: node1: task 0: Exited with exit code 250\n"
            "srun: error: node2: task 1: Exited with exit code 3\n"
-           "srun: error: node3: task 2: Killed\n")
-    assert slurm.failures(out) == [(0, 250, "node1"), (1, 3, "node2"), (2, 137, "node3")]
-    from fleetbox.run.result import culprit
-    assert culprit([(r, c) for r, c, _ in slurm.failures(out)]) == 1
+           "srun: error: node3: task 2: Killed\n"
+           "srun: error: node4: task 3: Out Of Memory\n")
+    assert slurm.failures(out) == [(0, 250, "node1", False), (1, 3, "node2", False), (2, 137, "node3", False),
+                                   (3, 137, "node4", True)]
+
+
+def _recorded_job(tmp_path, batch_out: str, last_words: dict[int, int]):
+    """A finished Slurm job's folder as node.sh leaves it: srun's messages, node logs, worker logs."""
+    import os
+    from fleetbox.run.backend import Handle
+    (tmp_path / "slurm-77.out").write_text(batch_out)
+    for rank, t in last_words.items():
+        (tmp_path / f"node{rank}.log").write_text(
+            f"fleetbox: node {rank} on node{rank + 1}:10.0.0.{rank + 1}\n"
+            "Container rank 0 status failed cmd ['python'] code 1 log /fleetbox/logs/workerlog.0\n")
+        w = tmp_path / f"node{rank}" / "workerlog.0"
+        w.parent.mkdir()
+        w.write_text("...")
+        os.utime(w, ns=(t, t))
+    return Handle("slurm", "train-x", str(tmp_path), nodes=2, scheduler_job="77")
+
+
+def test_slurm_blames_by_last_words_not_by_srun_order(tmp_path):
+    # srun reported node1's task first (its launcher noticed first), but node2's worker spoke last first
+    out = ("srun: error: node1: task 0: Exited with exit code 250\n"
+           "srun: error: node2: task 1: Exited with exit code 1\n")
+    h = _recorded_job(tmp_path, out, {0: 2_000_000_000, 1: 1_000_000_000})
+    r = slurm.SlurmBackend(runtime="podman").result(h, "FAILED")
+    assert r.culprit == 1 and [n.state for n in r.nodes] == ["aborted", "FAILED"]
+    assert r.failure().startswith("node1 (rank 1) on node2 exited with exit code 1 (logs: ")
+
+
+def test_slurm_names_a_kill_and_an_oom(tmp_path):
+    out = "srun: error: node2: task 1: Out Of Memory\n"
+    h = _recorded_job(tmp_path, out, {1: 1_000_000_000})
+    r = slurm.SlurmBackend(runtime="podman").result(h, "OUT_OF_MEMORY")
+    assert r.failure().startswith("node1 (rank 1) on node2 exited with exit code 137 (killed by SIGKILL: out of memory)")
+    (tmp_path / "slurm-77.out").write_text("srun: error: node2: task 1: Killed\n")
+    r = slurm.SlurmBackend(runtime="podman").result(h, "FAILED")
+    assert r.failure().startswith("node1 (rank 1) on node2 exited with exit code 137 (killed by SIGKILL) (logs")
 
 
 def test_export_commands_and_paths(tmp_path):
@@ -130,7 +166,7 @@ def test_registry_refs_and_pull_commands():
         hpc.registry_refs(v, "reg.example", "x:y")
     ref = refs[0]
     def pull(rt, **kw):   # the content tag's commands
-        lines = hpc.pull_commands(rt, refs, "p", **kw)
+        lines = hpc.pull_commands(rt, refs[0], refs[1], "p", **kw)
         return lines[1:lines.index("# alias")]
     assert pull("apptainer") == [f"apptainer pull p.sif docker://{ref}"]
     assert pull("apptainer", insecure=True) == [f"env APPTAINER_NOHTTPS=1 apptainer pull p.sif docker://{ref}"]
@@ -141,11 +177,20 @@ def test_registry_refs_and_pull_commands():
     # a hostile registry value is quoted, never run
     evil = hpc.registry_refs(v, "reg.example/$(touch x);y", "fleetbox/paddle:cpu-0")
     for rt in runtimes.RUNTIMES:
-        for ln in hpc.pull_commands(rt, evil, "p"):
+        for ln in hpc.pull_commands(rt, evil[0], evil[1], "p"):
             if "docker://" in ln or " pull " in ln:
                 assert "'" in ln and "$(touch x)" in ln, ln
                 words = subprocess.run(["bash", "-c", "printf '%s\\n' " + ln], capture_output=True, text=True).stdout
                 assert "$(touch x);y" in words
+
+
+def test_pull_commands_without_a_content_tag_never_call_the_alias_immutable():
+    v = matrix.load().get("cu126")
+    refs = hpc.registry_refs(v, "reg.example:5000/team", None)
+    assert refs == ["reg.example:5000/team/paddle:cu126", "reg.example:5000/team/paddle:3.3.1-cu126-py311"]
+    lines = hpc.pull_commands("apptainer", None, refs[0], "p")
+    assert lines == ["# alias (mutable: the image is not built here, so its immutable content tag is unknown)",
+                     f"apptainer pull p.sif docker://{refs[0]}"]
 
 
 @pytest.mark.parametrize("runtime,dst", [

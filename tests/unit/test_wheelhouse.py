@@ -1,4 +1,5 @@
 import hashlib
+import json
 
 import pytest
 from packaging.tags import Tag
@@ -63,3 +64,52 @@ def test_check_wheel_rejects_wrong_python_and_wrong_hash(tmp_path):
     tampered, _ = _wheel(tmp_path, "numpy-2.2.6-cp311-cp311-manylinux1_x86_64.whl", b"tampered")
     with pytest.raises(UserError, match="which lock cpu.lock does not allow"):
         wheelhouse.check_wheel(cpu, tampered, entries)
+
+
+def _wheelhouse(tmp_path, entries_wheels, lock_text="the lock"):
+    """A wheelhouse folder holding these wheels (name -> bytes), with a manifest that lists them all."""
+    dest = tmp_path / "wh"
+    dest.mkdir()
+    for name, data in entries_wheels.items():
+        (dest / name).write_bytes(data)
+    (dest / "manifest.json").write_text(json.dumps({
+        "variant": "cpu", "lock_sha256": locks.lock_hash(lock_text),
+        "files": {n: hashlib.sha256(d).hexdigest() for n, d in entries_wheels.items()}}))
+    return dest
+
+
+def _locked(name, version, *datas):
+    return locks.Locked(name, version, tuple(hashlib.sha256(d).hexdigest() for d in datas), "")
+
+
+def test_verify_wants_exactly_one_wheel_per_lock_entry(tmp_path):
+    """Two locked wheels of numpy and none of pip: as many files as entries, and still not complete."""
+    cpu = matrix.load().get("cpu")
+    a, b = b"numpy manylinux2014", b"numpy manylinux1"
+    entries = [_locked("pip", "25.3", b"pip"), _locked("numpy", "2.2.6", a, b)]
+    dest = _wheelhouse(tmp_path, {"numpy-2.2.6-cp311-cp311-manylinux2014_x86_64.whl": a,
+                                  "numpy-2.2.6-cp311-cp311-manylinux1_x86_64.whl": b})
+    with pytest.raises(UserError, match=r"has no wheel for pip==25.3, not one"):
+        wheelhouse.verify(cpu, dest, "the lock", entries)
+    entries = [_locked("numpy", "2.2.6", a, b)]
+    with pytest.raises(UserError, match=r"has 2 wheels \(numpy-.*, numpy-.*\) for numpy==2.2.6, not one"):
+        wheelhouse.verify(cpu, dest, "the lock", entries)
+
+
+def test_verify_returns_the_one_wheel_of_each_entry(tmp_path):
+    cpu = matrix.load().get("cpu")
+    wheels = {"numpy-2.2.6-cp311-cp311-manylinux2014_x86_64.whl": b"numpy", "pip-25.3-py3-none-any.whl": b"pip"}
+    dest = _wheelhouse(tmp_path, wheels)
+    entries = [_locked("pip", "25.3", b"pip"), _locked("numpy", "2.2.6", b"numpy")]
+    assert sorted(p.name for p in wheelhouse.verify(cpu, dest, "the lock", entries)) == sorted(wheels)
+
+
+@pytest.mark.parametrize("text", ["{", "", "[]", "null", '{"files": {}}', '{"lock_sha256": "x", "files": ["a.whl"]}',
+                                  '{"lock_sha256": "x", "files": {"../../etc/x.whl": "y"}}'])
+def test_a_corrupt_manifest_is_an_incomplete_wheelhouse(tmp_path, text):
+    cpu = matrix.load().get("cpu")
+    dest = tmp_path / "wh"
+    dest.mkdir()
+    (dest / "manifest.json").write_text(text)
+    with pytest.raises(UserError, match=r"wheelhouse manifest .*manifest.json is corrupt; run `invoke wheels"):
+        wheelhouse.verify(cpu, dest, "the lock", [])

@@ -78,3 +78,18 @@ def test_a_lock_change_makes_the_wheelhouse_incomplete(index, tmp_path):
     text, entries = locks.read(v)
     with pytest.raises(UserError, match="made from another lock"):
         wheelhouse.verify(v, dest, text, entries)
+
+
+@pytest.mark.parametrize("data", [b'{"variant": "cpu", "lock_sha', b"[]", b"\xff\xfe"])
+def test_a_corrupt_manifest_is_made_again(index, tmp_path, data):
+    """A torn or garbled manifest: no traceback, the wheelhouse is fetched and verified again."""
+    server, v = index
+    dest = tmp_path / "wh"
+    wheelhouse.ensure(v, dest, log=lambda m: None)
+    good = (dest / "manifest.json").read_text()
+    (dest / "manifest.json").write_bytes(data)
+    n = len(server.requests)
+    msgs = []
+    wheelhouse.ensure(v, dest, log=msgs.append)
+    assert (dest / "manifest.json").read_text() == good
+    assert len(server.requests) > n and "all sha256 verified" in msgs[-1]   # not "reused"
