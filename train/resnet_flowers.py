@@ -57,7 +57,7 @@ def main():
     opt = fleet.distributed_optimizer(paddle.optimizer.Momentum(
         learning_rate=args.lr, momentum=0.9, parameters=model.parameters(),
         weight_decay=paddle.regularizer.L2Decay(1e-4)))
-    seen, start, losses = 0, time.perf_counter(), []
+    seen, start, losses, classes = 0, time.perf_counter(), [], set()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for step, (img, label) in enumerate(loader):
@@ -69,11 +69,13 @@ def main():
             opt.step()
             opt.clear_grad()
             losses.append(float(loss))
+            classes.update(int(c) for c in label.numpy().ravel())
             seen += img.shape[0]
             if rank == 0 and step % 10 == 0:
                 print(f"epoch {epoch} step {step:4d} loss {losses[-1]:.4f}", flush=True)
     print("FLEETBOX-TRAIN " + json.dumps({"script": "resnet_flowers", "rank": rank, "world": world,
                                           "steps": len(losses), "last_loss": losses[-1] if losses else None,
+                                          "classes": sorted(classes),
                                           "samples_per_s": seen / (time.perf_counter() - start)}), flush=True)
 
 

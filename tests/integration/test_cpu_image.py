@@ -61,6 +61,49 @@ def test_final_image_has_no_wheels_no_pip_cache_and_little_overhead(cpu_image):
     assert ratio <= 1.05, f"image is {ratio:.2f}x its base + environment"
 
 
+def files_in_layers(ref: str, wanted) -> list[str]:
+    """Every path in every layer of an image (from `docker save`) for which wanted(path) holds, whiteouts
+    included: a file added in one layer and deleted in a later one is still shipped in the first."""
+    import tarfile
+    found = []
+    save = subprocess.Popen(["docker", "save", ref], stdout=subprocess.PIPE)
+    with tarfile.open(fileobj=save.stdout, mode="r|") as outer:
+        for m in outer:
+            if not m.isfile():
+                continue
+            f = outer.extractfile(m)
+            try:   # a layer (layer.tar, or a blob in the OCI layout); the manifest and configs are not tars
+                layer = tarfile.open(fileobj=f, mode="r|")
+                found += [f"{m.name}: {x.name}" for x in layer if wanted(x.name)]
+            except tarfile.ReadError:
+                continue
+    assert save.wait() == 0
+    return found
+
+
+def _wheel_or_pip_cache(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.endswith(".whl") \
+        or "/.cache/pip/" in f"/{path}/" or path.strip("/").split("/")[0] == "wheels"
+
+
+def test_no_layer_of_the_image_holds_a_wheel(cpu_image, tmp_path):
+    assert files_in_layers(cpu_image["image"].id, _wheel_or_pip_cache) == []
+    # the check sees what the final filesystem cannot: a wheel copied in and deleted in a later layer
+    labels = cpu_image["image"].labels
+    (tmp_path / "x-1.0-py3-none-any.whl").write_bytes(b"PK\x05\x06" + b"\0" * 18)
+    (tmp_path / "Dockerfile").write_text(f"FROM {labels['org.opencontainers.image.base.name']}\n"
+                                         "COPY x-1.0-py3-none-any.whl /tmp/\nRUN rm /tmp/x-1.0-py3-none-any.whl\n")
+    tag = "fleetbox-test/wheel-in-a-layer:1"
+    assert docker("build", "--network", "none", "-q", "-t", tag, str(tmp_path)).returncode == 0
+    try:
+        assert docker("run", "--rm", tag, "sh", "-c", "ls /tmp/*.whl").returncode != 0   # gone from the filesystem
+        hits = files_in_layers(tag, _wheel_or_pip_cache)
+        assert any(h.endswith("tmp/x-1.0-py3-none-any.whl") for h in hits), hits
+    finally:
+        docker("rmi", "-f", tag)
+
+
 def test_image_carries_provenance(cpu_image):
     labels = cpu_image["image"].labels
     from fleetbox.build import locks, matrix

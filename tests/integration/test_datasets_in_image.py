@@ -81,7 +81,7 @@ def test_flowers_is_unpacked_at_seed_time_so_a_read_only_cache_works(cpu_image, 
     assert (cache / "flowers" / "102flowers" / "jpg" / "image_00001.jpg").exists()
     out = run_py(cpu_image["image"].id, READ_FLOWERS, json.dumps(seeded_flowers["md5_attrs"]),
                  mounts=[f"{cache}:{settings.CONTAINER_CACHE}:ro"])
-    assert out == {"train": 6, "label0": 1, "shape": [32, 40, 3]}   # labels stay 1-based: the lowest is 1, not 0
+    assert out == {"train": 6, "label0": 102, "shape": [32, 40, 3]}   # labels stay 1-based: class 102 is 102
 
 
 def test_build_bakes_seeded_datasets_into_a_thin_image(cpu_image, seeded_mnist):

@@ -32,3 +32,4 @@ def test_resnet_flowers_with_fleet_shifts_labels(cpu_image, seeded_flowers):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     r = train_report(proc)
     assert r["world"] == 2 and r["steps"] == 1 and r["last_loss"] > 0
+    assert r["classes"] == [101]   # every training image is Flowers class 102: 0-based, it is 101

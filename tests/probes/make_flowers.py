@@ -18,6 +18,9 @@ with tarfile.open(os.path.join(out, "102flowers.tgz"), "w:gz") as tar:
         info = tarfile.TarInfo(f"jpg/image_{i:05}.jpg")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
-scipy.io.savemat(os.path.join(out, "imagelabels.mat"), {"labels": np.array([[i % 102 + 1 for i in range(n)]])})
+# Paddle trains on "tstid" (images 1-6): every one of them is class 102, the label a missing 1 -> 0 shift
+# breaks (cross-entropy over 102 classes takes 0..101); the other splits hold class 1.
+labels = [102] * 6 + [1] * (n - 6)
+scipy.io.savemat(os.path.join(out, "imagelabels.mat"), {"labels": np.array([labels])})
 scipy.io.savemat(os.path.join(out, "setid.mat"), {"tstid": np.array([[1, 2, 3, 4, 5, 6]]),
                                                   "trnid": np.array([[7, 8, 9]]), "valid": np.array([[10, 11, 12]])})
