@@ -203,7 +203,7 @@ def clean(c, hosts=None, job=None, force=False):
     from fleetbox import options
     from fleetbox.run import spec as spec_mod
     from fleetbox.run.docker_backend import DockerBackend
-    if job and not spec_mod.JOB_ID.fullmatch(job):
+    if job is not None and not spec_mod.JOB_ID.fullmatch(job):
         raise UserError(f"--job {job!r} is not a job id")
     removed, kept = DockerBackend().clean(options.items(hosts), job or "", force, log=_log)
     _log(f"removed {removed} leftover container(s)" + (f"; kept {kept} running" if kept else ""))

@@ -135,7 +135,6 @@ class Server:
 
 if __name__ == "__main__":   # a standalone server process: python -m tests.httpserver FOLDER
     import sys
-    import time
     with Server(Path(sys.argv[1])) as s:
         print(s.url, flush=True)
         while True:

@@ -37,7 +37,8 @@ _MIRROR_CHARS = re.compile(r"[A-Za-z0-9._~:/@%+-]+")
 def check_mirror(url: str) -> tuple[str, str]:
     """(public, download): the mirror without and with its user info. Only `public` may be recorded (labels,
     build args, the image's apt sources); `download` is for debootstrap's download alone."""
-    shown = re.sub(r"//[^/]*@", "//***@", url)   # never echo credentials, not even in an error
+    from ..data import fetch
+    shown = fetch.shown(url)   # never echo credentials, not even in an error
     bad = f"mirror {shown!r} is not usable: "
     if not _MIRROR_CHARS.fullmatch(url):
         raise UserError(bad + "it may hold only letters, digits and . _ ~ : / @ % + - (percent-encode the rest)")

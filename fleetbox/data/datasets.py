@@ -98,15 +98,15 @@ def _check_mirror(mirror: str) -> None:
         url = urlsplit(mirror)
         url.port   # a bad port raises here
     except ValueError as e:
-        raise UserError(f"mirror {mirror} is not a valid URL ({e})") from None
+        raise UserError(f"mirror {fetch.shown(mirror)} is not a valid URL ({e})") from None
     if url.scheme.lower() not in ("http", "https"):
-        raise UserError(f"mirror {mirror}: a mirror is an http(s) URL or a folder, not {url.scheme}://")
+        raise UserError(f"mirror {fetch.shown(mirror)}: a mirror is an http(s) URL or a folder, not {url.scheme}://")
     if not url.hostname:
-        raise UserError(f"mirror {mirror} is not a valid URL (no host)")
+        raise UserError(f"mirror {fetch.shown(mirror)} is not a valid URL (no host)")
     try:
         fetch.session().head(mirror, timeout=10)
     except fetch.requests.RequestException as e:
-        raise UserError(f"mirror {mirror} is unreachable ({type(e).__name__})") from None
+        raise UserError(f"mirror {fetch.shown(mirror)} is unreachable ({type(e).__name__})") from None
 
 
 def _folder(dest: Path) -> Path:
@@ -145,6 +145,14 @@ def _share(root: Path) -> None:
                 os.chmod(p, 0o644)
 
 
+def _readable(fn, *args) -> None:
+    """Make an existing cache readable by all where we may; a cache owned by someone else stays as it is."""
+    try:
+        fn(*args)
+    except PermissionError:
+        pass
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -181,11 +189,12 @@ def seed(datasets: list[Dataset], dest: Path, mirror: str | None = None, log=pri
     def fetch_one(i: int, f: DataFile) -> dict:
         target = dest / f.relpath
         if target.exists() and fetch.file_digest(target, "md5") == f.md5:
+            _readable(target.chmod, 0o644)   # a cache seeded before fleetbox made files 0644
             return _row(f, target, "cached", 0.0)
         src = source(f, mirror)
         resumed = target.with_name(target.name + ".part").exists()
         with said:   # one whole line at a time from the worker threads
-            log(f"[{i}/{len(files)}] {f.dataset}: {src}")
+            log(f"[{i}/{len(files)}] {f.dataset}: {fetch.shown(src)}")
         t = time.perf_counter()
         fetch.download(src, target, f.md5, "md5", retries=retries, backoff=backoff, stop=stop)
         return _row(f, target, "resumed" if resumed else "downloaded", time.perf_counter() - t)
@@ -214,6 +223,7 @@ def unpack_all(datasets: list[Dataset], dest: Path, log=print, fresh: bool = Fal
         for archive, into, marker in d.unpack:
             folder = dest / d.module / into
             if not fresh and (folder / marker).exists():
+                _readable(_share, folder)   # unpacked before fleetbox made folders 0755
                 continue
             log(f"unpacking {d.module}/{archive} into {d.module}/{into}/ (as Paddle's loader would)")
             staging = Path(tempfile.mkdtemp(prefix=f".{into}-", dir=dest / d.module))
@@ -298,9 +308,11 @@ def pack(datasets: list[Dataset], dest: Path, out: Path) -> Path:
             for rel in index["files"]:
                 tar.add(dest / rel, arcname=f"dataset/{rel}", recursive=False)
         return part.replace(out)
-    except OSError as e:
+    except BaseException as e:   # Ctrl-C included: no half-written pack is left behind
         part.unlink(missing_ok=True)
-        raise UserError(f"cannot write {out}: {e.strerror}") from None
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {out}: {e.strerror}") from None
+        raise
 
 
 def safe_extract(tar: tarfile.TarFile, dest: Path) -> None:

@@ -30,6 +30,11 @@ BUFFERS = 16      # in flight between the reader and the hashing thread
 URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")   # scheme://...; anything else is a local path
 
 
+
+def shown(url: str) -> str:
+    """A URL as messages and logs may show it: user info (`user:secret@`) masked, up to the last `@`."""
+    return re.sub(r"^([A-Za-z][\w+.-]*://)[^/]*(?:/.*)?@", r"\1***@", url) if "@" in url else url
+
 def file_digest(path: Path, algo: str = "sha256") -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, algo).hexdigest()
@@ -180,7 +185,7 @@ def _stream(sess: requests.Session, url: str, part: Path, h, timeout: float, sto
         if r.status_code == 416:          # we already hold every byte
             return
         if r.status_code == 404:
-            raise UserError(f"not found (HTTP 404): {url}")
+            raise UserError(f"not found (HTTP 404): {shown(url)}")
         r.raise_for_status()
         if have and r.status_code != 206:  # server ignored Range: start over
             raise _Restart()
@@ -212,13 +217,14 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
     """Fetch `url` (http(s) URL or local path) to `dest`, verifying `digest`; the file is made 0644, readable
     by the non-root users of containers that mount it. Returns `dest`.
     After transient failures (connection, timeout, 5xx) the `.part` is kept, so a later run resumes; it is
-    deleted only when its bytes are wrong (digest mismatch) or the server refused the file (4xx but 429).
+    deleted only when its bytes are wrong (digest mismatch) or the server refused the file (4xx but 408/429).
+    A local error (a full disk) deletes it as well, giving the space back.
     Setting `stop` (from another thread) ends the download with `Stopped`, keeping what is on disk."""
     if dest.exists() and file_digest(dest, algo) == digest:
         return dest
     local = _local_file(url)
     if local is None and URL.match(url)[1].lower() not in ("http", "https"):
-        raise UserError(f"cannot download {url}: not an http(s) URL or a local path")
+        raise UserError(f"cannot download {shown(url)}: not an http(s) URL or a local path")
     sess = sess or session()
     stop = stop or Stop()
     try:
@@ -249,17 +255,17 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
             last = f"connection broken ({e})"
         except requests.HTTPError as e:
             last = f"HTTP {e.response.status_code}"
-            if e.response.status_code < 500 and e.response.status_code != 429:
+            if e.response.status_code < 500 and e.response.status_code not in (408, 429):   # not "try later"
                 part.unlink(missing_ok=True)
-                raise UserError(f"download failed ({last}): {url}") from None
+                raise UserError(f"download failed ({last}): {shown(url)}") from None
         except requests.TooManyRedirects:
             loop = f"redirect loop (more than {sess.max_redirects} redirects)"
-            raise UserError(f"cannot download {url}: {loop}") from None
+            raise UserError(f"cannot download {shown(url)}: {loop}") from None
         except requests.RequestException as e:   # a malformed URL and the like: another try cannot help
-            raise UserError(f"cannot download {url}: {' '.join(str(e).split())}") from None
+            raise UserError(f"cannot download {shown(url)}: {' '.join(str(e).split())}") from None
         except OSError as e:
             part.unlink(missing_ok=True)
-            raise UserError(f"cannot write {part}: {e.strerror}") from None
+            raise UserError(f"cannot download {shown(url)} to {part}: {e.strerror}") from None
         else:
             if h.hexdigest() == digest:
                 part.chmod(0o644)
@@ -270,4 +276,4 @@ def download(url: str, dest: Path, digest: str, algo: str = "sha256", *, sess: r
         if attempt < retries and stop.wait(backoff * 2 ** attempt):
             raise Stopped()
     kept = f"; {part} keeps the bytes received, to resume from next time" if part.exists() else ""
-    raise UserError(f"giving up on {url} after {retries + 1} attempts: {last}{kept}")
+    raise UserError(f"giving up on {shown(url)} after {retries + 1} attempts: {last}{kept}")

@@ -37,6 +37,7 @@ class Handle:
     dir: str
     nodes: int = 0
     hosts: list[str] = field(default_factory=list)   # Docker: the engines ("" for this machine)
+    procs_per_node: int = 1
     scheduler_job: str = ""                           # Slurm: its job id
 
     def save(self) -> None:
@@ -82,9 +83,23 @@ class Backend(ABC):
                 if handle is not None:
                     log = never_failing(log)   # the terminal may be gone (a closed pipe): clean up all the same
                     why = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped by an error"
-                    log(f"{why}: cancelling {plan.job_id}")
-                    self.cancel(handle, log)
+                    log(f"{why}: cancelling {plan.job_id} (another Ctrl-C will not stop the cleanup)")
+                    with signals_held():
+                        self.cancel(handle, log)
                 raise
+
+
+@contextmanager
+def signals_held():
+    """Ctrl-C and SIGTERM wait until the block is done (users press Ctrl-C twice; cleanup must finish)."""
+    caught = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def never_failing(log):

@@ -12,6 +12,7 @@ import getpass
 import io
 import json
 import os
+import re
 import tarfile
 import threading
 import time
@@ -71,9 +72,6 @@ class DockerBackend(Backend):
                 raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
         else:
             master_ip = "127.0.0.1"
-            for src in [spec.data_dir] * bool(spec.data_dir) + [m.src for m in spec.mounts]:
-                if not src.startswith("{") and not Path(src).exists():   # Docker would make an empty folder
-                    raise UserError(f"mount source {src} does not exist here")
             if spec.iface:
                 hostnet.check_iface(spec.iface)
             iface, own = hostnet.route(master_ip)
@@ -88,6 +86,10 @@ class DockerBackend(Backend):
             replace(t, host=hosts[k]).fill(planner.node_values(
                 k, spec.nodes, job_id, master_ip, port, facts[k]["local"], facts[k]["iface"], home, user))
             for k in range(spec.nodes))
+        if not spec.hosts:   # Docker would make a missing source an empty folder; our log folders come later
+            for m in nodes[0].mounts:
+                if m.dst != settings.LOG_DIR and not Path(m.src).exists():
+                    raise UserError(f"mount source {m.src} does not exist here")
         notes = () if t.memlock == -1 else (
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
@@ -127,17 +129,19 @@ class DockerBackend(Backend):
             "job_id": plan.job_id, "variant": spec.variant.name, "nodes": spec.nodes,
             "procs_per_node": spec.procs_per_node, "image": spec.image_ref,
             "commands": [n.shell() for n in plan.nodes]}, indent=1))
-        handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes])
+        handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
+                        procs_per_node=spec.procs_per_node)
         handle.save()
         live = self.live[plan.job_id] = _Live(self, plan)
         try:
             with engine_errors(plan.dir):
                 live.start()   # removes what it created on any error, Ctrl-C included
-        except BaseException:
+            log(f"job {plan.job_id}: {spec.nodes} node(s) x {spec.procs_per_node} process(es), master "
+                f"{master_of(plan)}, logs in {plan.dir}")
+        except BaseException:   # no handle reaches run(): nothing would cancel what runs
             del self.live[plan.job_id]
+            live.remove_all()
             raise
-        log(f"job {plan.job_id}: {spec.nodes} node(s) x {spec.procs_per_node} process(es), master "
-            f"{master_of(plan)}, logs in {plan.dir}")
         return handle
 
     def follow(self, handle: Handle, log=print, timeout: float | None = None) -> JobResult:
@@ -178,7 +182,8 @@ class DockerBackend(Backend):
     def _containers(self, handle: Handle) -> list:
         found = []
         for host in dict.fromkeys(handle.hosts or [""]):
-            found += self.engine(host).containers.list(all=True, filters={"label": f"{settings.LABEL_JOB}={handle.job_id}"})
+            found += self.engine(host).containers.list(
+                all=True, ignore_removed=True, filters={"label": f"{settings.LABEL_JOB}={handle.job_id}"})
         return found
 
     def clean(self, hosts: list[str], job: str = "", force: bool = False, log=print) -> tuple[int, int]:
@@ -190,9 +195,10 @@ class DockerBackend(Backend):
         removed = kept = 0
         for host in hosts or [""]:
             where = host or "this machine"
-            for c in self.engine(host).containers.list(all=True, filters={"label": label}):
-                if c.status in ("running", "restarting", "paused") and not (job or force):
-                    log(f"kept {c.name}: running ({c.labels.get(settings.LABEL_JOB)}; --job or --force removes it)")
+            for c in self.engine(host).containers.list(all=True, ignore_removed=True, filters={"label": label}):
+                # "created": a job that is starting (a failed start removes its own)
+                if c.status in ("created", "running", "restarting", "paused") and not (job or force):
+                    log(f"kept {c.name}: {c.status} ({c.labels.get(settings.LABEL_JOB)}; --job or --force removes it)")
                     kept += 1
                     continue
                 try:
@@ -346,11 +352,12 @@ class _Live:
         exits = dict(self.exits)
         d = self.plan.dir
         # Only a node that ended by itself can be to blame: one we stopped exits 15 or 137 because we did.
-        # Among those, the engine's finish times give the order; the workers' own last words, where we have
-        # them with full precision (local log folders), decide.
+        # Among those, the workers' own last words decide where we have them (one worker per node, log folder
+        # here with its file times); else the order the engine saw them end.
         failed = sorted((r for r, c in self.exits if c != 0 and r not in self.stopped),
-                        key=lambda r: (r not in self.gone, self.finished.get(r, "")))
-        evidence = {r: t for r in failed if not self.plan.nodes[r].host and r not in self.gone
+                        key=lambda r: (r not in self.gone, finish_time(self.finished.get(r, ""))))
+        one_worker = self.plan.spec.procs_per_node == 1
+        evidence = {r: t for r in failed if one_worker and not self.plan.nodes[r].host and r not in self.gone
                     and (t := last_words(d / f"node{r}")) is not None}
         bad = None if self.timed_out else culprit(failed, evidence)
         nodes = []
@@ -390,6 +397,16 @@ class engine_errors:
         return False
 
 
+def finish_time(ts: str) -> float:
+    """Docker's FinishedAt (RFC 3339, nanoseconds, trailing zeros trimmed) as seconds; unknown: last."""
+    import datetime as dt
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z", ts or "")
+    if not m or m.group(1).startswith("0001"):
+        return float("inf")
+    whole = dt.datetime.fromisoformat(m.group(1)).replace(tzinfo=dt.timezone.utc).timestamp()
+    return whole + (int(m.group(2)) / 10 ** len(m.group(2)) if m.group(2) else 0.0)
+
+
 def _quietly(fn) -> None:
     try:
         fn()
@@ -413,9 +430,8 @@ def _tar_dir(folder: Path) -> bytes:
             rel = Path(top).relative_to(folder)
             for name in sorted(files):
                 p = Path(top, name)
-                if not p.exists():
-                    raise UserError(f"the workspace has a broken link: {p} -> {os.readlink(p)}")
-                tar.add(p, arcname=str(rel / name))
+                if p.exists():   # a dangling link (an editor's lock file) has nothing to copy
+                    tar.add(p, arcname=str(rel / name))
     return buf.getvalue()
 
 

@@ -27,8 +27,10 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     return result
 
 
-# Paddle's launcher logs every poll of its HTTP master (dozens of lines per job); the log files keep them.
-LAUNCHER_POLLING = re.compile(r"\[node\d+\] .*HTTP Request: [A-Z]+ \S+ \"HTTP/[\d.]+ \d+")
+# Paddle's launcher logs every poll of its HTTP master (dozens of lines per job: /healthy, /<job>/info...);
+# the log files keep them. Other HTTP logging (a user's own) is left alone.
+LAUNCHER_POLLING = re.compile(
+    r"\[node\d+\] .*HTTP Request: [A-Z]+ http://[\d.:\[\]a-fA-F]+/(healthy|[\w.-]+/info(/\S*)?) \"HTTP/[\d.]+ \d+")
 
 
 def quiet(log):

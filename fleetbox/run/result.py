@@ -96,7 +96,7 @@ def culprit(failed: list[int], last_words: dict[int, float]) -> int | None:
     or its log came back without exact times), `failed` is in the order the nodes were seen to end."""
     if not failed:
         return None
-    if all(r in last_words for r in failed):
+    if all(r in last_words for r in failed):   # equal times (clock ticks) keep the order seen
         return min(failed, key=lambda r: last_words[r])
     return failed[0]
 
@@ -105,8 +105,8 @@ FAILED_WORKER = re.compile(r"status failed cmd .* log \S*?(workerlog\.\d+)")
 
 
 def last_words(node_dir: Path, launcher_log: Path | None = None) -> float | None:
-    """When the node's failing worker last wrote to its log (file time, in ns precision), if we can tell:
-    the worker Paddle's launcher reported failed first, else the node's only worker."""
+    """When the node's failing worker last wrote to its log (the file's time, as fine as the kernel's clock
+    tick), if we can tell: the worker Paddle's launcher reported failed, else the node's only worker."""
     launcher_log = launcher_log or node_dir / "container.log"
     text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
     named = FAILED_WORKER.search(text)

@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .. import probes, settings
 from ..errors import UserError
@@ -167,7 +168,8 @@ class SlurmBackend(Backend):
             part.write_text(text)
             part.rename(plan.dir / name)
         out = _slurm("sbatch", "--parsable", str(plan.dir / "job.sbatch")).stdout.strip()
-        handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0])
+        handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0],
+                        procs_per_node=plan.spec.procs_per_node)
         handle.save()
         log(f"submitted Slurm job {handle.scheduler_job} ({plan.spec.nodes} nodes, runtime {plan.runtime}); "
             f"logs in {plan.dir}")
@@ -205,14 +207,21 @@ class SlurmBackend(Backend):
         job_dir = Path(handle.dir)
         batch = job_dir / f"slurm-{handle.scheduler_job}.out"
         fails = failures(batch.read_text(errors="replace") if batch.exists() else "")
-        evidence = {r: t for r, *_ in fails if (t := last_words(job_dir / f"node{r}", job_dir / f"node{r}.log"))}
-        bad = culprit([r for r, *_ in fails], evidence)
-        by_rank = {r: (c, n, oom) for r, c, n, oom in fails}
+        # srun --kill-on-bad-exit stops the other tasks after the first failure: a task it reports after that
+        # was stopped by Slurm, not failing by itself (as the Docker backend leaves out nodes it stopped)
+        suspects = [f for i, f in enumerate(fails) if i == 0 or not f.stopped]
+        one_worker = handle.procs_per_node == 1
+        evidence = {f.rank: t for f in suspects if one_worker
+                    and (t := last_words(job_dir / f"node{f.rank}", job_dir / f"node{f.rank}.log"))}
+        bad = culprit([f.rank for f in suspects], evidence)
+        by_rank = {f.rank: (f.code, f.node, f.oom) for f in fails}
+        stopped = {f.rank for f in fails if f not in suspects}
         nodes = []
         for k in range(handle.nodes):
             code, host, oom = by_rank.get(k, (0 if state == "COMPLETED" else None, "", False))
             nodes.append(NodeResult(f"node{k}", k, host or node_host(job_dir / f"node{k}.log"), code,
-                                    "ok" if code == 0 else "FAILED" if k == bad else "aborted" if code else "?",
+                                    "ok" if code == 0 else "FAILED" if k == bad else "stopped" if k in stopped
+                                    else "aborted" if code else "?",
                                     str(job_dir / f"node{k}.log"), oom_killed=oom))
         r = JobResult(handle.job_id, self.name, state == "COMPLETED" and not fails, nodes, bad, dir=str(job_dir),
                       log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
@@ -252,11 +261,25 @@ FAILED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: "
 SIGNALLED = {"Killed": 128 + 9, "Out Of Memory": 128 + 9, "Terminated": 128 + 15}
 
 
-def failures(batch_output: str) -> list[tuple[int, int, str, bool]]:
-    """(rank, exit code, node, out of memory) of failed tasks, in the order srun reported them (one task
-    per node). srun names a task killed by a signal rather than giving its code: we give the shell's 128+N."""
-    out = []
-    for m in FAILED_TASK.finditer(batch_output):
-        code = int(m.group(3)) if m.group(3) else SIGNALLED[m.group(4)]
-        out.append((int(m.group(2)), code, m.group(1), m.group(4) == "Out Of Memory"))
+STEP_STOPPING = re.compile(r"srun: .*(Terminating StepId|Job step aborted)")
+
+
+class TaskFailure(NamedTuple):
+    rank: int
+    code: int
+    node: str
+    oom: bool = False
+    stopped: bool = False   # reported killed, or after srun began stopping the step: maybe srun's doing
+
+
+def failures(batch_output: str) -> list[TaskFailure]:
+    """Failed tasks in the order srun reported them (one task per node). srun names a task killed by a
+    signal rather than giving its code: we give the shell's 128+N."""
+    out, stopping = [], False
+    for ln in batch_output.splitlines():
+        stopping = stopping or bool(STEP_STOPPING.search(ln))
+        if m := FAILED_TASK.search(ln):
+            code = int(m.group(3)) if m.group(3) else SIGNALLED[m.group(4)]
+            out.append(TaskFailure(int(m.group(2)), code, m.group(1), m.group(4) == "Out Of Memory",
+                                   stopping or m.group(4) in ("Killed", "Terminated")))
     return out

@@ -130,6 +130,9 @@ def test_slurm_failing_rank_names_the_node(cluster, podman_image):
     proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
                        "--args", "--fail-rank 1 --fail-step -1 --hang-rank 0")
     one_line_error(proc, "train failed: node1 (rank 1) on node2 exited with exit code 3", job_output=True)
+    # node0 hung, wrote nothing since long before; srun stopped it (node.sh exits 143): never the culprit
+    summary = json.loads((Path(proc.stdout.split("logs in ")[1].split()[0]) / "summary.json").read_text())
+    assert [n["state"] for n in summary["nodes"]] == ["stopped", "FAILED"] and summary["culprit"] == 1
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
                           text=True).stdout.split()
     assert left == []

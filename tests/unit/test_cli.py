@@ -56,6 +56,7 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--data-dir", "/nonexistent/cache", "--dry-run"], "--data-dir /nonexistent/cache is not a folder"),
     (["train", "--mount", "/tmp:/x:rx"], "the mode must be ro or rw"),
     (["clean", "--job", "a;b"], "--job 'a;b' is not a job id"),
+    (["clean", "--job", ""], "--job '' is not a job id"),
     (["train", "--env", "A=1,NOEQ"], "--env 'NOEQ' must be NAME=VALUE"),
     (["train", "--job-id", "a;b", "--dry-run"], "--job-id 'a;b'"),
     (["train", "--backend", "slurm", "--partition", "gpu\nrm -rf /", "--dry-run"], "--partition"),

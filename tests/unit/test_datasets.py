@@ -406,6 +406,30 @@ def test_packing_an_empty_cache_is_refused_and_writes_nothing(site):
     assert not list(tmp.glob("p.tar*")) and not (tmp / "absent").exists() and _tree(tmp / "empty") == {}
 
 
+def test_ctrl_c_while_packing_leaves_no_part(site, monkeypatch):
+    server, known, manifest, tmp = site
+    ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None)
+    import tarfile
+
+    def interrupted(self, *a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tarfile.TarFile, "add", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ds.pack(ds.select(known, "mnist"), tmp / "cache", tmp / "p.tar")
+    assert not list(tmp.glob("p.tar*"))
+
+
+def test_seeding_again_makes_an_older_private_cache_readable(site):
+    _, known, _, tmp = site
+    dest = tmp / "cache"
+    ds.seed(ds.select(known, "mnist"), dest, log=lambda m: None)
+    files = [p for p in dest.rglob("*") if p.is_file()]
+    for p in files:
+        p.chmod(0o600)          # as an older fleetbox (or a private umask) left them
+    ds.seed(ds.select(known, "mnist"), dest, log=lambda m: None)
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o644"}
+
+
 @pytest.fixture
 def private_umask():
     old = os.umask(0o077)   # as on a hardened host: files 0600, folders 0700 unless made otherwise

@@ -43,6 +43,8 @@ class Life:
     errors: int = 1                       # ... this many times
     sigterm: bool = False                 # the first reload sends SIGTERM to this process (a `kill`)
     start_error: BaseException | None = None   # start() raises this (e.g. Ctrl-C while the job starts)
+    finished: str = ""                    # FinishedAt as the engine writes it (default: a ticking clock)
+    stop_signal: int | None = None        # stop() sends this signal to this process (a second Ctrl-C)
 
 
 _ticks = iter(range(10**9))
@@ -75,7 +77,7 @@ class FakeContainer:
 
     def _exit(self, code: int, oom: bool = False):
         self.status = "exited"
-        self.attrs["State"].update(ExitCode=code, OOMKilled=oom, FinishedAt=_clock())
+        self.attrs["State"].update(ExitCode=code, OOMKilled=oom, FinishedAt=self.life.finished or _clock())
 
     def reload(self):
         if self.removed:
@@ -92,6 +94,8 @@ class FakeContainer:
                 self._exit(self.life.code, self.life.oom)
 
     def stop(self, timeout=None):
+        if self.life.stop_signal is not None:
+            os.kill(os.getpid(), self.life.stop_signal)
         if self.status == "running":
             self.stopped = True
             self._exit(self.life.stop_code)
@@ -133,11 +137,17 @@ class _Containers:
             self.engine.made[rank] = c
         return c
 
-    def list(self, all=False, filters=None):
+    def list(self, all=False, filters=None, ignore_removed=False):
         want = (filters or {}).get("label")
         key, _, value = (want or "").partition("=")
-        return [c for c in self.engine.made.values() if not c.removed and (all or c.status == "running")
-                and (not want or key in c.labels and (not value or c.labels[key] == value))]
+        found = [c for c in self.engine.made.values() if not c.removed and (all or c.status == "running")
+                 and (not want or key in c.labels and (not value or c.labels[key] == value))]
+        # docker-py lists ids, then inspects each: one removed in between raises unless ignore_removed
+        for c in self.engine.vanish_while_listing:
+            c.removed = True
+            if not ignore_removed:
+                raise docker.errors.NotFound(f"No such container: {c.name}")
+        return [c for c in found if not c.removed]
 
     def run(self, *args, **kwargs):
         raise AssertionError("the network probe runs only for --hosts jobs")
@@ -153,6 +163,7 @@ class FakeEngine:
         self.containers = _Containers(self)
         self.made: dict[int, FakeContainer] = {}
         self.lock = threading.Lock()
+        self.vanish_while_listing: list[FakeContainer] = []
 
     def connect(self, host):
         assert host is None, "a local job talks to this machine's engine only"
@@ -253,6 +264,25 @@ def test_blame_goes_by_last_words_not_by_exit_code_or_finish_order(monkeypatch, 
     assert engine.all_removed()
 
 
+def test_finish_times_compare_as_times_not_as_text(monkeypatch):
+    # Docker trims trailing zeros: "...:00.12Z" is earlier than "...:00.123Z" though it sorts after it as text
+    monkeypatch.setattr(docker_backend, "GRACE_S", 5.0)
+    engine = FakeEngine({0: Life(code=1, after=1, finished="2025-01-01T00:00:00.123Z"),
+                         1: Life(code=1, after=3, finished="2025-01-01T00:00:00.12Z")})
+    b, plan, r, lines = run(engine)
+    assert r.culprit == 1
+
+
+@pytest.mark.parametrize("case", ["tie", "two-workers-per-node"])
+def test_last_words_that_cannot_decide_leave_it_to_the_finish_order(monkeypatch, case):
+    monkeypatch.setattr(docker_backend, "GRACE_S", 5.0)
+    engine = FakeEngine({0: Life(code=1, after=1), 1: Life(code=1, after=3)})   # node0 ends first
+    b = DockerBackend(connect=engine.connect)
+    plan = b.plan(make_spec(2, procs_per_node=2 if case == "two-workers-per-node" else 1))
+    _last_words(plan, {0: 10.0, 1: 10.0} if case == "tie" else {0: 10.5, 1: 10.2})
+    assert b.run(plan, log=lambda _: None).culprit == 0
+
+
 def test_without_last_words_the_first_to_finish_is_blamed(monkeypatch):
     monkeypatch.setattr(docker_backend, "GRACE_S", 5.0)
     engine = FakeEngine({0: Life(code=3, after=3), 1: Life(code=250, after=1)})
@@ -283,6 +313,51 @@ def test_container_removed_behind_our_back_names_that_node():
     assert engine.made[0].stopped and engine.all_removed()
 
 
+@pytest.mark.parametrize("error", [BrokenPipeError(32, "Broken pipe"), KeyboardInterrupt()], ids=["closed-pipe", "ctrl-c"])
+def test_an_error_right_after_the_start_leaves_nothing_running(error):
+    # the terminal is gone (or Ctrl-C lands) when submit says the job started: run() never gets a handle
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan = job(engine)
+
+    def log(line):
+        if line.startswith(f"job {JOB}:"):
+            raise error
+    with pytest.raises(type(error)):
+        b.run(plan, log=log)
+    assert engine.all_removed() and not b.live
+
+
+def test_a_closed_terminal_during_the_run_still_cleans_up():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=3, after=2)})
+    b, plan = job(engine)
+
+    started = []
+
+    def log(line):   # every line after the start fails, as writing to a closed pipe does
+        if started:
+            raise BrokenPipeError(32, "Broken pipe")
+        if line.startswith(f"job {JOB}:"):
+            started.append(line)
+    with pytest.raises(BrokenPipeError):
+        b.run(plan, log=log)
+    assert engine.all_removed() and (plan.dir / "summary.json").exists()
+
+
+def test_a_second_ctrl_c_does_not_stop_the_cleanup():
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        engine = FakeEngine({0: Life(code=None, stop_signal=signal.SIGINT),
+                             1: Life(code=None, error=KeyboardInterrupt(), errors=1)})
+        b, plan = job(engine)
+        with pytest.raises(KeyboardInterrupt):
+            b.run(plan, log=lambda _: None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert engine.all_removed() and (plan.dir / "summary.json").exists()
+
+
 @pytest.mark.parametrize("where", ["create", "start"])
 def test_interrupt_while_the_job_starts_leaves_nothing(where):
     # Ctrl-C (or SIGTERM, which becomes the same) while node1's container is being created or started
@@ -306,7 +381,7 @@ def test_ctrl_c_stops_and_removes_every_container():
         b.run(plan, log=lines.append)
     assert all(c.stopped for c in engine.made.values())
     assert engine.all_removed()
-    assert f"interrupted: cancelling {JOB}" in lines
+    assert f"interrupted: cancelling {JOB} (another Ctrl-C will not stop the cleanup)" in lines
     assert (plan.dir / "summary.json").exists()   # what happened is kept
 
 
@@ -438,11 +513,20 @@ def test_clean_keeps_live_jobs_unless_asked_and_tolerates_races():
     vanished.status = "exited"
     vanished.remove = lambda force=False: (_ for _ in ()).throw(docker.errors.NotFound("gone meanwhile"))
     engine.made[98] = vanished                            # removed by its own job between list and remove
+    starting = FakeContainer(IMAGE, ["true"], {"name": "fleetbox-new-node0", "labels": {
+        settings.LABEL_JOB: "train-new-0004", settings.LABEL_RANK: "0"}}, Life(code=0))
+    engine.made[97] = starting                            # created, not yet started: a job that is starting
+    listed_then_gone = FakeContainer(IMAGE, ["true"], {"name": "fleetbox-gone-node0", "labels": {
+        settings.LABEL_JOB: "train-gone-0005", settings.LABEL_RANK: "0"}}, Life(code=0))
+    engine.made[96] = listed_then_gone
+    engine.vanish_while_listing.append(listed_then_gone)  # removed while the engine is being asked
     b = DockerBackend(connect=engine.connect)
-    assert b.clean([], log=lambda _: None) == (1, 1)      # node1 removed, node0 kept, the vanished one skipped
+    assert b.clean([], log=lambda _: None) == (1, 2)      # node1 removed; node0 and the starting job kept
+    assert not starting.removes
     assert engine.made[1].removed and not engine.made[0].removed
     assert b.clean([], job=JOB, log=lambda _: None) == (1, 0)
     assert engine.made[0].removed
+    engine.vanish_while_listing.clear()
 
 
 def test_clean_force_removes_running_containers():
@@ -453,6 +537,37 @@ def test_clean_force_removes_running_containers():
     assert b.clean([], log=lambda _: None) == (0, 2)
     assert b.clean([], force=True, log=lambda _: None) == (2, 0)
     assert all(c.removed for c in engine.made.values())
+
+
+def test_mount_sources_are_checked_with_placeholders_filled(tmp_path):
+    from fleetbox.run.spec import Mount
+    engine = FakeEngine()
+    b = DockerBackend(connect=engine.connect)
+    with pytest.raises(UserError, match=f"mount source {os.path.expanduser('~')}/fleetbox-nothing-here does not exist here"):
+        b.plan(make_spec(mounts=(Mount("{home}/fleetbox-nothing-here", "/data"),)))
+    import getpass
+    (tmp_path / getpass.getuser()).mkdir()
+    plan = b.plan(make_spec(mounts=(Mount(f"{tmp_path}/{{user}}", "/data"),)))   # exists once filled
+    assert any(m.dst == "/data" for m in plan.nodes[0].mounts)
+    assert engine.made == {}
+
+
+def test_the_workspace_for_remote_engines_holds_sub_folders_and_link_targets(tmp_path):
+    import io
+    import tarfile
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    (ws / "pkg" / "deep").mkdir(parents=True)
+    outside.mkdir()
+    (ws / "main.py").write_text("main")
+    (ws / "pkg" / "deep" / "mod.py").write_text("mod")
+    (outside / "data.txt").write_text("data")
+    (ws / "data.txt").symlink_to(outside / "data.txt")      # absolute link: its content must travel
+    (ws / "pkg" / "up").symlink_to(ws)                       # a loop back up: copied once
+    (ws / ".#main.py").symlink_to("root@host.1234")          # an editor's lock file: dangling, skipped
+    with tarfile.open(fileobj=io.BytesIO(docker_backend._tar_dir(ws))) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+        assert not any(m.issym() or m.islnk() for m in tar.getmembers())
+    assert files == {"main.py": b"main", "data.txt": b"data", "pkg/deep/mod.py": b"mod"}
 
 
 def test_missing_image_is_a_user_error():

@@ -118,6 +118,11 @@ def test_5xx_and_an_unreachable_server_keep_the_part_404_and_a_mismatch_remove_i
     with pytest.raises(UserError, match="after 2 attempts: HTTP 503"):
         fetch.download(f"{server.url}/blob.bin", dest, digest, retries=1, backoff=0.01)
     assert part.read_bytes() == DATA[:200_000]
+    for later in (408, 429):   # "try again later", not a refusal
+        server.status["blob.bin"] = later
+        with pytest.raises(UserError, match=f"after 1 attempts: HTTP {later}"):
+            fetch.download(f"{server.url}/blob.bin", dest, digest, retries=0)
+        assert part.read_bytes() == DATA[:200_000]
     with pytest.raises(UserError, match="ConnectionError"):
         fetch.download("http://127.0.0.1:9/blob.bin", dest, digest, retries=0)
     assert part.read_bytes() == DATA[:200_000]
@@ -171,3 +176,22 @@ def test_a_download_is_readable_by_all_whatever_the_umask(server, tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "blob.bin").stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("url,want", [
+    ("http://user:secret@host/debian", "http://***@host/debian"),
+    ("http://user:se/cret@host/debian", "http://***@host/debian"),   # a '/' in the password
+    ("https://u:p@ss@h:8080/x", "https://***@h:8080/x"),
+    ("http://host/plain", "http://host/plain"),
+    ("/srv/mirror@2", "/srv/mirror@2"),                               # a folder, not a URL
+])
+def test_urls_are_shown_without_credentials(url, want):
+    assert fetch.shown(url) == want
+
+
+def test_a_data_set_mirror_never_shows_its_credentials(tmp_path):
+    from fleetbox.data import datasets as ds
+    with pytest.raises(UserError) as e:
+        ds.cache_command(datasets="mnist", mirror="http://user:secret@127.0.0.1:9/", dest=str(tmp_path / "c"),
+                         log=lambda m: None)
+    assert "secret" not in str(e.value) and "***@127.0.0.1:9" in str(e.value)

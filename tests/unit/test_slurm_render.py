@@ -105,8 +105,8 @@ def test_failures_are_read_from_sruns_messages():
            "srun: error: node2: task 1: Exited with exit code 3\n"
            "srun: error: node3: task 2: Killed\n"
            "srun: error: node4: task 3: Out Of Memory\n")
-    assert slurm.failures(out) == [(0, 250, "node1", False), (1, 3, "node2", False), (2, 137, "node3", False),
-                                   (3, 137, "node4", True)]
+    assert slurm.failures(out) == [(0, 250, "node1", False, False), (1, 3, "node2", False, False),
+                                   (2, 137, "node3", False, True), (3, 137, "node4", True, False)]
 
 
 def _recorded_job(tmp_path, batch_out: str, last_words: dict[int, int]):
@@ -133,6 +133,35 @@ def test_slurm_blames_by_last_words_not_by_srun_order(tmp_path):
     r = slurm.SlurmBackend(runtime="podman").result(h, "FAILED")
     assert r.culprit == 1 and [n.state for n in r.nodes] == ["aborted", "FAILED"]
     assert r.failure().startswith("node1 (rank 1) on node2 exited with exit code 1 (logs: ")
+
+
+def test_slurm_never_blames_a_task_srun_killed_after_the_first_failure(tmp_path):
+    # node2's task exits 1; srun then kills node1's task, which was blocked in a collective and wrote nothing
+    # since long before: its old last words must not make it the culprit
+    out = ("srun: error: node2: task 1: Exited with exit code 1\n"
+           "srun: error: node1: task 0: Terminated\n")
+    h = _recorded_job(tmp_path, out, {0: 1_000_000_000, 1: 2_000_000_000})
+    r = slurm.SlurmBackend(runtime="podman").result(h, "FAILED")
+    assert r.culprit == 1 and r.failure().startswith("node1 (rank 1) on node2 exited with exit code 1 (logs")
+
+
+def test_slurm_never_blames_a_task_stopped_after_srun_began_terminating_the_step(tmp_path):
+    # recorded from the test cluster: node1's task hung (its log last written early), node2's task exited 3,
+    # srun terminated the step, node.sh's TERM trap made node1's task exit 143
+    out = ("srun: error: node2: task 1: Exited with exit code 3\n"
+           "srun: launch/slurm: _step_signal: Terminating StepId=3.0\n"
+           "srun: error: node1: task 0: Exited with exit code 143\n")
+    h = _recorded_job(tmp_path, out, {0: 1_000_000_000, 1: 2_000_000_000})
+    r = slurm.SlurmBackend(runtime="podman").result(h, "FAILED")
+    assert r.culprit == 1 and [n.state for n in r.nodes] == ["stopped", "FAILED"]
+
+
+def test_slurm_with_several_workers_per_node_goes_by_srun_order(tmp_path):
+    out = ("srun: error: node1: task 0: Exited with exit code 250\n"
+           "srun: error: node2: task 1: Exited with exit code 1\n")
+    h = _recorded_job(tmp_path, out, {0: 2_000_000_000, 1: 1_000_000_000})
+    h.procs_per_node = 2   # the launcher's named worker may be a sibling that died of the same error
+    assert slurm.SlurmBackend(runtime="podman").result(h, "FAILED").culprit == 0
 
 
 def test_slurm_names_a_kill_and_an_oom(tmp_path):
