@@ -98,9 +98,17 @@ class DockerBackend(Backend):
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
         whether the port is free, and how much locked memory that engine's containers may get."""
-        out = self.engine(host).containers.run(
+        probe = self.engine(host).containers.run(
             spec.image_ref, ["python", "-c", probes.source("netinfo"), master_ip, str(port)], network_mode="host",
-            remove=True, labels={settings.LABEL_JOB: job_id})
+            detach=True, labels={settings.LABEL_JOB: job_id})
+        try:   # removed on every way out (Ctrl-C while planning included), not only after a clean exit
+            code = probe.wait(timeout=120).get("StatusCode")
+            out = probe.logs(stdout=True, stderr=False)
+            if code != 0:
+                why = (probe.logs(stdout=False, stderr=True).decode(errors="replace").strip().splitlines() or ["?"])[-1]
+                raise UserError(f"the network probe failed on {host} (exit {code}): {why[:200]}")
+        finally:
+            _quietly(lambda: probe.remove(force=True))
         info = json.loads(out.decode().strip().splitlines()[-1])
         if spec.iface:
             if spec.iface not in info["names"]:

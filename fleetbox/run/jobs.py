@@ -16,7 +16,8 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     if timeout and backend != "docker":
         raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
     b = backends.get(backend, **(backend_options or {}))
-    plan = b.plan(spec)
+    with backends.sigterm_as_interrupt():   # planning starts probe containers on --hosts engines
+        plan = b.plan(spec)
     if dry_run:
         log(b.describe(plan))
         return None

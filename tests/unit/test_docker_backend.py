@@ -570,6 +570,32 @@ def test_the_workspace_for_remote_engines_holds_sub_folders_and_link_targets(tmp
     assert files == {"main.py": b"main", "data.txt": b"data", "pkg/deep/mod.py": b"mod"}
 
 
+class _Probe:
+    def __init__(self, wait_error=None, code=0, out=b"", err=b""):
+        self.wait_error, self.code, self.out, self.err, self.removes = wait_error, code, out, err, []
+
+    def wait(self, timeout=None):
+        if self.wait_error is not None:
+            raise self.wait_error
+        return {"StatusCode": self.code}
+
+    def logs(self, stdout=True, stderr=False):
+        return self.out if stdout else self.err
+
+    def remove(self, force=False):
+        self.removes.append(force)
+
+
+@pytest.mark.parametrize("case", ["ctrl-c", "probe-fails"])
+def test_the_hosts_probe_container_is_removed_on_every_way_out(case):
+    probe = _Probe(KeyboardInterrupt()) if case == "ctrl-c" else _Probe(code=1, err=b"Traceback\nOSError: no route")
+    engine = type("Engine", (), {"containers": type("C", (), {"run": lambda self, *a, **kw: probe})()})()
+    b = DockerBackend(connect=lambda host: engine)
+    with pytest.raises(KeyboardInterrupt if case == "ctrl-c" else UserError):
+        b._probe(make_spec(), JOB, "tcp://10.213.77.11:2375", "10.213.77.11", 29500, check_port=True)
+    assert probe.removes == [True]
+
+
 def test_missing_image_is_a_user_error():
     engine = FakeEngine(images=())
     b = DockerBackend(connect=engine.connect)
