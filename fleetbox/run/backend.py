@@ -92,9 +92,7 @@ class Backend(ABC):
 @contextmanager
 def signals_held():
     """Ctrl-C and SIGTERM wait until the block is done (users press Ctrl-C twice; cleanup must finish)."""
-    caught = []
-    handlers = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:

@@ -243,6 +243,8 @@ class _Live:
     def start(self) -> None:
         import docker
         nodes = self.plan.nodes
+        # a remote engine cannot see our files: the workspace is copied in (packed once for every such node)
+        workspace = _tar_dir(self.plan.spec.script_path.parent) if any(n.host for n in nodes) else b""
 
         def create(k: int):
             n = nodes[k]
@@ -250,8 +252,8 @@ class _Live:
                 Path(next(m.src for m in n.mounts if m.dst == settings.LOG_DIR)).mkdir(parents=True, exist_ok=True)
             container = self.backend.engine(n.host).containers.create(n.image, list(n.command), **n.sdk_kwargs())
             self.containers[k] = container
-            if n.host:   # a remote engine cannot see our files: copy the workspace in
-                container.put_archive(settings.WORKDIR, _tar_dir(self.plan.spec.script_path.parent))
+            if n.host:
+                container.put_archive(settings.WORKDIR, workspace)
 
         for n in nodes:   # engine clients are made here, once, not from several threads
             self.backend.engine(n.host)
@@ -344,7 +346,7 @@ class _Live:
                 self.finished[rank] = state.get("FinishedAt", "")
                 self.oom[rank] = bool(state.get("OOMKilled"))
                 (d / "container.log").write_bytes(c.logs())
-                if self.plan.nodes[rank].host:   # remote: the log folder lives on that host; copy it out
+                if self.plan.nodes[rank].host:   # remote: the log folder is in the container; copy it out
                     bits, _ = c.get_archive(settings.LOG_DIR + "/.")   # the folder's content, not the folder
                     from ..data.datasets import safe_extract
                     with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
