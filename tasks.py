@@ -173,7 +173,13 @@ TRAIN_HELP = {
     "time": "with --backend slurm: the time limit (e.g. 01:00:00)",
     "account": "with --backend slurm: the account (-A)",
     "runtime_args": "with --backend slurm: extra options for the runtime, e.g. \"--ulimit nproc=32768:32768\"",
-    "job_id": "the job's id (default: train-<time>-<random>); with --port, a dry-run can be replayed exactly",
+    "job_id": "the job's id (default: train-<time>-<random>); with --port, a dry-run can be replayed exactly; "
+              "the same id again resumes that job from its newest checkpoint",
+    "checkpoint_dir": "the job's checkpoint folder, FLEETBOX_CHECKPOINT_DIR in the containers (default "
+                      "runs/<job>/checkpoints; Slurm and a shared --hosts folder: on the shared file system)",
+    "resume": "auto (default: from the newest complete checkpoint), never, or a checkpoint folder to start from",
+    "max_restarts": "docker: after a node fails, stop every node and start the job again from its newest "
+                    "checkpoint, up to N times (default 0)",
 }
 
 
@@ -182,12 +188,14 @@ TRAIN_HELP = {
 def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=None, image=None, hosts=None,
           iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, mount=None,
           data_dir=None, shm_size=None, timeout=None, dry_run=False, backend="docker", runtime="docker",
-          partition=None, time=None, account=None, runtime_args=None, job_id=None):
+          partition=None, time=None, account=None, runtime_args=None, job_id=None, checkpoint_dir=None, resume=None,
+          max_restarts=None):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import options
     from fleetbox.run import jobs, spec as spec_mod
     spec = spec_mod.from_options(_variant(variant), nodes, procs_per_node, script, args, image, hosts, iface, ib_hca,
-                                 debug, gpus_per_node, devices, port, env, mount, data_dir, shm_size, job_id)
+                                 debug, gpus_per_node, devices, port, env, mount, data_dir, shm_size, job_id,
+                                 checkpoint_dir, resume, max_restarts)
     slurm = {"runtime": runtime, "image": image or "", "partition": partition, "time": time, "account": account,
              "runtime_args": runtime_args} if backend == "slurm" else {}
     jobs.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), log=_log)

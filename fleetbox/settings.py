@@ -40,12 +40,16 @@ def exports_dir() -> Path:
 
 
 DEFAULT_SCRIPT = ROOT / "train" / "smoke.py"
+HELPERS = ROOT / "fleetbox" / "helpers"   # modules training scripts import in the containers (fleetbox_checkpoint)
 
 # Inside job containers.
 CONTAINER_CACHE = "/root/.cache/paddle/dataset"   # Paddle's DATA_HOME for the images' user (root)
 HOME_CACHE = ".cache/paddle/dataset"              # the same, under the home of a runtime that runs as the user
 LOG_DIR = "/fleetbox/logs"                        # --log_dir of paddle.distributed.launch
 WORKDIR = "/workspace"                            # the training script's folder
+HELPERS_DIR = "/fleetbox/helpers"                 # HELPERS, on the containers' PYTHONPATH
+CHECKPOINT_DIR = "/fleetbox/checkpoints"          # the job's checkpoint folder (FLEETBOX_CHECKPOINT_DIR), read-write
+RESUME_DIR = "/fleetbox/resume"                   # --resume PATH, read-only
 
 LABEL_JOB, LABEL_NODE, LABEL_RANK = "io.fleetbox.job", "io.fleetbox.node", "io.fleetbox.rank"
 LABEL_VARIANT = "io.fleetbox.variant"

@@ -3,10 +3,15 @@
 Checks that the loss falls and that every rank ends with identical parameters (an all-gather of a
 parameter checksum); prints samples/s; exits non-zero otherwise. To test failure handling:
 `--fail-rank R --fail-step S --fail-code C` makes rank R exit with code C at step S (S = -1: before joining
-the group), and `--hang-rank R` makes rank R sleep before joining, like a stuck node that never notices a peer
-died.
+the group; `--fail-attempt A`: only in the job's attempt A, see FLEETBOX_ATTEMPT), and `--hang-rank R` makes
+rank R sleep before joining, like a stuck node that never notices a peer died.
+
+It checkpoints with fleetbox_checkpoint (every `--checkpoint-every` steps, and when told to stop) and resumes
+from the newest checkpoint, its per-rank data RNG and loss history included, so a resumed run is judged as a
+whole and ends with the same parameters, bit for bit, as one that never stopped (`params_sha256`).
 """
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -16,6 +21,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+import fleetbox_checkpoint   # on every fleetbox container's PYTHONPATH
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -24,6 +31,8 @@ def main():
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-step", type=int, default=10)
     ap.add_argument("--fail-code", type=int, default=3)
+    ap.add_argument("--fail-attempt", type=int, default=-1, help="fail only in this attempt (-1: in every one)")
+    ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="slow each step down (for interrupt tests)")
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--hang-seconds", type=float, default=300)
@@ -31,6 +40,8 @@ def main():
     args = ap.parse_args()
 
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))   # set by paddle.distributed.launch
+    if args.fail_attempt >= 0 and int(os.environ.get("FLEETBOX_ATTEMPT", "0")) != args.fail_attempt:
+        args.fail_rank = -1
     if rank == args.fail_rank and args.fail_step < 0:
         print(f"rank {rank}: failing on purpose before joining with exit code {args.fail_code}", flush=True)
         sys.exit(args.fail_code)
@@ -47,8 +58,14 @@ def main():
     model = paddle.DataParallel(paddle.nn.Sequential(
         paddle.nn.Linear(16, 64), paddle.nn.ReLU(), paddle.nn.Linear(64, 1)))
     opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
-    losses, start = [], time.perf_counter()
-    for step in range(args.steps):
+    ckpt = fleetbox_checkpoint.Checkpoint(every=args.checkpoint_every, keep=3)
+    first = ckpt.restore(model, opt)
+    losses = []
+    if ckpt.rank_state:   # this rank's data stream and loss history, where they were
+        rng.bit_generator.state = ckpt.rank_state["rng"]
+        losses = ckpt.rank_state["losses"]
+    start = time.perf_counter()
+    for step in range(first, args.steps):
         if rank == args.fail_rank and step == args.fail_step:
             print(f"rank {rank}: failing on purpose at step {step} with exit code {args.fail_code}", flush=True)
             sys.exit(args.fail_code)
@@ -61,27 +78,34 @@ def main():
         losses.append(float(loss))
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if rank == 0 and step % 20 == 0:
+        if rank == 0 and (step % 20 == 0 or step == first):
             print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+        ckpt.step(step + 1, model, opt, rank_state=lambda: {"rng": rng.bit_generator.state, "losses": losses})
     elapsed = time.perf_counter() - start
+    ckpt.done()
 
     checksum = paddle.to_tensor([float(sum(p.sum() for p in model.parameters()))], dtype="float64")
-    total = paddle.to_tensor([args.steps * args.batch / elapsed], dtype="float64")
-    gathered = []
+    total = paddle.to_tensor([(args.steps - first) * args.batch / max(elapsed, 1e-9)], dtype="float64")
+    digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in model.parameters())).hexdigest()
+    gathered, digests = [], []
     if world > 1:   # with one rank there is no global group to gather over
         dist.all_gather(gathered, checksum)
+        dist.all_gather_object(digests, digest)
         dist.all_reduce(total)
     else:
-        gathered = [checksum]
+        gathered, digests = [checksum], [digest]
     sums = [float(t) for t in gathered]
     report = {"rank": rank, "world": world, "first_loss": np.mean(losses[:5]), "last_loss": np.mean(losses[-5:]),
-              "checksums": sums, "samples_per_s": float(total), "seconds": elapsed, "tag": args.tag,
+              "checksums": sums, "params_sha256": digest, "resumed_from": first, "steps": len(losses),
+              "samples_per_s": float(total), "seconds": elapsed, "tag": args.tag,
               "env_tag": os.environ.get("FLEETBOX_TAG")}
     ok_loss = report["last_loss"] < 0.5 * report["first_loss"]
-    ok_sync = max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0]))
+    ok_sync = max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0])) and len(set(digests)) == 1
     report.update(loss_falls=bool(ok_loss), params_identical=bool(ok_sync), world_ok=len(sums) == world)
+    ok_steps = len(losses) == args.steps   # the whole run's history, every attempt's steps once
+    report.update(whole_run=ok_steps)
     print("FLEETBOX-SMOKE " + json.dumps(report), flush=True)
-    sys.exit(0 if ok_loss and ok_sync and len(sums) == world else 1)
+    sys.exit(0 if ok_loss and ok_sync and ok_steps and len(sums) == world else 1)
 
 
 if __name__ == "__main__":

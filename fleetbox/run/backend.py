@@ -10,12 +10,15 @@ so a dry-run shows exactly what runs. `run` is submit + follow, with cancel on e
 from __future__ import annotations
 
 import json
+import re
 import signal
+import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import Failed, UserError
 from .result import JobResult
 from .spec import JobSpec
 
@@ -73,6 +76,49 @@ class Backend(ABC):
     def cancel(self, handle: Handle, log=print) -> None: ...
 
     def run(self, plan: Plan, log=print, timeout: float | None = None) -> JobResult:
+        """Submit and follow to the end; after a failure (a node's non-zero exit, a killed container, a lost
+        engine), stop every node and start the whole job again from its newest checkpoint, with the same job id,
+        up to spec.max_restarts times (torchrun's --max-restarts). Each attempt keeps its own logs: the last in
+        the job folder, earlier ones under attempt<N>/."""
+        deadline = time.monotonic() + timeout if timeout else None
+        restarts, attempts = plan.spec.max_restarts, []
+        for attempt in range(restarts + 1):
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                result = self.run_once(self.for_attempt(plan, attempt), log, left)
+                why = result.reason()
+            except Failed as e:   # the engine failed under the job: run_once has cleaned up
+                if attempt == restarts:
+                    raise
+                result, why = None, str(e).removeprefix("train failed: ")
+            attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
+                             "logs": str(plan.dir)})
+            if result is not None and (result.ok or result.timed_out) or attempt == restarts:
+                break
+            attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
+            log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
+                f"(restart {attempt + 1} of {restarts})")
+        if len(attempts) > 1:
+            result.attempts = attempts
+            result.save()
+        return result
+
+    def for_attempt(self, plan: Plan, attempt: int) -> Plan:
+        """The plan of a restart (the same job, told which attempt it is)."""
+        if attempt:
+            raise UserError(f"the {self.name} backend does not restart jobs")
+        return plan
+
+    def keep_attempt(self, plan: Plan, attempt: int) -> Path:
+        """Move a finished attempt's logs aside (to attempt<N>/), so the next one starts with a clean folder."""
+        aside = plan.dir / f"attempt{attempt}"
+        aside.mkdir(exist_ok=True)
+        for p in sorted(plan.dir.iterdir()):
+            if re.fullmatch(r"node\d+(\.log)?|summary\.json", p.name):
+                p.rename(aside / p.name)
+        return aside
+
+    def run_once(self, plan: Plan, log=print, timeout: float | None = None) -> JobResult:
         """Submit and follow to the end. Ctrl-C, SIGTERM and any error cancel the job before going on up."""
         handle = None
         with sigterm_as_interrupt():
@@ -122,7 +168,6 @@ def sigterm_as_interrupt():
 
 
 def get(name: str, **options) -> Backend:
-    from ..errors import UserError
     from .docker_backend import DockerBackend
     from .slurm_backend import SlurmBackend
     backends = {b.name: b for b in (DockerBackend, SlurmBackend)}

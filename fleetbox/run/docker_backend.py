@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import secrets
 import tarfile
 import threading
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from .. import engine, probes, settings
 from ..errors import Failed, UserError
-from . import hostnet, placeholders, plan as planner, spec as spec_mod
+from . import checkpoints, hostnet, placeholders, plan as planner, spec as spec_mod
 from .backend import Backend, Handle, Plan
 from .result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 
@@ -35,6 +36,7 @@ POLL_S = 0.25
 class DockerPlan(Plan):
     nodes: tuple[planner.NodeRun, ...]    # every node's container, placeholders filled
     notes: tuple[str, ...] = ()            # facts the plan had to settle for (e.g. a memlock cap)
+    checkpoints: str = ""                  # the checkpoint folder here, or (--hosts) each engine's volume
 
 
 class DockerBackend(Backend):
@@ -65,8 +67,13 @@ class DockerBackend(Backend):
             port = spec.port or hostnet.random_port()
             facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(hosts)]
             caps = [f["memlock"] for f in facts if f["memlock"] != -1]
-            t = planner.template(spec, job_id, None, workspace=False,
-                                 hyhal_present=Path("/opt/hyhal").exists(), memlock=min(caps) if caps else -1)
+            # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
+            # one for --resume never), unless --checkpoint-dir names a folder every host shares
+            shared = bool(spec.checkpoint_dir)
+            ckpt = spec.checkpoint_dir or f"fleetbox-{job_id}-checkpoints" + (
+                f"-{secrets.token_hex(3)}" if spec.resume == "never" else "")
+            t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
+                                 memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared)
             home, user = "", ""
             if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
                 raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
@@ -79,8 +86,11 @@ class DockerBackend(Backend):
                 hostnet.check_port(master_ip, spec.port)
             port = spec.port or hostnet.free_port(master_ip)
             facts = [{"iface": spec.iface or iface, "local": own}] * spec.nodes
+            ckpt = checkpoints.folder(spec.checkpoint_dir, settings.runs_root() / job_id)
+            checkpoints.check_writable(ckpt)
             t = planner.template(spec, job_id, str(settings.runs_root() / job_id / "{node}"),
-                                 hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock())
+                                 hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock(),
+                                 checkpoints=str(ckpt))
             home, user = str(Path.home()), getpass.getuser()
         nodes = tuple(
             replace(t, host=hosts[k]).fill(planner.node_values(
@@ -88,12 +98,12 @@ class DockerBackend(Backend):
             for k in range(spec.nodes))
         if not spec.hosts:   # Docker would make a missing source an empty folder; our log folders come later
             for m in nodes[0].mounts:
-                if m.dst != settings.LOG_DIR and not Path(m.src).exists():
+                if m.dst not in (settings.LOG_DIR, settings.CHECKPOINT_DIR) and not Path(m.src).exists():
                     raise UserError(f"mount source {m.src} does not exist here")
         notes = () if t.memlock == -1 else (
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
-        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes)
+        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt))
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
@@ -120,6 +130,9 @@ class DockerBackend(Backend):
             raise UserError(f"no interface on {host} routes to the master {master_ip}; pass --iface")
         return info
 
+    def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
+        return replace(plan, nodes=tuple(planner.for_attempt(n, attempt) for n in plan.nodes))
+
     def describe(self, plan: DockerPlan) -> str:
         out = list(plan.notes)
         for k, n in enumerate(plan.nodes):
@@ -133,6 +146,8 @@ class DockerBackend(Backend):
             log(note)
         plan.dir.mkdir(parents=True, exist_ok=True)
         spec = plan.spec
+        if not spec.hosts:
+            checkpoints.prepare(Path(plan.checkpoints), spec.resume, log)
         (plan.dir / "job.json").write_text(json.dumps({
             "job_id": plan.job_id, "variant": spec.variant.name, "nodes": spec.nodes,
             "procs_per_node": spec.procs_per_node, "image": spec.image_ref,
@@ -244,7 +259,9 @@ class _Live:
         import docker
         nodes = self.plan.nodes
         # a remote engine cannot see our files: the workspace is copied in (packed once for every such node)
-        workspace = _tar_dir(self.plan.spec.script_path.parent) if any(n.host for n in nodes) else b""
+        remote = any(n.host for n in nodes)
+        workspace = _tar_dir(self.plan.spec.script_path.parent) if remote else b""
+        helpers = _tar_dir(settings.HELPERS, settings.HELPERS_DIR.lstrip("/")) if remote else b""
 
         def create(k: int):
             n = nodes[k]
@@ -254,6 +271,7 @@ class _Live:
             self.containers[k] = container
             if n.host:
                 container.put_archive(settings.WORKDIR, workspace)
+                container.put_archive("/", helpers)
 
         for n in nodes:   # engine clients are made here, once, not from several threads
             self.backend.engine(n.host)
@@ -424,9 +442,9 @@ def _quietly(fn) -> None:
         pass
 
 
-def _tar_dir(folder: Path) -> bytes:
+def _tar_dir(folder: Path, prefix: str = "") -> bytes:
     """The workspace as a remote engine gets it: every file in every sub-folder, symlinks resolved to what
-    they point at (an absolute link would dangle on the other host)."""
+    they point at (an absolute link would dangle on the other host); under `prefix` in the archive."""
     buf = io.BytesIO()
     seen: set[str] = set()
     with tarfile.open(fileobj=buf, mode="w", dereference=True) as tar:
@@ -437,7 +455,7 @@ def _tar_dir(folder: Path) -> bytes:
                 continue
             seen.add(real)
             dirs.sort()
-            rel = Path(top).relative_to(folder)
+            rel = Path(prefix, Path(top).relative_to(folder))
             for name in sorted(files):
                 p = Path(top, name)
                 if p.exists():   # a dangling link (an editor's lock file) has nothing to copy

@@ -159,17 +159,40 @@ def _abs(path: str) -> str:
     return path if path.startswith("{") else str(Path(path).resolve())
 
 
+def checkpoint_env(spec: JobSpec, shared: bool = True) -> dict:
+    """What fleetbox_checkpoint reads (attempt 0; later attempts resume from the job's own checkpoints)."""
+    resume = spec.resume if spec.resume in ("auto", "never") else settings.RESUME_DIR
+    env = {"FLEETBOX_CHECKPOINT_DIR": settings.CHECKPOINT_DIR, "FLEETBOX_RESUME": resume, "FLEETBOX_ATTEMPT": "0"}
+    if not shared:   # every node has its own folder: each node's first rank writes the replicated state there
+        env["FLEETBOX_CHECKPOINT_SCOPE"] = "node"
+    return env
+
+
+def for_attempt(n: NodeRun, attempt: int) -> NodeRun:
+    """Node n in a restart: the same container, told which attempt it is and to go on from the newest checkpoint."""
+    return replace(n, env={**n.env, "FLEETBOX_ATTEMPT": str(attempt), "FLEETBOX_RESUME": "auto"} if attempt else n.env)
+
+
 def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = True, hyhal_present: bool = True,
-             memlock: int = -1, host: str = "") -> NodeRun:
+             memlock: int = -1, host: str = "", checkpoints: str = "", shared_checkpoints: bool = True) -> NodeRun:
     """Pure: node {rank}'s container. `log_dir` is the folder (on the node's host) mounted at LOG_DIR, with
     placeholders (None: no mount, the logs stay in the container until it is removed); `workspace`: mount the
-    script's folder (False where the backend copies it in)."""
+    script's folder and fleetbox's helpers (False where the backend copies them in); `checkpoints`: the job's
+    checkpoint folder on the node's host, or a volume name, mounted read-write at CHECKPOINT_DIR."""
     dev = device_options(spec, hyhal_present)
+    user_path = spec.env.get("PYTHONPATH", "")
     env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}",
-           **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}), **spec.env}
-    mounts = [Mount(str(spec.script_path.parent), WORKDIR, ro=True)] if workspace else []
+           **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
+           **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}), **spec.env,
+           "PYTHONPATH": settings.HELPERS_DIR + (f":{user_path}" if user_path else "")}
+    mounts = [Mount(str(spec.script_path.parent), WORKDIR, ro=True),
+              Mount(str(settings.HELPERS), settings.HELPERS_DIR, ro=True)] if workspace else []
     if log_dir is not None:
         mounts.append(Mount(log_dir, LOG_DIR, ro=False))
+    if checkpoints:
+        mounts.append(Mount(checkpoints, settings.CHECKPOINT_DIR, ro=False))
+    if spec.resume not in ("auto", "never"):
+        mounts.append(Mount(str(Path(spec.resume).resolve()), settings.RESUME_DIR, ro=True))
     if spec.data_dir:
         mounts.append(Mount(str(Path(spec.data_dir).resolve()), settings.CONTAINER_CACHE, ro=True))
     mounts += list(dev.get("mounts", ()))

@@ -36,6 +36,7 @@ class JobResult:
     smoke: dict | None = None    # the smoke job's own report (FLEETBOX-SMOKE line of rank 0)
     scheduler_job: str = ""      # Slurm's job id
     scheduler_state: str = ""    # Slurm's final JobState
+    attempts: list[dict] = field(default_factory=list)   # with restarts: {attempt, ok, ended, logs} each
 
     @property
     def failed(self) -> NodeResult | None:
@@ -45,6 +46,13 @@ class JobResult:
         """The one line that says why the job failed ("" when it passed)."""
         if self.ok:
             return ""
+        after = f"after {len(self.attempts) - 1} restart(s); " if len(self.attempts) > 1 else ""
+        return f"{self.reason()} ({after}logs: {self.dir})"
+
+    def reason(self) -> str:
+        """Why the job ended, without where its logs are."""
+        if self.ok:
+            return "passed"
         if self.timed_out:
             why = "timed out"
         elif (bad := self.failed) is not None:
@@ -53,7 +61,7 @@ class JobResult:
                 bad.why or f"exited with {exit_meaning(bad.exit_code, bad.oom_killed)}")
         else:
             why = f"job ended {self.scheduler_state or 'without a result'}"
-        return f"{why} (logs: {self.dir})"
+        return why
 
     def table(self) -> str:
         head = f"job {self.job_id}: {'PASSED' if self.ok else 'FAILED'}"
@@ -62,6 +70,8 @@ class JobResult:
         out = [head, f"  {'node':<6} {'host':<28} {'rank':>4} {'exit':>5}  {'state':<8} logs"]
         for n in self.nodes:
             out.append(f"  {n.node:<6} {n.host:<28} {n.rank:>4} {str(n.exit_code):>5}  {n.state:<8} {n.logs}")
+        for a in self.attempts:
+            out.append(f"  attempt {a['attempt']}: {a['ended']}" + ("" if a["logs"] == self.dir else f" ({a['logs']})"))
         if self.smoke:
             out.append(f"  smoke: {smoke_line(self.smoke)}")
         if (bad := self.failed) is not None:

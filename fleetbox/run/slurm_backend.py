@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from .. import probes, settings
 from ..errors import UserError
-from . import hostnet, placeholders, plan as planner, runtimes, spec as spec_mod
+from . import checkpoints, hostnet, placeholders, plan as planner, runtimes, spec as spec_mod
 from .backend import Backend, Handle, Plan
 from .result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 from .shell import Raw, line
@@ -58,6 +58,7 @@ class SlurmPlan(Plan):
     runtime: str
     image: str
     files: tuple[tuple[str, str], ...]    # (name in the job folder, text): job.sbatch, node.sh
+    checkpoints: str = ""                 # the job's checkpoint folder (shared file system)
 
 
 class SlurmBackend(Backend):
@@ -88,11 +89,15 @@ class SlurmBackend(Backend):
                             f"and ._-/ only); set FLEETBOX_RUNS to another folder")
         port = spec.port or hostnet.random_port()
         image = self.image or self.runtime.default_image(spec.variant, spec.image_ref)
-        t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}"))
+        if spec.max_restarts:
+            raise UserError("--max-restarts is for the docker backend; Slurm jobs go on in new allocations")
+        ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
+        checkpoints.check_writable(ckpt)
+        t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt)))
         self.runtime.check(t, image)
         files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image)),
                  ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
-        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files)
+        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt))
 
     def words(self, words, job_id: str) -> str:
         return line(placeholders.to_shell(w, {**NODE_VARS, "job_id": job_id}) for w in words)
@@ -163,6 +168,7 @@ class SlurmBackend(Backend):
 
     def submit(self, plan: SlurmPlan, log=print) -> Handle:
         plan.dir.mkdir(parents=True, exist_ok=True)
+        checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, log)
         for name, text in plan.files:   # complete files only: written aside, then renamed
             part = plan.dir / f".{name}.part"
             part.write_text(text)

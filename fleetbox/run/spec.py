@@ -43,6 +43,9 @@ class JobSpec:
     shm_size: str = "8g"                 # NCCL needs more than Docker's 64 MB default ("NCCL error 2")
     data_dir: str = ""                   # seeded dataset cache, mounted read-only at Paddle's cache path
     job_id: str = ""                     # "": the plan makes one
+    checkpoint_dir: str = ""             # host folder (shared for Slurm); "": runs/<job>/checkpoints (--hosts: a volume)
+    resume: str = "auto"                 # auto | never | a checkpoint (step folder or checkpoint folder) to start from
+    max_restarts: int = 0                # Docker: start the whole job again after a failure, this many times
 
     @property
     def image_ref(self) -> str:
@@ -69,7 +72,8 @@ def parse_mount(text: str) -> Mount:
 
 def from_options(variant: Variant, nodes=None, procs_per_node=None, script=None, args=None, image=None, hosts=None,
                  iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None,
-                 mount=None, data_dir=None, shm_size=None, job_id=None) -> JobSpec:
+                 mount=None, data_dir=None, shm_size=None, job_id=None, checkpoint_dir=None, resume=None,
+                 max_restarts=None) -> JobSpec:
     """A validated JobSpec from command-line strings."""
     import shlex
     host_list = tuple(options.items(hosts))
@@ -90,7 +94,8 @@ def from_options(variant: Variant, nodes=None, procs_per_node=None, script=None,
         gpus_per_node=options.integer("--gpus-per-node", gpus_per_node or 0, 0), devices=devices or "",
         port=options.integer("--port", port, 1024, 65535) if port else 0, env=options.pairs("--env", env),
         mounts=tuple(parse_mount(m) for m in options.items(mount)), data_dir=data_dir,
-        shm_size=shm_size or "8g", job_id=job_id or "")
+        shm_size=shm_size or "8g", job_id=job_id or "", checkpoint_dir=checkpoint_dir or "",
+        resume=resume or "auto", max_restarts=options.integer("--max-restarts", max_restarts or 0, 0))
     validate(spec)
     return spec
 
@@ -114,6 +119,17 @@ def validate(spec: JobSpec) -> None:
         raise UserError(f"--job-id {spec.job_id!r}: use letters, digits, '.', '_' and '-' (at most 63)")
     if not re.fullmatch(r"[0-9]+[bkmg]?", spec.shm_size, re.I):
         raise UserError(f"--shm-size {spec.shm_size!r} must be a size such as 8g or 512m")
+    if spec.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more (got {spec.max_restarts})")
+    if spec.resume not in ("auto", "never"):
+        if not Path(spec.resume).is_dir():
+            raise UserError(f"--resume {spec.resume}: give auto, never, or a checkpoint folder (not found here)")
+        if spec.hosts:
+            raise UserError("--resume PATH needs the folder on every node; with --hosts, copy it into the job's "
+                            "checkpoint volume or use a shared --checkpoint-dir")
+    if spec.checkpoint_dir and not spec.hosts and Path(spec.checkpoint_dir).exists() \
+            and not Path(spec.checkpoint_dir).is_dir():
+        raise UserError(f"--checkpoint-dir {spec.checkpoint_dir} is not a folder")
     for m in spec.mounts:
         if not m.src or not m.dst.startswith("/"):
             raise UserError(f"--mount {m.src}:{m.dst}: the destination must be an absolute path")

@@ -276,3 +276,29 @@ def test_dry_run_is_what_runs(cpu_image, tmp_path):
     assert f"master 127.0.0.1:{port}," in out and not os.path.exists("/tmp/no")
     smoke = json.loads((ROOT / "runs" / job / "summary.json").read_text())["smoke"]   # what the script got
     assert smoke["tag"] == ["$(touch /tmp/no)", "0"] and smoke["env_tag"] == "$(id) `id`"
+
+
+def test_a_killed_node_restarts_the_job_from_its_checkpoint_and_ends_bit_for_bit_as_if_never_killed(cpu_image):
+    ref = invoke("train", "--nodes", "2", "--args", "--checkpoint-every 5")
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr
+    reference = summary_of(ref)["smoke"]
+    p, names, job_id = _start_job("--max-restarts", "1", "--args", "--checkpoint-every 5 --step-sleep 0.2")
+    ckpt = ROOT / "runs" / job_id / "checkpoints"
+    deadline = time.monotonic() + 60
+    while not (ckpt / "step-00000010" / "COMPLETE").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    subprocess.run(["docker", "kill", "--signal", "KILL", names[1]], check=True, capture_output=True)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, out[-3000:] + err
+    s = json.loads((ROOT / "runs" / job_id / "summary.json").read_text())
+    assert [(a["attempt"], a["ok"]) for a in s["attempts"]] == [(0, False), (1, True)]
+    assert s["attempts"][0]["ended"] == "node1 (rank 1) exited with exit code 137 (killed by SIGKILL)"
+    smoke = s["smoke"]
+    assert smoke["resumed_from"] >= 10 and smoke["steps"] == 60   # judged on the whole run, not the last attempt
+    assert smoke["loss_falls"] and smoke["params_identical"] and smoke["whole_run"]
+    assert smoke["params_sha256"] == reference["params_sha256"]   # bit for bit
+    assert smoke["first_loss"] == reference["first_loss"] and smoke["last_loss"] == reference["last_loss"]
+    first = ROOT / "runs" / job_id / "attempt0"
+    assert (first / "node1" / "workerlog.0").exists() and (first / "summary.json").exists()
+    assert f"resumed from step {smoke['resumed_from']}" in out
+    assert job_containers(job_id) == []

@@ -1,4 +1,6 @@
 """The front door as a user meets it: `invoke ...` in a subprocess."""
+import subprocess
+
 import pytest
 
 
@@ -63,6 +65,11 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--backend", "slurm", "--timeout", "5", "--dry-run"], "--timeout is for the docker backend"),
     (["train", "--backend", "k8s"], "unknown backend 'k8s'"),
     (["build", "--variant", ""], "--variant is empty"),
+    (["train", "--max-restarts", "-1", "--dry-run"], "--max-restarts must be at least 0 (got -1)"),
+    (["train", "--max-restarts", "x", "--dry-run"], "--max-restarts takes a whole number"),
+    (["train", "--resume", "/nonexistent/ck", "--dry-run"], "--resume /nonexistent/ck: give auto, never, or a"),
+    (["train", "--checkpoint-dir", "/etc/hostname", "--dry-run"], "--checkpoint-dir /etc/hostname is not a folder"),
+    (["train", "--backend", "slurm", "--max-restarts", "1", "--dry-run"], "--max-restarts is for the docker backend"),
     (["cache", "--datasets", "mnist", "--jobs", "x"], "--jobs takes a whole number"),
 ])
 def test_bad_values_are_one_line(run_invoke, args, needle):
@@ -102,3 +109,14 @@ def test_cache_bad_input_is_one_line_and_changes_nothing(run_invoke, tmp_path, c
     assert proc.returncode == 2
     one_line_error(proc, needle)
     assert afile.read_bytes() == b"mine" and not dest.exists() and not list(tmp_path.glob("out.tar*"))
+
+
+def test_a_checkpoint_folder_on_a_read_only_file_system_is_one_line(run_invoke, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        proc = run_invoke("train", "--backend", "slurm", "--dry-run", "--checkpoint-dir", str(ro / "ck"))
+        one_line_error(proc, f"checkpoint folder {ro / 'ck'} is not writable ({ro}: read-only file system)")
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)

@@ -132,9 +132,13 @@ class _Containers:
         rank = int(kwargs["labels"][settings.LABEL_RANK])
         if rank in self.engine.refuse:
             raise self.engine.refuse[rank]
-        c = FakeContainer(image, command, kwargs, self.engine.lives.get(rank, Life(code=0)))
+        life = self.engine.lives.get(rank, Life(code=0))
+        if isinstance(life, list):   # one Life per attempt of a restarted job
+            life = life.pop(0)
+        c = FakeContainer(image, command, kwargs, life)
         with self.engine.lock:   # the backend creates from several threads
             self.engine.made[rank] = c
+            self.engine.history.append(c)
         return c
 
     def list(self, all=False, filters=None, ignore_removed=False):
@@ -162,6 +166,7 @@ class FakeEngine:
         self.images = _Images(images)
         self.containers = _Containers(self)
         self.made: dict[int, FakeContainer] = {}
+        self.history: list[FakeContainer] = []   # every container ever made (restarts make new ones)
         self.lock = threading.Lock()
         self.vanish_while_listing: list[FakeContainer] = []
 
@@ -186,14 +191,14 @@ def make_spec(nodes=2, **kw) -> spec_mod.JobSpec:
     return spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=nodes, job_id=JOB, **kw)
 
 
-def job(engine: FakeEngine, nodes=2):
+def job(engine: FakeEngine, nodes=2, **spec_kw):
     """A backend on the fake engine and its plan for a local job."""
     b = DockerBackend(connect=engine.connect)
-    return b, b.plan(make_spec(nodes))
+    return b, b.plan(make_spec(nodes, **spec_kw))
 
 
-def run(engine: FakeEngine, nodes=2, **kw):
-    b, plan = job(engine, nodes)
+def run(engine: FakeEngine, nodes=2, spec_kw=None, **kw):
+    b, plan = job(engine, nodes, **(spec_kw or {}))
     lines: list[str] = []
     return b, plan, b.run(plan, log=lines.append, **kw), lines
 
@@ -602,3 +607,77 @@ def test_missing_image_is_a_user_error():
     with pytest.raises(UserError, match=r"image fleetbox/paddle:cpu is not here; run `invoke build --variant cpu`"):
         b.plan(make_spec())
     assert engine.made == {}
+
+
+# -- restarts (--max-restarts) --
+
+def test_a_failed_node_restarts_the_whole_job_from_its_checkpoints():
+    engine = FakeEngine({0: [Life(code=None), Life(code=0, after=2)], 1: [Life(code=3, after=2), Life(code=0)]})
+    b, plan, r, lines = run(engine, spec_kw={"max_restarts": 2})
+    assert r.ok and r.job_id == JOB
+    first, second = engine.history[:2], engine.history[2:]
+    assert len(engine.history) == 4 and all(c.removed for c in engine.history)
+    assert first[0].stopped and [c.name for c in first] == [c.name for c in second]   # the same job, again
+    for c in first:
+        assert c.kwargs["environment"]["FLEETBOX_ATTEMPT"] == "0"
+    for c in second:   # told which attempt it is, and to go on from the job's own newest checkpoint
+        env = c.kwargs["environment"]
+        assert env["FLEETBOX_ATTEMPT"] == "1" and env["FLEETBOX_RESUME"] == "auto"
+        assert f"{plan.checkpoints}:{settings.CHECKPOINT_DIR}:rw" in c.kwargs["volumes"]
+    assert [(a["attempt"], a["ok"]) for a in r.attempts] == [(0, False), (1, True)]
+    assert r.attempts[0]["ended"] == "node1 (rank 1) exited with exit code 3"
+    # each attempt keeps its own logs: the first moved aside, the last in the job folder
+    assert r.attempts[0]["logs"] == str(plan.dir / "attempt0") and r.attempts[1]["logs"] == str(plan.dir)
+    assert json.loads((plan.dir / "attempt0" / "summary.json").read_text())["culprit"] == 1
+    assert (plan.dir / "attempt0" / "node1" / "container.log").exists() and (plan.dir / "node1" / "container.log").exists()
+    assert json.loads((plan.dir / "summary.json").read_text())["attempts"] == r.attempts
+    assert any(ln.startswith("attempt 0 failed: node1 (rank 1) exited with exit code 3; restarting the whole job")
+               for ln in lines)
+    assert "attempt 0: node1 (rank 1) exited with exit code 3" in r.table()
+
+
+def test_after_the_last_restart_the_last_failure_is_named():
+    engine = FakeEngine({0: [Life(code=None), Life(code=None)], 1: [Life(code=3), Life(code=7)]})
+    b, plan, r, lines = run(engine, spec_kw={"max_restarts": 1})
+    assert not r.ok and r.culprit == 1 and r.nodes[1].exit_code == 7
+    assert r.failure() == f"node1 (rank 1) exited with exit code 7 (after 1 restart(s); logs: {plan.dir})"
+    assert len(engine.history) == 4 and all(c.removed for c in engine.history)
+
+
+def test_without_restarts_a_failure_ends_the_job():
+    engine = FakeEngine({0: [Life(code=None), Life(code=0)], 1: [Life(code=3), Life(code=0)]})
+    b, plan, r, lines = run(engine)
+    assert not r.ok and len(engine.history) == 2 and r.attempts == [] and not (plan.dir / "attempt0").exists()
+
+
+def test_an_engine_lost_under_the_job_is_a_failed_attempt():
+    error = requests.exceptions.ConnectionError("Connection aborted")
+    engine = FakeEngine({0: [Life(code=None, error=error), Life(code=0)], 1: [Life(code=None), Life(code=0)]})
+    b, plan, r, lines = run(engine, spec_kw={"max_restarts": 1})
+    assert r.ok and r.attempts[0]["ended"].startswith("the Docker Engine failed while running the job")
+    assert all(c.removed for c in engine.history)
+
+
+def test_a_timeout_or_ctrl_c_is_not_restarted():
+    engine = FakeEngine({0: [Life(code=None)] * 2, 1: [Life(code=None)] * 2})
+    b, plan, r, lines = run(engine, spec_kw={"max_restarts": 3}, timeout=0.2)
+    assert r.timed_out and len(engine.history) == 2
+    engine = FakeEngine({0: Life(code=None, error=KeyboardInterrupt()), 1: Life(code=None)})
+    with pytest.raises(KeyboardInterrupt):
+        run(engine, spec_kw={"max_restarts": 3})
+    assert len(engine.history) == 2 and engine.all_removed()
+
+
+def test_resume_never_moves_older_checkpoints_aside(tmp_path):
+    ckpt = tmp_path / "ck"
+    (ckpt / "step-00000040").mkdir(parents=True)
+    (ckpt / "step-00000040" / "COMPLETE").write_text("{}")
+    lines = []
+    b, plan = job(FakeEngine(), checkpoint_dir=str(ckpt), resume="never")
+    b.run(plan, log=lines.append)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ck.before-")]
+    assert len(aside) == 1 and (aside[0] / "step-00000040" / "COMPLETE").exists() and list(ckpt.iterdir()) == []
+    assert any(f"moved the earlier checkpoints to {aside[0]}" in ln for ln in lines)
+    b, plan = job(FakeEngine(), checkpoint_dir=str(aside[0]))   # auto: they stay where they are
+    b.run(plan, log=lines.append)
+    assert (aside[0] / "step-00000040").exists()

@@ -167,3 +167,35 @@ def test_launcher_polling_stays_out_of_the_live_stream_unless_debug():
     for line in (poll, healthy, *users):
         log(line)
     assert shown == users   # only the launcher's own polling of its master is held back
+
+
+# -- the checkpoint contract --
+
+def test_every_node_gets_the_checkpoint_folder_the_helpers_and_their_environment(tmp_path):
+    s = spec(nodes=2, env={"PYTHONPATH": "/opt/mine"})
+    t = planner.template(s, s.job_id, "/logs/{node}", checkpoints=str(tmp_path / "ck"))
+    assert Mount(str(tmp_path / "ck"), settings.CHECKPOINT_DIR, ro=False) in t.mounts
+    assert Mount(str(settings.HELPERS), settings.HELPERS_DIR, ro=True) in t.mounts
+    assert (settings.HELPERS / "fleetbox_checkpoint.py").is_file()
+    assert t.env["FLEETBOX_CHECKPOINT_DIR"] == settings.CHECKPOINT_DIR and t.env["FLEETBOX_RESUME"] == "auto"
+    assert t.env["PYTHONPATH"] == f"{settings.HELPERS_DIR}:/opt/mine"   # the user's path kept, after ours
+    assert "FLEETBOX_CHECKPOINT_SCOPE" not in t.env and t.env["FLEETBOX_ATTEMPT"] == "0"
+    again = planner.for_attempt(t, 2)
+    assert again.env["FLEETBOX_ATTEMPT"] == "2" and again.env["FLEETBOX_RESUME"] == "auto"
+
+
+def test_resume_from_a_folder_mounts_it_read_only(tmp_path):
+    s = spec(nodes=1, resume=str(tmp_path))
+    t = planner.template(s, s.job_id, "/logs/{node}", checkpoints="/ck")
+    assert Mount(str(tmp_path), settings.RESUME_DIR, ro=True) in t.mounts
+    assert t.env["FLEETBOX_RESUME"] == settings.RESUME_DIR
+    assert planner.for_attempt(t, 1).env["FLEETBOX_RESUME"] == "auto"   # a restart goes on from its own
+
+
+def test_remote_engines_keep_checkpoints_per_node_unless_a_shared_folder_is_given():
+    s = spec(nodes=2, hosts=("tcp://10.0.0.1:2375", "tcp://10.0.0.2:2375"))
+    t = planner.template(s, s.job_id, None, workspace=False, checkpoints="fleetbox-j-checkpoints",
+                         shared_checkpoints=False)
+    assert t.env["FLEETBOX_CHECKPOINT_SCOPE"] == "node"
+    assert Mount("fleetbox-j-checkpoints", settings.CHECKPOINT_DIR, ro=False) in t.mounts
+    assert not any(m.dst == settings.HELPERS_DIR for m in t.mounts)   # copied in with the workspace

@@ -1,0 +1,306 @@
+"""Checkpoints for fleetbox jobs: import this in a training script (every fleetbox container has it on its
+PYTHONPATH, nothing to copy) and a job that dies, is restarted or reaches its queue's time limit goes on
+from where it was.
+
+    import fleetbox_checkpoint
+    ckpt = fleetbox_checkpoint.Checkpoint(every=100, keep=3)     # after init_parallel_env() / fleet.init()
+    start = ckpt.restore(model, opt)                              # 0 on a fresh start
+    mine = ckpt.rank_state or {}                                  # this rank's own state, as it was saved
+    for step in range(start, total_steps):
+        ...                                                       # one training step
+        ckpt.step(step + 1, model, opt, rank_state={"losses": losses})   # saves every `every` steps, and
+    ckpt.done()                                                   # when the job is told to stop (then exits)
+
+Layout of FLEETBOX_CHECKPOINT_DIR (the job's checkpoint folder, the same for every attempt):
+    step-00000120/  model.pdparams, optimizer.pdopt (the replicated state, written once), rank-<r>.pkl (each
+                    rank's own: Python/NumPy/Paddle RNG states and the script's rank_state), COMPLETE (sizes
+                    and sha256 of every file; a folder without it is never loaded)
+    STATE           {"state": "running" | "continue" | "done", "step": N}: what fleetbox reads to decide
+                    whether a job that stopped should go on in a new allocation
+
+A save goes to `.step-N.partial/`: every rank writes its own file (to a temporary name, then renamed), the
+writer (rank 0, or each node's first rank where nodes do not share the folder) writes the replicated state,
+all meet at a barrier, then the writer adds COMPLETE and renames the folder. Only complete folders count.
+On restore, ranks agree on the newest step every one of them has complete and intact; a damaged one is
+skipped, with a line that says so.
+
+Environment (set by fleetbox): FLEETBOX_CHECKPOINT_DIR (no checkpoints without it), FLEETBOX_RESUME
+(auto: the newest complete step; never: start fresh; a path: a step folder or a checkpoint folder to start
+from, until the job has checkpoints of its own), FLEETBOX_CHECKPOINT_SCOPE (shared: one folder for all nodes; node: one per node),
+FLEETBOX_CHECKPOINT_EVERY / FLEETBOX_CHECKPOINT_KEEP (override the script's values).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+
+STEP_DIR = re.compile(r"step-(\d{8})")
+MODEL, OPTIMIZER, COMPLETE, STATE = "model.pdparams", "optimizer.pdopt", "COMPLETE", "STATE"
+
+
+def _say(msg: str) -> None:
+    print(f"fleetbox-checkpoint: {msg}", flush=True)
+
+
+def _fail(msg: str) -> None:
+    print(f"fleetbox-checkpoint: error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _write(path: str, data: bytes) -> None:
+    """Complete or absent: written to a temporary name, flushed to disk, then renamed."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def intact(step_dir: str) -> str:
+    """"" when the step folder is complete and every file it lists has its size and sha256; else why not."""
+    try:
+        with open(os.path.join(step_dir, COMPLETE)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"no readable {COMPLETE} ({e})"
+    for name, (size, digest) in files.items():
+        p = os.path.join(step_dir, name)
+        if not os.path.exists(p):
+            return f"{name} is missing"
+        if os.path.getsize(p) != size or _sha256(p) != digest:
+            return f"{name} is damaged (size or sha256 differs from {COMPLETE})"
+    return ""
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Steps with a COMPLETE marker, newest first."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    steps = [int(m.group(1)) for n in names if (m := STEP_DIR.fullmatch(n))
+             and os.path.exists(os.path.join(folder, n, COMPLETE))]
+    return sorted(steps, reverse=True)
+
+
+class Checkpoint:
+    def __init__(self, every: int = 100, keep: int = 3, folder: str | None = None):
+        import paddle.distributed as dist
+        self.dist = dist
+        self.folder = folder if folder is not None else os.environ.get("FLEETBOX_CHECKPOINT_DIR", "")
+        self.every = int(os.environ.get("FLEETBOX_CHECKPOINT_EVERY") or every)
+        self.keep = max(1, int(os.environ.get("FLEETBOX_CHECKPOINT_KEEP") or keep))
+        self.resume = os.environ.get("FLEETBOX_RESUME", "auto") or "auto"
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) or 0)
+        shared = os.environ.get("FLEETBOX_CHECKPOINT_SCOPE", "shared") != "node"
+        self.writer = self.rank == 0 if shared else local == 0    # writes the replicated state and COMPLETE
+        self.rank_state: dict | None = None
+        self.saved_step = self.last_step = 0
+        self._stop = False
+        if not self.folder:
+            _say("FLEETBOX_CHECKPOINT_DIR is not set: no checkpoints")
+            return
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            probe = os.path.join(self.folder, f".writable-{self.rank}-{os.getpid()}")
+            _write(probe, b"")
+            os.remove(probe)
+        except OSError as e:
+            _fail(f"cannot write checkpoints to {self.folder}: {e.strerror or e}")
+        for sig in (signal.SIGTERM, signal.SIGUSR1):   # "stop soon": save, mark "continue", exit
+            signal.signal(sig, self._asked_to_stop)
+
+    def _asked_to_stop(self, signum, frame):
+        self._stop = True
+
+    # -- collectives (none with one rank) --
+
+    def _barrier(self):
+        if self.world > 1:
+            self.dist.barrier()
+
+    def _all(self, flag: bool, op) -> bool:
+        if self.world == 1:
+            return flag
+        import paddle
+        t = paddle.to_tensor([1 if flag else 0], dtype="int32")
+        self.dist.all_reduce(t, op=op)
+        return bool(int(t.numpy()[0]))
+
+    def _every_rank(self, flag: bool) -> bool:
+        return self._all(flag, self.dist.ReduceOp.MIN)
+
+    def _any_rank(self, flag: bool) -> bool:
+        return self._all(flag, self.dist.ReduceOp.MAX)
+
+    def _gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = []
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    # -- restore --
+
+    def restore(self, model, optimizer=None) -> int:
+        """Load the newest complete, intact checkpoint every rank has (or the one FLEETBOX_RESUME names);
+        return the step to go on from (0: fresh)."""
+        if not self.folder:
+            return 0
+        if self.writer:   # saves an earlier attempt did not finish
+            for name in os.listdir(self.folder):
+                if name.endswith(".partial"):
+                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        found = self._candidates()
+        common = set(found)
+        for theirs in self._gather(sorted(found)):
+            common &= set(theirs)
+        step = 0
+        for candidate in sorted(common, reverse=True):
+            why = intact(found[candidate])
+            if self._every_rank(not why):
+                step = self._load(found[candidate], model, optimizer)
+                break
+            if why:
+                _say(f"rank {self.rank}: step {candidate} ({found[candidate]}) is unusable: {why}")
+            if self.rank == 0:
+                _say(f"step {candidate} is unusable on some rank; falling back to the one before")
+        if self.resume not in ("auto", "never") and not step:
+            _fail(f"FLEETBOX_RESUME={self.resume}: no intact checkpoint there")
+        if self.rank == 0:
+            _say(f"resumed from step {step}" if step else "starting from step 0 (no checkpoint to resume)")
+            self._mark("running", step)
+        self.saved_step = self.last_step = step
+        return step
+
+    def _candidates(self) -> dict[int, str]:
+        """{step: folder} this rank could resume from."""
+        if self.resume == "never":
+            return {}
+        if self.resume == "auto":
+            return {s: os.path.join(self.folder, f"step-{s:08d}") for s in complete_steps(self.folder)}
+        own = complete_steps(self.folder)
+        if own:   # a restart of a job that began from the given checkpoint: its own are newer
+            return {s: os.path.join(self.folder, f"step-{s:08d}") for s in own}
+        given = self.resume.rstrip("/") or "/"
+        if not os.path.isdir(given):
+            _fail(f"FLEETBOX_RESUME={self.resume}: no such folder")
+        if os.path.exists(os.path.join(given, COMPLETE)):   # one step folder
+            try:
+                with open(os.path.join(given, COMPLETE)) as f:
+                    return {int(json.load(f)["step"]): given}
+            except (OSError, ValueError, KeyError) as e:
+                _fail(f"FLEETBOX_RESUME={self.resume}: unreadable {COMPLETE} ({e})")
+        found = {s: os.path.join(given, f"step-{s:08d}") for s in complete_steps(given)}
+        if not found:
+            _fail(f"FLEETBOX_RESUME={self.resume}: no complete checkpoint there")
+        return found
+
+    def _load(self, d: str, model, optimizer) -> int:
+        import numpy as np
+        import paddle
+        with open(os.path.join(d, COMPLETE)) as f:
+            meta = json.load(f)
+        model.set_state_dict(paddle.load(os.path.join(d, MODEL)))
+        if optimizer is not None and os.path.exists(os.path.join(d, OPTIMIZER)):
+            optimizer.set_state_dict(paddle.load(os.path.join(d, OPTIMIZER)))
+        mine = os.path.join(d, f"rank-{self.rank}.pkl")
+        if os.path.exists(mine):
+            with open(mine, "rb") as f:
+                saved = pickle.load(f)
+            random.setstate(saved["python_rng"])
+            np.random.set_state(saved["numpy_rng"])
+            paddle.set_rng_state(saved["paddle_rng"])
+            self.rank_state = saved["rank_state"]
+        else:   # the job now has more ranks than when it saved
+            _say(f"rank {self.rank}: no state of its own in {d} (saved by {meta['world']} ranks); starting it fresh")
+        return int(meta["step"])
+
+    # -- save --
+
+    def step(self, step: int, model, optimizer=None, rank_state=None) -> None:
+        """Call after every training step: saves every `every` steps, and when the job is told to stop (SIGTERM,
+        SIGUSR1 on any rank), saves, records "continue" and exits."""
+        if not self.folder:
+            return
+        self.last_step = step
+        stop = self._any_rank(self._stop)
+        if stop or step % self.every == 0:
+            self.save(step, model, optimizer, rank_state)
+        if stop:
+            if self.rank == 0:
+                self._mark("continue", step)
+                _say(f"told to stop: saved step {step}; the job continues from there")
+            self._barrier()
+            raise SystemExit(0)
+
+    def save(self, step: int, model, optimizer=None, rank_state=None) -> None:
+        import numpy as np
+        import paddle
+        if not self.folder or step == self.saved_step:
+            return
+        final = os.path.join(self.folder, f"step-{step:08d}")
+        part = os.path.join(self.folder, f".step-{step:08d}.partial")
+        os.makedirs(part, exist_ok=True)
+        state = rank_state() if callable(rank_state) else rank_state
+        mine = {"python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
+                "paddle_rng": paddle.get_rng_state(), "rank_state": state}
+        _write(os.path.join(part, f"rank-{self.rank}.pkl"), pickle.dumps(mine))
+        if self.writer:
+            for name, obj in ((MODEL, model.state_dict()), (OPTIMIZER, optimizer.state_dict() if optimizer else None)):
+                if obj is not None:
+                    tmp = os.path.join(part, f"{name}.tmp")
+                    paddle.save(obj, tmp)
+                    with open(tmp, "rb") as f:
+                        os.fsync(f.fileno())
+                    os.replace(tmp, os.path.join(part, name))
+        self._barrier()   # every rank's file is in place
+        if self.writer:
+            files = {n: [os.path.getsize(os.path.join(part, n)), _sha256(os.path.join(part, n))]
+                     for n in sorted(os.listdir(part)) if ".tmp" not in n}
+            _write(os.path.join(part, COMPLETE), json.dumps(
+                {"step": step, "world": self.world, "time": time.time(), "files": files}).encode())
+            shutil.rmtree(final, ignore_errors=True)   # the same step saved by an earlier attempt
+            os.rename(part, final)
+            _fsync_dir(self.folder)
+            for old in complete_steps(self.folder)[self.keep:]:
+                shutil.rmtree(os.path.join(self.folder, f"step-{old:08d}"), ignore_errors=True)
+            if self.rank == 0:
+                _say(f"saved step {step}")
+        self._barrier()   # nobody goes on (or exits) before the checkpoint is complete
+        self.saved_step = step
+
+    def done(self) -> None:
+        """The script finished its work: fleetbox will not continue it."""
+        if self.folder and self.rank == 0:
+            self._mark("done", self.last_step)
+
+    def _mark(self, state: str, step: int) -> None:
+        _write(os.path.join(self.folder, STATE), json.dumps(
+            {"state": state, "step": step, "time": time.time()}).encode())

@@ -1,0 +1,67 @@
+"""The job's checkpoint folder on the host side: where it is, whether it can be written, what it holds.
+The containers' side (saving, loading) is fleetbox/helpers/fleetbox_checkpoint.py; the layout is its."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..errors import UserError
+
+STEP = "step-"
+
+
+def folder(checkpoint_dir: str, job_dir: Path) -> Path:
+    return Path(checkpoint_dir).resolve() if checkpoint_dir else job_dir / "checkpoints"
+
+
+def check_writable(path: Path) -> None:
+    """One line now rather than a failure in every container later: the folder, or the nearest folder above
+    it that exists, must be a folder we may write in (a read-only file system included)."""
+    p = path
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        raise UserError(f"checkpoint folder {path}: {p} is not a folder")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise UserError(f"checkpoint folder {path} is not writable ({p}: "
+                        f"{'read-only file system' if _read_only(p) else 'permission denied'})")
+
+
+def _read_only(p: Path) -> bool:
+    try:
+        return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def prepare(path: Path, resume: str, log=print) -> None:
+    """Make the folder (as the user running fleetbox). `--resume never` with checkpoints already there (a job
+    id used again): they are moved aside, not deleted, so nothing older is resumed by a later restart."""
+    check_writable(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if resume == "never" and steps(path):
+        aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        path.rename(aside)
+        path.mkdir()
+        log(f"--resume never: moved the earlier checkpoints to {aside}")
+
+
+def steps(path: Path) -> list[int]:
+    """Complete checkpoints' steps, newest first."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted((int(n[len(STEP):]) for n in names if n.startswith(STEP) and n[len(STEP):].isdigit()
+                   and (path / n / "COMPLETE").exists()), reverse=True)
+
+
+def state(path: Path) -> dict:
+    """What the script last recorded: {"state": running | continue | done, "step": N}, or {}."""
+    try:
+        return json.loads((path / "STATE").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,98 @@
+"""fleetbox_checkpoint in the real image with real Paddle: a resumed run equals an uninterrupted one bit for bit
+(parameters, optimizer, RNG), a damaged newest checkpoint falls back to the one before and says so, a
+half-written one is never loaded, only the newest K are kept, and a folder it cannot write is one line."""
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def steps(image, ckdir, *args, env=(), mounts=()):
+    argv = ["docker", "run", "--rm", "--network", "none", "-v", f"{ROOT / 'fleetbox/helpers'}:/fleetbox/helpers:ro",
+            "-v", f"{ROOT / 'tests/probes'}:/probes:ro", "-e", "PYTHONPATH=/fleetbox/helpers",
+            "-e", "FLEETBOX_CHECKPOINT_DIR=/ck"]
+    if ckdir is not None:
+        argv += ["-v", f"{ckdir}:/ck"]
+    for e in env:
+        argv += ["-e", e]
+    for m in mounts:
+        argv += ["-v", m]
+    proc = subprocess.run([*argv, image, "python", "/probes/checkpoint_steps.py", *args], capture_output=True,
+                          text=True, timeout=120)
+    result = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    return proc, (result[0] if result else None)
+
+
+def names(d):
+    return sorted(p.name for p in d.iterdir())
+
+
+@pytest.fixture(scope="module")
+def image(cpu_image):
+    return cpu_image["image"].id
+
+
+@pytest.fixture(scope="module")
+def reference(image, tmp_path_factory):
+    proc, r = steps(image, tmp_path_factory.mktemp("ref"), "--steps", "10")
+    assert r and r["first"] == 0 and r["draws"] == 10, proc.stdout + proc.stderr
+    return r["sha256"]
+
+
+def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(image, reference, tmp_path):
+    proc, r = steps(image, tmp_path, "--steps", "6")
+    assert r["first"] == 0
+    assert names(tmp_path) == ["STATE", "step-00000002", "step-00000004", "step-00000006"]
+    proc, r = steps(image, tmp_path, "--steps", "10")
+    assert r["first"] == 6 and r["draws"] == 10 and r["sha256"] == reference, proc.stdout
+    assert "fleetbox-checkpoint: resumed from step 6" in proc.stdout
+    # only the newest K (3) are kept; the script said it is done
+    assert names(tmp_path) == ["STATE", "step-00000006", "step-00000008", "step-00000010"]
+    assert json.loads((tmp_path / "STATE").read_text())["state"] == "done"
+    assert json.loads((tmp_path / "STATE").read_text())["step"] == 10
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(image, reference, tmp_path):
+    steps(image, tmp_path, "--steps", "6")
+    model = tmp_path / "step-00000006" / "model.pdparams"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF   # one flipped byte: the size is right, the content is not
+    model.write_bytes(bytes(data))
+    proc, r = steps(image, tmp_path, "--steps", "10")
+    assert r["first"] == 4 and r["sha256"] == reference, proc.stdout
+    assert "step 6 (/ck/step-00000006) is unusable: model.pdparams is damaged" in proc.stdout
+    assert "resumed from step 4" in proc.stdout
+
+
+def test_a_half_written_checkpoint_is_never_loaded(image, reference, tmp_path):
+    steps(image, tmp_path, "--steps", "4")
+    # a save cut short: its folder never got its final name, or (written by hand) has no COMPLETE
+    (tmp_path / ".step-00000006.partial").mkdir()
+    (tmp_path / ".step-00000006.partial" / "model.pdparams").write_bytes(b"half")
+    (tmp_path / "step-00000008").mkdir()
+    (tmp_path / "step-00000008" / "model.pdparams").write_bytes(b"junk")
+    proc, r = steps(image, tmp_path, "--steps", "10")
+    assert r["first"] == 4 and r["sha256"] == reference, proc.stdout
+    assert not (tmp_path / ".step-00000006.partial").exists()   # removed before the first save
+
+
+def test_resume_from_a_given_checkpoint_or_never(image, reference, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    steps(image, src, "--steps", "6")
+    new = tmp_path / "new"
+    new.mkdir()
+    proc, r = steps(image, new, "--steps", "10", env=["FLEETBOX_RESUME=/from"],
+                    mounts=[f"{src / 'step-00000004'}:/from:ro"])
+    assert r["first"] == 4 and r["sha256"] == reference, proc.stdout + proc.stderr
+    proc, r = steps(image, src, "--steps", "10", env=["FLEETBOX_RESUME=never"])
+    assert r["first"] == 0 and r["sha256"] == reference
+
+
+def test_a_folder_it_cannot_write_is_one_line(image, tmp_path):
+    proc, r = steps(image, None, "--steps", "2", mounts=[f"{tmp_path}:/ck:ro"])
+    assert proc.returncode == 2 and r is None and "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if "fleetbox-checkpoint" in ln]
+    assert errors == ["fleetbox-checkpoint: error: cannot write checkpoints to /ck: Read-only file system"]
