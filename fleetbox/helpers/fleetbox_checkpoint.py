@@ -13,7 +13,8 @@ from where it was.
 
 Layout of FLEETBOX_CHECKPOINT_DIR (the job's checkpoint folder, the same for every attempt):
     step-00000120/  model.pdparams, optimizer.pdopt (the replicated state, written once), rank-<r>.pkl (each
-                    rank's own: Python/NumPy/Paddle RNG states and the script's rank_state), COMPLETE (sizes
+                    rank's own: Python/NumPy/Paddle RNG states, the model's buffers such as BatchNorm
+                    statistics, and the script's rank_state), COMPLETE (sizes
                     and sha256 of every file; a folder without it is never loaded)
     STATE           {"state": "running" | "continue" | "done", "step": N}: what fleetbox reads to decide
                     whether a job that stopped should go on in a new allocation
@@ -32,6 +33,7 @@ FLEETBOX_CHECKPOINT_EVERY / FLEETBOX_CHECKPOINT_KEEP (override the script's valu
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -237,6 +239,9 @@ class Checkpoint:
             random.setstate(saved["python_rng"])
             np.random.set_state(saved["numpy_rng"])
             paddle.set_rng_state(saved["paddle_rng"])
+            for n, b in model.named_buffers():
+                if n in saved.get("buffers", {}):
+                    b.set_value(saved["buffers"][n])
             self.rank_state = saved["rank_state"]
         else:   # the job now has more ranks than when it saved
             _say(f"rank {self.rank}: no state of its own in {d} (saved by {meta['world']} ranks); starting it fresh")
@@ -270,7 +275,9 @@ class Checkpoint:
         os.makedirs(part, exist_ok=True)
         state = rank_state() if callable(rank_state) else rank_state
         mine = {"python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
-                "paddle_rng": paddle.get_rng_state(), "rank_state": state}
+                "paddle_rng": paddle.get_rng_state(), "rank_state": state,
+                # buffers are each rank's own (BatchNorm statistics are not all-reduced by DataParallel)
+                "buffers": {n: b.numpy() for n, b in model.named_buffers()}}
         _write(os.path.join(part, f"rank-{self.rank}.pkl"), pickle.dumps(mine))
         if self.writer:
             for name, obj in ((MODEL, model.state_dict()), (OPTIMIZER, optimizer.state_dict() if optimizer else None)):
@@ -304,3 +311,21 @@ class Checkpoint:
     def _mark(self, state: str, step: int) -> None:
         _write(os.path.join(self.folder, STATE), json.dumps(
             {"state": state, "step": step, "time": time.time()}).encode())
+
+
+def skip_batches(batch_sampler, n: int):
+    """The batch sampler without its first n batches, for resuming mid-epoch: the indices are skipped, no data
+    is loaded for them. Call the sampler's set_epoch() first, as for any epoch."""
+    from paddle.io import BatchSampler
+
+    class Skipped(BatchSampler):
+        def __init__(self):
+            pass
+
+        def __iter__(self):
+            return itertools.islice(iter(batch_sampler), n, None)
+
+        def __len__(self):
+            return max(0, len(batch_sampler) - n)
+
+    return Skipped() if n else batch_sampler
