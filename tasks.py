@@ -5,6 +5,8 @@ Each task parses its options and calls the package; user errors end as one line 
 
 import functools
 import json
+import os
+import sys
 
 from invoke import Exit, task
 
@@ -25,6 +27,9 @@ def _fleetbox(fn):
             raise Exit(f"fleetbox: {e}", code=1) from None
         except KeyboardInterrupt:
             raise Exit("fleetbox: interrupted", code=130) from None
+        except BrokenPipeError:   # the output was closed (`| head`): stop quietly, as other tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise Exit(code=141) from None
     return wrapper
 
 
@@ -178,8 +183,14 @@ TRAIN_HELP = {
     "checkpoint_dir": "the job's checkpoint folder, FLEETBOX_CHECKPOINT_DIR in the containers (default "
                       "runs/<job>/checkpoints; Slurm and a shared --hosts folder: on the shared file system)",
     "resume": "auto (default: from the newest complete checkpoint), never, or a checkpoint folder to start from",
-    "max_restarts": "docker: after a node fails, stop every node and start the job again from its newest "
-                    "checkpoint, up to N times (default 0)",
+    "max_restarts": "after a node fails, start the whole job again from its newest checkpoint, up to N times "
+                    "(default 0; docker: at once, slurm: in a new allocation)",
+    "max_allocations": "with --backend slurm: a job that checkpointed and stopped at its --time limit goes on in "
+                       "a new allocation, up to N allocations in all (default 1)",
+    "detach": "start the job and return its id at once; it goes on without this terminal (docker: a "
+              "supervisor process; slurm: the queue): see `invoke jobs`, `invoke logs`, `invoke cancel`",
+    "signal_grace": "with --backend slurm: seconds before the --time limit at which the job is told to "
+                    "checkpoint and stop (default 120; Slurm may send it up to a minute early)",
 }
 
 
@@ -189,7 +200,7 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
           iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, mount=None,
           data_dir=None, shm_size=None, timeout=None, dry_run=False, backend="docker", runtime="docker",
           partition=None, time=None, account=None, runtime_args=None, job_id=None, checkpoint_dir=None, resume=None,
-          max_restarts=None):
+          max_restarts=None, max_allocations=None, signal_grace=None, detach=False):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import options
     from fleetbox.run import jobs, spec as spec_mod
@@ -197,8 +208,40 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
                                  debug, gpus_per_node, devices, port, env, mount, data_dir, shm_size, job_id,
                                  checkpoint_dir, resume, max_restarts)
     slurm = {"runtime": runtime, "image": image or "", "partition": partition, "time": time, "account": account,
-             "runtime_args": runtime_args} if backend == "slurm" else {}
-    jobs.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), log=_log)
+             "runtime_args": runtime_args,
+             "signal_grace": options.integer("--signal-grace", 120 if signal_grace is None else signal_grace, 1, 65535),
+             "max_allocations": options.integer("--max-allocations", max_allocations or 1, 1)} \
+        if backend == "slurm" else {}
+    if backend != "slurm" and (max_allocations is not None or signal_grace is not None):
+        raise UserError("--max-allocations and --signal-grace are for --backend slurm")
+    jobs.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), detach=detach, log=_log)
+
+
+@task(name="jobs")
+@_fleetbox
+def jobs_(c):
+    """List fleetbox's jobs (runs/*/): backend, state, attempt or allocation, newest checkpoint step; a job whose
+    supervisor died is flagged."""
+    from fleetbox.run import jobs
+    jobs.listing(log=_log)
+
+
+@task(help={"node": "the node's rank (default 0)", "follow": "keep printing until the job ends (Ctrl-C stops "
+                                                           "following, never the job)"})
+@_fleetbox
+def logs(c, job, node=0, follow=False):
+    """Print a job's node output (Docker: the container; Slurm: the node's log), from any shell."""
+    from fleetbox import options
+    from fleetbox.run import jobs
+    jobs.logs(job, options.integer("--node", node, 0), follow, log=_log)
+
+
+@task
+@_fleetbox
+def cancel(c, job):
+    """Stop a job from any shell: every node stopped, logs kept, containers removed (Slurm: the whole chain)."""
+    from fleetbox.run import jobs
+    jobs.cancel(job, log=_log)
 
 
 @task(help={"hosts": "comma-separated Docker Engine URLs to clean too (default: this machine)",

@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--fail-code", type=int, default=3)
     ap.add_argument("--fail-attempt", type=int, default=-1, help="fail only in this attempt (-1: in every one)")
     ap.add_argument("--checkpoint-every", type=int, default=20)
+    ap.add_argument("--log-every", type=int, default=20, help="rank 0 prints the loss every this many steps")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="slow each step down (for interrupt tests)")
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--hang-seconds", type=float, default=300)
@@ -66,7 +67,7 @@ def main():
         losses = ckpt.rank_state["losses"]
     start = time.perf_counter()
     for step in range(first, args.steps):
-        if rank == args.fail_rank and step == args.fail_step:
+        if rank == args.fail_rank and step >= args.fail_step:   # >=: an attempt may resume past it
             print(f"rank {rank}: failing on purpose at step {step} with exit code {args.fail_code}", flush=True)
             sys.exit(args.fail_code)
         x = rng.normal(size=(args.batch, 16)).astype("float32")
@@ -78,7 +79,7 @@ def main():
         losses.append(float(loss))
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if rank == 0 and (step % 20 == 0 or step == first):
+        if rank == 0 and (step % args.log_every == 0 or step == first):
             print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
         ckpt.step(step + 1, model, opt, rank_state=lambda: {"rng": rng.bit_generator.state, "losses": losses})
     elapsed = time.perf_counter() - start

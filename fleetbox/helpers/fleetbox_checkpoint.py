@@ -18,6 +18,7 @@ Layout of FLEETBOX_CHECKPOINT_DIR (the job's checkpoint folder, the same for eve
                     and sha256 of every file; a folder without it is never loaded)
     STATE           {"state": "running" | "continue" | "done", "step": N}: what fleetbox reads to decide
                     whether a job that stopped should go on in a new allocation
+    STOP            written by fleetbox when Slurm warns that the time limit is near: save and stop now
 
 A save goes to `.step-N.partial/`: every rank writes its own file (to a temporary name, then renamed), the
 writer (rank 0, or each node's first rank where nodes do not share the folder) writes the replicated state,
@@ -27,7 +28,7 @@ skipped, with a line that says so.
 
 Environment (set by fleetbox): FLEETBOX_CHECKPOINT_DIR (no checkpoints without it), FLEETBOX_RESUME
 (auto: the newest complete step; never: start fresh; a path: a step folder or a checkpoint folder to start
-from, until the job has checkpoints of its own), FLEETBOX_CHECKPOINT_SCOPE (shared: one folder for all nodes; node: one per node),
+from, until the job has checkpoints of its own; `never` holds for FLEETBOX_ATTEMPT 0 only), FLEETBOX_CHECKPOINT_SCOPE (shared: one folder for all nodes; node: one per node),
 FLEETBOX_CHECKPOINT_EVERY / FLEETBOX_CHECKPOINT_KEEP (override the script's values).
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ import time
 
 STEP_DIR = re.compile(r"step-(\d{8})")
 MODEL, OPTIMIZER, COMPLETE, STATE = "model.pdparams", "optimizer.pdopt", "COMPLETE", "STATE"
+STOP = "STOP"   # written by fleetbox (Slurm's warning before the time limit): checkpoint now, then stop
 
 
 def _say(msg: str) -> None:
@@ -118,6 +120,8 @@ class Checkpoint:
         self.every = int(os.environ.get("FLEETBOX_CHECKPOINT_EVERY") or every)
         self.keep = max(1, int(os.environ.get("FLEETBOX_CHECKPOINT_KEEP") or keep))
         self.resume = os.environ.get("FLEETBOX_RESUME", "auto") or "auto"
+        if int(os.environ.get("FLEETBOX_ATTEMPT") or 0) > 0:   # a restart or continuation: from its own
+            self.resume = "auto" if self.resume == "never" else self.resume
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) or 0)
         shared = os.environ.get("FLEETBOX_CHECKPOINT_SCOPE", "shared") != "node"
@@ -125,6 +129,7 @@ class Checkpoint:
         self.rank_state: dict | None = None
         self.saved_step = self.last_step = 0
         self._stop = False
+        self._looked = 0.0
         if not self.folder:
             _say("FLEETBOX_CHECKPOINT_DIR is not set: no checkpoints")
             return
@@ -250,11 +255,15 @@ class Checkpoint:
     # -- save --
 
     def step(self, step: int, model, optimizer=None, rank_state=None) -> None:
-        """Call after every training step: saves every `every` steps, and when the job is told to stop (SIGTERM,
-        SIGUSR1 on any rank), saves, records "continue" and exits."""
+        """Call after every training step: saves every `every` steps, and when the job is told to stop (SIGTERM or
+        SIGUSR1 on any rank, or a STOP file in the folder), saves, records "continue" and exits."""
         if not self.folder:
             return
         self.last_step = step
+        now = time.monotonic()
+        if now - self._looked >= 1.0:   # a stat a second, not one per step, on a shared file system
+            self._looked = now
+            self._stop = self._stop or os.path.exists(os.path.join(self.folder, STOP))
         stop = self._any_rank(self._stop)
         if stop or step % self.every == 0:
             self.save(step, model, optimizer, rank_state)

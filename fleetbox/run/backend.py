@@ -41,7 +41,9 @@ class Handle:
     nodes: int = 0
     hosts: list[str] = field(default_factory=list)   # Docker: the engines ("" for this machine)
     procs_per_node: int = 1
-    scheduler_job: str = ""                           # Slurm: its job id
+    scheduler_job: str = ""                           # Slurm: its job id (the first of a chain of allocations)
+    supervisor: int = 0                               # pid of the process that follows the job (0: Slurm alone)
+    checkpoints: str = ""                             # the job's checkpoint folder (or --hosts volume)
 
     def save(self) -> None:
         Path(self.dir, "handle.json").write_text(json.dumps(asdict(self), indent=1))
@@ -75,7 +77,7 @@ class Backend(ABC):
     @abstractmethod
     def cancel(self, handle: Handle, log=print) -> None: ...
 
-    def run(self, plan: Plan, log=print, timeout: float | None = None) -> JobResult:
+    def run(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end; after a failure (a node's non-zero exit, a killed container, a lost
         engine), stop every node and start the whole job again from its newest checkpoint, with the same job id,
         up to spec.max_restarts times (torchrun's --max-restarts). Each attempt keeps its own logs: the last in
@@ -85,7 +87,7 @@ class Backend(ABC):
         for attempt in range(restarts + 1):
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             try:
-                result = self.run_once(self.for_attempt(plan, attempt), log, left)
+                result = self.run_once(self.for_attempt(plan, attempt), log, left, on_submit)
                 why = result.reason()
             except Failed as e:   # the engine failed under the job: run_once has cleaned up
                 if attempt == restarts:
@@ -118,12 +120,14 @@ class Backend(ABC):
                 p.rename(aside / p.name)
         return aside
 
-    def run_once(self, plan: Plan, log=print, timeout: float | None = None) -> JobResult:
+    def run_once(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end. Ctrl-C, SIGTERM and any error cancel the job before going on up."""
         handle = None
         with sigterm_as_interrupt():
             try:
                 handle = self.submit(plan, log)
+                if on_submit is not None:
+                    on_submit(handle)
                 return self.follow(handle, log, timeout)
             except BaseException as e:
                 if handle is not None:

@@ -37,6 +37,8 @@ class DockerPlan(Plan):
     nodes: tuple[planner.NodeRun, ...]    # every node's container, placeholders filled
     notes: tuple[str, ...] = ()            # facts the plan had to settle for (e.g. a memlock cap)
     checkpoints: str = ""                  # the checkpoint folder here, or (--hosts) each engine's volume
+    template: planner.NodeRun | None = None   # the nodes before their placeholders were filled ...
+    values: tuple[dict, ...] = ()             # ... with these values (a restart fills them again)
 
 
 class DockerBackend(Backend):
@@ -92,10 +94,10 @@ class DockerBackend(Backend):
                                  hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock(),
                                  checkpoints=str(ckpt))
             home, user = str(Path.home()), getpass.getuser()
-        nodes = tuple(
-            replace(t, host=hosts[k]).fill(planner.node_values(
-                k, spec.nodes, job_id, master_ip, port, facts[k]["local"], facts[k]["iface"], home, user))
-            for k in range(spec.nodes))
+        values = tuple(planner.node_values(k, spec.nodes, job_id, master_ip, port, facts[k]["local"],
+                                           facts[k]["iface"], home, user) for k in range(spec.nodes))
+        t = replace(t, host="")
+        nodes = tuple(replace(t, host=hosts[k]).fill(values[k]) for k in range(spec.nodes))
         if not spec.hosts:   # Docker would make a missing source an empty folder; our log folders come later
             for m in nodes[0].mounts:
                 if m.dst not in (settings.LOG_DIR, settings.CHECKPOINT_DIR) and not Path(m.src).exists():
@@ -103,7 +105,7 @@ class DockerBackend(Backend):
         notes = () if t.memlock == -1 else (
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
-        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt))
+        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt), t, values)
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
@@ -131,7 +133,9 @@ class DockerBackend(Backend):
         return info
 
     def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
-        return replace(plan, nodes=tuple(planner.for_attempt(n, attempt) for n in plan.nodes))
+        """The same nodes with {attempt} filled again (FLEETBOX_ATTEMPT, and wherever the user wrote it)."""
+        return replace(plan, nodes=tuple(replace(plan.template, host=n.host).fill({**v, "attempt": str(attempt)})
+                                         for n, v in zip(plan.nodes, plan.values)))
 
     def describe(self, plan: DockerPlan) -> str:
         out = list(plan.notes)
@@ -153,7 +157,7 @@ class DockerBackend(Backend):
             "procs_per_node": spec.procs_per_node, "image": spec.image_ref,
             "commands": [n.shell() for n in plan.nodes]}, indent=1))
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
-                        procs_per_node=spec.procs_per_node)
+                        procs_per_node=spec.procs_per_node, supervisor=os.getpid(), checkpoints=plan.checkpoints)
         handle.save()
         live = self.live[plan.job_id] = _Live(self, plan)
         try:

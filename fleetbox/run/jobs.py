@@ -1,25 +1,44 @@
 """`invoke train` and `invoke up`'s training step: choose the backend, plan once, then describe that plan
-(--dry-run) or run it, and report one JobResult."""
+(--dry-run), run it, or leave it running (--detach) and report one JobResult; and `invoke jobs / logs /
+cancel`, which work on any job from any shell through its runs/<job>/handle.json."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
 
+from .. import ROOT, settings
 from ..errors import Failed, UserError
-from . import backend as backends
+from . import backend as backends, checkpoints, supervisor
+from .backend import Handle
 from .result import JobResult
-from .spec import JobSpec
+from .spec import JOB_ID, JobSpec
 
 
 def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, dry_run: bool = False,
-          timeout: float | None = None, log=print) -> JobResult | None:
+          timeout: float | None = None, detach: bool = False, log=print) -> JobResult | None:
     if timeout and backend != "docker":
         raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
+    if timeout and detach:
+        raise UserError("--timeout needs an attached job; a detached one ends with `invoke cancel`")
     b = backends.get(backend, **(backend_options or {}))
     with backends.sigterm_as_interrupt():   # planning starts probe containers on --hosts engines
         plan = b.plan(spec)
     if dry_run:
         log(b.describe(plan))
+        return None
+    if detach:
+        handle = supervise(plan, log) if backend == "docker" else b.submit(plan, log)
+        log(f"job {plan.job_id} detached" + (f" (supervisor pid {handle.supervisor})" if handle.supervisor else "")
+            + f"; see it with `invoke jobs`, `invoke logs {plan.job_id} --follow`; stop it with "
+              f"`invoke cancel {plan.job_id}`")
         return None
     result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
     log(result.table())
@@ -37,3 +56,229 @@ LAUNCHER_POLLING = re.compile(
 def quiet(log):
     """The live stream without the launcher's polling lines (`--debug` shows them)."""
     return lambda line: None if LAUNCHER_POLLING.match(line) else log(line)
+
+
+# -- detached jobs --
+
+def supervise(plan, log) -> Handle:
+    """Start the supervisor of a detached Docker job and return once it has started the job (or say, in one
+    line, why it could not)."""
+    plan.dir.mkdir(parents=True, exist_ok=True)
+    for name in (supervisor.READY, "summary.json"):
+        (plan.dir / name).unlink(missing_ok=True)
+    part = plan.dir / f".{supervisor.PLAN}.part"
+    part.write_bytes(pickle.dumps(plan))
+    part.rename(plan.dir / supervisor.PLAN)
+    with open(plan.dir / supervisor.LOG, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "fleetbox.run.supervisor", str(plan.dir)], cwd=ROOT,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    try:
+        while not (plan.dir / supervisor.READY).exists():
+            if proc.poll() is not None:
+                said = [ln for ln in (plan.dir / supervisor.LOG).read_text(errors="replace").splitlines()
+                        if "fleetbox: " in ln]
+                why = said[-1].split("fleetbox: ", 1)[1] if said else f"it exited with {proc.returncode}"
+                raise Failed(f"the detached job did not start: {why} (log: {plan.dir / supervisor.LOG})")
+            time.sleep(0.1)
+    except KeyboardInterrupt:   # the supervisor cleans up on SIGTERM, as an attached job does on Ctrl-C
+        proc.terminate()
+        proc.wait(timeout=60)
+        raise
+    return Handle.load(plan.dir)
+
+
+CANCELLED = "CANCELLED"   # `invoke cancel` was asked (Slurm: CANCELLED.<first Slurm job of the chain>)
+
+
+def job_state(slurm_job: str) -> str:
+    from .slurm_backend import job_state as state
+    return state(slurm_job)[0]
+
+
+def alive(pid: int) -> bool:
+    """The process runs and is ours (a pid reused by another program does not count)."""
+    if pid <= 0:
+        return False
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"fleetbox" in cmd or b"invoke" in cmd
+
+
+def find(job_id: str) -> Handle:
+    if not JOB_ID.fullmatch(job_id or ""):
+        raise UserError(f"{job_id!r} is not a job id")
+    d = settings.runs_root() / job_id
+    if not (d / "handle.json").exists():
+        raise UserError(f"no job {job_id} in {settings.runs_root()} (see `invoke jobs`)")
+    return Handle.load(d)
+
+
+def describe(h: Handle) -> dict:
+    """One row of `invoke jobs`: what the job is doing now, as far as this machine can tell."""
+    d = Path(h.dir)
+    summary = _json(d / "summary.json")
+    row = {"job": h.job_id, "backend": h.backend, "nodes": h.nodes, "state": "?", "attempt": 0,
+           "checkpoint": (checkpoints.steps(Path(h.checkpoints)) or [0])[0] if h.checkpoints.startswith("/") else None,
+           "note": ""}
+    if h.backend == "slurm":
+        from .slurm_backend import ACTIVE, allocations
+        recs = allocations(d, h.scheduler_job)
+        chained = bool(recs and recs[-1]["next"])
+        row["attempt"] = len(recs) + 1 if chained or not recs else len(recs)
+        if not summary or chained:
+            try:
+                b, current = backends.get("slurm"), recs[-1]["next"] if chained else h.scheduler_job
+                state = job_state(current)
+            except UserError as e:
+                row["note"] = str(e)
+                return row
+            if state in ACTIVE:
+                row["state"] = state
+                return row
+            # the chain has ended and no one followed it (a detached job): its result, from its files
+            summary = asdict(b.result(h, state, current, allocations(d, h.scheduler_job)))
+        row["state"] = "CANCELLED" if (d / f"{CANCELLED}.{h.scheduler_job}").exists() else \
+            "PASSED" if summary["ok"] else "FAILED"
+        row["note"] = "" if summary["ok"] else JobResult(**{**summary, "nodes": []}).reason()
+        return row
+    row["attempt"] = len([p for p in d.glob("attempt[0-9]*") if p.is_dir()])
+    following = alive(h.supervisor)
+    if summary and not following:
+        row["state"] = "CANCELLED" if (d / CANCELLED).exists() else "PASSED" if summary["ok"] else "FAILED"
+        return row
+    try:
+        state = backends.get("docker").status(h)
+    except UserError as e:
+        row["note"] = str(e)
+        return row
+    if following:
+        row["state"] = "RUNNING" if state == "RUNNING" else "STARTING"
+    else:
+        row["state"] = "ORPHANED" if state == "RUNNING" else "DIED"
+        row["note"] = (f"its supervisor (pid {h.supervisor}) is gone: nothing propagates failures or restarts; "
+                       f"`invoke cancel {h.job_id}` removes it" if state == "RUNNING" else
+                       f"its supervisor (pid {h.supervisor}) ended without a summary")
+    return row
+
+
+def listing(log=print) -> list[dict]:
+    rows = []
+    for hj in sorted(settings.runs_root().glob("*/handle.json"), key=lambda p: p.stat().st_mtime):
+        try:
+            rows.append(describe(Handle.load(hj.parent)))
+        except (ValueError, TypeError, KeyError, OSError):
+            continue   # a handle from an older fleetbox, or half a folder
+    log(f"{'job':<36} {'backend':<7} {'nodes':>5} {'state':<9} {'attempt':>7} {'ckpt step':>9}  note")
+    for r in rows:
+        step = "-" if r["checkpoint"] is None else str(r["checkpoint"])
+        log(f"{r['job']:<36} {r['backend']:<7} {r['nodes']:>5} {r['state']:<9} {r['attempt']:>7} {step:>9}  {r['note']}")
+    return rows
+
+
+def logs(job_id: str, node: int = 0, follow: bool = False, log=print, poll: float = 0.5) -> None:
+    """A node's output, from the engine (Docker) or the node's log file (Slurm); --follow goes on until the job
+    ends, across restarts and allocations. Ctrl-C stops following and leaves the job alone."""
+    h = find(job_id)
+    if not 0 <= node < h.nodes:
+        raise UserError(f"--node {node}: job {job_id} has nodes 0..{h.nodes - 1}")
+    try:
+        if h.backend == "docker":
+            _docker_logs(h, node, follow, log, poll)
+        else:
+            _file_logs(h, Path(h.dir) / f"node{node}.log", follow, log, poll)
+    except KeyboardInterrupt:
+        log(f"stopped following; job {job_id} goes on (`invoke cancel {job_id}` stops it)")
+
+
+def _docker_logs(h: Handle, node: int, follow: bool, log, poll: float) -> None:
+    from .docker_backend import DockerBackend
+    b, seen = DockerBackend(), set()
+    while True:
+        mine = [c for c in b._containers(h) if c.labels.get(settings.LABEL_RANK) == str(node) and c.id not in seen]
+        if mine:
+            c = mine[0]
+            seen.add(c.id)
+            buf = b""
+            try:
+                for chunk in (c.logs(stream=True, follow=True) if follow else [c.logs()]):
+                    buf += chunk
+                    while b"\n" in buf:
+                        ln, buf = buf.split(b"\n", 1)
+                        log(ln.decode(errors="replace"))
+            except Exception:   # removed while we read: the job moved on
+                pass
+            if buf:
+                log(buf.decode(errors="replace"))
+        elif not seen:   # nothing running: what the job left in its folder
+            p = Path(h.dir) / f"node{node}" / "container.log"
+            if p.exists():
+                log(p.read_text(errors="replace").rstrip("\n"))
+            elif not follow:
+                raise UserError(f"no output of node {node} yet (job {h.job_id})")
+        if not follow or not alive(h.supervisor):
+            return
+        time.sleep(poll)   # a restart makes a new container for the node: follow that one too
+
+
+def _file_logs(h: Handle, path: Path, follow: bool, log, poll: float) -> None:
+    """The node's log file; when an allocation ends its file is moved to alloc<N>/ and the next one writes a new
+    one: the open file is read to its end first, then the new one from its start."""
+    from .slurm_backend import ACTIVE, SlurmBackend
+    f = None
+    try:
+        while True:
+            if f is not None:
+                for ln in f.read().splitlines():
+                    log(ln)
+            try:
+                newer = f is None or os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
+            except FileNotFoundError:
+                newer = False
+            if newer and path.exists():
+                if f is not None:   # what the last allocation wrote after our last read
+                    for ln in f.read().splitlines():
+                        log(ln)
+                    f.close()
+                f = open(path, errors="replace")
+                continue
+            if not follow or SlurmBackend().status(h) not in ACTIVE:
+                if f is not None:
+                    for ln in f.read().splitlines():
+                        log(ln)
+                return
+            time.sleep(poll)
+    finally:
+        if f is not None:
+            f.close()
+
+
+def cancel(job_id: str, log=print, wait: float = 60) -> None:
+    """Stop a job from any shell: a Docker job's supervisor is asked (SIGTERM) and cleans up as on Ctrl-C;
+    without one, the job's containers are removed; a Slurm chain is cancelled whole."""
+    h = find(job_id)
+    if h.backend == "slurm":
+        backends.get("slurm").cancel(h, log)
+        return
+    (Path(h.dir) / CANCELLED).touch()
+    if alive(h.supervisor) and h.supervisor != os.getpid():
+        log(f"asking the supervisor (pid {h.supervisor}) to stop job {job_id}")
+        os.kill(h.supervisor, signal.SIGTERM)
+        end = time.monotonic() + wait
+        while alive(h.supervisor) and time.monotonic() < end:
+            time.sleep(0.2)
+        if not alive(h.supervisor):
+            log(f"job {job_id} cancelled; logs in {h.dir}")
+            return
+        log(f"the supervisor did not stop within {wait:g} s; removing the job's containers")
+    backends.get("docker").cancel(h, log)
+    log(f"job {job_id}: containers removed; logs in {h.dir}")
+
+
+def _json(p: Path) -> dict:
+    import json
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}

@@ -8,6 +8,7 @@ substitutions fleetbox makes:
   {master_ip}    the master's numeric IP                {master_port}  the master's port
   {node_ip}      the node's own address towards the master
   {iface}        the node's network interface towards the master
+  {attempt}      0 for the job's first run, then 1, 2, ... for each restart or continuation in a new allocation
 
 Anything else in braces (JSON, say) is left alone.
 """
@@ -18,7 +19,7 @@ import re
 
 from .shell import Joined, Raw
 
-NAMES = ("rank", "node", "nnodes", "job_id", "home", "user", "master_ip", "master_port", "node_ip", "iface")
+NAMES = ("rank", "node", "nnodes", "job_id", "home", "user", "master_ip", "master_port", "node_ip", "iface", "attempt")
 PATTERN = re.compile(r"\{(" + "|".join(NAMES) + r")\}")
 
 

@@ -160,17 +160,14 @@ def _abs(path: str) -> str:
 
 
 def checkpoint_env(spec: JobSpec, shared: bool = True) -> dict:
-    """What fleetbox_checkpoint reads (attempt 0; later attempts resume from the job's own checkpoints)."""
+    """What fleetbox_checkpoint reads (`never` and a path count for attempt 0 only: later attempts go on from
+    the job's own checkpoints)."""
     resume = spec.resume if spec.resume in ("auto", "never") else settings.RESUME_DIR
-    env = {"FLEETBOX_CHECKPOINT_DIR": settings.CHECKPOINT_DIR, "FLEETBOX_RESUME": resume, "FLEETBOX_ATTEMPT": "0"}
+    env = {"FLEETBOX_CHECKPOINT_DIR": settings.CHECKPOINT_DIR, "FLEETBOX_RESUME": resume,
+           "FLEETBOX_ATTEMPT": "{attempt}"}
     if not shared:   # every node has its own folder: each node's first rank writes the replicated state there
         env["FLEETBOX_CHECKPOINT_SCOPE"] = "node"
     return env
-
-
-def for_attempt(n: NodeRun, attempt: int) -> NodeRun:
-    """Node n in a restart: the same container, told which attempt it is and to go on from the newest checkpoint."""
-    return replace(n, env={**n.env, "FLEETBOX_ATTEMPT": str(attempt), "FLEETBOX_RESUME": "auto"} if attempt else n.env)
 
 
 def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = True, hyhal_present: bool = True,
@@ -206,7 +203,8 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
 
 
 def node_values(rank: int, nnodes: int, job_id: str, master_ip: str, port: int, node_ip: str, iface: str,
-                home: str = "", user: str = "") -> dict[str, str]:
+                home: str = "", user: str = "", attempt: int = 0) -> dict[str, str]:
     """The placeholders' values on one node."""
     return {"rank": str(rank), "node": f"node{rank}", "nnodes": str(nnodes), "job_id": job_id, "home": home, "user": user,
-            "master_ip": master_ip, "master_port": str(port), "node_ip": node_ip, "iface": iface}
+            "master_ip": master_ip, "master_port": str(port), "node_ip": node_ip, "iface": iface,
+            "attempt": str(attempt)}

@@ -37,6 +37,7 @@ class JobResult:
     scheduler_job: str = ""      # Slurm's job id
     scheduler_state: str = ""    # Slurm's final JobState
     attempts: list[dict] = field(default_factory=list)   # with restarts: {attempt, ok, ended, logs} each
+    ended: str = ""              # why a job that no node failed did not pass (e.g. a chain of allocations stopped)
 
     @property
     def failed(self) -> NodeResult | None:
@@ -46,14 +47,17 @@ class JobResult:
         """The one line that says why the job failed ("" when it passed)."""
         if self.ok:
             return ""
-        after = f"after {len(self.attempts) - 1} restart(s); " if len(self.attempts) > 1 else ""
+        n = len(self.attempts)
+        after = "" if n < 2 else f"over {n} allocations; " if self.backend == "slurm" else f"after {n - 1} restart(s); "
         return f"{self.reason()} ({after}logs: {self.dir})"
 
     def reason(self) -> str:
         """Why the job ended, without where its logs are."""
         if self.ok:
             return "passed"
-        if self.timed_out:
+        if self.ended:
+            why = self.ended
+        elif self.timed_out:
             why = "timed out"
         elif (bad := self.failed) is not None:
             where = f" on {bad.host}" if self.backend == "slurm" else ""

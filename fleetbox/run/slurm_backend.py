@@ -9,6 +9,7 @@ them, byte for byte.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -28,7 +29,8 @@ from .shell import Raw, line
 # The placeholders on a Slurm node: shell variables of the node script (the job id is known in advance).
 NODE_VARS = {"rank": Raw('"$SLURM_NODEID"'), "node": Raw('node"$SLURM_NODEID"'), "nnodes": Raw('"$SLURM_NNODES"'),
              "home": Raw('"$HOME"'), "user": Raw('"$USER"'), "master_ip": Raw('"$MASTER_IP"'),
-             "master_port": Raw('"$MASTER_PORT"'), "node_ip": Raw('"$NODE_IP"'), "iface": Raw('"$IFACE"')}
+             "master_port": Raw('"$MASTER_PORT"'), "node_ip": Raw('"$NODE_IP"'), "iface": Raw('"$IFACE"'),
+             "attempt": Raw('"$FLEETBOX_ATTEMPT"')}
 
 # The node's NIC and own address towards the master, found on the node (iproute2); on the master itself
 # `ip route get` answers "local ... dev lo", so the interface holding the address is looked up instead.
@@ -42,6 +44,57 @@ ROUTE_SH = Raw(r'''route_to() {
     src=$1
   fi
   echo "$dev $src"
+}''')
+
+# The allocation chain (our own shell; JOB_DIR and CHECKPOINTS are set, quoted, before it). An allocation
+# whose script recorded "continue" (fleetbox_checkpoint, after Slurm's USR1 warning) and made progress is
+# followed by the next one (a dependent job); a real failure is followed only while restarts remain. Each
+# allocation appends one JSON line to allocations.jsonl and moves its logs to alloc<N>/ before the next one
+# starts; the last one's stay in the job folder.
+CHAIN_SH = Raw(r'''ALLOCATION="${FLEETBOX_ALLOCATION:-1}"; RESTARTS="${FLEETBOX_RESTARTS:-0}"
+CHAIN="${FLEETBOX_CHAIN:-$SLURM_JOB_ID}"
+export FLEETBOX_ATTEMPT=$((ALLOCATION - 1))
+if [ -e "$JOB_DIR/CANCELLED.$CHAIN" ]; then echo "fleetbox: the job was cancelled"; exit 0; fi
+newest_step() {
+  local d n best=0
+  for d in "$CHECKPOINTS"/step-*; do
+    [ -e "$d/COMPLETE" ] || continue
+    n=$((10#${d##*/step-})); [ "$n" -gt "$best" ] && best=$n
+  done
+  echo "$best"
+}
+script_state() { sed -n 's/.*"state": *"\([a-z]*\)".*/\1/p' "$CHECKPOINTS/STATE" 2>/dev/null || true; }
+rm -f "$CHECKPOINTS/STOP"
+FROM_STEP=$(newest_step)
+stop_soon() {
+  echo "fleetbox: the time limit is near: asking the training processes to checkpoint and stop"
+  : > "$CHECKPOINTS/STOP"
+}
+trap stop_soon USR1
+echo "fleetbox: allocation $ALLOCATION (Slurm job $SLURM_JOB_ID) starts from checkpoint step $FROM_STEP"
+next_allocation() {  # max_allocations max_restarts
+  local to state ended next="" restarts="$RESTARTS"
+  to=$(newest_step); state=$(script_state)
+  if [ -e "$JOB_DIR/CANCELLED.$CHAIN" ]; then ended=cancelled
+  elif [ "$state" = continue ] && [ "$to" -le "$FROM_STEP" ]; then ended=no-progress
+  elif [ "$state" = continue ] && [ "$ALLOCATION" -ge "$1" ]; then ended=max-allocations
+  elif [ "$state" = continue ]; then ended=continue
+  elif [ "$rc" -eq 0 ]; then ended=finished
+  elif [ "$RESTARTS" -lt "$2" ]; then ended=restart; restarts=$((RESTARTS + 1))
+  else ended=failed
+  fi
+  if [ "$ended" = continue ] || [ "$ended" = restart ]; then
+    mkdir -p "$JOB_DIR/alloc$ALLOCATION"
+    mv "$JOB_DIR"/node[0-9]* "$JOB_DIR/alloc$ALLOCATION"/ 2>/dev/null
+    next=$(sbatch --parsable --dependency="afterany:$SLURM_JOB_ID" \
+      --export="ALL,FLEETBOX_ALLOCATION=$((ALLOCATION + 1)),FLEETBOX_RESTARTS=$restarts,FLEETBOX_CHAIN=$CHAIN" \
+      "$JOB_DIR/job.sbatch") || { ended=submit-failed; next=""; }
+    next=${next%%;*}
+    [ "$ended" = continue ] && rc=0
+  fi
+  printf '{"chain": "%s", "allocation": %d, "max_allocations": %d, "slurm_job": "%s", "from_step": %d, "to_step": %d, "state": "%s", "exit": %d, "ended": "%s", "next": "%s"}\n' \
+    "$CHAIN" "$ALLOCATION" "$1" "$SLURM_JOB_ID" "$FROM_STEP" "$to" "$state" "$rc" "$ended" "$next" >> "$JOB_DIR/allocations.jsonl"
+  echo "fleetbox: allocation $ALLOCATION ended ($ended) at checkpoint step $to${next:+; next: Slurm job $next}"
 }''')
 
 # What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
@@ -65,13 +118,22 @@ class SlurmBackend(Backend):
     name = "slurm"
 
     def __init__(self, runtime: str = "docker", image: str = "", partition: str = "", time: str = "",
-                 account: str = "", runtime_args: str = ""):
+                 account: str = "", runtime_args: str = "", signal_grace: int = 120, max_allocations: int = 1):
         self.runtime = runtimes.get(runtime)
         self.image = image
+        if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
+            raise UserError(f"--signal-grace must be between 1 and 65535 seconds (got {signal_grace})")
+        if max_allocations < 1:
+            raise UserError(f"--max-allocations must be at least 1 (got {max_allocations})")
+        self.signal_grace, self.max_allocations = signal_grace, max_allocations
         self.sbatch = {"partition": partition or "", "time": time or "", "account": account or ""}
         for key, value in self.sbatch.items():
             if value and not SBATCH_VALUES[key].fullmatch(value):
                 raise UserError(f"--{key} {value!r} is not a value Slurm accepts for --{key}")
+        limit = time_seconds(self.sbatch["time"])
+        if limit is not None and signal_grace >= limit:
+            raise UserError(f"--signal-grace {signal_grace} s is not shorter than --time {self.sbatch['time']} "
+                            f"({limit} s): the job would be told to stop as soon as it starts")
         try:
             self.runtime_args = tuple(shlex.split(runtime_args or ""))
         except ValueError as e:
@@ -89,13 +151,11 @@ class SlurmBackend(Backend):
                             f"and ._-/ only); set FLEETBOX_RUNS to another folder")
         port = spec.port or hostnet.random_port()
         image = self.image or self.runtime.default_image(spec.variant, spec.image_ref)
-        if spec.max_restarts:
-            raise UserError("--max-restarts is for the docker backend; Slurm jobs go on in new allocations")
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
         t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt)))
         self.runtime.check(t, image)
-        files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image)),
+        files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
                  ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
         return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt))
 
@@ -106,7 +166,9 @@ class SlurmBackend(Backend):
         """What every srun task runs on its node."""
         rt = self.runtime
         lines = ["#!/bin/bash", f"# fleetbox {job_id}: one node's part (runtime {rt.name}); run by srun on every node",
-                 "set -euo pipefail", 'export USER="${USER:-$(id -un)}"', *rt.prelude()]
+                 "set -euo pipefail", 'export USER="${USER:-$(id -un)}"',
+                 'FLEETBOX_ATTEMPT="${FLEETBOX_ATTEMPT:-0}"   # job.sbatch counts allocations and restarts',
+                 *rt.prelude()]
         if rt.name == "pyxis":   # runs inside the image (Python, no iproute2): the probe the Docker backend uses
             lines.append(f'read -r IFACE NODE_IP <<<"$(python -c {shlex.quote(probes.source("netinfo"))} '
                          f'"$MASTER_IP" --plain)"')
@@ -130,15 +192,22 @@ class SlurmBackend(Backend):
             lines.append("exec " + run)
         return "\n".join(lines) + "\n"
 
-    def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str) -> str:
+    def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str,
+                      ckpt: Path) -> str:
         rt = self.runtime
+        # B:USR1: the warning goes to this script only, which asks the training processes (whatever runtime
+        # holds them) to checkpoint and stop through a file in the checkpoint folder
         head = ["#!/bin/bash", f"#SBATCH --job-name=fleetbox-{job_id}", f"#SBATCH --nodes={spec.nodes}",
-                "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={job_dir}/slurm-%j.out"]
+                "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={job_dir}/slurm-%j.out",
+                f"#SBATCH --signal=B:USR1@{self.signal_grace}"]
         head += [f"#SBATCH --{k}={v}" for k, v in self.sbatch.items() if v]
         if spec.variant.device == "cuda" and not spec.devices:
             head.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node or 1}")
         body = [
             "set -euo pipefail",
+            f"JOB_DIR={shlex.quote(str(job_dir))}",
+            f"CHECKPOINTS={shlex.quote(str(ckpt))}",
+            CHAIN_SH,
             "# the master: first host of the allocation, as a numeric IP (Paddle's master needs one)",
             'MASTER_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             "MASTER_ADDR=$(scontrol show node \"$MASTER_HOST\" -o | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
@@ -152,13 +221,16 @@ class SlurmBackend(Backend):
             body.append(self.words(["mkdir", "-p", home_cache], job_id))   # the mount point, before srun mounts
         srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", Raw('--nodes="$SLURM_NNODES"'), "--ntasks-per-node=1",
                 f"--output={job_dir}/node%n.log", *rt.srun_options(t, image), "bash", str(job_dir / "node.sh")]
-        body += ["set +e", self.words(srun, job_id), "rc=$?"]
+        body += ["set +e", self.words(srun, job_id) + " &",
+                 "SRUN=$!",
+                 "# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
+                 'while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || break; done']
         if rt.kills_client_only:   # whatever a killed task left behind, on every node
             sweep = line([rt.name, "ps", "-aq", "--filter", f"label={settings.LABEL_JOB}={job_id}"]) + \
                 f" | xargs -r {rt.name} rm -f"
             body.append('srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --output=/dev/null bash -c '
                         f"{shlex.quote(sweep)} || true")
-        body.append('exit "$rc"')
+        body += [f"next_allocation {self.max_allocations} {spec.max_restarts}", 'exit "$rc"']
         return "\n".join(head + body) + "\n"
 
     def describe(self, plan: SlurmPlan) -> str:
@@ -175,27 +247,57 @@ class SlurmBackend(Backend):
             part.rename(plan.dir / name)
         out = _slurm("sbatch", "--parsable", str(plan.dir / "job.sbatch")).stdout.strip()
         handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0],
-                        procs_per_node=plan.spec.procs_per_node)
+                        procs_per_node=plan.spec.procs_per_node, checkpoints=plan.checkpoints)
         handle.save()
         log(f"submitted Slurm job {handle.scheduler_job} ({plan.spec.nodes} nodes, runtime {plan.runtime}); "
             f"logs in {plan.dir}")
         return handle
 
+    def run(self, plan: SlurmPlan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
+        """Restarts and continuations happen in the chain of allocations (job.sbatch), not here."""
+        return self.run_once(plan, log, timeout, on_submit)
+
+    def current(self, handle: Handle) -> str:
+        """The Slurm job of the chain's newest allocation."""
+        recs = allocations(Path(handle.dir), handle.scheduler_job)
+        return recs[-1]["next"] if recs and recs[-1]["next"] else handle.scheduler_job
+
     def status(self, handle: Handle) -> str:
-        return job_state(handle.scheduler_job)[0]
+        return job_state(self.current(handle))[0]
 
     def logs(self, handle: Handle, node: int) -> str:
         p = Path(handle.dir) / f"node{node}.log"
         return p.read_text(errors="replace") if p.exists() else ""
 
     def cancel(self, handle: Handle, log=print) -> None:
-        log(f"scancel {handle.scheduler_job}")
-        subprocess.run(["scancel", handle.scheduler_job], capture_output=True)
+        """The marker first (an allocation about to submit the next one reads it, and a next one that was
+        already submitted ends at once), then every job of the chain by its name."""
+        Path(handle.dir, f"CANCELLED.{handle.scheduler_job}").touch()   # the name jobs.CANCELLED + chain
+        if not shutil.which("scancel"):
+            raise UserError("scancel not found: run on a Slurm login node (or install Slurm's client tools)")
+        log(f"scancel --name=fleetbox-{handle.job_id}")
+        subprocess.run(["scancel", f"--name=fleetbox-{handle.job_id}"], capture_output=True)
 
     def follow(self, handle: Handle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
-        """Stream node 0's output until the job ends (the time limit is Slurm's: --time)."""
-        node0, pos, state, code = Path(handle.dir) / "node0.log", 0, "PENDING", ""
+        """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time)."""
+        job_dir, current, records = Path(handle.dir), handle.scheduler_job, []
         while True:
+            state = self._follow_one(job_dir, current, log, poll)
+            rec = _record_of(job_dir, handle.scheduler_job, current)
+            if rec is None:
+                break
+            records.append(rec)
+            log(f"allocation {rec['allocation']} (Slurm job {current}) ended: {chain_end(rec)}")
+            if not rec["next"]:
+                break
+            current = rec["next"]
+        r = self.result(handle, state, current, records)
+        return r
+
+    def _follow_one(self, job_dir: Path, slurm_job: str, log, poll: float) -> str:
+        pos = 0
+        while True:
+            node0 = job_dir / "node0.log"
             if node0.exists():
                 with open(node0, errors="replace") as f:
                     f.seek(pos)
@@ -203,15 +305,14 @@ class SlurmBackend(Backend):
                     pos = f.tell()
                 for ln in chunk.splitlines():
                     log(f"[node0] {ln}")
-            state, code = job_state(handle.scheduler_job)
-            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
-                break
+            state, _ = job_state(slurm_job)
+            if state not in ACTIVE:
+                return state
             time.sleep(poll)
-        return self.result(handle, state)
 
-    def result(self, handle: Handle, state: str) -> JobResult:
-        job_dir = Path(handle.dir)
-        batch = job_dir / f"slurm-{handle.scheduler_job}.out"
+    def result(self, handle: Handle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
+        job_dir, slurm_job, records = Path(handle.dir), slurm_job or handle.scheduler_job, records or []
+        batch = job_dir / f"slurm-{slurm_job}.out"
         fails = failures(batch.read_text(errors="replace") if batch.exists() else "")
         # srun --kill-on-bad-exit stops the other tasks after the first failure: a task it reports after that
         # was stopped by Slurm, not failing by itself (as the Docker backend leaves out nodes it stopped)
@@ -229,12 +330,82 @@ class SlurmBackend(Backend):
                                     "ok" if code == 0 else "FAILED" if k == bad else "stopped" if k in stopped
                                     else "aborted" if code else "?",
                                     str(job_dir / f"node{k}.log"), oom_killed=oom))
-        r = JobResult(handle.job_id, self.name, state == "COMPLETED" and not fails, nodes, bad, dir=str(job_dir),
+        last = records[-1] if records else None
+        ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
+        r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir),
                       log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
                       smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
-                      scheduler_job=handle.scheduler_job, scheduler_state=state)
+                      scheduler_job=slurm_job, scheduler_state=state,
+                      ended="" if ok or last is None or last["ended"] in ("failed", "restart") or bad is not None
+                      else chain_end(last))
+        if len(records) > 1 or last and last["ended"] != "finished":
+            r.attempts = [{"attempt": rec["allocation"] - 1, "ok": rec["ended"] in ("finished", "continue"),
+                           "ended": chain_end(rec), "slurm_job": rec["slurm_job"],
+                           "steps": [rec["from_step"], rec["to_step"]],
+                           "logs": str(job_dir / f"alloc{rec['allocation']}") if rec["next"] else str(job_dir)}
+                          for rec in records]
         r.save()
         return r
+
+
+def allocations(job_dir: Path, chain: str) -> list[dict]:
+    """The allocations of the chain that began with Slurm job `chain`, as job.sbatch recorded them."""
+    p = job_dir / "allocations.jsonl"
+    out = []
+    for ln in (p.read_text().splitlines() if p.exists() else []):
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue
+        if rec.get("chain") == chain:
+            out.append(rec)
+    return out
+
+
+def _record_of(job_dir: Path, chain: str, slurm_job: str, wait: float = 5.0) -> dict | None:
+    """The allocation's line (written just before its batch script exits; none when Slurm killed the script,
+    e.g. at its time limit)."""
+    end = time.monotonic() + wait
+    while True:
+        found = [r for r in allocations(job_dir, chain) if r["slurm_job"] == slurm_job]
+        if found or time.monotonic() > end:
+            return found[-1] if found else None
+        time.sleep(0.2)
+
+
+def chain_end(rec: dict) -> str:
+    """How one allocation ended, in words."""
+    step = rec["to_step"]
+    return {
+        "finished": f"finished at checkpoint step {step}",
+        "continue": f"stopped at the time limit with a checkpoint at step {step}; continued in Slurm job {rec['next']}",
+        "no-progress": f"allocation {rec['allocation']} made no progress (its newest checkpoint is still step "
+                       f"{rec['from_step']}): not continuing",
+        "max-allocations": f"stopped at step {step} to continue, but --max-allocations {rec['max_allocations']} was reached",
+        "restart": f"failed (exit {rec['exit']}); restarted from step {step} in Slurm job {rec['next']}",
+        "failed": f"failed (exit {rec['exit']})",
+        "cancelled": "cancelled",
+        "submit-failed": f"could not submit the next allocation (see slurm-{rec['slurm_job']}.out)",
+    }.get(rec["ended"], rec["ended"])
+
+
+def time_seconds(value: str) -> int | None:
+    """Slurm's --time in seconds (minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]);
+    None for no limit."""
+    if not value or value.lower() in ("unlimited", "infinite"):
+        return None
+    days, _, rest = value.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        parts += [0] * (3 - len(parts))   # days-hours[:minutes[:seconds]]
+        h, m, sec = parts
+    elif len(parts) == 1:
+        h, m, sec = 0, parts[0], 0
+    elif len(parts) == 2:
+        h, m, sec = 0, parts[0], parts[1]
+    else:
+        h, m, sec = parts
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
 
 
 def node_host(node_log: Path) -> str:
@@ -261,6 +432,8 @@ def job_state(job_id: str) -> tuple[str, str]:
     code = re.search(r"ExitCode=(\S+)", out)
     return (state.group(1) if state else "UNKNOWN"), (code.group(1) if code else "")
 
+
+ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")   # a job Slurm has not ended
 
 FAILED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: "
                          r"(?:Exited with exit code (\d+)|(Killed|Terminated|Out Of Memory))")

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -272,3 +273,91 @@ def test_slurm_dry_run_is_what_slurm_got_and_hostile_values_arrive_unchanged(clu
     assert open(os.path.join(job_dir, "node.sh")).read() == said_node
     assert not os.path.exists("/tmp/fleetbox-pwned")
     assert s["smoke"]["tag"] == HOSTILE_TAG and s["smoke"]["env_tag"] == "$(touch /tmp/fleetbox-pwned); `id` $HOME node0"
+
+
+def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_done(cluster, podman_image):
+    """Detached, with a 2-minute limit and work for about three allocations: Slurm warns (USR1, 90 s before the
+    limit), the job checkpoints and stops, and the next allocation goes on from there, without help and with no
+    client attached, until smoke.py is done; it is judged on the whole run. `invoke jobs` and `invoke logs
+    --follow` work from another shell, across allocations."""
+    env = {**os.environ, **cluster}
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
+                          "--runtime-args", PODMAN_ARGS, "--time", "2", "--signal-grace", "90",
+                          "--max-allocations", "6", "--detach",
+                          "--args", "--steps 60 --step-sleep 0.5 --checkpoint-every 10"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = p.stdout.readline() + p.stdout.readline()
+    assert " detached; see it with `invoke jobs`" in out, out + p.stderr.read()
+    p.kill()   # the client is gone; Slurm carries the job
+    p.wait()
+    job_id = out.split("job ")[-1].split()[0]
+    job_dir = ROOT / "runs" / job_id
+    row = _slurm_row(job_id, env)
+    assert row[1] == "slurm" and row[3] in ("PENDING", "RUNNING") and row[4] == "1", row
+    follow = invoke("logs", job_id, "--follow", env=env, timeout=600)   # until the chain ends
+    assert follow.returncode == 0, follow.stderr
+    assert follow.stdout.count("fleetbox-checkpoint: told to stop: saved step") >= 1, follow.stdout[-3000:]
+    assert '"whole_run": true' in follow.stdout   # the last allocation's FLEETBOX-SMOKE line, followed into
+    row = _slurm_row(job_id, env)
+    assert row[3] == "PASSED" and int(row[5]) == 60, row
+    s = json.loads((job_dir / "summary.json").read_text())   # written by `invoke jobs`: no client followed
+    allocs = s["attempts"]
+    assert len(allocs) >= 2 and s["ok"], allocs
+    assert [a["ended"].split()[0] for a in allocs[:-1]] == ["stopped"] * (len(allocs) - 1)
+    assert allocs[-1]["ended"] == "finished at checkpoint step 60"
+    steps = [a["steps"] for a in allocs]
+    assert steps[0][0] == 0 and all(b[0] == a[1] for a, b in zip(steps, steps[1:]))   # each goes on from the last
+    assert all(a[1] > a[0] for a in steps), steps                                     # ... and made progress
+    smoke = s["smoke"]
+    assert smoke["steps"] == 60 and smoke["whole_run"] and smoke["loss_falls"] and smoke["params_identical"]
+    assert smoke["resumed_from"] == steps[-1][0] > 0
+    for a in allocs[:-1]:   # each allocation kept its own logs
+        d = Path(a["logs"])
+        assert (d / "node0.log").exists() and (d / "node1" / "workerlog.0").exists(), d
+        assert "told to stop: saved step" in (d / "node0" / "workerlog.0").read_text()
+        assert (job_dir / f"slurm-{a['slurm_job']}.out").exists()
+    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
+                          text=True).stdout.split()
+    assert left == []
+
+
+def _slurm_row(job_id, env):
+    proc = invoke("jobs", env=env)
+    assert proc.returncode == 0, proc.stderr
+    rows = [ln.split(None, 6) for ln in proc.stdout.splitlines() if ln.startswith(job_id + " ")]
+    assert len(rows) == 1, proc.stdout
+    return rows[0]
+
+
+def test_slurm_a_real_failure_in_a_later_allocation_ends_the_chain_and_is_named(cluster, podman_image):
+    proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--time", "2",
+                       "--signal-grace", "90", "--max-allocations", "4",
+                       "--args", "--steps 200 --step-sleep 0.5 --checkpoint-every 10 --fail-rank 1 --fail-step 0 "
+                                 "--fail-attempt 1")
+    one_line_error(proc, "train failed: node1 (rank 1) on node2 exited with exit code 3 (over 2 allocations; ",
+                   job_output=True)
+    s, job_dir = summary(proc)
+    assert [a["ended"].split()[0] for a in s["attempts"]] == ["stopped", "failed"], s["attempts"]
+    assert "fleetbox-checkpoint: resumed from step" in open(os.path.join(job_dir, "node0", "workerlog.0")).read()
+
+
+def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_image):
+    env = {**os.environ, **cluster}
+    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--detach",
+                  "--max-allocations", "3", "--args", "--hang-rank 0 --hang-seconds 600", env=env)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.split("job ")[-1].split()[0]
+    deadline = time.monotonic() + 120
+    while len(subprocess.run(["podman", "ps", "-q", "--filter", f"label=io.fleetbox.job={job_id}"],
+                             capture_output=True, text=True).stdout.split()) < 2:
+        assert time.monotonic() < deadline, "the job's containers never started"
+        time.sleep(0.5)
+    assert _slurm_row(job_id, env)[3] == "RUNNING"
+    proc = invoke("cancel", job_id, env=env)
+    assert proc.returncode == 0 and f"scancel --name=fleetbox-{job_id}" in proc.stdout, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 60
+    while (row := _slurm_row(job_id, env))[3] != "CANCELLED" or subprocess.run(
+            ["podman", "ps", "-aq", "--filter", f"label=io.fleetbox.job={job_id}"], capture_output=True,
+            text=True).stdout.split():
+        assert time.monotonic() < deadline, row
+        time.sleep(1)

@@ -62,3 +62,27 @@ def test_the_whole_workspace_reaches_remote_hosts(hosts, tmp_path):
 def test_unreachable_host_is_one_clear_error(hosts):
     proc = invoke("train", "--nodes", "2", "--hosts", f"{hosts[0]},tcp://10.213.77.99:2375")
     assert proc.returncode == 2 and "cannot reach the Docker Engine at tcp://10.213.77.99:2375" in proc.stderr
+
+
+def test_a_job_across_engines_restarts_from_each_engines_own_checkpoints(hosts):
+    """No folder is shared between the hosts: each engine keeps the job's checkpoints in a volume, each node's
+    first rank writes the replicated state there, and the restarted job resumes from the newest step every
+    node has, ending bit for bit where a run that never failed ends."""
+    ref = invoke("train", "--nodes", "2", "--args", "--checkpoint-every 5")
+    assert ref.returncode == 0, ref.stderr
+    reference = json.loads(open(os.path.join(ref.stdout.split("logs in ")[1].split()[0], "summary.json")).read())
+    job_id = f"hosts-restart-{os.getpid()}"
+    proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts), "--job-id", job_id, "--max-restarts", "1",
+                  "--args", "--checkpoint-every 5 --fail-rank 1 --fail-step 20 --fail-attempt 0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    job_dir = proc.stdout.split("logs in ")[1].split()[0]
+    s = json.loads(open(os.path.join(job_dir, "summary.json")).read())
+    assert [a["ended"] for a in s["attempts"]] == ["node1 (rank 1) exited with exit code 3", "passed"]
+    assert s["smoke"]["resumed_from"] == 20 and s["smoke"]["whole_run"]
+    assert s["smoke"]["params_sha256"] == reference["smoke"]["params_sha256"]
+    volume = f"fleetbox-{job_id}-checkpoints"
+    for url in hosts:   # each engine's own copy: replicated state and that node's rank state
+        ls = fabric.sh("docker", "-H", url, "run", "--rm", "--network", "none", "-v", f"{volume}:/c:ro",
+                       "fleetbox/paddle:cpu", "ls", "/c/step-00000060").stdout.split()
+        assert "model.pdparams" in ls and "COMPLETE" in ls and len([f for f in ls if f.startswith("rank-")]) == 1
+        fabric.sh("docker", "-H", url, "volume", "rm", volume)

@@ -302,3 +302,86 @@ def test_a_killed_node_restarts_the_job_from_its_checkpoint_and_ends_bit_for_bit
     assert (first / "node1" / "workerlog.0").exists() and (first / "summary.json").exists()
     assert f"resumed from step {smoke['resumed_from']}" in out
     assert job_containers(job_id) == []
+
+
+def _jobs_row(job_id, env=None):
+    proc = invoke("jobs", env=env)
+    assert proc.returncode == 0, proc.stderr
+    rows = [ln.split(None, 6) for ln in proc.stdout.splitlines() if ln.startswith(job_id + " ")]
+    assert len(rows) == 1, proc.stdout
+    return dict(zip(["job", "backend", "nodes", "state", "attempt", "ckpt", "note"], rows[0] + [""]))
+
+
+def _finished_at(container):
+    out = subprocess.run(["docker", "inspect", "-f", "{{.State.FinishedAt}}", container], capture_output=True,
+                         text=True).stdout.strip()
+    return when(out)
+
+
+def test_a_detached_job_outlives_its_client_restarts_after_a_failure_and_is_cancelled_from_another_shell(cpu_image):
+    job_id = f"detached-{os.getpid()}-{time.monotonic_ns()}"
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--nodes", "2", "--job-id", job_id, "--detach",
+                          "--max-restarts", "1", "--args", "--steps 2000 --step-sleep 0.1 --checkpoint-every 10"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line.startswith(f"job {job_id} detached (supervisor pid "), line + p.stderr.read()
+    p.kill()                                    # the client is gone; the job is not
+    p.wait()
+    row = _jobs_row(job_id)
+    assert row["state"] in ("RUNNING", "STARTING") and row["backend"] == "docker", row
+    follow = subprocess.Popen([sys.executable, "-m", "invoke", "logs", job_id, "--follow"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt = ROOT / "runs" / job_id / "checkpoints"
+    deadline = time.monotonic() + 90
+    while not (ckpt / "step-00000020" / "COMPLETE").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    names = sorted(subprocess.run(["docker", "ps", "--format", "{{.Names}}", "--filter",
+                                  f"label=io.fleetbox.job={job_id}"], capture_output=True, text=True).stdout.split())
+    assert len(names) == 2
+    ids = {n: subprocess.run(["docker", "inspect", "-f", "{{.Id}}", n], capture_output=True, text=True).stdout.strip()
+           for n in names}
+    subprocess.run(["docker", "kill", "--signal", "KILL", names[1]], check=True, capture_output=True)
+    # with no terminal attached, the supervisor still stops the other node within 10 s, then starts attempt 1
+    first = ROOT / "runs" / job_id / "attempt0" / "summary.json"
+    deadline = time.monotonic() + 60
+    while not first.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s0 = json.loads(first.read_text())
+    finished = [when(n["finished_at"]) for n in s0["nodes"]]
+    assert s0["culprit"] == 1 and abs((finished[0] - finished[1]).total_seconds()) <= 10, s0["nodes"]
+    deadline = time.monotonic() + 60
+    while _jobs_row(job_id)["attempt"] != "1" or _jobs_row(job_id)["state"] != "RUNNING":
+        assert time.monotonic() < deadline, _jobs_row(job_id)
+        time.sleep(0.5)
+    again = _jobs_row(job_id)
+    assert int(again["ckpt"]) >= 20
+    running = subprocess.run(["docker", "ps", "-q", "--no-trunc", "--filter", f"label=io.fleetbox.job={job_id}"],
+                             capture_output=True, text=True).stdout.split()
+    assert len(running) == 2 and not set(running) & set(ids.values())   # new containers, the same job id
+    time.sleep(3)
+    proc = invoke("cancel", job_id)
+    assert proc.returncode == 0 and f"job {job_id} cancelled" in proc.stdout, proc.stdout + proc.stderr
+    assert job_containers(job_id) == []
+    out, err = follow.communicate(timeout=30)   # follows until the job ends, across the restart
+    assert out.count("LAUNCH INFO") >= 2 and "Traceback" not in err, out[-2000:] + err
+    assert _jobs_row(job_id)["state"] == "CANCELLED"
+
+
+def test_a_dead_supervisor_shows_in_jobs_and_cancel_still_removes_the_job(cpu_image):
+    job_id = f"orphan-{os.getpid()}-{time.monotonic_ns()}"
+    proc = invoke("train", "--nodes", "2", "--job-id", job_id, "--detach", "--args", "--step-sleep 1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid = int(proc.stdout.split("supervisor pid ")[1].split(")")[0])
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    row = _jobs_row(job_id)
+    assert row["state"] == "ORPHANED" and f"its supervisor (pid {pid}) is gone" in row["note"], row
+    proc = invoke("cancel", job_id)
+    assert proc.returncode == 0, proc.stderr
+    assert job_containers(job_id) == []
+
+
+def test_jobs_logs_cancel_bad_input_is_one_line(cpu_image):
+    one_line_error(invoke("logs", "no-such-job"), "no job no-such-job in")
+    one_line_error(invoke("cancel", "a;b"), "'a;b' is not a job id")
+    one_line_error(invoke("train", "--detach", "--timeout", "5"), "--timeout needs an attached job")

@@ -69,7 +69,10 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--max-restarts", "x", "--dry-run"], "--max-restarts takes a whole number"),
     (["train", "--resume", "/nonexistent/ck", "--dry-run"], "--resume /nonexistent/ck: give auto, never, or a"),
     (["train", "--checkpoint-dir", "/etc/hostname", "--dry-run"], "--checkpoint-dir /etc/hostname is not a folder"),
-    (["train", "--backend", "slurm", "--max-restarts", "1", "--dry-run"], "--max-restarts is for the docker backend"),
+    (["train", "--backend", "slurm", "--signal-grace", "0", "--dry-run"], "--signal-grace must be between 1 and 65535"),
+    (["train", "--backend", "slurm", "--max-allocations", "0", "--dry-run"], "--max-allocations must be at least 1"),
+    (["train", "--max-allocations", "3", "--dry-run"], "--max-allocations and --signal-grace are for --backend slurm"),
+    (["train", "--backend", "slurm", "--time", "2 hours", "--dry-run"], "--time '2 hours' is not a value Slurm accepts"),
     (["cache", "--datasets", "mnist", "--jobs", "x"], "--jobs takes a whole number"),
 ])
 def test_bad_values_are_one_line(run_invoke, args, needle):

@@ -613,17 +613,18 @@ def test_missing_image_is_a_user_error():
 
 def test_a_failed_node_restarts_the_whole_job_from_its_checkpoints():
     engine = FakeEngine({0: [Life(code=None), Life(code=0, after=2)], 1: [Life(code=3, after=2), Life(code=0)]})
-    b, plan, r, lines = run(engine, spec_kw={"max_restarts": 2})
+    b, plan, r, lines = run(engine, spec_kw={"max_restarts": 2, "args": ("--tag", "try-{attempt}")})
     assert r.ok and r.job_id == JOB
     first, second = engine.history[:2], engine.history[2:]
     assert len(engine.history) == 4 and all(c.removed for c in engine.history)
     assert first[0].stopped and [c.name for c in first] == [c.name for c in second]   # the same job, again
     for c in first:
-        assert c.kwargs["environment"]["FLEETBOX_ATTEMPT"] == "0"
-    for c in second:   # told which attempt it is, and to go on from the job's own newest checkpoint
-        env = c.kwargs["environment"]
-        assert env["FLEETBOX_ATTEMPT"] == "1" and env["FLEETBOX_RESUME"] == "auto"
+        assert c.kwargs["environment"]["FLEETBOX_ATTEMPT"] == "0" and c.command[-1] == "try-0"
+    for c in second:   # told which attempt it is ({attempt} filled again); the checkpoints are the same
+        assert c.kwargs["environment"]["FLEETBOX_ATTEMPT"] == "1" and c.command[-1] == "try-1"
         assert f"{plan.checkpoints}:{settings.CHECKPOINT_DIR}:rw" in c.kwargs["volumes"]
+        assert {k: v for k, v in c.kwargs.items() if k != "environment"} == \
+            {k: v for k, v in first[c.rank].kwargs.items() if k != "environment"}
     assert [(a["attempt"], a["ok"]) for a in r.attempts] == [(0, False), (1, True)]
     assert r.attempts[0]["ended"] == "node1 (rank 1) exited with exit code 3"
     # each attempt keeps its own logs: the first moved aside, the last in the job folder

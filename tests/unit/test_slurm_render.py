@@ -239,3 +239,102 @@ def test_dataset_cache_is_mounted_where_paddle_looks_as_the_runtimes_user(runtim
         assert ("--container-mount-home" in sb) if runtime == "pyxis" else True
     else:
         assert not any(".cache" in ln for ln in made)
+
+
+# -- the chain of allocations (job.sbatch's own shell, run here with bash; sbatch is a stand-in that records) --
+
+def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, restarts=0, max_alloc=3,
+                max_restarts=0, cancelled=False):
+    import json as _json
+    import subprocess
+    job, ck, bin_ = tmp_path / "job", tmp_path / "ck", tmp_path / "bin"
+    for d in (job, ck, bin_, job / "node0"):
+        d.mkdir(parents=True, exist_ok=True)
+    (job / "node0.log").write_text("node 0 said\n")
+    (job / "node.sh").write_text("# the node script stays\n")
+    (bin_ / "sbatch").write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/sbatch.args"\necho "99;cluster"\n')
+    (bin_ / "sbatch").chmod(0o755)
+    for s in (from_step, to_step):
+        (ck / f"step-{s:08d}").mkdir(exist_ok=True)
+        (ck / f"step-{s:08d}" / "COMPLETE").write_text("{}")
+    (ck / "step-00000099").mkdir(exist_ok=True)   # no COMPLETE: never counts
+    script = "\n".join([
+        "set -euo pipefail", f"JOB_DIR={job}", f"CHECKPOINTS={ck}", "SLURM_JOB_ID=7",
+        f"FLEETBOX_ALLOCATION={allocation}", f"FLEETBOX_RESTARTS={restarts}", "FLEETBOX_CHAIN=7",
+        # the allocation starts at from_step; the script then ran, checkpointed up to to_step and recorded its state
+        f"mv {ck}/step-{to_step:08d} {tmp_path}/later" if to_step != from_step else ":",
+        str(slurm.CHAIN_SH),
+        f"mv {tmp_path}/later {ck}/step-{to_step:08d}" if to_step != from_step else ":",
+        f"touch {job}/CANCELLED.7" if cancelled else ":",   # `invoke cancel` while the allocation ran
+        f"echo '{{\"state\": \"{state}\", \"step\": {to_step}}}' > {ck}/STATE" if state else ":",
+        f"rc={rc}", f"next_allocation {max_alloc} {max_restarts}", 'echo "exit=$rc"'])
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                          env={"PATH": f"{bin_}:/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    rec = _json.loads((job / "allocations.jsonl").read_text().splitlines()[-1])
+    sbatch = (bin_ / "sbatch.args").read_text() if (bin_ / "sbatch.args").exists() else ""
+    return rec, sbatch, job, proc.stdout
+
+
+def test_an_allocation_that_checkpointed_and_stopped_is_continued(tmp_path):
+    rec, sbatch, job, out = _allocation(tmp_path, state="continue", rc=0)
+    assert rec == {"chain": "7", "allocation": 1, "max_allocations": 3, "slurm_job": "7", "from_step": 10,
+                   "to_step": 20, "state": "continue", "exit": 0, "ended": "continue", "next": "99"}
+    assert "--dependency=afterany:7" in sbatch and "FLEETBOX_ALLOCATION=2,FLEETBOX_RESTARTS=0,FLEETBOX_CHAIN=7" in sbatch
+    assert sorted(p.name for p in (job / "alloc1").iterdir()) == ["node0", "node0.log"]   # its logs kept apart
+    assert (job / "node.sh").exists() and "exit=0" in out
+    assert slurm.chain_end(rec) == "stopped at the time limit with a checkpoint at step 20; continued in Slurm job 99"
+
+
+@pytest.mark.parametrize("case,kw,ended,submits", [
+    ("no-progress", dict(state="continue", rc=0, to_step=10), "no-progress", False),
+    ("last-allowed", dict(state="continue", rc=0, allocation=3), "max-allocations", False),
+    ("done", dict(state="done", rc=0), "finished", False),
+    ("no-helper", dict(state="", rc=0), "finished", False),
+    ("failed", dict(state="running", rc=3), "failed", False),
+    ("failed-restart-left", dict(state="running", rc=3, max_restarts=1), "restart", True),
+    ("restarts-used", dict(state="running", rc=3, restarts=1, max_restarts=1), "failed", False),
+    ("cancelled", dict(state="continue", rc=0, cancelled=True), "cancelled", False),
+])
+def test_how_an_allocation_ends_is_read_from_the_checkpoint_folder(tmp_path, case, kw, ended, submits):
+    rec, sbatch, job, out = _allocation(tmp_path, **kw)
+    assert rec["ended"] == ended and bool(sbatch) == submits and bool(rec["next"]) == submits
+    if ended == "restart":
+        assert "FLEETBOX_RESTARTS=1" in sbatch and rec["exit"] == 3
+    if ended == "no-progress":
+        assert slurm.chain_end(rec) == ("allocation 1 made no progress (its newest checkpoint is still step 10): "
+                                        "not continuing")
+    if ended == "max-allocations":
+        assert slurm.chain_end(rec) == "stopped at step 20 to continue, but --max-allocations 3 was reached"
+
+
+def test_an_allocation_of_a_cancelled_chain_ends_at_once(tmp_path):
+    import subprocess
+    (tmp_path / "CANCELLED.7").touch()
+    script = "\n".join(["set -euo pipefail", f"JOB_DIR={tmp_path}", f"CHECKPOINTS={tmp_path}", "SLURM_JOB_ID=8",
+                        "FLEETBOX_CHAIN=7", str(slurm.CHAIN_SH), "echo started"])
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "fleetbox: the job was cancelled\n"
+
+
+def test_slurm_is_asked_to_warn_before_the_time_limit_and_the_chain_is_bounded(tmp_path):
+    b = slurm.SlurmBackend("podman", time="2", signal_grace=90, max_allocations=4)
+    p = b.plan(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-x", max_restarts=2))
+    sbatch = dict(p.files)["job.sbatch"]
+    assert "#SBATCH --signal=B:USR1@90\n" in sbatch and "#SBATCH --time=2\n" in sbatch
+    assert sbatch.rstrip().endswith('next_allocation 4 2\nexit "$rc"')
+    assert f"CHECKPOINTS={p.checkpoints}" in sbatch and p.checkpoints == str(p.dir / "checkpoints")
+    node = dict(p.files)["node.sh"]
+    assert "FLEETBOX_ATTEMPT=\"$FLEETBOX_ATTEMPT\"" in node   # filled per allocation, on the node
+
+
+@pytest.mark.parametrize("value,seconds", [("2", 120), ("2:30", 150), ("1:00:00", 3600), ("1-0", 86400),
+                                           ("1-2:03", 93780), ("0-0:0:45", 45), ("unlimited", None), ("", None)])
+def test_slurm_time_limits_in_seconds(value, seconds):
+    assert slurm.time_seconds(value) == seconds
+
+
+def test_a_grace_as_long_as_the_time_limit_is_refused():
+    with pytest.raises(UserError, match=r"--signal-grace 120 s is not shorter than --time 2 \(120 s\)"):
+        slurm.SlurmBackend("podman", time="2")
+    slurm.SlurmBackend("podman", time="2", signal_grace=90)
