@@ -124,8 +124,8 @@ class Checkpoint:
             self.resume = "auto" if self.resume == "never" else self.resume
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) or 0)
-        shared = os.environ.get("FLEETBOX_CHECKPOINT_SCOPE", "shared") != "node"
-        self.writer = self.rank == 0 if shared else local == 0    # writes the replicated state and COMPLETE
+        self.shared = os.environ.get("FLEETBOX_CHECKPOINT_SCOPE", "shared") != "node"
+        self.writer = self.rank == 0 if self.shared else local == 0    # writes the replicated state and COMPLETE
         self.rank_state: dict | None = None
         self.saved_step = self.last_step = 0
         self._stop = False
@@ -196,6 +196,8 @@ class Checkpoint:
                 break
             if why:
                 _say(f"rank {self.rank}: step {candidate} ({found[candidate]}) is unusable: {why}")
+                if self.writer and found[candidate].startswith(self.folder):   # out of the way, kept to look at
+                    os.rename(found[candidate], f"{found[candidate]}.damaged-{int(time.time())}")
             if self.rank == 0:
                 _say(f"step {candidate} is unusable on some rank; falling back to the one before")
         if self.resume not in ("auto", "never") and not step:
@@ -298,19 +300,31 @@ class Checkpoint:
                     os.replace(tmp, os.path.join(part, name))
         self._barrier()   # every rank's file is in place
         if self.writer:
-            files = {n: [os.path.getsize(os.path.join(part, n)), _sha256(os.path.join(part, n))]
-                     for n in sorted(os.listdir(part)) if ".tmp" not in n}
+            names = [n for n in os.listdir(part) if ".tmp" not in n]
+            if self.shared:   # every rank's own file, by name (a cached listing on NFS may not show them yet)
+                names = [n for n in (MODEL, OPTIMIZER) if n in names] + [f"rank-{r}.pkl" for r in range(self.world)]
+                self._wait_for(part, names)
+            files = {n: [os.path.getsize(os.path.join(part, n)), _sha256(os.path.join(part, n))] for n in sorted(names)}
             _write(os.path.join(part, COMPLETE), json.dumps(
                 {"step": step, "world": self.world, "time": time.time(), "files": files}).encode())
             shutil.rmtree(final, ignore_errors=True)   # the same step saved by an earlier attempt
             os.rename(part, final)
             _fsync_dir(self.folder)
-            for old in complete_steps(self.folder)[self.keep:]:
+            for old in [s for s in complete_steps(self.folder) if s <= step][self.keep:]:   # never a newer one
                 shutil.rmtree(os.path.join(self.folder, f"step-{old:08d}"), ignore_errors=True)
             if self.rank == 0:
                 _say(f"saved step {step}")
         self._barrier()   # nobody goes on (or exits) before the checkpoint is complete
         self.saved_step = step
+
+    @staticmethod
+    def _wait_for(part: str, names: list[str], within: float = 30.0) -> None:
+        end = time.monotonic() + within
+        while missing := [n for n in names if not os.path.exists(os.path.join(part, n))]:
+            if time.monotonic() > end:
+                _fail(f"{', '.join(missing)} did not appear in {part} within {within:.0f} s: is "
+                      f"FLEETBOX_CHECKPOINT_DIR one folder shared by every node?")
+            time.sleep(0.2)
 
     def done(self) -> None:
         """The script finished its work: fleetbox will not continue it."""

@@ -23,6 +23,9 @@ from .result import JobResult
 from .spec import JobSpec
 
 
+CANCELLED = "CANCELLED"   # in the job folder: `invoke cancel` asked (Slurm: CANCELLED.<first Slurm job>)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a backend will do, fully decided. Backends add their own fields."""
@@ -43,6 +46,7 @@ class Handle:
     procs_per_node: int = 1
     scheduler_job: str = ""                           # Slurm: its job id (the first of a chain of allocations)
     supervisor: int = 0                               # pid of the process that follows the job (0: Slurm alone)
+    supervisor_start: int = 0                         # ... and its start time (clock ticks): a reused pid is not it
     checkpoints: str = ""                             # the job's checkpoint folder (or --hosts volume)
 
     def save(self) -> None:
@@ -95,7 +99,8 @@ class Backend(ABC):
                 result, why = None, str(e).removeprefix("train failed: ")
             attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
                              "logs": str(plan.dir)})
-            if result is not None and (result.ok or result.timed_out) or attempt == restarts:
+            if result is not None and (result.ok or result.timed_out) or attempt == restarts \
+                    or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
                 break
             attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
             log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
@@ -114,7 +119,9 @@ class Backend(ABC):
     def keep_attempt(self, plan: Plan, attempt: int) -> Path:
         """Move a finished attempt's logs aside (to attempt<N>/), so the next one starts with a clean folder."""
         aside = plan.dir / f"attempt{attempt}"
-        aside.mkdir(exist_ok=True)
+        if aside.exists():   # left by an earlier run of the same job id
+            aside.rename(aside.with_name(f"{aside.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
+        aside.mkdir()
         for p in sorted(plan.dir.iterdir()):
             if re.fullmatch(r"node\d+(\.log)?|summary\.json", p.name):
                 p.rename(aside / p.name)
@@ -178,3 +185,13 @@ def get(name: str, **options) -> Backend:
     if name not in backends:
         raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(backends)}")
     return backends[name](**options)
+
+
+def process_start(pid: int) -> int:
+    """When the process started, in clock ticks since boot (/proc/<pid>/stat field 22); 0 if it is gone (a
+    zombie, killed and not yet reaped, counts as gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return 0 if fields[0] in ("Z", "X") else int(fields[19])

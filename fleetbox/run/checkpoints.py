@@ -42,6 +42,8 @@ def prepare(path: Path, resume: str, log=print) -> None:
     id used again): they are moved aside, not deleted, so nothing older is resumed by a later restart."""
     check_writable(path)
     path.mkdir(parents=True, exist_ok=True)
+    for marker in ("STOP", "STATE"):   # an earlier run's: the script records its own state again
+        (path / marker).unlink(missing_ok=True)
     if resume == "never" and steps(path):
         aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
         path.rename(aside)

@@ -24,7 +24,7 @@ from pathlib import Path
 from .. import engine, probes, settings
 from ..errors import Failed, UserError
 from . import checkpoints, hostnet, placeholders, plan as planner, spec as spec_mod
-from .backend import Backend, Handle, Plan
+from .backend import CANCELLED, Backend, Handle, Plan, process_start
 from .result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
@@ -39,6 +39,7 @@ class DockerPlan(Plan):
     checkpoints: str = ""                  # the checkpoint folder here, or (--hosts) each engine's volume
     template: planner.NodeRun | None = None   # the nodes before their placeholders were filled ...
     values: tuple[dict, ...] = ()             # ... with these values (a restart fills them again)
+    attempt: int = 0
 
 
 class DockerBackend(Backend):
@@ -60,6 +61,10 @@ class DockerBackend(Backend):
         job_id = spec.job_id or spec_mod.new_job_id()
         hosts = list(spec.hosts) or [""] * spec.nodes
         for host in dict.fromkeys(hosts):
+            if spec.job_id and self.engine(host).containers.list(
+                    filters={"label": f"{settings.LABEL_JOB}={spec.job_id}"}, ignore_removed=True):
+                raise UserError(f"job {spec.job_id} is running (see `invoke jobs`); wait for it or "
+                                f"`invoke cancel {spec.job_id}` before running it again")
             if engine.image_or_none(self.engine(host), spec.image_ref) is None:
                 where = f"on {host}" if host else "here"
                 raise UserError(f"image {spec.image_ref} is not {where}; run `invoke build --variant "
@@ -72,8 +77,8 @@ class DockerBackend(Backend):
             # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
             # one for --resume never), unless --checkpoint-dir names a folder every host shares
             shared = bool(spec.checkpoint_dir)
-            ckpt = spec.checkpoint_dir or f"fleetbox-{job_id}-checkpoints" + (
-                f"-{secrets.token_hex(3)}" if spec.resume == "never" else "")
+            ckpt = spec.checkpoint_dir or f"fleetbox-{job_id}-{{node}}-checkpoints" + (   # one per node, even
+                f"-{secrets.token_hex(3)}" if spec.resume == "never" else "")               # on a shared engine
             t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
                                  memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared)
             home, user = "", ""
@@ -134,8 +139,9 @@ class DockerBackend(Backend):
 
     def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
         """The same nodes with {attempt} filled again (FLEETBOX_ATTEMPT, and wherever the user wrote it)."""
-        return replace(plan, nodes=tuple(replace(plan.template, host=n.host).fill({**v, "attempt": str(attempt)})
-                                         for n, v in zip(plan.nodes, plan.values)))
+        return replace(plan, attempt=attempt, nodes=tuple(
+            replace(plan.template, host=n.host).fill({**v, "attempt": str(attempt)})
+            for n, v in zip(plan.nodes, plan.values)))
 
     def describe(self, plan: DockerPlan) -> str:
         out = list(plan.notes)
@@ -150,14 +156,17 @@ class DockerBackend(Backend):
             log(note)
         plan.dir.mkdir(parents=True, exist_ok=True)
         spec = plan.spec
-        if not spec.hosts:
-            checkpoints.prepare(Path(plan.checkpoints), spec.resume, log)
+        if plan.attempt == 0:   # a restart goes on with the same folders
+            (plan.dir / CANCELLED).unlink(missing_ok=True)
+            if not spec.hosts:
+                checkpoints.prepare(Path(plan.checkpoints), spec.resume, log)
         (plan.dir / "job.json").write_text(json.dumps({
             "job_id": plan.job_id, "variant": spec.variant.name, "nodes": spec.nodes,
             "procs_per_node": spec.procs_per_node, "image": spec.image_ref,
             "commands": [n.shell() for n in plan.nodes]}, indent=1))
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
-                        procs_per_node=spec.procs_per_node, supervisor=os.getpid(), checkpoints=plan.checkpoints)
+                        procs_per_node=spec.procs_per_node, supervisor=os.getpid(),
+                        supervisor_start=process_start(os.getpid()), checkpoints=plan.checkpoints)
         handle.save()
         live = self.live[plan.job_id] = _Live(self, plan)
         try:
@@ -203,7 +212,10 @@ class DockerBackend(Backend):
             live.remove_all()
             live.result()
             return
-        for c in self._containers(handle):
+        for c in self._containers(handle):   # not ours: keep what each said, then remove it
+            rank = c.labels.get(settings.LABEL_RANK, "x")
+            d = Path(handle.dir) / f"node{rank}"
+            _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), (d / "container.log").write_bytes(c.logs())))
             _quietly(lambda: c.remove(force=True))
 
     def _containers(self, handle: Handle) -> list:
@@ -238,6 +250,11 @@ class DockerBackend(Backend):
                     raise UserError(f"cannot remove {c.name} on {where}: {(e.explanation or str(e)).strip()[:200]}") from None
                 log(f"removed {c.name} ({c.labels.get(settings.LABEL_JOB)}) on {where}")
                 removed += 1
+            if job:   # a --hosts job's checkpoint volumes (fleetbox-<job>-node<k>-checkpoints[-token])
+                for v in self.engine(host).volumes.list(filters={"name": f"fleetbox-{job}-node"}):
+                    if re.fullmatch(rf"fleetbox-{re.escape(job)}-node\d+-checkpoints(-[0-9a-f]+)?", v.name):
+                        _quietly(v.remove)
+                        log(f"removed volume {v.name} on {where}")
         return removed, kept
 
 
@@ -401,8 +418,12 @@ class _Live:
                                     self.finished.get(k, ""), self.oom.get(k, False),
                                     "lost its container (removed while the job ran)" if k in self.gone else ""))
         ok = not self.timed_out and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
+        ended = ""
+        said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.spec.hosts else {}
+        if ok and said.get("state") == "continue":   # told to stop from outside (SIGTERM): saved, not finished
+            ok, ended = False, f"stopped at step {said.get('step')} to continue, before its work was done"
         r = JobResult(self.plan.job_id, "docker", ok, nodes, bad, self.timed_out, str(d),
-                      smoke=smoke_report(d / "node0" / "workerlog.0"))
+                      smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended)
         if r.culprit is not None:
             r.log_tail = _node_tail(d / f"node{bad}")
         r.save()

@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import ROOT, settings
 from ..errors import Failed, UserError
 from . import backend as backends, checkpoints, supervisor
-from .backend import Handle
+from .backend import CANCELLED, Handle, process_start
 from .result import JobResult
 from .spec import JOB_ID, JobSpec
 
@@ -87,23 +87,14 @@ def supervise(plan, log) -> Handle:
     return Handle.load(plan.dir)
 
 
-CANCELLED = "CANCELLED"   # `invoke cancel` was asked (Slurm: CANCELLED.<first Slurm job of the chain>)
-
-
 def job_state(slurm_job: str) -> str:
     from .slurm_backend import job_state as state
     return state(slurm_job)[0]
 
 
-def alive(pid: int) -> bool:
-    """The process runs and is ours (a pid reused by another program does not count)."""
-    if pid <= 0:
-        return False
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"fleetbox" in cmd or b"invoke" in cmd
+def alive(h: Handle) -> bool:
+    """The job's supervisor runs: the same pid and the same start time (a reused pid is another process)."""
+    return h.supervisor > 0 and h.supervisor_start > 0 and process_start(h.supervisor) == h.supervisor_start
 
 
 def find(job_id: str) -> Handle:
@@ -127,9 +118,10 @@ def describe(h: Handle) -> dict:
         recs = allocations(d, h.scheduler_job)
         chained = bool(recs and recs[-1]["next"])
         row["attempt"] = len(recs) + 1 if chained or not recs else len(recs)
+        cancelled = (d / f"{CANCELLED}.{h.scheduler_job}").exists()
         if not summary or chained:
+            current = recs[-1]["next"] if chained else recs[-1]["slurm_job"] if recs else h.scheduler_job
             try:
-                b, current = backends.get("slurm"), recs[-1]["next"] if chained else h.scheduler_job
                 state = job_state(current)
             except UserError as e:
                 row["note"] = str(e)
@@ -137,16 +129,23 @@ def describe(h: Handle) -> dict:
             if state in ACTIVE:
                 row["state"] = state
                 return row
+            if state == "UNKNOWN":   # Slurm has forgotten it (MinJobAge): what the chain recorded, else nothing
+                if not recs or chained:
+                    row["state"], row["note"] = "?", f"Slurm no longer knows job {current}"
+                    return row
+                state = "COMPLETED" if recs[-1]["exit"] == 0 else "FAILED"
             # the chain has ended and no one followed it (a detached job): its result, from its files
-            summary = asdict(b.result(h, state, current, allocations(d, h.scheduler_job)))
-        row["state"] = "CANCELLED" if (d / f"{CANCELLED}.{h.scheduler_job}").exists() else \
-            "PASSED" if summary["ok"] else "FAILED"
-        row["note"] = "" if summary["ok"] else JobResult(**{**summary, "nodes": []}).reason()
+            summary = asdict(backends.get("slurm").result(h, state, current, recs))
+        row["state"] = "CANCELLED" if cancelled else "PASSED" if summary["ok"] else "FAILED"
+        row["note"] = "" if summary["ok"] or cancelled else JobResult(**{**summary, "nodes": []}).reason()
         return row
-    row["attempt"] = len([p for p in d.glob("attempt[0-9]*") if p.is_dir()])
-    following = alive(h.supervisor)
+    row["attempt"] = len([p for p in d.glob("attempt[0-9]") if p.is_dir()])
+    following = alive(h)
+    if not following and (d / CANCELLED).exists():
+        row["state"] = "CANCELLED"
+        return row
     if summary and not following:
-        row["state"] = "CANCELLED" if (d / CANCELLED).exists() else "PASSED" if summary["ok"] else "FAILED"
+        row["state"] = "PASSED" if summary["ok"] else "FAILED"
         return row
     try:
         state = backends.get("docker").status(h)
@@ -194,7 +193,7 @@ def logs(job_id: str, node: int = 0, follow: bool = False, log=print, poll: floa
 
 def _docker_logs(h: Handle, node: int, follow: bool, log, poll: float) -> None:
     from .docker_backend import DockerBackend
-    b, seen = DockerBackend(), set()
+    b, seen, shown = DockerBackend(), set(), False
     while True:
         mine = [c for c in b._containers(h) if c.labels.get(settings.LABEL_RANK) == str(node) and c.id not in seen]
         if mine:
@@ -211,13 +210,14 @@ def _docker_logs(h: Handle, node: int, follow: bool, log, poll: float) -> None:
                 pass
             if buf:
                 log(buf.decode(errors="replace"))
-        elif not seen:   # nothing running: what the job left in its folder
+        elif not seen and not shown:   # nothing running: what the job left in its folder
             p = Path(h.dir) / f"node{node}" / "container.log"
             if p.exists():
                 log(p.read_text(errors="replace").rstrip("\n"))
+                shown = True
             elif not follow:
                 raise UserError(f"no output of node {node} yet (job {h.job_id})")
-        if not follow or not alive(h.supervisor):
+        if not follow or not alive(h):
             return
         time.sleep(poll)   # a restart makes a new container for the node: follow that one too
 
@@ -261,18 +261,22 @@ def cancel(job_id: str, log=print, wait: float = 60) -> None:
     if h.backend == "slurm":
         backends.get("slurm").cancel(h, log)
         return
-    (Path(h.dir) / CANCELLED).touch()
-    if alive(h.supervisor) and h.supervisor != os.getpid():
+    b = backends.get("docker")
+    following = alive(h) and h.supervisor != os.getpid()
+    if not following and b.status(h) == "GONE":
+        raise UserError(f"job {job_id} has already ended (see `invoke jobs`)")
+    (Path(h.dir) / CANCELLED).touch()   # first: a supervisor between attempts does not start another
+    if following:
         log(f"asking the supervisor (pid {h.supervisor}) to stop job {job_id}")
         os.kill(h.supervisor, signal.SIGTERM)
         end = time.monotonic() + wait
-        while alive(h.supervisor) and time.monotonic() < end:
+        while alive(h) and time.monotonic() < end:
             time.sleep(0.2)
-        if not alive(h.supervisor):
+        if not alive(h):
             log(f"job {job_id} cancelled; logs in {h.dir}")
             return
         log(f"the supervisor did not stop within {wait:g} s; removing the job's containers")
-    backends.get("docker").cancel(h, log)
+    b.cancel(h, log)
     log(f"job {job_id}: containers removed; logs in {h.dir}")
 
 

@@ -58,13 +58,15 @@ if [ -e "$JOB_DIR/CANCELLED.$CHAIN" ]; then echo "fleetbox: the job was cancelle
 newest_step() {
   local d n best=0
   for d in "$CHECKPOINTS"/step-*; do
+    n=${d##*/step-}
+    case "$n" in ""|*[!0-9]*) continue;; esac
     [ -e "$d/COMPLETE" ] || continue
-    n=$((10#${d##*/step-})); [ "$n" -gt "$best" ] && best=$n
+    n=$((10#$n)); [ "$n" -gt "$best" ] && best=$n
   done
   echo "$best"
 }
 script_state() { sed -n 's/.*"state": *"\([a-z]*\)".*/\1/p' "$CHECKPOINTS/STATE" 2>/dev/null || true; }
-rm -f "$CHECKPOINTS/STOP"
+rm -f "$CHECKPOINTS/STOP" "$CHECKPOINTS/STATE"   # the script records its state again once it runs
 FROM_STEP=$(newest_step)
 stop_soon() {
   echo "fleetbox: the time limit is near: asking the training processes to checkpoint and stop"
@@ -224,7 +226,7 @@ class SlurmBackend(Backend):
         body += ["set +e", self.words(srun, job_id) + " &",
                  "SRUN=$!",
                  "# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
-                 'while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || break; done']
+                 'while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || { wait "$SRUN"; rc=$?; break; }; done']
         if rt.kills_client_only:   # whatever a killed task left behind, on every node
             sweep = line([rt.name, "ps", "-aq", "--filter", f"label={settings.LABEL_JOB}={job_id}"]) + \
                 f" | xargs -r {rt.name} rm -f"
@@ -241,6 +243,7 @@ class SlurmBackend(Backend):
     def submit(self, plan: SlurmPlan, log=print) -> Handle:
         plan.dir.mkdir(parents=True, exist_ok=True)
         checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, log)
+        (plan.dir / "summary.json").unlink(missing_ok=True)   # an earlier run's of the same job id
         for name, text in plan.files:   # complete files only: written aside, then renamed
             part = plan.dir / f".{name}.part"
             part.write_text(text)
@@ -392,7 +395,7 @@ def chain_end(rec: dict) -> str:
 def time_seconds(value: str) -> int | None:
     """Slurm's --time in seconds (minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]);
     None for no limit."""
-    if not value or value.lower() in ("unlimited", "infinite"):
+    if not value or value.lower() in ("unlimited", "infinite") or value.strip("0-:") == "":   # 0: no limit
         return None
     days, _, rest = value.rpartition("-")
     parts = [int(x) for x in rest.split(":")]

@@ -12,6 +12,7 @@ from pathlib import Path
 from .. import options, settings
 from ..build.matrix import Variant
 from ..errors import UserError
+from . import placeholders
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")   # a container name, a label, a folder, a Slurm job name
 
@@ -127,6 +128,8 @@ def validate(spec: JobSpec) -> None:
         if spec.hosts:
             raise UserError("--resume PATH needs the folder on every node; with --hosts, copy it into the job's "
                             "checkpoint volume or use a shared --checkpoint-dir")
+    if placeholders.used(spec.checkpoint_dir):   # fleetbox itself reads and writes it, on this machine
+        raise UserError(f"--checkpoint-dir {spec.checkpoint_dir}: give the path itself, without placeholders")
     if spec.checkpoint_dir and not spec.hosts and Path(spec.checkpoint_dir).exists() \
             and not Path(spec.checkpoint_dir).is_dir():
         raise UserError(f"--checkpoint-dir {spec.checkpoint_dir} is not a folder")

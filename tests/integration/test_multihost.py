@@ -80,9 +80,13 @@ def test_a_job_across_engines_restarts_from_each_engines_own_checkpoints(hosts):
     assert [a["ended"] for a in s["attempts"]] == ["node1 (rank 1) exited with exit code 3", "passed"]
     assert s["smoke"]["resumed_from"] == 20 and s["smoke"]["whole_run"]
     assert s["smoke"]["params_sha256"] == reference["smoke"]["params_sha256"]
-    volume = f"fleetbox-{job_id}-checkpoints"
-    for url in hosts:   # each engine's own copy: replicated state and that node's rank state
+    for k, url in enumerate(hosts):   # each node's own copy: replicated state and that node's rank state
+        volume = f"fleetbox-{job_id}-node{k}-checkpoints"
         ls = fabric.sh("docker", "-H", url, "run", "--rm", "--network", "none", "-v", f"{volume}:/c:ro",
                        "fleetbox/paddle:cpu", "ls", "/c/step-00000060").stdout.split()
-        assert "model.pdparams" in ls and "COMPLETE" in ls and len([f for f in ls if f.startswith("rank-")]) == 1
-        fabric.sh("docker", "-H", url, "volume", "rm", volume)
+        assert "model.pdparams" in ls and "COMPLETE" in ls and [f for f in ls if f.startswith("rank-")] == \
+            [f"rank-{k}.pkl"]
+    proc = invoke("clean", "--hosts", ",".join(hosts), "--job", job_id)   # the volumes go with the job
+    assert proc.returncode == 0 and proc.stdout.count("removed volume fleetbox-") == 2, proc.stdout + proc.stderr
+    for url in hosts:
+        assert fabric.sh("docker", "-H", url, "volume", "ls", "-q", "--filter", f"name=fleetbox-{job_id}").stdout == ""

@@ -304,6 +304,15 @@ def test_a_killed_node_restarts_the_job_from_its_checkpoint_and_ends_bit_for_bit
     assert job_containers(job_id) == []
 
 
+@pytest.fixture
+def request_cleanup():
+    """Jobs a test started that must not outlive it, whatever it asserted."""
+    jobs = []
+    yield jobs.append
+    for job_id in jobs:
+        invoke("clean", "--job", job_id)
+
+
 def _jobs_row(job_id, env=None):
     proc = invoke("jobs", env=env)
     assert proc.returncode == 0, proc.stderr
@@ -318,8 +327,10 @@ def _finished_at(container):
     return when(out)
 
 
-def test_a_detached_job_outlives_its_client_restarts_after_a_failure_and_is_cancelled_from_another_shell(cpu_image):
+def test_a_detached_job_outlives_its_client_restarts_after_a_failure_and_is_cancelled_from_another_shell(
+        cpu_image, request_cleanup):
     job_id = f"detached-{os.getpid()}-{time.monotonic_ns()}"
+    request_cleanup(job_id)
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--nodes", "2", "--job-id", job_id, "--detach",
                           "--max-restarts", "1", "--args", "--steps 2000 --step-sleep 0.1 --checkpoint-every 10"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -363,22 +374,31 @@ def test_a_detached_job_outlives_its_client_restarts_after_a_failure_and_is_canc
     assert proc.returncode == 0 and f"job {job_id} cancelled" in proc.stdout, proc.stdout + proc.stderr
     assert job_containers(job_id) == []
     out, err = follow.communicate(timeout=30)   # follows until the job ends, across the restart
-    assert out.count("LAUNCH INFO") >= 2 and "Traceback" not in err, out[-2000:] + err
+    assert out.count("Run Pod:") >= 2 and "Traceback" not in err, out[-2000:] + err   # both attempts' launchers
     assert _jobs_row(job_id)["state"] == "CANCELLED"
+    # the supervisor itself stopped the nodes and kept their logs (not the fallback that only removes them)
+    s = json.loads((ROOT / "runs" / job_id / "summary.json").read_text())
+    assert [n["state"] for n in s["nodes"]] == ["stopped", "stopped"]
+    assert "fleetbox: cancelled" in (ROOT / "runs" / job_id / "supervisor.log").read_text()
+    one_line_error(invoke("cancel", job_id), f"job {job_id} has already ended")
 
 
 def test_a_dead_supervisor_shows_in_jobs_and_cancel_still_removes_the_job(cpu_image):
     job_id = f"orphan-{os.getpid()}-{time.monotonic_ns()}"
     proc = invoke("train", "--nodes", "2", "--job-id", job_id, "--detach", "--args", "--step-sleep 1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pid = int(proc.stdout.split("supervisor pid ")[1].split(")")[0])
-    os.kill(pid, signal.SIGKILL)
-    time.sleep(0.5)
-    row = _jobs_row(job_id)
-    assert row["state"] == "ORPHANED" and f"its supervisor (pid {pid}) is gone" in row["note"], row
-    proc = invoke("cancel", job_id)
-    assert proc.returncode == 0, proc.stderr
-    assert job_containers(job_id) == []
+    try:
+        pid = int(proc.stdout.split("supervisor pid ")[1].split(")")[0])
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        row = _jobs_row(job_id)
+        assert row["state"] == "ORPHANED" and f"its supervisor (pid {pid}) is gone" in row["note"], row
+        proc = invoke("cancel", job_id)
+        assert proc.returncode == 0, proc.stderr
+        assert job_containers(job_id) == []
+        assert (ROOT / "runs" / job_id / "node0" / "container.log").stat().st_size > 0   # what it said, kept
+    finally:
+        invoke("clean", "--job", job_id)
 
 
 def test_jobs_logs_cancel_bad_input_is_one_line(cpu_image):

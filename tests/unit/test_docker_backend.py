@@ -169,6 +169,7 @@ class FakeEngine:
         self.history: list[FakeContainer] = []   # every container ever made (restarts make new ones)
         self.lock = threading.Lock()
         self.vanish_while_listing: list[FakeContainer] = []
+        self.volumes = type("Volumes", (), {"list": lambda self, filters=None: []})()
 
     def connect(self, host):
         assert host is None, "a local job talks to this machine's engine only"
@@ -682,3 +683,48 @@ def test_resume_never_moves_older_checkpoints_aside(tmp_path):
     b, plan = job(FakeEngine(), checkpoint_dir=str(aside[0]))   # auto: they stay where they are
     b.run(plan, log=lines.append)
     assert (aside[0] / "step-00000040").exists()
+
+
+def test_a_restart_with_resume_never_keeps_the_checkpoints_of_its_own_first_attempt(tmp_path):
+    ckpt = tmp_path / "ck"
+    engine = FakeEngine({0: [Life(code=None), Life(code=0)], 1: [Life(code=3), Life(code=0)]})
+    b, plan = job(engine, checkpoint_dir=str(ckpt), resume="never", max_restarts=1)
+    real_reload = FakeContainer.reload
+
+    def attempt0_saves(self):   # the first attempt's script saves step 10 before node 1 fails
+        if self.kwargs["environment"]["FLEETBOX_ATTEMPT"] == "0":
+            (ckpt / "step-00000010").mkdir(parents=True, exist_ok=True)
+            (ckpt / "step-00000010" / "COMPLETE").write_text("{}")
+        return real_reload(self)
+    FakeContainer.reload = attempt0_saves
+    try:
+        r = b.run(plan, log=lambda _: None)
+    finally:
+        FakeContainer.reload = real_reload
+    assert r.ok and (ckpt / "step-00000010" / "COMPLETE").exists()   # attempt 1 found them where they were
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("ck.before-")]
+
+
+def test_running_the_same_job_id_while_it_runs_is_refused():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan = job(engine)
+    b.submit(plan, log=lambda _: None)
+    with pytest.raises(UserError, match=f"job {JOB} is running"):
+        DockerBackend(connect=engine.connect).plan(make_spec())
+    b.cancel(Handle.load(plan.dir), log=lambda _: None)
+
+
+def test_a_cancel_between_attempts_starts_no_other(tmp_path):
+    engine = FakeEngine({0: [Life(code=None), Life(code=0)], 1: [Life(code=3), Life(code=0)]})
+    b, plan = job(engine, max_restarts=3)
+    real_stop = FakeContainer.stop
+
+    def cancelled_while_stopping(self, timeout=None):   # `invoke cancel` while attempt 0 is being cleaned up
+        (plan.dir / "CANCELLED").touch()
+        return real_stop(self, timeout)
+    FakeContainer.stop = cancelled_while_stopping
+    try:
+        r = b.run(plan, log=lambda _: None)
+    finally:
+        FakeContainer.stop = real_stop
+    assert not r.ok and len(engine.history) == 2 and all(c.removed for c in engine.history)

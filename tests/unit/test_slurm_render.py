@@ -244,7 +244,7 @@ def test_dataset_cache_is_mounted_where_paddle_looks_as_the_runtimes_user(runtim
 # -- the chain of allocations (job.sbatch's own shell, run here with bash; sbatch is a stand-in that records) --
 
 def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, restarts=0, max_alloc=3,
-                max_restarts=0, cancelled=False):
+                max_restarts=0, cancelled=False, stale=""):
     import json as _json
     import subprocess
     job, ck, bin_ = tmp_path / "job", tmp_path / "ck", tmp_path / "bin"
@@ -258,6 +258,8 @@ def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, 
         (ck / f"step-{s:08d}").mkdir(exist_ok=True)
         (ck / f"step-{s:08d}" / "COMPLETE").write_text("{}")
     (ck / "step-00000099").mkdir(exist_ok=True)   # no COMPLETE: never counts
+    if stale:   # what the previous allocation's script recorded
+        (ck / "STATE").write_text(f'{{"state": "{stale}", "step": {from_step}}}')
     script = "\n".join([
         "set -euo pipefail", f"JOB_DIR={job}", f"CHECKPOINTS={ck}", "SLURM_JOB_ID=7",
         f"FLEETBOX_ALLOCATION={allocation}", f"FLEETBOX_RESTARTS={restarts}", "FLEETBOX_CHAIN=7",
@@ -295,6 +297,10 @@ def test_an_allocation_that_checkpointed_and_stopped_is_continued(tmp_path):
     ("failed-restart-left", dict(state="running", rc=3, max_restarts=1), "restart", True),
     ("restarts-used", dict(state="running", rc=3, restarts=1, max_restarts=1), "failed", False),
     ("cancelled", dict(state="continue", rc=0, cancelled=True), "cancelled", False),
+    # the last allocation's "continue" is gone once this one starts: a failure before the script records its
+    # own state is a failure (restarted while restarts remain), not "no progress"
+    ("failed-before-the-script-ran", dict(state="", rc=3, to_step=10, stale="continue", max_restarts=1),
+     "restart", True),
 ])
 def test_how_an_allocation_ends_is_read_from_the_checkpoint_folder(tmp_path, case, kw, ended, submits):
     rec, sbatch, job, out = _allocation(tmp_path, **kw)
