@@ -111,7 +111,9 @@ def describe(h: Handle) -> dict:
     d = Path(h.dir)
     summary = _json(d / "summary.json")
     row = {"job": h.job_id, "backend": h.backend, "nodes": h.nodes, "state": "?", "attempt": 0,
-           "checkpoint": (checkpoints.steps(Path(h.checkpoints)) or [0])[0] if h.checkpoints.startswith("/") else None,
+           # a folder here (--hosts volumes and folders are on the other machines)
+           "checkpoint": (checkpoints.steps(Path(h.checkpoints)) or [0])[0]
+           if h.checkpoints.startswith("/") and not any(h.hosts) else None,
            "note": ""}
     if h.backend == "slurm":
         from .slurm_backend import ACTIVE, allocations

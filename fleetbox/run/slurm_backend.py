@@ -290,7 +290,8 @@ class SlurmBackend(Backend):
             if rec is None:
                 break
             records.append(rec)
-            log(f"allocation {rec['allocation']} (Slurm job {current}) ended: {chain_end(rec)}")
+            if rec["next"] or rec["allocation"] > 1:
+                log(f"allocation {rec['allocation']} (Slurm job {current}) ended: {chain_end(rec)}")
             if not rec["next"]:
                 break
             current = rec["next"]
@@ -341,7 +342,7 @@ class SlurmBackend(Backend):
                       scheduler_job=slurm_job, scheduler_state=state,
                       ended="" if ok or last is None or last["ended"] in ("failed", "restart") or bad is not None
                       else chain_end(last))
-        if len(records) > 1 or last and last["ended"] != "finished":
+        if len(records) > 1 or last and last["ended"] in ("no-progress", "max-allocations", "submit-failed"):
             r.attempts = [{"attempt": rec["allocation"] - 1, "ok": rec["ended"] in ("finished", "continue"),
                            "ended": chain_end(rec), "slurm_job": rec["slurm_job"],
                            "steps": [rec["from_step"], rec["to_step"]],

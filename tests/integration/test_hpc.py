@@ -92,6 +92,7 @@ def test_charliecloud_run_as_a_user_finds_the_seeded_cache_in_its_home(charliecl
         plan = slurm_backend.SlurmBackend("charliecloud", image=charliecloud_image).plan(spec)
         (shared / "node.sh").write_text(dict(plan.files)["node.sh"])
         (shared / "runs" / "train-user-0001" / "node0").mkdir(parents=True)   # the batch script makes it
+        (shared / "runs" / "train-user-0001" / "checkpoints").mkdir()          # submit makes it
         subprocess.run(["chmod", "-R", "a+rwX", str(shared / "runs")], check=True)
         env = f"SLURM_NODEID=0 SLURM_NNODES=1 SLURM_JOB_ID=1 MASTER_IP=127.0.0.1 MASTER_PORT={plan.port}"
         proc = subprocess.run(["su", "-", user, "-c", f"{env} bash {shared / 'node.sh'}"], capture_output=True,

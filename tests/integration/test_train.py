@@ -342,6 +342,13 @@ def test_a_detached_job_outlives_its_client_restarts_after_a_failure_and_is_canc
     assert row["state"] in ("RUNNING", "STARTING") and row["backend"] == "docker", row
     follow = subprocess.Popen([sys.executable, "-m", "invoke", "logs", job_id, "--follow"], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    glance = subprocess.Popen([sys.executable, "-m", "invoke", "logs", job_id, "--follow", "--node", "1"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    glance.send_signal(signal.SIGINT)   # Ctrl-C in `logs --follow` stops following, never the job
+    out, err = glance.communicate(timeout=30)
+    assert glance.returncode == 0 and f"stopped following; job {job_id} goes on" in out, out[-1000:] + err
+    assert _jobs_row(job_id)["state"] == "RUNNING"
     ckpt = ROOT / "runs" / job_id / "checkpoints"
     deadline = time.monotonic() + 90
     while not (ckpt / "step-00000020" / "COMPLETE").exists() and time.monotonic() < deadline:

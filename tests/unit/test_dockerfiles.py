@@ -61,3 +61,13 @@ def test_final_stage_copies_only_the_environment():
     final = text[text.rindex("\nFROM "):]
     assert "COPY --from=install /opt/venv /opt/venv" in final
     assert "/wheels" not in final and "--require-hashes" in text and "--no-cache-dir" in text
+
+
+def test_the_image_has_every_mount_point_fleetbox_binds():
+    """Charliecloud (and Apptainer without overlay) cannot create a bind target: each must exist in the image."""
+    from fleetbox import settings
+    text = DOCKERFILE.read_text()
+    made = set(re.search(r"^RUN mkdir -p ((?:[^\n\\]|\\\n)+)", text, re.M).group(1).replace("\\\n", " ").split())
+    wanted = {settings.WORKDIR, settings.LOG_DIR, settings.HELPERS_DIR, settings.CHECKPOINT_DIR, settings.RESUME_DIR,
+              settings.CONTAINER_CACHE}
+    assert wanted <= made, sorted(wanted - made)
