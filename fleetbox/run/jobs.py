@@ -141,7 +141,7 @@ def describe(h: Handle) -> dict:
         row["state"] = "CANCELLED" if cancelled else "PASSED" if summary["ok"] else "FAILED"
         row["note"] = "" if summary["ok"] or cancelled else JobResult(**{**summary, "nodes": []}).reason()
         return row
-    row["attempt"] = len([p for p in d.glob("attempt[0-9]") if p.is_dir()])
+    row["attempt"] = len([p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"attempt\d+", p.name)])
     following = alive(h)
     if not following and (d / CANCELLED).exists():
         row["state"] = "CANCELLED"

@@ -728,3 +728,27 @@ def test_a_cancel_between_attempts_starts_no_other(tmp_path):
     finally:
         FakeContainer.stop = real_stop
     assert not r.ok and len(engine.history) == 2 and all(c.removed for c in engine.history)
+
+
+def test_jobs_tells_running_orphaned_died_passed_and_cancelled_apart(monkeypatch):
+    from fleetbox.run import backend as backends, jobs
+    from fleetbox.run.backend import process_start
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan = job(engine)
+    b.submit(plan, log=lambda _: None)
+    monkeypatch.setattr(backends, "get", lambda name, **kw: DockerBackend(connect=engine.connect))
+    h = Handle.load(plan.dir)
+    assert h.supervisor == os.getpid() and h.supervisor_start == process_start(os.getpid())
+    assert jobs.describe(h)["state"] == "RUNNING"             # this process follows it
+    gone = Handle(**{**h.__dict__, "supervisor_start": h.supervisor_start + 1})   # the pid, reused by another
+    row = jobs.describe(gone)
+    assert row["state"] == "ORPHANED" and "is gone: nothing propagates failures" in row["note"]
+    (plan.dir / "summary.json").write_text(json.dumps({"ok": True}))
+    assert jobs.describe(gone)["state"] == "PASSED"
+    (plan.dir / "summary.json").unlink()
+    b.cancel(h, log=lambda _: None)                          # stopped: its summary says how
+    assert jobs.describe(gone)["state"] == "FAILED"
+    (plan.dir / "summary.json").unlink()
+    assert jobs.describe(gone)["state"] == "DIED"             # no containers, no summary, no supervisor
+    (plan.dir / "CANCELLED").touch()
+    assert jobs.describe(gone)["state"] == "CANCELLED"
