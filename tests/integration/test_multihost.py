@@ -77,7 +77,10 @@ def test_a_job_across_engines_restarts_from_each_engines_own_checkpoints(hosts):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     job_dir = proc.stdout.split("logs in ")[1].split()[0]
     s = json.loads(open(os.path.join(job_dir, "summary.json")).read())
-    assert [a["ended"] for a in s["attempts"]] == ["node1 (rank 1) exited with exit code 3", "passed"]
+    # which node is blamed for attempt 0 is not this test's point: across engines there are no exact last words,
+    # and node 0's abort (250) may end first (README: blame)
+    assert [a["ok"] for a in s["attempts"]] == [False, True] and s["attempts"][0]["ended"] in (
+        "node1 (rank 1) exited with exit code 3", "node0 (rank 0) exited with exit code 250")
     assert s["smoke"]["resumed_from"] == 20 and s["smoke"]["whole_run"]
     assert s["smoke"]["params_sha256"] == reference["smoke"]["params_sha256"]
     for k, url in enumerate(hosts):   # each node's own copy: replicated state and that node's rank state
