@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
-
-STEP = "step-"
+from ..helpers import fleetbox_checkpoint as layout   # the folder's layout is the helper's (stdlib only at import)
 
 
 def folder(checkpoint_dir: str, job_dir: Path) -> Path:
@@ -42,7 +41,7 @@ def prepare(path: Path, resume: str, log=print) -> None:
     id used again): they are moved aside, not deleted, so nothing older is resumed by a later restart."""
     check_writable(path)
     path.mkdir(parents=True, exist_ok=True)
-    for marker in ("STOP", "STATE"):   # an earlier run's: the script records its own state again
+    for marker in (layout.STOP, layout.STATE):   # an earlier run's: the script records its own state again
         (path / marker).unlink(missing_ok=True)
     if resume == "never" and steps(path):
         aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -52,18 +51,13 @@ def prepare(path: Path, resume: str, log=print) -> None:
 
 
 def steps(path: Path) -> list[int]:
-    """Complete checkpoints' steps, newest first."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return []
-    return sorted((int(n[len(STEP):]) for n in names if n.startswith(STEP) and n[len(STEP):].isdigit()
-                   and (path / n / "COMPLETE").exists()), reverse=True)
+    """Complete checkpoints' steps, newest first (as the helper itself reads the folder)."""
+    return layout.complete_steps(str(path))
 
 
 def state(path: Path) -> dict:
     """What the script last recorded: {"state": running | continue | done, "step": N}, or {}."""
     try:
-        return json.loads((path / "STATE").read_text())
+        return json.loads((path / layout.STATE).read_text())
     except (OSError, ValueError):
         return {}

@@ -101,7 +101,6 @@ class DockerBackend(Backend):
             home, user = str(Path.home()), getpass.getuser()
         values = tuple(planner.node_values(k, spec.nodes, job_id, master_ip, port, facts[k]["local"],
                                            facts[k]["iface"], home, user) for k in range(spec.nodes))
-        t = replace(t, host="")
         nodes = tuple(replace(t, host=hosts[k]).fill(values[k]) for k in range(spec.nodes))
         if not spec.hosts:   # Docker would make a missing source an empty folder; our log folders come later
             for m in nodes[0].mounts:

@@ -87,11 +87,6 @@ def supervise(plan, log) -> Handle:
     return Handle.load(plan.dir)
 
 
-def job_state(slurm_job: str) -> str:
-    from .slurm_backend import job_state as state
-    return state(slurm_job)[0]
-
-
 def alive(h: Handle) -> bool:
     """The job's supervisor runs: the same pid and the same start time (a reused pid is another process)."""
     return h.supervisor > 0 and h.supervisor_start > 0 and process_start(h.supervisor) == h.supervisor_start
@@ -116,15 +111,15 @@ def describe(h: Handle) -> dict:
            if h.checkpoints.startswith("/") and not any(h.hosts) else None,
            "note": ""}
     if h.backend == "slurm":
-        from .slurm_backend import ACTIVE, allocations
-        recs = allocations(d, h.scheduler_job)
+        from .slurm_backend import ACTIVE, allocations, job_state
+        b, recs = backends.get("slurm"), allocations(d, h.scheduler_job)
         chained = bool(recs and recs[-1]["next"])
         row["attempt"] = len(recs) + 1 if chained or not recs else len(recs)
         cancelled = (d / f"{CANCELLED}.{h.scheduler_job}").exists()
         if not summary or chained:
-            current = recs[-1]["next"] if chained else recs[-1]["slurm_job"] if recs else h.scheduler_job
+            current = b.current(h, recs)
             try:
-                state = job_state(current)
+                state = job_state(current)[0]
             except UserError as e:
                 row["note"] = str(e)
                 return row
@@ -137,7 +132,7 @@ def describe(h: Handle) -> dict:
                     return row
                 state = "COMPLETED" if recs[-1]["exit"] == 0 else "FAILED"
             # the chain has ended and no one followed it (a detached job): its result, from its files
-            summary = asdict(backends.get("slurm").result(h, state, current, recs))
+            summary = asdict(b.result(h, state, current, recs))
         row["state"] = "CANCELLED" if cancelled else "PASSED" if summary["ok"] else "FAILED"
         row["note"] = "" if summary["ok"] or cancelled else JobResult(**{**summary, "nodes": []}).reason()
         return row
@@ -225,35 +220,8 @@ def _docker_logs(h: Handle, node: int, follow: bool, log, poll: float) -> None:
 
 
 def _file_logs(h: Handle, path: Path, follow: bool, log, poll: float) -> None:
-    """The node's log file; when an allocation ends its file is moved to alloc<N>/ and the next one writes a new
-    one: the open file is read to its end first, then the new one from its start."""
-    from .slurm_backend import ACTIVE, SlurmBackend
-    f = None
-    try:
-        while True:
-            if f is not None:
-                for ln in f.read().splitlines():
-                    log(ln)
-            try:
-                newer = f is None or os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
-            except FileNotFoundError:
-                newer = False
-            if newer and path.exists():
-                if f is not None:   # what the last allocation wrote after our last read
-                    for ln in f.read().splitlines():
-                        log(ln)
-                    f.close()
-                f = open(path, errors="replace")
-                continue
-            if not follow or SlurmBackend().status(h) not in ACTIVE:
-                if f is not None:
-                    for ln in f.read().splitlines():
-                        log(ln)
-                return
-            time.sleep(poll)
-    finally:
-        if f is not None:
-            f.close()
+    from .slurm_backend import ACTIVE, SlurmBackend, tail_file
+    tail_file(path, lambda: follow and SlurmBackend().status(h) in ACTIVE, log, poll)
 
 
 def cancel(job_id: str, log=print, wait: float = 60) -> None:

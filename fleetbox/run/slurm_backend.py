@@ -10,6 +10,7 @@ them, byte for byte.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -260,10 +261,12 @@ class SlurmBackend(Backend):
         """Restarts and continuations happen in the chain of allocations (job.sbatch), not here."""
         return self.run_once(plan, log, timeout, on_submit)
 
-    def current(self, handle: Handle) -> str:
-        """The Slurm job of the chain's newest allocation."""
-        recs = allocations(Path(handle.dir), handle.scheduler_job)
-        return recs[-1]["next"] if recs and recs[-1]["next"] else handle.scheduler_job
+    def current(self, handle: Handle, recs: list[dict] | None = None) -> str:
+        """The Slurm job of the chain's newest allocation: the next one once submitted, else the last one."""
+        recs = allocations(Path(handle.dir), handle.scheduler_job) if recs is None else recs
+        if not recs:
+            return handle.scheduler_job
+        return recs[-1]["next"] or recs[-1]["slurm_job"]
 
     def status(self, handle: Handle) -> str:
         return job_state(self.current(handle))[0]
@@ -282,37 +285,28 @@ class SlurmBackend(Backend):
         subprocess.run(["scancel", f"--name=fleetbox-{handle.job_id}"], capture_output=True)
 
     def follow(self, handle: Handle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
-        """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time)."""
-        job_dir, current, records = Path(handle.dir), handle.scheduler_job, []
-        while True:
-            state = self._follow_one(job_dir, current, log, poll)
-            rec = _record_of(job_dir, handle.scheduler_job, current)
-            if rec is None:
-                break
-            records.append(rec)
-            if rec["next"] or rec["allocation"] > 1:
-                log(f"allocation {rec['allocation']} (Slurm job {current}) ended: {chain_end(rec)}")
-            if not rec["next"]:
-                break
-            current = rec["next"]
-        r = self.result(handle, state, current, records)
-        return r
+        """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time),
+        saying how each allocation of a chain ended."""
+        job_dir, chain, shown = Path(handle.dir), handle.scheduler_job, 0
 
-    def _follow_one(self, job_dir: Path, slurm_job: str, log, poll: float) -> str:
-        pos = 0
+        def running() -> bool:
+            nonlocal shown
+            recs = allocations(job_dir, chain)
+            for rec in recs[shown:]:
+                if rec["next"] or rec["allocation"] > 1:
+                    log(f"allocation {rec['allocation']} (Slurm job {rec['slurm_job']}) ended: {chain_end(rec)}")
+            shown = len(recs)
+            return job_state(self.current(handle, recs))[0] in ACTIVE
+
         while True:
-            node0 = job_dir / "node0.log"
-            if node0.exists():
-                with open(node0, errors="replace") as f:
-                    f.seek(pos)
-                    chunk = f.read()
-                    pos = f.tell()
-                for ln in chunk.splitlines():
-                    log(f"[node0] {ln}")
-            state, _ = job_state(slurm_job)
-            if state not in ACTIVE:
-                return state
-            time.sleep(poll)
+            tail_file(job_dir / "node0.log", running, lambda ln: log(f"[node0] {ln}"), poll)
+            current = self.current(handle)
+            rec = _record_of(job_dir, chain, current)   # written just before its batch script exits
+            if not (rec and rec["next"]):
+                break
+        running()   # the last allocation's line
+        records = allocations(job_dir, chain)
+        return self.result(handle, job_state(current)[0], current, records)
 
     def result(self, handle: Handle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
         job_dir, slurm_job, records = Path(handle.dir), slurm_job or handle.scheduler_job, records or []
@@ -350,6 +344,33 @@ class SlurmBackend(Backend):
                           for rec in records]
         r.save()
         return r
+
+
+def tail_file(path: Path, running, log, poll: float) -> None:
+    """Print a node's log file as it grows while `running()`. When an allocation ends its file is moved to
+    alloc<N>/ and the next one writes a new one: the open file is read to its end first, then the new one."""
+    f = None
+    try:
+        while True:
+            going = running()   # asked first: what was written before the job ended is read below
+            if f is not None:
+                for ln in f.read().splitlines():
+                    log(ln)
+            try:
+                newer = f is None or os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
+            except FileNotFoundError:
+                newer = False
+            if newer and path.exists():
+                if f is not None:
+                    f.close()
+                f = open(path, errors="replace")
+                continue
+            if not going:
+                return
+            time.sleep(poll)
+    finally:
+        if f is not None:
+            f.close()
 
 
 def allocations(job_dir: Path, chain: str) -> list[dict]:

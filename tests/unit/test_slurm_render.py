@@ -344,3 +344,28 @@ def test_a_grace_as_long_as_the_time_limit_is_refused():
     with pytest.raises(UserError, match=r"--signal-grace 120 s is not shorter than --time 2 \(120 s\)"):
         slurm.SlurmBackend("podman", time="2")
     slurm.SlurmBackend("podman", time="2", signal_grace=90)
+
+
+def test_a_followed_log_loses_no_line_when_an_allocation_moves_it_aside(tmp_path):
+    """Allocation 1 writes, the reader reads, allocation 1 writes its last lines and its file is moved to
+    alloc1/, allocation 2 writes a new file: every line, once, in order."""
+    log = tmp_path / "node0.log"
+    (tmp_path / "alloc1").mkdir()
+    log.write_text("a1\n")
+    script = iter([
+        lambda: log.open("a").write("a2 after the first read\n"),
+        lambda: log.rename(tmp_path / "alloc1" / "node0.log"),
+        lambda: None,                                        # between allocations: no file at all
+        lambda: log.write_text("b1\n"),
+        lambda: log.open("a").write("b2\n"),
+    ])
+    seen = []
+
+    def running():
+        step = next(script, None)
+        if step is None:
+            return False
+        step()
+        return True
+    slurm.tail_file(log, running, seen.append, poll=0)
+    assert seen == ["a1", "a2 after the first read", "b1", "b2"]
