@@ -333,13 +333,17 @@ def _slurm_row(job_id, env):
 def test_slurm_a_real_failure_in_a_later_allocation_ends_the_chain_and_is_named(cluster, podman_image):
     proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--time", "2",
                        "--signal-grace", "90", "--max-allocations", "4",
-                       "--args", "--steps 200 --step-sleep 0.5 --checkpoint-every 10 --fail-rank 1 --fail-step 0 "
+                       # rank 1 fails before joining, as in test_slurm_failing_rank_names_the_node: once the group has
+                       # formed, rank 0's launcher can end first (250) and srun then stops rank 1's task (143) before
+                       # its launcher reports 3 (seen once in CI: the blame gap noted on issue 11)
+                       "--args", "--steps 200 --step-sleep 0.5 --checkpoint-every 10 --fail-rank 1 --fail-step -1 "
                                  "--fail-attempt 1")
     one_line_error(proc, "train failed: node1 (rank 1) on node2 exited with exit code 3 (over 2 allocations; ",
                    job_output=True)
     s, job_dir = summary(proc)
     assert [a["ended"].split()[0] for a in s["attempts"]] == ["stopped", "failed"], s["attempts"]
-    assert "fleetbox-checkpoint: resumed from step" in open(os.path.join(job_dir, "node0", "workerlog.0")).read()
+    first, second = (a["steps"] for a in s["attempts"])
+    assert second[0] == first[1] > 0   # allocation 2 began from the checkpoint allocation 1 saved
 
 
 def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_image):
