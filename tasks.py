@@ -194,27 +194,65 @@ TRAIN_HELP = {
 }
 
 
-@task(help=TRAIN_HELP)
+def _slurm_options(backend, runtime, image, partition, time, account, runtime_args, signal_grace=None,
+                   max_allocations=None) -> dict:
+    from fleetbox import options
+    if backend != "slurm":
+        if max_allocations is not None or signal_grace is not None:
+            raise UserError("--max-allocations and --signal-grace are for --backend slurm")
+        return {}
+    return {"runtime": runtime, "image": image or "", "partition": partition, "time": time, "account": account,
+            "runtime_args": runtime_args,
+            "signal_grace": options.integer("--signal-grace", 120 if signal_grace is None else signal_grace, 1, 65535),
+            "max_allocations": options.integer("--max-allocations", max_allocations or 1, 1)}
+
+
+@task(help={**TRAIN_HELP, "preflight": "run `invoke doctor --quick` on the job's own nodes, containers and ports "
+                                       "first, and start nothing if a check fails"})
 @_fleetbox
 def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=None, image=None, hosts=None,
           iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, mount=None,
           data_dir=None, shm_size=None, timeout=None, dry_run=False, backend="docker", runtime="docker",
           partition=None, time=None, account=None, runtime_args=None, job_id=None, checkpoint_dir=None, resume=None,
-          max_restarts=None, max_allocations=None, signal_grace=None, detach=False):
+          max_restarts=None, max_allocations=None, signal_grace=None, detach=False, preflight=False):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import options
     from fleetbox.run import jobs, spec as spec_mod
     spec = spec_mod.from_options(_variant(variant), nodes, procs_per_node, script, args, image, hosts, iface, ib_hca,
                                  debug, gpus_per_node, devices, port, env, mount, data_dir, shm_size, job_id,
                                  checkpoint_dir, resume, max_restarts)
-    slurm = {"runtime": runtime, "image": image or "", "partition": partition, "time": time, "account": account,
-             "runtime_args": runtime_args,
-             "signal_grace": options.integer("--signal-grace", 120 if signal_grace is None else signal_grace, 1, 65535),
-             "max_allocations": options.integer("--max-allocations", max_allocations or 1, 1)} \
-        if backend == "slurm" else {}
-    if backend != "slurm" and (max_allocations is not None or signal_grace is not None):
-        raise UserError("--max-allocations and --signal-grace are for --backend slurm")
-    jobs.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), detach=detach, log=_log)
+    slurm = _slurm_options(backend, runtime, image, partition, time, account, runtime_args, signal_grace,
+                           max_allocations)
+    jobs.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), detach=detach, log=_log,
+               preflight=preflight)
+
+
+@task(help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts", "iface", "ib_hca",
+                                          "gpus_per_node", "devices", "env", "mount", "data_dir", "shm_size",
+                                          "backend", "runtime", "partition", "time", "account", "runtime_args")},
+            "port": "master port to check (the trainers' pinned ports follow it; default: as `invoke train` picks)",
+            "quick": "everything but the all-reduce sweep and the TCP throughput (what train --preflight runs)",
+            "wait": "seconds each node waits for the others (default 30)",
+            "json_out": "also write the JSON report to this path"})
+@_fleetbox
+def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=None, iface=None, ib_hca=None,
+           gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None, shm_size=None,
+           backend="docker", runtime="docker", partition=None, time=None, account=None, runtime_args=None,
+           quick=False, wait=None, json_out=None):
+    """Check that the nodes are ready for a job, in the job's own containers: image the same everywhere, shm,
+    limits, interface and route, devices, clocks, disk, every port the job uses, then an all-reduce sweep."""
+    from fleetbox import doctor as doctor_mod, options
+    from fleetbox.run import spec as spec_mod
+    spec = spec_mod.from_options(_variant(variant), nodes, procs_per_node, None, None, image, hosts, iface, ib_hca,
+                                 False, gpus_per_node, devices, port, env, mount, data_dir, shm_size)
+    slurm = _slurm_options(backend, runtime, image, partition, time, account, runtime_args)
+    report = doctor_mod.run(spec, backend, slurm, quick=quick,
+                            wait=options.seconds("--wait", wait) or 30.0, log=_log)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=1)
+    if not report["ok"]:
+        raise Failed(f"doctor: {sum(not r['ok'] for r in report['rows'])} check(s) failed (report: {report['path']})")
 
 
 @task(name="jobs")

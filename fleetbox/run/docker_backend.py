@@ -89,9 +89,10 @@ class DockerBackend(Backend):
             if spec.iface:
                 hostnet.check_iface(spec.iface)
             iface, own = hostnet.route(master_ip)
+            need = planner.ports_needed(spec.nodes, spec.procs_per_node)   # every node shares this host
             if spec.port:
-                hostnet.check_port(master_ip, spec.port)
-            port = spec.port or hostnet.free_port(master_ip)
+                hostnet.check_port(master_ip, spec.port, need)
+            port = spec.port or hostnet.free_block(master_ip, need)
             facts = [{"iface": spec.iface or iface, "local": own}] * spec.nodes
             ckpt = checkpoints.folder(spec.checkpoint_dir, settings.runs_root() / job_id)
             checkpoints.check_writable(ckpt)
@@ -100,7 +101,8 @@ class DockerBackend(Backend):
                                  checkpoints=str(ckpt))
             home, user = str(Path.home()), getpass.getuser()
         values = tuple(planner.node_values(k, spec.nodes, job_id, master_ip, port, facts[k]["local"],
-                                           facts[k]["iface"], home, user) for k in range(spec.nodes))
+                                           facts[k]["iface"], home, user, procs=spec.procs_per_node)
+                       for k in range(spec.nodes))
         nodes = tuple(replace(t, host=hosts[k]).fill(values[k]) for k in range(spec.nodes))
         if not spec.hosts:   # Docker would make a missing source an empty folder; our log folders come later
             for m in nodes[0].mounts:

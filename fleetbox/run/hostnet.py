@@ -29,10 +29,13 @@ def check_iface(name: str) -> None:
         raise UserError(f"interface {name!r} does not exist here (have: {', '.join(have)})")
 
 
-def free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+def free_block(ip: str, count: int) -> int:
+    """A master port with the `count` - 1 ports above it free too (the nodes' pinned trainer ports)."""
+    for _ in range(200):
+        port = 29000 + int.from_bytes(os.urandom(2), "big") % (60000 - 29000 - count)
+        if all(netinfo.port_free(ip, p) for p in range(port, port + count)):
+            return port
+    raise UserError(f"found no {count} free ports in a row on {ip}; pass --port")
 
 
 def random_port() -> int:
@@ -40,9 +43,14 @@ def random_port() -> int:
     return 29000 + int.from_bytes(os.urandom(2), "big") % 20000
 
 
-def check_port(ip: str, port: int) -> None:
-    if not netinfo.port_free(ip, port):
-        raise UserError(f"port {port} on {ip} is already in use; pick another with --port")
+def check_port(ip: str, port: int, count: int = 1) -> None:
+    """The master port and the `count` - 1 pinned ports above it."""
+    if port + count > 65536:
+        raise UserError(f"--port {port} leaves no room above it for the trainers' {count - 1} ports; pick a lower one")
+    busy = [p for p in range(port, port + count) if not netinfo.port_free(ip, p)]
+    if busy:
+        what = f"port {port}" if busy == [port] else f"port(s) {', '.join(map(str, busy))} of {port}-{port + count - 1}"
+        raise UserError(f"{what} on {ip} is already in use; pick another with --port")
 
 
 def memlock() -> int:

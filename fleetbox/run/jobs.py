@@ -23,12 +23,21 @@ from .spec import JOB_ID, JobSpec
 
 
 def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, dry_run: bool = False,
-          timeout: float | None = None, detach: bool = False, log=print) -> JobResult | None:
+          timeout: float | None = None, detach: bool = False, log=print, preflight: bool = False) -> JobResult | None:
     if timeout and backend != "docker":
         raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
     if timeout and detach:
         raise UserError("--timeout needs an attached job; a detached one ends with `invoke cancel`")
     b = backends.get(backend, **(backend_options or {}))
+    if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
+        from dataclasses import replace
+        from .. import doctor
+        log(f"preflight: checking {spec.nodes} node(s) before starting the job")
+        report = doctor.run(spec, backend, backend_options, quick=True, log=log)
+        if not report["ok"]:
+            bad = sum(not r["ok"] for r in report["rows"])
+            raise Failed(f"preflight: {bad} check(s) failed; the job was not started (report: {report['path']})")
+        spec = replace(spec, port=report["port"])   # the ports just checked
     with backends.sigterm_as_interrupt():   # planning starts probe containers on --hosts engines
         plan = b.plan(spec)
     if dry_run:

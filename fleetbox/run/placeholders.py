@@ -8,6 +8,7 @@ substitutions fleetbox makes:
   {master_ip}    the master's numeric IP                {master_port}  the master's port
   {node_ip}      the node's own address towards the master
   {iface}        the node's network interface towards the master
+  {port_range}   the node's pinned launcher and trainer ports, FIRST:LAST (the job's PORT_RANGE)
   {attempt}      0 for the job's first run, then 1, 2, ... for each restart or continuation in a new allocation
 
 Anything else in braces (JSON, say) is left alone.
@@ -19,7 +20,8 @@ import re
 
 from .shell import Joined, Raw
 
-NAMES = ("rank", "node", "nnodes", "job_id", "home", "user", "master_ip", "master_port", "node_ip", "iface", "attempt")
+NAMES = ("rank", "node", "nnodes", "job_id", "home", "user", "master_ip", "master_port", "node_ip", "iface", "attempt",
+         "port_range")
 PATTERN = re.compile(r"\{(" + "|".join(NAMES) + r")\}")
 
 

@@ -124,6 +124,21 @@ def network_env(iface: str, ib_hca: str = "", debug: bool = False) -> dict:
     return env
 
 
+def trainer_ports(port: int, rank: int, procs: int) -> tuple[int, int]:
+    """Node `rank`'s pinned ports (first, last), just above the master port: the launcher's candidate port
+    (node 0's becomes the trainers' TCP store) and one endpoint per process. Paddle's launcher takes them
+    from PORT_RANGE (by default a random one of 35100-64000, which no firewall rule can name); every node
+    has its own block, so nodes sharing one host (local Docker) never collide."""
+    width = 1 + procs
+    first = port + 1 + rank * width
+    return first, first + width - 1
+
+
+def ports_needed(nnodes: int, procs: int) -> int:
+    """The master port and every node's block."""
+    return 1 + nnodes * (1 + procs)
+
+
 def launch_command(spec: JobSpec) -> tuple[str, ...]:
     """`--host` is the node's own address towards the master: without it Paddle takes the address its
     hostname resolves to (often 127.0.1.1), never recognises itself as the master, and waits forever
@@ -178,7 +193,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     checkpoint folder on the node's host, or a volume name, mounted read-write at CHECKPOINT_DIR."""
     dev = device_options(spec, hyhal_present)
     user_path = spec.env.get("PYTHONPATH", "")
-    env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}",
+    env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}", "PORT_RANGE": "{port_range}",
            **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
            **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}), **spec.env,
            "PYTHONPATH": settings.HELPERS_DIR + (f":{user_path}" if user_path else "")}
@@ -195,7 +210,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     mounts += list(dev.get("mounts", ()))
     mounts += [Mount(_abs(m.src), m.dst, m.ro) for m in spec.mounts]
     return NodeRun(
-        name=f"fleetbox-{job_id}-{{node}}", host=host, image=spec.image_ref, command=launch_command(spec),
+        name=f"fleetbox-{job_id}-{{node}}", host=host, image=spec.image_ref, command=spec.command or launch_command(spec),
         env=env, mounts=tuple(mounts),
         labels={LABEL_JOB: job_id, LABEL_NODE: "{node}", LABEL_RANK: "{rank}", LABEL_VARIANT: spec.variant.name},
         shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),
@@ -203,8 +218,9 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
 
 
 def node_values(rank: int, nnodes: int, job_id: str, master_ip: str, port: int, node_ip: str, iface: str,
-                home: str = "", user: str = "", attempt: int = 0) -> dict[str, str]:
+                home: str = "", user: str = "", attempt: int = 0, procs: int = 1) -> dict[str, str]:
     """The placeholders' values on one node."""
-    return {"rank": str(rank), "node": f"node{rank}", "nnodes": str(nnodes), "job_id": job_id, "home": home, "user": user,
+    first, last = trainer_ports(port, rank, procs)
+    return {"port_range": f"{first}:{last}", "rank": str(rank), "node": f"node{rank}", "nnodes": str(nnodes), "job_id": job_id, "home": home, "user": user,
             "master_ip": master_ip, "master_port": str(port), "node_ip": node_ip, "iface": iface,
             "attempt": str(attempt)}

@@ -77,6 +77,17 @@ class Runtime:
         """Environment the node script exports for the runtime to pass on (values are user values)."""
         return {}
 
+    def identify(self) -> Raw:
+        """Node script lines that say which image this node has, as `fleetbox: image KIND VALUE [CONTENT-TAG]`
+        (invoke doctor compares them across nodes), and end the script when the node has none. $IMAGE_REF is
+        set, quoted, before them. An image file (SIF, squashfs) counts by its sha256; a folder (Charliecloud)
+        by the sha256 of its file list with sizes; a registry reference cannot be checked before it is pulled."""
+        return Raw(r'''if [ -f "$IMAGE_REF" ]; then echo "fleetbox: image file-sha256 $(sha256sum < "$IMAGE_REF" | cut -c1-64)"
+elif [ -d "$IMAGE_REF" ]; then
+  echo "fleetbox: image tree-sha256 $(cd "$IMAGE_REF" && find . -type f -printf '%P %s\n' | LC_ALL=C sort | sha256sum | cut -c1-64)"
+elif [[ "$IMAGE_REF" == *://* ]]; then echo "fleetbox: image ref $IMAGE_REF"
+else echo "fleetbox: image missing $IMAGE_REF is not on $(hostname)"; exit 3; fi''')
+
     # -- getting the image --
 
     def default_image(self, variant, image_ref: str) -> str:
@@ -87,9 +98,19 @@ class Runtime:
         raise NotImplementedError
 
 
+def _engine_identify(engine: str) -> Raw:
+    """An engine's image ID and fleetbox content tag (docker and podman spell inspect alike)."""
+    return Raw(f'''if out=$({engine} image inspect --format '{{{{.Id}}}} {{{{index .Labels "io.fleetbox.inputs-sha256"}}}}' "$IMAGE_REF" 2>&1); then
+  echo "fleetbox: image id ${{out//<no value>/}}"
+else echo "fleetbox: image missing $(tail -n 1 <<<"$out")"; exit 3; fi''')
+
+
 class Docker(Runtime):
     name = "docker"
     kills_client_only = True
+
+    def identify(self):
+        return _engine_identify("docker")
 
     def launch(self, n, image, extra=()):
         return ["docker", "run", "--rm", *n.run_flags(), *extra, image, *n.command]
@@ -101,6 +122,9 @@ class Docker(Runtime):
 class Podman(Runtime):
     name = "podman"
     kills_client_only = True
+
+    def identify(self):
+        return _engine_identify("podman")
 
     def prelude(self):
         return [Raw('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')]
@@ -207,6 +231,9 @@ class Pyxis(Runtime):
         cmd[cmd.index("--log_dir") + 1] = f"{self.JOB_MOUNT}/{{node}}"
         return replace(n, command=tuple(cmd), mounts=tuple(
             replace(m, src=job_dir, dst=self.JOB_MOUNT) if m is log else m for m in n.mounts))
+
+    def identify(self):   # node.sh runs inside the container already
+        return Raw('echo "fleetbox: image ref $IMAGE_REF"')
 
     def launch(self, n, image, extra=()):
         return list(n.command)   # srun runs node.sh inside --container-image; node.sh runs the command

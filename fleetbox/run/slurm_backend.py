@@ -31,7 +31,7 @@ from .shell import Raw, line
 NODE_VARS = {"rank": Raw('"$SLURM_NODEID"'), "node": Raw('node"$SLURM_NODEID"'), "nnodes": Raw('"$SLURM_NNODES"'),
              "home": Raw('"$HOME"'), "user": Raw('"$USER"'), "master_ip": Raw('"$MASTER_IP"'),
              "master_port": Raw('"$MASTER_PORT"'), "node_ip": Raw('"$NODE_IP"'), "iface": Raw('"$IFACE"'),
-             "attempt": Raw('"$FLEETBOX_ATTEMPT"')}
+             "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"')}
 
 # The node's NIC and own address towards the master, found on the node (iproute2); on the master itself
 # `ip route get` answers "local ... dev lo", so the interface holding the address is looked up instead.
@@ -153,6 +153,9 @@ class SlurmBackend(Backend):
             raise UserError(f"the runs folder {job_dir} cannot be written in an #SBATCH line (use letters, digits "
                             f"and ._-/ only); set FLEETBOX_RUNS to another folder")
         port = spec.port or hostnet.random_port()
+        if port + planner.ports_needed(spec.nodes, spec.procs_per_node) > 65536:
+            raise UserError(f"--port {port} leaves no room above it for the trainers' ports "
+                            f"({planner.ports_needed(spec.nodes, spec.procs_per_node) - 1}); pick a lower one")
         image = self.image or self.runtime.default_image(spec.variant, spec.image_ref)
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
@@ -179,8 +182,13 @@ class SlurmBackend(Backend):
             lines += [ROUTE_SH, 'read -r IFACE NODE_IP <<<"$(route_to "$MASTER_IP")"']
         if spec.iface:
             lines.append(f"IFACE={shlex.quote(spec.iface)}")
+        width = 1 + spec.procs_per_node   # planner.trainer_ports, in shell
+        lines.append(Raw(f'PORT_RANGE="$((MASTER_PORT + 1 + SLURM_NODEID * {width})):'
+                         f'$((MASTER_PORT + {width} + SLURM_NODEID * {width}))"'))
         lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
                   'echo "fleetbox: node $SLURM_NODEID on $(hostname): $IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
+        if spec.image_identity:
+            lines += [f"IMAGE_REF={shlex.quote(image)}", rt.identify()]
         if rt.name != "pyxis" and (home_cache := rt.home_cache_dir(t)):   # pyxis mounts before node.sh runs
             lines.append(self.words(["mkdir", "-p", home_cache], job_id))
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]

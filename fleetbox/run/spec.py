@@ -47,6 +47,8 @@ class JobSpec:
     checkpoint_dir: str = ""             # host folder (shared for Slurm); "": runs/<job>/checkpoints (--hosts: a volume)
     resume: str = "auto"                 # auto | never | a checkpoint (step folder or checkpoint folder) to start from
     max_restarts: int = 0                # Docker: start the whole job again after a failure, this many times
+    command: tuple[str, ...] = ()        # the containers' command instead of Paddle's launcher (invoke doctor)
+    image_identity: bool = False         # Slurm: node.sh first says which image the node has (invoke doctor)
 
     @property
     def image_ref(self) -> str:

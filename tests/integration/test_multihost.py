@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from fleetbox import settings
 from tests import fabric
 from tests.conftest import invoke
 
@@ -93,3 +94,113 @@ def test_a_job_across_engines_restarts_from_each_engines_own_checkpoints(hosts):
     assert proc.returncode == 0 and proc.stdout.count("removed volume fleetbox-") == 2, proc.stdout + proc.stderr
     for url in hosts:
         assert fabric.sh("docker", "-H", url, "volume", "ls", "-q", "--filter", f"name=fleetbox-{job_id}").stdout == ""
+
+
+# -- invoke doctor on the rig: all ✓ when healthy, and each fault named by its own ✗ --
+
+DOCTOR_PORT = 43100   # fixed, so a test can block it in a host's firewall
+
+
+def doctor_report(proc) -> dict:
+    path = (proc.stdout + proc.stderr).split("report: ")[-1].split()[0].rstrip(")")
+    return json.loads(open(path).read())
+
+
+def failing(report) -> set:
+    return {(r["node"], r["check"]) for r in report["rows"] if not r["ok"]}
+
+
+def test_doctor_passes_every_check_on_a_healthy_rig(hosts):
+    proc = invoke("doctor", "--nodes", "2", "--hosts", ",".join(hosts))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    rep = doctor_report(proc)
+    rows = {(r["node"], r["check"]): r for r in rep["rows"]}
+    assert rep["ok"] and failing(rep) == set()
+    # measured, in each node's own namespace and container
+    assert rows[("node1", "route to master")]["value"] == "10.213.77.11 via fbn2e 10.213.77.12"
+    assert rows[("node0", "route to master")]["value"] == "10.213.77.11 via fbn1e 10.213.77.11"
+    assert rep["facts"]["1"]["iface"]["speed"] == 10000 and rep["facts"]["1"]["iface"]["mtu"] == 1500
+    assert rep["facts"]["0"]["reach"]["1"]["ip"] == "10.213.77.12"
+    assert rows[("node1", "same image")]["ok"] and rows[("node1", "master port")]["ok"]
+    assert rep["facts"]["0"]["tcp"]["1"]["bytes"] == 64 << 20
+    sweep = rep["sweep"]
+    assert sweep["backend"] == "gloo" and sweep["world"] == 2 and sweep["rows"][-1]["size"] == 64 << 20
+    assert [r["size"] for r in sweep["rows"]] == [1024 << k for k in range(17)]
+    assert all(r["wrong"] == 0 and r["busbw"] > 0 for r in sweep["rows"])
+    assert "# raw TCP (probe)" in proc.stdout and "    67108864     16777216   float    sum" in proc.stdout
+
+
+def _iptables(ns, *rule):
+    return fabric.sh("nsenter", f"--net=/run/netns/{ns}", "iptables", *rule)
+
+
+FAULTS = {
+    # name: (extra args, setup, undo, the ✗ rows it must produce: exactly these)
+    "node without the image": (["--image", "fleetbox/paddle:doctor-only-one"],
+                               lambda h: fabric.sh("docker", "-H", h[0], "tag", "fleetbox/paddle:cpu",
+                                                   "fleetbox/paddle:doctor-only-one"),
+                               lambda h: fabric.sh("docker", "-H", h[0], "rmi", "fleetbox/paddle:doctor-only-one"),
+                               {("node1", "image")}),
+    "node with a different image": (["--image", "fleetbox/paddle:doctor-diff"],
+                                    lambda h: _different_image(h),
+                                    lambda h: [fabric.sh("docker", "-H", u, "rmi", "fleetbox/paddle:doctor-diff",
+                                                         check=False) for u in h],
+                                    {("node1", "same image")}),
+    "master port blocked": ([],
+                            lambda h: _iptables("fbn1", "-I", "INPUT", "-p", "tcp", "--dport", str(DOCTOR_PORT),
+                                                "-j", "DROP"),
+                            lambda h: _iptables("fbn1", "-D", "INPUT", "-p", "tcp", "--dport", str(DOCTOR_PORT),
+                                                "-j", "DROP"),
+                            {("node1", "master port"), ("node0", "nodes joined")}),
+    "trainer port blocked": ([],   # node0's first pinned port: its launcher's candidate, the trainers' TCP store
+                             lambda h: _iptables("fbn1", "-I", "INPUT", "-p", "tcp", "--dport", str(DOCTOR_PORT + 1),
+                                                 "-j", "DROP"),
+                             lambda h: _iptables("fbn1", "-D", "INPUT", "-p", "tcp", "--dport", str(DOCTOR_PORT + 1),
+                                                 "-j", "DROP"),
+                             {("node1", "ports of node0")}),
+    "interface that does not route to the master": (["--iface", "lo"], lambda h: None, lambda h: None,
+                                                    {("node0", "route to master"), ("node1", "route to master")}),
+}
+
+
+def _different_image(h):
+    fabric.sh("docker", "-H", h[0], "tag", "fleetbox/paddle:cpu", "fleetbox/paddle:doctor-diff")
+    fabric.sh("docker", "-H", h[1], "run", "--name", "doctor-diff", "--network", "none", "fleetbox/paddle:cpu",
+              "touch", "/a-change")
+    fabric.sh("docker", "-H", h[1], "commit", "doctor-diff", "fleetbox/paddle:doctor-diff")
+    fabric.sh("docker", "-H", h[1], "rm", "doctor-diff")
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_doctor_names_each_fault_and_preflight_refuses_the_job(hosts, fault):
+    extra, setup, undo, want = FAULTS[fault]
+    args = ["--nodes", "2", "--hosts", ",".join(hosts), "--port", str(DOCTOR_PORT), *extra]
+    setup(hosts)
+    try:
+        proc = invoke("doctor", *args, "--quick", "--wait", "5")
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+        rep = doctor_report(proc)
+        assert failing(rep) == want, proc.stdout[-3000:]
+        for node, check in want:   # each ✗ printed with its fix
+            assert any(ln.startswith(f"  ✗ {node} {check}: ") for ln in proc.stdout.splitlines()), proc.stdout
+        job_id = f"preflight-{fault.split()[0]}-{os.getpid()}"
+        proc = invoke("train", *args, "--preflight", "--job-id", job_id)
+        assert proc.returncode == 1 and "the job was not started" in proc.stderr, proc.stdout[-3000:] + proc.stderr
+        assert failing(doctor_report(proc)) == want
+        assert not (settings.runs_root() / job_id).exists()   # nothing of the job ran
+        for url in hosts:
+            assert fabric.sh("docker", "-H", url, "ps", "-aq", "--filter", "label=io.fleetbox.job").stdout == ""
+    finally:
+        undo(hosts)
+
+
+def test_preflight_on_a_healthy_rig_starts_the_job_on_the_ports_it_checked(hosts):
+    proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts), "--preflight")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    checked = doctor_report_in(proc.stdout)["port"]
+    assert f"master 10.213.77.11:{checked}" in proc.stdout
+
+
+def doctor_report_in(text) -> dict:
+    path = text.split("every check passed; report: ")[1].split()[0]
+    return json.loads(open(path).read())
