@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetbox import settings
 from fleetbox.build import matrix
 from fleetbox.run import slurm_backend, spec as spec_mod
 from tests import slurmcluster
@@ -366,3 +367,69 @@ def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_imag
             text=True).stdout.split():
         assert time.monotonic() < deadline, row
         time.sleep(1)
+
+
+# -- invoke doctor as a Slurm job on the allocation --
+
+def doctor_report(proc) -> dict:
+    path = (proc.stdout + proc.stderr).split("report: ")[-1].split()[0].rstrip(")")
+    return json.loads(open(path).read())
+
+
+def failing(report) -> set:
+    return {(r["node"], r["check"]) for r in report["rows"] if not r["ok"]}
+
+
+def test_slurm_doctor_with_podman_passes_every_check_and_sweeps(cluster, podman_image):
+    proc = invoke("doctor", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
+                  "--nodes", "2", env=cluster, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    rep = doctor_report(proc)
+    rows = {(r["node"], r["check"]): r for r in rep["rows"]}
+    assert rep["ok"] and failing(rep) == set() and rep["runtime"] == "podman"
+    # each node in its own namespace, found by node.sh and measured in the container
+    assert rows[("node1", "route to master")]["value"] == "10.213.77.11 via fbn2e 10.213.77.12"
+    assert rows[("node0", "image")]["value"].startswith("id ") and rows[("node1", "same image")]["ok"]
+    assert rep["facts"]["1"]["master"]["ok"] and rep["facts"]["0"]["joined"] == [1]
+    assert rep["facts"]["1"]["limits"]["nofile"] == 20000   # the site's --runtime-args reached the container
+    assert rep["sweep"]["world"] == 2 and all(r["wrong"] == 0 for r in rep["sweep"]["rows"])
+
+
+def test_slurm_doctor_with_charliecloud_identifies_the_image_folder(cluster, charliecloud_image):
+    proc = invoke("doctor", "--backend", "slurm", "--runtime", "charliecloud", "--image", charliecloud_image,
+                  "--nodes", "2", "--quick", env=cluster, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    rep = doctor_report(proc)
+    assert failing(rep) == set()
+    values = {r["node"]: r["value"] for r in rep["rows"] if r["check"] == "image"}
+    assert values["node0"].startswith("tree-sha256 ") and values["node0"] == values["node1"]
+
+
+def test_slurm_doctor_names_a_tiny_shm_from_site_runtime_args_and_preflight_refuses(cluster, podman_image):
+    args = ["--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS + " --shm-size 64m",
+            "--nodes", "2"]
+    proc = invoke("doctor", *args, "--quick", env=cluster, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    rep = doctor_report(proc)
+    assert failing(rep) == {("node0", "/dev/shm"), ("node1", "/dev/shm")}
+    assert rep["facts"]["0"]["shm"]["total"] == 64 << 20
+    assert "  ✗ node0 /dev/shm: shm is 64 MiB: the job would use --shm-size 8g; your --runtime-args override it" \
+        in proc.stdout
+    job_id = f"preflight-shm-{os.getpid()}"
+    proc = slurm_train(cluster, *args[2:], "--preflight", "--job-id", job_id)
+    assert proc.returncode == 1 and "the job was not started" in proc.stderr, proc.stdout[-3000:] + proc.stderr
+    assert failing(doctor_report(proc)) == {("node0", "/dev/shm"), ("node1", "/dev/shm")}
+    assert not (settings.runs_root() / job_id).exists()
+
+
+def test_slurm_doctor_names_a_master_port_blocked_on_the_first_node(cluster, podman_image):
+    port = "43300"
+    rule = ["INPUT", "-p", "tcp", "--dport", port, "-j", "DROP"]
+    subprocess.run(["nsenter", "--net=/run/netns/fbn1", "iptables", "-I", *rule], check=True)
+    try:
+        proc = invoke("doctor", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
+                      "--nodes", "2", "--port", port, "--quick", "--wait", "8", env=cluster, timeout=900)
+    finally:
+        subprocess.run(["nsenter", "--net=/run/netns/fbn1", "iptables", "-D", *rule], check=True)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    assert failing(doctor_report(proc)) == {("node1", "master port"), ("node0", "nodes joined")}, proc.stdout[-3000:]
