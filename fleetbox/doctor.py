@@ -69,7 +69,7 @@ def version_tuple(v: str) -> tuple[int, ...]:
 # -- the probe's command: the job's container, with this instead of Paddle's launcher --
 
 def probe_command(spec: JobSpec, blast: int, wait: float) -> tuple[str, ...]:
-    paths = [settings.LOG_DIR, settings.CHECKPOINT_DIR]
+    paths = [settings.LOG_DIR, settings.CHECKPOINT_DIR, "~/" + settings.HOME_CACHE]   # ~: Paddle's DATA_HOME
     return ("python", "-m", "fleetbox_doctor", "--rank", "{rank}", "--nnodes", "{nnodes}",
             "--procs", str(spec.procs_per_node), "--master", "{master_ip}:{master_port}", "--node-ip", "{node_ip}",
             "--iface", "{iface}", "--ib-hca", spec.ib_hca, "--device", spec.variant.device,
@@ -547,7 +547,9 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
               "quick": quick, "ok": all(r.ok for r in rows), "rows": [asdict(r) for r in rows], "facts": facts,
               "sweep": sweep.get("sweep") if sweep else None, "path": str(job_dir / "doctor.json")}
     job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / "doctor.json").write_text(json.dumps(report, indent=1))
+    part = job_dir / ".doctor.json.part"   # complete or absent
+    part.write_text(json.dumps(report, indent=1))
+    part.rename(job_dir / "doctor.json")
     log(table(rows))
     if sweep and sweep.get("sweep"):
         log(sweep_table(sweep["sweep"], tcp_gbps(facts)))

@@ -134,6 +134,7 @@ def local_facts(a):
                     "groups": os.getgroups(), "video_gid": video, "smi": {"tool": smi, **_run([smi])}}
     f["disk"] = {}
     for p in filter(None, a.paths.split(",")):
+        p = os.path.expanduser(p)
         try:
             st = os.statvfs(p)
             f["disk"][p] = {"free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize}

@@ -1,6 +1,8 @@
 """A 2-node job across two hosts made by the test: network namespaces, each with its own Docker Engine."""
+import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -194,11 +196,23 @@ def test_doctor_names_each_fault_and_preflight_refuses_the_job(hosts, fault):
         undo(hosts)
 
 
+def test_doctor_names_an_engine_it_cannot_reach(hosts):
+    proc = invoke("doctor", "--nodes", "2", "--hosts", f"{hosts[0]},tcp://10.213.77.99:2375", "--quick")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    assert failing(doctor_report(proc)) == {("node1", "engine")}
+    assert "  ✗ node1 engine: cannot reach the Docker Engine at tcp://10.213.77.99:2375" in proc.stdout
+
+
 def test_preflight_on_a_healthy_rig_starts_the_job_on_the_ports_it_checked(hosts):
     proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts), "--preflight")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     checked = doctor_report_in(proc.stdout)["port"]
     assert f"master 10.213.77.11:{checked}" in proc.stdout
+    # the job's launchers took exactly the pinned ports doctor probed: node k's block above the master port
+    job_dir = proc.stdout.split("logs in ")[1].split()[0]
+    peers = open(glob.glob(os.path.join(job_dir, "node0", "default.*.log"))[0]).read()
+    used = {int(p) for p in re.findall(r"'(?:candidate|endpoints)': '10\.213\.77\.1[12]:(\d+)'", peers)}
+    assert used == {checked + 1, checked + 2, checked + 3, checked + 4}, peers[-2000:]
 
 
 def doctor_report_in(text) -> dict:
