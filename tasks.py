@@ -249,8 +249,10 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
     report = doctor_mod.run(spec, backend, slurm, quick=quick,
                             wait=options.seconds("--wait", wait) or 30.0, log=_log)
     if json_out:
-        with open(json_out, "w") as f:
+        part = f"{json_out}.part"   # complete or absent
+        with open(part, "w") as f:
             json.dump(report, f, indent=1)
+        os.replace(part, json_out)
     if not report["ok"]:
         raise Failed(f"doctor: {sum(not r['ok'] for r in report['rows'])} check(s) failed (report: {report['path']})")
 

@@ -71,7 +71,7 @@ def version_tuple(v: str) -> tuple[int, ...]:
 def probe_command(spec: JobSpec, blast: int, wait: float) -> tuple[str, ...]:
     paths = [settings.LOG_DIR, settings.CHECKPOINT_DIR, "~/" + settings.HOME_CACHE]   # ~: Paddle's DATA_HOME
     return ("python", "-m", "fleetbox_doctor", "--rank", "{rank}", "--nnodes", "{nnodes}",
-            "--procs", str(spec.procs_per_node), "--master", "{master_ip}:{master_port}", "--node-ip", "{node_ip}",
+            "--width", str(planner.block_width(spec.procs_per_node)), "--master", "{master_ip}:{master_port}", "--node-ip", "{node_ip}",
             "--iface", "{iface}", "--ib-hca", spec.ib_hca, "--device", spec.variant.device,
             "--paths", ",".join(paths), "--wait", f"{wait:g}", "--blast", str(blast))
 
@@ -95,7 +95,8 @@ class Expect:
     shm: str                        # the job's --shm-size
     device: str                     # cpu | cuda | rocm
     ib_hca: str = ""
-    min_driver: str = ""            # CUDA variants: the matrix's minimum driver
+    min_driver: str = ""            # CUDA variants: the matrix's minimum driver (minor-version compatibility) ...
+    toolkit_driver: str = ""        # ... and its CUDA release's own driver
     gpus: int = 1                   # devices each node needs
     procs: int = 1
     port: int = 0
@@ -130,8 +131,8 @@ def check_limits(node: str, f: dict, e: Expect) -> list[Row]:
     nccl = e.device != "cpu" or bool(e.ib_hca)
     if nccl:
         mrow = Row(node, "memlock", memlock == -1, human(memlock), "unlimited (NCCL/RDMA pin memory)",
-                   "" if memlock == -1 else f"memlock is {human(memlock)}: raise the node's hard limit (limits.conf "
-                   f"or slurmd's LimitMEMLOCK=infinity); the container cannot get more than the node allows")
+                   "" if memlock == -1 else f"memlock is {human(memlock)}: raise the node's limit (limits.conf, "
+                   f"slurmd's LimitMEMLOCK=infinity, dockerd's LimitMEMLOCK); a container gets no more than that")
     else:
         mrow = Row(node, "memlock", True, human(memlock), "none (Gloo over TCP pins no memory)")
     ok = nofile is not None and (nofile == -1 or nofile >= MIN_NOFILE)
@@ -221,9 +222,11 @@ def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
     drivers = sorted({x["driver"] for x in gpus})
     driver = drivers[0] if drivers else "?"
     ok = bool(gpus) and (not e.min_driver or version_tuple(driver) >= version_tuple(e.min_driver))
-    rows = [Row(node, "GPU driver", ok, driver, f">= {e.min_driver} (the variant's CUDA)", "" if ok else
-                f"driver {driver} is older than {e.min_driver}, which this image's CUDA needs: upgrade the node's "
-                f"driver or use a variant built for an older CUDA (e.g. cu118)")]
+    compat = ok and e.toolkit_driver and version_tuple(driver) < version_tuple(e.toolkit_driver)
+    rows = [Row(node, "GPU driver", ok, driver + (" (by CUDA minor-version compatibility: no PTX JIT)" if compat else ""),
+                f">= {e.min_driver} (the variant's CUDA; {e.toolkit_driver} for PTX JIT)", "" if ok else
+                f"driver {driver} is older than {e.min_driver}, the oldest this image's CUDA runs on: upgrade the "
+                f"node's driver or use a variant built for an older CUDA (e.g. cu118)")]
     count_ok = len(gpus) >= e.gpus
     rows.append(Row(node, "GPUs", count_ok, f"{len(gpus)}" + (f" x {gpus[0]['name']}" if gpus else ""),
                     f">= {e.gpus}", "" if count_ok else f"the container sees {len(gpus)} GPU(s), the job needs "
@@ -249,6 +252,7 @@ def check_dcu(node: str, f: dict, e: Expect) -> list[Row]:
     d = f.get("dcu", {})
     render = [x for x in d.get("dri", []) if x.startswith("renderD")]
     in_video = d.get("video_gid") is not None and d["video_gid"] in d.get("groups", [])
+    denied = sorted(p for p, ok in d.get("usable", {}).items() if not ok)
     rows = [
         Row(node, "/dev/kfd", bool(d.get("kfd")), "present" if d.get("kfd") else "missing", "present",
             "" if d.get("kfd") else "the container has no /dev/kfd: pass --device /dev/kfd (fleetbox does; check "
@@ -260,6 +264,9 @@ def check_dcu(node: str, f: dict, e: Expect) -> list[Row]:
             "/opt/hyhal is not in the container: it must exist on the node (DTK installs it) and be mounted"),
         Row(node, "video group", in_video, f"groups {d.get('groups', [])}, video = {d.get('video_gid')}",
             "the process is in video", "" if in_video else "the process is not in the video group: --group-add video"),
+        Row(node, "device access", not denied, "read-write" if not denied else f"denied: {' '.join(denied)}",
+            "/dev/kfd and renderD* read-write", "" if not denied else f"no read-write access to {' '.join(denied)}: "
+            "add the group that owns them (often render) with --group-add, or ask the admins"),
     ]
     smi = d.get("smi", {})
     n = dcus_from_smi(smi.get("out", "")) if smi.get("rc") == 0 else 0
@@ -276,6 +283,9 @@ def check_disk(node: str, f: dict) -> list[Row]:
         if "error" in d:
             rows.append(Row(node, f"free disk {path}", False, d["error"], f">= {human(MIN_FREE_BYTES)}",
                             f"{path} is not usable in the container: {d['error']}"))
+            continue
+        if d.get("read_only"):   # a read-only mount (a seeded cache): nothing is written there
+            rows.append(Row(node, f"free disk {path}", True, "read-only mount", "none (nothing written)"))
             continue
         ok = d["free"] >= MIN_FREE_BYTES
         rows.append(Row(node, f"free disk {path}", ok, human(d["free"]), f">= {human(MIN_FREE_BYTES)}", "" if ok
@@ -296,7 +306,9 @@ def check_ports(node: str, rank: int, f: dict, facts: dict[int, dict], e: Expect
         return rows
     if rank != 0:
         m = f.get("master", {})
-        ok = bool(m.get("ok"))
+        ok = bool(m.get("ok")) and not m.get("after_join")
+        if m.get("after_join"):
+            m = {**m, "error": f"joined, then {m['after_join']}"}
         rows.append(Row(node, "master port", ok, f"{master_ip}:{e.port} " + (
             f"reached ({m['rtt'] * 1000:.1f} ms)" if ok else m.get("error", "not tried")), "TCP connect",
             "" if ok else f"{node} cannot reach the master {master_ip}:{e.port} ({m.get('error')}): open TCP port "
@@ -343,6 +355,11 @@ def evaluate(facts: dict[int, dict], e: Expect, master_ip: str) -> list[Row]:
         f = facts.get(k)
         if f is None:
             continue
+        if f.get("crash"):
+            rows.append(Row(node, "probe", False, f["crash"][:100], "runs to the end",
+                            f"the probe failed on {node}: {f['crash']}"))
+            if "shm" not in f:
+                continue
         rows.append(check_shm(node, f, e))
         rows += check_limits(node, f, e)
         rows += check_network(node, f, e, master_ip)
@@ -426,9 +443,9 @@ def new_job_id(kind: str = "doctor") -> str:
 
 def expect(spec: JobSpec, port: int, runtime: str = "docker", runtime_args: tuple = ()) -> Expect:
     v = spec.variant
-    count = len(spec.devices.split(",")) if spec.devices else (spec.gpus_per_node or 1)
-    return Expect(spec.nodes, spec.shm_size, v.device, spec.ib_hca, v.min_driver, count, spec.procs_per_node, port,
-                  runtime, tuple(runtime_args), spec.iface)
+    count = len(spec.devices.split(",")) if spec.devices else max(spec.gpus_per_node or 1, spec.procs_per_node)
+    return Expect(spec.nodes, spec.shm_size, v.device, spec.ib_hca, v.min_driver, v.toolkit_driver, count,
+                  spec.procs_per_node, port, runtime, tuple(runtime_args), spec.iface)
 
 
 def _output(path: str) -> str:
@@ -523,7 +540,8 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
         log(f"doctor {job_id}: probing {spec.nodes} node(s) in the job's own container ({backend}"
             f"{'/' + runtime if backend == 'slurm' else ''}), master port {plan.port}")
         port = plan.port
-        result = b.run(plan, log=lambda m: None)
+        # bounded: a node stuck on a hung mount must not hold the doctor (Slurm: the queue's --time does)
+        result = b.run(plan, log=lambda m: None, timeout=wait * 3 + 120 if backend == "docker" else None)
         outputs = {n.rank: _output(n.logs) for n in result.nodes}
         if backend == "slurm":
             rows += slurm_identity(outputs, spec.nodes, getattr(plan, "image", spec.image_ref))
@@ -571,7 +589,7 @@ def run_sweep(b, base: JobSpec, log) -> dict:
     with sigterm_as_interrupt():
         plan = b.plan(spec)
     log(f"doctor: all-reduce sweep ({spec.job_id}) across {spec.nodes} node(s)")
-    result = b.run(plan, log=lambda m: None)
+    result = b.run(plan, log=lambda m: None, timeout=1800 if b.name == "docker" else None)
     log0 = Path(result.dir) / "node0" / "workerlog.0"
     found = parse_sweep(log0.read_text(errors="replace")) if log0.exists() else None
     return {"ok": result.ok and found is not None, "sweep": found, "why": result.failure(), "dir": result.dir}

@@ -59,7 +59,8 @@ class Variant:
     base_repo: str = "fleetbox/base"
     accel: dict = field(default_factory=dict)    # cuda/cudnn/dtk versions, for docs and labels
     runtime: dict = field(default_factory=dict)  # devices, groups, mounts a container needs
-    min_driver: str = ""            # CUDA variants: the oldest host driver the toolkit runs on (invoke doctor)
+    min_driver: str = ""            # CUDA variants: the oldest host driver that runs it (minor-version compatibility)
+    toolkit_driver: str = ""        # ... and the driver of its own CUDA release (PTX JIT needs it); invoke doctor
 
     @property
     def paddle_name(self) -> str:
@@ -137,7 +138,8 @@ def parse(data: dict) -> Matrix:
             extras=tuple(v.get("extras", [])), tools=tuple(v.get("tools", [])),
             paddle_index=v.get("paddle_index", ""), pypi=data.get("pypi", "https://pypi.org/simple"),
             image=data.get("image", "fleetbox/paddle"), base_repo=data.get("base_image", "fleetbox/base"),
-            accel=accel, runtime=v.get("runtime", {}), min_driver=v.get("min_driver", ""))
+            accel=accel, runtime=v.get("runtime", {}), min_driver=v.get("min_driver", ""),
+            toolkit_driver=v.get("toolkit_driver", ""))
     default = data.get("default_variant", next(iter(variants), ""))
     if default not in variants:
         raise UserError(f"matrix: default_variant {default!r} is not a variant")

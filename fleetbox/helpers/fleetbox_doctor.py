@@ -2,10 +2,10 @@
 and environment as the job) in place of Paddle's launcher, and prints what it finds as one line
 `FLEETBOX-DOCTOR <json>`. It judges nothing: the host holds every value to its threshold.
 
-    python -m fleetbox_doctor --rank R --nnodes N --master IP:PORT --node-ip IP --iface IF --ports FIRST:LAST ...
+    python -m fleetbox_doctor --rank R --nnodes N --width W --master IP:PORT --node-ip IP --iface IF ...
 
 Across nodes it talks over exactly the ports the job will use: node 0 listens on the master port, every node
-on its pinned trainer ports (PORT_RANGE). Node k joins node 0 through the master port (which also measures
+on its pinned block of W ports (PORT_RANGE: node k's starts at PORT + 1 + k * W). Node k joins node 0 through the master port (which also measures
 the clock offset), learns every node's address, then knocks on every other node's ports; with --blast it
 streams bytes to node 0, whose receive time gives the raw TCP throughput. Standard library only.
 """
@@ -59,8 +59,12 @@ def iface_speed(name):
             fcntl.ioctl(s.fileno(), 0x8946, struct.pack("16sP", name[:15].encode(), addr))   # SIOCETHTOOL
     except OSError:
         return None
-    raw = buf.tobytes()
-    speed = struct.unpack_from("H", raw, 12)[0] | struct.unpack_from("H", raw, 32)[0] << 16
+    return decode_speed(buf.tobytes())
+
+
+def decode_speed(raw):
+    """struct ethtool_cmd: speed (u16) at byte 12, speed_hi (u16) at byte 28; all ones: unknown."""
+    speed = struct.unpack_from("H", raw, 12)[0] | struct.unpack_from("H", raw, 28)[0] << 16
     return None if speed in (0, 0xFFFF, 0xFFFFFFFF) else speed
 
 
@@ -88,6 +92,13 @@ def _run(argv, timeout=30):
         return {"rc": p.returncode, "out": p.stdout[-20000:], "err": p.stderr[-2000:]}
     except (OSError, subprocess.SubprocessError) as e:
         return {"error": str(e)}
+
+
+def _listdir(path):
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
 
 
 def _limit(kind):
@@ -128,16 +139,22 @@ def local_facts(a):
         except KeyError:
             video = None
         smi = "hy-smi" if shutil.which("hy-smi") else "rocm-smi"
-        f["dcu"] = {"kfd": os.path.exists("/dev/kfd"),
-                    "dri": sorted(os.listdir("/dev/dri")) if os.path.isdir("/dev/dri") else [],
-                    "hyhal": os.path.isdir("/opt/hyhal") and bool(os.listdir("/opt/hyhal")),
-                    "groups": os.getgroups(), "video_gid": video, "smi": {"tool": smi, **_run([smi])}}
+        dri = _listdir("/dev/dri")
+        f["dcu"] = {"kfd": os.path.exists("/dev/kfd"), "dri": dri, "hyhal": bool(_listdir("/opt/hyhal")),
+                    "groups": os.getgroups(), "video_gid": video, "smi": {"tool": smi, **_run([smi])},
+                    "usable": {d: os.access(d, os.R_OK | os.W_OK) for d in
+                               ["/dev/kfd"] + [f"/dev/dri/{x}" for x in dri if x.startswith("renderD")]
+                               if os.path.exists(d)}}
     f["disk"] = {}
     for p in filter(None, a.paths.split(",")):
         p = os.path.expanduser(p)
+        at = p
+        while not os.path.exists(at) and at != os.path.dirname(at):   # a folder the job would create
+            at = os.path.dirname(at)
         try:
-            st = os.statvfs(p)
-            f["disk"][p] = {"free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize}
+            st = os.statvfs(at)
+            f["disk"][p] = {"free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize,
+                            "read_only": bool(st.f_flag & os.ST_RDONLY), "at": at}
         except OSError as e:
             f["disk"][p] = {"error": e.strerror}
     return f
@@ -148,21 +165,25 @@ class Node:
 
     def __init__(self, a):
         self.a = a
-        self.joined = {}             # rank -> (address, connection file)  [node 0]
+        self.joined = {}             # rank -> (address, connection file, socket)  [node 0]
+        self.closed = False          # node 0 stopped taking joins
         self.lock = threading.Condition()
         self.probed = set()
         self.listeners = []
         self.bound, self.busy = [], {}
 
-    def listen(self, ports):
+    def listen(self, ports, master=None):
+        """Bind as Paddle does, so "in use" means in use for it too: its master (an HTTP server) reuses the
+        address; its launcher binds the pinned ports without SO_REUSEADDR."""
         for port in ports:
             s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if port == master:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("", port))
                 s.listen(64)
-            except OSError as e:
-                self.busy[str(port)] = e.strerror or str(e)
+            except (OSError, OverflowError) as e:
+                self.busy[str(port)] = getattr(e, "strerror", None) or str(e)
                 s.close()
                 continue
             self.bound.append(port)
@@ -178,6 +199,7 @@ class Node:
             threading.Thread(target=self._serve, args=(conn, port), daemon=True).start()
 
     def _serve(self, conn, port):
+        conn.settimeout(self.a.wait + 30)
         f = conn.makefile("rwb")
         try:
             line = f.readline().decode().strip()
@@ -185,18 +207,33 @@ class Node:
                 f.write(f"PONG {self.a.rank} {port}\n".encode())
                 f.flush()
             elif line.startswith("JOIN ") and self.a.rank == 0 and port == self.a.master_port:
-                f.write(f"TIME {time.time()!r}\n".encode())
-                f.flush()
                 info = json.loads(line[5:])
-                conn.settimeout(self.a.wait + 30)
                 with self.lock:
-                    self.joined[info["rank"]] = (info["ip"], f, conn)
-                    self.lock.notify_all()
-                return   # node 0's main thread goes on with this connection
-        except (OSError, ValueError):
+                    if not self.closed:
+                        f.write(f"TIME {time.time()!r}\n".encode())
+                        f.flush()
+                        self.joined[info["rank"]] = (info["ip"], f, conn)
+                        self.lock.notify_all()
+                        return   # node 0's main thread goes on with this connection
+                f.write(b"LATE\n")   # node 0 has stopped waiting: this node is reported missing
+                f.flush()
+            hang_up(f, conn)
+        except (OSError, ValueError, KeyError):
+            f.close()
+            conn.close()
+
+
+def hang_up(f, conn, timeout=5.0):
+    """Close after the other side has: whoever closes first keeps the port in TIME_WAIT for a minute, and
+    Paddle's launcher binds its pinned ports without SO_REUSEADDR (it would find none free after doctor)."""
+    try:
+        conn.settimeout(timeout)
+        while f.read1(4096) if hasattr(f, "read1") else f.read(4096):
             pass
-        f.close()
-        conn.close()
+    except OSError:
+        pass
+    f.close()
+    conn.close()
 
 
 def knock(ip, port, timeout):
@@ -207,19 +244,19 @@ def knock(ip, port, timeout):
             s.settimeout(timeout)
             s.sendall(b"PING\n")
             reply = s.makefile("rb").readline().decode().strip()
-        if reply.startswith("PONG "):
-            return {"ok": True, "rtt": time.monotonic() - t0}
+        if reply.startswith("PONG ") and reply.split()[2:3] == [str(port)]:
+            return {"ok": True, "rtt": time.monotonic() - t0, "rank": reply.split()[1]}
         return {"ok": False, "error": f"answered by something else ({reply[:40]!r})"}
     except socket.timeout:
         return {"ok": False, "error": "timed out (dropped by a firewall?)"}
     except ConnectionRefusedError:
         return {"ok": False, "error": "refused"}
-    except OSError as e:
-        return {"ok": False, "error": e.strerror or str(e)}
+    except (OSError, OverflowError) as e:
+        return {"ok": False, "error": getattr(e, "strerror", None) or str(e)}
 
 
 def ports_of(a, rank):
-    width = 1 + a.procs
+    width = a.width
     first = a.master_port + 1 + rank * width
     return list(range(first, first + width))
 
@@ -239,6 +276,7 @@ def as_node0(a, node, facts):
     with node.lock:
         while len(node.joined) < a.nnodes - 1 and time.monotonic() < deadline:
             node.lock.wait(timeout=0.2)
+        node.closed = True
         joined = dict(node.joined)
     peers = {"0": a.node_ip, **{str(r): ip for r, (ip, _, _) in joined.items()}}
     for r, (_, f, _) in joined.items():
@@ -251,7 +289,7 @@ def as_node0(a, node, facts):
     facts["joined"] = sorted(joined)
     facts["missing"] = [r for r in range(1, a.nnodes) if r not in joined]
     if facts["missing"]:   # a node that cannot join knocks on our pinned ports once it gives up: stay for it
-        time.sleep(min(a.wait, 5 + a.knock_timeout * (1 + a.procs)))
+        time.sleep(min(a.wait, 5 + a.knock_timeout * a.width))
     for r, (_, f, _) in sorted(joined.items()):   # wait until each has knocked on every port
         try:
             f.readline()
@@ -283,10 +321,9 @@ def as_node0(a, node, facts):
         try:
             f.write(b"BYE\n")
             f.flush()
-            f.close()
-            conn.close()
         except OSError:
             pass
+        hang_up(f, conn)
 
 
 def as_peer(a, facts):
@@ -312,8 +349,16 @@ def as_peer(a, facts):
         t0 = time.time()
         f.write(f"JOIN {json.dumps({'rank': a.rank, 'ip': a.node_ip})}\n".encode())
         f.flush()
-        t1 = float(f.readline().decode().split()[1])
+        reply = f.readline().decode().split()
         t2 = time.time()
+        if reply[:1] == ["LATE"]:
+            facts["master"] = {"ok": False, "error": f"reached after node0 had stopped waiting ({a.wait:g} s): the "
+                                                     f"nodes started too far apart; raise --wait"}
+            facts["reach"] = knock_all(a, {"0": a.master_ip})
+            return
+        if reply[:1] != ["TIME"] or len(reply) != 2:
+            raise OSError(f"something else answers on the master port ({' '.join(reply)[:40]!r})")
+        t1 = float(reply[1])
         facts["master"] = {"ok": True, "rtt": t2 - t0, "offset": t1 - (t0 + t2) / 2}
         line = f.readline().decode()
         if not line.startswith("PEERS "):
@@ -345,7 +390,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="fleetbox_doctor")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--nnodes", type=int, required=True)
-    p.add_argument("--procs", type=int, default=1)
+    p.add_argument("--width", type=int, default=4, help="pinned ports per node (fleetbox.run.plan.block_width)")
     p.add_argument("--master", required=True)
     p.add_argument("--node-ip", default="")
     p.add_argument("--iface", default="")
@@ -358,14 +403,18 @@ def main(argv=None):
     a = p.parse_args(argv)
     a.master_ip, _, port = a.master.rpartition(":")
     a.master_port = int(port)
-    facts = local_facts(a)
+    facts = {"rank": a.rank}
     node = Node(a)
-    node.listen(([a.master_port] if a.rank == 0 else []) + ports_of(a, a.rank))
-    facts["ports"] = {"bound": node.bound, "busy": node.busy}
-    if a.nnodes > 1 and a.rank == 0:
-        as_node0(a, node, facts)
-    elif a.nnodes > 1:
-        as_peer(a, facts)
+    try:
+        facts.update(local_facts(a))
+        node.listen(([a.master_port] if a.rank == 0 else []) + ports_of(a, a.rank), master=a.master_port)
+        facts["ports"] = {"bound": node.bound, "busy": node.busy}
+        if a.nnodes > 1 and a.rank == 0:
+            as_node0(a, node, facts)
+        elif a.nnodes > 1:
+            as_peer(a, facts)
+    except Exception as e:   # whatever happened, the host gets a line saying so
+        facts["crash"] = f"{type(e).__name__}: {e}"[:300]
     for s in node.listeners:
         s.close()
     print(MARK + json.dumps(facts), flush=True)

@@ -35,9 +35,12 @@ def route(master_ip):
     return next((n for n in interfaces() if iface_address(n) == local), ""), local
 
 
-def port_free(ip, port):
+def port_free(ip, port, reuse=True):
+    """Whether `port` can be bound: with reuse, as Paddle's master (an HTTP server) binds it; without, as its
+    launcher binds the trainers' ports (a connection in TIME_WAIT holds those for a minute)."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((ip, port))
             return True

@@ -29,25 +29,46 @@ def check_iface(name: str) -> None:
         raise UserError(f"interface {name!r} does not exist here (have: {', '.join(have)})")
 
 
+LOW_PORT = 20000   # blocks are drawn from here up to the kernel's ephemeral range, where no outgoing
+                   # connection can take a pinned port before the launcher binds it
+
+
+def ephemeral_start() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def block_free(ip: str, port: int, count: int) -> list[int]:
+    """The ports of [port, port + count) that cannot be bound the way the job binds them: the master as
+    Paddle's HTTP master does (reusing the address), the rest as its launcher does (on every address, not
+    reusing it)."""
+    return [p for p in range(port, port + count)
+            if not (netinfo.port_free(ip, p) if p == port else netinfo.port_free("", p, reuse=False))]
+
+
 def free_block(ip: str, count: int) -> int:
     """A master port with the `count` - 1 ports above it free too (the nodes' pinned trainer ports)."""
+    top = max(LOW_PORT + count + 1, ephemeral_start()) - count
     for _ in range(200):
-        port = 29000 + int.from_bytes(os.urandom(2), "big") % (60000 - 29000 - count)
-        if all(netinfo.port_free(ip, p) for p in range(port, port + count)):
+        port = LOW_PORT + int.from_bytes(os.urandom(2), "big") % (top - LOW_PORT)
+        if not block_free(ip, port, count):
             return port
     raise UserError(f"found no {count} free ports in a row on {ip}; pass --port")
 
 
 def random_port() -> int:
-    """A master port for machines we cannot ask (Slurm nodes)."""
-    return 29000 + int.from_bytes(os.urandom(2), "big") % 20000
+    """A master port for machines we cannot ask (Slurm nodes), with room for the pinned ports above it below
+    the usual ephemeral range (32768)."""
+    return LOW_PORT + int.from_bytes(os.urandom(2), "big") % 10000
 
 
 def check_port(ip: str, port: int, count: int = 1) -> None:
     """The master port and the `count` - 1 pinned ports above it."""
     if port + count > 65536:
         raise UserError(f"--port {port} leaves no room above it for the trainers' {count - 1} ports; pick a lower one")
-    busy = [p for p in range(port, port + count) if not netinfo.port_free(ip, p)]
+    busy = block_free(ip, port, count)
     if busy:
         what = f"port {port}" if busy == [port] else f"port(s) {', '.join(map(str, busy))} of {port}-{port + count - 1}"
         raise UserError(f"{what} on {ip} is already in use; pick another with --port")

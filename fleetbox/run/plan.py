@@ -124,19 +124,25 @@ def network_env(iface: str, ib_hca: str = "", debug: bool = False) -> dict:
     return env
 
 
+def block_width(procs: int) -> int:
+    """Ports pinned per node: the launcher takes 1 + procs (its candidate port, one endpoint per process) and
+    skips busy ones, so twice that leaves room for ports an earlier attempt's connections still hold."""
+    return 2 * (1 + procs)
+
+
 def trainer_ports(port: int, rank: int, procs: int) -> tuple[int, int]:
-    """Node `rank`'s pinned ports (first, last), just above the master port: the launcher's candidate port
-    (node 0's becomes the trainers' TCP store) and one endpoint per process. Paddle's launcher takes them
-    from PORT_RANGE (by default a random one of 35100-64000, which no firewall rule can name); every node
-    has its own block, so nodes sharing one host (local Docker) never collide."""
-    width = 1 + procs
+    """Node `rank`'s pinned ports (first, last), just above the master port. Paddle's launcher takes its
+    candidate port (node 0's becomes the trainers' TCP store) and each process's endpoint from PORT_RANGE
+    (by default a random one of 35100-64000, which no firewall rule can name); every node has its own
+    block, so nodes sharing one host (local Docker) never collide."""
+    width = block_width(procs)
     first = port + 1 + rank * width
     return first, first + width - 1
 
 
 def ports_needed(nnodes: int, procs: int) -> int:
     """The master port and every node's block."""
-    return 1 + nnodes * (1 + procs)
+    return 1 + nnodes * block_width(procs)
 
 
 def launch_command(spec: JobSpec) -> tuple[str, ...]:

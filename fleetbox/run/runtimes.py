@@ -98,9 +98,9 @@ else echo "fleetbox: image missing $IMAGE_REF is not on $(hostname)"; exit 3; fi
         raise NotImplementedError
 
 
-def _engine_identify(engine: str) -> Raw:
-    """An engine's image ID and fleetbox content tag (docker and podman spell inspect alike)."""
-    return Raw(f'''if out=$({engine} image inspect --format '{{{{.Id}}}} {{{{index .Labels "io.fleetbox.inputs-sha256"}}}}' "$IMAGE_REF" 2>&1); then
+def _engine_identify(engine: str, labels: str) -> Raw:
+    """An engine's image ID and fleetbox content tag (`labels`: where its image inspect keeps them)."""
+    return Raw(f'''if out=$({engine} image inspect --format '{{{{.Id}}}} {{{{index {labels} "io.fleetbox.inputs-sha256"}}}}' "$IMAGE_REF" 2>&1); then
   echo "fleetbox: image id ${{out//<no value>/}}"
 else echo "fleetbox: image missing $(tail -n 1 <<<"$out")"; exit 3; fi''')
 
@@ -110,7 +110,7 @@ class Docker(Runtime):
     kills_client_only = True
 
     def identify(self):
-        return _engine_identify("docker")
+        return _engine_identify("docker", ".Config.Labels")
 
     def launch(self, n, image, extra=()):
         return ["docker", "run", "--rm", *n.run_flags(), *extra, image, *n.command]
@@ -124,7 +124,7 @@ class Podman(Runtime):
     kills_client_only = True
 
     def identify(self):
-        return _engine_identify("podman")
+        return _engine_identify("podman", ".Labels")
 
     def prelude(self):
         return [Raw('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')]

@@ -182,7 +182,7 @@ class SlurmBackend(Backend):
             lines += [ROUTE_SH, 'read -r IFACE NODE_IP <<<"$(route_to "$MASTER_IP")"']
         if spec.iface:
             lines.append(f"IFACE={shlex.quote(spec.iface)}")
-        width = 1 + spec.procs_per_node   # planner.trainer_ports, in shell
+        width = planner.block_width(spec.procs_per_node)   # planner.trainer_ports, in shell
         lines.append(Raw(f'PORT_RANGE="$((MASTER_PORT + 1 + SLURM_NODEID * {width})):'
                          f'$((MASTER_PORT + {width} + SLURM_NODEID * {width}))"'))
         lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',

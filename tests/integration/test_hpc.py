@@ -433,3 +433,31 @@ def test_slurm_doctor_names_a_master_port_blocked_on_the_first_node(cluster, pod
         subprocess.run(["nsenter", "--net=/run/netns/fbn1", "iptables", "-D", *rule], check=True)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
     assert failing(doctor_report(proc)) == {("node1", "master port"), ("node0", "nodes joined")}, proc.stdout[-3000:]
+
+
+def test_each_runtime_says_which_image_a_node_has(cpu_image, podman_image, tmp_path):
+    """The lines node.sh runs for invoke doctor (runtimes.Runtime.identify), run by bash against real engines."""
+    import hashlib
+    import shlex
+    from fleetbox.run import runtimes
+
+    def say(runtime, image):
+        return subprocess.run(["bash", "-c", f"set -euo pipefail\nIMAGE_REF={shlex.quote(image)}\n"
+                               f"{runtimes.get(runtime).identify()}"], capture_output=True, text=True)
+    img = cpu_image["image"]
+    tag = img.labels["io.fleetbox.inputs-sha256"]
+    for runtime, ident in (("docker", img.id), ("podman", img.id.removeprefix("sha256:"))):
+        p = say(runtime, "fleetbox/paddle:cpu")
+        assert (p.returncode, p.stdout) == (0, f"fleetbox: image id {ident} {tag}\n"), p.stderr
+        p = say(runtime, "fleetbox/paddle:no-such-tag")
+        assert p.returncode == 3 and p.stdout.startswith("fleetbox: image missing "), p.stdout + p.stderr
+    (tmp_path / "img.sqfs").write_bytes(b"x" * 1000)
+    p = say("charliecloud", str(tmp_path / "img.sqfs"))
+    assert p.stdout == f"fleetbox: image file-sha256 {hashlib.sha256(b'x' * 1000).hexdigest()}\n"
+    (tmp_path / "tree" / "a").mkdir(parents=True)
+    (tmp_path / "tree" / "a" / "b").write_text("hi")
+    p = say("charliecloud", str(tmp_path / "tree"))
+    assert p.stdout == f"fleetbox: image tree-sha256 {hashlib.sha256(b'a/b 2' + bytes([10])).hexdigest()}\n"
+    assert say("apptainer", "docker://registry/x:1").stdout == "fleetbox: image ref docker://registry/x:1\n"
+    p = say("apptainer", str(tmp_path / "none.sif"))
+    assert p.returncode == 3 and p.stdout.startswith("fleetbox: image missing ")

@@ -112,6 +112,8 @@ def test_healthy_facts_pass_every_check():
     (1, ("disk", "/fleetbox/logs", "free"), 100 << 20, "free disk /fleetbox/logs", "only 100 MiB free"),
     (1, ("disk", "/fleetbox/logs"), {"error": "Read-only file system"}, "free disk /fleetbox/logs", "not usable"),
     (0, ("missing",), [1], "nodes joined", "missing nodes"),
+    (1, ("master", "after_join"), "node 0 sent no peer list", "master port", "joined, then node 0 sent no peer list"),
+    (1, ("crash",), "OSError: boom", "probe", "the probe failed on node1: OSError: boom"),
 ])
 def test_each_check_fails_on_its_own_fault(rank, path, value, check, words):
     rows = rows_of(broken(rank, path, value))
@@ -159,16 +161,31 @@ def gpu_facts(result):
 
 def test_gpu_driver_against_the_matrix_minimum_on_recorded_nvidia_smi():
     m = matrix.load()
-    assert (m.get("cu118").min_driver, m.get("cu126").min_driver, m.get("cu129").min_driver) == \
-        ("520.61.05", "560.28.03", "575.51.03")
+    assert [(m.get(v).min_driver, m.get(v).toolkit_driver) for v in ("cu118", "cu126", "cu129")] == \
+        [("450.80.02", "520.61.05"), ("525.60.13", "560.28.03"), ("525.60.13", "575.51.03")]
     ok = gpu_facts({"rc": 0, "out": NVIDIA_SMI, "err": ""})
-    rows = rows_of(ok, device="cuda", min_driver=m.get("cu118").min_driver, gpus=2)
+    cu118 = dict(device="cuda", min_driver="450.80.02", toolkit_driver="520.61.05", gpus=2)
+    cu126 = dict(device="cuda", min_driver="525.60.13", toolkit_driver="560.28.03", gpus=2)
+    rows = rows_of(ok, **cu118)
     assert failing(rows) == []
     assert next(r.value for r in rows if r.check == "GPUs") == "2 x NVIDIA A100-SXM4-80GB"
-    rows = rows_of(ok, device="cuda", min_driver=m.get("cu126").min_driver, gpus=2)
+    assert next(r.value for r in rows if r.check == "GPU driver") == "535.104.05"
+    rows = rows_of(ok, **cu126)   # 535 runs CUDA 12.6 by minor-version compatibility, and says so
+    assert failing(rows) == []
+    assert next(r.value for r in rows if r.check == "GPU driver") == \
+        "535.104.05 (by CUDA minor-version compatibility: no PTX JIT)"
+    old = gpu_facts({"rc": 0, "out": NVIDIA_SMI.replace("535.104.05", "470.256.02"), "err": ""})
+    rows = rows_of(old, **cu126)
     assert failing(rows) == [("node0", "GPU driver"), ("node1", "GPU driver")]
-    assert "535.104.05 is older than 560.28.03" in rows[[r.check for r in rows].index("GPU driver")].fix
-    assert failing(rows_of(ok, device="cuda", min_driver="520.61.05", gpus=4)) == [("node0", "GPUs"), ("node1", "GPUs")]
+    assert "470.256.02 is older than 525.60.13" in next(r.fix for r in rows if not r.ok)
+    assert failing(rows_of(ok, **{**cu118, "gpus": 4})) == [("node0", "GPUs"), ("node1", "GPUs")]
+
+
+def test_a_process_per_gpu_needs_as_many_gpus():
+    from fleetbox.run import spec as spec_mod
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cu126"), nodes=2, procs_per_node=8)
+    assert doctor.expect(spec, PORT).gpus == 8
+    assert doctor.expect(spec_mod.JobSpec(variant=matrix.load().get("cu126"), devices="0,1"), PORT).gpus == 2
 
 
 def test_gpu_without_a_driver_or_tool_in_the_container():
@@ -193,7 +210,8 @@ def test_dcu_devices_on_recorded_sysfs_and_smi_outputs():
     assert failing(rows_of(dcu_facts(), device="rocm", gpus=4)) == []
     for fault, check in (({"kfd": False}, "/dev/kfd"), ({"dri": ["card0"]}, "/dev/dri"),
                          ({"hyhal": False}, "/opt/hyhal"), ({"groups": [0]}, "video group"),
-                         ({"smi": {"tool": "hy-smi", "rc": 0, "out": ROCM_SMI}}, "DCUs")):
+                         ({"smi": {"tool": "hy-smi", "rc": 0, "out": ROCM_SMI}}, "DCUs"),
+                         ({"usable": {"/dev/kfd": True, "/dev/dri/renderD128": False}}, "device access")):
         assert failing(rows_of(dcu_facts(**fault), device="rocm", gpus=4)) == [("node0", check), ("node1", check)]
 
 
@@ -232,8 +250,8 @@ def test_sizes():
 
 def test_each_node_has_its_own_pinned_ports_above_the_master_port():
     blocks = [planner.trainer_ports(PORT, k, 2) for k in range(3)]
-    assert blocks == [(41001, 41003), (41004, 41006), (41007, 41009)]
-    assert planner.ports_needed(3, 2) == 10
+    assert blocks == [(41001, 41006), (41007, 41012), (41013, 41018)]   # twice the 1 + 2 the launcher takes
+    assert planner.ports_needed(3, 2) == 19
 
 
 def test_the_slurm_node_script_pins_the_same_ports(tmp_path, monkeypatch):
@@ -251,10 +269,16 @@ def test_the_slurm_node_script_pins_the_same_ports(tmp_path, monkeypatch):
 
 
 def run_probe(rank, port, nnodes=2, **kw):
+    kw = {"wait": 3, **kw}
     argv = [sys.executable, str(settings.HELPERS / "fleetbox_doctor.py"), "--rank", str(rank), "--nnodes", str(nnodes),
-            "--master", f"127.0.0.1:{port}", "--node-ip", "127.0.0.1", "--iface", "lo", "--wait", "3",
+            "--master", f"127.0.0.1:{port}", "--node-ip", "127.0.0.1", "--iface", "lo",
             "--knock-timeout", "1", *[str(x) for kv in kw.items() for x in (f"--{kv[0]}", kv[1])]]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+
+
+def block(port, rank, procs=1):
+    first, last = planner.trainer_ports(port, rank, procs)
+    return list(range(first, last + 1))
 
 
 def free_block(n):
@@ -263,12 +287,12 @@ def free_block(n):
 
 
 def test_the_probe_on_loopback_meets_its_peer_and_knocks_on_every_port():
-    port = free_block(5)
+    port = free_block(planner.ports_needed(2, 1))
     p0, p1 = run_probe(0, port, blast=1 << 20), run_probe(1, port)
     f0, f1 = (doctor.parse_probe(p.communicate(timeout=30)[0]) for p in (p0, p1))
-    assert f0["ports"]["bound"] == [port, port + 1, port + 2] and f1["ports"]["bound"] == [port + 3, port + 4]
+    assert f0["ports"]["bound"] == [port, *block(port, 0)] and f1["ports"]["bound"] == block(port, 1)
     assert f1["master"]["ok"] and abs(f1["master"]["offset"]) < 0.5
-    assert sorted(f1["reach"]["0"]["ports"], key=int) == [str(port + 1), str(port + 2)]
+    assert sorted(f1["reach"]["0"]["ports"], key=int) == [str(p) for p in block(port, 0)]
     assert all(r["ok"] for r in f1["reach"]["0"]["ports"].values())
     assert all(r["ok"] for r in f0["reach"]["1"]["ports"].values()) and f0["joined"] == [1]
     assert f0["tcp"]["1"]["bytes"] == 1 << 20 and f0["tcp"]["1"]["seconds"] > 0
@@ -276,16 +300,16 @@ def test_the_probe_on_loopback_meets_its_peer_and_knocks_on_every_port():
 
 
 def test_the_probe_names_a_port_taken_and_a_master_that_never_answers():
-    port = free_block(5)
+    port = free_block(planner.ports_needed(2, 1))
     with socket.socket() as taken:
-        taken.bind(("", port + 3))   # node 1's first pinned port
+        taken.bind(("", block(port, 1)[0]))   # node 1's first pinned port
         taken.listen()
         p1 = run_probe(1, port)      # no node 0: nothing listens on the master port
         f1 = doctor.parse_probe(p1.communicate(timeout=30)[0])
-    assert list(f1["ports"]["busy"]) == [str(port + 3)] and f1["ports"]["bound"] == [port + 4]
+    assert list(f1["ports"]["busy"]) == [str(block(port, 1)[0])] and f1["ports"]["bound"] == block(port, 1)[1:]
     assert f1["master"] == {"ok": False, "error": "refused"}
     assert {p: r["error"] for p, r in f1["reach"]["0"]["ports"].items()} == \
-        {str(port + 1): "refused", str(port + 2): "refused"}
+        {str(p): "refused" for p in block(port, 0)}
     rows = doctor.evaluate({1: f1}, doctor.Expect(2, "1m", "cpu", port=port), "127.0.0.1")
     assert {r.check for r in rows if not r.ok} >= {"ports free", "master port", "ports of node0"}
 
@@ -300,3 +324,55 @@ def test_sweep_table_is_nccl_tests_shaped():
     assert doctor.sweep_row({"ok": True, "sweep": sweep}).ok
     sweep["rows"][0]["wrong"] = 3
     assert not doctor.sweep_row({"ok": True, "sweep": sweep}).ok
+
+
+def test_a_read_only_mount_needs_no_free_space():
+    facts = broken(1, ("disk", "/fleetbox/logs"), {"free": 0, "total": 1 << 30, "read_only": True})
+    assert failing(rows_of(facts)) == []
+
+
+def test_a_broken_tcp_stream_is_a_failed_row():
+    facts = broken(0, ("tcp", "1"), {"error": "the sender closed the connection"})
+    assert [(r.node, r.check, r.ok) for r in doctor.throughput_rows(facts)] == [("node1", "TCP to node0", False)]
+    assert [(r.ok, r.value) for r in doctor.throughput_rows(HEALTHY)] == [(True, "0.134 GB/s (64 MiB in 0.500 s)")]
+
+
+def test_link_speed_is_read_where_ethtool_puts_it():
+    from fleetbox.helpers import fleetbox_doctor as probe
+    import struct as st
+
+    def cmd(speed, speed_hi=0, lp_advertising=0):
+        raw = bytearray(44)
+        st.pack_into("HxxxxxxxxxxxxxH", raw, 12, speed, speed_hi)     # speed at 12, speed_hi at 28
+        st.pack_into("I", raw, 32, lp_advertising)
+        return bytes(raw)
+    assert probe.decode_speed(cmd(100, 0, lp_advertising=0x2f)) == 100   # a 100 Mb/s link whose peer offers 1G
+    assert probe.decode_speed(cmd(200000 & 0xFFFF, 200000 >> 16)) == 200000
+    assert probe.decode_speed(cmd(0xFFFF, 0xFFFF)) is None and probe.decode_speed(cmd(0)) is None
+
+
+def test_three_nodes_two_processes_each_every_port_reached_and_left_bindable_for_paddle():
+    port = free_block(planner.ports_needed(3, 2))
+    procs = [run_probe(k, port, nnodes=3, width=planner.block_width(2)) for k in range(3)]
+    facts = {k: doctor.parse_probe(p.communicate(timeout=60)[0]) for k, p in enumerate(procs)}
+    assert facts[0]["joined"] == [1, 2] and facts[0]["missing"] == []
+    for k in range(3):
+        assert facts[k]["ports"]["bound"] == ([port] if k == 0 else []) + block(port, k, 2)
+        assert sorted(facts[k]["reach"]) == sorted(str(j) for j in range(3) if j != k)
+        assert all(r["ok"] for seen in facts[k]["reach"].values() for r in seen["ports"].values())
+    assert failing(doctor.evaluate(facts, doctor.Expect(3, "1m", "cpu", procs=2, port=port), "127.0.0.1")) == []
+    # the launcher binds its pinned ports without SO_REUSEADDR right after: none may be held in TIME_WAIT
+    for p in range(port + 1, port + planner.ports_needed(3, 2)):
+        with socket.socket() as s:
+            s.bind(("", p))
+
+
+def test_a_node_that_reaches_the_master_after_it_stopped_waiting_is_told_so():
+    port = free_block(planner.ports_needed(3, 1))
+    early = [run_probe(0, port, nnodes=3, wait=3), run_probe(1, port, nnodes=3, wait=3)]
+    import time
+    time.sleep(4.5)
+    late = run_probe(2, port, nnodes=3, wait=3)
+    f0, f1, f2 = (doctor.parse_probe(p.communicate(timeout=60)[0]) for p in (*early, late))
+    assert f0["joined"] == [1] and f0["missing"] == [2]
+    assert f2["master"]["ok"] is False and "after node0 had stopped waiting" in f2["master"]["error"]
