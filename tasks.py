@@ -227,7 +227,7 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
                preflight=preflight)
 
 
-@task(help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts", "iface", "ib_hca",
+@task(auto_shortflags=False, help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts", "iface", "ib_hca",
                                           "gpus_per_node", "devices", "env", "mount", "data_dir", "shm_size",
                                           "backend", "runtime", "partition", "time", "account", "runtime_args")},
             "port": "master port to check (the trainers' pinned ports follow it; default: as `invoke train` picks)",
