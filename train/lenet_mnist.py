@@ -15,6 +15,7 @@ import paddle.nn.functional as F
 from paddle.io import DataLoader, DistributedBatchSampler
 
 import fleetbox_checkpoint   # on every fleetbox container's PYTHONPATH
+import fleetbox_metrics
 from paddle.vision.datasets import MNIST
 from paddle.vision.models import LeNet
 from paddle.vision.transforms import Normalize
@@ -52,6 +53,7 @@ def main():
     done = ckpt.restore(model, momentum)   # steps already trained, over all epochs
     mine = ckpt.rank_state or {}
     seen, losses, start = mine.get("seen", 0), mine.get("losses", []), time.perf_counter()
+    meter = fleetbox_metrics.Meter()
     for epoch in range(done // per_epoch, args.epochs):
         sampler.set_epoch(epoch)
         skip = max(0, done - epoch * per_epoch)   # resuming mid-epoch: the same batches, from where it stopped
@@ -67,6 +69,7 @@ def main():
             opt.clear_grad()
             seen += img.shape[0]
             losses.append(float(loss))
+            meter.step(epoch * per_epoch + step, loss=losses[-1], samples=img.shape[0])
             if rank == 0 and step % 50 == 0:
                 print(f"epoch {epoch} step {step:5d} loss {losses[-1]:.4f}", flush=True)
             ckpt.step(epoch * per_epoch + step + 1, model, momentum,

@@ -17,6 +17,7 @@ import paddle.nn.functional as F
 from paddle.io import DataLoader, DistributedBatchSampler
 
 import fleetbox_checkpoint   # on every fleetbox container's PYTHONPATH
+import fleetbox_metrics
 from paddle.vision.datasets import Flowers
 from paddle.vision.models import resnet50
 from paddle.vision.transforms import Compose, Normalize, Resize, Transpose
@@ -70,6 +71,7 @@ def main():
     mine = ckpt.rank_state or {}
     seen, losses, classes = mine.get("seen", 0), mine.get("losses", []), set(mine.get("classes", []))
     start = time.perf_counter()
+    meter = fleetbox_metrics.Meter()
     for epoch in range(done // per_epoch, args.epochs):
         sampler.set_epoch(epoch)
         skip = max(0, done - epoch * per_epoch)   # resuming mid-epoch: the same batches, from where it stopped
@@ -83,6 +85,7 @@ def main():
             opt.step()
             opt.clear_grad()
             losses.append(float(loss))
+            meter.step(epoch * per_epoch + step, loss=losses[-1], samples=img.shape[0])
             classes.update(int(c) for c in label.numpy().ravel())
             seen += img.shape[0]
             if rank == 0 and step % 10 == 0:

@@ -22,6 +22,7 @@ import paddle
 import paddle.distributed as dist
 
 import fleetbox_checkpoint   # on every fleetbox container's PYTHONPATH
+import fleetbox_metrics
 
 
 def main():
@@ -66,6 +67,7 @@ def main():
         rng.bit_generator.state = ckpt.rank_state["rng"]
         losses = ckpt.rank_state["losses"]
     start = time.perf_counter()
+    meter = fleetbox_metrics.Meter()
     for step in range(first, args.steps):
         if rank == args.fail_rank and step >= args.fail_step:   # >=: an attempt may resume past it
             print(f"rank {rank}: failing on purpose at step {step} with exit code {args.fail_code}", flush=True)
@@ -77,6 +79,7 @@ def main():
         opt.step()
         opt.clear_grad()
         losses.append(float(loss))
+        meter.step(step, loss=losses[-1], samples=args.batch)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if rank == 0 and (step % args.log_every == 0 or step == first):

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import Failed, UserError
+from . import metrics
 from .result import JobResult
 from .spec import JobSpec
 
@@ -108,6 +109,7 @@ class Backend(ABC):
         if len(attempts) > 1:
             result.attempts = attempts
             result.save()
+        metrics.collect(plan.dir)
         return result
 
     def for_attempt(self, plan: Plan, attempt: int) -> Plan:

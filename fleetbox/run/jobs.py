@@ -62,9 +62,13 @@ LAUNCHER_POLLING = re.compile(
     r"\[node\d+\] .*HTTP Request: [A-Z]+ http://[\d.:\[\]a-fA-F]+/(healthy|[\w.-]+/info(/\S*)?) \"HTTP/[\d.]+ \d+")
 
 
+METRICS = re.compile(r"\[node\d+\] FLEETBOX-METRIC ")   # one per step per rank: metrics.jsonl has them
+
+
 def quiet(log):
-    """The live stream without the launcher's polling lines (`--debug` shows them)."""
-    return lambda line: None if LAUNCHER_POLLING.match(line) else log(line)
+    """The live stream without the launcher's polling lines and the metrics lines (`--debug` shows them;
+    the log files keep them)."""
+    return lambda line: None if LAUNCHER_POLLING.match(line) or METRICS.match(line) else log(line)
 
 
 # -- detached jobs --

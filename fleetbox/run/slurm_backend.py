@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from .. import probes, settings
 from ..errors import UserError
-from . import checkpoints, hostnet, placeholders, plan as planner, runtimes, spec as spec_mod
+from . import checkpoints, hostnet, metrics, placeholders, plan as planner, runtimes, spec as spec_mod
 from .backend import Backend, Handle, Plan
 from .result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 from .shell import Raw, line
@@ -267,7 +267,9 @@ class SlurmBackend(Backend):
 
     def run(self, plan: SlurmPlan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Restarts and continuations happen in the chain of allocations (job.sbatch), not here."""
-        return self.run_once(plan, log, timeout, on_submit)
+        result = self.run_once(plan, log, timeout, on_submit)
+        metrics.collect(plan.dir)
+        return result
 
     def current(self, handle: Handle, recs: list[dict] | None = None) -> str:
         """The Slurm job of the chain's newest allocation: the next one once submitted, else the last one."""

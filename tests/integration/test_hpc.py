@@ -118,6 +118,8 @@ def test_slurm_two_nodes_with_podman(cluster, podman_image):
     assert "master node1 = 10.213.77.11:" in out   # the first host, resolved to a numeric IP
     node1 = open(os.path.join(job_dir, "node1.log")).read()
     assert "fbn2e 10.213.77.12 -> master 10.213.77.11" in node1   # node 2 found its own NIC and address
+    recs = [json.loads(ln) for ln in open(os.path.join(job_dir, "metrics.jsonl")).read().splitlines()]
+    assert sorted((r["rank"], r["step"]) for r in recs) == [(k, t) for k in (0, 1) for t in range(60)]
     for k in (0, 1):
         assert os.path.exists(os.path.join(job_dir, f"node{k}", "workerlog.0"))
 

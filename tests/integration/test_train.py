@@ -44,6 +44,21 @@ def test_two_node_cpu_job_passes_the_smoke_checks(cpu_image):
     assert "HTTP Request:" in (ROOT / s["nodes"][0]["logs"] / "container.log").read_text()
     assert "HTTP Request:" not in proc.stdout
     assert job_containers(s["job_id"]) == []
+    # every rank's metrics, one line per step, collected from every node; not in the live stream
+    recs = [json.loads(ln) for ln in (ROOT / "runs" / s["job_id"] / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["rank"], r["step"]) for r in recs) == [(k, t) for k in (0, 1) for t in range(60)]
+    assert {(r["rank"], r["node"], r["attempt"]) for r in recs} == {(0, 0, 0), (1, 1, 0)}
+    assert all(r["loss"] > 0 and r["samples_per_s"] > 0 for r in recs)
+    assert "FLEETBOX-METRIC" not in proc.stdout
+
+
+def test_two_processes_per_node_give_metrics_for_every_rank(cpu_image):
+    proc = invoke("train", "--nodes", "2", "--procs-per-node", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s = summary_of(proc)
+    recs = [json.loads(ln) for ln in (ROOT / "runs" / s["job_id"] / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["rank"], r["step"]) for r in recs) == [(k, t) for k in range(4) for t in range(60)]
+    assert {(r["rank"], r["node"]) for r in recs} == {(0, 0), (1, 0), (2, 1), (3, 1)}
 
 
 def test_single_node_job(cpu_image):
@@ -302,6 +317,11 @@ def test_a_killed_node_restarts_the_job_from_its_checkpoint_and_ends_bit_for_bit
     assert (first / "node1" / "workerlog.0").exists() and (first / "summary.json").exists()
     assert f"resumed from step {smoke['resumed_from']}" in out
     assert job_containers(job_id) == []
+    recs = [json.loads(ln) for ln in (ROOT / "runs" / job_id / "metrics.jsonl").read_text().splitlines()]
+    resumed = smoke["resumed_from"]   # attempt 1 goes on from there: every step once in it, and attempt 0's too
+    assert sorted((r["rank"], r["step"]) for r in recs if r["attempt"] == 1) == \
+        [(k, t) for k in (0, 1) for t in range(resumed, 60)]
+    assert {r["step"] for r in recs if r["attempt"] == 0 and r["rank"] == 0} >= set(range(resumed))
 
 
 @pytest.fixture

@@ -1,0 +1,50 @@
+"""fleetbox's metrics protocol, for any training script: one line per step per rank,
+
+    FLEETBOX-METRIC {"rank": 0, "step": 12, "time": 1795356000.12, "loss": 0.41, "samples_per_s": 5120.0, ...}
+
+(`time` is the wall clock, so lines from every node line up with the job's start.) fleetbox collects the
+lines of every rank from every node's logs into runs/<job>/metrics.jsonl, on every backend.
+
+    import fleetbox_metrics                      # on PYTHONPATH in every fleetbox job container
+    meter = fleetbox_metrics.Meter()
+    for step, batch in ...:
+        ...
+        meter.step(step, loss=float(loss), samples=len(batch), lr=0.01)   # any more scalars by name
+"""
+import json
+import os
+import time
+
+PREFIX = "FLEETBOX-METRIC "
+FIXED = ("rank", "step", "time")
+
+
+def rank():
+    return int(os.environ.get("PADDLE_TRAINER_ID") or os.environ.get("PADDLE_GLOBAL_RANK") or 0)
+
+
+def log(step, loss=None, samples_per_s=None, **scalars):
+    """Print one metrics line for this rank."""
+    clash = [k for k in scalars if k in FIXED]
+    if clash:
+        raise ValueError(f"fleetbox_metrics: {', '.join(clash)} are set by the protocol itself")
+    rec = {"rank": rank(), "step": int(step), "time": time.time()}
+    if loss is not None:
+        rec["loss"] = float(loss)
+    if samples_per_s is not None:
+        rec["samples_per_s"] = float(samples_per_s)
+    rec.update({k: float(v) for k, v in scalars.items()})
+    print(PREFIX + json.dumps(rec), flush=True)
+
+
+class Meter:
+    """Times steps: each `step()` logs samples/s over the time since the previous one (or since the Meter
+    was made)."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def step(self, step, loss=None, samples=None, **scalars):
+        now = time.perf_counter()
+        took, self.last = now - self.last, now
+        log(step, loss, samples / took if samples and took > 0 else None, **scalars)

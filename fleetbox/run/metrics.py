@@ -1,0 +1,55 @@
+"""Host side of the metrics protocol (helpers/fleetbox_metrics.py): every rank's lines, from every node's
+worker logs of every attempt and allocation, into runs/<job>/metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+PREFIX = "FLEETBOX-METRIC "
+
+
+def _attempts(job_dir: Path) -> list[tuple[int, Path]]:
+    """(attempt, folder holding node<k>/): earlier attempts (attempt<N>/, Slurm alloc<N>/ = attempt N-1) and the
+    last one in the job folder itself."""
+    found = []
+    for d in job_dir.iterdir() if job_dir.is_dir() else []:
+        if m := re.fullmatch(r"attempt(\d+)", d.name):
+            found.append((int(m.group(1)), d))
+        elif m := re.fullmatch(r"alloc(\d+)", d.name):
+            found.append((int(m.group(1)) - 1, d))
+    found.sort()
+    return found + [(len(found), job_dir)]
+
+
+def read(job_dir: Path) -> list[dict]:
+    """The job's metrics lines, each with its node and attempt, in time order."""
+    out = []
+    for attempt, d in _attempts(job_dir):
+        for node_dir in sorted(d.glob("node[0-9]*")):
+            if not node_dir.is_dir():
+                continue
+            node = int(node_dir.name[4:])
+            for log in sorted(node_dir.glob("workerlog.*")):
+                for line in log.read_text(errors="replace").splitlines():
+                    if not line.startswith(PREFIX):
+                        continue
+                    try:
+                        rec = json.loads(line[len(PREFIX):])
+                    except ValueError:
+                        continue   # a line cut short (a killed worker)
+                    if isinstance(rec, dict) and {"rank", "step", "time"} <= rec.keys():
+                        out.append({"node": node, "attempt": attempt, **rec})
+    out.sort(key=lambda r: (r["attempt"], r["time"]))
+    return out
+
+
+def collect(job_dir: Path) -> Path | None:
+    """Write runs/<job>/metrics.jsonl (complete or absent); None when no script printed metrics."""
+    recs = read(job_dir)
+    if not recs:
+        return None
+    part = job_dir / ".metrics.jsonl.part"
+    part.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return part.rename(job_dir / "metrics.jsonl")
