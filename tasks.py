@@ -278,6 +278,15 @@ def logs(c, job, node=0, follow=False):
 
 @task
 @_fleetbox
+def report(c, job):
+    """Draw a run's report again, runs/<job>/report.png and report.md (also for a failed or cancelled run, from
+    what exists; says what is missing)."""
+    from fleetbox.run import jobs
+    jobs.report(job, log=_log)
+
+
+@task
+@_fleetbox
 def cancel(c, job):
     """Stop a job from any shell: every node stopped, logs kept, containers removed (Slurm: the whole chain)."""
     from fleetbox.run import jobs

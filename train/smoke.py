@@ -89,7 +89,7 @@ def main():
     ckpt.done()
 
     checksum = paddle.to_tensor([float(sum(p.sum() for p in model.parameters()))], dtype="float64")
-    total = paddle.to_tensor([(args.steps - first) * args.batch / max(elapsed, 1e-9)], dtype="float64")
+    total = paddle.to_tensor([meter.rate()], dtype="float64")   # each rank's, as its metrics lines add up
     digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in model.parameters())).hexdigest()
     gathered, digests = [], []
     if world > 1:   # with one rank there is no global group to gather over

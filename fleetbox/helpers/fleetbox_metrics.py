@@ -39,12 +39,21 @@ def log(step, loss=None, samples_per_s=None, **scalars):
 
 class Meter:
     """Times steps: each `step()` logs samples/s over the time since the previous one (or since the Meter
-    was made)."""
+    was made), with the samples and seconds it counted, so a report adds them up exactly as `rate()` does."""
 
     def __init__(self):
         self.last = time.perf_counter()
+        self.samples, self.seconds = 0, 0.0
 
     def step(self, step, loss=None, samples=None, **scalars):
         now = time.perf_counter()
         took, self.last = now - self.last, now
+        if samples:
+            self.samples += samples
+            self.seconds += took
+            scalars.update(samples=samples, seconds=took)
         log(step, loss, samples / took if samples and took > 0 else None, **scalars)
+
+    def rate(self):
+        """This rank's samples/s over every step so far."""
+        return self.samples / self.seconds if self.seconds else 0.0

@@ -40,6 +40,8 @@ class DockerPlan(Plan):
     template: planner.NodeRun | None = None   # the nodes before their placeholders were filled ...
     values: tuple[dict, ...] = ()             # ... with these values (a restart fills them again)
     attempt: int = 0
+    image_id: str = ""                        # node 0's image, for the run's report
+    content_tag: str = ""
 
 
 class DockerBackend(Backend):
@@ -60,12 +62,15 @@ class DockerBackend(Backend):
     def plan(self, spec: spec_mod.JobSpec) -> DockerPlan:
         job_id = spec.job_id or spec_mod.new_job_id()
         hosts = list(spec.hosts) or [""] * spec.nodes
+        image = None
         for host in dict.fromkeys(hosts):
             if spec.job_id and self.engine(host).containers.list(
                     filters={"label": f"{settings.LABEL_JOB}={spec.job_id}"}, ignore_removed=True):
                 raise UserError(f"job {spec.job_id} is running (see `invoke jobs`); wait for it or "
                                 f"`invoke cancel {spec.job_id}` before running it again")
-            if engine.image_or_none(self.engine(host), spec.image_ref) is None:
+            found = engine.image_or_none(self.engine(host), spec.image_ref)
+            image = image or found
+            if found is None:
                 where = f"on {host}" if host else "here"
                 raise UserError(f"image {spec.image_ref} is not {where}; run `invoke build --variant "
                                 f"{spec.variant.name}`" + (" there (or push it and pull it there)" if host else ""))
@@ -114,7 +119,8 @@ class DockerBackend(Backend):
         notes = () if t.memlock == -1 else (
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
-        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt), t, values)
+        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt), t, values,
+                          image_id=image.id, content_tag=(image.labels or {}).get("io.fleetbox.inputs-sha256", ""))
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
@@ -166,7 +172,8 @@ class DockerBackend(Backend):
                 checkpoints.prepare(Path(plan.checkpoints), spec.resume, log)
         (plan.dir / "job.json").write_text(json.dumps({
             "job_id": plan.job_id, "variant": spec.variant.name, "nodes": spec.nodes,
-            "procs_per_node": spec.procs_per_node, "image": spec.image_ref,
+            "procs_per_node": spec.procs_per_node, "image": spec.image_ref, "backend": self.name,
+            "image_id": plan.image_id, "content_tag": plan.content_tag, "started": time.time(),
             "commands": [n.shell() for n in plan.nodes]}, indent=1))
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
                         procs_per_node=spec.procs_per_node, supervisor=os.getpid(),

@@ -51,6 +51,7 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
         return None
     result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
     log(result.table())
+    draw_report(Path(result.dir), log)
     if not result.ok:
         raise Failed(f"train failed: {result.failure()}")
     return result
@@ -184,6 +185,34 @@ def listing(log=print) -> list[dict]:
         step = "-" if r["checkpoint"] is None else str(r["checkpoint"])
         log(f"{r['job']:<36} {r['backend']:<7} {r['nodes']:>5} {r['state']:<9} {r['attempt']:>7} {step:>9}  {r['note']}")
     return rows
+
+
+def draw_report(job_dir: Path, log=print) -> dict | None:
+    """report.md and report.png of a run; a report that cannot be drawn never fails the job."""
+    from . import report
+    try:
+        drawn = report.draw(job_dir)
+    except Exception as e:   # a report is a view of the run, not part of it
+        log(f"no report: {type(e).__name__}: {e}"[:300])
+        return None
+    log(f"report: {drawn['md']} ({Path(drawn['png']).name})"
+        + (f"; missing: {'; '.join(drawn['missing'])}" if drawn["missing"] else ""))
+    return drawn
+
+
+def report(job_id: str, log=print) -> dict | None:
+    """`invoke report JOB`: draw the run's report again, from whatever the job left (failed or cancelled too)."""
+    if not JOB_ID.fullmatch(job_id or ""):
+        raise UserError(f"{job_id!r} is not a job id")
+    job_dir = settings.runs_root() / job_id
+    if not job_dir.is_dir():
+        raise UserError(f"no job {job_id} in {settings.runs_root()} (see `invoke jobs`)")
+    from . import report as report_mod
+    drawn = report_mod.draw(job_dir)
+    log(f"report: {drawn['md']} ({Path(drawn['png']).name})")
+    for m in drawn["missing"]:
+        log(f"missing: {m}")
+    return drawn
 
 
 def logs(job_id: str, node: int = 0, follow: bool = False, log=print, poll: float = 0.5) -> None:

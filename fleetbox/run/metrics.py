@@ -45,9 +45,10 @@ def read(job_dir: Path) -> list[dict]:
     return out
 
 
-def collect(job_dir: Path) -> Path | None:
-    """Write runs/<job>/metrics.jsonl (complete or absent); None when no script printed metrics."""
-    recs = read(job_dir)
+def collect(job_dir: Path, recs: list[dict] | None = None) -> Path | None:
+    """Write runs/<job>/metrics.jsonl (complete or absent) from `recs` (default: read them); None when no script
+    printed metrics."""
+    recs = read(job_dir) if recs is None else recs
     if not recs:
         return None
     part = job_dir / ".metrics.jsonl.part"

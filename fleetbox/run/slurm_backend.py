@@ -75,6 +75,7 @@ stop_soon() {
 }
 trap stop_soon USR1
 echo "fleetbox: allocation $ALLOCATION (Slurm job $SLURM_JOB_ID) starts from checkpoint step $FROM_STEP"
+echo "fleetbox: allocation $ALLOCATION started at $(date +%s.%N)"
 next_allocation() {  # max_allocations max_restarts
   local to state ended next="" restarts="$RESTARTS"
   to=$(newest_step); state=$(script_state)
@@ -253,6 +254,10 @@ class SlurmBackend(Backend):
         plan.dir.mkdir(parents=True, exist_ok=True)
         checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, log)
         (plan.dir / "summary.json").unlink(missing_ok=True)   # an earlier run's of the same job id
+        (plan.dir / "job.json").write_text(json.dumps({
+            "job_id": plan.job_id, "variant": plan.spec.variant.name, "nodes": plan.spec.nodes,
+            "procs_per_node": plan.spec.procs_per_node, "image": plan.image, "backend": self.name,
+            "runtime": plan.runtime}, indent=1))
         for name, text in plan.files:   # complete files only: written aside, then renamed
             part = plan.dir / f".{name}.part"
             part.write_text(text)

@@ -120,6 +120,9 @@ def test_slurm_two_nodes_with_podman(cluster, podman_image):
     assert "fbn2e 10.213.77.12 -> master 10.213.77.11" in node1   # node 2 found its own NIC and address
     recs = [json.loads(ln) for ln in open(os.path.join(job_dir, "metrics.jsonl")).read().splitlines()]
     assert sorted((r["rank"], r["step"]) for r in recs) == [(k, t) for k in (0, 1) for t in range(60)]
+    md = open(os.path.join(job_dir, "report.md")).read()   # the script's own figure; the allocation's start known
+    assert f"- throughput: {s['smoke']['samples_per_s']:.1f} samples/s;" in md and "time to first step: " in md, md
+    assert "- plotted: loss of rank 0, rank 1; samples/s of node0, node1" in md
     for k in (0, 1):
         assert os.path.exists(os.path.join(job_dir, f"node{k}", "workerlog.0"))
 

@@ -50,6 +50,22 @@ def test_two_node_cpu_job_passes_the_smoke_checks(cpu_image):
     assert {(r["rank"], r["node"], r["attempt"]) for r in recs} == {(0, 0, 0), (1, 1, 0)}
     assert all(r["loss"] > 0 and r["samples_per_s"] > 0 for r in recs)
     assert "FLEETBOX-METRIC" not in proc.stdout
+    # the report: its throughput is the figure the script printed, every rank drawn, the plot not blank
+    job_dir = ROOT / "runs" / s["job_id"]
+    assert f"report: {job_dir / 'report.md'} (report.png)" in proc.stdout
+    md = (job_dir / "report.md").read_text()
+    assert f"- throughput: {smoke['samples_per_s']:.1f} samples/s;" in md, md
+    assert "- plotted: loss of rank 0, rank 1; samples/s of node0, node1" in md
+    assert "# " + s["job_id"] + ": PASSED" in md and "time to first step: " in md
+    assert_png(job_dir / "report.png")
+
+
+def assert_png(path):
+    from PIL import Image
+    im = Image.open(path)
+    im.load()
+    lo, hi = im.convert("L").getextrema()
+    assert im.size[0] > 400 and im.size[1] > 400 and hi - lo > 100, (im.size, lo, hi)
 
 
 def test_two_processes_per_node_give_metrics_for_every_rank(cpu_image):
@@ -59,6 +75,9 @@ def test_two_processes_per_node_give_metrics_for_every_rank(cpu_image):
     recs = [json.loads(ln) for ln in (ROOT / "runs" / s["job_id"] / "metrics.jsonl").read_text().splitlines()]
     assert sorted((r["rank"], r["step"]) for r in recs) == [(k, t) for k in range(4) for t in range(60)]
     assert {(r["rank"], r["node"]) for r in recs} == {(0, 0), (1, 0), (2, 1), (3, 1)}
+    md = (ROOT / "runs" / s["job_id"] / "report.md").read_text()
+    assert "- plotted: loss of rank 0, rank 1, rank 2, rank 3; samples/s of node0, node1" in md
+    assert f"- throughput: {s['smoke']['samples_per_s']:.1f} samples/s;" in md, md
 
 
 def test_single_node_job(cpu_image):
@@ -94,6 +113,14 @@ def test_rank_failing_after_the_group_formed_is_named_and_its_peer_is_aborted(cp
         s = summary_of(proc)
         assert [(r["state"], r["exit_code"]) for r in s["nodes"]] == [("aborted", 250), ("FAILED", 134)], attempt
         assert job_containers(s["job_id"]) == []
+    # the report of a run whose rank failed mid-way: drawn again from what exists
+    (ROOT / "runs" / s["job_id"] / "report.md").unlink()
+    proc = invoke("report", s["job_id"])
+    assert proc.returncode == 0, proc.stderr
+    md = (ROOT / "runs" / s["job_id"] / "report.md").read_text()
+    assert md.startswith(f"# {s['job_id']}: FAILED") and "- failure: node1 (rank 1) exited with exit code 134" in md
+    assert "- plotted: loss of rank 0, rank 1;" in md and "rank 1 10 (last 9)" in md, md
+    assert_png(ROOT / "runs" / s["job_id"] / "report.png")
 
 
 def _start_job(*args):

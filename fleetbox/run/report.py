@@ -1,0 +1,167 @@
+"""A run's report, from whatever the job left in runs/<job>/ (also for a failed or cancelled run):
+report.png (loss against step for every rank; samples/s over time for every node; restarts and allocations
+marked) and report.md (nodes, image, variant, Paddle, final loss, throughput, time to first step, failures,
+and what is missing). Drawn on this machine with matplotlib; the images stay as they are."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from ..errors import UserError
+from . import metrics
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def job_start(job_dir: Path, job: dict) -> float | None:
+    """When the last attempt's containers were started (Docker: job.json) or its allocation began (Slurm: the
+    batch output's `allocation N started at` line)."""
+    if job.get("started"):
+        return float(job["started"])
+    starts = []
+    for out in job_dir.glob("slurm-*.out"):
+        starts += [float(t) for t in re.findall(r"^fleetbox: allocation \d+ started at ([\d.]+)$",
+                                                out.read_text(errors="replace"), re.M)]
+    return max(starts) if starts else None
+
+
+def throughput(recs: list[dict]) -> dict:
+    """samples/s of each rank over its steps (the samples and seconds its Meter counted), per node and in all."""
+    by_rank = defaultdict(lambda: [0.0, 0.0, None])
+    for r in recs:
+        if "samples" in r and "seconds" in r:
+            acc = by_rank[r["rank"]]
+            acc[0] += r["samples"]
+            acc[1] += r["seconds"]
+            acc[2] = r["node"]
+    ranks = {k: s / t for k, (s, t, _) in by_rank.items() if t > 0}
+    nodes = defaultdict(float)
+    for k, rate in ranks.items():
+        nodes[by_rank[k][2]] += rate
+    return {"total": sum(ranks.values()), "ranks": dict(sorted(ranks.items())), "nodes": dict(sorted(nodes.items()))}
+
+
+def draw(job_dir: Path) -> dict:
+    """Write report.png and report.md for the job; returns what was drawn and what was missing."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not job_dir.is_dir():
+        raise UserError(f"no job folder {job_dir}")
+    recs = metrics.read(job_dir)
+    metrics.collect(job_dir, recs)
+    job, summary = _json(job_dir / "job.json"), _json(job_dir / "summary.json")
+    missing = []
+    if not recs:
+        missing.append("no metrics lines (the script does not use fleetbox_metrics, or no step ran)")
+    if not summary:
+        missing.append("no summary.json (the job is still running, or was killed before it ended)")
+    last = max((r["attempt"] for r in recs), default=0)
+    start = job_start(job_dir, job)
+    nranks = job.get("nodes", 0) * job.get("procs_per_node", 1)
+    seen = {r["rank"] for r in recs}
+    for k in range(nranks):
+        if k not in seen:
+            missing.append(f"rank {k} printed no metrics")
+
+    fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(9, 8))
+    by_rank = defaultdict(list)
+    for r in recs:
+        if "loss" in r:
+            by_rank[r["rank"]].append((r["step"], r["loss"]))
+    for k, pts in sorted(by_rank.items()):
+        ax_loss.plot([s for s, _ in pts], [v for _, v in pts], ".-", ms=2, lw=1, label=f"rank {k}")
+    ax_loss.set(xlabel="step", ylabel="loss", title=f"{job_dir.name}: loss by rank")
+    t0 = min((r["time"] for r in recs), default=0.0) if start is None else start
+    by_node = defaultdict(lambda: defaultdict(list))
+    for r in recs:
+        if "samples_per_s" in r:
+            by_node[r["node"]][(r["attempt"], r["step"])].append((r["time"], r["samples_per_s"]))
+    for node, steps in sorted(by_node.items()):
+        pts = sorted((max(t for t, _ in v), sum(x for _, x in v)) for v in steps.values())   # the node's ranks
+        ax_rate.plot([t - t0 for t, _ in pts], [x for _, x in pts], lw=1, label=f"node{node}")
+    ax_rate.set(xlabel="seconds since the job started" if start is not None else "seconds since the first step",
+                ylabel="samples/s", title="throughput by node")
+    word = "allocation" if job.get("backend") == "slurm" else "restart"
+    for a in range(1, last + 1):   # where each restart (or allocation) began
+        firsts = [r for r in recs if r["attempt"] == a]
+        if firsts:
+            ax_loss.axvline(min(r["step"] for r in firsts), color="grey", ls="--", lw=0.8)
+            ax_rate.axvline(min(r["time"] for r in firsts) - t0, color="grey", ls="--", lw=0.8)
+            ax_rate.annotate(f"{word} {a + (1 if word == 'allocation' else 0)}",
+                             (min(r["time"] for r in firsts) - t0, 0), rotation=90, fontsize=7, color="grey")
+    for ax in (ax_loss, ax_rate):
+        if ax.lines:
+            ax.legend(fontsize=7, loc="upper right")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    legend = [t.get_text() for t in ax_loss.get_legend().get_texts()] if ax_loss.get_legend() else []
+    node_legend = [t.get_text() for t in ax_rate.get_legend().get_texts()] if ax_rate.get_legend() else []
+    png = job_dir / "report.png"
+    fig.savefig(job_dir / ".report.png.part", format="png", dpi=90)
+    plt.close(fig)
+    (job_dir / ".report.png.part").rename(png)
+
+    lines_last = [r for r in recs if r["attempt"] == last]
+    rate = throughput(lines_last)
+    final = {}
+    for r in lines_last:
+        if "loss" in r and r["step"] >= final.get(r["rank"], (-1, 0))[0]:
+            final[r["rank"]] = (r["step"], r["loss"])
+    first_step = min((r["time"] for r in lines_last), default=None)
+    ok = summary.get("ok")
+    md = [f"# {job_dir.name}: {'PASSED' if ok else 'FAILED' if summary else 'unfinished'}", "",
+          f"- backend: {job.get('backend', summary.get('backend', '?'))}"
+          + (f" ({job['runtime']})" if job.get("runtime") else "")
+          + f", {job.get('nodes', '?')} node(s) x {job.get('procs_per_node', '?')} process(es)",
+          f"- image: {job.get('image', '?')}" + (f" (id {job['image_id'][7:19]}" if job.get("image_id") else "")
+          + (f", content tag {job['content_tag'][:12]})" if job.get("content_tag") else ")" if job.get("image_id") else ""),
+          f"- variant: {job.get('variant', '?')}, Paddle {_paddle(job.get('variant'))}",
+          f"- started: " + (dt.datetime.fromtimestamp(start).isoformat(timespec="seconds") if start else "unknown")
+          + (f"; time to first step: {first_step - start:.1f} s" if start and first_step else ""),
+          f"- final loss: " + (", ".join(f"rank {k} {v:.4f} (step {s})" for k, (s, v) in sorted(final.items()))
+                                or "none"),
+          f"- throughput: {rate['total']:.1f} samples/s" + (f" (attempt {last})" if last else "")
+          + "".join(f"; node{n} {x:.1f}" for n, x in rate["nodes"].items()),
+          f"- steps: " + ", ".join(f"rank {k} {sum(1 for r in recs if r['rank'] == k)} (last {max(r['step'] for r in recs if r['rank'] == k)})"
+                                   for k in sorted(seen)),
+          f"- plotted: loss of {', '.join(legend) or 'no rank'}; samples/s of {', '.join(node_legend) or 'no node'}"]
+    for a in summary.get("attempts", []):
+        md.append(f"- attempt {a['attempt']}: {a['ended']}")
+    if summary and not ok:
+        md.append(f"- failure: {_failure(summary)}")
+    if missing:
+        md += ["", "## Missing", ""] + [f"- {m}" for m in missing]
+    md += ["", "![report](report.png)", ""]
+    (job_dir / ".report.md.part").write_text("\n".join(md))
+    (job_dir / ".report.md.part").rename(job_dir / "report.md")
+    return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "missing": missing,
+            "throughput": rate}
+
+
+def _paddle(variant: str | None) -> str:
+    from ..build import matrix
+    try:
+        return matrix.load().get(variant).paddle_version if variant else "?"
+    except UserError:
+        return "?"
+
+
+def _failure(summary: dict) -> str:
+    from .result import JobResult, NodeResult
+    try:
+        r = JobResult(**{**summary, "nodes": [NodeResult(**n) for n in summary.get("nodes", [])]})
+        return r.reason()
+    except TypeError:
+        return "see summary.json"

@@ -1,0 +1,89 @@
+"""A run's report from a job folder: the plot (opened with Pillow: not blank, a legend entry per rank),
+report.md's figures (throughput added up from the metrics exactly as the script's Meter does), restarts
+marked, and what is missing said."""
+import json
+
+from PIL import Image
+
+from fleetbox.run import report
+
+
+def write_job(job, attempts=((0, 60),), ranks=(0, 1), fail=False):
+    job.mkdir(parents=True)
+    (job / "job.json").write_text(json.dumps({"backend": "docker", "nodes": len(ranks), "procs_per_node": 1,
+                                              "variant": "cpu", "image": "fleetbox/paddle:cpu",
+                                              "image_id": "sha256:" + "ab" * 32, "content_tag": "cd" * 32,
+                                              "started": 1000.0}))
+    for a, (first, last) in enumerate(attempts):
+        base = job if a == len(attempts) - 1 else job / f"attempt{a}"
+        for k in ranks:
+            d = base / f"node{k}"
+            d.mkdir(parents=True, exist_ok=True)
+            lines = [json.dumps({"rank": k, "step": s, "time": 1002.0 + 10 * a + s * 0.1, "loss": 5.0 / (s + 1),
+                                 "samples_per_s": 320.0 * (k + 1), "samples": 32, "seconds": 0.1 / (k + 1)})
+                     for s in range(first, last)]
+            (d / "workerlog.0").write_text("".join(f"FLEETBOX-METRIC {ln}\n" for ln in lines))
+    summary = {"job_id": job.name, "backend": "docker", "ok": not fail, "dir": str(job), "nodes": [
+        {"node": f"node{k}", "rank": k, "host": "local", "exit_code": 3 if fail and k == 1 else 0,
+         "state": "FAILED" if fail and k == 1 else "ok", "logs": str(job / f"node{k}")} for k in ranks],
+        "culprit": 1 if fail else None}
+    if len(attempts) > 1:
+        summary["attempts"] = [{"attempt": a, "ok": a == len(attempts) - 1, "ended": "x", "logs": ""}
+                               for a in range(len(attempts))]
+    (job / "summary.json").write_text(json.dumps(summary))
+
+
+def not_blank(png):
+    im = Image.open(png)
+    im.load()
+    lo, hi = im.convert("L").getextrema()
+    return im.size[0] > 400 and im.size[1] > 400 and hi - lo > 100
+
+
+def test_a_passed_run_draws_every_rank_and_adds_up_throughput_as_the_meter_does(tmp_path):
+    job = tmp_path / "train-a"
+    write_job(job)
+    drawn = report.draw(job)
+    assert drawn["legend"] == ["rank 0", "rank 1"] and drawn["missing"] == []
+    assert not_blank(drawn["png"])
+    # rank 0: 32 samples per 0.1 s, rank 1: 32 per 0.05 s
+    assert round(drawn["throughput"]["total"], 6) == 320.0 + 640.0
+    md = (job / "report.md").read_text()
+    assert md.startswith("# train-a: PASSED")
+    assert "- throughput: 960.0 samples/s; node0 320.0; node1 640.0" in md
+    assert "- started: " in md and "time to first step: 2.0 s" in md
+    assert "- final loss: rank 0 0.0833 (step 59), rank 1 0.0833 (step 59)" in md
+    assert "content tag cdcdcdcdcdcd" in md and "Paddle 3.3.1" in md
+    assert "- plotted: loss of rank 0, rank 1; samples/s of node0, node1" in md
+    assert json.loads((job / "metrics.jsonl").read_text().splitlines()[0])["rank"] in (0, 1)
+
+
+def test_a_failed_run_draws_what_exists_and_says_what_is_missing(tmp_path):
+    job = tmp_path / "train-b"
+    write_job(job, attempts=((0, 10),), ranks=(0,), fail=True)
+    j = json.loads((job / "job.json").read_text())
+    (job / "job.json").write_text(json.dumps({**j, "nodes": 2}))   # two nodes ran; rank 1 printed nothing
+    s = json.loads((job / "summary.json").read_text())
+    s["nodes"].append({"node": "node1", "rank": 1, "host": "local", "exit_code": 3, "state": "FAILED",
+                       "logs": str(job / "node1")})
+    (job / "summary.json").write_text(json.dumps(s))
+    drawn = report.draw(job)
+    assert drawn["legend"] == ["rank 0"] and drawn["missing"] == ["rank 1 printed no metrics"]
+    assert not_blank(drawn["png"])
+    md = (job / "report.md").read_text()
+    assert md.startswith("# train-b: FAILED") and "- failure: node1 (rank 1) exited with exit code 3" in md
+    assert "## Missing\n\n- rank 1 printed no metrics" in md
+
+
+def test_restarts_are_reported_per_attempt_and_an_empty_folder_still_draws(tmp_path):
+    job = tmp_path / "train-c"
+    write_job(job, attempts=((0, 20), (15, 60)))
+    drawn = report.draw(job)
+    md = (job / "report.md").read_text()
+    assert "(attempt 1)" in md and "- attempt 0: x" in md and "rank 0 65 (last 59)" in md
+    empty = tmp_path / "train-d"
+    empty.mkdir()
+    drawn = report.draw(empty)
+    assert not_blank(drawn["png"]) and drawn["legend"] == []
+    assert drawn["missing"][:2] == ["no metrics lines (the script does not use fleetbox_metrics, or no step ran)",
+                                    "no summary.json (the job is still running, or was killed before it ended)"]
