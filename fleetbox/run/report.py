@@ -102,7 +102,7 @@ def draw(job_dir: Path) -> dict:
                              (min(r["time"] for r in firsts) - t0, 0), rotation=90, fontsize=7, color="grey")
     for ax in (ax_loss, ax_rate):
         if ax.lines:
-            ax.legend(fontsize=7, loc="upper right")
+            ax.legend(fontsize=7, loc="best")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
