@@ -584,7 +584,7 @@ def tcp_gbps(facts: dict[int, dict]) -> float | None:
 def run_sweep(b, base: JobSpec, log) -> dict:
     """The all-reduce sweep as a real Paddle job (its launcher, pinned ports, Gloo or NCCL)."""
     spec = replace(base, job_id=new_job_id("doctor-sweep"), script=str(settings.HELPERS / "fleetbox_collective.py"),
-                   args=("--max-bytes", str(BLAST_BYTES)), command=(), env={**base.env})
+                   args=("--max-bytes", str(BLAST_BYTES)), command=())
     from .run.backend import sigterm_as_interrupt
     with sigterm_as_interrupt():
         plan = b.plan(spec)

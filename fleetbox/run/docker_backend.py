@@ -77,9 +77,7 @@ class DockerBackend(Backend):
         if spec.hosts:
             master_ip = hostnet.host_address(spec.hosts[0])
             port = spec.port or hostnet.random_port()
-            if port + planner.ports_needed(spec.nodes, spec.procs_per_node) > 65536:
-                raise UserError(f"--port {port} leaves no room above it for the trainers' pinned ports "
-                                f"({planner.ports_needed(spec.nodes, spec.procs_per_node) - 1}); pick a lower one")
+            hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
             facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(hosts)]
             caps = [f["memlock"] for f in facts if f["memlock"] != -1]
             # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh

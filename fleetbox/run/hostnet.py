@@ -40,7 +40,7 @@ def ephemeral_start() -> int:
         return 32768
 
 
-def block_free(ip: str, port: int, count: int) -> list[int]:
+def busy_ports(ip: str, port: int, count: int) -> list[int]:
     """The ports of [port, port + count) that cannot be bound the way the job binds them: the master as
     Paddle's HTTP master does (reusing the address), the rest as its launcher does (on every address, not
     reusing it)."""
@@ -53,7 +53,7 @@ def free_block(ip: str, count: int) -> int:
     top = max(LOW_PORT + count + 1, ephemeral_start()) - count
     for _ in range(200):
         port = LOW_PORT + int.from_bytes(os.urandom(2), "big") % (top - LOW_PORT)
-        if not block_free(ip, port, count):
+        if not busy_ports(ip, port, count):
             return port
     raise UserError(f"found no {count} free ports in a row on {ip}; pass --port")
 
@@ -64,11 +64,17 @@ def random_port() -> int:
     return LOW_PORT + int.from_bytes(os.urandom(2), "big") % 10000
 
 
-def check_port(ip: str, port: int, count: int = 1) -> None:
-    """The master port and the `count` - 1 pinned ports above it."""
+def check_room(port: int, count: int) -> None:
+    """The master port and the `count` - 1 pinned ports above it fit below 65536 (every backend asks)."""
     if port + count > 65536:
-        raise UserError(f"--port {port} leaves no room above it for the trainers' {count - 1} ports; pick a lower one")
-    busy = block_free(ip, port, count)
+        raise UserError(f"--port {port} leaves no room above it for the trainers' {count - 1} pinned ports; "
+                        f"pick a lower one")
+
+
+def check_port(ip: str, port: int, count: int = 1) -> None:
+    """The master port and the `count` - 1 pinned ports above it, free here."""
+    check_room(port, count)
+    busy = busy_ports(ip, port, count)
     if busy:
         what = f"port {port}" if busy == [port] else f"port(s) {', '.join(map(str, busy))} of {port}-{port + count - 1}"
         raise UserError(f"{what} on {ip} is already in use; pick another with --port")

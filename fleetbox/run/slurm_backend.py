@@ -154,9 +154,7 @@ class SlurmBackend(Backend):
             raise UserError(f"the runs folder {job_dir} cannot be written in an #SBATCH line (use letters, digits "
                             f"and ._-/ only); set FLEETBOX_RUNS to another folder")
         port = spec.port or hostnet.random_port()
-        if port + planner.ports_needed(spec.nodes, spec.procs_per_node) > 65536:
-            raise UserError(f"--port {port} leaves no room above it for the trainers' ports "
-                            f"({planner.ports_needed(spec.nodes, spec.procs_per_node) - 1}); pick a lower one")
+        hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
         image = self.image or self.runtime.default_image(spec.variant, spec.image_ref)
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)

@@ -15,27 +15,28 @@ from fleetbox.run import plan as planner
 
 PORT = 41000
 
-# what the probe printed on two healthy nodes of the test rig (trimmed to the fields the checks read)
-HEALTHY = {
-    0: {"rank": 0, "master_ip": "10.213.77.11", "shm": {"total": 8 << 30, "free": 8 << 30},
-        "limits": {"memlock": -1, "nofile": 1048576},
-        "iface": {"name": "fbn1e", "exists": True, "names": ["lo", "fbn1e"], "address": "10.213.77.11", "mtu": 1500,
-                  "speed": 10000},
-        "route": {"iface": "fbn1e", "local": "10.213.77.11"}, "node_ip": "10.213.77.11",
-        "disk": {"/fleetbox/logs": {"free": 50 << 30, "total": 100 << 30}},
-        "ports": {"bound": [41000, 41001, 41002], "busy": {}},
-        "reach": {"1": {"ip": "10.213.77.12", "ports": {"41003": {"ok": True}, "41004": {"ok": True}}}},
-        "joined": [1], "missing": [], "tcp": {"1": {"bytes": 64 << 20, "seconds": 0.5}}},
-    1: {"rank": 1, "master_ip": "10.213.77.11", "shm": {"total": 8 << 30, "free": 8 << 30},
-        "limits": {"memlock": -1, "nofile": 1048576},
-        "iface": {"name": "fbn2e", "exists": True, "names": ["lo", "fbn2e"], "address": "10.213.77.12", "mtu": 1500,
-                  "speed": 10000},
-        "route": {"iface": "fbn2e", "local": "10.213.77.12"}, "node_ip": "10.213.77.12",
-        "disk": {"/fleetbox/logs": {"free": 50 << 30, "total": 100 << 30}},
-        "ports": {"bound": [41003, 41004], "busy": {}},
-        "master": {"ok": True, "rtt": 0.0004, "offset": 0.0001},
-        "reach": {"0": {"ip": "10.213.77.11", "ports": {"41001": {"ok": True}, "41002": {"ok": True}}}}},
-}
+def healthy_node(rank: int) -> dict:
+    """What the probe prints on node `rank` of the healthy test rig (trimmed to the fields the checks read):
+    its own address on fbn<rank+1>e, its pinned block bound, every other node's block reached."""
+    ip, other = f"10.213.77.{11 + rank}", f"10.213.77.{12 - rank}"
+    mine, theirs = (list(range(a, b + 1)) for a, b in (planner.trainer_ports(PORT, rank, 1),
+                                                       planner.trainer_ports(PORT, 1 - rank, 1)))
+    iface = f"fbn{rank + 1}e"
+    f = {"rank": rank, "master_ip": "10.213.77.11", "shm": {"total": 8 << 30, "free": 8 << 30},
+         "limits": {"memlock": -1, "nofile": 1048576},
+         "iface": {"name": iface, "exists": True, "names": ["lo", iface], "address": ip, "mtu": 1500, "speed": 10000},
+         "route": {"iface": iface, "local": ip}, "node_ip": ip,
+         "disk": {"/fleetbox/logs": {"free": 50 << 30, "total": 100 << 30}},
+         "ports": {"bound": ([PORT] if rank == 0 else []) + mine, "busy": {}},
+         "reach": {str(1 - rank): {"ip": other, "ports": {str(p): {"ok": True} for p in theirs}}}}
+    if rank == 0:
+        f.update(joined=[1], missing=[], tcp={"1": {"bytes": 64 << 20, "seconds": 0.5}})
+    else:
+        f["master"] = {"ok": True, "rtt": 0.0004, "offset": 0.0001}
+    return f
+
+
+HEALTHY = {0: healthy_node(0), 1: healthy_node(1)}   # node0's block 41001-41004, node1's 41005-41008
 
 NVIDIA_SMI = """0, NVIDIA A100-SXM4-80GB, 535.104.05, 81920 MiB
 1, NVIDIA A100-SXM4-80GB, 535.104.05, 81920 MiB
@@ -107,8 +108,8 @@ def test_healthy_facts_pass_every_check():
      "cannot reach the master 10.213.77.11:41000"),
     (1, ("master", "offset"), 2.5, "clock skew", "+2.5 s off node0"),
     (1, ("reach", "0", "ports", "41001"), {"ok": False, "error": "refused"}, "ports of node0", "41001"),
-    (0, ("reach", "1", "ports", "41004"), {"ok": False, "error": "timed out"}, "ports of node1", "41004"),
-    (1, ("ports", "busy"), {"41003": "Address in use"}, "ports free", "already in use"),
+    (0, ("reach", "1", "ports", "41006"), {"ok": False, "error": "timed out"}, "ports of node1", "41006"),
+    (1, ("ports", "busy"), {"41005": "Address in use"}, "ports free", "already in use"),
     (1, ("disk", "/fleetbox/logs", "free"), 100 << 20, "free disk /fleetbox/logs", "only 100 MiB free"),
     (1, ("disk", "/fleetbox/logs"), {"error": "Read-only file system"}, "free disk /fleetbox/logs", "not usable"),
     (0, ("missing",), [1], "nodes joined", "missing nodes"),
@@ -246,6 +247,18 @@ def test_image_identity_across_nodes():
 def test_sizes():
     assert doctor.size_bytes("8g") == 8 << 30 and doctor.size_bytes("512M") == 512 << 20 and doctor.size_bytes("100") == 100
     assert doctor.human(64 << 20) == "64 MiB" and doctor.human(-1) == "unlimited"
+
+
+def test_no_backend_pins_ports_past_65535(monkeypatch, tmp_path):
+    from fleetbox.errors import UserError
+    from fleetbox.run import hostnet, slurm_backend, spec as spec_mod
+    hostnet.check_room(65536 - 9, 9)
+    with pytest.raises(UserError, match="--port 65528 leaves no room above it for the trainers' 8 pinned ports"):
+        hostnet.check_room(65528, 9)
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, port=65530, job_id="train-room-0001")
+    with pytest.raises(UserError, match="leaves no room"):
+        slurm_backend.SlurmBackend("podman").plan(spec)
 
 
 def test_each_node_has_its_own_pinned_ports_above_the_master_port():
