@@ -257,6 +257,32 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
         raise Failed(f"doctor: {sum(not r['ok'] for r in report['rows'])} check(s) failed (report: {report['path']})")
 
 
+@task(auto_shortflags=False, help={
+    **{k: TRAIN_HELP[k] for k in ("variant", "script", "args", "hosts", "iface", "ib_hca", "gpus_per_node", "devices",
+                                  "port", "env", "mount", "data_dir", "shm_size", "timeout", "backend", "runtime",
+                                  "partition", "time", "account", "runtime_args")},
+    "nodes": "comma-separated node counts to run at, e.g. 1,2,4 (default 1,2); with --hosts, N nodes use the "
+             "first N hosts",
+    "procs_per_node": "comma-separated processes per node, e.g. 1,2 (default 1)",
+    "image": "comma-separated images to compare, each run at every size (default fleetbox/paddle:<variant>)"})
+@_fleetbox
+def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=None, args=None, hosts=None,
+          iface=None, ib_hca=None, gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None,
+          shm_size=None, timeout=None, backend="docker", runtime="docker", partition=None, time=None, account=None,
+          runtime_args=None):
+    """A scaling study: the same job at each size and for each image, then a table and a plot of samples/s,
+    speed-up, parallel efficiency, time per step and communication share (runs/<study>/scale.md, scale.png)."""
+    from fleetbox import options
+    from fleetbox.run import scale as scale_mod, spec as spec_mod
+    study_cells = scale_mod.cells(nodes, procs_per_node, image)
+    host_count = len(options.items(hosts))
+    spec = spec_mod.from_options(_variant(variant), host_count or max(x.nodes for x in study_cells), None, script,
+                                 args, None, hosts, iface, ib_hca, False, gpus_per_node, devices, port, env, mount,
+                                 data_dir, shm_size)
+    slurm = _slurm_options(backend, runtime, None, partition, time, account, runtime_args)
+    scale_mod.run(spec, study_cells, backend, slurm, options.seconds("--timeout", timeout), log=_log)
+
+
 @task(name="jobs")
 @_fleetbox
 def jobs_(c):

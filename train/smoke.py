@@ -9,6 +9,10 @@ rank R sleep before joining, like a stuck node that never notices a peer died.
 It checkpoints with fleetbox_checkpoint (every `--checkpoint-every` steps, and when told to stop) and resumes
 from the newest checkpoint, its per-rank data RNG and loss history included, so a resumed run is judged as a
 whole and ends with the same parameters, bit for bit, as one that never stopped (`params_sha256`).
+
+It all-reduces its gradients itself (DataParallel's automatic all-reduce, which overlaps the backward pass and
+so cannot be timed apart, is turned off with `no_sync`) and reports the time each step spent in it as the
+metric `comm_seconds`, waiting for slower ranks included: the communication share of `invoke scale`.
 """
 import argparse
 import hashlib
@@ -20,6 +24,7 @@ import time
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 
 import fleetbox_checkpoint   # on every fleetbox container's PYTHONPATH
 import fleetbox_metrics
@@ -74,12 +79,14 @@ def main():
             sys.exit(args.fail_code)
         x = rng.normal(size=(args.batch, 16)).astype("float32")
         y = x @ w_true + 0.01 * rng.normal(size=(args.batch, 1)).astype("float32")
-        loss = paddle.nn.functional.mse_loss(model(paddle.to_tensor(x)), paddle.to_tensor(y))
-        loss.backward()
+        with model.no_sync():   # the gradients' all-reduce is ours, below, so that it can be timed
+            loss = paddle.nn.functional.mse_loss(model(paddle.to_tensor(x)), paddle.to_tensor(y))
+            loss.backward()
+        comm = allreduce_gradients(model, world)
         opt.step()
         opt.clear_grad()
         losses.append(float(loss))
-        meter.step(step, loss=losses[-1], samples=args.batch)
+        meter.step(step, loss=losses[-1], samples=args.batch, comm_seconds=comm)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if rank == 0 and (step % args.log_every == 0 or step == first):
@@ -110,6 +117,18 @@ def main():
     report.update(whole_run=ok_steps)
     print("FLEETBOX-SMOKE " + json.dumps(report), flush=True)
     sys.exit(0 if ok_loss and ok_sync and ok_steps and len(sums) == world else 1)
+
+
+def allreduce_gradients(model, world) -> float:
+    """Average the gradients over every rank, as DataParallel would (one fused all-reduce); the seconds it took."""
+    if world == 1:
+        return 0.0
+    sync = paddle.device.synchronize if paddle.device.get_device().startswith(("gpu", "xpu")) else lambda: None
+    sync()   # the backward pass has finished, so only the all-reduce is timed
+    start = time.perf_counter()
+    fused_allreduce_gradients(list(model.parameters()), None)
+    sync()
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ lines of every rank from every node's logs into runs/<job>/metrics.jsonl, on eve
     for step, batch in ...:
         ...
         meter.step(step, loss=float(loss), samples=len(batch), lr=0.01)   # any more scalars by name
+
+One scalar has a meaning fleetbox reads: `comm_seconds`, the part of the step spent communicating (say, the
+gradients' all-reduce timed by the script, as train/smoke.py does); reports and `invoke scale` show its share.
 """
 import json
 import os

@@ -42,6 +42,7 @@ class DockerPlan(Plan):
     attempt: int = 0
     image_id: str = ""                        # node 0's image, for the run's report
     content_tag: str = ""
+    paddle: str = ""                          # the image's Paddle version, where it says (our images' label)
 
 
 class DockerBackend(Backend):
@@ -118,7 +119,8 @@ class DockerBackend(Backend):
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
         return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt), t, values,
-                          image_id=image.id, content_tag=(image.labels or {}).get("io.fleetbox.inputs-sha256", ""))
+                          image_id=image.id, content_tag=(image.labels or {}).get("io.fleetbox.inputs-sha256", ""),
+                          paddle=(image.labels or {}).get("org.opencontainers.image.version") or spec.paddle_pin)
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
@@ -171,7 +173,7 @@ class DockerBackend(Backend):
         (plan.dir / "job.json").write_text(json.dumps({
             "job_id": plan.job_id, "variant": spec.variant.name, "nodes": spec.nodes,
             "procs_per_node": spec.procs_per_node, "image": spec.image_ref, "backend": self.name,
-            "image_id": plan.image_id, "content_tag": plan.content_tag, "started": time.time(),
+            "image_id": plan.image_id, "content_tag": plan.content_tag, "paddle": plan.paddle, "started": time.time(),
             "commands": [n.shell() for n in plan.nodes]}, indent=1))
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
                         procs_per_node=spec.procs_per_node, supervisor=os.getpid(),

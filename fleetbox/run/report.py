@@ -50,6 +50,17 @@ def throughput(recs: list[dict]) -> dict:
     return {"total": sum(ranks.values()), "ranks": dict(sorted(ranks.items())), "nodes": dict(sorted(nodes.items()))}
 
 
+def timing(recs: list[dict]) -> dict:
+    """Mean seconds per step over every rank's steps, and the share of it the script spent communicating (its
+    `comm_seconds` metric; None when it does not report one)."""
+    timed = [r for r in recs if "seconds" in r]
+    total = sum(r["seconds"] for r in timed)
+    comm = [r for r in timed if "comm_seconds" in r]
+    return {"step_seconds": total / len(timed) if timed else None,
+            "comm_share": sum(r["comm_seconds"] for r in comm) / sum(r["seconds"] for r in comm)
+            if comm and sum(r["seconds"] for r in comm) > 0 else None}
+
+
 def draw(job_dir: Path) -> dict:
     """Write report.png and report.md for the job; returns what was drawn and what was missing."""
     import matplotlib
@@ -114,7 +125,7 @@ def draw(job_dir: Path) -> dict:
     (job_dir / ".report.png.part").rename(png)
 
     lines_last = [r for r in recs if r["attempt"] == last]
-    rate = throughput(lines_last)
+    rate, times = throughput(lines_last), timing(lines_last)
     final = {}
     for r in lines_last:
         if "loss" in r and r["step"] >= final.get(r["rank"], (-1, 0))[0]:
@@ -127,13 +138,17 @@ def draw(job_dir: Path) -> dict:
           + f", {job.get('nodes', '?')} node(s) x {job.get('procs_per_node', '?')} process(es)",
           f"- image: {job.get('image', '?')}" + (f" (id {job['image_id'][7:19]}" if job.get("image_id") else "")
           + (f", content tag {job['content_tag'][:12]})" if job.get("content_tag") else ")" if job.get("image_id") else ""),
-          f"- variant: {job.get('variant', '?')}, Paddle {_paddle(job.get('variant'))}",
+          f"- variant: {job.get('variant', '?')}, Paddle {job.get('paddle') or 'unknown (the image does not say)'}",
           f"- started: " + (dt.datetime.fromtimestamp(start).isoformat(timespec="seconds") if start else "unknown")
           + (f"; time to first step: {first_step - start:.1f} s" if start and first_step else ""),
           f"- final loss: " + (", ".join(f"rank {k} {v:.4f} (step {s})" for k, (s, v) in sorted(final.items()))
                                 or "none"),
           f"- throughput: {rate['total']:.1f} samples/s" + (f" (attempt {last})" if last else "")
           + "".join(f"; node{n} {x:.1f}" for n, x in rate["nodes"].items()),
+          f"- step time: " + (f"{1000 * times['step_seconds']:.1f} ms (mean over ranks and steps)"
+                              if times["step_seconds"] is not None else "unknown")
+          + (f", {100 * times['comm_share']:.1f}% in the script's own all-reduce"
+             if times["comm_share"] is not None else ""),
           f"- steps: " + ", ".join(f"rank {k} {sum(1 for r in recs if r['rank'] == k)} (last {max(r['step'] for r in recs if r['rank'] == k)})"
                                    for k in sorted(seen)),
           f"- plotted: loss of {', '.join(legend) or 'no rank'}; samples/s of {', '.join(node_legend) or 'no node'}"]
@@ -147,15 +162,7 @@ def draw(job_dir: Path) -> dict:
     (job_dir / ".report.md.part").write_text("\n".join(md))
     (job_dir / ".report.md.part").rename(job_dir / "report.md")
     return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "missing": missing,
-            "throughput": rate}
-
-
-def _paddle(variant: str | None) -> str:
-    from ..build import matrix
-    try:
-        return matrix.load().get(variant).paddle_version if variant else "?"
-    except UserError:
-        return "?"
+            "throughput": rate, **times}
 
 
 def _failure(summary: dict) -> str:

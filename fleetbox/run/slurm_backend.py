@@ -255,7 +255,7 @@ class SlurmBackend(Backend):
         (plan.dir / "job.json").write_text(json.dumps({
             "job_id": plan.job_id, "variant": plan.spec.variant.name, "nodes": plan.spec.nodes,
             "procs_per_node": plan.spec.procs_per_node, "image": plan.image, "backend": self.name,
-            "runtime": plan.runtime}, indent=1))
+            "runtime": plan.runtime, "paddle": plan.spec.paddle_pin}, indent=1))
         for name, text in plan.files:   # complete files only: written aside, then renamed
             part = plan.dir / f".{name}.part"
             part.write_text(text)

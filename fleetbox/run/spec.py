@@ -55,6 +55,11 @@ class JobSpec:
         return self.image or self.variant.aliases[0]
 
     @property
+    def paddle_pin(self) -> str:
+        """The variant's Paddle version when the job runs the variant's own image; "" for any other image."""
+        return self.variant.paddle_version if self.image in ("", *self.variant.aliases) else ""
+
+    @property
     def script_path(self) -> Path:
         return Path(self.script).resolve()
 

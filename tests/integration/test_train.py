@@ -80,11 +80,53 @@ def test_two_processes_per_node_give_metrics_for_every_rank(cpu_image):
     assert f"- throughput: {s['smoke']['samples_per_s']:.1f} samples/s;" in md, md
 
 
-def test_single_node_job(cpu_image):
-    proc = invoke("train", "--nodes", "1")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
-    s = summary_of(proc)
-    assert s["ok"] and s["smoke"]["world"] == 1 and s["smoke"]["loss_falls"]
+def study_of(proc) -> tuple[dict, str]:
+    md = [ln for ln in proc.stdout.splitlines() if ln.startswith("scale: ") and ln.endswith("(scale.png)")][-1]
+    md = md.split()[1]
+    return json.loads(open(md.replace("scale.md", "scale.json")).read()), open(md).read()
+
+
+def assert_rows_are_the_runs_own_figures(rows, runs):
+    """Each passed row: the samples/s its own script printed, one metrics line per step per rank, the comm share
+    the script timed (none with one rank), speed-up against the image's one-rank run."""
+    for r in rows:
+        if r["state"] != "PASSED":
+            continue
+        smoke = json.loads((runs / r["job"] / "summary.json").read_text())["smoke"]
+        assert smoke["world"] == r["ranks"] and smoke["loss_falls"] and smoke["params_identical"]
+        assert r["samples_per_s"] == pytest.approx(smoke["samples_per_s"], rel=1e-9), (r, smoke)
+        recs = [json.loads(ln) for ln in (runs / r["job"] / "metrics.jsonl").read_text().splitlines()]
+        assert sorted((x["rank"], x["step"]) for x in recs) == [(k, t) for k in range(r["ranks"]) for t in range(60)]
+        assert (r["comm_share"] == 0) if r["ranks"] == 1 else 0 < r["comm_share"] < 1, r
+        base = next(b for b in rows if b["image"] == r["image"] and b["ranks"] == 1)
+        assert r["speedup"] == pytest.approx(r["samples_per_s"] / base["samples_per_s"])
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["ranks"])
+
+
+def test_a_scaling_study_runs_every_size_and_image_and_each_row_is_that_runs_own_figure(cpu_image):
+    subprocess.run(["docker", "tag", "fleetbox/paddle:cpu", "fleetbox/paddle:scale-test"], check=True)
+    try:   # two images side by side (the same one under two names), and one that does not exist
+        proc = invoke("scale", "--nodes", "2,1",
+                      "--image", "fleetbox/paddle:cpu,fleetbox/paddle:scale-test,fleetbox/paddle:absent")
+    finally:
+        subprocess.run(["docker", "rmi", "fleetbox/paddle:scale-test"], capture_output=True)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("fleetbox: scale: 2 of 6 run(s) did not pass (see ")
+    study, md = study_of(proc)
+    rows = study["rows"]
+    assert [(r["image"].split(":")[1], r["nodes"], r["state"]) for r in rows] == [
+        ("cpu", 1, "PASSED"), ("cpu", 2, "PASSED"), ("scale-test", 1, "PASSED"), ("scale-test", 2, "PASSED"),
+        ("absent", 1, "NOT STARTED"), ("absent", 2, "NOT STARTED")]
+    assert "fleetbox/paddle:absent" in rows[-1]["failure"] and not (ROOT / "runs" / rows[-1]["job"]).exists()
+    assert_rows_are_the_runs_own_figures(rows, ROOT / "runs")
+    for r in rows[2:4]:   # the second image against the first at the same size
+        assert r["vs_first_image"] == pytest.approx(r["samples_per_s"] / rows[r["nodes"] - 1]["samples_per_s"])
+    r = rows[1]
+    assert (f"| fleetbox/paddle:cpu | 3.3.1 | 2 | 1 | 2 | {r['samples_per_s']:.1f} | {r['speedup']:.2f} | "
+            f"{r['efficiency']:.0%} | {1000 * r['step_seconds']:.1f} | {r['comm_share']:.0%} | 1.00 | "
+            f"{r['job']}: PASSED |") in md, md
+    assert_png(ROOT / "runs" / study["study"] / "scale.png")
+    assert job_containers() == []
 
 
 def test_failing_rank_stops_the_others_and_is_named(cpu_image):

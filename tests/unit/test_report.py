@@ -13,14 +13,15 @@ def write_job(job, attempts=((0, 60),), ranks=(0, 1), fail=False):
     (job / "job.json").write_text(json.dumps({"backend": "docker", "nodes": len(ranks), "procs_per_node": 1,
                                               "variant": "cpu", "image": "fleetbox/paddle:cpu",
                                               "image_id": "sha256:" + "ab" * 32, "content_tag": "cd" * 32,
-                                              "started": 1000.0}))
+                                              "paddle": "3.3.1", "started": 1000.0}))
     for a, (first, last) in enumerate(attempts):
         base = job if a == len(attempts) - 1 else job / f"attempt{a}"
         for k in ranks:
             d = base / f"node{k}"
             d.mkdir(parents=True, exist_ok=True)
             lines = [json.dumps({"rank": k, "step": s, "time": 1002.0 + 10 * a + s * 0.1, "loss": 5.0 / (s + 1),
-                                 "samples_per_s": 320.0 * (k + 1), "samples": 32, "seconds": 0.1 / (k + 1)})
+                                 "samples_per_s": 320.0 * (k + 1), "samples": 32, "seconds": 0.1 / (k + 1),
+                                 "comm_seconds": 0.01 * (k + 1)})
                      for s in range(first, last)]
             (d / "workerlog.0").write_text("".join(f"FLEETBOX-METRIC {ln}\n" for ln in lines))
     summary = {"job_id": job.name, "backend": "docker", "ok": not fail, "dir": str(job), "nodes": [
@@ -54,6 +55,8 @@ def test_a_passed_run_draws_every_rank_and_adds_up_throughput_as_the_meter_does(
     assert "- started: " in md and "time to first step: 2.0 s" in md
     assert "- final loss: rank 0 0.0833 (step 59), rank 1 0.0833 (step 59)" in md
     assert "content tag cdcdcdcdcdcd" in md and "Paddle 3.3.1" in md
+    # rank 0: 0.1 s steps with 0.01 s all-reduce, rank 1: 0.05 s with 0.02 s: (0.6 + 1.2) / (6 + 3) of all step time
+    assert "- step time: 75.0 ms (mean over ranks and steps), 20.0% in the script's own all-reduce" in md, md
     assert "- plotted: loss of rank 0, rank 1; samples/s of node0, node1" in md
     assert json.loads((job / "metrics.jsonl").read_text().splitlines()[0])["rank"] in (0, 1)
 

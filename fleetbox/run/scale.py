@@ -1,0 +1,247 @@
+"""`invoke scale`: the same job at each size (nodes x processes per node) and for each image, one run after
+another on either backend, then a table and a plot of what each run measured itself: samples/s, speed-up
+and parallel efficiency against the image's smallest run, mean time per step and the share of it spent in
+the script's own all-reduce, and each image against the first one at the same size.
+
+The per-rank batch stays the same at every size (weak scaling, as data-parallel training is run), so ideal
+scaling is samples/s growing with the number of ranks. Every run is an ordinary job with its own runs/<job>/
+folder, logs and report; the study's table and plot are in runs/<study>/."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .. import options, settings
+from ..errors import Failed, UserError
+from . import metrics, report as report_mod
+from .spec import JobSpec, validate
+
+
+@dataclass(frozen=True)
+class Cell:
+    image: str     # as given ("": the variant's own)
+    nodes: int
+    procs: int
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.procs
+
+
+def cells(nodes: str, procs: str | None, images: str | None) -> list[Cell]:
+    """Every run of the study, image by image, smallest first."""
+    def sizes(option, text):
+        got = [options.integer(option, v, 1) for v in options.items(text)]
+        if not got:
+            raise UserError(f"{option} takes a comma-separated list of sizes, e.g. 1,2,4")
+        if len(set(got)) != len(got):
+            raise UserError(f"{option} {text}: each size once")
+        return sorted(got)
+    image_list = options.items(images) or [""]
+    if len(set(image_list)) != len(image_list):
+        raise UserError(f"--image {images}: each image once")
+    return [Cell(img, n, p) for img in image_list
+            for n in sizes("--nodes", nodes) for p in sizes("--procs-per-node", procs or "1")]
+
+
+def new_study_id() -> str:
+    return f"scale-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def job_id(study: str, index: int, cell: Cell) -> str:
+    return f"{study}-i{index}-n{cell.nodes}p{cell.procs}"
+
+
+def measure(job_dir: Path) -> dict:
+    """What a run measured itself (its last attempt's metrics lines): samples/s added up over ranks as each
+    rank's Meter does, mean step time, communication share, steps per rank."""
+    recs = metrics.read(job_dir)
+    last = max((r["attempt"] for r in recs), default=0)
+    recs = [r for r in recs if r["attempt"] == last]
+    ranks = {r["rank"] for r in recs}
+    return {"samples_per_s": report_mod.throughput(recs)["total"] if recs else None,
+            **report_mod.timing(recs), "steps": len(recs) // len(ranks) if ranks else 0,
+            "ranks_reporting": len(ranks)}
+
+
+def table(rows: list[dict]) -> list[dict]:
+    """Each row with its speed-up and efficiency against its image's smallest run that measured, and its
+    samples/s against the first image's run of the same size. Pure."""
+    out = []
+    for row in rows:
+        same_image = [r for r in rows if r["image"] == row["image"] and r["samples_per_s"]]
+        base = min(same_image, key=lambda r: (r["ranks"], r["nodes"]), default=None)
+        first = next((r for r in rows if r["image"] == rows[0]["image"] and r["nodes"] == row["nodes"]
+                      and r["procs"] == row["procs"] and r["samples_per_s"]), None)
+        x = row["samples_per_s"]
+        speedup = x / base["samples_per_s"] if x and base else None
+        out.append({**row, "speedup": speedup,
+                    "efficiency": speedup / (row["ranks"] / base["ranks"]) if speedup else None,
+                    "vs_first_image": x / first["samples_per_s"] if x and first else None})
+    return out
+
+
+def _f(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+
+def markdown(study: str, spec: JobSpec, backend: str, rows: list[dict]) -> str:
+    images = list(dict.fromkeys(r["image"] for r in rows))
+    head = ["image", "Paddle", "nodes", "procs/node", "ranks", "samples/s", "speed-up", "efficiency",
+            "step ms", "comm share"] + (["vs first image"] if len(images) > 1 else []) + ["run"]
+    lines = [f"# {study}: scaling of {Path(spec.script).name} ({backend})", "",
+             "Weak scaling: every rank keeps its batch, so ideal samples/s grows with the ranks. samples/s is what "
+             "the ranks' own metrics add up to; speed-up and efficiency are against the image's smallest run; "
+             "step ms is the mean over ranks and steps; comm share is the part of it in the script's own "
+             "all-reduce (\"-\": the script does not report one).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells_ = [r["image"], r["paddle"] or "?", str(r["nodes"]), str(r["procs"]), str(r["ranks"]),
+                  _f(r["samples_per_s"], ".1f"), _f(r["speedup"], ".2f"), _f(r["efficiency"], ".0%"),
+                  _f(r["step_seconds"] and 1000 * r["step_seconds"], ".1f"), _f(r["comm_share"], ".0%")]
+        if len(images) > 1:
+            cells_.append(_f(r["vs_first_image"], ".2f"))
+        cells_.append(f"{r['job']}: {r['state']}")
+        lines.append("| " + " | ".join(cells_) + " |")
+    bad = [r for r in rows if r["state"] != "PASSED"]
+    if bad:
+        lines += ["", "## Runs that did not pass", ""] + [f"- {r['job']}: {r['failure'] or r['state']}" for r in bad]
+    lines += ["", "![scaling](scale.png)", ""]
+    return "\n".join(lines)
+
+
+def draw(path: Path, rows: list[dict]) -> list[str]:
+    """scale.png: samples/s and efficiency against ranks (one line per image and processes per node, its ideal
+    dashed) and each run's step time split into compute and communication. Returns the legend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rate, ax_eff, ax_step) = plt.subplots(1, 3, figsize=(14, 4.5))
+    many_procs, ideal = len({r["procs"] for r in rows}) > 1, set()
+    for image, procs in dict.fromkeys((r["image"], r["procs"]) for r in rows):   # one line per image (and procs)
+        mine = sorted((r for r in rows if (r["image"], r["procs"]) == (image, procs) and r["samples_per_s"]),
+                      key=lambda r: r["ranks"])
+        if not mine:
+            continue
+        label = f"{image}, {procs} proc/node" if many_procs else image
+        line, = ax_rate.plot([r["ranks"] for r in mine], [r["samples_per_s"] for r in mine], "o-", label=label)
+        if image not in ideal:   # from the image's smallest run, as speed-up and efficiency are
+            ideal.add(image)
+            same = sorted({r["ranks"] for r in rows if r["image"] == image})
+            base = min((r for r in rows if r["image"] == image and r["samples_per_s"]),
+                       key=lambda r: (r["ranks"], r["nodes"]))
+            ax_rate.plot(same, [base["samples_per_s"] * n / base["ranks"] for n in same], "--",
+                         color=line.get_color(), lw=0.8)
+        ax_eff.plot([r["ranks"] for r in mine], [100 * r["efficiency"] for r in mine], "o-", color=line.get_color())
+    ax_rate.set(xlabel="ranks", ylabel="samples/s", title="throughput (dashed: ideal)")
+    ax_eff.set(xlabel="ranks", ylabel="%", title="parallel efficiency", ylim=(0, 110))
+    for ax in (ax_rate, ax_eff):
+        ax.set_xticks(sorted({r["ranks"] for r in rows}))
+    timed = [r for r in rows if r["step_seconds"]]
+    labels = [f"{r['nodes']}x{r['procs']}" + (f"\n{r['image'][-18:]}" if len(set(x['image'] for x in rows)) > 1
+                                              else "") for r in timed]
+    comm = [1000 * r["step_seconds"] * (r["comm_share"] or 0) for r in timed]
+    compute = [1000 * r["step_seconds"] - c for r, c in zip(timed, comm)]
+    ax_step.bar(labels, compute, label="compute and the rest")
+    ax_step.bar(labels, comm, bottom=compute, label="all-reduce")
+    ax_step.set(xlabel="nodes x processes", ylabel="ms per step", title="mean step time")
+    if timed:
+        ax_step.legend(fontsize=7)
+    for ax in (ax_rate, ax_eff, ax_step):
+        if not ax.lines and not ax.patches:
+            ax.text(0.5, 0.5, "no run measured", ha="center", va="center", transform=ax.transAxes)
+    legend = []
+    if ax_rate.lines:
+        ax_rate.legend(fontsize=7)
+        legend = [t.get_text() for t in ax_rate.get_legend().get_texts()]
+    fig.tight_layout()
+    part = path.with_name(f".{path.name}.part")
+    fig.savefig(part, format="png", dpi=90)
+    plt.close(fig)
+    part.rename(path)
+    return legend
+
+
+def write(out: Path, study: str, spec: JobSpec, backend: str, rows: list[dict]) -> dict:
+    """scale.json, scale.md and scale.png, each complete or absent."""
+    rows = table(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    legend = draw(out / "scale.png", rows)
+    for name, text in (("scale.json", json.dumps({"study": study, "backend": backend, "script": spec.script,
+                                                 "args": list(spec.args), "rows": rows}, indent=1)),
+                       ("scale.md", markdown(study, spec, backend, rows))):
+        (out / f".{name}.part").write_text(text)
+        (out / f".{name}.part").rename(out / name)
+    return {"rows": rows, "legend": legend, "md": str(out / "scale.md"), "png": str(out / "scale.png")}
+
+
+def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend_options: dict | None = None,
+        timeout: float | None = None, log=print, study: str = "") -> dict:
+    """Run every cell as its own job, then write the study's table and plot (also when a run failed, or after
+    Ctrl-C: the runs that ended are in it, the others marked). Raises Failed when any run failed."""
+    from . import jobs
+    if spec.job_id:
+        raise UserError("--job-id names one job; a study names its runs <study>-i<image>-n<nodes>p<procs>")
+    if spec.hosts and len(spec.hosts) < max(c.nodes for c in study_cells):
+        raise UserError(f"--hosts names {len(spec.hosts)} hosts; the largest run needs "
+                        f"{max(c.nodes for c in study_cells)} (the first N are used for N nodes)")
+    study = study or new_study_id()
+    images = list(dict.fromkeys(c.image for c in study_cells))
+    plan = [(job_id(study, images.index(c.image), c),
+             replace(spec, nodes=c.nodes, procs_per_node=c.procs, image=c.image, hosts=spec.hosts[:c.nodes],
+                     job_id=job_id(study, images.index(c.image), c))) for c in study_cells]
+    for _, s in plan:
+        validate(s)   # every run's input, before the first one starts
+    rows = [{"image": s.image_ref, "paddle": "", "nodes": c.nodes, "procs": c.procs, "ranks": c.ranks, "job": jid,
+             "state": "not run", "samples_per_s": None, "step_seconds": None, "comm_share": None, "steps": 0,
+             "ranks_reporting": 0, "failure": ""} for c, (jid, s) in zip(study_cells, plan)]
+    out = settings.runs_root() / study
+    log(f"scale: study {study}: {len(plan)} run(s), {backend} backend; table in {out}/scale.md")
+    failed = 0
+    try:
+        for i, ((jid, s), row) in enumerate(zip(plan, rows)):
+            log(f"scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
+                f"process(es) (job {jid})")
+            row["state"] = "running"
+            opts = dict(backend_options or {})
+            if "image" in opts:   # Slurm hands the runtime its image itself
+                opts["image"] = s.image
+            try:
+                jobs.train(s, backend, opts, timeout=timeout, log=log)
+                row["state"] = "PASSED"
+            except Failed as e:
+                row["state"], row["failure"] = "FAILED", str(e)
+                failed += 1
+            except UserError as e:   # this run could not start (say, an image a node lacks): the others go on
+                row["state"], row["failure"] = "NOT STARTED", str(e)
+                failed += 1
+            job = settings.runs_root() / jid
+            row["paddle"] = _json(job / "job.json").get("paddle", "")
+            if row["state"] == "PASSED":   # a failed run's figures are in its own report, not the study's
+                row.update(measure(job))
+    finally:   # the table of what ended, also after Ctrl-C (a run cut short is marked, not measured as done)
+        for row in rows:
+            if row["state"] == "running":
+                row["state"] = "INTERRUPTED"
+        done = write(out, study, spec, backend, rows)
+        log(f"scale: {done['md']} ({Path(done['png']).name})")
+    for r in done["rows"]:
+        log(f"  {r['image']:<28} {r['nodes']:>2} x {r['procs']:<2} {_f(r['samples_per_s'], '10.1f')} samples/s  "
+            f"speed-up {_f(r['speedup'], '.2f'):>5}  efficiency {_f(r['efficiency'], '.0%'):>4}  "
+            f"step {_f(r['step_seconds'] and 1000 * r['step_seconds'], '.1f'):>6} ms  "
+            f"comm {_f(r['comm_share'], '.0%'):>4}  {r['state']}")
+    if failed:
+        raise Failed(f"scale: {failed} of {len(plan)} run(s) did not pass (see {done['md']})")
+    return done
+
+
+def _json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
