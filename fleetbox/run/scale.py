@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import options, settings
 from ..errors import Failed, UserError
-from . import metrics, report as report_mod
+from . import backend as backends, metrics, report as report_mod
 from .spec import JobSpec, validate
 
 
@@ -184,7 +184,6 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
         timeout: float | None = None, log=print, study: str = "") -> dict:
     """Run every cell as its own job, then write the study's table and plot (also when a run failed, or after
     Ctrl-C: the runs that ended are in it, the others marked). Raises Failed when any run failed."""
-    from . import jobs
     if spec.job_id:
         raise UserError("--job-id names one job; a study names its runs <study>-i<image>-n<nodes>p<procs>")
     if spec.hosts and len(spec.hosts) < max(c.nodes for c in study_cells):
@@ -202,33 +201,15 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
              "ranks_reporting": 0, "failure": ""} for c, (jid, s) in zip(study_cells, plan)]
     out = settings.runs_root() / study
     log(f"scale: study {study}: {len(plan)} run(s), {backend} backend; table in {out}/scale.md")
-    failed = 0
     try:
-        for i, ((jid, s), row) in enumerate(zip(plan, rows)):
-            log(f"scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
-                f"process(es) (job {jid})")
-            row["state"] = "running"
-            opts = dict(backend_options or {})
-            if "image" in opts:   # Slurm hands the runtime its image itself
-                opts["image"] = s.image
-            try:
-                jobs.train(s, backend, opts, timeout=timeout, log=log)
-                row["state"] = "PASSED"
-            except Failed as e:
-                row["state"], row["failure"] = "FAILED", str(e)
-                failed += 1
-            except UserError as e:   # this run could not start (say, an image a node lacks): the others go on
-                row["state"], row["failure"] = "NOT STARTED", str(e)
-                failed += 1
-            job = settings.runs_root() / jid
-            row["paddle"] = _json(job / "job.json").get("paddle", "")
-            if row["state"] == "PASSED":   # a failed run's figures are in its own report, not the study's
-                row.update(measure(job))
+        with backends.sigterm_as_interrupt():   # SIGTERM between runs too: the same way out as Ctrl-C
+            failed = _run_all(plan, rows, backend, backend_options, timeout, log)
     finally:   # the table of what ended, also after Ctrl-C (a run cut short is marked, not measured as done)
         for row in rows:
             if row["state"] == "running":
                 row["state"] = "INTERRUPTED"
-        done = write(out, study, spec, backend, rows)
+        with backends.signals_held():
+            done = write(out, study, spec, backend, rows)
         log(f"scale: {done['md']} ({Path(done['png']).name})")
     for r in done["rows"]:
         log(f"  {r['image']:<28} {r['nodes']:>2} x {r['procs']:<2} {_f(r['samples_per_s'], '10.1f')} samples/s  "
@@ -238,6 +219,33 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
     if failed:
         raise Failed(f"scale: {failed} of {len(plan)} run(s) did not pass (see {done['md']})")
     return done
+
+
+def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
+    """Each run in turn, its row filled as it ends; the number that did not pass."""
+    from . import jobs
+    failed = 0
+    for i, ((jid, s), row) in enumerate(zip(plan, rows)):
+        log(f"scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
+            f"process(es) (job {jid})")
+        row["state"] = "running"
+        opts = dict(backend_options or {})
+        if "image" in opts:   # Slurm hands the runtime its image itself
+            opts["image"] = s.image
+        try:
+            jobs.train(s, backend, opts, timeout=timeout, log=log)
+            row["state"] = "PASSED"
+        except Failed as e:
+            row["state"], row["failure"] = "FAILED", str(e)
+            failed += 1
+        except UserError as e:   # this run could not start (say, an image a node lacks): the others go on
+            row["state"], row["failure"] = "NOT STARTED", str(e)
+            failed += 1
+        job = settings.runs_root() / jid
+        row["paddle"] = _json(job / "job.json").get("paddle", "")
+        if row["state"] == "PASSED":   # a failed run's figures are in its own report, not the study's
+            row.update(measure(job))
+    return failed
 
 
 def _json(p: Path) -> dict:

@@ -501,3 +501,30 @@ def test_jobs_logs_cancel_bad_input_is_one_line(cpu_image):
     one_line_error(invoke("logs", "no-such-job"), "no job no-such-job in")
     one_line_error(invoke("cancel", "a;b"), "'a;b' is not a job id")
     one_line_error(invoke("train", "--detach", "--timeout", "5"), "--timeout needs an attached job")
+
+
+def test_a_study_stopped_mid_run_removes_that_runs_containers_and_keeps_the_table_of_what_ended(cpu_image):
+    # SIGTERM (a scheduler's way, and Ctrl-C's way out in fleetbox), while the second run trains
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "scale", "--nodes", "1,2",
+                          "--args", "--steps 30 --step-sleep 0.2"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    seen = []
+    while not any(ln.startswith("scale: run 2/2") for ln in seen):   # the second run has begun
+        line = p.stdout.readline()
+        assert line, "".join(seen)[-3000:] + p.stderr.read()
+        seen.append(line)
+    second = seen[-1].split("(job ")[1].rstrip(")\n")
+    deadline = time.monotonic() + 60
+    while len(job_containers(second)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err, "".join(seen)[-2000:] + out[-2000:] + err
+    assert err.strip().splitlines()[-1] == "fleetbox: interrupted"
+    study, md = study_of(subprocess.CompletedProcess([], 0, "".join(seen) + out, err))
+    assert [(r["nodes"], r["state"]) for r in study["rows"]] == [(1, "PASSED"), (2, "INTERRUPTED")]
+    assert study["rows"][0]["samples_per_s"] > 0 and study["rows"][1]["samples_per_s"] is None
+    assert f"{second}: INTERRUPTED |" in md
+    assert job_containers(second) == [] and job_containers(study["rows"][0]["job"]) == []
+    assert not list((ROOT / "runs" / study["study"]).glob(".*.part"))
