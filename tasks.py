@@ -352,6 +352,35 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
     hpc.export(client, v, format, ref, squash, Path(dest) if dest else None, log=_log)
 
 
+@task(auto_shortflags=False, help={
+    "variant": VARIANT_HELP, "out": "the kit file to write (default kits/fleetbox-<variant>.kit)",
+    "datasets": "comma-separated seeded data sets to pack into the kit, e.g. mnist,flowers",
+    "data_dir": "the seeded dataset cache to pack from (default offline_cache/dataset)",
+    "with_image": "also carry the built image (the site then needs no build)",
+    "load": "at the air-gapped site: verify and load this kit (fleetbox source, venv, base, wheelhouse, cache)",
+    "expect": "with --load: the kit's sha256, sent apart from the kit",
+    "dest": "with --load: a new folder to load into (default ./fleetbox-<kit name>)"})
+@_fleetbox
+def kit(c, variant=None, out=None, datasets=None, data_dir=None, with_image=False, load=None, expect=None, dest=None):
+    """One verified bundle for an air-gapped site: source, host wheels, lock, wheelhouse, base (image), datasets."""
+    from pathlib import Path
+    from fleetbox.ship import kit as kit_mod
+    if load:
+        if variant or out or datasets or data_dir or with_image:
+            raise UserError("--load takes only --expect and --dest: the kit says what it holds")
+        kit_mod.load(Path(load), Path(dest) if dest else None, expect, log=_log)
+        return
+    if expect or dest:
+        raise UserError("--expect and --dest are for --load")
+    v = _variant(variant)
+    chosen = []
+    if datasets:
+        from fleetbox.data import datasets as ds
+        chosen = ds.select(ds.load(), datasets)
+    kit_mod.make(v, Path(out) if out else Path("kits") / f"fleetbox-{v.name}.kit", chosen,
+                 Path(data_dir) if data_dir else None, with_image, log=_log)
+
+
 @task(help={"variant": VARIANT_HELP, "registry": "HOST[:PORT]/NAMESPACE, e.g. registry.example.org:5000/paddle"})
 @_fleetbox
 def push(c, variant=None, registry=None):
