@@ -356,17 +356,19 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
     "variant": VARIANT_HELP, "out": "the kit file to write (default kits/fleetbox-<variant>.kit)",
     "datasets": "comma-separated seeded data sets to pack into the kit, e.g. mnist,flowers",
     "data_dir": "the seeded dataset cache to pack from (default offline_cache/dataset)",
+    "manifest": "the data sets' manifest (default offline_cache/datasets.toml); the kit carries it",
     "with_image": "also carry the built image (the site then needs no build)",
     "load": "at the air-gapped site: verify and load this kit (fleetbox source, venv, base, wheelhouse, cache)",
     "expect": "with --load: the kit's sha256, sent apart from the kit",
     "dest": "with --load: a new folder to load into (default ./fleetbox-<kit name>)"})
 @_fleetbox
-def kit(c, variant=None, out=None, datasets=None, data_dir=None, with_image=False, load=None, expect=None, dest=None):
+def kit(c, variant=None, out=None, datasets=None, data_dir=None, manifest=None, with_image=False, load=None,
+        expect=None, dest=None):
     """One verified bundle for an air-gapped site: source, host wheels, lock, wheelhouse, base (image), datasets."""
     from pathlib import Path
     from fleetbox.ship import kit as kit_mod
     if load:
-        if variant or out or datasets or data_dir or with_image:
+        if variant or out or datasets or data_dir or manifest or with_image:
             raise UserError("--load takes only --expect and --dest: the kit says what it holds")
         kit_mod.load(Path(load), Path(dest) if dest else None, expect, log=_log)
         return
@@ -376,9 +378,11 @@ def kit(c, variant=None, out=None, datasets=None, data_dir=None, with_image=Fals
     chosen = []
     if datasets:
         from fleetbox.data import datasets as ds
-        chosen = ds.select(ds.load(), datasets)
+        chosen = ds.select(ds.load(Path(manifest) if manifest else None), datasets)
+    elif data_dir or manifest:
+        raise UserError("--data-dir and --manifest say where --datasets come from; name the data sets")
     kit_mod.make(v, Path(out) if out else Path("kits") / f"fleetbox-{v.name}.kit", chosen,
-                 Path(data_dir) if data_dir else None, with_image, log=_log)
+                 Path(data_dir) if data_dir else None, Path(manifest) if manifest else None, with_image, log=_log)
 
 
 @task(help={"variant": VARIANT_HELP, "registry": "HOST[:PORT]/NAMESPACE, e.g. registry.example.org:5000/paddle"})

@@ -64,7 +64,8 @@ class Part:
         self.name, self.key, self.make, self.info = name, key, make, info
 
 
-def _parts(variant: Variant, client, datasets: list, data_dir: Path, with_image: bool, log) -> list[Part]:
+def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: Path, with_image: bool,
+           log) -> list[Part]:
     from ..build import images, locks, wheelhouse
     from ..engine import image_or_none
 
@@ -123,8 +124,10 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, with_image:
         parts.append(Part("image", _digest(image.id, tags), save(tags, "image.tar"), tags=tags))
     if datasets:
         from ..data import datasets as ds
-        parts.append(Part("datasets", _digest(ds.identity(datasets)),
-                          lambda d: ds.pack(datasets, data_dir, d / "datasets.tar"),
+        def pack(d: Path):   # with the manifest that names them: the site restores against the same one
+            ds.pack(datasets, data_dir, d / "datasets.tar")
+            shutil.copyfile(manifest, d / "datasets.toml")
+        parts.append(Part("datasets", _digest(ds.identity(datasets), manifest.read_text()), pack,
                           names=[x.name for x in datasets]))
     return parts
 
@@ -145,7 +148,7 @@ def _current(part_dir: Path, recorded: dict) -> bool:
 
 
 def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Path | None = None,
-         with_image: bool = False, log=print) -> dict:
+         manifest: Path | None = None, with_image: bool = False, log=print) -> dict:
     from ..engine import client as engine_client
     out = out.resolve()
     if out.is_dir():
@@ -154,7 +157,8 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
     parts_dir = out.with_name(out.name + ".parts")
     parts_dir.mkdir(exist_ok=True)
     state = _read_json(parts_dir / PARTS_STATE)
-    parts = _parts(variant, engine_client(), datasets or [], data_dir or settings.data_dir(), with_image, log)
+    parts = _parts(variant, engine_client(), datasets or [], data_dir or settings.data_dir(),
+                   manifest or settings.datasets_manifest(), with_image, log)
     folders = {"loader": ".", "source": "source", "lock": "lock", "host-wheels": "host-wheels",
                "wheelhouse": "wheelhouse", "base": "base", "image": "image", "datasets": "datasets"}
     new_state, rows = {}, []
@@ -185,7 +189,8 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
         log(f"  {p.name:<12} {len(new_state[p.name]['files']):>4} file(s) {size / 2**20:>9.1f} MiB  {how}")
     for stale in set(state) - {p.name for p in parts}:   # a part this kit no longer has (say, --with-image)
         shutil.rmtree(parts_dir / stale, ignore_errors=True)
-    _write_json(parts_dir / PARTS_STATE, new_state)
+    if new_state != state:
+        _write_json(parts_dir / PARTS_STATE, new_state)
 
     # what goes into the archive: path in the kit -> (file here, sha256)
     entries = {}

@@ -191,8 +191,8 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print) -> dict:
         if "datasets" in info["parts"]:
             log("restoring the dataset cache")
             run([str(venv / "bin" / "python"), "-m", "invoke", "cache", "--from",
-                 str(staging / "datasets" / "datasets.tar"), "--dest", str(src / "offline_cache" / "dataset")],
-                cwd=str(src))
+                 str(staging / "datasets" / "datasets.tar"), "--manifest", str(staging / "datasets" / "datasets.toml"),
+                 "--dest", str(src / "offline_cache" / "dataset")], cwd=str(src))
         (dest / KIT_JSON).write_text(json.dumps({**info, "kit": str(kit)}, indent=1))
     except BaseException:   # Ctrl-C included: undo what this load placed; the engine's other images stay
         if loaded:

@@ -1,0 +1,235 @@
+"""invoke kit for real: a kit made here, made again with nothing changed (every part reused, no file
+rewritten), tampered copies refused with one line each and nothing changed, and a "site" with no network at
+all (a network namespace with loopback only, and its own Docker Engine on a fresh, empty data root) where
+the loader, the venv install, build, verify and a 2-node train all run and pass."""
+import hashlib
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetbox.build import matrix
+from fleetbox.ship import kit_load
+from tests.conftest import invoke
+from tests.integration.conftest import MD5_ATTRS
+from tests.unit.test_cli import one_line_error
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a network namespace and a second dockerd)")
+
+NS = "fbkit"
+RUN = Path("/run/fleetbox-kit")
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory, cpu_image, seeded_mnist):
+    d = tmp_path_factory.mktemp("kit")
+    proc = invoke("kit", *KIT_ARGS(seeded_mnist), "--out", str(d / "cpu.kit"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    sha = proc.stdout.split("kit sha256 ")[1].split()[0]
+    return {"path": d / "cpu.kit", "sha": sha, "stdout": proc.stdout, "mnist": seeded_mnist}
+
+
+def KIT_ARGS(mnist):
+    return ["--variant", "cpu", "--datasets", "mnist", "--data-dir", str(mnist["dest"]),
+            "--manifest", str(mnist["manifest"])]
+
+
+def files_under(*paths):
+    out = {}
+    for p in paths:
+        for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())):
+            st = f.stat()
+            out[str(f)] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def test_a_kit_says_what_it_holds_and_a_second_one_reuses_every_part(kit):
+    path = kit["path"]
+    parts = ["loader", "source", "lock", "host-wheels", "wheelhouse", "base", "datasets"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == kit["sha"]   # the printed digest is the file's
+    assert (path.parent / "cpu.kit.sha256").read_text() == f"{kit['sha']}  cpu.kit\n"
+    with tarfile.open(path) as tar:
+        names = tar.getnames()
+    assert names[0] == "kit-load.py" and names[-2:] == ["kit.json", "MANIFEST.sha256"]
+    assert {n.split("/")[0] for n in names} == {"kit-load.py", "source", "lock", "host-wheels", "wheelhouse",
+                                                "base", "datasets", "kit.json", "MANIFEST.sha256"}
+    assert any(n.startswith("host-wheels/matplotlib-") for n in names)   # fleetbox's own dependencies
+    before = files_under(path, path.with_name("cpu.kit.parts"))
+    proc = invoke("kit", *KIT_ARGS(kit["mnist"]), "--out", str(path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    said = {ln.split()[0]: ln.split()[-1] for ln in proc.stdout.splitlines() if ln.startswith("  ") and "file(s)" in ln}
+    assert said == {p: "reused" for p in parts}, proc.stdout
+    assert "(unchanged; not rewritten)" in proc.stdout and f"kit sha256 {kit['sha']}" in proc.stdout
+    assert files_under(path, path.with_name("cpu.kit.parts")) == before   # no file rewritten
+
+
+def rewrite(src: Path, dst: Path, change=None, drop=None, add=None):
+    """A copy of the kit with one member changed (change(name, bytes) -> bytes), dropped, or one added."""
+    with tarfile.open(src) as tin, tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as tout:
+        for m in tin.getmembers():
+            if m.name == drop:
+                continue
+            data = tin.extractfile(m).read()
+            if change:
+                data = change(m.name, data)
+            m.size = len(data)
+            tout.addfile(m, io.BytesIO(data))
+        if add:
+            info = tarfile.TarInfo(add)
+            info.size = 5
+            tout.addfile(info, io.BytesIO(b"extra"))
+    return dst
+
+
+def first_wheel(kit_path):
+    with tarfile.open(kit_path) as tar:
+        return next(n for n in tar.getnames() if n.startswith("wheelhouse/") and n.endswith(".whl"))
+
+
+def flip(target):
+    def change(name, data):
+        return data[:100] + bytes([data[100] ^ 1]) + data[101:] if name == target else data
+    return change
+
+
+def engine_images():
+    return sorted(subprocess.run(["docker", "images", "-a", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
+                                 capture_output=True, text=True).stdout.splitlines())
+
+
+@pytest.mark.parametrize("how", ["wheel byte", "base truncated", "extra file", "missing file", "kit cut short",
+                                 "manifest rewritten"])
+def test_a_tampered_kit_is_refused_in_one_line_and_changes_nothing(kit, tmp_path, how):
+    wheel = first_wheel(kit["path"])
+    bad, expect = tmp_path / "bad.kit", None
+    if how == "wheel byte":
+        rewrite(kit["path"], bad, change=flip(wheel))
+        said = f"kit part {wheel} does not match the kit's manifest"
+    elif how == "base truncated":
+        rewrite(kit["path"], bad, change=lambda n, d: d[:len(d) // 2] if n == "base/base.tar" else d)
+        said = "kit part base/base.tar does not match the kit's manifest"
+    elif how == "extra file":
+        rewrite(kit["path"], bad, add="wheelhouse/extra.whl")
+        said = "holds wheelhouse/extra.whl, which its manifest does not list"
+    elif how == "missing file":
+        rewrite(kit["path"], bad, drop=wheel)
+        said = f"lacks {wheel}, which its manifest lists"
+    elif how == "kit cut short":
+        with open(kit["path"], "rb") as f, open(bad, "wb") as out:
+            out.write(f.read(kit["path"].stat().st_size // 3))
+        said = "is not a complete archive"
+    else:   # the wheel changed and the manifest rewritten to match: only the digest sent apart catches it
+        def change(name, data):
+            if name == wheel:
+                return flip(wheel)(name, data)
+            if name == kit_load.MANIFEST:
+                new = hashlib.sha256(flip(wheel)(wheel, tarfile.open(kit["path"]).extractfile(wheel).read())).hexdigest()
+                return b"".join((f"{new}  {wheel}\n".encode() if ln.endswith(f"  {wheel}".encode()) else ln + b"\n")
+                                for ln in data.splitlines())
+            return data
+        rewrite(kit["path"], bad, change=change)
+        staging = tmp_path / "check"
+        staging.mkdir()
+        kit_load.verify(bad, staging, None, log=lambda m: None)   # its own manifest alone passes it
+        expect, said = kit["sha"], f"not the expected {kit['sha']}: it was changed or damaged"
+    before = engine_images()
+    dest = tmp_path / "site"
+    proc = invoke("kit", "--load", str(bad), "--dest", str(dest), *(["--expect", expect] if expect else []))
+    one_line_error(proc, said)
+    assert not dest.exists() and not (tmp_path / ".site.kit-load").exists()
+    assert engine_images() == before
+    # the loader the kit carries says the same, before fleetbox is installed
+    tar_out = subprocess.run(["tar", "-xf", str(kit["path"]), "-C", str(tmp_path), "kit-load.py"], capture_output=True)
+    assert tar_out.returncode == 0
+    proc = subprocess.run([sys.executable, str(tmp_path / "kit-load.py"), str(bad), "--dest", str(dest),
+                           *(["--expect", expect] if expect else [])], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("kit-load: refused: ") and said in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not dest.exists()
+
+
+@pytest.fixture
+def site(tmp_path):
+    """A network namespace with loopback only, and a Docker Engine in it with a fresh, empty data root."""
+    def stop():
+        pidfile = RUN / "dockerd.pid"
+        if pidfile.exists():
+            try:
+                pid = int(pidfile.read_text())
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(150):
+                    os.kill(pid, 0)
+                    time.sleep(0.2)
+            except (ProcessLookupError, ValueError):
+                pass
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    stop()
+    subprocess.run(["ip", "netns", "add", NS], check=True)
+    subprocess.run(["ip", "-n", NS, "link", "set", "lo", "up"], check=True)
+    RUN.mkdir(parents=True, exist_ok=True)
+    root = tmp_path / "engine"
+    root.mkdir()
+    sock = RUN / "docker.sock"
+    log = open(tmp_path / "dockerd.log", "w")
+    subprocess.Popen(["nsenter", f"--net=/run/netns/{NS}", "dockerd", "-H", f"unix://{sock}", "--data-root",
+                      str(root), "--exec-root", str(RUN / "exec"), "--pidfile", str(RUN / "dockerd.pid"),
+                      "--bridge", "none", "--iptables=false", "--ip-masq=false"],
+                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETBOX_")}   # nothing from this machine
+    env["DOCKER_HOST"] = f"unix://{sock}"
+    deadline = time.monotonic() + 90
+    while subprocess.run(["docker", "info"], env=env, capture_output=True).returncode != 0:
+        assert time.monotonic() < deadline, (tmp_path / "dockerd.log").read_text()[-2000:]
+        time.sleep(0.5)
+    try:
+        yield env
+    finally:
+        subprocess.run(["docker", "rm", "-f", *subprocess.run(["docker", "ps", "-aq"], env=env, capture_output=True,
+                                                               text=True).stdout.split()], env=env, capture_output=True)
+        stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def in_site(env, *argv, cwd=None, timeout=900):
+    return subprocess.run(["nsenter", f"--net=/run/netns/{NS}", *map(str, argv)], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_site_loads_the_kit_then_builds_verifies_and_trains_with_no_network(kit, site, tmp_path, cpu_image):
+    links = in_site(site, "ip", "-o", "link").stdout
+    assert [ln.split(":")[1].strip() for ln in links.splitlines()] == ["lo"]   # no way out of the namespace
+    assert in_site(site, "ip", "route").stdout.strip() == ""
+    assert in_site(site, "docker", "images", "-q").stdout.strip() == ""      # a fresh engine
+    subprocess.run(["tar", "-xf", str(kit["path"]), "-C", str(tmp_path), "kit-load.py"], check=True)
+    dest = tmp_path / "site"
+    proc = in_site(site, sys.executable, tmp_path / "kit-load.py", kit["path"], "--expect", kit["sha"],
+                   "--dest", dest, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"kit sha256 {kit['sha']} as expected" in proc.stdout
+    base = matrix.load().get("cpu").base_ref
+    tags = in_site(site, "docker", "images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()
+    assert tags == [base], tags
+    py, src = dest / "venv" / "bin" / "python", dest / "fleetbox"
+    for name, attr in MD5_ATTRS.items():   # the dataset cache, restored and checked
+        md5 = kit["mnist"]["md5"][attr]
+        got = hashlib.md5((src / "offline_cache" / "dataset" / "mnist" / name).read_bytes()).hexdigest()
+        assert got == md5, name
+    # fleetbox runs from the venv, its dependencies from the kit's wheels, its source from the kit
+    where = in_site(site, py, "-c", "import fleetbox, matplotlib; print(fleetbox.ROOT)", cwd=tmp_path)
+    assert where.stdout.strip() == str(src), where.stderr
+    for step in (["build", "--variant", "cpu"], ["verify", "--variant", "cpu"], ["train", "--nodes", "2"]):
+        proc = in_site(site, py, "-m", "invoke", *step, cwd=src)
+        assert proc.returncode == 0, (step, proc.stdout[-3000:] + proc.stderr[-3000:])
+    assert "job " in proc.stdout and ": PASSED" in proc.stdout
+    # the site built the very image built here: same inputs, same content tag
+    here = subprocess.run(["docker", "images", "--format", "{{.Tag}}", "fleetbox/paddle"], capture_output=True,
+                          text=True).stdout.split()
+    there = in_site(site, "docker", "images", "--format", "{{.Tag}}", "fleetbox/paddle").stdout.split()
+    content = [t for t in there if t.startswith("cpu-")]
+    assert len(content) == 1 and content[0] in here, (there, here)
