@@ -120,7 +120,7 @@ class DockerBackend(Backend):
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
         return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt), t, values,
                           image_id=image.id, content_tag=(image.labels or {}).get("io.fleetbox.inputs-sha256", ""),
-                          paddle=(image.labels or {}).get("org.opencontainers.image.version") or spec.paddle_pin)
+                          paddle=_paddle_of(image.labels or {}) or spec.paddle_pin)
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
@@ -506,3 +506,8 @@ def _node_tail(node_dir: Path) -> list[str]:
         if p.exists() and p.stat().st_size:
             return tail(p)
     return []
+
+
+def _paddle_of(labels: dict) -> str:
+    """The Paddle version an image says it has: our images' version label (another image's may be its OS's)."""
+    return labels.get("org.opencontainers.image.version", "") if labels.get("io.fleetbox.inputs-sha256") else ""

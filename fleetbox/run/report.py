@@ -138,7 +138,7 @@ def draw(job_dir: Path) -> dict:
           + f", {job.get('nodes', '?')} node(s) x {job.get('procs_per_node', '?')} process(es)",
           f"- image: {job.get('image', '?')}" + (f" (id {job['image_id'][7:19]}" if job.get("image_id") else "")
           + (f", content tag {job['content_tag'][:12]})" if job.get("content_tag") else ")" if job.get("image_id") else ""),
-          f"- variant: {job.get('variant', '?')}, Paddle {job.get('paddle') or 'unknown (the image does not say)'}",
+          f"- variant: {job.get('variant', '?')}, Paddle {_paddle(job)}",
           f"- started: " + (dt.datetime.fromtimestamp(start).isoformat(timespec="seconds") if start else "unknown")
           + (f"; time to first step: {first_step - start:.1f} s" if start and first_step else ""),
           f"- final loss: " + (", ".join(f"rank {k} {v:.4f} (step {s})" for k, (s, v) in sorted(final.items()))
@@ -163,6 +163,19 @@ def draw(job_dir: Path) -> dict:
     (job_dir / ".report.md.part").rename(job_dir / "report.md")
     return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "missing": missing,
             "throughput": rate, **times}
+
+
+def _paddle(job: dict) -> str:
+    """The image's Paddle version as the job recorded it; for a job.json from before it did, the variant's pin
+    when the job ran the variant's own image."""
+    if "paddle" in job:
+        return job["paddle"] or "unknown (the image does not say)"
+    from ..build import matrix
+    try:
+        v = matrix.load().get(job.get("variant"))
+    except UserError:
+        return "unknown"
+    return v.paddle_version if job.get("image") in v.aliases else "unknown"
 
 
 def _failure(summary: dict) -> str:

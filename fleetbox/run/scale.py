@@ -63,7 +63,8 @@ def measure(job_dir: Path) -> dict:
     last = max((r["attempt"] for r in recs), default=0)
     recs = [r for r in recs if r["attempt"] == last]
     ranks = {r["rank"] for r in recs}
-    return {"samples_per_s": report_mod.throughput(recs)["total"] if recs else None,
+    rate = report_mod.throughput(recs)
+    return {"samples_per_s": rate["total"] if rate["ranks"] else None,
             **report_mod.timing(recs), "steps": len(recs) // len(ranks) if ranks else 0,
             "ranks_reporting": len(ranks)}
 
@@ -110,6 +111,9 @@ def markdown(study: str, spec: JobSpec, backend: str, rows: list[dict]) -> str:
     bad = [r for r in rows if r["state"] != "PASSED"]
     if bad:
         lines += ["", "## Runs that did not pass", ""] + [f"- {r['job']}: {r['failure'] or r['state']}" for r in bad]
+    unmeasured = [r for r in rows if r["state"] == "PASSED" and r["failure"]]
+    if unmeasured:
+        lines += ["", "## Runs that passed without figures", ""] + [f"- {r['job']}: {r['failure']}" for r in unmeasured]
     lines += ["", "![scaling](scale.png)", ""]
     return "\n".join(lines)
 
@@ -143,12 +147,14 @@ def draw(path: Path, rows: list[dict]) -> list[str]:
     for ax in (ax_rate, ax_eff):
         ax.set_xticks(sorted({r["ranks"] for r in rows}))
     timed = [r for r in rows if r["step_seconds"]]
-    labels = [f"{r['nodes']}x{r['procs']}" + (f"\n{r['image'][-18:]}" if len(set(x['image'] for x in rows)) > 1
+    labels = [f"{r['nodes']}x{r['procs']}" + (f"\n{r['image'][-24:]}" if len(set(x['image'] for x in rows)) > 1
                                               else "") for r in timed]
     comm = [1000 * r["step_seconds"] * (r["comm_share"] or 0) for r in timed]
     compute = [1000 * r["step_seconds"] - c for r, c in zip(timed, comm)]
-    ax_step.bar(labels, compute, label="compute and the rest")
-    ax_step.bar(labels, comm, bottom=compute, label="all-reduce")
+    pos = list(range(len(timed)))
+    ax_step.bar(pos, compute, label="compute and the rest")
+    ax_step.bar(pos, comm, bottom=compute, label="all-reduce")
+    ax_step.set_xticks(pos, labels)
     ax_step.set(xlabel="nodes x processes", ylabel="ms per step", title="mean step time")
     if timed:
         ax_step.legend(fontsize=7)
@@ -189,6 +195,13 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
     if spec.hosts and len(spec.hosts) < max(c.nodes for c in study_cells):
         raise UserError(f"--hosts names {len(spec.hosts)} hosts; the largest run needs "
                         f"{max(c.nodes for c in study_cells)} (the first N are used for N nodes)")
+    if timeout and backend != "docker":   # the same refusals train makes, once for the whole study
+        raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
+    backends.get(backend, **(backend_options or {}))
+    if spec.port:
+        from . import hostnet, plan as planner
+        hostnet.check_room(spec.port, planner.ports_needed(max(c.nodes for c in study_cells),
+                                                            max(c.procs for c in study_cells)))
     study = study or new_study_id()
     images = list(dict.fromkeys(c.image for c in study_cells))
     plan = [(job_id(study, images.index(c.image), c),
@@ -201,16 +214,19 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
              "ranks_reporting": 0, "failure": ""} for c, (jid, s) in zip(study_cells, plan)]
     out = settings.runs_root() / study
     log(f"scale: study {study}: {len(plan)} run(s), {backend} backend; table in {out}/scale.md")
+    done = None
     try:
         with backends.sigterm_as_interrupt():   # SIGTERM between runs too: the same way out as Ctrl-C
             failed = _run_all(plan, rows, backend, backend_options, timeout, log)
-    finally:   # the table of what ended, also after Ctrl-C (a run cut short is marked, not measured as done)
-        for row in rows:
-            if row["state"] == "running":
-                row["state"] = "INTERRUPTED"
-        with backends.signals_held():
-            done = write(out, study, spec, backend, rows)
-        log(f"scale: {done['md']} ({Path(done['png']).name})")
+    finally:   # the table of what ended, also after Ctrl-C or an error (each run marked as it ended)
+        try:
+            with backends.signals_held():
+                done = write(out, study, spec, backend, rows)
+            log(f"scale: {done['md']} ({Path(done['png']).name})")
+        except Exception as e:   # the study's own error (or Ctrl-C) is the one to report, not the table's
+            log(f"scale: no table: {type(e).__name__}: {e}"[:300])
+    if done is None:
+        raise Failed(f"scale: the table could not be written in {out}")
     for r in done["rows"]:
         log(f"  {r['image']:<28} {r['nodes']:>2} x {r['procs']:<2} {_f(r['samples_per_s'], '10.1f')} samples/s  "
             f"speed-up {_f(r['speedup'], '.2f'):>5}  efficiency {_f(r['efficiency'], '.0%'):>4}  "
@@ -228,23 +244,33 @@ def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
     for i, ((jid, s), row) in enumerate(zip(plan, rows)):
         log(f"scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
             f"process(es) (job {jid})")
-        row["state"] = "running"
         opts = dict(backend_options or {})
         if "image" in opts:   # Slurm hands the runtime its image itself
             opts["image"] = s.image
         try:
             jobs.train(s, backend, opts, timeout=timeout, log=log)
-            row["state"] = "PASSED"
         except Failed as e:
             row["state"], row["failure"] = "FAILED", str(e)
-            failed += 1
         except UserError as e:   # this run could not start (say, an image a node lacks): the others go on
             row["state"], row["failure"] = "NOT STARTED", str(e)
-            failed += 1
+        except KeyboardInterrupt:   # the run cleaned up after itself; the study stops here
+            row["state"] = "INTERRUPTED"
+            raise
+        except BaseException as e:
+            row["state"], row["failure"] = "ERROR", f"{type(e).__name__}: {e}"
+            raise
+        else:
+            row["state"] = "PASSED"
         job = settings.runs_root() / jid
         row["paddle"] = _json(job / "job.json").get("paddle", "")
         if row["state"] == "PASSED":   # a failed run's figures are in its own report, not the study's
-            row.update(measure(job))
+            try:
+                row.update(measure(job))
+            except (TypeError, ValueError, KeyError) as e:   # hand-written metrics lines of another script
+                row["failure"] = f"its metrics could not be read: {e}"
+            if row["samples_per_s"] is None:
+                row["failure"] = row["failure"] or "it passed but reported no throughput (fleetbox_metrics Meter)"
+        failed += row["state"] != "PASSED"
     return failed
 
 

@@ -206,6 +206,8 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print) -> dict:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     py = venv / "bin" / "python"
+    if os.environ.get("FLEETBOX_WHEELHOUSE"):
+        log(f"note: FLEETBOX_WHEELHOUSE is set; unset it so that build uses the kit's wheelhouse ({wheelhouse})")
     log(f"kit loaded into {dest}. Next, with no network needed:")
     log(f"  cd {src}")
     if "image" not in info["parts"]:

@@ -98,3 +98,82 @@ def test_a_study_refuses_a_job_id_and_too_few_hosts_before_any_run(tmp_path, mon
         scale.run(spec_mod.JobSpec(base.variant, nodes=2, hosts=("tcp://a:1", "tcp://b:1")),
                   scale.cells("1,4", None, None))
     assert list(tmp_path.iterdir()) == []
+
+
+def fake_runs(monkeypatch, tmp_path, outcomes):
+    """jobs.train replaced: each run writes the metrics of its ranks (or raises what `outcomes` says)."""
+    from fleetbox.errors import Failed
+    from fleetbox.run import jobs
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    calls = []
+
+    def train(spec, backend, opts, timeout=None, log=print):
+        calls.append((spec.nodes, spec.procs_per_node, spec.image, spec.hosts, opts.get("image"), timeout))
+        what = outcomes[len(calls) - 1]
+        if what == "fail":
+            raise Failed("train failed: node1 (rank 1) exited with exit code 3")
+        if what == "no image":
+            raise UserError(f"image {spec.image} is not on this machine")
+        if what == "ctrl-c":
+            raise KeyboardInterrupt
+        if what == "disk":
+            raise OSError(28, "No space left on device")
+        ranks = range(spec.nodes * spec.procs_per_node)
+        write_job(tmp_path / spec.job_id, ranks=tuple(ranks) if what == "pass" else ())
+        return None
+    monkeypatch.setattr(jobs, "train", train)
+    return calls
+
+
+def test_a_study_runs_each_cell_as_its_own_job_and_goes_on_past_a_failed_one(tmp_path, monkeypatch):
+    from fleetbox.errors import Failed
+    calls = fake_runs(monkeypatch, tmp_path, ["pass", "fail", "no image", "pass"])
+    base = spec_mod.JobSpec(matrix.load().get("cpu"), nodes=2, hosts=("tcp://a:1", "tcp://b:1"))
+    with pytest.raises(Failed, match=r"scale: 2 of 4 run\(s\) did not pass"):
+        scale.run(base, scale.cells("1,2", None, "x:1,y:2"), "slurm", {"image": "", "runtime": "podman"},
+                  study="scale-t", log=lambda m: None)
+    # the first N hosts for N nodes; Slurm's runtime is handed each run's own image
+    assert calls == [(1, 1, "x:1", ("tcp://a:1",), "x:1", None), (2, 1, "x:1", ("tcp://a:1", "tcp://b:1"), "x:1", None),
+                     (1, 1, "y:2", ("tcp://a:1",), "y:2", None), (2, 1, "y:2", ("tcp://a:1", "tcp://b:1"), "y:2", None)]
+    rows = json.loads((tmp_path / "scale-t" / "scale.json").read_text())["rows"]
+    assert [(r["job"], r["state"]) for r in rows] == [("scale-t-i0-n1p1", "PASSED"), ("scale-t-i0-n2p1", "FAILED"),
+                                                      ("scale-t-i1-n1p1", "NOT STARTED"), ("scale-t-i1-n2p1", "PASSED")]
+    # write_job's ranks: 32 samples per 0.1 s and per 0.05 s
+    assert [r["samples_per_s"] for r in rows] == [pytest.approx(320.0), None, None, pytest.approx(960.0)]
+    assert rows[3]["speedup"] == pytest.approx(1.0) and rows[3]["vs_first_image"] is None
+
+
+@pytest.mark.parametrize("what,state,raised", [("ctrl-c", "INTERRUPTED", KeyboardInterrupt),
+                                               ("disk", "ERROR", OSError)])
+def test_a_study_stopped_by_ctrl_c_or_an_error_keeps_the_table_of_what_ended(tmp_path, monkeypatch, what, state,
+                                                                             raised):
+    fake_runs(monkeypatch, tmp_path, ["pass", what, "pass"])
+    with pytest.raises(raised):
+        scale.run(spec_mod.JobSpec(matrix.load().get("cpu")), scale.cells("1,2,4", None, None), study="scale-c",
+                  log=lambda m: None)
+    rows = json.loads((tmp_path / "scale-c" / "scale.json").read_text())["rows"]
+    assert [r["state"] for r in rows] == ["PASSED", state, "not run"]
+    assert sorted(p.name for p in (tmp_path / "scale-c").iterdir()) == ["scale.json", "scale.md", "scale.png"]
+
+
+def test_a_passed_run_without_throughput_is_said_and_is_no_base(tmp_path, monkeypatch):
+    fake_runs(monkeypatch, tmp_path, ["no metrics", "pass"])
+    scale.run(spec_mod.JobSpec(matrix.load().get("cpu")), scale.cells("1,2", None, None), study="scale-n",
+              log=lambda m: None)
+    md = (tmp_path / "scale-n" / "scale.md").read_text()
+    assert "## Runs that passed without figures\n\n- scale-n-i0-n1p1: it passed but reported no throughput" in md
+    rows = json.loads((tmp_path / "scale-n" / "scale.json").read_text())["rows"]
+    assert rows[0]["samples_per_s"] is None and rows[1]["speedup"] == 1.0
+
+
+@pytest.mark.parametrize("kw,said", [
+    ({"backend": "slurm", "timeout": 60.0}, "--timeout is for the docker backend"),
+    ({"backend": "bogus"}, "unknown backend 'bogus'"),
+    ({"port": 65525}, "--port 65525 leaves no room above it"),
+])
+def test_study_wide_input_errors_are_refused_once_before_any_run(tmp_path, monkeypatch, kw, said):
+    calls = fake_runs(monkeypatch, tmp_path, ["pass"] * 4)
+    spec = spec_mod.JobSpec(matrix.load().get("cpu"), port=kw.pop("port", 0))
+    with pytest.raises(UserError, match=said):
+        scale.run(spec, scale.cells("1,4", None, None), log=lambda m: None, **kw)
+    assert calls == [] and list(tmp_path.iterdir()) == []
