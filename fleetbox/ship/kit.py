@@ -20,6 +20,7 @@ import io
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,22 +40,39 @@ def _digest(*values) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
-def host_requirements() -> list[str]:
-    """fleetbox's own dependencies and its build backend, from pyproject.toml."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return [*project["project"]["dependencies"], *project["build-system"]["requires"]]
+GLIBC = (2, 28)   # the host wheels are chosen for this glibc or newer (Debian 10+, RHEL 8+)
 
 
-def revision() -> tuple[str, bool]:
-    """HEAD and whether tracked files differ from it (the kit carries HEAD, not the changes)."""
+def host_requirements(rev: str) -> list[str]:
+    """fleetbox's own dependencies and its build backend, from pyproject.toml at `rev`, and pip (the site's
+    Python may have no ensurepip)."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pyproject.toml"], capture_output=True,
+                          text=True, check=True).stdout
+    project = tomllib.loads(text)
+    return [*project["project"]["dependencies"], *project["build-system"]["requires"], "pip"]
+
+
+def host_platforms() -> list[str]:
+    """pip's --platform list for wheels that run on GLIBC or newer on this machine's architecture."""
+    arch = platform.machine()
+    return [f"manylinux_{GLIBC[0]}_{m}_{arch}" for m in range(GLIBC[1], 16, -1)] + [f"manylinux2014_{arch}"]
+
+
+def revision(variant: Variant) -> str:
+    """HEAD, which the kit carries; refused when tracked files differ from it (the site would get HEAD
+    without them), except the variant's lock (made by `invoke lock` where the index is, carried apart)."""
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         raise UserError(f"a kit carries the fleetbox source from git; {ROOT} is not a git checkout") from None
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return rev, bool(dirty)
+    changed = subprocess.run(["git", "-C", str(ROOT), "diff", "--name-only", "HEAD"], capture_output=True,
+                             text=True).stdout.split()
+    changed = [f for f in changed if f != str(variant.lock_path.relative_to(ROOT))]
+    if changed:
+        raise UserError(f"tracked files differ from HEAD {rev[:12]} ({', '.join(changed[:3])}"
+                        f"{', ...' if len(changed) > 3 else ''}): commit them first, the kit carries HEAD")
+    return rev
 
 
 class Part:
@@ -69,9 +87,7 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
     from ..build import images, locks, wheelhouse
     from ..engine import image_or_none
 
-    rev, dirty = revision()
-    if dirty:
-        log(f"note: tracked files differ from HEAD {rev[:12]}; the kit carries HEAD (commit first to include them)")
+    rev = revision(variant)
     if not variant.lock_path.exists():
         raise UserError(f"no lock for {variant.name} ({variant.lock_path}): run `invoke lock --variant "
                         f"{variant.name}` where its index ({variant.paddle_index or 'PyPI'}) is reachable")
@@ -89,20 +105,23 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
         shutil.copyfile(variant.lock_path, d / variant.lock_path.name)
 
     def host_wheels(d: Path):
+        py = f"{sys.version_info[0]}.{sys.version_info[1]}"
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--dest", str(d),
-                               *host_requirements()], capture_output=True, text=True)
+                               *[f"--platform={p}" for p in host_platforms()], f"--python-version={py}",
+                               "--implementation=cp", f"--abi={sys.implementation.cache_tag.replace('python-', 'cp')}",
+                               *host_requirements(rev)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise UserError(f"pip could not download fleetbox's host dependencies: "
                             f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
 
-    def wheels(d: Path):
+    def wheels(d: Path):   # the lock's wheels and the wheelhouse's own records, not older wheels beside them
         src = wheelhouse.ensure(variant, log=log)
-        for f in sorted(src.iterdir()):
-            if f.is_file():
-                try:   # the same bytes; a link when on one file system (no 300 MB copy)
-                    os.link(f, d / f.name)
-                except OSError:
-                    shutil.copyfile(f, d / f.name)
+        listed = json.loads((src / wheelhouse.MANIFEST).read_text())["files"]
+        for name in sorted([*listed, wheelhouse.MANIFEST, wheelhouse.LOCK_COPY]):
+            try:   # the same bytes; a link when on one file system (no 300 MB copy)
+                os.link(src / name, d / name)
+            except OSError:
+                shutil.copyfile(src / name, d / name)
 
     def save(refs: list[str], name: str):
         def make(d: Path):   # the docker CLI keeps every tag named in one archive
@@ -114,12 +133,16 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
     parts = [Part("loader", _digest(kit_load.sha256_file(loader)), lambda d: shutil.copyfile(loader, d / "kit-load.py")),
              Part("source", _digest(rev), source, revision=rev),
              Part("lock", _digest(lock_text), lock, place=str(variant.lock_path.relative_to(ROOT))),
-             Part("host-wheels", _digest(host_requirements(), sys.version_info[:2], platform.machine()), host_wheels),
+             Part("host-wheels", _digest(host_requirements(rev), sys.version_info[:2], host_platforms()), host_wheels),
              Part("wheelhouse", _digest(lock_text, variant.name), wheels),
              Part("base", _digest(base.id, variant.base_ref), save([variant.base_ref], "base.tar"),
                   tags=[variant.base_ref])]
-    if with_image:
-        image = images.resolve(client, variant)
+    if with_image:   # the image this lock and base make, not whatever the alias names now
+        plan = images.plan(variant, base.id, locks.read(variant))
+        image = image_or_none(client, plan.tag)
+        if image is None:
+            raise UserError(f"{plan.tag} (this lock and base) is not built: run `invoke build --variant "
+                            f"{variant.name}` first")
         tags = sorted(t for t in image.tags if t.startswith(f"{variant.image}:"))
         parts.append(Part("image", _digest(image.id, tags), save(tags, "image.tar"), tags=tags))
     if datasets:
@@ -153,12 +176,12 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
     out = out.resolve()
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; name the kit file, e.g. {out}/fleetbox-{variant.name}.kit")
+    parts = _parts(variant, engine_client(), datasets or [], data_dir or settings.data_dir(),
+                   manifest or settings.datasets_manifest(), with_image, log)   # its checks first
     out.parent.mkdir(parents=True, exist_ok=True)
     parts_dir = out.with_name(out.name + ".parts")
     parts_dir.mkdir(exist_ok=True)
     state = _read_json(parts_dir / PARTS_STATE)
-    parts = _parts(variant, engine_client(), datasets or [], data_dir or settings.data_dir(),
-                   manifest or settings.datasets_manifest(), with_image, log)
     folders = {"loader": ".", "source": "source", "lock": "lock", "host-wheels": "host-wheels",
                "wheelhouse": "wheelhouse", "base": "base", "image": "image", "datasets": "datasets"}
     new_state, rows = {}, []
@@ -201,6 +224,7 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
     rev = next(p.info["revision"] for p in parts if p.name == "source")
     info = {"format": 1, "variant": variant.name, "revision": rev,
             "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "machine": platform.machine(),
+            "glibc": f"{GLIBC[0]}.{GLIBC[1]}",
             "parts": {p.name: {"files": [f"{folders[p.name]}/{r}" if folders[p.name] != "." else r
                                          for r in new_state[p.name]["files"]],
                                "bytes": sum(v[0] for v in new_state[p.name]["files"].values()), **p.info}
@@ -215,6 +239,8 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
     if out.exists() and side.get("manifest") == manifest_sha and side.get("bytes") == out.stat().st_size \
             and side.get("mtime_ns") == out.stat().st_mtime_ns:
         kit_sha, how = side["sha256"], "unchanged; not rewritten"
+        if not sidecar.exists() or sidecar.read_text() != f"{kit_sha}  {out.name}\n":
+            sidecar.write_text(f"{kit_sha}  {out.name}\n")
     else:
         kit_sha, how = _write_tar(out, entries, info_blob, manifest), "written"
         st = out.stat()
@@ -223,8 +249,10 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
         sidecar.write_text(f"{kit_sha}  {out.name}\n")
     total = out.stat().st_size
     log(f"kit {out}: {total / 2**20:.1f} MiB, {len(entries) + 2} files ({how})")
-    log(f"kit sha256 {kit_sha} (also in {sidecar.name}); send it apart from the kit and load with")
-    log(f"  tar -xf {out.name} kit-load.py && python3 kit-load.py {out.name} --expect {kit_sha}")
+    q = shlex.quote(out.name)
+    log(f"kit sha256 {kit_sha} (also in {sidecar.name}): send it apart from the kit; at the site")
+    log(f"  sha256sum -c {shlex.quote(sidecar.name)} && tar -xf {q} kit-load.py && "
+        f"python3 kit-load.py {q} --expect {kit_sha}")
     return {"out": str(out), "sha256": kit_sha, "parts": rows, "bytes": total, "written": how == "written"}
 
 
@@ -265,11 +293,11 @@ def _write_tar(out: Path, entries: dict, info_blob: bytes, manifest: bytes) -> s
     return h.hexdigest()
 
 
-def load(kit: Path, dest: Path | None, expect: str | None, log=print) -> dict:
+def load(kit: Path, dest: Path | None, expect: str | None, log=print, no_expect: bool = False) -> dict:
     """`invoke kit --load`: the loader the kit carries, run from this fleetbox."""
     dest = dest or Path(f"fleetbox-{kit.name.rsplit('.', 1)[0]}")
     try:
-        return kit_load.load(kit, dest, expect, log=log)
+        return kit_load.load(kit, dest, expect, log=log, no_expect=no_expect)
     except kit_load.Refused as e:
         raise UserError(f"kit refused: {e}") from None
 

@@ -1,6 +1,7 @@
 """Load an air-gap kit (made by `invoke kit`) on a machine with no network: Python's standard library only,
 so the same file runs before fleetbox is installed (the kit carries it as `kit-load.py`):
 
+    sha256sum -c fleetbox-cpu.kit.sha256       # the digest file sent apart from the kit: check it first
     tar -xf fleetbox-cpu.kit kit-load.py
     python3 kit-load.py fleetbox-cpu.kit --expect SHA256 [--dest DIR]
 
@@ -17,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import platform
+import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -61,63 +66,106 @@ def safe_name(name: str) -> str:
     return name
 
 
-def members(tar: tarfile.TarFile) -> dict[str, tarfile.TarInfo]:
-    """The kit's files by name: regular files only (no links, devices or folders with modes of their own)."""
-    out = {}
-    for m in tar.getmembers():
-        if m.isdir():
-            continue
-        if not m.isfile():
-            raise Refused(f"the kit holds {m.name!r}, which is not a regular file")
-        if safe_name(m.name) in out:
-            raise Refused(f"the kit holds {m.name!r} twice")
-        out[m.name] = m
-    return out
+class _Hashing(io.RawIOBase):
+    """Reads a file once: the tar stream is extracted from it while its sha256 is taken."""
+
+    def __init__(self, f):
+        self.f, self.h = f, hashlib.sha256()
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        n = self.f.readinto(b)
+        self.h.update(memoryview(b)[:n])
+        return n
 
 
 def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
-    """Check the kit whole and file by file, extracting it into `staging`; returns kit.json. Nothing outside
-    `staging` is touched."""
+    """Check the kit whole and file by file, extracting it into `staging` in one pass over the file (so the
+    bytes hashed are the bytes used); returns kit.json, checked. Nothing outside `staging` is touched."""
     if expect is not None:
         expect = expect.strip().lower()
         if len(expect) != 64 or any(c not in "0123456789abcdef" for c in expect):
             raise Refused(f"--expect {expect!r} is not a sha256 (64 hex digits)")
-        got = sha256_file(kit)
-        if got != expect:
-            raise Refused(f"kit {kit} has sha256 {got}, not the expected {expect}: it was changed or damaged")
-        log(f"kit sha256 {got} as expected")
+    got: dict[str, str] = {}
     try:
-        with tarfile.open(kit, "r:") as tar:
-            files = members(tar)
-            if MANIFEST not in files:
-                raise Refused(f"kit {kit} has no {MANIFEST}")
-            listed = parse_manifest(tar.extractfile(files[MANIFEST]).read().decode("utf-8", "replace"))
-            extra = sorted(set(files) - set(listed) - {MANIFEST})
-            missing = sorted(set(listed) - set(files))
-            if extra:
-                raise Refused(f"kit {kit} holds {extra[0]}, which its manifest does not list"
-                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
-            if missing:
-                raise Refused(f"kit {kit} lacks {missing[0]}, which its manifest lists"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-            for i, name in enumerate(sorted(listed), 1):
-                out = staging / name
-                out.parent.mkdir(parents=True, exist_ok=True)
-                h = hashlib.sha256()
-                with tar.extractfile(files[name]) as src, open(out, "wb") as dst:
-                    while chunk := src.read(CHUNK):
-                        h.update(chunk)
-                        dst.write(chunk)
-                if h.hexdigest() != listed[name]:
-                    raise Refused(f"kit part {name} does not match the kit's manifest (sha256 {h.hexdigest()[:16]}..., "
-                                  f"listed {listed[name][:16]}...): it was changed or damaged")
-                if i % 50 == 0:
-                    log(f"verified {i}/{len(listed)} files")
+        with open(kit, "rb") as raw:
+            reader = _Hashing(raw)
+            with tarfile.open(fileobj=io.BufferedReader(reader, CHUNK), mode="r|") as tar:
+                for m in tar:
+                    if m.isdir():
+                        continue
+                    if not m.isfile():
+                        raise Refused(f"the kit holds {m.name!r}, which is not a regular file")
+                    name = safe_name(m.name)
+                    if name in got:
+                        raise Refused(f"the kit holds {name!r} twice")
+                    out = staging / name
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    h = hashlib.sha256()
+                    with tar.extractfile(m) as src, open(out, "wb") as dst:
+                        while chunk := src.read(CHUNK):
+                            h.update(chunk)
+                            dst.write(chunk)
+                    got[name] = h.hexdigest()
+                    if len(got) % 50 == 0:
+                        log(f"read {len(got)} files")
+            rest = bytearray(CHUNK)
+            while reader.readinto(rest):
+                pass   # the padding after the archive's end is part of the file's digest too
     except (tarfile.TarError, EOFError) as e:
         raise Refused(f"kit {kit} is not a complete archive ({e}): it was cut short or damaged") from None
-    info = json.loads((staging / KIT_JSON).read_text())
+    except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+        raise Refused(f"the kit holds a file and a folder of the same name ({e.filename})") from None
+    whole = reader.h.hexdigest()
+    if expect is not None:
+        if whole != expect:
+            raise Refused(f"kit {kit} has sha256 {whole}, not the expected {expect}: it was changed or damaged")
+        log(f"kit sha256 {whole} as expected")
+    if MANIFEST not in got:
+        raise Refused(f"kit {kit} has no {MANIFEST}")
+    listed = parse_manifest((staging / MANIFEST).read_text(encoding="utf-8", errors="replace"))
+    extra = sorted(set(got) - set(listed) - {MANIFEST})
+    missing = sorted(set(listed) - set(got))
+    if extra:
+        raise Refused(f"kit {kit} holds {extra[0]}, which its manifest does not list"
+                      + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    if missing:
+        raise Refused(f"kit {kit} lacks {missing[0]}, which its manifest lists"
+                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name in sorted(listed):
+        if got[name] != listed[name]:
+            raise Refused(f"kit part {name} does not match the kit's manifest (sha256 {got[name][:16]}..., "
+                          f"listed {listed[name][:16]}...): it was changed or damaged")
+    info = check_info(staging, set(listed))
     log(f"kit verified: {len(listed)} files match the manifest (variant {info['variant']}, fleetbox "
         f"{info['revision'][:12]})")
+    return info
+
+
+VARIANT = re.compile(r"[a-z0-9][a-z0-9._-]{0,40}")
+IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[0-9]+)?/?[a-z0-9._/-]*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def check_info(staging: Path, names: set[str]) -> dict:
+    """kit.json, held to its shape: its values become paths, arguments and tags here."""
+    try:
+        info = json.loads((staging / KIT_JSON).read_text())
+        parts = info["parts"]
+        ok = (VARIANT.fullmatch(info["variant"]) and re.fullmatch(r"[0-9a-f]{40}", info["revision"])
+              and re.fullmatch(r"3\.[0-9]+", info["python"]) and re.fullmatch(r"2\.[0-9]+", info["glibc"])
+              and isinstance(info["machine"], str)
+              and isinstance(parts, dict) and {"source", "lock", "host-wheels", "wheelhouse", "base"} <= set(parts))
+        for name, part in parts.items():
+            ok = ok and all(isinstance(f, str) and f in names for f in part["files"]) and part["files"]
+            ok = ok and all(isinstance(t, str) and IMAGE_REF.fullmatch(t) for t in part.get("tags", []))
+        place = parts["lock"]["place"]
+        ok = ok and safe_name(place).startswith("images/locks/") and place.endswith(".lock")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, Refused):
+        ok = False
+    if not ok:
+        raise Refused(f"the kit's {KIT_JSON} is not one fleetbox makes")
     return info
 
 
@@ -128,109 +176,165 @@ def check_host(info: dict) -> None:
                       f"(run it with python{want})")
     if info["machine"] != platform.machine():
         raise Refused(f"the kit is for {info['machine']}; this machine is {platform.machine()}")
+    libc, version = platform.libc_ver()
+    need = tuple(int(x) for x in info["glibc"].split("."))
+    if libc == "glibc" and tuple(int(x) for x in version.split(".")[:2]) < need:
+        raise Refused(f"the kit's wheels need glibc {info['glibc']} or newer; this machine has {version}")
 
 
-def run(argv: list[str], log=print, **kw) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, **kw)
+def run(argv: list[str], **kw) -> None:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, **kw)
+    except OSError as e:
+        raise Refused(f"cannot run {argv[0]}: {e.strerror}") from None
     if proc.returncode != 0:
         why = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
         raise Refused(f"{' '.join(argv[:4])} ... failed (exit {proc.returncode}): {why[-1] if why else '?'}")
 
 
-def docker_images() -> set[str]:
-    out = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}"], capture_output=True,
-                         text=True)
+def docker_images() -> dict[str, str]:
+    """The engine's tags and the image each names."""
+    try:
+        out = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}"],
+                             capture_output=True, text=True)
+    except OSError as e:
+        raise Refused(f"cannot run docker: {e.strerror}") from None
     if out.returncode != 0:
-        raise Refused(f"the Docker Engine is not reachable: {out.stderr.strip().splitlines()[-1:]}")
-    return set(out.stdout.split())
+        raise Refused(f"the Docker Engine is not reachable: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+    return dict(ln.split() for ln in out.stdout.splitlines() if len(ln.split()) == 2)
 
 
-def load(kit: Path, dest: Path, expect: str | None = None, log=print) -> dict:
+class _Undo:
+    """What a load changed in the engine, to put back if it fails: tags it added, tags it moved."""
+
+    def __init__(self):
+        self.added: list[str] = []
+        self.moved: dict[str, str] = {}
+
+    def expect(self, tags: list[str], before: dict[str, str]) -> None:   # before `docker load`, not after
+        self.added += [t for t in tags if t not in before]
+        self.moved.update({t: before[t] for t in tags if t in before})
+
+    def __call__(self) -> None:
+        if self.added:
+            subprocess.run(["docker", "rmi", *self.added], capture_output=True)
+        for tag, image in self.moved.items():
+            subprocess.run(["docker", "tag", image, tag], capture_output=True)
+
+
+def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect: bool = False) -> dict:
     """Verify, then load; returns what was placed. Raises Refused with one line."""
+    if expect is None and not no_expect:
+        raise Refused("give --expect SHA256 (the kit's digest, sent apart from it); --no-expect skips that check")
+    if expect is None:
+        log("warning: no --expect: a kit whose manifest was rewritten to match changed parts would pass")
     kit, dest = Path(kit).resolve(), Path(dest).resolve()
     if not kit.is_file():
         raise Refused(f"no kit at {kit}")
-    if dest.exists() and any(dest.iterdir()):
-        raise Refused(f"{dest} is not empty: load a kit into a new folder (--dest)")
+    if not dest.parent.is_dir():
+        raise Refused(f"{dest.parent} is not a folder: --dest names a new folder in an existing one")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise Refused(f"{dest} is not an empty folder: load a kit into a new folder (--dest)")
     made_dest = not dest.exists()
     staging = dest.parent / f".{dest.name}.kit-load"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    loaded: list[str] = []
+    undo = _Undo()
+    previous = signal.signal(signal.SIGTERM, _interrupt)   # a scheduler's SIGTERM takes Ctrl-C's way out
     try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
         info = verify(kit, staging, expect, log)
         check_host(info)
         before = docker_images()
-        dest.mkdir(parents=True, exist_ok=True)
+        dest.mkdir(exist_ok=True)
         # the images first: an engine that cannot take them stops the load before any folder is placed
         for part in ("base", "image"):
             if part in info["parts"]:
                 log(f"loading the {part} into the Docker Engine ({info['parts'][part]['bytes'] / 2**20:.0f} MiB)")
+                undo.expect(info["parts"][part]["tags"], before)
                 run(["docker", "load", "-i", str(staging / info["parts"][part]["files"][0])])
-                loaded += [t for t in info["parts"][part]["tags"] if t not in before]
         src = dest / "fleetbox"
         src.mkdir()
         with tarfile.open(staging / "source" / "fleetbox-src.tar") as tar:
-            for m in tar.getmembers():   # our own archive, checked above; still no links out of the folder
-                if m.issym() or m.islnk() or not (m.isfile() or m.isdir()):
+            for m in tar.getmembers():   # checked above by the manifest; still only plain files and folders
+                if not (m.isfile() or m.isdir()):
                     raise Refused(f"the kit's source holds {m.name!r}, which is not a file or folder")
-                safe_name(m.name)
+                safe_name(m.name.rstrip("/"))
+                m.mode &= 0o755   # no setuid, no world-writable
             tar.extractall(src)
         variant = info["variant"]
         lock_rel = info["parts"]["lock"]["place"]
         (src / lock_rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(staging / "lock" / Path(lock_rel).name), src / lock_rel)
+        shutil.move(str(staging / info["parts"]["lock"]["files"][0]), src / lock_rel)
         wheelhouse = src / "wheelhouse" / variant
+        wheelhouse.parent.mkdir(exist_ok=True)
         shutil.move(str(staging / "wheelhouse"), wheelhouse)
         log(f"placed the source ({info['revision'][:12]}), the lock and the wheelhouse in {src}")
-        venv = dest / "venv"
+        venv, wheels = dest / "venv", staging / "host-wheels"
         log(f"installing fleetbox into {venv} from the kit's {len(info['parts']['host-wheels']['files'])} wheels")
-        run([sys.executable, "-m", "venv", str(venv)])
-        run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--find-links",
-             str(staging / "host-wheels"), "-e", str(src)], cwd=str(dest))
+        pip = next(wheels.glob("pip-*.whl"), None)
+        if pip is None:
+            raise Refused("the kit has no pip wheel among its host wheels")
+        run([sys.executable, "-m", "venv", "--without-pip", str(venv)])   # no ensurepip needed (Debian)
+        run([str(venv / "bin" / "python"), str(pip / "pip"), "install", "-q", "--no-index", "--find-links",
+             str(wheels), "--disable-pip-version-check", "pip", "-e", str(src)], cwd=str(dest))
         if "datasets" in info["parts"]:
             log("restoring the dataset cache")
             run([str(venv / "bin" / "python"), "-m", "invoke", "cache", "--from",
                  str(staging / "datasets" / "datasets.tar"), "--manifest", str(staging / "datasets" / "datasets.toml"),
                  "--dest", str(src / "offline_cache" / "dataset")], cwd=str(src))
         (dest / KIT_JSON).write_text(json.dumps({**info, "kit": str(kit)}, indent=1))
-    except BaseException:   # Ctrl-C included: undo what this load placed; the engine's other images stay
-        if loaded:
-            subprocess.run(["docker", "rmi", *loaded], capture_output=True)
-        if made_dest:
-            shutil.rmtree(dest, ignore_errors=True)
-        else:
-            for p in dest.iterdir():
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    except BaseException as e:   # Ctrl-C included: undo what this load placed, with signals held
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            undo()
+            if made_dest:
+                shutil.rmtree(dest, ignore_errors=True)
+            elif dest.is_dir():
+                for p in dest.iterdir():
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
+            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
+        if isinstance(e, OSError):
+            raise Refused(f"the load failed and was undone: {e.strerror or e}"
+                          + (f" ({e.filename})" if e.filename else "")) from None
         raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    py = venv / "bin" / "python"
+        signal.signal(signal.SIGTERM, previous)
+    shutil.rmtree(staging, ignore_errors=True)
+    q = shlex.quote
     if os.environ.get("FLEETBOX_WHEELHOUSE"):
         log(f"note: FLEETBOX_WHEELHOUSE is set; unset it so that build uses the kit's wheelhouse ({wheelhouse})")
+    py = q(str(venv / "bin" / "python"))
     log(f"kit loaded into {dest}. Next, with no network needed:")
-    log(f"  cd {src}")
+    log(f"  cd {q(str(src))}")
     if "image" not in info["parts"]:
         log(f"  {py} -m invoke build --variant {variant}")
     log(f"  {py} -m invoke verify --variant {variant}")
     log(f"  {py} -m invoke train --nodes 2 --variant {variant}")
-    return {"dest": str(dest), "source": str(src), "venv": str(venv), "images": loaded, "info": info}
+    return {"dest": str(dest), "source": str(src), "venv": str(venv), "images": undo.added, "info": info}
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kit-load.py", description="verify and load a fleetbox air-gap kit")
     ap.add_argument("kit")
     ap.add_argument("--expect", help="the kit's sha256, sent apart from it")
-    ap.add_argument("--dest", default=None, help="folder to load into (default: ./fleetbox-<kit name>)")
+    ap.add_argument("--no-expect", action="store_true", help="load without checking the kit's own digest")
+    ap.add_argument("--dest", default=None, help="a new folder to load into (default: ./fleetbox-<kit name>)")
     a = ap.parse_args(argv)
     dest = Path(a.dest or f"fleetbox-{Path(a.kit).name.rsplit('.', 1)[0]}")
     try:
-        load(Path(a.kit), dest, a.expect, log=lambda m: print(m, flush=True))
+        load(Path(a.kit), dest, a.expect, log=lambda m: print(m, flush=True), no_expect=a.no_expect)
     except Refused as e:
         print(f"kit-load: refused: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("kit-load: interrupted; nothing was left loaded", file=sys.stderr)
+        print("kit-load: interrupted; what it had loaded was undone", file=sys.stderr)
         return 130
     return 0
 

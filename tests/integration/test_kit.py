@@ -88,6 +88,28 @@ def rewrite(src: Path, dst: Path, change=None, drop=None, add=None):
     return dst
 
 
+def without_host_wheel(src: Path, dst: Path) -> str:
+    """A kit without one of fleetbox's host wheels, its kit.json and manifest rewritten to match (as a kit made
+    wrong would be): it passes every check, and its venv install fails part-way."""
+    import json
+    with tarfile.open(src) as tar:
+        gone = next(n for n in tar.getnames() if n.startswith("host-wheels/tqdm-"))
+        info = json.loads(tar.extractfile("kit.json").read())
+    info["parts"]["host-wheels"]["files"].remove(gone)
+    blob = json.dumps(info, indent=1, sort_keys=True).encode()
+
+    def change(name, data):
+        if name == "kit.json":
+            return blob
+        if name == kit_load.MANIFEST:
+            lines = [ln for ln in data.decode().splitlines() if not ln.endswith(f"  {gone}")]
+            return "".join((f"{hashlib.sha256(blob).hexdigest()}  kit.json" if ln.endswith("  kit.json") else ln)
+                           + "\n" for ln in lines).encode()
+        return data
+    rewrite(src, dst, change=change, drop=gone)
+    return gone
+
+
 def first_wheel(kit_path):
     with tarfile.open(kit_path) as tar:
         return next(n for n in tar.getnames() if n.startswith("wheelhouse/") and n.endswith(".whl"))
@@ -139,19 +161,23 @@ def test_a_tampered_kit_is_refused_in_one_line_and_changes_nothing(kit, tmp_path
         staging.mkdir()
         kit_load.verify(bad, staging, None, log=lambda m: None)   # its own manifest alone passes it
         expect, said = kit["sha"], f"not the expected {kit['sha']}: it was changed or damaged"
+    check = ["--expect", expect] if expect else ["--no-expect"]   # the manifest alone, in the other cases
     before = engine_images()
     dest = tmp_path / "site"
-    proc = invoke("kit", "--load", str(bad), "--dest", str(dest), *(["--expect", expect] if expect else []))
+    proc = invoke("kit", "--load", str(bad), "--dest", str(dest), *check)
     one_line_error(proc, said)
     assert not dest.exists() and not (tmp_path / ".site.kit-load").exists()
     assert engine_images() == before
-    # the loader the kit carries says the same, before fleetbox is installed
-    tar_out = subprocess.run(["tar", "-xf", str(kit["path"]), "-C", str(tmp_path), "kit-load.py"], capture_output=True)
-    assert tar_out.returncode == 0
-    proc = subprocess.run([sys.executable, str(tmp_path / "kit-load.py"), str(bad), "--dest", str(dest),
-                           *(["--expect", expect] if expect else [])], capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("kit-load: refused: ") and said in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not dest.exists()
+    # the loader in the tampered kit says the same, before fleetbox is installed
+    if how != "kit cut short":
+        assert subprocess.run(["tar", "-xf", str(bad), "-C", str(tmp_path), "kit-load.py"]).returncode == 0
+        proc = subprocess.run([sys.executable, str(tmp_path / "kit-load.py"), str(bad), "--dest", str(dest), *check],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.strip().startswith("kit-load: refused: ") and said in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not dest.exists()
+    # and the first check README asks for, coreutils against the digest sent apart, fails before any of it
+    (tmp_path / "bad.kit.sha256").write_text(f"{kit['sha']}  bad.kit\n")
+    assert subprocess.run(["sha256sum", "-c", "bad.kit.sha256"], cwd=tmp_path, capture_output=True).returncode != 0
 
 
 @pytest.fixture
@@ -206,7 +232,19 @@ def test_the_site_loads_the_kit_then_builds_verifies_and_trains_with_no_network(
     assert [ln.split(":")[1].strip() for ln in links.splitlines()] == ["lo"]   # no way out of the namespace
     assert in_site(site, "ip", "route").stdout.strip() == ""
     assert in_site(site, "docker", "images", "-q").stdout.strip() == ""      # a fresh engine
-    subprocess.run(["tar", "-xf", str(kit["path"]), "-C", str(tmp_path), "kit-load.py"], check=True)
+    # a load that fails part-way (a kit made without one host wheel) is undone: no folder, no image
+    broken = tmp_path / "broken.kit"
+    gone = without_host_wheel(kit["path"], broken)
+    assert in_site(site, "tar", "-xf", broken, "-C", tmp_path, "kit-load.py").returncode == 0
+    proc = in_site(site, sys.executable, tmp_path / "kit-load.py", broken, "--no-expect", "--dest", tmp_path / "bad",
+                   cwd=tmp_path)
+    assert proc.returncode == 2 and "pip" in proc.stderr and gone.split("/")[1].split("-")[0] in proc.stderr, proc.stderr
+    assert "loading the base" in proc.stdout   # the base had been loaded, then taken away again
+    assert in_site(site, "docker", "images", "-aq").stdout.strip() == "" and not (tmp_path / "bad").exists()
+    # the kit as made: checked against the digest sent apart, then loaded
+    (tmp_path / "cpu.kit.sha256").write_text(f"{kit['sha']}  {kit['path']}\n")
+    assert in_site(site, "sha256sum", "-c", tmp_path / "cpu.kit.sha256").returncode == 0
+    assert in_site(site, "tar", "-xf", kit["path"], "-C", tmp_path, "kit-load.py").returncode == 0
     dest = tmp_path / "site"
     proc = in_site(site, sys.executable, tmp_path / "kit-load.py", kit["path"], "--expect", kit["sha"],
                    "--dest", dest, cwd=tmp_path)

@@ -2,6 +2,7 @@
 --expect; each refused before anything is extracted outside the staging folder."""
 import hashlib
 import io
+import json
 import tarfile
 
 import pytest
@@ -34,13 +35,46 @@ def refused(tmp_path, kit, said, expect=None):
     assert not (tmp_path / "evil").exists()
 
 
+FILES = {"source/fleetbox-src.tar": b"s", "lock/cpu.lock": b"l", "host-wheels/pip.whl": b"p",
+         "wheelhouse/a.whl": b"w", "base/base.tar": b"b"}
+
+
+def info(**change):
+    parts = {"source": {"files": ["source/fleetbox-src.tar"]},
+             "lock": {"files": ["lock/cpu.lock"], "place": "images/locks/cpu.lock"},
+             "host-wheels": {"files": ["host-wheels/pip.whl"]}, "wheelhouse": {"files": ["wheelhouse/a.whl"]},
+             "base": {"files": ["base/base.tar"], "tags": ["fleetbox/base:bookworm-965f49151f4a"]}}
+    out = {"variant": "cpu", "revision": "a" * 40, "python": "3.11", "machine": "x86_64", "glibc": "2.28",
+           "parts": parts}
+    for path, value in change.items():   # "parts.lock.place" -> parts["lock"]["place"]
+        *head, last = path.split(".")
+        d = out
+        for k in head:
+            d = d[k]
+        d[last] = value
+    return json.dumps(out).encode()
+
+
 def test_a_good_small_kit_passes_and_is_extracted_only_into_staging(tmp_path):
-    kit = make(tmp_path / "k.kit", {"kit.json": b'{"variant": "cpu", "revision": "abc"}', "a/b.txt": b"x"})
+    kit = make(tmp_path / "k.kit", {"kit.json": info(), **FILES})
     staging = tmp_path / "staging"
     staging.mkdir()
-    assert kit_load.verify(kit, staging, hashlib.sha256(kit.read_bytes()).hexdigest(), log=lambda m: None) == {
-        "variant": "cpu", "revision": "abc"}
-    assert (staging / "a" / "b.txt").read_bytes() == b"x"
+    got = kit_load.verify(kit, staging, hashlib.sha256(kit.read_bytes()).hexdigest(), log=lambda m: None)
+    assert got["variant"] == "cpu" and (staging / "wheelhouse" / "a.whl").read_bytes() == b"w"
+
+
+@pytest.mark.parametrize("path,value", [
+    ("parts.lock.place", "/tmp/evil.lock"), ("parts.lock.place", "images/../../evil.lock"),
+    ("parts.lock.place", "tasks.py"), ("variant", "../../x"), ("parts.base.files", ["/etc/passwd"]),
+    ("parts.base.tags", ["-f"]), ("revision", "HEAD; rm -rf /"), ("glibc", "x"),
+])
+def test_a_kit_json_whose_values_would_reach_outside_is_refused(tmp_path, path, value):
+    refused(tmp_path, make(tmp_path / "k.kit", {"kit.json": info(**{path: value}), **FILES}),
+            "kit.json is not one fleetbox makes")
+
+
+def test_a_file_and_a_folder_of_one_name_is_refused(tmp_path):
+    refused(tmp_path, make(tmp_path / "k.kit", {"a": b"x", "a/b": b"y"}), "a file and a folder of the same name")
 
 
 def test_unsafe_names_links_and_bad_manifests_are_refused(tmp_path):
@@ -52,3 +86,42 @@ def test_unsafe_names_links_and_bad_manifests_are_refused(tmp_path):
     refused(tmp_path, make(tmp_path / "4.kit", {"a": b"x"}, manifest="nonsense\n"), "is not a sha256 list")
     refused(tmp_path, make(tmp_path / "5.kit", {"a": b"x"}), "not a sha256", expect="xyz")
     refused(tmp_path, make(tmp_path / "6.kit", {"a": b"x"}), "not the expected " + "0" * 64, expect="0" * 64)
+
+
+def test_make_reuses_unchanged_parts_and_remakes_only_a_changed_one(tmp_path, monkeypatch):
+    from fleetbox import engine
+    from fleetbox.build import matrix
+    from fleetbox.ship import kit
+    keys, made = {"loader": "1", "source": "1", "base": "1"}, []
+
+    def maker(name, file):
+        def make_part(d):
+            made.append(name)
+            (d / file).write_text(name + keys[name])
+        return make_part
+
+    monkeypatch.setattr(kit, "_parts", lambda *a: [
+        kit.Part("loader", keys["loader"], maker("loader", "kit-load.py")),
+        kit.Part("source", keys["source"], maker("source", "fleetbox-src.tar"), revision="a" * 40),
+        kit.Part("base", keys["base"], maker("base", "base.tar"), tags=["fleetbox/base:x"])])
+    monkeypatch.setattr(engine, "client", lambda: None)
+    out, v = tmp_path / "k.kit", matrix.load().get("cpu")
+    first = kit.make(v, out, log=lambda m: None)
+    assert made == ["loader", "source", "base"] and first["written"]
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == first["sha256"]
+    src = (tmp_path / "k.kit.parts" / "source" / "fleetbox-src.tar").stat()
+    made.clear()
+    again = kit.make(v, out, log=lambda m: None)
+    assert made == [] and not again["written"] and again["sha256"] == first["sha256"]
+    assert [r[3] for r in again["parts"]] == ["reused"] * 3
+    keys["base"] = "2"   # one input changed: that part alone is made again, and the kit with it
+    third = kit.make(v, out, log=lambda m: None)
+    assert made == ["base"] and third["written"] and third["sha256"] != first["sha256"]
+    assert (tmp_path / "k.kit.parts" / "source" / "fleetbox-src.tar").stat().st_mtime_ns == src.st_mtime_ns
+    with tarfile.open(out) as tar:   # fixed metadata: owner 0, time 0
+        assert {(m.uid, m.mtime, m.mode) for m in tar.getmembers()} == {(0, 0, 0o644)}
+        assert tar.extractfile("base/base.tar").read() == b"base2"
+    made.clear()   # a part's file changed behind our back: made again, not trusted by its key
+    (tmp_path / "k.kit.parts" / "source" / "fleetbox-src.tar").write_text("tampered")
+    kit.make(v, out, log=lambda m: None)
+    assert made == ["source"]
