@@ -108,7 +108,7 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
         py = f"{sys.version_info[0]}.{sys.version_info[1]}"
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--dest", str(d),
                                *[f"--platform={p}" for p in host_platforms()], f"--python-version={py}",
-                               "--implementation=cp", f"--abi={sys.implementation.cache_tag.replace('python-', 'cp')}",
+                               "--implementation=cp", f"--abi=cp{sys.version_info[0]}{sys.version_info[1]}",
                                *host_requirements(rev)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise UserError(f"pip could not download fleetbox's host dependencies: "
