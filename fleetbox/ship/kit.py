@@ -257,7 +257,8 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
 
 
 def _write_tar(out: Path, entries: dict, info_blob: bytes, manifest: bytes) -> str:
-    """The archive with fixed metadata (owner 0, time 0, mode 0644), the loader first; its sha256."""
+    """The archive with fixed metadata (owner 0, time 0, mode 0644): the loader first, then the manifest (a
+    damaged part is found as soon as it is read), kit.json, the parts; its sha256."""
     part = out.with_name(f".{out.name}.part")
     h = hashlib.sha256()
 
@@ -277,15 +278,17 @@ def _write_tar(out: Path, entries: dict, info_blob: bytes, manifest: bytes) -> s
         ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
         return ti
 
-    order = ["kit-load.py"] + sorted(n for n in entries if n != "kit-load.py")
+    order = sorted(n for n in entries if n != "kit-load.py")
     try:
         with open(part, "wb") as raw, tarfile.open(fileobj=Hashing(raw), mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            with open(entries["kit-load.py"][0], "rb") as f:
+                tar.addfile(info("kit-load.py", entries["kit-load.py"][0].stat().st_size), f)
+            tar.addfile(info(kit_load.MANIFEST, len(manifest)), io.BytesIO(manifest))
+            tar.addfile(info(kit_load.KIT_JSON, len(info_blob)), io.BytesIO(info_blob))
             for name in order:
                 src = entries[name][0]
                 with open(src, "rb") as f:
                     tar.addfile(info(name, src.stat().st_size), f)
-            tar.addfile(info(kit_load.KIT_JSON, len(info_blob)), io.BytesIO(info_blob))
-            tar.addfile(info(kit_load.MANIFEST, len(manifest)), io.BytesIO(manifest))
         part.rename(out)
     except BaseException:   # Ctrl-C included: no half-written kit under its name
         part.unlink(missing_ok=True)

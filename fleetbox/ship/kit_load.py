@@ -89,6 +89,7 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
         if len(expect) != 64 or any(c not in "0123456789abcdef" for c in expect):
             raise Refused(f"--expect {expect!r} is not a sha256 (64 hex digits)")
     got: dict[str, str] = {}
+    listed: dict[str, str] | None = None   # the manifest, once read (our kits put it second: damage shows early)
     try:
         with open(kit, "rb") as raw:
             reader = _Hashing(raw)
@@ -109,6 +110,15 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
                             h.update(chunk)
                             dst.write(chunk)
                     got[name] = h.hexdigest()
+                    if name == MANIFEST:
+                        listed = parse_manifest(out.read_text(encoding="utf-8", errors="replace"))
+                        early = sorted(set(got) - set(listed) - {MANIFEST})
+                    else:
+                        early = [name] if listed is not None and name not in listed else []
+                    if early:
+                        raise Refused(f"kit {kit} holds {early[0]}, which its manifest does not list")
+                    if listed is not None and name in listed and got[name] != listed[name]:
+                        _mismatch(name, got[name], listed[name])
                     if len(got) % 50 == 0:
                         log(f"read {len(got)} files")
             rest = bytearray(CHUNK)
@@ -123,9 +133,8 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
         if whole != expect:
             raise Refused(f"kit {kit} has sha256 {whole}, not the expected {expect}: it was changed or damaged")
         log(f"kit sha256 {whole} as expected")
-    if MANIFEST not in got:
+    if listed is None:
         raise Refused(f"kit {kit} has no {MANIFEST}")
-    listed = parse_manifest((staging / MANIFEST).read_text(encoding="utf-8", errors="replace"))
     extra = sorted(set(got) - set(listed) - {MANIFEST})
     missing = sorted(set(listed) - set(got))
     if extra:
@@ -136,12 +145,16 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     for name in sorted(listed):
         if got[name] != listed[name]:
-            raise Refused(f"kit part {name} does not match the kit's manifest (sha256 {got[name][:16]}..., "
-                          f"listed {listed[name][:16]}...): it was changed or damaged")
+            _mismatch(name, got[name], listed[name])
     info = check_info(staging, set(listed))
     log(f"kit verified: {len(listed)} files match the manifest (variant {info['variant']}, fleetbox "
         f"{info['revision'][:12]})")
     return info
+
+
+def _mismatch(name: str, got: str, listed: str):
+    raise Refused(f"kit part {name} does not match the kit's manifest (sha256 {got[:16]}..., listed {listed[:16]}...): "
+                  f"it was changed or damaged")
 
 
 VARIANT = re.compile(r"[a-z0-9][a-z0-9._-]{0,40}")

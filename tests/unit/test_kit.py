@@ -125,3 +125,15 @@ def test_make_reuses_unchanged_parts_and_remakes_only_a_changed_one(tmp_path, mo
     (tmp_path / "k.kit.parts" / "source" / "fleetbox-src.tar").write_text("tampered")
     kit.make(v, out, log=lambda m: None)
     assert made == ["source"]
+
+
+def test_with_the_manifest_first_a_changed_file_is_refused_before_the_rest_is_read(tmp_path):
+    files = {"a": b"1", "b": b"2", "c": b"3"}
+    text = "".join(f"{hashlib.sha256(d).hexdigest()}  {n}\n" for n, d in files.items()).encode()
+    with tarfile.open(tmp_path / "k.kit", "w") as tar:
+        for name, data in [(kit_load.MANIFEST, text), ("a", b"1"), ("b", b"changed"), ("c", b"3")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    refused(tmp_path, tmp_path / "k.kit", "kit part b does not match the kit's manifest")
+    assert not (tmp_path / "staging" / "c").exists()
