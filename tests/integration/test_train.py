@@ -104,23 +104,17 @@ def assert_rows_are_the_runs_own_figures(rows, runs):
 
 
 def test_a_scaling_study_runs_every_size_and_image_and_each_row_is_that_runs_own_figure(cpu_image):
-    subprocess.run(["docker", "tag", "fleetbox/paddle:cpu", "fleetbox/paddle:scale-test"], check=True)
-    try:   # two images side by side (the same one under two names), and one that does not exist
-        proc = invoke("scale", "--nodes", "2,1",
-                      "--image", "fleetbox/paddle:cpu,fleetbox/paddle:scale-test,fleetbox/paddle:absent")
-    finally:
-        subprocess.run(["docker", "rmi", "fleetbox/paddle:scale-test"], capture_output=True)
+    # one image at 1 and 2 nodes, and one that does not exist (its runs cannot start; the study goes on);
+    # images side by side are unit-tested (tests/unit/test_scale.py)
+    proc = invoke("scale", "--nodes", "2,1", "--image", "fleetbox/paddle:cpu,fleetbox/paddle:absent")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("fleetbox: scale: 2 of 6 run(s) did not pass (see ")
+    assert proc.stderr.strip().splitlines()[-1].startswith("fleetbox: scale: 2 of 4 run(s) did not pass (see ")
     study, md = study_of(proc)
     rows = study["rows"]
     assert [(r["image"].split(":")[1], r["nodes"], r["state"]) for r in rows] == [
-        ("cpu", 1, "PASSED"), ("cpu", 2, "PASSED"), ("scale-test", 1, "PASSED"), ("scale-test", 2, "PASSED"),
-        ("absent", 1, "NOT STARTED"), ("absent", 2, "NOT STARTED")]
+        ("cpu", 1, "PASSED"), ("cpu", 2, "PASSED"), ("absent", 1, "NOT STARTED"), ("absent", 2, "NOT STARTED")]
     assert "fleetbox/paddle:absent" in rows[-1]["failure"] and not (ROOT / "runs" / rows[-1]["job"]).exists()
     assert_rows_are_the_runs_own_figures(rows, ROOT / "runs")
-    for r in rows[2:4]:   # the second image against the first at the same size
-        assert r["vs_first_image"] == pytest.approx(r["samples_per_s"] / rows[r["nodes"] - 1]["samples_per_s"])
     r = rows[1]
     assert (f"| fleetbox/paddle:cpu | 3.3.1 | 2 | 1 | 2 | {r['samples_per_s']:.1f} | {r['speedup']:.2f} | "
             f"{r['efficiency']:.0%} | {1000 * r['step_seconds']:.1f} | {r['comm_share']:.0%} | 1.00 | "
