@@ -262,7 +262,7 @@ def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
         else:
             row["state"] = "PASSED"
         job = settings.runs_root() / jid
-        row["paddle"] = _json(job / "job.json").get("paddle", "")
+        row["paddle"] = report_mod._json(job / "job.json").get("paddle", "")
         if row["state"] == "PASSED":   # a failed run's figures are in its own report, not the study's
             try:
                 row.update(measure(job))
@@ -272,10 +272,3 @@ def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
                 row["failure"] = row["failure"] or "it passed but reported no throughput (fleetbox_metrics Meter)"
         failed += row["state"] != "PASSED"
     return failed
-
-
-def _json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
