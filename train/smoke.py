@@ -126,7 +126,11 @@ def allreduce_gradients(model, world) -> float:
     sync = paddle.device.synchronize if paddle.device.get_device().startswith(("gpu", "xpu")) else lambda: None
     sync()   # the backward pass has finished, so only the all-reduce is timed
     start = time.perf_counter()
-    fused_allreduce_gradients(list(model.parameters()), None)
+    try:
+        fused_allreduce_gradients(list(model.parameters()), None)
+    except Exception as e:   # a peer is gone: end as DataParallel's own all-reduce does (an abort), so that
+        print(f"gradient all-reduce failed: {e}"[:500], flush=True)   # a peer is not taken for the culprit
+        os.abort()
     sync()
     return time.perf_counter() - start
 
