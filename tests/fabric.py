@@ -23,18 +23,22 @@ def sh(*cmd, check=True):
     return subprocess.run(cmd, capture_output=True, text=True, check=check)
 
 
+def stop_daemon(pidfile: Path, seconds: float = 20) -> None:
+    """SIGTERM the daemon named by its pidfile and wait until it is gone (or `seconds` pass)."""
+    if pidfile.exists():
+        try:
+            pid = int(pidfile.read_text())
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(int(seconds / 0.2)):
+                os.kill(pid, 0)
+                time.sleep(0.2)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def teardown(n=2):
     for k in range(1, n + 1):
-        pidfile = RUN / f"n{k}.pid"
-        if pidfile.exists():
-            try:
-                pid = int(pidfile.read_text())
-                os.kill(pid, signal.SIGTERM)
-                for _ in range(100):
-                    os.kill(pid, 0)
-                    time.sleep(0.2)
-            except (ProcessLookupError, ValueError):
-                pass
+        stop_daemon(RUN / f"n{k}.pid")
     sh("ip", "link", "del", "fbr0", check=False)   # a leftover veth makes the next setup fail
     for ns in [f"fbn{k}" for k in range(1, n + 1)] + ["fbfab"]:
         sh("ip", "netns", "del", ns, check=False)

@@ -6,7 +6,6 @@ import hashlib
 import io
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -17,6 +16,7 @@ import pytest
 
 from fleetbox.build import matrix
 from fleetbox.ship import kit_load
+from tests import fabric
 from tests.conftest import invoke
 from tests.integration.conftest import MD5_ATTRS
 from tests.unit.test_cli import one_line_error
@@ -184,16 +184,7 @@ def test_a_tampered_kit_is_refused_in_one_line_and_changes_nothing(kit, tmp_path
 def site(tmp_path):
     """A network namespace with loopback only, and a Docker Engine in it with a fresh, empty data root."""
     def stop():
-        pidfile = RUN / "dockerd.pid"
-        if pidfile.exists():
-            try:
-                pid = int(pidfile.read_text())
-                os.kill(pid, signal.SIGTERM)
-                for _ in range(150):
-                    os.kill(pid, 0)
-                    time.sleep(0.2)
-            except (ProcessLookupError, ValueError):
-                pass
+        fabric.stop_daemon(RUN / "dockerd.pid", seconds=30)
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
     stop()
     subprocess.run(["ip", "netns", "add", NS], check=True)
