@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,7 +119,8 @@ def source_revision() -> str:
 
 
 def freeze(entries: list[locks.Locked]) -> str:
-    return "\n".join(f"{e.name}=={e.version}" for e in sorted(entries, key=lambda e: e.name.lower()))
+    """The locked packages, space-separated (a `docker commit --change LABEL` cannot hold a newline)."""
+    return " ".join(f"{e.name}=={e.version}" for e in sorted(entries, key=lambda e: e.name.lower()))
 
 
 def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, revision: str) -> dict[str, str]:
@@ -139,17 +141,25 @@ def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, r
     }
 
 
+def recipe(variant: Variant, lock_text: str, entries: list, base_id: str, args: dict[str, str]) -> str:
+    """What the image is made from besides the lock and base: the layer split and each layer's script."""
+    from . import layers
+    split = layers.plan(variant, lock_text, entries, base_id, args["PYTHON"], args["PIP_WHEEL"])
+    return json.dumps({"layers": [(x.name, x.script, [e.name for e in x.entries]) for x in split],
+                       "settings": layers.changes(variant, [], {}), "freeze": freeze(entries)})
+
+
 def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, revision: str = "",
          data: list[datasets.Dataset] = ()) -> BuildPlan:
     """Pure: everything the build will do, from the variant, its base's ID, its lock (None if missing) and
     the data sets to bake."""
-    dockerfile_text = DOCKERFILE.read_text()
     lock_text, entries = lock if lock else ("", [])
     args = build_args(variant, entries) if entries else {
         "BASE_IMAGE": variant.base_ref, "PYTHON": variant.base.python, "PIP_WHEEL": "<from the lock>",
         "VARIANT": variant.name, "DEVICE": variant.device}
     lock_sha = locks.lock_hash(lock_text) if lock_text else ""
-    chash = content_hash(dockerfile_text, lock_text, base_id, args) if (base_id and lock_text) else ""
+    chash = content_hash(recipe(variant, lock_text, entries, base_id, args), lock_text, base_id, args) \
+        if (base_id and lock_text) else ""
     lbl = labels(variant, lock_sha, base_id or "", chash, entries, revision) if chash else {}
     return BuildPlan(variant, DOCKERFILE, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl,
                      tuple(data))
@@ -204,22 +214,66 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
 
 
 def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, force: bool, log) -> None:
+    """The environment in layers (build/layers.py): each layer run from the one before with the wheelhouse
+    mounted read-only and the network off, then committed; a layer whose inputs are unchanged is reused."""
+    from . import layers
     variant = p.variant
-    wheels = wheelhouse.verify(variant, wheel_dir, lock_text, entries)
+    wheelhouse.verify(variant, wheel_dir, lock_text, entries)
     for line in p.describe():
         log(line)
     rd = run_dir(f"build-{variant.name}")
-    with tempfile.TemporaryDirectory(prefix="fleetbox-build-", dir=wheel_dir.parent) as tmp:
-        ctx = _context(p, wheels, lock_text, Path(tmp))
-        log(f"building with the network off (log: {rd / 'build.log'})")
-        engine.build(c, rd / "build.log", echo=log, path=str(ctx), tag=p.tag, buildargs=p.build_args,
-                     labels=p.labels, network_mode="none", nocache=force)
+    split = layers.plan(variant, lock_text, entries, p.base_id, p.build_args["PYTHON"], p.build_args["PIP_WHEEL"])
+    base = c.images.get(p.base_ref)
+    change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
+    (rd / "by-hand.sh").write_text(layers.by_hand(variant, split, p.base_ref, str(wheel_dir.resolve()), p.tag,
+                                                  change_list))
+    parent = p.base_ref
+    with open(rd / "build.log", "a") as out:
+        for layer in split:
+            last = layer.name == "last"
+            tag = p.tag if last else layers.layer_tag(variant, layer)
+            have = image_or_none(c, tag)
+            if have is not None and not force and not last:
+                log(f"layer {layer.name:<24} reused ({tag})")
+                parent = tag
+                continue
+            t0 = time.monotonic()
+            _run_and_commit(c, parent, layer, str(wheel_dir.resolve()), tag,
+                            change_list if last else ['CMD ["python"]'], out)
+            size = c.images.get(tag).history()[0]["Size"]
+            log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s")
+            parent = tag
     image = c.images.get(p.tag)
     _alias(image, p.aliases)
     _tidy(c, existing, image)
-    (rd / "plan.json").write_text(json.dumps({"tags": p.tags, "build_args": p.build_args, "labels": p.labels},
-                                             indent=1))
-    log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}")
+    (rd / "plan.json").write_text(json.dumps({"tags": p.tags, "build_args": p.build_args, "labels": p.labels,
+                                              "layers": [(x.name, x.key) for x in split]}, indent=1))
+    log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}; "
+        f"by hand: {rd / 'by-hand.sh'}")
+
+
+def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: list[str], out) -> None:
+    """One layer: a container of `parent` runs the layer's script, network off, wheelhouse read-only; its
+    changes become the layer. The container is removed on every way out."""
+    from . import layers
+    import docker
+    ct = c.containers.create(parent, ["sh", "-c", layer.script, "sh", layer.requirements], network_mode="none",
+                             volumes={wheels: {"bind": layers.WHEELS, "mode": "ro"}},
+                             labels={"io.fleetbox.stage": "layer"})
+    try:
+        ct.start()
+        code = ct.wait()["StatusCode"]
+        out.write(ct.logs().decode(errors="replace"))
+        if code != 0:
+            tail = (ct.logs().decode(errors="replace").strip().splitlines() or ["?"])[-1]
+            raise UserError(f"layer {layer.name} failed (exit {code}): {tail[:300]}")
+        repo, name = tag.rsplit(":", 1)
+        ct.commit(repository=repo, tag=name, changes=change_list)
+    finally:
+        try:
+            ct.remove(force=True)
+        except docker.errors.APIError:
+            pass
 
 
 def _bake(c, p: BuildPlan, data_dir: Path, force: bool, log) -> None:
@@ -245,9 +299,8 @@ def _bake(c, p: BuildPlan, data_dir: Path, force: bool, log) -> None:
 
 
 def _tidy(c, replaced, image) -> None:
-    """Drop the install stage (it holds the wheels) and an image a forced rebuild left without tags."""
+    """Drop an image a forced rebuild left without tags."""
     import docker
-    c.images.prune(filters={"dangling": True, "label": "io.fleetbox.stage=install"})
     if replaced is not None and replaced.id != image.id:
         try:
             if not c.images.get(replaced.id).tags:

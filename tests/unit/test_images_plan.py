@@ -47,7 +47,7 @@ def test_labels_carry_provenance():
     assert lbl["org.opencontainers.image.revision"] == "abc123"
     assert lbl["org.opencontainers.image.base.digest"] == "sha256:" + "1" * 64
     assert lbl["io.fleetbox.lock-sha256"] == locks.lock_hash(LOCK)
-    assert lbl["io.fleetbox.pip-freeze"] == "paddlepaddle==3.3.1\npip==25.3"
+    assert lbl["io.fleetbox.pip-freeze"] == "paddlepaddle==3.3.1 pip==25.3"
     assert lbl["io.fleetbox.inputs-sha256"] == p.content_hash
 
 

@@ -1,0 +1,159 @@
+"""The image's environment in layers, by how often things change and by size (pure).
+
+Paddle and its dependency closure first (with the tools, pip and setuptools, which change as rarely), then
+each big extra (scipy, opencv) in a layer of its own, then the small rest, then a last small layer (the
+freeze file, the bind-mount targets, the image's settings). Changing one extra's pin changes its layer and
+the ones after it; the Paddle layer keeps its digest.
+
+Each layer is made by running the previous one (the base, first) with the wheelhouse bind-mounted read-only
+at /mnt and the network off, installing that layer's locked wheels with pip (hashes required, no
+dependencies resolved: the lock is complete), and committing the container: the wheels are never copied into
+any layer, and nothing is sent to the engine as build context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+from dataclasses import dataclass
+
+from . import locks
+from .matrix import Variant
+
+WHEELS = "/mnt"   # the wheelhouse's mount point: a folder every base has, so no layer records a new one
+VENV = "/opt/venv"
+BIND_TARGETS = ("/workspace", "/fleetbox/logs", "/fleetbox/helpers", "/fleetbox/checkpoints", "/fleetbox/resume",
+                "/root/.cache/paddle/dataset")   # for runtimes that cannot create them (Charliecloud, Apptainer)
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    entries: tuple[locks.Locked, ...]
+    script: str       # our own shell fragment (raw); the requirements arrive as "$1"
+    key: str          # digest of everything the layer is made from, its parent's key included
+
+    @property
+    def requirements(self) -> str:
+        return "".join(f"{e.name}=={e.version} " + " ".join(f"--hash=sha256:{h}" for h in e.hashes) + "\n"
+                       for e in self.entries)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def needs(lock_text: str) -> dict[str, set[str]]:
+    """Each locked package's direct dependencies, from the lock's `# via` notes (X via Y: Y needs X)."""
+    via: dict[str, set[str]] = {}
+    cur, listing = None, False
+    for line in lock_text.splitlines():
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", line)
+        if m:
+            cur, listing = _norm(m.group(1)), False
+            via[cur] = set()
+            continue
+        s = line.strip()
+        if cur and s.startswith("# via"):
+            rest = s[len("# via"):].strip()
+            listing = not rest
+            if rest:
+                via[cur].add(_norm(rest.split()[0]))
+        elif cur and listing and s.startswith("#   "):
+            via[cur].add(_norm(s[4:].split()[0]))
+        elif not s.startswith("#"):
+            listing = False
+    return {n: {x for x, ys in via.items() if n in ys} for n in via}
+
+
+def closure(root: str, deps: dict[str, set[str]]) -> set[str]:
+    out, todo = set(), [_norm(root)]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += deps.get(n, ())
+    return out
+
+
+def requirement_name(spec: str) -> str:
+    return _norm(re.split(r"[=<>!~\[; ]", spec, maxsplit=1)[0])
+
+
+def groups(variant: Variant, lock_text: str) -> list[tuple[str, set[str]]]:
+    """(layer name, package names) in order; empty groups left out."""
+    deps = needs(lock_text)
+    first = closure(variant.paddle_name, deps) | {requirement_name(t) for t in variant.tools}
+    out, taken = [("paddle", first)], set(first)
+    for extra in variant.extras:
+        mine = closure(requirement_name(extra), deps) - taken
+        out.append((requirement_name(extra), mine))
+        taken |= mine
+    out.append(("rest", set(deps) - taken))
+    return [(name, names) for name, names in out if names]
+
+
+def install_script(python: str, pip_wheel: str, first: bool) -> str:
+    """The shell one layer runs (ours, raw): make the venv in the first, then pip from its own wheel."""
+    venv = f"{shlex.quote(python)} -m venv --without-pip {VENV} && " if first else ""
+    return (f"set -e; {venv}printf '%s' \"$1\" | {VENV}/bin/python {WHEELS}/{pip_wheel}/pip install --no-index "
+            f"--no-cache-dir --find-links {WHEELS} --require-hashes --only-binary :all: --no-deps "
+            f"--disable-pip-version-check --quiet -r /dev/stdin")
+
+
+def last_script() -> str:
+    return (f"set -e; {VENV}/bin/python -m pip freeze --all --disable-pip-version-check > {VENV}/fleetbox-freeze.txt"
+            f" && mkdir -p {' '.join(BIND_TARGETS)}")
+
+
+def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id: str, python: str,
+         pip_wheel: str) -> list[Layer]:
+    """Every layer with its key: a layer is reused when an image with its key exists."""
+    by = {_norm(e.name): e for e in entries}
+    parent, out = base_id, []
+    for i, (name, names) in enumerate(groups(variant, lock_text)):
+        chosen = tuple(by[n] for n in sorted(names))
+        script = install_script(python, pip_wheel, first=i == 0)
+        key = _digest(parent, name, script, [(e.name, e.version, e.hashes) for e in chosen])
+        out.append(Layer(name, chosen, script, key))
+        parent = key
+    out.append(Layer("last", (), last_script(), _digest(parent, "last", last_script())))
+    return out
+
+
+def _digest(*values) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=list).encode()).hexdigest()
+
+
+def layer_tag(variant: Variant, layer: Layer) -> str:
+    return f"{variant.image}-layers:{variant.name}-{layer.name}-{layer.key[:12]}"
+
+
+def changes(variant: Variant, base_env: list[str], labels: dict[str, str]) -> list[str]:
+    """The image's settings, as `docker commit --change` instructions (JSON forms: no shell, no expansion)."""
+    path = next((e.split("=", 1)[1] for e in base_env if e.startswith("PATH=")),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    env = {"VIRTUAL_ENV": VENV, "PATH": f"{VENV}/bin:{path}", "PYTHONUNBUFFERED": "1", "PIP_NO_INDEX": "1",
+           "FLEETBOX_VARIANT": variant.name, "FLEETBOX_DEVICE": variant.device}
+    return ([f"ENV {k}={json.dumps(v)}" for k, v in env.items()] + ["WORKDIR /workspace", 'CMD ["python"]']
+            + [f"LABEL {json.dumps(k)}={json.dumps(v)}" for k, v in sorted(labels.items())])
+
+
+def by_hand(variant: Variant, layers: list[Layer], base_ref: str, wheelhouse: str, final_tag: str,
+            change_list: list[str]) -> str:
+    """The same build as a shell script a user can run (every value quoted)."""
+    q = shlex.quote
+    lines = ["set -e", f"WHEELHOUSE={q(wheelhouse)}", f"FROM={q(base_ref)}"]
+    for layer in layers:
+        tag = final_tag if layer.name == "last" else layer_tag(variant, layer)
+        name = f"fleetbox-layer-{layer.name}"
+        lines += [f"# layer {layer.name}: {', '.join(e.name for e in layer.entries) or 'settings and freeze'}",
+                  f"docker run --name {q(name)} --network none -v \"$WHEELHOUSE:{WHEELS}:ro\" \"$FROM\" "
+                  f"sh -c {q(layer.script)} sh {q(layer.requirements)}",
+                  "docker commit " + (" ".join(f"--change {q(c)}" for c in change_list) + " "
+                                      if layer.name == "last" else "--change 'CMD [\"python\"]' ")
+                  + f"{q(name)} {q(tag)}",
+                  f"docker rm {q(name)}", f"FROM={q(tag)}"]
+    return "\n".join(lines) + "\n"
