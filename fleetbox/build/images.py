@@ -1,6 +1,6 @@
 """Image builds (`invoke build`): plan (pure) and act (hermetic docker build from the wheelhouse).
 
-The content tag hashes everything the image is made of: Dockerfile, lock, base image ID and build args.
+The content tag hashes everything the image is made of: the layer recipe, lock, base image ID and build args.
 Same inputs, same tag: when it exists, nothing is rebuilt (and nothing is sent to the engine).
 """
 
@@ -22,9 +22,9 @@ from . import locks, wheelhouse
 from .. import engine
 from ..engine import image_or_none, run_dir
 from ..errors import UserError
-from .matrix import DOCKERFILE, Variant
+from .matrix import Variant
 
-DATA_DOCKERFILE = DOCKERFILE.parent / "data.Dockerfile"
+DATA_DOCKERFILE = ROOT / "images" / "data.Dockerfile"
 
 UNKNOWN = "<unknown until the base exists>"
 
@@ -32,7 +32,6 @@ UNKNOWN = "<unknown until the base exists>"
 @dataclass(frozen=True)
 class BuildPlan:
     variant: Variant
-    dockerfile: Path
     base_ref: str
     base_id: str
     build_args: dict[str, str]
@@ -40,6 +39,7 @@ class BuildPlan:
     content_hash: str
     labels: dict[str, str] = field(default_factory=dict)
     data: tuple = ()   # data sets baked on top, in a thin image of their own
+    layers: tuple = ()   # (layer name, its packages), in order (build/layers.py)
 
     @property
     def aliases(self) -> list[str]:
@@ -67,7 +67,6 @@ class BuildPlan:
 
     def describe(self) -> list[str]:
         v = self.variant
-        args = " ".join(f"--build-arg {k}={val}" for k, val in self.build_args.items())
         return [
             f"variant   {v.name}: {v.description} [{v.device}{''.join(f', {k} {x}' for k, x in v.accel.items())}]",
             f"paddle    {v.paddle} from {v.paddle_index or v.pypi}",
@@ -81,7 +80,10 @@ class BuildPlan:
             f"aliases   {' '.join(self.aliases)}",
             "datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {settings.CONTAINER_CACHE} in "
                              f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})" if self.data else "none baked"),
-            f"command   docker build --network none -f {self.dockerfile.relative_to(ROOT)} {args} CONTEXT",
+            *[f"layer     {name}: {', '.join(pkgs) or 'the freeze file, bind-mount targets and settings'}"
+              for name, pkgs in self.layers],
+            "command   per layer: docker run --network none -v WHEELHOUSE:/mnt:ro <previous layer> sh -c <install> "
+            "&& docker commit (every build writes the exact commands to runs/build-<variant>-*/by-hand.sh)",
         ]
 
 
@@ -141,10 +143,15 @@ def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, r
     }
 
 
+def _layers(variant: Variant, lock_text: str, entries: list, args: dict[str, str], base_id: str = ""):
+    from . import layers
+    return layers.plan(variant, lock_text, entries, base_id, args["PYTHON"], args["PIP_WHEEL"])
+
+
 def recipe(variant: Variant, lock_text: str, entries: list, base_id: str, args: dict[str, str]) -> str:
     """What the image is made from besides the lock and base: the layer split and each layer's script."""
     from . import layers
-    split = layers.plan(variant, lock_text, entries, base_id, args["PYTHON"], args["PIP_WHEEL"])
+    split = _layers(variant, lock_text, entries, args, base_id)
     return json.dumps({"layers": [(x.name, x.script, [e.name for e in x.entries]) for x in split],
                        "settings": layers.changes(variant, [], {}), "freeze": freeze(entries)})
 
@@ -161,8 +168,9 @@ def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, r
     chash = content_hash(recipe(variant, lock_text, entries, base_id, args), lock_text, base_id, args) \
         if (base_id and lock_text) else ""
     lbl = labels(variant, lock_sha, base_id or "", chash, entries, revision) if chash else {}
-    return BuildPlan(variant, DOCKERFILE, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl,
-                     tuple(data))
+    split = tuple((x.name, tuple(e.name for e in x.entries)) for x in _layers(variant, lock_text, entries, args)) \
+        if entries else ()
+    return BuildPlan(variant, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl, tuple(data), split)
 
 
 def dry_run(variant: Variant, client_or_none, data: list[datasets.Dataset] = ()) -> BuildPlan:
@@ -183,17 +191,6 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copy(src, dst)
 
 
-def _context(p: BuildPlan, wheels: list[Path], lock_text: str, tmp: Path) -> Path:
-    """Dockerfile + lock + wheels/, hard-linked where possible (no copy of the 300 MB wheelhouse)."""
-    ctx = tmp / "context"
-    (ctx / "wheels").mkdir(parents=True)
-    shutil.copy(p.dockerfile, ctx / "Dockerfile")
-    (ctx / "requirements.lock").write_text(lock_text)
-    for w in wheels:
-        _link(w, ctx / "wheels" / w.name)
-    return ctx
-
-
 def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = False, log=print,
           data: list[datasets.Dataset] = (), data_dir: Path | None = None) -> BuildPlan:
     """Build the variant's image with the network off, unless an image with the same inputs exists."""
@@ -205,7 +202,7 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
     existing = image_or_none(c, p.tag)
     if existing and not force:
         _alias(existing, p.aliases)
-        log(f"{p.tag} is up to date (same Dockerfile, lock, base and args); nothing to build")
+        log(f"{p.tag} is up to date (same layers, lock, base and args); nothing to build")
     else:
         _build_main(c, p, lock_text, entries, wheel_dir or wheelhouse.default_dir(variant), existing, force, log)
     if data:

@@ -113,9 +113,11 @@ def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id:
     """Every layer with its key: a layer is reused when an image with its key exists."""
     by = {_norm(e.name): e for e in entries}
     parent, out = base_id, []
-    for i, (name, names) in enumerate(groups(variant, lock_text)):
-        chosen = tuple(by[n] for n in sorted(names))
-        script = install_script(python, pip_wheel, first=i == 0)
+    for name, names in groups(variant, lock_text):
+        chosen = tuple(by[n] for n in sorted(names) if n in by)   # a name the lock lacks: nothing to install
+        if not chosen:
+            continue
+        script = install_script(python, pip_wheel, first=not out)
         key = _digest(parent, name, script, [(e.name, e.version, e.hashes) for e in chosen])
         out.append(Layer(name, chosen, script, key))
         parent = key

@@ -12,7 +12,6 @@ from .. import ROOT
 from ..errors import UserError
 
 MATRIX_PATH = ROOT / "images" / "matrix.toml"
-DOCKERFILE = ROOT / "images" / "Dockerfile"
 LOCK_DIR = ROOT / "images" / "locks"
 
 

@@ -2,7 +2,6 @@
 import pytest
 
 from fleetbox.build import images, locks, matrix
-from fleetbox.build.matrix import DOCKERFILE
 
 LOCK = ("# fleetbox-lock\npip==25.3 \\\n    --hash=sha256:aa\npaddlepaddle==3.3.1 \\\n    --hash=sha256:bb\n")
 
@@ -30,7 +29,9 @@ def test_tag_is_content_addressed_and_stable():
 
 @pytest.mark.parametrize("what", ["dockerfile", "lock", "base_id", "build_arg"])
 def test_tag_changes_with_each_input(what):
-    df, base, args = DOCKERFILE.read_text(), "sha256:" + "1" * 64, _plan().build_args
+    base, args = "sha256:" + "1" * 64, _plan().build_args
+    v = matrix.load().get("cpu")
+    df = images.recipe(v, LOCK, locks.parse(LOCK), base, args)   # the layer split and scripts
     ref = images.content_hash(df, LOCK, base, args)
     changed = {
         "dockerfile": lambda: images.content_hash(df + "\n# x", LOCK, base, args),
@@ -56,7 +57,7 @@ def test_dry_run_plan_renders_for_every_variant_without_lock_or_base(name):
     v = matrix.load().get(name)
     p = images.plan(v, None, None)
     text = "\n".join(p.describe())
-    assert f"variant   {name}" in text and v.paddle in text and "docker build --network none" in text
+    assert f"variant   {name}" in text and v.paddle in text and "docker run --network none" in text
     assert "MISSING" in text and f"invoke lock --variant {name}" in text
     assert p.tag == images.UNKNOWN
     if v.paddle_index:
@@ -67,3 +68,11 @@ def test_pip_wheel_needs_pip_in_the_lock():
     from fleetbox.errors import UserError
     with pytest.raises(UserError, match="no pip"):
         images.pip_wheel(locks.parse("numpy==1 \\\n  --hash=sha256:a\n"))
+
+
+def test_the_plan_names_each_layer_and_its_packages():
+    lock = LOCK.replace("paddlepaddle==3.3.1 \\\n    --hash=sha256:bb\n",
+                        "paddlepaddle==3.3.1 \\\n    --hash=sha256:bb\nscipy==1.17.1 \\\n    --hash=sha256:cc\n")
+    text = "\n".join(_plan(lock_text=lock).describe())
+    assert "layer     paddle: paddlepaddle, pip\n" in text and "layer     scipy: scipy\n" in text, text
+    assert "layer     last: the freeze file" in text
