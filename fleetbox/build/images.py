@@ -153,7 +153,7 @@ def recipe(variant: Variant, lock_text: str, entries: list, base_id: str, args: 
     from . import layers
     split = _layers(variant, lock_text, entries, args, base_id)
     return json.dumps({"layers": [(x.name, x.script, [e.name for e in x.entries]) for x in split],
-                       "settings": layers.changes(variant, [], {}), "freeze": freeze(entries)})
+                       "settings": layers.changes(variant, [], {}), "freeze": freeze(entries), "mount": layers.MOUNT})
 
 
 def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, revision: str = "",
@@ -254,8 +254,9 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
     changes become the layer. The container is removed on every way out."""
     from . import layers
     import docker
+    # a bind mount in the host config only: `volumes=` would also declare a VOLUME that commit keeps
     ct = c.containers.create(parent, ["sh", "-c", layer.script, "sh", layer.requirements], network_mode="none",
-                             volumes={wheels: {"bind": layers.WHEELS, "mode": "ro"}},
+                             mounts=[docker.types.Mount(layers.WHEELS, wheels, type="bind", read_only=True)],
                              labels={"io.fleetbox.stage": "layer"})
     try:
         ct.start()

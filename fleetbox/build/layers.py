@@ -23,6 +23,7 @@ from . import locks
 from .matrix import Variant
 
 WHEELS = "/mnt"   # the wheelhouse's mount point: a folder every base has, so no layer records a new one
+MOUNT = f"type=bind,dst={WHEELS},readonly"   # how the wheelhouse reaches a layer's container (no VOLUME)
 VENV = "/opt/venv"
 BIND_TARGETS = ("/workspace", "/fleetbox/logs", "/fleetbox/helpers", "/fleetbox/checkpoints", "/fleetbox/resume",
                 "/root/.cache/paddle/dataset")   # for runtimes that cannot create them (Charliecloud, Apptainer)
@@ -118,7 +119,7 @@ def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id:
         if not chosen:
             continue
         script = install_script(python, pip_wheel, first=not out)
-        key = _digest(parent, name, script, [(e.name, e.version, e.hashes) for e in chosen])
+        key = _digest(parent, name, script, MOUNT, [(e.name, e.version, e.hashes) for e in chosen])
         out.append(Layer(name, chosen, script, key))
         parent = key
     out.append(Layer("last", (), last_script(), _digest(parent, "last", last_script())))
@@ -152,7 +153,7 @@ def by_hand(variant: Variant, layers: list[Layer], base_ref: str, wheelhouse: st
         tag = final_tag if layer.name == "last" else layer_tag(variant, layer)
         name = f"fleetbox-layer-{layer.name}"
         lines += [f"# layer {layer.name}: {', '.join(e.name for e in layer.entries) or 'settings and freeze'}",
-                  f"docker run --name {q(name)} --network none -v \"$WHEELHOUSE:{WHEELS}:ro\" \"$FROM\" "
+                  f"docker run --name {q(name)} --network none --mount \"{MOUNT},src=$WHEELHOUSE\" \"$FROM\" "
                   f"sh -c {q(layer.script)} sh {q(layer.requirements)}",
                   "docker commit " + (" ".join(f"--change {q(c)}" for c in change_list) + " "
                                       if layer.name == "last" else "--change 'CMD [\"python\"]' ")

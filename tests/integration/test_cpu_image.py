@@ -104,6 +104,11 @@ def test_no_layer_of_the_image_holds_a_wheel(cpu_image, tmp_path):
         docker("rmi", "-f", tag)
 
 
+def test_the_image_declares_no_volume(cpu_image):
+    # a layer's wheelhouse mount must not become a VOLUME of the image (every job would get an empty /mnt)
+    assert not cpu_image["image"].attrs["Config"].get("Volumes"), cpu_image["image"].attrs["Config"]
+
+
 def test_image_carries_provenance(cpu_image):
     labels = cpu_image["image"].labels
     from fleetbox.build import locks, matrix
