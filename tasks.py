@@ -44,13 +44,15 @@ def _log(msg):
     print(msg, flush=True)
 
 
-@task(help={"variant": VARIANT_HELP})
+@task(help={"variant": VARIANT_HELP,
+            "upgrade": "resolve every package afresh (default: keep the versions the lock pins where the matrix "
+                       "still allows them, so one changed pin moves nothing else)"})
 @_fleetbox
-def lock(c, variant=None):
+def lock(c, variant=None, upgrade=False):
     """Resolve the variant's pins across PyPI and Paddle's index into images/locks/<variant>.lock (sha256)."""
     from fleetbox.build import locks
     v = _variant(variant)
-    path = locks.make(v)
+    path = locks.make(v, upgrade=upgrade)
     _, entries = locks.read(v)
     _log(f"wrote {path} ({len(entries)} packages, sha256 hashes, Python {v.python_version}, {v.platform})")
 

@@ -121,8 +121,11 @@ def _check_reachable(url: str) -> None:
                         f"and commit the lock") from None
 
 
-def make(variant: Variant, out: Path | None = None) -> Path:
-    """Resolve and write the lock atomically to `out` (default images/locks/<variant>.lock)."""
+def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Path:
+    """Resolve and write the lock atomically to `out` (default images/locks/<variant>.lock).
+    The versions the lock already pins are kept where the new inputs allow them (uv reads its output file as
+    preferences), so changing one pin does not move others, nor the image layers they are in; `upgrade`
+    resolves every package afresh."""
     _check_reachable(variant.pypi)
     if variant.paddle_index:
         _check_reachable(variant.paddle_index)
@@ -131,6 +134,8 @@ def make(variant: Variant, out: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix="fleetbox-lock-") as tmp:
         project, compiled = Path(tmp) / "pyproject.toml", Path(tmp) / "out.lock"
         project.write_text(project_file(variant))
+        if path.exists() and not upgrade:
+            compiled.write_text(path.read_text())
         argv = [_uv_binary(), *compile_argv(variant, project, compiled)[1:]]
         proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp,
                               env={**os.environ, "UV_NO_CONFIG": "1"})

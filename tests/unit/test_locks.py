@@ -88,11 +88,12 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_wheel(name: str, version: str) -> bytes:
+def tiny_wheel(name: str, version: str, requires: str = "") -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         info = f"{name}-{version}.dist-info"
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                   + (f"Requires-Dist: {requires}\n" if requires else ""))
         z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{info}/RECORD", "")
     return buf.getvalue()
@@ -137,3 +138,35 @@ def test_lock_is_written_where_asked_and_nowhere_else(pypi, tmp_path):
     assert out.read_text().startswith(locks.header(v))
     assert sorted(p.name for p in out.parent.iterdir()) == ["cpu.lock"]   # no staged file left behind
     assert not matrix.LOCK_DIR.exists()
+
+
+def test_relocking_keeps_the_pins_it_can_and_upgrade_moves_them(tmp_path, monkeypatch):
+    """Changing one pin must not move another package (nor the image layer it lives in): the lock's own pins
+    are uv's preferences; --upgrade resolves afresh."""
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))
+    root = tmp_path / "index"
+    wheels = {("paddlepaddle", "3.3.1"): tiny_wheel("paddlepaddle", "3.3.1", "helper"),
+              ("helper", "1.0"): tiny_wheel("helper", "1.0"), ("helper", "2.0"): tiny_wheel("helper", "2.0"),
+              ("extra", "1.0"): tiny_wheel("extra", "1.0"), ("extra", "1.1"): tiny_wheel("extra", "1.1")}
+    (root / "files").mkdir(parents=True)
+    for (name, version), data in wheels.items():
+        fn = f"{name}-{version}-py3-none-any.whl"
+        (root / "files" / fn).write_bytes(data)
+        (root / "simple" / name).mkdir(parents=True, exist_ok=True)
+        with open(root / "simple" / name / "index.html", "a") as f:
+            f.write(f'<a href="../../files/{fn}#sha256={hashlib.sha256(data).hexdigest()}">{fn}</a>\n')
+    out = tmp_path / "cpu.lock"
+
+    def pins(text):
+        return {e.name: e.version for e in locks.parse(text)}
+
+    with Server(root) as s:
+        base = replace(matrix.load().get("cpu"), pypi=f"{s.url}/simple", tools=())
+        out.write_text(locks.header(base) + "helper==1.0 \\\n    --hash=sha256:" +
+                       hashlib.sha256(wheels[("helper", "1.0")]).hexdigest() + "\n")
+        locks.make(replace(base, extras=("extra==1.0",)), out=out)
+        assert pins(out.read_text()) == {"paddlepaddle": "3.3.1", "helper": "1.0", "extra": "1.0"}
+        locks.make(replace(base, extras=("extra==1.1",)), out=out)   # one pin changed: helper stays
+        assert pins(out.read_text()) == {"paddlepaddle": "3.3.1", "helper": "1.0", "extra": "1.1"}
+        locks.make(replace(base, extras=("extra==1.1",)), out=out, upgrade=True)
+        assert pins(out.read_text()) == {"paddlepaddle": "3.3.1", "helper": "2.0", "extra": "1.1"}
