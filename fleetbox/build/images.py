@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -82,8 +83,8 @@ class BuildPlan:
                              f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})" if self.data else "none baked"),
             *[f"layer     {name}: {', '.join(pkgs) or 'the freeze file, bind-mount targets and settings'}"
               for name, pkgs in self.layers],
-            "command   per layer: docker run --network none -v WHEELHOUSE:/mnt:ro <previous layer> sh -c <install> "
-            "&& docker commit (every build writes the exact commands to runs/build-<variant>-*/by-hand.sh)",
+            "command   per layer: docker run --network none --mount type=bind,dst=/mnt,readonly,src=WHEELHOUSE "
+            "<previous layer> sh -c <install> && docker commit (every build writes the exact commands to runs/build-<variant>-*/by-hand.sh)",
         ]
 
 
@@ -228,7 +229,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     with open(rd / "build.log", "a") as out:
         for layer in split:
             last = layer.name == "last"
-            tag = p.tag if last else layers.layer_tag(variant, layer)
+            tag = p.tag if last else layers.layer_tag(layer)
             have = image_or_none(c, tag)
             if have is not None and not force and not last:
                 log(f"layer {layer.name:<24} reused ({tag})")
@@ -257,7 +258,7 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
     # a bind mount in the host config only: `volumes=` would also declare a VOLUME that commit keeps
     ct = c.containers.create(parent, ["sh", "-c", layer.script, "sh", layer.requirements], network_mode="none",
                              mounts=[docker.types.Mount(layers.WHEELS, wheels, type="bind", read_only=True)],
-                             labels={"io.fleetbox.stage": "layer"})
+                             name=f"fleetbox-layer-{layer.name}-{secrets.token_hex(4)}")   # no labels: commit keeps them
     try:
         ct.start()
         code = ct.wait()["StatusCode"]

@@ -96,17 +96,34 @@ def groups(variant: Variant, lock_text: str) -> list[tuple[str, set[str]]]:
     return [(name, names) for name, names in out if names]
 
 
+EPOCH = 315532800   # 1980-01-01: every file a layer adds or changes gets this time, so a layer made again
+                    # from the same inputs is byte-identical (same digest: nothing to push or pull again)
+
+
+def _settle() -> str:
+    """Ours (raw): give every path this layer added or changed the fixed time, so its tar does not depend on
+    when it was made (paths of earlier layers are left alone: touching one would copy it into this layer)."""
+    return (f"find / -xdev \\( -path /proc -o -path /sys -o -path /dev -o -path {WHEELS} \\) -prune -o "
+            f"-newermt \"@$t0\" -exec touch -h -d @{EPOCH} {{}} +")
+
+
 def install_script(python: str, pip_wheel: str, first: bool) -> str:
-    """The shell one layer runs (ours, raw): make the venv in the first, then pip from its own wheel."""
+    """The shell one layer runs (ours, raw): make the venv in the first, then pip from its own wheel; then
+    byte-compile what this layer added (only that: compileall on older folders would read every file), after
+    the sources got the fixed time, which a .pyc records. A file that does not compile (some wheels ship
+    Python 2 examples) is skipped, as pip itself skips it. The list lives in /dev/shm, outside the layer."""
     venv = f"{shlex.quote(python)} -m venv --without-pip {VENV} && " if first else ""
-    return (f"set -e; {venv}printf '%s' \"$1\" | {VENV}/bin/python {WHEELS}/{pip_wheel}/pip install --no-index "
-            f"--no-cache-dir --find-links {WHEELS} --require-hashes --only-binary :all: --no-deps "
-            f"--disable-pip-version-check --quiet -r /dev/stdin")
+    return (f"set -e; t0=$(date +%s.%N); {venv}printf '%s' \"$1\" | {VENV}/bin/python {WHEELS}/{pip_wheel}/pip "
+            f"install --no-index --no-cache-dir --find-links {WHEELS} --require-hashes --only-binary :all: --no-deps "
+            f"--no-compile --disable-pip-version-check --quiet -r /dev/stdin; "
+            f"find {VENV}/lib/python*/site-packages -mindepth 1 -maxdepth 1 -newermt \"@$t0\" > /dev/shm/fleetbox-new; "
+            f"{_settle()}; xargs -r {VENV}/bin/python -m compileall -q -j 0 < /dev/shm/fleetbox-new >/dev/null || true; "
+            f"{_settle()}")
 
 
 def last_script() -> str:
-    return (f"set -e; {VENV}/bin/python -m pip freeze --all --disable-pip-version-check > {VENV}/fleetbox-freeze.txt"
-            f" && mkdir -p {' '.join(BIND_TARGETS)}")
+    return (f"set -e; t0=$(date +%s.%N); {VENV}/bin/python -m pip freeze --all --disable-pip-version-check "
+            f"> {VENV}/fleetbox-freeze.txt && mkdir -p {' '.join(BIND_TARGETS)}; {_settle()}")
 
 
 def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id: str, python: str,
@@ -130,8 +147,12 @@ def _digest(*values) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=list).encode()).hexdigest()
 
 
-def layer_tag(variant: Variant, layer: Layer) -> str:
-    return f"{variant.image}-layers:{variant.name}-{layer.name}-{layer.key[:12]}"
+LAYERS_REPO = "fleetbox/layers"   # local tags of the layers, by content: variants and images that share a layer's
+                                  # inputs (base, packages, script) share the layer
+
+
+def layer_tag(layer: Layer) -> str:
+    return f"{LAYERS_REPO}:{layer.name}-{layer.key[:12]}"
 
 
 def changes(variant: Variant, base_env: list[str], labels: dict[str, str]) -> list[str]:
@@ -146,17 +167,21 @@ def changes(variant: Variant, base_env: list[str], labels: dict[str, str]) -> li
 
 def by_hand(variant: Variant, layers: list[Layer], base_ref: str, wheelhouse: str, final_tag: str,
             change_list: list[str]) -> str:
-    """The same build as a shell script a user can run (every value quoted)."""
+    """The same build as a shell script a user can run (every value quoted). WHEELHOUSE, LAYERS (the layers'
+    repository) and IMAGE (the final tag) may be set in the environment, to build beside ours."""
     q = shlex.quote
-    lines = ["set -e", f"WHEELHOUSE={q(wheelhouse)}", f"FROM={q(base_ref)}"]
+    lines = ["#!/bin/sh", f"# {variant.name}: the environment in {len(layers)} layers, as `invoke build` makes it.",
+             "set -e", f"WHEELHOUSE=${{WHEELHOUSE:-{q(wheelhouse)}}}", f"LAYERS=${{LAYERS:-{q(LAYERS_REPO)}}}",
+             f"IMAGE=${{IMAGE:-{q(final_tag)}}}", f"FROM={q(base_ref)}"]
     for layer in layers:
-        tag = final_tag if layer.name == "last" else layer_tag(variant, layer)
-        name = f"fleetbox-layer-{layer.name}"
+        last = layer.name == "last"
+        tag = '"$IMAGE"' if last else f'"$LAYERS":{q(layer_tag(layer).split(":", 1)[1])}'
+        name = q(f"fleetbox-layer-{layer.name}")
+        changes = change_list if last else ['CMD ["python"]']
         lines += [f"# layer {layer.name}: {', '.join(e.name for e in layer.entries) or 'settings and freeze'}",
-                  f"docker run --name {q(name)} --network none --mount \"{MOUNT},src=$WHEELHOUSE\" \"$FROM\" "
+                  f"docker rm -f {name} >/dev/null 2>&1 || true",
+                  f"docker run --name {name} --network none --mount \"{MOUNT},src=$WHEELHOUSE\" \"$FROM\" "
                   f"sh -c {q(layer.script)} sh {q(layer.requirements)}",
-                  "docker commit " + (" ".join(f"--change {q(c)}" for c in change_list) + " "
-                                      if layer.name == "last" else "--change 'CMD [\"python\"]' ")
-                  + f"{q(name)} {q(tag)}",
-                  f"docker rm {q(name)}", f"FROM={q(tag)}"]
+                  "docker commit " + " ".join(f"--change {q(c)}" for c in changes) + f" {name} {tag}",
+                  f"docker rm {name}", f"FROM={tag}"]
     return "\n".join(lines) + "\n"

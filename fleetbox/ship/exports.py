@@ -125,10 +125,16 @@ def push(c, image, refs: list[str], log=print) -> list[str]:
             repo, tag = ref.rsplit(":", 1)
             image.tag(repo, tag)
             log(f"pushing {ref}")
+            status: dict[str, str] = {}   # layer -> how it ended: sent, or found in the registry
             try:
                 for line in c.images.push(repo, tag, stream=True, decode=True):
                     if "error" in line:
                         raise UserError(f"the registry refused {ref}: {line['error'].strip()}")
+                    if line.get("id") and line.get("status") in ("Pushed", "Layer already exists") \
+                            or str(line.get("status", "")).startswith("Mounted from"):
+                        status[line["id"]] = "sent" if line["status"] == "Pushed" else "there"
+                sent = sum(1 for x in status.values() if x == "sent")
+                log(f"  {sent} layer(s) sent, {len(status) - sent} already in the registry")
             except docker.errors.APIError as e:
                 raise UserError(f"push of {ref} failed: {(e.explanation or str(e)).strip()[:300]}") from None
     except UserError:

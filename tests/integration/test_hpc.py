@@ -164,7 +164,21 @@ def test_sbatch_missing_is_one_clear_line(cpu_image):
     one_line_error(proc, "sbatch not found: run on a Slurm login node")
 
 
-def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, tmp_path):
+def _blobs(storage: Path) -> dict[str, int]:
+    """The registry's blobs (layers, configs, manifests) by digest, with their sizes, as stored on disk."""
+    return {f"sha256:{d.parent.name}": d.stat().st_size
+            for d in storage.glob("docker/registry/v2/blobs/sha256/*/*/data")}
+
+
+def _manifest(ref: str) -> dict:
+    host, rest = ref.split("/", 1)
+    repo, tag = rest.rsplit(":", 1)
+    out = subprocess.run(["curl", "-sf", "-H", "Accept: application/vnd.docker.distribution.manifest.v2+json",
+                          f"http://{host}/v2/{repo}/manifests/{tag}"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, bumped, tmp_path):
     cfg = tmp_path / "registry.yml"
     cfg.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path}/data\n"
                    f"http:\n  addr: 127.0.0.1:5055\n")
@@ -194,6 +208,18 @@ def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, tm
         tags = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}"], capture_output=True,
                               text=True).stdout.split()
         assert not [t for t in tags if t.startswith("127.0.0.1:5099/")]   # a refused push leaves no tags
+
+        # one pin changed (opencv): the second push sends only the opencv layer and the last one
+        first = _manifest("127.0.0.1:5055/fleetbox/paddle:cpu")
+        held = _blobs(tmp_path / "data")
+        again = bumped["run"]("push", "--variant", "cpu", "--registry", "127.0.0.1:5055/fleetbox")
+        second = _manifest("127.0.0.1:5055/fleetbox/paddle:cpu")
+        assert [x["digest"] for x in second["layers"]][:-2] == [x["digest"] for x in first["layers"]][:-2]
+        new = {d: n for d, n in _blobs(tmp_path / "data").items() if d not in held}
+        changed = {x["digest"] for x in second["layers"][-2:]}
+        assert changed <= new.keys() and len(new) == 4, new   # + the image's config and its one manifest
+        assert sum(new.values()) < 0.2 * sum(x["size"] for x in second["layers"]), new   # opencv: ~10% of it
+        assert "2 layer(s) sent, " in again.stdout, again.stdout
     finally:
         reg.terminate()
         reg.wait()

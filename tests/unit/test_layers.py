@@ -38,9 +38,38 @@ def test_the_requirements_of_a_layer_carry_every_hash_and_no_other_package():
     assert "scipy" not in paddle.requirements
 
 
-def test_the_by_hand_script_quotes_every_value():
-    script = layers.by_hand(V, split(), "fleetbox/base:x", "/path with space/wh'eel", "fleetbox/paddle:cpu-1",
-                            layers.changes(V, ["PATH=/usr/bin"], {"a": "b c"}))
-    assert "WHEELHOUSE='/path with space/wh'\"'\"'eel'" in script
-    assert script.count("docker run ") == 4 and script.count("docker commit ") == 4
-    assert "--change 'LABEL \"a\"=\"b c\"'" in script and "--change 'ENV PATH=\"/opt/venv/bin:/usr/bin\"'" in script
+def _calls(script: str, env: dict) -> list[list[str]]:
+    """The docker commands the script would run, each as its argv (docker replaced by a recorder)."""
+    import subprocess
+    rec = "docker() { for a in \"$@\"; do printf '%s\\0' \"$a\"; done; printf '\\n\\0'; }\n"
+    out = subprocess.run(["sh", "-c", rec + script], capture_output=True, env=env, check=True).stdout.decode()
+    calls, cur = [], []
+    for a in out.split("\0")[:-1]:
+        if a == "\n":
+            calls.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    return calls
+
+
+def test_the_by_hand_script_passes_every_value_whole_and_takes_its_tags_from_the_environment():
+    hostile = "/path with space/wh'eel$(touch /tmp/x)"
+    layers_ = split()
+    script = layers.by_hand(V, layers_, "fleetbox/base:x", hostile, "fleetbox/paddle:cpu-1",
+                            layers.changes(V, ["PATH=/usr/bin"], {"a": "b c'd"}))
+    runs = [c for c in _calls(script, {"PATH": "/usr/bin:/bin"}) if c[0] == "run"]
+    commits = [c for c in _calls(script, {"PATH": "/usr/bin:/bin"}) if c[0] == "commit"]
+    assert len(runs) == len(commits) == 4
+    for call, layer in zip(runs, layers_):
+        assert f"type=bind,dst=/mnt,readonly,src={hostile}" in call
+        assert call[-5:] == ["sh", "-c", layer.script, "sh", layer.requirements]   # requirements arrive whole
+    assert [c[-1] for c in commits] == [layers.layer_tag(x) for x in layers_[:-1]] + ["fleetbox/paddle:cpu-1"]
+    assert 'LABEL "a"="b c\'d"' in commits[-1] and 'ENV PATH="/opt/venv/bin:/usr/bin"' in commits[-1]
+    assert [r[r.index("--network") + 1] for r in runs] == ["none"] * 4
+    # each layer runs from the one before; the first from the base
+    assert [r[-6] for r in runs] == ["fleetbox/base:x"] + [c[-1] for c in commits[:-1]]
+    mine = _calls(script, {"PATH": "/usr/bin:/bin", "WHEELHOUSE": "/w", "LAYERS": "me/l", "IMAGE": "me/img:1"})
+    tags = [c[-1] for c in mine if c[0] == "commit"]
+    assert tags == [f"me/l:{layers.layer_tag(x).split(':', 1)[1]}" for x in layers_[:-1]] + ["me/img:1"]
+    assert all("type=bind,dst=/mnt,readonly,src=/w" in c for c in mine if c[0] == "run")

@@ -1,0 +1,103 @@
+"""Layered builds for real: one changed pin makes only its layer and the last again (the rest keep their
+digests), and the by-hand script every build writes makes the very same layers, byte for byte."""
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from fleetbox.build import locks, matrix
+from tests.integration.conftest import _ok, layer_digests
+
+
+def docker(*args, check=True):
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=900, check=check)
+
+
+def test_one_changed_pin_makes_only_its_layer_and_the_last_again_and_the_image_verifies(cpu_image, bumped):
+    v = matrix.load().get("cpu")
+    old = {e.name: e.version for e in locks.read(v)[1]}
+    new = {e.name: e.version for e in locks.parse((bumped["src"] / "images/locks/cpu.lock").read_text())}
+    # `invoke lock` kept every other pin (uv, left alone, would also move numpy: Paddle's layer)
+    assert old.keys() == new.keys() and {k for k in old if old[k] != new[k]} == {"opencv-python-headless"}
+    assert new["opencv-python-headless"] == "4.11.0.86"
+    assert "opencv_python_headless-4.11.0.86" in bumped["wheels"].stdout   # the only wheel downloaded
+    assert len(re.findall(r"^\[\d+/\d+\] ", bumped["wheels"].stdout, re.M)) == len(new)
+
+    out = bumped["build"].stdout
+    made = re.findall(r"^layer (\S+)\s+[\d.]+ MiB in", out, re.M)
+    reused = re.findall(r"^layer (\S+)\s+reused", out, re.M)
+    assert reused == ["paddle", "scipy"] and made == ["opencv-python-headless", "last"], out
+
+    main, mine = layer_digests(cpu_image["image"].id), layer_digests(bumped["ref"])
+    base = layer_digests(v.base_ref)
+    assert main[:len(base)] == mine[:len(base)] == base
+    assert len(main) == len(mine) == len(base) + 4
+    assert mine[:-2] == main[:-2]                      # base, Paddle and scipy: the same digests
+    assert mine[-2] != main[-2] and mine[-1] != main[-1]
+
+    # the changed layers' bytes against what the new opencv occupies once installed
+    sizes = [h["Size"] for h in bumped_history(bumped["ref"])]
+    changed = sizes[0] + sizes[1]   # newest first: last, then opencv
+    du = docker("run", "--rm", "--network", "none", bumped["ref"], "sh", "-c",
+                "cd /opt/venv/lib/python3.11/site-packages && du -scb cv2 opencv_python_headless* | tail -1").stdout
+    installed = int(du.split()[0])
+    assert installed > 50e6 and changed <= 1.1 * installed + 10e6, (changed, installed)
+
+    proc = bumped["run"]("verify", "--variant", "cpu")
+    assert "PASS  paddle.utils.run_check()" in proc.stdout and "packages match" in proc.stdout
+    cv = docker("run", "--rm", "--network", "none", bumped["ref"], "python", "-c", "import cv2; print(cv2.__version__)")
+    assert cv.stdout.strip() == "4.11.0"
+
+
+def bumped_history(ref: str) -> list[dict]:
+    import docker as sdk
+    return sdk.from_env().images.get(ref).history()
+
+
+def _by_hand_script(cpu_image) -> Path:
+    """The by-hand script of the build that made the current image (this run's, or an earlier run's when the
+    image was already built)."""
+    from fleetbox import settings
+    tag = next(t for t in cpu_image["image"].tags if re.fullmatch(r"fleetbox/paddle:cpu-[0-9a-f]{12}", t))
+    for plan in sorted(settings.runs_root().glob("build-cpu-*/plan.json"), reverse=True):
+        if tag in json.loads(plan.read_text())["tags"] and (plan.parent / "by-hand.sh").exists():
+            return plan.parent / "by-hand.sh"
+    raise AssertionError(f"no build of {tag} left a by-hand.sh under {settings.runs_root()}")
+
+
+def test_the_by_hand_commands_make_the_very_same_layers_byte_for_byte(cpu_image):
+    """README's by-hand build, run beside ours (LAYERS and IMAGE set): every layer rebuilt from the base has
+    the digest of ours (layers are reproducible), and the image's settings are ours."""
+    script = _by_hand_script(cpu_image)
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LAYERS": "fleetbox-test/by-hand-layers",
+           "IMAGE": "fleetbox-test/by-hand:cpu"}
+    try:
+        proc = subprocess.run(["sh", str(script)], capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ours = cpu_image["image"].attrs["Config"]
+        theirs = json.loads(docker("image", "inspect", "fleetbox-test/by-hand:cpu").stdout)[0]
+        assert layer_digests("fleetbox-test/by-hand:cpu") == layer_digests(cpu_image["image"].id)
+        for k in ("Env", "Cmd", "WorkingDir", "Labels", "Volumes", "Entrypoint"):
+            assert theirs["Config"].get(k) == ours.get(k), k
+        # the by-hand layers went where LAYERS said, none to ours
+        made = docker("images", "--format", "{{.Repository}}:{{.Tag}}", "fleetbox-test/by-hand-layers").stdout.split()
+        assert len(made) == 3
+        left = docker("ps", "-a", "--filter", "name=fleetbox-layer-", "--format", "{{.Names}}").stdout.split()
+        assert left == []
+    finally:
+        tags = docker("images", "--format", "{{.Repository}}:{{.Tag}}", check=False).stdout.split()
+        mine = [t for t in tags if t.startswith(("fleetbox-test/by-hand-layers:", "fleetbox-test/by-hand:"))]
+        if mine:
+            docker("rmi", *mine, check=False)
+
+
+def test_importing_writes_nothing_every_module_is_compiled_and_current(cpu_image):
+    """compileall ran after the sources got their fixed time: no .pyc is stale, so nothing is written at
+    import (a stale one would be compiled again in every container, on every start)."""
+    ct = docker("create", "--network", "none", cpu_image["image"].id, "python", "-c",
+                "import paddle, scipy.linalg, scipy.sparse, cv2, numpy, httpx").stdout.strip()
+    try:
+        _ok(subprocess.run(["docker", "start", "-a", ct], capture_output=True, text=True))
+        assert docker("diff", ct).stdout.split() == []
+    finally:
+        docker("rm", "-f", ct, check=False)
