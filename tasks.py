@@ -323,18 +323,23 @@ def cancel(c, job):
 
 @task(help={"hosts": "comma-separated Docker Engine URLs to clean too (default: this machine)",
             "job": "remove every container of this job, running or not",
-            "force": "also remove running containers of live jobs"})
+            "force": "also remove running containers of live jobs",
+            "images": "also untag older builds of every variant and build layers no image is built on (here)"})
 @_fleetbox
-def clean(c, hosts=None, job=None, force=False):
+def clean(c, hosts=None, job=None, force=False, images=False):
     """Remove containers that earlier jobs left behind (found by their io.fleetbox.job label); running ones
     belong to live jobs and are kept unless --job or --force."""
-    from fleetbox import options
+    from fleetbox import engine, options
+    from fleetbox.build import images as images_mod, matrix
     from fleetbox.run import spec as spec_mod
     from fleetbox.run.docker_backend import DockerBackend
     if job is not None and not spec_mod.JOB_ID.fullmatch(job):
         raise UserError(f"--job {job!r} is not a job id")
     removed, kept = DockerBackend().clean(options.items(hosts), job or "", force, log=_log)
     _log(f"removed {removed} leftover container(s)" + (f"; kept {kept} running" if kept else ""))
+    if images:
+        old, unused = images_mod.prune(engine.client(), list(matrix.load().variants.values()), log=_log)
+        _log(f"untagged {old} older build(s) and {unused} unused build layer(s)")
 
 
 @task(help={"variant": VARIANT_HELP,

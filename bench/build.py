@@ -8,6 +8,10 @@
    WHEELHOUSE --require-hashes -r images/locks/cpu.lock`, as one process (target: <= 1.5x; the Dockerfile
    build measured about 65 s against 21 s).
 3. Final image size against its base plus the installed environment (target: <= 1.05x).
+4. One changed pin: in a copy of the checkout (tests/checkout.py) with opencv-python-headless 4.12.0.88 ->
+   4.11.0.86, locked and its wheel fetched first (not timed), `invoke build --variant cpu` as a user runs it
+   after the change (the copy's own opencv and last layers removed before each round). Targets: <= 0.3x the
+   cold build; the bytes of the layers whose digest changed <= 1.1x what opencv occupies installed + 10 MB.
 Rounds alternate the order (A B, B A, ...); medians.
 
 Needs the cpu image built (`invoke up`) and the Docker Engine to itself; section 2 replaces the cpu image
@@ -16,6 +20,7 @@ with an identical rebuild. Run it as
 """
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,15 +33,18 @@ from benchlib import ROOT
 sys.path.insert(0, str(ROOT))
 from fleetbox import engine  # noqa: E402
 from fleetbox.build import images, locks, matrix, wheelhouse  # noqa: E402
+from tests.checkout import copy_with_pin, tags  # noqa: E402
 
 NOOP = "invoke build --variant cpu"
 COLD, PIP = "invoke build --variant cpu --force", "python3 -m venv + pip install (host)"
+ONEPIN = "invoke build --variant cpu after one pin changed"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5, help="rounds of section 1")
     ap.add_argument("--cold-repeat", type=int, default=2, help="rounds of section 2 (about 1.5 min each)")
+    ap.add_argument("--pin-repeat", type=int, default=3, help="rounds of section 4")
     args = ap.parse_args()
 
     v = matrix.load().get("cpu")
@@ -73,6 +81,9 @@ def main():
                 shutil.rmtree(venv)
             t2[arm].append(t.wall)
 
+        print(f"one changed pin: {args.pin_repeat} round(s) of {ONEPIN!r}...", flush=True)
+        t4, changed, installed, total = one_pin(c, tmp, wheel_dir, args.pin_repeat)
+
     image = images.resolve(c, v)   # section 2 rebuilt it
     base = c.images.get(v.base_ref)
     venv = subprocess.run(["docker", "run", "--rm", "--network", "none", image.id, "du", "-sb", "/opt/venv"],
@@ -80,7 +91,7 @@ def main():
     size, base_size, venv_size = image.attrs["Size"], base.attrs["Size"], int(venv)
 
     m_noop = bl.med(t1[NOOP])
-    w = max(map(len, (NOOP, COLD, PIP)))
+    w = max(map(len, (NOOP, COLD, PIP, ONEPIN)))
     m_cold, m_pip = bl.med(t2[COLD]), bl.med(t2[PIP])
     print(f"\nno-op build, median of {args.repeat} (whole process):")
     print(f"  {NOOP:<{w}} {m_noop:6.2f} s   (target <= 0.60 s) {bl.spread(t1[NOOP])}")
@@ -93,8 +104,53 @@ def main():
     print(f"  base + environment              {(base_size + venv_size) / 1e6:7.0f} MB"
           f"  ({base_size / 1e6:.0f} + {venv_size / 1e6:.0f})")
     print(f"  ratio                           {size / (base_size + venv_size):7.3f}x (target <= 1.05x)")
+    m_pin = bl.med(t4)
+    print(f"\none changed pin (opencv-python-headless 4.12.0.88 -> 4.11.0.86), median of {args.pin_repeat}:")
+    print(f"  {ONEPIN:<{w}} {m_pin:6.1f} s   ({m_pin / m_cold:.2f}x the cold build; target <= 0.3x) "
+          f"{bl.spread(t4, '.1f')}")
+    print(f"  layers whose digest changed     {changed / 1e6:7.1f} MB of {total / 1e6:.0f} MB "
+          f"({changed / total:.1%}); opencv installed {installed / 1e6:.1f} MB "
+          f"(target <= {(1.1 * installed + 10e6) / 1e6:.1f} MB)")
     print(json.dumps({"noop_s": m_noop, "cold_s": m_cold, "bare_pip_s": m_pip, "cold_ratio": m_cold / m_pip,
-                      "size_ratio": size / (base_size + venv_size)}))
+                      "size_ratio": size / (base_size + venv_size), "one_pin_s": m_pin,
+                      "one_pin_ratio": m_pin / m_cold, "one_pin_changed_bytes": changed,
+                      "opencv_installed_bytes": installed}))
+
+
+def _digests(c, ref: str) -> list[str]:
+    return c.images.get(ref).attrs["RootFS"]["Layers"]
+
+
+def one_pin(c, tmp: Path, wheel_dir: Path, repeat: int):
+    """Section 4: rebuild times, then the changed layers' bytes, opencv's installed size, the image's size."""
+    v = matrix.load().get("cpu")
+    env = {**os.environ, **copy_with_pin(ROOT, tmp, "fleetbox-bench/paddle", wheel_dir)}
+    src, ref = tmp / "src", "fleetbox-bench/paddle:cpu"
+    for step in (["lock"], ["wheels"]):
+        bl.run([sys.executable, "-m", "invoke", *step, "--variant", "cpu"], cwd=src, env=env, timeout=1800)
+    before = set(tags("fleetbox/layers"))
+    times = []
+    try:
+        for _ in range(repeat):
+            made = [t for t in tags("fleetbox/layers") if t not in before] + tags("fleetbox-bench/paddle")
+            if made:
+                subprocess.run(["docker", "rmi", *made], capture_output=True, check=True)
+            t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", "cpu"], cwd=src, env=env,
+                       timeout=1800)
+            assert "built " in t.proc.stdout, t.proc.stdout
+            times.append(t.wall)
+        ours, mine = _digests(c, images.resolve(c, v).id), _digests(c, ref)
+        history = c.images.get(ref).history()   # newest first, one entry per committed layer
+        n = sum(1 for a, b in zip(ours, mine) if a != b)
+        changed = sum(h["Size"] for h in history[:n])
+        du = subprocess.run(["docker", "run", "--rm", "--network", "none", ref, "sh", "-c",
+                             "cd /opt/venv/lib/python3.11/site-packages && du -scb cv2 opencv_python_headless* "
+                             "| tail -1"], capture_output=True, text=True, check=True).stdout
+        return times, changed, int(du.split()[0]), c.images.get(ref).attrs["Size"]
+    finally:
+        made = [t for t in tags("fleetbox/layers") if t not in before] + tags("fleetbox-bench/paddle")
+        if made:
+            subprocess.run(["docker", "rmi", *made], capture_output=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -306,6 +307,50 @@ def _tidy(c, replaced, image) -> None:
                 c.images.remove(replaced.id)
         except docker.errors.APIError:
             pass   # still used by a container: leave it
+
+
+def prune(c, variants: list[Variant], log=print) -> tuple[int, int]:
+    """`invoke clean --images`: untag what older builds left, returning (content tags, layer tags) removed.
+    A content tag (<image>:<variant>-<hash>) goes when no alias of its variant points to its image; a layer tag
+    (build/layers.py) goes when no image with another tag is built on it. An image something else is built on
+    (a data image baked on an older build), or that a container uses, is kept."""
+    import docker
+    from . import layers
+
+    def lineage(wanted) -> set[str]:   # images with a wanted tag, and every image they are built on
+        every = {i.id: i for i in c.images.list(all=True)}
+        out: set[str] = set()
+        for i in every.values():
+            parent = i.id if any(wanted(t) for t in i.tags) else None
+            while parent and parent not in out:
+                out.add(parent)
+                parent = every[parent].attrs.get("Parent") if parent in every else None
+        return out
+
+    def untag(tags: list[str]) -> int:
+        n = 0
+        for t in tags:
+            try:
+                c.images.remove(t)
+                n += 1
+            except docker.errors.APIError as e:   # a container uses it
+                log(f"kept {t}: {(e.explanation or str(e)).strip()[:200]}")
+        return n
+
+    def layer(t: str) -> bool:
+        return t.startswith(f"{layers.LAYERS_REPO}:")
+
+    images = c.images.list()
+    old: dict[str, str] = {}
+    for v in variants:
+        mine = re.compile(rf"{re.escape(v.image)}:{re.escape(v.name)}-[0-9a-f]{{12}}")
+        current = {i.id for i in images if set(i.tags) & set(v.aliases)}
+        old |= {t: i.id for i in images if i.id not in current for t in i.tags if mine.fullmatch(t)}
+    under = lineage(lambda t: t not in old and not layer(t))
+    content = untag([t for t, i in old.items() if i not in under])
+    keep = lineage(lambda t: not layer(t))
+    return content, untag([t for i in c.images.list(name=layers.LAYERS_REPO) if i.id not in keep
+                           for t in i.tags if layer(t)])
 
 
 def _alias(image, aliases: list[str]) -> None:

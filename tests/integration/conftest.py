@@ -2,11 +2,10 @@ import json
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 
-from tests.conftest import invoke
+from tests.conftest import ROOT, invoke
 
 
 def _engine_up():
@@ -44,9 +43,6 @@ def cpu_image():
     return {"image": image, "build": build, "client": c}
 
 
-OPENCV_NOW, OPENCV_BUMPED = "opencv-python-headless==4.12.0.88", "opencv-python-headless==4.11.0.86"
-
-
 def layer_digests(ref: str) -> list[str]:
     out = subprocess.run(["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", ref],
                          capture_output=True, text=True, check=True).stdout
@@ -55,54 +51,27 @@ def layer_digests(ref: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def bumped(cpu_image, tmp_path_factory):
-    """A user changing one pin, as the README says, in a copy of this checkout: opencv-python-headless
-    4.12.0.88 -> 4.11.0.86 in images/matrix.toml, then `invoke lock`, `invoke wheels`, `invoke build`. The
-    copy's images are called fleetbox-test/paddle, so the checkout's aliases stay where they are; layers are
-    tagged by content alone, so the copy finds the checkout's. Its wheelhouse starts as hard links of the
-    checkout's: only the new opencv wheel is downloaded."""
-    from tests.conftest import ROOT
+    """A user changing one pin, as the README says, in a copy of this checkout (tests/checkout.py):
+    opencv-python-headless 4.12.0.88 -> 4.11.0.86 in images/matrix.toml, then `invoke lock`, `invoke wheels`,
+    `invoke build`. The copy's images are fleetbox-test/paddle; only the new opencv wheel is downloaded."""
+    from tests.checkout import copy_with_pin, tags
     from fleetbox.build import matrix, wheelhouse
     tmp = tmp_path_factory.mktemp("bumped")
-    src = tmp / "src"
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for name in filter(None, listed.decode().split("\0")):
-        if (ROOT / name).is_file():   # a file deleted in the working tree is not copied
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, src / name)
-    m = src / "images" / "matrix.toml"
-    text = m.read_text()
-    at = text.index("[variants.cpu]")
-    head, cpu = text[:at], text[at:]
-    assert head.count('image = "fleetbox/paddle"') == 1 and OPENCV_NOW in cpu.split("[variants.", 2)[1]
-    m.write_text(head.replace('image = "fleetbox/paddle"', 'image = "fleetbox-test/paddle"')
-                 + cpu.replace(OPENCV_NOW, OPENCV_BUMPED, 1))
-    mine = tmp / "wheelhouse" / "cpu"
-    mine.mkdir(parents=True)
-    for w in wheelhouse.default_dir(matrix.load().get("cpu")).glob("*.whl"):
-        os.link(w, mine / w.name)
-    env = {"FLEETBOX_WHEELHOUSE": str(tmp / "wheelhouse"), "FLEETBOX_RUNS": str(tmp / "runs")}
+    env = copy_with_pin(ROOT, tmp, "fleetbox-test/paddle", wheelhouse.default_dir(matrix.load().get("cpu")))
 
     def run(*args):
-        return _ok(invoke(*args, env=env, cwd=src))
+        return _ok(invoke(*args, env=env, cwd=tmp / "src"))
 
-    before = set(_tags("fleetbox/layers"))
+    before = set(tags("fleetbox/layers"))
     try:
         run("lock", "--variant", "cpu")
         wheels = run("wheels", "--variant", "cpu")
-        t0 = time.monotonic()
         build = run("build", "--variant", "cpu")
-        yield {"src": src, "env": env, "run": run, "build": build, "seconds": time.monotonic() - t0,
-               "wheels": wheels, "ref": "fleetbox-test/paddle:cpu"}
+        yield {"src": tmp / "src", "run": run, "build": build, "wheels": wheels, "ref": "fleetbox-test/paddle:cpu"}
     finally:
-        made = [t for t in _tags("fleetbox/layers") if t not in before] + _tags("fleetbox-test/paddle")
+        made = [t for t in tags("fleetbox/layers") if t not in before] + tags("fleetbox-test/paddle")
         if made:
             subprocess.run(["docker", "rmi", *made], capture_output=True)
-
-
-def _tags(repo: str) -> list[str]:
-    out = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}", repo],
-                         capture_output=True, text=True).stdout
-    return [t for t in out.split() if not t.endswith(":<none>")]
 
 
 MD5_ATTRS = {"train-images-idx3-ubyte.gz": "TRAIN_IMAGE_MD5", "train-labels-idx1-ubyte.gz": "TRAIN_LABEL_MD5",

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 from fleetbox.build import locks, matrix
+from tests.conftest import invoke
 from tests.integration.conftest import _ok, layer_digests
 
 
@@ -77,8 +78,14 @@ def test_the_by_hand_commands_make_the_very_same_layers_byte_for_byte(cpu_image)
         ours = cpu_image["image"].attrs["Config"]
         theirs = json.loads(docker("image", "inspect", "fleetbox-test/by-hand:cpu").stdout)[0]
         assert layer_digests("fleetbox-test/by-hand:cpu") == layer_digests(cpu_image["image"].id)
-        for k in ("Env", "Cmd", "WorkingDir", "Labels", "Volumes", "Entrypoint"):
+        for k in ("Env", "Cmd", "WorkingDir", "Volumes", "Entrypoint"):
             assert theirs["Config"].get(k) == ours.get(k), k
+        # the labels of the build that wrote the script (its revision is the checkout's state then), and ours
+        planned = json.loads((script.parent / "plan.json").read_text())["labels"]
+        assert planned and planned.items() <= theirs["Config"]["Labels"].items()
+        rev = "org.opencontainers.image.revision"
+        assert {k: x for k, x in theirs["Config"]["Labels"].items() if k != rev} == \
+            {k: x for k, x in ours["Labels"].items() if k != rev}
         # the by-hand layers went where LAYERS said, none to ours
         made = docker("images", "--format", "{{.Repository}}:{{.Tag}}", "fleetbox-test/by-hand-layers").stdout.split()
         assert len(made) == 3
@@ -101,3 +108,49 @@ def test_importing_writes_nothing_every_module_is_compiled_and_current(cpu_image
         assert docker("diff", ct).stdout.split() == []
     finally:
         docker("rm", "-f", ct, check=False)
+
+
+def _commit(parent: str, tag: str) -> None:
+    name = "fleetbox-test-commit"
+    docker("rm", "-f", name, check=False)
+    docker("run", "--name", name, "--network", "none", parent, "sh", "-c", f"echo {tag} > /made-by-test")
+    docker("commit", name, tag)
+    docker("rm", name)
+
+
+def _all_tags() -> set[str]:
+    return set(docker("images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split())
+
+
+def test_clean_images_untags_older_builds_and_unused_layers_and_keeps_what_is_used(cpu_image):
+    v = matrix.load().get("cpu")
+    old, held, child = "fleetbox/paddle:cpu-0123456789ab", "fleetbox/paddle:cpu-abcdefabcdef", "fleetbox-test/on-old:1"
+    stale, under = "fleetbox/layers:test-000000000002", "fleetbox/layers:test-000000000001"
+    chain, parent = set(), cpu_image["image"].id   # the image we built and every image it is built on
+    while parent:
+        chain.add(parent)
+        parent = json.loads(docker("image", "inspect", parent).stdout)[0]["Parent"]
+    ours = {t for t in _all_tags() if t.startswith("fleetbox/layers:")
+            and json.loads(docker("image", "inspect", t).stdout)[0]["Id"] in chain}
+    assert len(ours) == 3
+    try:
+        _commit(v.base_ref, old)            # an older build of cpu: no alias points to it
+        _commit(v.base_ref, held)           # an older build a data image is baked on
+        _commit(held, child)
+        _commit(v.base_ref, under)          # layers no image is built on, one on the other
+        _commit(under, stale)
+        before = _all_tags()
+        proc = _ok(invoke("clean", "--images"))
+        after = _all_tags()
+        gone = before - after
+        assert {old, stale, under} <= gone and not after - before
+        assert {held, child, *cpu_image["image"].tags, v.base_ref} <= after
+        assert ours <= after   # the layers of the image we built stay
+        layers_gone = len([t for t in gone if t.startswith("fleetbox/layers:")])
+        assert f"untagged {len(gone) - layers_gone} older build(s) and {layers_gone} unused build layer(s)" \
+            in proc.stdout, proc.stdout
+        assert docker("image", "inspect", old, check=False).returncode != 0
+    finally:
+        left = [t for t in (old, held, child, stale, under) if t in _all_tags()]
+        if left:
+            docker("rmi", *left, check=False)

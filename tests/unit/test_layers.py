@@ -73,3 +73,47 @@ def test_the_by_hand_script_passes_every_value_whole_and_takes_its_tags_from_the
     tags = [c[-1] for c in mine if c[0] == "commit"]
     assert tags == [f"me/l:{layers.layer_tag(x).split(':', 1)[1]}" for x in layers_[:-1]] + ["me/img:1"]
     assert all("type=bind,dst=/mnt,readonly,src=/w" in c for c in mine if c[0] == "run")
+
+
+GPU_LOCK = """# fleetbox-lock: variant=cu126 inputs=x
+nvidia-cublas-cu12==12.6.4.1 \\
+    --hash=sha256:aa
+    # via
+    #   nvidia-cudnn-cu12
+    #   paddlepaddle-gpu
+nvidia-cudnn-cu12==9.5.1.17 \\
+    --hash=sha256:bb
+    # via paddlepaddle-gpu
+numpy==2.2.6 \\
+    --hash=sha256:cc
+    # via
+    #   opencv-python-headless
+    #   paddlepaddle-gpu
+    #   scipy
+opencv-python-headless==4.12.0.88 \\
+    --hash=sha256:dd
+    # via fleetbox-lock-cu126 (images/matrix.toml [cu126])
+paddlepaddle-gpu==3.3.1 \\
+    --hash=sha256:ee
+    # via fleetbox-lock-cu126 (images/matrix.toml [cu126])
+    # from https://www.paddlepaddle.org.cn/packages/stable/cu126/
+pip==25.3 \\
+    --hash=sha256:ff
+scipy==1.17.1 \\
+    --hash=sha256:11
+    # via fleetbox-lock-cu126 (images/matrix.toml [cu126])
+setuptools==80.9.0 \\
+    --hash=sha256:22
+tqdm==4.67.1 \\
+    --hash=sha256:33
+    # via fleetbox-lock-cu126 (images/matrix.toml [cu126])
+"""
+
+
+def test_a_gpu_lock_puts_the_nvidia_wheels_in_paddles_layer_and_an_unclaimed_package_in_the_rest():
+    gpu = matrix.load().get("cu126")
+    got = {name: sorted(names) for name, names in layers.groups(gpu, GPU_LOCK)}
+    assert list(got) == ["paddle", "scipy", "opencv-python-headless", "rest"]
+    assert got["paddle"] == ["numpy", "nvidia-cublas-cu12", "nvidia-cudnn-cu12", "paddlepaddle-gpu", "pip",
+                             "setuptools"]
+    assert got["scipy"] == ["scipy"] and got["rest"] == ["tqdm"]   # numpy is Paddle's, not the extras'

@@ -1,0 +1,38 @@
+"""A copy of this checkout (its tracked files, as they are in the working tree) with one pin of the cpu
+variant changed and its images renamed, so builds in the copy leave the checkout's aliases alone while
+sharing its layers (tagged by content). Used by the layer tests and bench/build.py."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+OPENCV_NOW, OPENCV_BUMPED = "opencv-python-headless==4.12.0.88", "opencv-python-headless==4.11.0.86"
+
+
+def copy_with_pin(root: Path, tmp: Path, image: str, wheel_dir: Path, old=OPENCV_NOW, new=OPENCV_BUMPED) -> dict:
+    """The copy at tmp/src, with `old` -> `new` in [variants.cpu] and images called `image`; its wheelhouse
+    at tmp/wheelhouse starts as hard links of `wheel_dir`'s wheels. Returns the environment to run it with."""
+    src = tmp / "src"
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        if (root / name).is_file():   # a file deleted in the working tree is not copied
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, src / name)
+    m = src / "images" / "matrix.toml"
+    text = m.read_text()
+    at = text.index("[variants.cpu]")
+    head, cpu = text[:at], text[at:]
+    if head.count('image = "fleetbox/paddle"') != 1 or old not in cpu.split("[variants.", 2)[1]:
+        raise RuntimeError(f"images/matrix.toml no longer has {old} in [variants.cpu]: update tests/checkout.py")
+    m.write_text(head.replace('image = "fleetbox/paddle"', f'image = "{image}"') + cpu.replace(old, new, 1))
+    mine = tmp / "wheelhouse" / "cpu"
+    mine.mkdir(parents=True)
+    for w in wheel_dir.glob("*.whl"):
+        os.link(w, mine / w.name)
+    return {"FLEETBOX_WHEELHOUSE": str(tmp / "wheelhouse"), "FLEETBOX_RUNS": str(tmp / "runs")}
+
+
+def tags(repo: str) -> list[str]:
+    out = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}", repo],
+                         capture_output=True, text=True).stdout
+    return [t for t in out.split() if not t.endswith(":<none>")]
