@@ -338,8 +338,9 @@ def clean(c, hosts=None, job=None, force=False, images=False):
     removed, kept = DockerBackend().clean(options.items(hosts), job or "", force, log=_log)
     _log(f"removed {removed} leftover container(s)" + (f"; kept {kept} running" if kept else ""))
     if images:
-        old, unused = images_mod.prune(engine.client(), list(matrix.load().variants.values()), log=_log)
-        _log(f"untagged {old} older build(s) and {unused} unused build layer(s)")
+        old, unused, stopped = images_mod.prune(engine.client(), list(matrix.load().variants.values()), log=_log)
+        _log(f"untagged {old} older build(s) and {unused} unused build layer(s); removed {stopped} container(s) "
+             f"of stopped builds")
 
 
 @task(help={"variant": VARIANT_HELP,

@@ -30,6 +30,11 @@ def stop_daemon(pidfile: Path, seconds: float = 20) -> None:
             pid = int(pidfile.read_text())
             os.kill(pid, signal.SIGTERM)
             for _ in range(int(seconds / 0.2)):
+                try:   # our own child (started by Popen) lingers as a zombie, which kill(pid, 0) still finds
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        return
+                except ChildProcessError:
+                    pass
                 os.kill(pid, 0)
                 time.sleep(0.2)
         except (ProcessLookupError, ValueError):

@@ -23,6 +23,7 @@ from ..data import datasets
 from . import locks, wheelhouse
 from .. import engine
 from ..engine import image_or_none, run_dir
+from ..run.backend import signals_held, sigterm_as_interrupt
 from ..errors import UserError
 from .matrix import Variant
 
@@ -222,26 +223,25 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
         log(line)
     rd = run_dir(f"build-{variant.name}")
     split = layers.plan(variant, lock_text, entries, p.base_id, p.build_args["PYTHON"], p.build_args["PIP_WHEEL"])
-    base = c.images.get(p.base_ref)
+    base = c.images.get(p.base_id)   # by ID, as every layer after: the keys name IDs, and a tag can move
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
-    (rd / "by-hand.sh").write_text(layers.by_hand(variant, split, p.base_ref, str(wheel_dir.resolve()), p.tag,
+    (rd / "by-hand.sh").write_text(layers.by_hand(variant, split, p.base_id, str(wheel_dir.resolve()), p.tag,
                                                   change_list))
-    parent = p.base_ref
-    with open(rd / "build.log", "a") as out:
+    parent = base.id
+    with open(rd / "build.log", "a") as out, sigterm_as_interrupt():
         for layer in split:
-            last = layer.name == "last"
-            tag = p.tag if last else layers.layer_tag(layer)
+            tag = p.tag if layer.last else layers.layer_tag(layer)
             have = image_or_none(c, tag)
-            if have is not None and not force and not last:
+            if have is not None and not force and not layer.last:
                 log(f"layer {layer.name:<24} reused ({tag})")
-                parent = tag
+                parent = have.id
                 continue
             t0 = time.monotonic()
-            _run_and_commit(c, parent, layer, str(wheel_dir.resolve()), tag,
-                            change_list if last else ['CMD ["python"]'], out)
-            size = c.images.get(tag).history()[0]["Size"]
+            made = _run_and_commit(c, parent, layer, str(wheel_dir.resolve()), tag,
+                                   change_list if layer.last else ['CMD ["python"]'], out)
+            size = made.history()[0]["Size"]
             log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s")
-            parent = tag
+            parent = made.id
     image = c.images.get(p.tag)
     _alias(image, p.aliases)
     _tidy(c, existing, image)
@@ -251,29 +251,33 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
         f"by hand: {rd / 'by-hand.sh'}")
 
 
-def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: list[str], out) -> None:
+def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: list[str], out):
     """One layer: a container of `parent` runs the layer's script, network off, wheelhouse read-only; its
-    changes become the layer. The container is removed on every way out."""
+    changes become the layer, tagged only once whole. The container is removed on every way out (by its
+    name, so also when Ctrl-C lands inside create), with Ctrl-C and SIGTERM held while that runs."""
     from . import layers
     import docker
-    # a bind mount in the host config only: `volumes=` would also declare a VOLUME that commit keeps
-    ct = c.containers.create(parent, ["sh", "-c", layer.script, "sh", layer.requirements], network_mode="none",
-                             mounts=[docker.types.Mount(layers.WHEELS, wheels, type="bind", read_only=True)],
-                             name=f"fleetbox-layer-{layer.name}-{secrets.token_hex(4)}")   # no labels: commit keeps them
+    name = f"fleetbox-layer-{layer.name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
     try:
+        # a bind mount in the host config only: `volumes=` would also declare a VOLUME that commit keeps
+        ct = c.containers.create(parent, ["sh", "-c", layer.script, "sh", layer.requirements], name=name,
+                                 network_mode="none",
+                                 mounts=[docker.types.Mount(layers.WHEELS, wheels, type="bind", read_only=True)])
         ct.start()
         code = ct.wait()["StatusCode"]
-        out.write(ct.logs().decode(errors="replace"))
+        logs = ct.logs().decode(errors="replace")
+        out.write(logs)
         if code != 0:
-            tail = (ct.logs().decode(errors="replace").strip().splitlines() or ["?"])[-1]
+            tail = (logs.strip().splitlines() or ["?"])[-1]
             raise UserError(f"layer {layer.name} failed (exit {code}): {tail[:300]}")
-        repo, name = tag.rsplit(":", 1)
-        ct.commit(repository=repo, tag=name, changes=change_list)
+        repo, tag_name = tag.rsplit(":", 1)
+        return ct.commit(repository=repo, tag=tag_name, changes=change_list)
     finally:
-        try:
-            ct.remove(force=True)
-        except docker.errors.APIError:
-            pass
+        with signals_held():
+            try:
+                c.api.remove_container(name, force=True)
+            except docker.errors.APIError:   # never made (NotFound), or the engine is gone
+                pass
 
 
 def _bake(c, p: BuildPlan, data_dir: Path, force: bool, log) -> None:
@@ -309,23 +313,28 @@ def _tidy(c, replaced, image) -> None:
             pass   # still used by a container: leave it
 
 
-def prune(c, variants: list[Variant], log=print) -> tuple[int, int]:
-    """`invoke clean --images`: untag what older builds left, returning (content tags, layer tags) removed.
-    A content tag (<image>:<variant>-<hash>) goes when no alias of its variant points to its image; a layer tag
-    (build/layers.py) goes when no image with another tag is built on it. An image something else is built on
-    (a data image baked on an older build), or that a container uses, is kept."""
+def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
+    """`invoke clean --images`: untag what older builds left, returning (content tags, layer tags, leftover
+    layer containers) removed. A content tag (<image>:<variant>-<hash>) goes when no alias of its variant
+    points to its image and no other image is built on it (a data image baked on an older build); a layer tag
+    (build/layers.py) goes when no image with another tag is built on it. "Built on" is read from the layers
+    (RootFS), which every image store keeps. An image a container uses is kept; so is a running build's
+    container, while the containers of builds that were killed go."""
     import docker
     from . import layers
 
-    def lineage(wanted) -> set[str]:   # images with a wanted tag, and every image they are built on
-        every = {i.id: i for i in c.images.list(all=True)}
-        out: set[str] = set()
-        for i in every.values():
-            parent = i.id if any(wanted(t) for t in i.tags) else None
-            while parent and parent not in out:
-                out.add(parent)
-                parent = every[parent].attrs.get("Parent") if parent in every else None
+    def snapshot() -> dict[str, tuple[list[str], list[str]]]:   # image ID -> (tags, layer digests)
+        out = {}
+        for row in c.api.images():
+            try:
+                out[row["Id"]] = ([t for t in row.get("RepoTags") or [] if not t.endswith(":<none>")],
+                                  c.api.inspect_image(row["Id"])["RootFS"].get("Layers") or [])
+            except docker.errors.NotFound:   # removed meanwhile
+                pass
         return out
+
+    def on(lower: list[str], upper: list[str], strictly: bool) -> bool:
+        return upper[:len(lower)] == lower and (len(upper) > len(lower) or not strictly)
 
     def untag(tags: list[str]) -> int:
         n = 0
@@ -333,6 +342,8 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int]:
             try:
                 c.images.remove(t)
                 n += 1
+            except docker.errors.NotFound:
+                pass
             except docker.errors.APIError as e:   # a container uses it
                 log(f"kept {t}: {(e.explanation or str(e)).strip()[:200]}")
         return n
@@ -340,17 +351,23 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int]:
     def layer(t: str) -> bool:
         return t.startswith(f"{layers.LAYERS_REPO}:")
 
-    images = c.images.list()
+    stopped = [x for x in c.containers.list(all=True, filters={"name": "fleetbox-layer-"})
+               if x.name.startswith("fleetbox-layer-") and x.status != "running"]
+    for x in stopped:
+        x.remove(force=True)
+    images = snapshot()
     old: dict[str, str] = {}
     for v in variants:
         mine = re.compile(rf"{re.escape(v.image)}:{re.escape(v.name)}-[0-9a-f]{{12}}")
-        current = {i.id for i in images if set(i.tags) & set(v.aliases)}
-        old |= {t: i.id for i in images if i.id not in current for t in i.tags if mine.fullmatch(t)}
-    under = lineage(lambda t: t not in old and not layer(t))
-    content = untag([t for t, i in old.items() if i not in under])
-    keep = lineage(lambda t: not layer(t))
-    return content, untag([t for i in c.images.list(name=layers.LAYERS_REPO) if i.id not in keep
-                           for t in i.tags if layer(t)])
+        current = {i for i, (tags, _) in images.items() if set(tags) & set(v.aliases)}
+        old |= {t: i for i, (tags, _) in images.items() if i not in current for t in tags if mine.fullmatch(t)}
+    others = [fs for tags, fs in images.values() if any(t not in old and not layer(t) for t in tags)]
+    content = untag([t for t, i in old.items() if not any(on(images[i][1], fs, True) for fs in others)])
+    images = snapshot()
+    users = [fs for tags, fs in images.values() if any(not layer(t) for t in tags)]
+    unused = [t for tags, fs in images.values() for t in tags
+              if layer(t) and not any(on(fs, u, False) for u in users)]
+    return content, untag(unused), len(stopped)
 
 
 def _alias(image, aliases: list[str]) -> None:

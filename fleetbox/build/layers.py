@@ -20,6 +20,7 @@ import shlex
 from dataclasses import dataclass
 
 from . import locks
+from ..errors import UserError
 from .matrix import Variant
 
 WHEELS = "/mnt"   # the wheelhouse's mount point: a folder every base has, so no layer records a new one
@@ -35,6 +36,7 @@ class Layer:
     entries: tuple[locks.Locked, ...]
     script: str       # our own shell fragment (raw); the requirements arrive as "$1"
     key: str          # digest of everything the layer is made from, its parent's key included
+    last: bool = False   # the settings layer, which gets the image's tag (an extra may be called anything)
 
     @property
     def requirements(self) -> str:
@@ -107,23 +109,29 @@ def _settle() -> str:
             f"-newermt \"@$t0\" -exec touch -h -d @{EPOCH} {{}} +")
 
 
+_START = "set -e; t0=$(date +%s.%N); sleep 0.05; "   # file times come from a coarser clock than date's: begin
+                                                     # one tick later, so nothing this layer makes is older than t0
+
+
 def install_script(python: str, pip_wheel: str, first: bool) -> str:
     """The shell one layer runs (ours, raw): make the venv in the first, then pip from its own wheel; then
-    byte-compile what this layer added (only that: compileall on older folders would read every file), after
-    the sources got the fixed time, which a .pyc records. A file that does not compile (some wheels ship
-    Python 2 examples) is skipped, as pip itself skips it. The list lives in /dev/shm, outside the layer."""
-    venv = f"{shlex.quote(python)} -m venv --without-pip {VENV} && " if first else ""
-    return (f"set -e; t0=$(date +%s.%N); {venv}printf '%s' \"$1\" | {VENV}/bin/python {WHEELS}/{pip_wheel}/pip "
-            f"install --no-index --no-cache-dir --find-links {WHEELS} --require-hashes --only-binary :all: --no-deps "
-            f"--no-compile --disable-pip-version-check --quiet -r /dev/stdin; "
-            f"find {VENV}/lib/python*/site-packages -mindepth 1 -maxdepth 1 -newermt \"@$t0\" > /dev/shm/fleetbox-new; "
-            f"{_settle()}; xargs -r {VENV}/bin/python -m compileall -q -j 0 < /dev/shm/fleetbox-new >/dev/null || true; "
-            f"{_settle()}")
+    byte-compile the .py files this layer added, after the sources got the fixed time, which a .pyc records
+    (PYTHONHASHSEED fixed: before 3.11 a frozenset is written in hash order). A file that does not compile
+    (some wheels ship Python 2 examples) is skipped, as pip skips it (compileall 1 -> xargs 123); any other
+    failure stops the layer. The file list lives in /dev/shm, outside the layer."""
+    venv = f"{shlex.quote(python)} -m venv --without-pip {VENV}; " if first else ""
+    pip = shlex.quote(f"{WHEELS}/{pip_wheel}/pip")
+    return (f"{_START}{venv}printf '%s' \"$1\" | {VENV}/bin/python {pip} install --no-index --no-cache-dir "
+            f"--find-links {WHEELS} --require-hashes --only-binary :all: --no-deps --no-compile "
+            f"--disable-pip-version-check --quiet -r /dev/stdin; "
+            f"find {VENV}/lib -newermt \"@$t0\" -name '*.py' -print0 > /dev/shm/fleetbox-new; {_settle()}; "
+            f"xargs -0 -r -P \"$(nproc)\" -n 200 env PYTHONHASHSEED=0 {VENV}/bin/python -m compileall -q "
+            f"< /dev/shm/fleetbox-new > /dev/null || [ $? -eq 123 ]; {_settle()}")
 
 
 def last_script() -> str:
-    return (f"set -e; t0=$(date +%s.%N); {VENV}/bin/python -m pip freeze --all --disable-pip-version-check "
-            f"> {VENV}/fleetbox-freeze.txt && mkdir -p {' '.join(BIND_TARGETS)}; {_settle()}")
+    return (f"{_START}{VENV}/bin/python -m pip freeze --all --disable-pip-version-check > {VENV}/fleetbox-freeze.txt; "
+            f"mkdir -p {' '.join(BIND_TARGETS)}; {_settle()}")
 
 
 def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id: str, python: str,
@@ -139,7 +147,7 @@ def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id:
         key = _digest(parent, name, script, MOUNT, [(e.name, e.version, e.hashes) for e in chosen])
         out.append(Layer(name, chosen, script, key))
         parent = key
-    out.append(Layer("last", (), last_script(), _digest(parent, "last", last_script())))
+    out.append(Layer("last", (), last_script(), _digest(parent, "last", last_script()), last=True))
     return out
 
 
@@ -156,32 +164,40 @@ def layer_tag(layer: Layer) -> str:
 
 
 def changes(variant: Variant, base_env: list[str], labels: dict[str, str]) -> list[str]:
-    """The image's settings, as `docker commit --change` instructions (JSON forms: no shell, no expansion)."""
+    """The image's settings, as `docker commit --change` instructions. Commit reads them as a Dockerfile
+    would: a value is double-quoted, with `$` escaped (no variable is expanded) and non-ASCII kept as is."""
     path = next((e.split("=", 1)[1] for e in base_env if e.startswith("PATH=")),
                 "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env = {"VIRTUAL_ENV": VENV, "PATH": f"{VENV}/bin:{path}", "PYTHONUNBUFFERED": "1", "PIP_NO_INDEX": "1",
            "FLEETBOX_VARIANT": variant.name, "FLEETBOX_DEVICE": variant.device}
-    return ([f"ENV {k}={json.dumps(v)}" for k, v in env.items()] + ["WORKDIR /workspace", 'CMD ["python"]']
-            + [f"LABEL {json.dumps(k)}={json.dumps(v)}" for k, v in sorted(labels.items())])
+    return ([f"ENV {k}={_quoted(v)}" for k, v in env.items()] + ["WORKDIR /workspace", 'CMD ["python"]']
+            + [f"LABEL {_quoted(k)}={_quoted(v)}" for k, v in sorted(labels.items())])
 
 
-def by_hand(variant: Variant, layers: list[Layer], base_ref: str, wheelhouse: str, final_tag: str,
+def _quoted(value: str) -> str:
+    return json.dumps(value, ensure_ascii=False).replace("$", "\\$")
+
+
+def by_hand(variant: Variant, layers: list[Layer], base_id: str, wheelhouse: str, final_tag: str,
             change_list: list[str]) -> str:
     """The same build as a shell script a user can run (every value quoted). WHEELHOUSE, LAYERS (the layers'
-    repository) and IMAGE (the final tag) may be set in the environment, to build beside ours."""
+    repository) and IMAGE (the final tag) may be set in the environment, to build beside ours. Each layer runs
+    from the image ID the one before gave, as `invoke build` does."""
+    if any(ch in wheelhouse for ch in '"\n'):
+        raise UserError(f"the wheelhouse path {wheelhouse!r} holds a double quote or a newline, which "
+                        "docker's --mount cannot take; move it (FLEETBOX_WHEELHOUSE)")
     q = shlex.quote
     lines = ["#!/bin/sh", f"# {variant.name}: the environment in {len(layers)} layers, as `invoke build` makes it.",
              "set -e", f"WHEELHOUSE=${{WHEELHOUSE:-{q(wheelhouse)}}}", f"LAYERS=${{LAYERS:-{q(LAYERS_REPO)}}}",
-             f"IMAGE=${{IMAGE:-{q(final_tag)}}}", f"FROM={q(base_ref)}"]
+             f"IMAGE=${{IMAGE:-{q(final_tag)}}}", f"FROM={q(base_id)}   # the base, {variant.base_ref}",
+             "CT=", "trap '[ -z \"$CT\" ] || docker rm -f \"$CT\" >/dev/null 2>&1' EXIT"]
     for layer in layers:
-        last = layer.name == "last"
-        tag = '"$IMAGE"' if last else f'"$LAYERS":{q(layer_tag(layer).split(":", 1)[1])}'
-        name = q(f"fleetbox-layer-{layer.name}")
-        changes = change_list if last else ['CMD ["python"]']
+        tag = '"$IMAGE"' if layer.last else f'"$LAYERS":{q(layer_tag(layer).split(":", 1)[1])}'
+        changes = change_list if layer.last else ['CMD ["python"]']
         lines += [f"# layer {layer.name}: {', '.join(e.name for e in layer.entries) or 'settings and freeze'}",
-                  f"docker rm -f {name} >/dev/null 2>&1 || true",
-                  f"docker run --name {name} --network none --mount \"{MOUNT},src=$WHEELHOUSE\" \"$FROM\" "
+                  f"CT={q(f'fleetbox-layer-{layer.name}-')}$$",
+                  f"docker run --name \"$CT\" --network none --mount \"{MOUNT},\\\"src=$WHEELHOUSE\\\"\" \"$FROM\" "
                   f"sh -c {q(layer.script)} sh {q(layer.requirements)}",
-                  "docker commit " + " ".join(f"--change {q(c)}" for c in changes) + f" {name} {tag}",
-                  f"docker rm {name}", f"FROM={tag}"]
+                  "FROM=$(docker commit " + " ".join(f"--change {q(c)}" for c in changes) + f" \"$CT\" {tag})",
+                  'docker rm "$CT" > /dev/null', "CT="]
     return "\n".join(lines) + "\n"

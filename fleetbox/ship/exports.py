@@ -130,8 +130,8 @@ def push(c, image, refs: list[str], log=print) -> list[str]:
                 for line in c.images.push(repo, tag, stream=True, decode=True):
                     if "error" in line:
                         raise UserError(f"the registry refused {ref}: {line['error'].strip()}")
-                    if line.get("id") and line.get("status") in ("Pushed", "Layer already exists") \
-                            or str(line.get("status", "")).startswith("Mounted from"):
+                    if line.get("id") and (line.get("status") in ("Pushed", "Layer already exists")
+                                           or str(line.get("status", "")).startswith("Mounted from")):
                         status[line["id"]] = "sent" if line["status"] == "Pushed" else "there"
                 sent = sum(1 for x in status.values() if x == "sent")
                 log(f"  {sent} layer(s) sent, {len(status) - sent} already in the registry")

@@ -45,6 +45,8 @@ def podman_image(cpu_image):
         save = subprocess.Popen(["docker", "save", "fleetbox/paddle:cpu"], stdout=subprocess.PIPE)
         subprocess.run(["podman", "load", "-q"], stdin=save.stdout, check=True, capture_output=True)
         save.wait()
+        if have.strip():   # the image this replaced is untagged now: 1.3 GB a run on a developer's machine
+            subprocess.run(["podman", "rmi", have.strip()], capture_output=True)
 
 
 @pytest.fixture(scope="module")

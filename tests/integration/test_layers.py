@@ -139,6 +139,9 @@ def test_clean_images_untags_older_builds_and_unused_layers_and_keeps_what_is_us
         _commit(held, child)
         _commit(v.base_ref, under)          # layers no image is built on, one on the other
         _commit(under, stale)
+        # a killed build's layer container (stopped), and a running one (another build, live)
+        docker("create", "--name", "fleetbox-layer-test-killed", "--network", "none", v.base_ref, "true")
+        docker("run", "-d", "--name", "fleetbox-layer-test-live", "--network", "none", v.base_ref, "sleep", "300")
         before = _all_tags()
         proc = _ok(invoke("clean", "--images"))
         after = _all_tags()
@@ -147,10 +150,30 @@ def test_clean_images_untags_older_builds_and_unused_layers_and_keeps_what_is_us
         assert {held, child, *cpu_image["image"].tags, v.base_ref} <= after
         assert ours <= after   # the layers of the image we built stay
         layers_gone = len([t for t in gone if t.startswith("fleetbox/layers:")])
-        assert f"untagged {len(gone) - layers_gone} older build(s) and {layers_gone} unused build layer(s)" \
-            in proc.stdout, proc.stdout
+        assert f"untagged {len(gone) - layers_gone} older build(s) and {layers_gone} unused build layer(s); " \
+               "removed 1 container(s) of stopped builds" in proc.stdout, proc.stdout
         assert docker("image", "inspect", old, check=False).returncode != 0
+        names = docker("ps", "-a", "--format", "{{.Names}}").stdout.split()
+        assert "fleetbox-layer-test-live" in names and "fleetbox-layer-test-killed" not in names
     finally:
+        docker("rm", "-f", "fleetbox-layer-test-killed", "fleetbox-layer-test-live", check=False)
         left = [t for t in (old, held, child, stale, under) if t in _all_tags()]
         if left:
             docker("rmi", *left, check=False)
+
+
+def test_settings_with_dollar_backslash_and_non_ascii_arrive_in_the_image_as_written(cpu_image):
+    from fleetbox.build import layers
+    v = matrix.load().get("cpu")
+    value = "cost $HOME \\ naïve ${X:-y} 'q' \"dq\""
+    change = layers.changes(v, [], {"io.fleetbox.test": value})
+    ct = docker("create", "--network", "none", v.base_ref, "true").stdout.strip()
+    tag = "fleetbox-test/settings:1"
+    try:
+        docker("commit", *[a for c in change for a in ("--change", c)], ct, tag)
+        config = json.loads(docker("image", "inspect", tag).stdout)[0]["Config"]
+        assert config["Labels"]["io.fleetbox.test"] == value
+        assert "FLEETBOX_VARIANT=cpu" in config["Env"] and config["WorkingDir"] == "/workspace"
+    finally:
+        docker("rm", "-f", ct, check=False)
+        docker("rmi", tag, check=False)

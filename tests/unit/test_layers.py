@@ -3,6 +3,7 @@ keys that change with a layer's inputs and its parent's, and only then."""
 import pytest
 
 from fleetbox.build import layers, locks, matrix
+from fleetbox.errors import UserError
 
 V = matrix.load().get("cpu")
 LOCK = V.lock_path.read_text()
@@ -38,13 +39,17 @@ def test_the_requirements_of_a_layer_carry_every_hash_and_no_other_package():
     assert "scipy" not in paddle.requirements
 
 
-def _calls(script: str, env: dict) -> list[list[str]]:
-    """The docker commands the script would run, each as its argv (docker replaced by a recorder)."""
+def _calls(script: str, env: dict, tmp_path) -> list[list[str]]:
+    """The docker commands the script would run, each as its argv (docker replaced by a recorder; a commit
+    answers with a made-up image ID naming its tag)."""
     import subprocess
-    rec = "docker() { for a in \"$@\"; do printf '%s\\0' \"$a\"; done; printf '\\n\\0'; }\n"
-    out = subprocess.run(["sh", "-c", rec + script], capture_output=True, env=env, check=True).stdout.decode()
+    rec = tmp_path / "calls"
+    stub = (f"docker() {{ for a in \"$@\"; do printf '%s\\0' \"$a\" >> {rec}; done; printf '\\n\\0' >> {rec}; "
+            "if [ \"$1\" = commit ]; then eval \"echo id-of-\\${$#}\"; fi; }\n")
+    rec.write_bytes(b"")
+    subprocess.run(["sh", "-c", stub + script], capture_output=True, env=env, check=True)
     calls, cur = [], []
-    for a in out.split("\0")[:-1]:
+    for a in rec.read_bytes().decode().split("\0")[:-1]:
         if a == "\n":
             calls.append(cur)
             cur = []
@@ -53,26 +58,50 @@ def _calls(script: str, env: dict) -> list[list[str]]:
     return calls
 
 
-def test_the_by_hand_script_passes_every_value_whole_and_takes_its_tags_from_the_environment():
-    hostile = "/path with space/wh'eel$(touch /tmp/x)"
+BASE_ID = "sha256:" + "b" * 64
+
+
+def test_the_by_hand_script_passes_every_value_whole_and_takes_its_tags_from_the_environment(tmp_path):
+    hostile = "/path with space,comma/wh'eel$(touch /tmp/x)"
     layers_ = split()
-    script = layers.by_hand(V, layers_, "fleetbox/base:x", hostile, "fleetbox/paddle:cpu-1",
+    script = layers.by_hand(V, layers_, BASE_ID, hostile, "fleetbox/paddle:cpu-1",
                             layers.changes(V, ["PATH=/usr/bin"], {"a": "b c'd"}))
-    runs = [c for c in _calls(script, {"PATH": "/usr/bin:/bin"}) if c[0] == "run"]
-    commits = [c for c in _calls(script, {"PATH": "/usr/bin:/bin"}) if c[0] == "commit"]
-    assert len(runs) == len(commits) == 4
+    calls = _calls(script, {"PATH": "/usr/bin:/bin"}, tmp_path)
+    runs, commits = [c for c in calls if c[0] == "run"], [c for c in calls if c[0] == "commit"]
+    assert len(runs) == len(commits) == 4 and [c[0] for c in calls].count("rm") == 4
     for call, layer in zip(runs, layers_):
-        assert f"type=bind,dst=/mnt,readonly,src={hostile}" in call
+        # docker reads --mount as CSV: the quoted field keeps the comma in the path
+        assert f'type=bind,dst=/mnt,readonly,"src={hostile}"' in call
         assert call[-5:] == ["sh", "-c", layer.script, "sh", layer.requirements]   # requirements arrive whole
     assert [c[-1] for c in commits] == [layers.layer_tag(x) for x in layers_[:-1]] + ["fleetbox/paddle:cpu-1"]
     assert 'LABEL "a"="b c\'d"' in commits[-1] and 'ENV PATH="/opt/venv/bin:/usr/bin"' in commits[-1]
     assert [r[r.index("--network") + 1] for r in runs] == ["none"] * 4
-    # each layer runs from the one before; the first from the base
-    assert [r[-6] for r in runs] == ["fleetbox/base:x"] + [c[-1] for c in commits[:-1]]
-    mine = _calls(script, {"PATH": "/usr/bin:/bin", "WHEELHOUSE": "/w", "LAYERS": "me/l", "IMAGE": "me/img:1"})
+    # each layer runs from the image ID the one before gave; the first from the base's ID
+    assert [r[-6] for r in runs] == [BASE_ID] + [f"id-of-{c[-1]}" for c in commits[:-1]]
+    mine = _calls(script, {"PATH": "/usr/bin:/bin", "WHEELHOUSE": "/w", "LAYERS": "me/l", "IMAGE": "me/img:1"},
+                  tmp_path)
     tags = [c[-1] for c in mine if c[0] == "commit"]
     assert tags == [f"me/l:{layers.layer_tag(x).split(':', 1)[1]}" for x in layers_[:-1]] + ["me/img:1"]
-    assert all("type=bind,dst=/mnt,readonly,src=/w" in c for c in mine if c[0] == "run")
+    assert all('type=bind,dst=/mnt,readonly,"src=/w"' in c for c in mine if c[0] == "run")
+    with pytest.raises(UserError, match="double quote"):
+        layers.by_hand(V, layers_, BASE_ID, '/a"b', "x:1", [])
+
+
+def test_settings_reach_commit_as_written_no_variable_expanded_non_ascii_kept():
+    got = layers.changes(V, [], {"io.x": "cost $HOME \\ é"})
+    assert 'LABEL "io.x"="cost \\$HOME \\\\ é"' in got
+
+
+def test_a_hostile_pip_wheel_name_stays_one_word():
+    import shlex
+    script = layers.install_script("/usr/bin/python3", "pip-1$(touch x).whl", first=True)
+    assert "'/mnt/pip-1$(touch x).whl/pip'" in script
+    assert shlex.split(script)   # balanced
+
+
+def test_the_last_layer_is_marked_not_named():
+    odd = split()
+    assert [x.last for x in odd] == [False, False, False, True]
 
 
 GPU_LOCK = """# fleetbox-lock: variant=cu126 inputs=x
