@@ -272,6 +272,9 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
             raise UserError(f"layer {layer.name} failed (exit {code}): {tail[:300]}")
         repo, tag_name = tag.rsplit(":", 1)
         return ct.commit(repository=repo, tag=tag_name, changes=change_list)
+    except docker.errors.APIError as e:   # full disk, image gone (a concurrent clean), engine restarted
+        raise UserError(f"layer {layer.name}: the engine refused: {(e.explanation or str(e)).strip()[:300]}") \
+            from None
     finally:
         with signals_held():
             try:
@@ -354,7 +357,10 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     stopped = [x for x in c.containers.list(all=True, filters={"name": "fleetbox-layer-"})
                if x.name.startswith("fleetbox-layer-") and x.status != "running"]
     for x in stopped:
-        x.remove(force=True)
+        try:
+            x.remove(force=True)
+        except docker.errors.APIError:   # being removed already
+            pass
     images = snapshot()
     old: dict[str, str] = {}
     for v in variants:

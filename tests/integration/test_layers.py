@@ -177,3 +177,33 @@ def test_settings_with_dollar_backslash_and_non_ascii_arrive_in_the_image_as_wri
     finally:
         docker("rm", "-f", ct, check=False)
         docker("rmi", tag, check=False)
+
+
+def test_sigterm_during_a_layer_stops_the_build_removes_its_container_and_tags_nothing(cpu_image):
+    """A scheduler's SIGTERM mid-layer: the same way out as Ctrl-C (exit 130, one line), the layer's container
+    gone, and no tag moved: the image and every layer tag are what they were."""
+    import os
+    import signal
+    import sys
+    import time
+    from tests.conftest import ROOT
+    before = {t: json.loads(docker("image", "inspect", t).stdout)[0]["Id"]
+              for t in _all_tags() if t.startswith(("fleetbox/paddle:", "fleetbox/layers:"))}
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "build", "--variant", "cpu", "--force"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not docker("ps", "--filter", "name=fleetbox-layer-paddle-", "--format", "{{.Names}}").stdout.strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(2)   # pip is installing
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and err.strip() == "fleetbox: interrupted", (proc.returncode, err[-2000:])
+    assert docker("ps", "-a", "--filter", "name=fleetbox-layer-", "--format", "{{.Names}}").stdout.split() == []
+    after = {t: json.loads(docker("image", "inspect", t).stdout)[0]["Id"]
+             for t in _all_tags() if t.startswith(("fleetbox/paddle:", "fleetbox/layers:"))}
+    assert after == before

@@ -146,3 +146,35 @@ def test_a_gpu_lock_puts_the_nvidia_wheels_in_paddles_layer_and_an_unclaimed_pac
     assert got["paddle"] == ["numpy", "nvidia-cublas-cu12", "nvidia-cudnn-cu12", "paddlepaddle-gpu", "pip",
                              "setuptools"]
     assert got["scipy"] == ["scipy"] and got["rest"] == ["tqdm"]   # numpy is Paddle's, not the extras'
+
+
+class _Engine:
+    """Just enough of docker-py's client for one layer: create works, commit fails as a full disk would."""
+    def __init__(self):
+        self.removed, self.api = [], self
+
+    def remove_container(self, name, force=False):
+        self.removed.append((name, force))
+
+    @property
+    def containers(self):
+        return self
+
+    def create(self, image, command, name, **kw):
+        import types
+        self.name = name
+        return types.SimpleNamespace(start=lambda: None, wait=lambda: {"StatusCode": 0}, logs=lambda: b"ok\n",
+                                     commit=self.commit)
+
+    def commit(self, **kw):
+        import docker
+        raise docker.errors.APIError("500", explanation="write /var/lib/docker/...: no space left on device")
+
+
+def test_an_engine_error_in_a_layer_is_one_line_and_the_container_is_removed(tmp_path):
+    import io
+    from fleetbox.build import images
+    engine, layer = _Engine(), split()[0]
+    with pytest.raises(UserError, match=r"^layer paddle: the engine refused: write .*no space left on device$"):
+        images._run_and_commit(engine, "sha256:p", layer, str(tmp_path), "fleetbox/layers:x", [], io.StringIO())
+    assert engine.removed == [(engine.name, True)] and engine.name.startswith("fleetbox-layer-paddle-")
