@@ -33,7 +33,7 @@ from benchlib import ROOT
 sys.path.insert(0, str(ROOT))
 from fleetbox import engine  # noqa: E402
 from fleetbox.build import images, locks, matrix, wheelhouse  # noqa: E402
-from tests.checkout import copy_with_pin, tags  # noqa: E402
+from tests.checkout import copy_with_pin, made_since, tags  # noqa: E402
 
 NOOP = "invoke build --variant cpu"
 COLD, PIP = "invoke build --variant cpu --force", "python3 -m venv + pip install (host)"
@@ -132,7 +132,7 @@ def one_pin(c, tmp: Path, wheel_dir: Path, repeat: int):
     times = []
     try:
         for _ in range(repeat):
-            made = [t for t in tags("fleetbox/layers") if t not in before] + tags("fleetbox-bench/paddle")
+            made = made_since(before, "fleetbox-bench/paddle")
             if made:
                 subprocess.run(["docker", "rmi", *made], capture_output=True, check=True)
             t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", "cpu"], cwd=src, env=env,
@@ -148,7 +148,7 @@ def one_pin(c, tmp: Path, wheel_dir: Path, repeat: int):
                              "| tail -1"], capture_output=True, text=True, check=True).stdout
         return times, changed, int(du.split()[0]), c.images.get(ref).attrs["Size"]
     finally:
-        made = [t for t in tags("fleetbox/layers") if t not in before] + tags("fleetbox-bench/paddle")
+        made = made_since(before, "fleetbox-bench/paddle")
         if made:
             subprocess.run(["docker", "rmi", *made], capture_output=True)
 

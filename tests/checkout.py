@@ -36,3 +36,8 @@ def tags(repo: str) -> list[str]:
     out = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}", repo],
                          capture_output=True, text=True).stdout
     return [t for t in out.split() if not t.endswith(":<none>")]
+
+
+def made_since(layers_before: set[str], image_repo: str) -> list[str]:
+    """The tags a build in the copy added: new layer tags, and every tag of the copy's images."""
+    return [t for t in tags("fleetbox/layers") if t not in layers_before] + tags(image_repo)

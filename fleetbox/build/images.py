@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import ROOT, settings
 from ..data import datasets
-from . import locks, wheelhouse
+from . import layers, locks, wheelhouse
 from .. import engine
 from ..engine import image_or_none, run_dir
 from ..run.backend import signals_held, sigterm_as_interrupt
@@ -42,7 +42,7 @@ class BuildPlan:
     content_hash: str
     labels: dict[str, str] = field(default_factory=dict)
     data: tuple = ()   # data sets baked on top, in a thin image of their own
-    layers: tuple = ()   # (layer name, its packages), in order (build/layers.py)
+    layers: tuple = ()   # build/layers.py's Layers, in order (keys valid once base_id is known)
 
     @property
     def aliases(self) -> list[str]:
@@ -83,10 +83,12 @@ class BuildPlan:
             f"aliases   {' '.join(self.aliases)}",
             "datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {settings.CONTAINER_CACHE} in "
                              f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})" if self.data else "none baked"),
-            *[f"layer     {name}: {', '.join(pkgs) or 'the freeze file, bind-mount targets and settings'}"
-              for name, pkgs in self.layers],
+            *[f"layer     {x.name}: "
+              + (", ".join(e.name for e in x.entries) or "the freeze file, bind-mount targets and settings")
+              for x in self.layers],
             "command   per layer: docker run --network none --mount type=bind,dst=/mnt,readonly,src=WHEELHOUSE "
-            "<previous layer> sh -c <install> && docker commit (every build writes the exact commands to runs/build-<variant>-*/by-hand.sh)",
+            "<previous layer> sh -c <install> && docker commit (every build writes the exact commands to "
+            "runs/build-<variant>-*/by-hand.sh)",
         ]
 
 
@@ -146,15 +148,8 @@ def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, r
     }
 
 
-def _layers(variant: Variant, lock_text: str, entries: list, args: dict[str, str], base_id: str = ""):
-    from . import layers
-    return layers.plan(variant, lock_text, entries, base_id, args["PYTHON"], args["PIP_WHEEL"])
-
-
-def recipe(variant: Variant, lock_text: str, entries: list, base_id: str, args: dict[str, str]) -> str:
+def recipe(variant: Variant, split: list, entries: list) -> str:
     """What the image is made from besides the lock and base: the layer split and each layer's script."""
-    from . import layers
-    split = _layers(variant, lock_text, entries, args, base_id)
     return json.dumps({"layers": [(x.name, x.script, [e.name for e in x.entries]) for x in split],
                        "settings": layers.changes(variant, [], {}), "freeze": freeze(entries), "mount": layers.MOUNT})
 
@@ -168,12 +163,12 @@ def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, r
         "BASE_IMAGE": variant.base_ref, "PYTHON": variant.base.python, "PIP_WHEEL": "<from the lock>",
         "VARIANT": variant.name, "DEVICE": variant.device}
     lock_sha = locks.lock_hash(lock_text) if lock_text else ""
-    chash = content_hash(recipe(variant, lock_text, entries, base_id, args), lock_text, base_id, args) \
-        if (base_id and lock_text) else ""
+    split = layers.plan(variant, lock_text, entries, base_id or "", args["PYTHON"], args["PIP_WHEEL"]) \
+        if entries else []
+    chash = content_hash(recipe(variant, split, entries), lock_text, base_id, args) if (base_id and lock_text) else ""
     lbl = labels(variant, lock_sha, base_id or "", chash, entries, revision) if chash else {}
-    split = tuple((x.name, tuple(e.name for e in x.entries)) for x in _layers(variant, lock_text, entries, args)) \
-        if entries else ()
-    return BuildPlan(variant, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl, tuple(data), split)
+    return BuildPlan(variant, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl, tuple(data),
+                     tuple(split))
 
 
 def dry_run(variant: Variant, client_or_none, data: list[datasets.Dataset] = ()) -> BuildPlan:
@@ -216,17 +211,14 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
 def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, force: bool, log) -> None:
     """The environment in layers (build/layers.py): each layer run from the one before with the wheelhouse
     mounted read-only and the network off, then committed; a layer whose inputs are unchanged is reused."""
-    from . import layers
-    variant = p.variant
+    variant, split, wheels = p.variant, p.layers, str(wheel_dir.resolve())
     wheelhouse.verify(variant, wheel_dir, lock_text, entries)
     for line in p.describe():
         log(line)
     rd = run_dir(f"build-{variant.name}")
-    split = layers.plan(variant, lock_text, entries, p.base_id, p.build_args["PYTHON"], p.build_args["PIP_WHEEL"])
     base = c.images.get(p.base_id)   # by ID, as every layer after: the keys name IDs, and a tag can move
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
-    (rd / "by-hand.sh").write_text(layers.by_hand(variant, split, p.base_id, str(wheel_dir.resolve()), p.tag,
-                                                  change_list))
+    (rd / "by-hand.sh").write_text(layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
     parent = base.id
     with open(rd / "build.log", "a") as out, sigterm_as_interrupt():
         for layer in split:
@@ -237,7 +229,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 parent = have.id
                 continue
             t0 = time.monotonic()
-            made = _run_and_commit(c, parent, layer, str(wheel_dir.resolve()), tag,
+            made = _run_and_commit(c, parent, layer, wheels, tag,
                                    change_list if layer.last else ['CMD ["python"]'], out)
             size = made.history()[0]["Size"]
             log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s")
@@ -255,7 +247,6 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
     """One layer: a container of `parent` runs the layer's script, network off, wheelhouse read-only; its
     changes become the layer, tagged only once whole. The container is removed on every way out (by its
     name, so also when Ctrl-C lands inside create), with Ctrl-C and SIGTERM held while that runs."""
-    from . import layers
     import docker
     name = f"fleetbox-layer-{layer.name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
     try:
@@ -324,7 +315,6 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     (RootFS), which every image store keeps. An image a container uses is kept; so is a running build's
     container, while the containers of builds that were killed go."""
     import docker
-    from . import layers
 
     def snapshot() -> dict[str, tuple[list[str], list[str]]]:   # image ID -> (tags, layer digests)
         out = {}

@@ -19,6 +19,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from packaging.utils import canonicalize_name
+
 from . import locks
 from ..errors import UserError
 from .matrix import Variant
@@ -44,10 +46,6 @@ class Layer:
                        for e in self.entries)
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def needs(lock_text: str) -> dict[str, set[str]]:
     """Each locked package's direct dependencies, from the lock's `# via` notes (X via Y: Y needs X)."""
     via: dict[str, set[str]] = {}
@@ -55,7 +53,7 @@ def needs(lock_text: str) -> dict[str, set[str]]:
     for line in lock_text.splitlines():
         m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", line)
         if m:
-            cur, listing = _norm(m.group(1)), False
+            cur, listing = canonicalize_name(m.group(1)), False
             via[cur] = set()
             continue
         s = line.strip()
@@ -63,16 +61,16 @@ def needs(lock_text: str) -> dict[str, set[str]]:
             rest = s[len("# via"):].strip()
             listing = not rest
             if rest:
-                via[cur].add(_norm(rest.split()[0]))
+                via[cur].add(canonicalize_name(rest.split()[0]))
         elif cur and listing and s.startswith("#   "):
-            via[cur].add(_norm(s[4:].split()[0]))
+            via[cur].add(canonicalize_name(s[4:].split()[0]))
         elif not s.startswith("#"):
             listing = False
     return {n: {x for x, ys in via.items() if n in ys} for n in via}
 
 
 def closure(root: str, deps: dict[str, set[str]]) -> set[str]:
-    out, todo = set(), [_norm(root)]
+    out, todo = set(), [canonicalize_name(root)]
     while todo:
         n = todo.pop()
         if n not in out:
@@ -82,7 +80,7 @@ def closure(root: str, deps: dict[str, set[str]]) -> set[str]:
 
 
 def requirement_name(spec: str) -> str:
-    return _norm(re.split(r"[=<>!~\[; ]", spec, maxsplit=1)[0])
+    return canonicalize_name(re.split(r"[=<>!~\[; ]", spec, maxsplit=1)[0])
 
 
 def groups(variant: Variant, lock_text: str) -> list[tuple[str, set[str]]]:
@@ -137,7 +135,7 @@ def last_script() -> str:
 def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id: str, python: str,
          pip_wheel: str) -> list[Layer]:
     """Every layer with its key: a layer is reused when an image with its key exists."""
-    by = {_norm(e.name): e for e in entries}
+    by = {canonicalize_name(e.name): e for e in entries}
     parent, out = base_id, []
     for name, names in groups(variant, lock_text):
         chosen = tuple(by[n] for n in sorted(names) if n in by)   # a name the lock lacks: nothing to install

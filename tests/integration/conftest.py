@@ -54,7 +54,7 @@ def bumped(cpu_image, tmp_path_factory):
     """A user changing one pin, as the README says, in a copy of this checkout (tests/checkout.py):
     opencv-python-headless 4.12.0.88 -> 4.11.0.86 in images/matrix.toml, then `invoke lock`, `invoke wheels`,
     `invoke build`. The copy's images are fleetbox-test/paddle; only the new opencv wheel is downloaded."""
-    from tests.checkout import copy_with_pin, tags
+    from tests.checkout import copy_with_pin, made_since, tags
     from fleetbox.build import matrix, wheelhouse
     tmp = tmp_path_factory.mktemp("bumped")
     env = copy_with_pin(ROOT, tmp, "fleetbox-test/paddle", wheelhouse.default_dir(matrix.load().get("cpu")))
@@ -69,7 +69,7 @@ def bumped(cpu_image, tmp_path_factory):
         build = run("build", "--variant", "cpu")
         yield {"src": tmp / "src", "run": run, "build": build, "wheels": wheels, "ref": "fleetbox-test/paddle:cpu"}
     finally:
-        made = [t for t in tags("fleetbox/layers") if t not in before] + tags("fleetbox-test/paddle")
+        made = made_since(before, "fleetbox-test/paddle")
         if made:
             subprocess.run(["docker", "rmi", *made], capture_output=True)
 

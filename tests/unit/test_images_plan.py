@@ -31,7 +31,7 @@ def test_tag_is_content_addressed_and_stable():
 def test_tag_changes_with_each_input(what):
     base, args = "sha256:" + "1" * 64, _plan().build_args
     v = matrix.load().get("cpu")
-    df = images.recipe(v, LOCK, locks.parse(LOCK), base, args)   # the layer split and scripts
+    df = images.recipe(v, _plan().layers, locks.parse(LOCK))   # the layer split and scripts
     ref = images.content_hash(df, LOCK, base, args)
     changed = {
         "dockerfile": lambda: images.content_hash(df + "\n# x", LOCK, base, args),
