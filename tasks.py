@@ -7,10 +7,27 @@ import functools
 import json
 import os
 import sys
+from pathlib import Path
 
 from invoke import Exit, task
 
+from fleetbox import engine, options
+from fleetbox.commands import doctor as doctor_mod
+from fleetbox.commands import jobs
+from fleetbox.commands import scale as scale_mod
+from fleetbox.commands import train as train_mod
+from fleetbox.commands import up as up_mod
+from fleetbox.commands import verify as verify_mod
+from fleetbox.data import datasets as ds
 from fleetbox.errors import Failed, UserError
+from fleetbox.image import bases, locks, matrix
+from fleetbox.image import images as images_mod
+from fleetbox.image import wheelhouse as wheelhouse_mod
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends import runtimes
+from fleetbox.run.backends.docker import DockerBackend
+from fleetbox.ship import exports as hpc
+from fleetbox.ship import kit as kit_mod
 
 VARIANT_HELP = "matrix variant (images/matrix.toml): cpu (default), cu118, cu126, cu129, dcu"
 
@@ -34,7 +51,6 @@ def _fleetbox(fn):
 
 
 def _variant(name):
-    from fleetbox.build import matrix
     if name is not None and not name.strip():
         raise UserError("--variant is empty; name a variant (default: cpu)")
     return matrix.load().get(name)
@@ -50,7 +66,6 @@ def _log(msg):
 @_fleetbox
 def lock(c, variant=None, upgrade=False):
     """Resolve the variant's pins across PyPI and Paddle's index into images/locks/<variant>.lock (sha256)."""
-    from fleetbox.build import locks
     v = _variant(variant)
     path = locks.make(v, upgrade=upgrade)
     _, entries = locks.read(v)
@@ -61,9 +76,7 @@ def lock(c, variant=None, upgrade=False):
 @_fleetbox
 def wheels(c, variant=None, dest=None):
     """Download the lock's wheels into an offline wheelhouse (hash-checked; reused when complete)."""
-    from pathlib import Path
-    from fleetbox.build import wheelhouse
-    wheelhouse.ensure(_variant(variant), Path(dest) if dest else None, log=_log)
+    wheelhouse_mod.ensure(_variant(variant), Path(dest) if dest else None, log=_log)
 
 
 @task(help={"variant": VARIANT_HELP,
@@ -74,8 +87,6 @@ def wheels(c, variant=None, dest=None):
 @_fleetbox
 def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=False):
     """Make the variant's system base (OS + Python + runtime libraries) under fleetbox/base:<name>-<hash>."""
-    from fleetbox import engine
-    from fleetbox.build import bases
     v = _variant(variant)
     if dry_run:
         for line in bases.plan(v, bootstrap, mirror).describe():
@@ -91,10 +102,6 @@ def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=F
 @_fleetbox
 def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets=None):
     """Build the variant's image hermetically (network off) from the wheelhouse; no-op when up to date."""
-    from pathlib import Path
-    from fleetbox import engine
-    from fleetbox.build import images
-    from fleetbox.data import datasets as ds
     v = _variant(variant)
     data = ds.select(ds.load(), datasets) if datasets else []
     if dry_run:
@@ -102,10 +109,10 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets
             client = engine.client()
         except UserError:
             client = None
-        for line in images.dry_run(v, client, data).describe():
+        for line in images_mod.dry_run(v, client, data).describe():
             _log(line)
         return
-    images.build(engine.client(), v, Path(wheelhouse) if wheelhouse else None, force=force, log=_log, data=data)
+    images_mod.build(engine.client(), v, Path(wheelhouse) if wheelhouse else None, force=force, log=_log, data=data)
 
 
 @task(help={"variant": VARIANT_HELP, "json_out": "also write the JSON report to this path",
@@ -115,8 +122,6 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets
 @_fleetbox
 def verify(c, variant=None, json_out=None, image=None, nodes=None, hosts=None):
     """Check the image with the network off: run_check(), device, scipy/cv2, installed == lock."""
-    from fleetbox import engine, options, verify as verify_mod
-    from fleetbox.run import spec as spec_mod
     v = _variant(variant)
     n = options.integer("--nodes", nodes or 0, 0)
     if n:
@@ -135,8 +140,7 @@ def verify(c, variant=None, json_out=None, image=None, nodes=None, hosts=None):
 @_fleetbox
 def up(c, variant=None, mirror=None, nodes=None):
     """The main job: base -> wheels -> build -> verify -> a 2-node training run (smoke), on this machine."""
-    from fleetbox import options, pipeline
-    pipeline.up(_variant(variant), mirror, options.integer("--nodes", 2 if nodes is None else nodes, 0), log=_log)
+    up_mod.up(_variant(variant), mirror, options.integer("--nodes", 2 if nodes is None else nodes, 0), log=_log)
 
 
 @task(help={"datasets": "comma-separated data sets from offline_cache/datasets.toml, e.g. mnist,flowers",
@@ -150,7 +154,6 @@ def up(c, variant=None, mirror=None, nodes=None):
 @_fleetbox
 def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, from_=None, manifest=None, jobs=None):
     """Seed Paddle's dataset cache offline-ready: download (MD5, resume, retry), verify, pack, restore."""
-    from fleetbox.data import datasets as ds
     ds.cache_command(datasets, mirror, dest, verify, pack, from_, manifest, 4 if jobs is None else jobs, log=_log)
 
 
@@ -198,7 +201,6 @@ TRAIN_HELP = {
 
 def _slurm_options(backend, runtime, image, partition, time, account, runtime_args, signal_grace=None,
                    max_allocations=None) -> dict:
-    from fleetbox import options
     if backend != "slurm":
         if max_allocations is not None or signal_grace is not None:
             raise UserError("--max-allocations and --signal-grace are for --backend slurm")
@@ -218,20 +220,21 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
           partition=None, time=None, account=None, runtime_args=None, job_id=None, checkpoint_dir=None, resume=None,
           max_restarts=None, max_allocations=None, signal_grace=None, detach=False, preflight=False):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
-    from fleetbox import options
-    from fleetbox.run import jobs, spec as spec_mod
-    spec = spec_mod.from_options(_variant(variant), nodes, procs_per_node, script, args, image, hosts, iface, ib_hca,
-                                 debug, gpus_per_node, devices, port, env, mount, data_dir, shm_size, job_id,
-                                 checkpoint_dir, resume, max_restarts)
+    spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, script=script,
+                                 args=args, image=image, hosts=hosts, iface=iface, ib_hca=ib_hca, debug=debug,
+                                 gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
+                                 data_dir=data_dir, shm_size=shm_size, job_id=job_id, checkpoint_dir=checkpoint_dir,
+                                 resume=resume, max_restarts=max_restarts)
     slurm = _slurm_options(backend, runtime, image, partition, time, account, runtime_args, signal_grace,
                            max_allocations)
-    jobs.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), detach=detach, log=_log,
+    train_mod.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), detach=detach, log=_log,
                preflight=preflight)
 
 
-@task(auto_shortflags=False, help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts", "iface", "ib_hca",
-                                          "gpus_per_node", "devices", "env", "mount", "data_dir", "shm_size",
-                                          "backend", "runtime", "partition", "time", "account", "runtime_args")},
+@task(auto_shortflags=False, help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts",
+                                                                 "iface", "ib_hca", "gpus_per_node", "devices", "env",
+                                                                 "mount", "data_dir", "shm_size", "backend", "runtime",
+                                                                 "partition", "time", "account", "runtime_args")},
             "port": "master port to check (the trainers' pinned ports follow it; default: as `invoke train` picks)",
             "quick": "everything but the all-reduce sweep and the TCP throughput (what train --preflight runs)",
             "wait": "seconds each node waits for the others (default 30)",
@@ -243,10 +246,10 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
            quick=False, wait=None, json_out=None):
     """Check that the nodes are ready for a job, in the job's own containers: image the same everywhere, shm,
     limits, interface and route, devices, clocks, disk, every port the job uses, then an all-reduce sweep."""
-    from fleetbox import doctor as doctor_mod, options
-    from fleetbox.run import spec as spec_mod
-    spec = spec_mod.from_options(_variant(variant), nodes, procs_per_node, None, None, image, hosts, iface, ib_hca,
-                                 False, gpus_per_node, devices, port, env, mount, data_dir, shm_size)
+    spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, image=image,
+                                 hosts=hosts, iface=iface, ib_hca=ib_hca, gpus_per_node=gpus_per_node,
+                                 devices=devices, port=port, env=env, mount=mount, data_dir=data_dir,
+                                 shm_size=shm_size)
     slurm = _slurm_options(backend, runtime, image, partition, time, account, runtime_args)
     report = doctor_mod.run(spec, backend, slurm, quick=quick,
                             wait=options.seconds("--wait", wait) or 30.0, log=_log)
@@ -274,13 +277,12 @@ def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=
           runtime_args=None):
     """A scaling study: the same job at each size and for each image, then a table and a plot of samples/s,
     speed-up, parallel efficiency, time per step and communication share (runs/<study>/scale.md, scale.png)."""
-    from fleetbox import options
-    from fleetbox.run import scale as scale_mod, spec as spec_mod
     study_cells = scale_mod.cells(nodes, procs_per_node, image)
     host_count = len(options.items(hosts))
-    spec = spec_mod.from_options(_variant(variant), host_count or max(x.nodes for x in study_cells), None, script,
-                                 args, None, hosts, iface, ib_hca, False, gpus_per_node, devices, port, env, mount,
-                                 data_dir, shm_size)
+    spec = spec_mod.from_options(_variant(variant), nodes=host_count or max(x.nodes for x in study_cells),
+                                 script=script, args=args, hosts=hosts, iface=iface, ib_hca=ib_hca,
+                                 gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
+                                 data_dir=data_dir, shm_size=shm_size)
     slurm = _slurm_options(backend, runtime, None, partition, time, account, runtime_args)
     scale_mod.run(spec, study_cells, backend, slurm, options.seconds("--timeout", timeout), log=_log)
 
@@ -290,7 +292,6 @@ def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=
 def jobs_(c):
     """List fleetbox's jobs (runs/*/): backend, state, attempt or allocation, newest checkpoint step; a job whose
     supervisor died is flagged."""
-    from fleetbox.run import jobs
     jobs.listing(log=_log)
 
 
@@ -299,8 +300,6 @@ def jobs_(c):
 @_fleetbox
 def logs(c, job, node=0, follow=False):
     """Print a job's node output (Docker: the container; Slurm: the node's log), from any shell."""
-    from fleetbox import options
-    from fleetbox.run import jobs
     jobs.logs(job, options.integer("--node", node, 0), follow, log=_log)
 
 
@@ -309,7 +308,6 @@ def logs(c, job, node=0, follow=False):
 def report(c, job):
     """Draw a run's report again, runs/<job>/report.png and report.md (also for a failed or cancelled run, from
     what exists; says what is missing)."""
-    from fleetbox.run import jobs
     jobs.report(job, log=_log)
 
 
@@ -317,7 +315,6 @@ def report(c, job):
 @_fleetbox
 def cancel(c, job):
     """Stop a job from any shell: every node stopped, logs kept, containers removed (Slurm: the whole chain)."""
-    from fleetbox.run import jobs
     jobs.cancel(job, log=_log)
 
 
@@ -329,10 +326,6 @@ def cancel(c, job):
 def clean(c, hosts=None, job=None, force=False, images=False):
     """Remove containers that earlier jobs left behind (found by their io.fleetbox.job label); running ones
     belong to live jobs and are kept unless --job or --force."""
-    from fleetbox import engine, options
-    from fleetbox.build import images as images_mod, matrix
-    from fleetbox.run import spec as spec_mod
-    from fleetbox.run.docker_backend import DockerBackend
     if job is not None and not spec_mod.JOB_ID.fullmatch(job):
         raise UserError(f"--job {job!r} is not a job id")
     removed, kept = DockerBackend().clean(options.items(hosts), job or "", force, log=_log)
@@ -350,13 +343,9 @@ def clean(c, hosts=None, job=None, force=False, images=False):
 @_fleetbox
 def export(c, variant=None, format="docker-archive", squash=False, dest=None, image=None):
     """Export the image for HPC runtimes; where a converter is missing, print the command for the cluster."""
-    from pathlib import Path
-    from fleetbox import engine
-    from fleetbox.build import images
-    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     client = engine.client()
-    ref = image or images.resolve(client, v).tags[0]
+    ref = image or images_mod.resolve(client, v).tags[0]
     hpc.export(client, v, format, ref, squash, Path(dest) if dest else None, log=_log)
 
 
@@ -374,8 +363,6 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
 def kit(c, variant=None, out=None, datasets=None, data_dir=None, manifest=None, with_image=False, load=None,
         expect=None, no_expect=False, dest=None):
     """One verified bundle for an air-gapped site: source, host wheels, lock, wheelhouse, base (image), datasets."""
-    from pathlib import Path
-    from fleetbox.ship import kit as kit_mod
     if load:
         if variant or out or datasets or data_dir or manifest or with_image:
             raise UserError("--load takes only --expect and --dest: the kit says what it holds")
@@ -386,7 +373,6 @@ def kit(c, variant=None, out=None, datasets=None, data_dir=None, manifest=None, 
     v = _variant(variant)
     chosen = []
     if datasets:
-        from fleetbox.data import datasets as ds
         chosen = ds.select(ds.load(Path(manifest) if manifest else None), datasets)
     elif data_dir or manifest:
         raise UserError("--data-dir and --manifest say where --datasets come from; name the data sets")
@@ -398,13 +384,10 @@ def kit(c, variant=None, out=None, datasets=None, data_dir=None, manifest=None, 
 @_fleetbox
 def push(c, variant=None, registry=None):
     """Push the content tag and the aliases of the variant's image to a registry."""
-    from fleetbox import engine
-    from fleetbox.build import images
-    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     client = engine.client()
-    image = images.resolve(client, v)
-    content = images.content_tag(image, v)
+    image = images_mod.resolve(client, v)
+    content = images_mod.content_tag(image, v)
     if content is None:
         raise UserError(f"image {v.aliases[0]} has no content tag; run `invoke build --variant {v.name}`")
     for ref in hpc.push(client, image, hpc.registry_refs(v, registry or "", content), log=_log):
@@ -417,15 +400,12 @@ def push(c, variant=None, registry=None):
 @_fleetbox
 def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False):
     """Print the pull/convert commands a cluster user runs for a runtime (immutable content tag first)."""
-    from fleetbox import engine
-    from fleetbox.build import images
-    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     try:
-        content = images.content_tag(images.resolve(engine.client(), v), v)
+        content = images_mod.content_tag(images_mod.resolve(engine.client(), v), v)
     except UserError:
         content = None
     refs = hpc.registry_refs(v, registry or "", content)
     content_ref, alias_ref = (refs[0], refs[1]) if content else (None, refs[0])
-    for line in hpc.pull_commands(runtime, content_ref, alias_ref, hpc.export_name(v), insecure):
+    for line in runtimes.pull_commands(runtime, content_ref, alias_ref, hpc.export_name(v), insecure):
         _log(line)

@@ -32,7 +32,7 @@ from benchlib import ROOT
 
 sys.path.insert(0, str(ROOT))
 from fleetbox import engine  # noqa: E402
-from fleetbox.build import images, locks, matrix, wheelhouse  # noqa: E402
+from fleetbox.image import images, locks, matrix, wheelhouse  # noqa: E402
 from tests.checkout import copy_with_pin, made_since, tags  # noqa: E402
 
 NOOP = "invoke build --variant cpu"

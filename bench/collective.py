@@ -25,7 +25,7 @@ import benchlib as bl
 from benchlib import ROOT
 
 sys.path.insert(0, str(ROOT))
-from tests import fabric   # noqa: E402  (the rig the tests use)
+from tests import fabric  # noqa: E402  (the rig the tests use)
 
 SINK = r"""
 import socket, sys, time

@@ -36,9 +36,10 @@ from benchlib import ROOT
 
 sys.path.insert(0, str(ROOT))
 from fleetbox import engine, settings  # noqa: E402
-from fleetbox.build import matrix, wheelhouse  # noqa: E402
-from fleetbox.run import plan as planner, spec as spec_mod  # noqa: E402
-from fleetbox.run.docker_backend import DockerBackend  # noqa: E402
+from fleetbox.image import matrix, wheelhouse  # noqa: E402
+from fleetbox.run import plan as planner  # noqa: E402
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends.docker import DockerBackend  # noqa: E402
 
 VENV = Path(os.environ.get("FLEETBOX_BENCH_VENV", "/var/cache/fleetbox/bench-venv"))
 OURS, BARE = "invoke train --nodes 2 (containers)", "bare paddle.distributed.launch x2 (host)"

@@ -6,12 +6,12 @@ import datetime as dt
 import os
 from pathlib import Path
 
-from . import settings
-from .errors import UserError
+from fleetbox import settings
+from fleetbox.errors import UserError
 
 
 def client(base_url: str | None = None):
-    import docker   # imported here: `--dry-run` and `--help` work without an engine
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
 
     try:
         c = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
@@ -24,7 +24,7 @@ def client(base_url: str | None = None):
 
 
 def image_or_none(c, ref: str):
-    import docker
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
 
     try:
         return c.images.get(ref)

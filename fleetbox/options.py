@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-from .errors import UserError
+from fleetbox.errors import UserError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import ROOT
+from fleetbox import ROOT
 
 
 def _path(var: str, default: Path) -> Path:
@@ -40,7 +40,7 @@ def exports_dir() -> Path:
 
 
 DEFAULT_SCRIPT = ROOT / "train" / "smoke.py"
-HELPERS = ROOT / "fleetbox" / "helpers"   # modules training scripts import in the containers (fleetbox_checkpoint)
+HELPERS = ROOT / "fleetbox" / "incontainer"   # what runs in the containers, mounted at HELPERS_DIR
 
 # Inside job containers.
 CONTAINER_CACHE = "/root/.cache/paddle/dataset"   # Paddle's DATA_HOME for the images' user (root)
@@ -51,5 +51,13 @@ HELPERS_DIR = "/fleetbox/helpers"                 # HELPERS, on the containers' 
 CHECKPOINT_DIR = "/fleetbox/checkpoints"          # the job's checkpoint folder (FLEETBOX_CHECKPOINT_DIR), read-write
 RESUME_DIR = "/fleetbox/resume"                   # --resume PATH, read-only
 
+# Folders every image has, for runtimes that cannot create a bind mount's target (Charliecloud, Apptainer).
+BIND_TARGETS = (WORKDIR, LOG_DIR, HELPERS_DIR, CHECKPOINT_DIR, RESUME_DIR, CONTAINER_CACHE)
+
+# Labels: job containers carry the first four; the images fleetbox builds carry the variant and the rest.
 LABEL_JOB, LABEL_NODE, LABEL_RANK = "io.fleetbox.job", "io.fleetbox.node", "io.fleetbox.rank"
 LABEL_VARIANT = "io.fleetbox.variant"
+LABEL_INPUTS = "io.fleetbox.inputs-sha256"   # the digest of everything the image is made from (its content tag)
+LABEL_LOCK = "io.fleetbox.lock-sha256"
+LABEL_FREEZE = "io.fleetbox.pip-freeze"      # `pip freeze` of the image's environment
+LABEL_ROLE = "io.fleetbox.role"              # a container fleetbox runs that is not a job's (verify)

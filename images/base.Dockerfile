@@ -3,7 +3,7 @@
 ARG OS_IMAGE=debian:bookworm
 FROM ${OS_IMAGE}
 ARG PACKAGES="python3 libgomp1 ca-certificates"
-# MIRROR is checked by fleetbox.build.bases.check_mirror: http(s), no credentials (build args stay in the
+# MIRROR is checked by fleetbox.image.bases.check_mirror: http(s), no credentials (build args stay in the
 # image history), nothing sed or bash reads specially.
 ARG MIRROR=""
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

@@ -86,7 +86,8 @@ def setup(n=2) -> list[str]:
         subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", "dockerd", "-H", f"tcp://{ip}:2375",
                           "--data-root", str(STATE / f"n{k}"), "--exec-root", str(RUN / f"n{k}"),
                           "--pidfile", str(RUN / f"n{k}.pid"), "--bridge", "none", "--iptables=false",
-                          "--ip-masq=false", "--tls=false"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                          "--ip-masq=false", "--tls=false"],
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         urls.append(f"tcp://{ip}:2375")
     for url in urls:
         deadline = time.monotonic() + 90

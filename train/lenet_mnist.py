@@ -1,7 +1,8 @@
 """LeNet on MNIST with fleet (distributed optimizer and model, DistributedBatchSampler), offline.
 
 Checkpoints with fleetbox_checkpoint (every `--checkpoint-every` steps, and when told to stop) and resumes
-mid-epoch where it stopped. Reads MNIST from Paddle's cache (~/.cache/paddle/dataset/mnist/, seeded with `invoke cache --datasets mnist`);
+mid-epoch where it stopped. Reads MNIST from Paddle's cache (~/.cache/paddle/dataset/mnist/, seeded with
+`invoke cache --datasets mnist`);
 `--train-images` etc. point at other copies of the same idx.gz files instead (Paddle skips its MD5 check then).
 """
 import argparse
@@ -9,13 +10,12 @@ import hashlib
 import json
 import time
 
+import fleetbox_checkpoint  # on every fleetbox container's PYTHONPATH
+import fleetbox_metrics
 import paddle
 import paddle.distributed.fleet as fleet
 import paddle.nn.functional as F
 from paddle.io import DataLoader, DistributedBatchSampler
-
-import fleetbox_checkpoint   # on every fleetbox container's PYTHONPATH
-import fleetbox_metrics
 from paddle.vision.datasets import MNIST
 from paddle.vision.models import LeNet
 from paddle.vision.transforms import Normalize

@@ -10,14 +10,13 @@ import hashlib
 import json
 import time
 
+import fleetbox_checkpoint  # on every fleetbox container's PYTHONPATH
+import fleetbox_metrics
 import numpy as np
 import paddle
 import paddle.distributed.fleet as fleet
 import paddle.nn.functional as F
 from paddle.io import DataLoader, DistributedBatchSampler
-
-import fleetbox_checkpoint   # on every fleetbox container's PYTHONPATH
-import fleetbox_metrics
 from paddle.vision.datasets import Flowers
 from paddle.vision.models import resnet50
 from paddle.vision.transforms import Compose, Normalize, Resize, Transpose

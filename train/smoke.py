@@ -21,13 +21,12 @@ import os
 import sys
 import time
 
+import fleetbox_checkpoint  # on every fleetbox container's PYTHONPATH
+import fleetbox_metrics
 import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
-
-import fleetbox_checkpoint   # on every fleetbox container's PYTHONPATH
-import fleetbox_metrics
 
 
 def main():

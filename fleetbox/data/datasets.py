@@ -21,12 +21,14 @@ import tomllib
 import zlib
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import settings
-from . import fetch
-from ..errors import UserError
+from fleetbox import settings
+from fleetbox.archives import safe_extract, safe_member
+from fleetbox.data import fetch
+from fleetbox.errors import Failed, UserError
+from fleetbox.options import integer
 
 PACK_INDEX = "fleetbox-cache.json"
 
@@ -315,32 +317,6 @@ def pack(datasets: list[Dataset], dest: Path, out: Path) -> Path:
         raise
 
 
-def safe_extract(tar: tarfile.TarFile, dest: Path) -> None:
-    """Extract refusing absolute paths, '..', links and special files. Uses tarfile's "data" filter where
-    this Python has it (3.11.4+), and the same checks done here before extracting where it does not."""
-    if hasattr(tarfile, "data_filter"):
-        tar.extractall(dest, filter="data")
-        return
-    members = tar.getmembers()
-    for m in members:
-        _safe_member(m)
-    tar.extractall(dest, members=members)
-
-
-def _safe_member(m: tarfile.TarInfo) -> str:
-    """The member's path inside dataset/, or a clear refusal."""
-    p = PurePosixPath(m.name)
-    if p.is_absolute() or m.name.startswith("/"):
-        raise UserError(f"refusing archive: member {m.name!r} has an absolute path")
-    if ".." in p.parts:
-        raise UserError(f"refusing archive: member {m.name!r} climbs out with '..'")
-    if m.issym() or m.islnk():
-        raise UserError(f"refusing archive: member {m.name!r} is a link ({m.linkname!r})")
-    if not (m.isfile() or m.isdir()):
-        raise UserError(f"refusing archive: member {m.name!r} is not a regular file")
-    return str(p)
-
-
 def restore(archive: Path, dest: Path, manifest: dict[str, Dataset] | None = None, log=print) -> list[dict]:
     """Restore a cache archive into `dest`. Only the manifest's files are accepted, each checked against the
     manifest's MD5 and the pack's SHA-256, in a temp folder; they move into place only when all passed, so a
@@ -400,7 +376,7 @@ def _verified_copy(archive: Path, staging: Path, known: dict[str, DataFile]) -> 
         raise UserError(f"{archive} is not a readable archive (damaged, truncated or not a tar file)") from None
     with tar:
         members = tar.getmembers()
-        names = [_safe_member(m) for m in members]
+        names = [safe_member(m) for m in members]
         if PACK_INDEX not in names:
             raise UserError(f"{archive} has no {PACK_INDEX}: not made by `invoke cache --pack`")
         index = _index((tar.extractfile(members[names.index(PACK_INDEX)]) or io.BytesIO()).read(), archive)
@@ -440,8 +416,6 @@ def _verified_copy(archive: Path, staging: Path, known: dict[str, DataFile]) -> 
 def cache_command(datasets=None, mirror=None, dest=None, verify=False, pack_to=None, restore_from=None,
                   manifest=None, jobs=4, log=print) -> None:
     """`invoke cache`: restore a pack, pack, verify, or seed (in that order of precedence)."""
-    from ..errors import Failed
-    from ..options import integer
     known = load(manifest)
     dest = Path(dest) if dest else settings.data_dir()
     if restore_from:

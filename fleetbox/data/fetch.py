@@ -23,7 +23,7 @@ import requests
 import urllib3
 from tqdm import tqdm
 
-from ..errors import UserError
+from fleetbox.errors import UserError
 
 CHUNK = 1 << 18   # one read: large enough that per-read overhead vanishes, small enough to stay in L2 for MD5
 BUFFERS = 16      # in flight between the reader and the hashing thread

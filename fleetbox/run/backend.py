@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import time
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import Failed, UserError
-from . import metrics
-from .result import JobResult
-from .spec import JobSpec
-
+from fleetbox.errors import Failed, UserError
+from fleetbox.processes import never_failing, signals_held, sigterm_as_interrupt
+from fleetbox.run import metrics
+from fleetbox.run.result import JobResult
+from fleetbox.run.spec import JobSpec
 
 CANCELLED = "CANCELLED"   # in the job folder: `invoke cancel` asked (Slurm: CANCELLED.<first Slurm job>)
 
@@ -146,54 +144,3 @@ class Backend(ABC):
                     with signals_held():
                         self.cancel(handle, log)
                 raise
-
-
-@contextmanager
-def signals_held():
-    """Ctrl-C and SIGTERM wait until the block is done (users press Ctrl-C twice; cleanup must finish)."""
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-
-
-def never_failing(log):
-    def safe(line: str) -> None:
-        try:
-            log(line)
-        except Exception:
-            pass
-    return safe
-
-
-@contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM (a scheduler, `kill`) takes the same way out as Ctrl-C."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def get(name: str, **options) -> Backend:
-    from .docker_backend import DockerBackend
-    from .slurm_backend import SlurmBackend
-    backends = {b.name: b for b in (DockerBackend, SlurmBackend)}
-    if name not in backends:
-        raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(backends)}")
-    return backends[name](**options)
-
-
-def process_start(pid: int) -> int:
-    """When the process started, in clock ticks since boot (/proc/<pid>/stat field 22); 0 if it is gone (a
-    zombie, killed and not yet reaped, counts as gone)."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return 0 if fields[0] in ("Z", "X") else int(fields[19])

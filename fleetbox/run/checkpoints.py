@@ -8,8 +8,10 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import UserError
-from ..helpers import fleetbox_checkpoint as layout   # the folder's layout is the helper's (stdlib only at import)
+from fleetbox.errors import UserError
+from fleetbox.incontainer import (
+    fleetbox_checkpoint as layout,  # the folder's layout is the helper's (stdlib only at import)
+)
 
 
 def folder(checkpoint_dir: str, job_dir: Path) -> Path:

@@ -8,8 +8,8 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from ..errors import UserError
-from ..probes import netinfo
+from fleetbox.errors import UserError
+from fleetbox.incontainer import fleetbox_netinfo as netinfo
 
 
 def route(master_ip: str) -> tuple[str, str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from .shell import Joined, Raw
+from fleetbox.run.shell import Joined, Raw
 
 NAMES = ("rank", "node", "nnodes", "job_id", "home", "user", "master_ip", "master_port", "node_ip", "iface", "attempt",
          "port_range")

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .. import settings
-from ..settings import LABEL_JOB, LABEL_NODE, LABEL_RANK, LABEL_VARIANT, LOG_DIR, WORKDIR
-from . import placeholders, shell
-from .spec import JobSpec, Mount
+from fleetbox import settings
+from fleetbox.run import placeholders, shell
+from fleetbox.run.spec import JobSpec, Mount
+from fleetbox.settings import LABEL_JOB, LABEL_NODE, LABEL_RANK, LABEL_VARIANT, LOG_DIR, WORKDIR
 
 STACK_BYTES = 67108864
 
@@ -33,7 +33,8 @@ class NodeRun:
     memlock: int = -1             # -1 unlimited (NCCL/InfiniBand); lower only where the engine cannot raise it
 
     def fill(self, values: dict[str, str]) -> "NodeRun":
-        f = lambda s: placeholders.fill(s, values)
+        def f(s):
+            return placeholders.fill(s, values)
         return replace(self, name=f(self.name), command=tuple(map(f, self.command)),
                        env={k: f(v) for k, v in self.env.items()}, labels={k: f(v) for k, v in self.labels.items()},
                        mounts=tuple(Mount(f(m.src), f(m.dst), m.ro) for m in self.mounts))
@@ -83,7 +84,7 @@ class NodeRun:
 
     def sdk_kwargs(self) -> dict:
         """The same container for the Docker SDK's containers.create (image and command excluded)."""
-        import docker.types
+        import docker.types  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
         kw = {"name": self.name, "network_mode": "host", "shm_size": self.shm_size, "working_dir": WORKDIR,
               "ulimits": [docker.types.Ulimit(name="memlock", soft=self.memlock, hard=self.memlock),
                           docker.types.Ulimit(name="stack", soft=STACK_BYTES, hard=STACK_BYTES)],
@@ -94,7 +95,7 @@ class NodeRun:
 
 def device_kwargs(devices=(), group_add=(), security_opt=(), gpus: str = "") -> dict:
     """Devices in the Docker SDK's spelling (the node containers and `invoke verify` share it)."""
-    import docker.types
+    import docker.types  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
     kw = {}
     if devices:
         kw["devices"] = [f"{d}:{d}:rwm" for d in devices]
@@ -216,8 +217,8 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     mounts += list(dev.get("mounts", ()))
     mounts += [Mount(_abs(m.src), m.dst, m.ro) for m in spec.mounts]
     return NodeRun(
-        name=f"fleetbox-{job_id}-{{node}}", host=host, image=spec.image_ref, command=spec.command or launch_command(spec),
-        env=env, mounts=tuple(mounts),
+        name=f"fleetbox-{job_id}-{{node}}", host=host, image=spec.image_ref,
+        command=spec.command or launch_command(spec), env=env, mounts=tuple(mounts),
         labels={LABEL_JOB: job_id, LABEL_NODE: "{node}", LABEL_RANK: "{rank}", LABEL_VARIANT: spec.variant.name},
         shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),
         security_opt=dev.get("security_opt", ()), gpus=dev.get("gpus", ""), memlock=memlock)
@@ -227,6 +228,6 @@ def node_values(rank: int, nnodes: int, job_id: str, master_ip: str, port: int, 
                 home: str = "", user: str = "", attempt: int = 0, procs: int = 1) -> dict[str, str]:
     """The placeholders' values on one node."""
     first, last = trainer_ports(port, rank, procs)
-    return {"port_range": f"{first}:{last}", "rank": str(rank), "node": f"node{rank}", "nnodes": str(nnodes), "job_id": job_id, "home": home, "user": user,
-            "master_ip": master_ip, "master_port": str(port), "node_ip": node_ip, "iface": iface,
-            "attempt": str(attempt)}
+    return {"port_range": f"{first}:{last}", "rank": str(rank), "node": f"node{rank}", "nnodes": str(nnodes),
+            "job_id": job_id, "home": home, "user": user, "master_ip": master_ip, "master_port": str(port),
+            "node_ip": node_ip, "iface": iface, "attempt": str(attempt)}

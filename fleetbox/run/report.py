@@ -11,8 +11,10 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from ..errors import UserError
-from . import metrics
+from fleetbox.errors import UserError
+from fleetbox.image import matrix
+from fleetbox.run import metrics
+from fleetbox.run.result import JobResult, NodeResult
 
 
 def _json(path: Path) -> dict:
@@ -63,9 +65,9 @@ def timing(recs: list[dict]) -> dict:
 
 def draw(job_dir: Path) -> dict:
     """Write report.png and report.md for the job; returns what was drawn and what was missing."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (deferred: matplotlib takes a second to load; only drawing needs it)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (deferred: matplotlib takes a second to load; only drawing needs it)
 
     if not job_dir.is_dir():
         raise UserError(f"no job folder {job_dir}")
@@ -137,20 +139,21 @@ def draw(job_dir: Path) -> dict:
           + (f" ({job['runtime']})" if job.get("runtime") else "")
           + f", {job.get('nodes', '?')} node(s) x {job.get('procs_per_node', '?')} process(es)",
           f"- image: {job.get('image', '?')}" + (f" (id {job['image_id'][7:19]}" if job.get("image_id") else "")
-          + (f", content tag {job['content_tag'][:12]})" if job.get("content_tag") else ")" if job.get("image_id") else ""),
+          + (f", content tag {job['content_tag'][:12]})" if job.get("content_tag")
+             else ")" if job.get("image_id") else ""),
           f"- variant: {job.get('variant', '?')}, Paddle {_paddle(job)}",
-          f"- started: " + (dt.datetime.fromtimestamp(start).isoformat(timespec="seconds") if start else "unknown")
+          "- started: " + (dt.datetime.fromtimestamp(start).isoformat(timespec="seconds") if start else "unknown")
           + (f"; time to first step: {first_step - start:.1f} s" if start and first_step else ""),
-          f"- final loss: " + (", ".join(f"rank {k} {v:.4f} (step {s})" for k, (s, v) in sorted(final.items()))
+          "- final loss: " + (", ".join(f"rank {k} {v:.4f} (step {s})" for k, (s, v) in sorted(final.items()))
                                 or "none"),
           f"- throughput: {rate['total']:.1f} samples/s" + (f" (attempt {last})" if last else "")
           + "".join(f"; node{n} {x:.1f}" for n, x in rate["nodes"].items()),
-          f"- step time: " + (f"{1000 * times['step_seconds']:.1f} ms (mean over ranks and steps)"
+          "- step time: " + (f"{1000 * times['step_seconds']:.1f} ms (mean over ranks and steps)"
                               if times["step_seconds"] is not None else "unknown")
           + (f", {100 * times['comm_share']:.1f}% in the script's own all-reduce"
              if times["comm_share"] is not None else ""),
-          f"- steps: " + ", ".join(f"rank {k} {sum(1 for r in recs if r['rank'] == k)} (last {max(r['step'] for r in recs if r['rank'] == k)})"
-                                   for k in sorted(seen)),
+          "- steps: " + ", ".join(f"rank {k} {len(mine)} (last {max(mine)})"
+                                  for k in sorted(seen) for mine in [[r["step"] for r in recs if r["rank"] == k]]),
           f"- plotted: loss of {', '.join(legend) or 'no rank'}; samples/s of {', '.join(node_legend) or 'no node'}"]
     for a in summary.get("attempts", []):
         md.append(f"- attempt {a['attempt']}: {a['ended']}")
@@ -170,7 +173,6 @@ def _paddle(job: dict) -> str:
     when the job ran the variant's own image."""
     if "paddle" in job:
         return job["paddle"] or "unknown (the image does not say)"
-    from ..build import matrix
     try:
         v = matrix.load().get(job.get("variant"))
     except UserError:
@@ -179,7 +181,6 @@ def _paddle(job: dict) -> str:
 
 
 def _failure(summary: dict) -> str:
-    from .result import JobResult, NodeResult
     try:
         r = JobResult(**{**summary, "nodes": [NodeResult(**n) for n in summary.get("nodes", [])]})
         return r.reason()

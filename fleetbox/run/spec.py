@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import re
 import secrets
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import options, settings
-from ..build.matrix import Variant
-from ..errors import UserError
-from . import placeholders
+from fleetbox import options, settings
+from fleetbox.errors import UserError
+from fleetbox.image.matrix import Variant
+from fleetbox.run import placeholders
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")   # a container name, a label, a folder, a Slurm job name
 
@@ -44,7 +45,7 @@ class JobSpec:
     shm_size: str = "8g"                 # NCCL needs more than Docker's 64 MB default ("NCCL error 2")
     data_dir: str = ""                   # seeded dataset cache, mounted read-only at Paddle's cache path
     job_id: str = ""                     # "": the plan makes one
-    checkpoint_dir: str = ""             # host folder (shared for Slurm); "": runs/<job>/checkpoints (--hosts: a volume)
+    checkpoint_dir: str = ""             # host folder (shared for Slurm); "": runs/<job>/checkpoints (--hosts: volume)
     resume: str = "auto"                 # auto | never | a checkpoint (step folder or checkpoint folder) to start from
     max_restarts: int = 0                # Docker: start the whole job again after a failure, this many times
     command: tuple[str, ...] = ()        # the containers' command instead of Paddle's launcher (invoke doctor)
@@ -64,8 +65,9 @@ class JobSpec:
         return Path(self.script).resolve()
 
 
-def new_job_id() -> str:
-    return f"train-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+def new_job_id(kind: str = "train") -> str:
+    """A fresh id for a job or study: <kind>-<time>-<4 hex digits>."""
+    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def parse_mount(text: str) -> Mount:
@@ -78,12 +80,11 @@ def parse_mount(text: str) -> Mount:
     return Mount(src, dst, ro=mode == "ro")
 
 
-def from_options(variant: Variant, nodes=None, procs_per_node=None, script=None, args=None, image=None, hosts=None,
-                 iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None,
-                 mount=None, data_dir=None, shm_size=None, job_id=None, checkpoint_dir=None, resume=None,
+def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=None, args=None, image=None,
+                 hosts=None, iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None,
+                 env=None, mount=None, data_dir=None, shm_size=None, job_id=None, checkpoint_dir=None, resume=None,
                  max_restarts=None) -> JobSpec:
-    """A validated JobSpec from command-line strings."""
-    import shlex
+    """A validated JobSpec from command-line strings (each by its option's name)."""
     host_list = tuple(options.items(hosts))
     if data_dir is None:   # the default cache is used when it exists here (a remote engine cannot see it)
         default = settings.data_dir()

@@ -1,5 +1,5 @@
-"""Getting images onto HPC container platforms: export/convert (`invoke export`), registry push (`invoke push`)
-and the pull/convert command each runtime needs (`invoke pull-cmd`).
+"""Getting images onto HPC container platforms: export/convert (`invoke export`) and registry push (`invoke push`);
+the pull/convert commands each runtime needs (`invoke pull-cmd`) are the runtime's own (run/backends/runtimes.py).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .. import settings
-from ..errors import UserError
-from ..build.matrix import Variant
+from fleetbox import settings
+from fleetbox.errors import UserError
+from fleetbox.image.matrix import Variant
 
 FORMATS = ("docker-archive", "charliecloud", "sif", "sqsh")
 
@@ -119,7 +119,7 @@ def registry_refs(variant: Variant, registry: str, content_tag: str | None) -> l
 
 def push(c, image, refs: list[str], log=print) -> list[str]:
     """Tag and push every ref; if the registry refuses, the local tags made for it are removed again."""
-    import docker
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
     try:
         for ref in refs:
             repo, tag = ref.rsplit(":", 1)
@@ -145,19 +145,3 @@ def push(c, image, refs: list[str], log=print) -> list[str]:
                 pass
         raise
     return refs
-
-
-def pull_commands(runtime: str, content_ref: str | None, alias_ref: str, out_name: str,
-                  insecure: bool = False) -> list[str]:
-    """Pure: the commands (quoted) a cluster user runs to get the content tag, then the alias, into `runtime`.
-    Without a content tag (the image is not built here) only the alias, said to be mutable."""
-    from ..run import runtimes
-    from ..run.shell import line
-    rt = runtimes.get(runtime)
-    out = []
-    pairs = [(content_ref, "content tag (immutable)"), (alias_ref, "alias")] if content_ref else \
-        [(alias_ref, "alias (mutable: the image is not built here, so its immutable content tag is unknown)")]
-    for ref, what in pairs:
-        out.append(f"# {what}")
-        out += [line(words) for words in rt.pull_commands(ref, out_name, insecure)]
-    return out

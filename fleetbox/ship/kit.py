@@ -28,10 +28,14 @@ import tarfile
 import tomllib
 from pathlib import Path
 
-from .. import ROOT, settings
-from ..build.matrix import Variant
-from ..errors import UserError
-from . import kit_load
+from fleetbox import ROOT, settings
+from fleetbox.data import datasets as ds
+from fleetbox.engine import client as engine_client
+from fleetbox.engine import image_or_none
+from fleetbox.errors import UserError
+from fleetbox.image import images, locks, wheelhouse
+from fleetbox.image.matrix import Variant
+from fleetbox.ship import kit_load
 
 PARTS_STATE = "parts.json"
 
@@ -84,9 +88,6 @@ class Part:
 
 def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: Path, with_image: bool,
            log) -> list[Part]:
-    from ..build import images, locks, wheelhouse
-    from ..engine import image_or_none
-
     rev = revision(variant)
     if not variant.lock_path.exists():
         raise UserError(f"no lock for {variant.name} ({variant.lock_path}): run `invoke lock --variant "
@@ -130,7 +131,8 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
                 raise UserError(f"docker save {' '.join(refs)} failed: {proc.stderr.strip()[-300:]}")
         return make
 
-    parts = [Part("loader", _digest(kit_load.sha256_file(loader)), lambda d: shutil.copyfile(loader, d / "kit-load.py")),
+    parts = [Part("loader", _digest(kit_load.sha256_file(loader)),
+                  lambda d: shutil.copyfile(loader, d / "kit-load.py")),
              Part("source", _digest(rev), source, revision=rev),
              Part("lock", _digest(lock_text), lock, place=str(variant.lock_path.relative_to(ROOT))),
              Part("host-wheels", _digest(host_requirements(rev), sys.version_info[:2], host_platforms()), host_wheels),
@@ -146,7 +148,6 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
         tags = sorted(t for t in image.tags if t.startswith(f"{variant.image}:"))
         parts.append(Part("image", _digest(image.id, tags), save(tags, "image.tar"), tags=tags))
     if datasets:
-        from ..data import datasets as ds
         def pack(d: Path):   # with the manifest that names them: the site restores against the same one
             ds.pack(datasets, data_dir, d / "datasets.tar")
             shutil.copyfile(manifest, d / "datasets.toml")
@@ -172,7 +173,6 @@ def _current(part_dir: Path, recorded: dict) -> bool:
 
 def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Path | None = None,
          manifest: Path | None = None, with_image: bool = False, log=print) -> dict:
-    from ..engine import client as engine_client
     out = out.resolve()
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; name the kit file, e.g. {out}/fleetbox-{variant.name}.kit")

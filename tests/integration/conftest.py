@@ -37,7 +37,7 @@ def cpu_image():
     rebuild = os.environ.get("FLEETBOX_TEST_REBUILD")
     build = _ok(invoke("build", "--variant", "cpu", *(["--force"] if rebuild else [])))
     from fleetbox import engine
-    from fleetbox.build import images, matrix
+    from fleetbox.image import images, matrix
     c = engine.client()
     image = images.resolve(c, matrix.load().get("cpu"))
     return {"image": image, "build": build, "client": c}
@@ -54,8 +54,8 @@ def bumped(cpu_image, tmp_path_factory):
     """A user changing one pin, as the README says, in a copy of this checkout (tests/checkout.py):
     opencv-python-headless 4.12.0.88 -> 4.11.0.86 in images/matrix.toml, then `invoke lock`, `invoke wheels`,
     `invoke build`. The copy's images are fleetbox-test/paddle; only the new opencv wheel is downloaded."""
+    from fleetbox.image import matrix, wheelhouse
     from tests.checkout import copy_with_pin, made_since, tags
-    from fleetbox.build import matrix, wheelhouse
     tmp = tmp_path_factory.mktemp("bumped")
     env = copy_with_pin(ROOT, tmp, "fleetbox-test/paddle", wheelhouse.default_dir(matrix.load().get("cpu")))
 
@@ -96,6 +96,7 @@ def seeded_flowers(cpu_image, tmp_path_factory):
     """A tiny Flowers set in Paddle's real formats (made in the image, which has cv2 and scipy), seeded from a
     folder mirror with `invoke cache`, which also unpacks the images as Paddle would."""
     import hashlib
+
     from tests.conftest import ROOT
     tmp = tmp_path_factory.mktemp("flowers")
     srv = tmp / "srv"

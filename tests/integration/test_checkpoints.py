@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 
 
 def steps(image, ckdir, *args, env=(), mounts=()):
-    argv = ["docker", "run", "--rm", "--network", "none", "-v", f"{ROOT / 'fleetbox/helpers'}:/fleetbox/helpers:ro",
+    argv = ["docker", "run", "--rm", "--network", "none", "-v", f"{ROOT / 'fleetbox/incontainer'}:/fleetbox/helpers:ro",
             "-v", f"{ROOT / 'tests/probes'}:/probes:ro", "-e", "PYTHONPATH=/fleetbox/helpers",
             "-e", "FLEETBOX_CHECKPOINT_DIR=/ck"]
     if ckdir is not None:

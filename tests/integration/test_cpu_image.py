@@ -12,7 +12,7 @@ def docker(*args):
 
 
 def test_base_is_ours_and_runs_python(cpu_image):
-    from fleetbox.build import matrix
+    from fleetbox.image import matrix
     v = matrix.load().get("cpu")
     info = json.loads(docker("image", "inspect", v.base_ref).stdout)[0]
     assert info["Config"]["Labels"]["io.fleetbox.base"] == "bookworm"
@@ -111,7 +111,7 @@ def test_the_image_declares_no_volume(cpu_image):
 
 def test_image_carries_provenance(cpu_image):
     labels = cpu_image["image"].labels
-    from fleetbox.build import locks, matrix
+    from fleetbox.image import locks, matrix
     v = matrix.load().get("cpu")
     text, entries = locks.read(v)
     assert labels["io.fleetbox.lock-sha256"] == locks.lock_hash(text)
@@ -123,7 +123,7 @@ def test_image_carries_provenance(cpu_image):
 
 
 def test_tampered_wheelhouse_stops_the_build_and_builds_nothing(cpu_image, tmp_path):
-    from fleetbox.build import matrix, wheelhouse
+    from fleetbox.image import matrix, wheelhouse
     src = wheelhouse.default_dir(matrix.load().get("cpu"))
     dest = tmp_path / "cpu"
     dest.mkdir()

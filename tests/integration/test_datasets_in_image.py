@@ -2,7 +2,6 @@
 import json
 import subprocess
 
-
 from fleetbox import settings
 from fleetbox.data import datasets as ds
 from tests.conftest import invoke

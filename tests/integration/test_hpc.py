@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from fleetbox import settings
-from fleetbox.build import matrix
-from fleetbox.run import slurm_backend, spec as spec_mod
+from fleetbox.image import matrix
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
+from tests.conftest import ROOT, invoke
 from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.integration.test_train import assert_rows_are_the_runs_own_figures, study_of
-from tests.conftest import ROOT, invoke
 from tests.unit.test_cli import one_line_error
 
 needs = [t for t in ("slurmctld", "slurmd", "munged", "podman", "ch-run", "ch-convert", "skopeo", "docker-registry")
@@ -102,7 +103,8 @@ def test_charliecloud_run_as_a_user_finds_the_seeded_cache_in_its_home(charliecl
         proc = subprocess.run(["su", "-", user, "-c", f"{env} bash {shared / 'node.sh'}"], capture_output=True,
                               text=True, timeout=600)
         log = shared / "runs" / "train-user-0001" / "node0" / "workerlog.0"
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + (log.read_text()[-2000:] if log.exists() else "")
+        said = proc.stdout[-2000:] + proc.stderr[-2000:] + (log.read_text()[-2000:] if log.exists() else "")
+        assert proc.returncode == 0, said
         out = json.loads([ln for ln in log.read_text().splitlines() if ln.startswith("{")][-1])
         assert out == {"home": f"/home/{user}/.cache/paddle/dataset", "train": 600, "test": 100, "label3": 4,
                        "shape": [28, 28]}
@@ -315,7 +317,8 @@ def test_slurm_dry_run_is_what_slurm_got_and_hostile_values_arrive_unchanged(clu
     assert held.stdout == said_sbatch
     assert open(os.path.join(job_dir, "node.sh")).read() == said_node
     assert not os.path.exists("/tmp/fleetbox-pwned")
-    assert s["smoke"]["tag"] == HOSTILE_TAG and s["smoke"]["env_tag"] == "$(touch /tmp/fleetbox-pwned); `id` $HOME node0"
+    assert s["smoke"]["tag"] == HOSTILE_TAG
+    assert s["smoke"]["env_tag"] == "$(touch /tmp/fleetbox-pwned); `id` $HOME node0"
 
 
 def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_done(cluster, podman_image):
@@ -480,7 +483,8 @@ def test_each_runtime_says_which_image_a_node_has(cpu_image, podman_image, tmp_p
     """The lines node.sh runs for invoke doctor (runtimes.Runtime.identify), run by bash against real engines."""
     import hashlib
     import shlex
-    from fleetbox.run import runtimes
+
+    from fleetbox.run.backends import runtimes
 
     def say(runtime, image):
         return subprocess.run(["bash", "-c", f"set -euo pipefail\nIMAGE_REF={shlex.quote(image)}\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetbox.build import matrix
+from fleetbox.image import matrix
 from fleetbox.ship import kit_load
 from tests import fabric
 from tests.conftest import invoke
@@ -122,7 +122,8 @@ def flip(target):
 
 
 def engine_images():
-    return sorted(subprocess.run(["docker", "images", "-a", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
+    return sorted(subprocess.run(["docker", "images", "-a", "--no-trunc",
+                                  "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
                                  capture_output=True, text=True).stdout.splitlines())
 
 
@@ -152,7 +153,8 @@ def test_a_tampered_kit_is_refused_in_one_line_and_changes_nothing(kit, tmp_path
             if name == wheel:
                 return flip(wheel)(name, data)
             if name == kit_load.MANIFEST:
-                new = hashlib.sha256(flip(wheel)(wheel, tarfile.open(kit["path"]).extractfile(wheel).read())).hexdigest()
+                data = tarfile.open(kit["path"]).extractfile(wheel).read()
+                new = hashlib.sha256(flip(wheel)(wheel, data)).hexdigest()
                 return b"".join((f"{new}  {wheel}\n".encode() if ln.endswith(f"  {wheel}".encode()) else ln + b"\n")
                                 for ln in data.splitlines())
             return data
@@ -229,7 +231,8 @@ def test_the_site_loads_the_kit_then_builds_verifies_and_trains_with_no_network(
     assert in_site(site, "tar", "-xf", broken, "-C", tmp_path, "kit-load.py").returncode == 0
     proc = in_site(site, sys.executable, tmp_path / "kit-load.py", broken, "--no-expect", "--dest", tmp_path / "bad",
                    cwd=tmp_path)
-    assert proc.returncode == 2 and "pip" in proc.stderr and gone.split("/")[1].split("-")[0] in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "pip" in proc.stderr and gone.split("/")[1].split("-")[0] in proc.stderr, proc.stderr
     assert "loading the base" in proc.stdout   # the base had been loaded, then taken away again
     assert in_site(site, "docker", "images", "-aq").stdout.strip() == "" and not (tmp_path / "bad").exists()
     # the kit as made: checked against the digest sent apart, then loaded

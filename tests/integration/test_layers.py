@@ -5,7 +5,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from fleetbox.build import locks, matrix
+from fleetbox.image import locks, matrix
 from tests.conftest import invoke
 from tests.integration.conftest import _ok, layer_digests
 
@@ -163,7 +163,7 @@ def test_clean_images_untags_older_builds_and_unused_layers_and_keeps_what_is_us
 
 
 def test_settings_with_dollar_backslash_and_non_ascii_arrive_in_the_image_as_written(cpu_image):
-    from fleetbox.build import layers
+    from fleetbox.image import layers
     v = matrix.load().get("cpu")
     value = "cost $HOME \\ naïve ${X:-y} 'q' \"dq\""
     change = layers.changes(v, [], {"io.fleetbox.test": value})
@@ -186,6 +186,7 @@ def test_sigterm_during_a_layer_stops_the_build_removes_its_container_and_tags_n
     import signal
     import sys
     import time
+
     from tests.conftest import ROOT
     before = {t: json.loads(docker("image", "inspect", t).stdout)[0]["Id"]
               for t in _all_tags() if t.startswith(("fleetbox/paddle:", "fleetbox/layers:"))}

@@ -54,7 +54,8 @@ def test_the_whole_workspace_reaches_remote_hosts(hosts, tmp_path):
     (ws / "data.txt").symlink_to(outside / "data.txt")          # absolute: would dangle on another host
     (ws / "main.py").write_text("import os, sys\nsys.path.insert(0, os.path.dirname(__file__))\n"
                                 "from helpers.util import WORD\n"
-                                "print('FLEETBOX-WS', WORD, open(os.path.join(os.path.dirname(__file__), 'data.txt')).read())\n")
+                                "print('FLEETBOX-WS', WORD, "
+                                "open(os.path.join(os.path.dirname(__file__), 'data.txt')).read())\n")
     proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts), "--script", str(ws / "main.py"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     job_dir = proc.stdout.split("logs in ")[1].split()[0]

@@ -1,7 +1,7 @@
 """invoke train with the real Docker Engine and real Paddle (Gloo on CPU, two host-network containers)."""
 import datetime as dt
-import os
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -168,7 +168,8 @@ def _start_job(*args):
     names = []
     while len(names) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-        names = subprocess.run(["docker", "ps", "--format", "{{.Names}}", "--filter", f"label=io.fleetbox.job={job_id}"],
+        names = subprocess.run(["docker", "ps", "--format", "{{.Names}}",
+                                "--filter", f"label=io.fleetbox.job={job_id}"],
                                capture_output=True, text=True).stdout.split()   # running ones only
     if len(names) < 2:
         p.kill()
@@ -302,7 +303,8 @@ def test_verify_across_two_nodes(cpu_image, tmp_path):
     report = json.loads(open(proc.stdout.split("report: ")[-1].strip()).read())
     assert report["ok"] and [r["what"] for r in report["rows"]] == ["node0", "node1", "smoke"]
     for row in report["rows"][:2]:   # each node's own measured facts
-        assert row["detail"].startswith("9/9 image checks pass; paddle 3.3.1 (commit ") and "device cpu" in row["detail"]
+        assert row["detail"].startswith("9/9 image checks pass; paddle 3.3.1 (commit ")
+        assert "device cpu" in row["detail"]
     # the smoke row prints the parameter checksums the ranks measured, and they agree
     summary = json.loads(open(report["rows"][2]["report"]).read())
     sums = summary["smoke"]["checksums"]
@@ -317,7 +319,8 @@ def test_dry_run_is_what_runs(cpu_image, tmp_path):
     (docker inspect of the containers actually created), value for value."""
     import shlex
     job, port = f"train-same-{int(time.time())}", str(29000 + int(time.time()) % 20000)
-    common = ["--nodes", "2", "--job-id", job, "--port", port, "--args", "--step-sleep 0.3 --tag '$(touch /tmp/no)' {rank}",
+    common = ["--nodes", "2", "--job-id", job, "--port", port,
+              "--args", "--step-sleep 0.3 --tag '$(touch /tmp/no)' {rank}",
               "--env", "FLEETBOX_TAG=$(id) `id`,WHERE={node}"]
     dry = invoke("train", "--dry-run", *common)
     assert dry.returncode == 0, dry.stderr
@@ -338,12 +341,14 @@ def test_dry_run_is_what_runs(cpu_image, tmp_path):
     assert sorted(got) == ["0", "1"] and len(said) == 2
     for rank, argv in enumerate(said):
         info = got[str(rank)]
-        flags = lambda f: [argv[i + 1] for i, a in enumerate(argv) if a == f]
+        def flags(f, argv=argv):
+            return [argv[i + 1] for i, a in enumerate(argv) if a == f]
         image_at = argv.index("fleetbox/paddle:cpu")
         assert info["Config"]["Image"] == argv[image_at] and info["Config"]["Cmd"] == argv[image_at + 1:]
         assert info["Name"] == "/" + flags("--name")[0] and info["HostConfig"]["NetworkMode"] == flags("--network")[0]
         assert set(flags("-e")) <= set(info["Config"]["Env"])
-        assert {f"{m['Source']}:{m['Destination']}" + ("" if m["RW"] else ":ro") for m in info["Mounts"]} == set(flags("-v"))
+        mounts = {f"{m['Source']}:{m['Destination']}" + ("" if m["RW"] else ":ro") for m in info["Mounts"]}
+        assert mounts == set(flags("-v"))
         assert {f"{k}={v}" for k, v in info["Config"]["Labels"].items()} >= set(flags("--label"))
         assert info["HostConfig"]["ShmSize"] == 8 << 30 and flags("--shm-size") == ["8g"]
         ulimits = {u["Name"]: f"{u['Soft']}:{u['Hard']}" for u in info["HostConfig"]["Ulimits"]}

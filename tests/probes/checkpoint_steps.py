@@ -5,10 +5,9 @@ import argparse
 import hashlib
 import json
 
+import fleetbox_checkpoint
 import numpy as np
 import paddle
-
-import fleetbox_checkpoint
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=10)

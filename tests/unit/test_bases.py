@@ -4,8 +4,8 @@ import subprocess
 
 import pytest
 
-from fleetbox.build import bases, matrix
 from fleetbox.errors import UserError
+from fleetbox.image import bases, matrix
 
 SECRET_MIRROR = "http://user:secret@mirror.example/debian"
 

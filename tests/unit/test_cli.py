@@ -72,7 +72,8 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--backend", "slurm", "--signal-grace", "0", "--dry-run"], "--signal-grace must be between 1 and 65535"),
     (["train", "--backend", "slurm", "--max-allocations", "0", "--dry-run"], "--max-allocations must be at least 1"),
     (["train", "--max-allocations", "3", "--dry-run"], "--max-allocations and --signal-grace are for --backend slurm"),
-    (["train", "--backend", "slurm", "--time", "2 hours", "--dry-run"], "--time '2 hours' is not a value Slurm accepts"),
+    (["train", "--backend", "slurm", "--time", "2 hours", "--dry-run"],
+     "--time '2 hours' is not a value Slurm accepts"),
     (["cache", "--datasets", "mnist", "--jobs", "x"], "--jobs takes a whole number"),
 ])
 def test_bad_values_are_one_line(run_invoke, args, needle):
@@ -91,6 +92,7 @@ def test_bad_values_are_one_line(run_invoke, args, needle):
 def test_cache_bad_input_is_one_line_and_changes_nothing(run_invoke, tmp_path, case, needle):
     import io
     import tarfile
+
     from tests import mnistgen
     md5s = dict.fromkeys(mnistgen.NAMES, "0" * 32)   # nothing is downloaded: each case fails before
     manifest = mnistgen.manifest(tmp_path / "datasets.toml", "http://127.0.0.1:9", md5s)

@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-from fleetbox.data import datasets as ds, fetch
+from fleetbox import archives
+from fleetbox.data import datasets as ds
+from fleetbox.data import fetch
 from fleetbox.errors import UserError
 from tests import mnistgen
 from tests.conftest import ROOT
@@ -250,11 +252,11 @@ def test_safe_extract_checks_members_itself_where_tarfile_has_no_filters(tmp_pat
         info.size = 3
         tar.addfile(info, io.BytesIO(b"jpg"))
     with tf.open(good) as tar:
-        ds.safe_extract(tar, tmp_path / "out")
+        archives.safe_extract(tar, tmp_path / "out")
     assert (tmp_path / "out" / "jpg" / "image_00001.jpg").read_bytes() == b"jpg"
     with tf.open(_crafted(tmp_path, tf.TarInfo("dataset/../../etc/evil"))) as tar:
         with pytest.raises(UserError, match="climbs out"):
-            ds.safe_extract(tar, tmp_path / "bad")
+            archives.safe_extract(tar, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
 
 

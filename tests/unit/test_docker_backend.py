@@ -21,11 +21,12 @@ import pytest
 import requests
 
 from fleetbox import settings
-from fleetbox.build import matrix
 from fleetbox.errors import Failed, UserError
-from fleetbox.run import docker_backend, spec as spec_mod
+from fleetbox.image import matrix
+from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import Handle
-from fleetbox.run.docker_backend import DockerBackend
+from fleetbox.run.backends import docker as docker_backend
+from fleetbox.run.backends.docker import DockerBackend
 
 JOB = "train-fake-0001"
 IMAGE = "fleetbox/paddle:cpu"
@@ -320,7 +321,8 @@ def test_container_removed_behind_our_back_names_that_node():
     assert engine.made[0].stopped and engine.all_removed()
 
 
-@pytest.mark.parametrize("error", [BrokenPipeError(32, "Broken pipe"), KeyboardInterrupt()], ids=["closed-pipe", "ctrl-c"])
+@pytest.mark.parametrize("error", [BrokenPipeError(32, "Broken pipe"), KeyboardInterrupt()],
+                         ids=["closed-pipe", "ctrl-c"])
 def test_an_error_right_after_the_start_leaves_nothing_running(error):
     # the terminal is gone (or Ctrl-C lands) when submit says the job started: run() never gets a handle
     engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
@@ -550,7 +552,8 @@ def test_mount_sources_are_checked_with_placeholders_filled(tmp_path):
     from fleetbox.run.spec import Mount
     engine = FakeEngine()
     b = DockerBackend(connect=engine.connect)
-    with pytest.raises(UserError, match=f"mount source {os.path.expanduser('~')}/fleetbox-nothing-here does not exist here"):
+    home = os.path.expanduser("~")
+    with pytest.raises(UserError, match=f"mount source {home}/fleetbox-nothing-here does not exist here"):
         b.plan(make_spec(mounts=(Mount("{home}/fleetbox-nothing-here", "/data"),)))
     import getpass
     (tmp_path / getpass.getuser()).mkdir()
@@ -632,7 +635,8 @@ def test_a_failed_node_restarts_the_whole_job_from_its_checkpoints():
     # each attempt keeps its own logs: the first moved aside, the last in the job folder
     assert r.attempts[0]["logs"] == str(plan.dir / "attempt0") and r.attempts[1]["logs"] == str(plan.dir)
     assert json.loads((plan.dir / "attempt0" / "summary.json").read_text())["culprit"] == 1
-    assert (plan.dir / "attempt0" / "node1" / "container.log").exists() and (plan.dir / "node1" / "container.log").exists()
+    assert (plan.dir / "attempt0" / "node1" / "container.log").exists()
+    assert (plan.dir / "node1" / "container.log").exists()
     assert json.loads((plan.dir / "summary.json").read_text())["attempts"] == r.attempts
     assert any(ln.startswith("attempt 0 failed: node1 (rank 1) exited with exit code 3; restarting the whole job")
                for ln in lines)
@@ -732,8 +736,9 @@ def test_a_cancel_between_attempts_starts_no_other(tmp_path):
 
 
 def test_jobs_tells_running_orphaned_died_passed_and_cancelled_apart(monkeypatch):
-    from fleetbox.run import backend as backends, jobs
-    from fleetbox.run.backend import process_start
+    from fleetbox.commands import jobs
+    from fleetbox.processes import process_start
+    from fleetbox.run import backends
     engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
     b, plan = job(engine)
     b.submit(plan, log=lambda _: None)

@@ -2,15 +2,15 @@
 lenient), GPU/DCU/InfiniBand on recorded tool outputs and sysfs values (no such device exists here), and the
 probe itself run for real on loopback."""
 import copy
-import json
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from fleetbox import doctor, settings
-from fleetbox.build import matrix
+from fleetbox import settings
+from fleetbox.commands import doctor
+from fleetbox.image import matrix
 from fleetbox.run import plan as planner
 
 PORT = 41000
@@ -225,7 +225,8 @@ def test_infiniband_on_recorded_sysfs():
         return facts
     rows = rows_of(ib(True, "4: ACTIVE"), ib_hca="mlx5_0")
     assert failing(rows) == []
-    assert next(r.value for r in rows if r.check == "InfiniBand") == "mlx5_0 port 1: ACTIVE 200 Gb/sec (4X HDR) InfiniBand"
+    ib_row = next(r.value for r in rows if r.check == "InfiniBand")
+    assert ib_row == "mlx5_0 port 1: ACTIVE 200 Gb/sec (4X HDR) InfiniBand"
     assert failing(rows_of(ib(True, "1: DOWN"), ib_hca="mlx5_0")) == [("node0", "InfiniBand"), ("node1", "InfiniBand")]
     assert failing(rows_of(ib(False, ""), ib_hca="mlx5_0")) == [("node0", "InfiniBand"), ("node1", "InfiniBand")]
 
@@ -245,13 +246,16 @@ def test_image_identity_across_nodes():
 
 
 def test_sizes():
-    assert doctor.size_bytes("8g") == 8 << 30 and doctor.size_bytes("512M") == 512 << 20 and doctor.size_bytes("100") == 100
+    assert doctor.size_bytes("8g") == 8 << 30 and doctor.size_bytes("512M") == 512 << 20
+    assert doctor.size_bytes("100") == 100
     assert doctor.human(64 << 20) == "64 MiB" and doctor.human(-1) == "unlimited"
 
 
 def test_no_backend_pins_ports_past_65535(monkeypatch, tmp_path):
     from fleetbox.errors import UserError
-    from fleetbox.run import hostnet, slurm_backend, spec as spec_mod
+    from fleetbox.run import hostnet
+    from fleetbox.run import spec as spec_mod
+    from fleetbox.run.backends import slurm as slurm_backend
     hostnet.check_room(65536 - 9, 9)
     with pytest.raises(UserError, match="--port 65528 leaves no room above it for the trainers' 8 pinned ports"):
         hostnet.check_room(65528, 9)
@@ -269,7 +273,8 @@ def test_each_node_has_its_own_pinned_ports_above_the_master_port():
 
 def test_the_slurm_node_script_pins_the_same_ports(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
-    from fleetbox.run import slurm_backend, spec as spec_mod
+    from fleetbox.run import spec as spec_mod
+    from fleetbox.run.backends import slurm as slurm_backend
     spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=3, procs_per_node=2, port=PORT,
                             job_id="train-ports-0001")
     node_sh = dict(slurm_backend.SlurmBackend("podman").plan(spec).files)["node.sh"]
@@ -351,8 +356,9 @@ def test_a_broken_tcp_stream_is_a_failed_row():
 
 
 def test_link_speed_is_read_where_ethtool_puts_it():
-    from fleetbox.helpers import fleetbox_doctor as probe
     import struct as st
+
+    from fleetbox.incontainer import fleetbox_doctor as probe
 
     def cmd(speed, speed_hi=0, lp_advertising=0):
         raw = bytearray(44)

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from fleetbox.build import matrix
 from fleetbox.errors import UserError
-from fleetbox.run import runtimes, slurm_backend as slurm, spec as spec_mod
+from fleetbox.image import matrix
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends import runtimes, slurm
 from fleetbox.run.spec import Mount
 
 PAYLOADS = ["$(touch {m})", "`touch {m}`", "a'b\"c", "two words", "new\nline", ";touch {m};", "$HOME", "{{x}}"]
@@ -33,7 +34,8 @@ def stubs(tmp_path):
     for tool in ("docker", "podman", "ch-run", "apptainer", "python", "srun"):
         (d / tool).write_text(STUB.format(py=sys.executable))
         (d / tool).chmod(0o755)
-    (d / "scontrol").write_text('#!/bin/sh\ncase "$2" in hostnames) echo localhost;; *) echo "NodeAddr=127.0.0.1";; esac\n')
+    (d / "scontrol").write_text('#!/bin/sh\n'
+                                'case "$2" in hostnames) echo localhost;; *) echo "NodeAddr=127.0.0.1";; esac\n')
     (d / "scontrol").chmod(0o755)
     return d
 
@@ -69,7 +71,8 @@ def carried(call, runtime):
     if runtime == "pyxis":   # the stub is `python` itself, run inside the container
         return argv, call["env"], None
     env, mounts = {}, []
-    flags = {"docker": ("-e", "-v"), "podman": ("-e", "-v"), "apptainer": (None, "--bind"), "charliecloud": (None, "-b")}
+    flags = {"docker": ("-e", "-v"), "podman": ("-e", "-v"), "apptainer": (None, "--bind"),
+             "charliecloud": (None, "-b")}
     e_flag, v_flag = flags[runtime]
     for i, a in enumerate(argv):
         if a == e_flag:
@@ -149,7 +152,7 @@ def test_a_runs_folder_that_cannot_be_an_sbatch_line_is_refused(monkeypatch, tmp
 
 def test_planner_modules_do_not_load_requests_docker_or_tqdm():
     code = ("import sys; import fleetbox.run.spec, fleetbox.run.plan, fleetbox.run.placeholders, "
-            "fleetbox.run.runtimes, fleetbox.run.slurm_backend, fleetbox.run.result, fleetbox.run.backend, "
-            "fleetbox.build.matrix; print(sorted({'requests', 'docker', 'tqdm'} & set(sys.modules)))")
+            "fleetbox.run.backends.runtimes, fleetbox.run.backends.slurm, fleetbox.run.result, fleetbox.run.backend, "
+            "fleetbox.image.matrix; print(sorted({'requests', 'docker', 'tqdm'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,7 +1,7 @@
 
 import pytest
 
-from fleetbox.build import images, locks, matrix
+from fleetbox.image import images, locks, matrix
 
 LOCK = ("# fleetbox-lock\npip==25.3 \\\n    --hash=sha256:aa\npaddlepaddle==3.3.1 \\\n    --hash=sha256:bb\n")
 

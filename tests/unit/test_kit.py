@@ -90,7 +90,7 @@ def test_unsafe_names_links_and_bad_manifests_are_refused(tmp_path):
 
 def test_make_reuses_unchanged_parts_and_remakes_only_a_changed_one(tmp_path, monkeypatch):
     from fleetbox import engine
-    from fleetbox.build import matrix
+    from fleetbox.image import matrix
     from fleetbox.ship import kit
     keys, made = {"loader": "1", "source": "1", "base": "1"}, []
 

@@ -2,8 +2,8 @@
 keys that change with a layer's inputs and its parent's, and only then."""
 import pytest
 
-from fleetbox.build import layers, locks, matrix
 from fleetbox.errors import UserError
+from fleetbox.image import layers, locks, matrix
 
 V = matrix.load().get("cpu")
 LOCK = V.lock_path.read_text()
@@ -173,7 +173,8 @@ class _Engine:
 
 def test_an_engine_error_in_a_layer_is_one_line_and_the_container_is_removed(tmp_path):
     import io
-    from fleetbox.build import images
+
+    from fleetbox.image import images
     engine, layer = _Engine(), split()[0]
     with pytest.raises(UserError, match=r"^layer paddle: the engine refused: write .*no space left on device$"):
         images._run_and_commit(engine, "sha256:p", layer, str(tmp_path), "fleetbox/layers:x", [], io.StringIO())

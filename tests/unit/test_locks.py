@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from fleetbox.build import locks, matrix
 from fleetbox.errors import UserError
+from fleetbox.image import locks, matrix
 from tests.httpserver import Server
 
 SAMPLE = """# fleetbox-lock: variant=x inputs=abc

@@ -1,7 +1,7 @@
 import pytest
 
-from fleetbox.build import matrix
 from fleetbox.errors import UserError
+from fleetbox.image import matrix
 
 
 def test_matrix_has_the_required_variants():

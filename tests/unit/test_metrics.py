@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from fleetbox.helpers import fleetbox_metrics
+from fleetbox.incontainer import fleetbox_metrics
 from fleetbox.run import metrics
 
 

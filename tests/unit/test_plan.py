@@ -4,9 +4,11 @@ for cpu / CUDA / DCU, 1 and several nodes; spec validation; network facts."""
 import pytest
 
 from fleetbox import ROOT, settings
-from fleetbox.build import matrix
 from fleetbox.errors import UserError
-from fleetbox.run import hostnet, plan as planner, result, spec as spec_mod
+from fleetbox.image import matrix
+from fleetbox.run import hostnet, result
+from fleetbox.run import plan as planner
+from fleetbox.run import spec as spec_mod
 from fleetbox.run.spec import Mount
 
 
@@ -44,7 +46,8 @@ def test_cpu_two_nodes_same_command_but_rank():
     assert n0.labels == {"io.fleetbox.job": "train-test-0001", "io.fleetbox.node": "node0", "io.fleetbox.rank": "0",
                          "io.fleetbox.variant": "cpu"}
     assert f"{ROOT / 'train'}:/workspace:ro" in flag_values(a0, "-v")
-    assert "/logs/node0:/fleetbox/logs" in flag_values(a0, "-v") and "/logs/node1:/fleetbox/logs" in flag_values(a1, "-v")
+    assert "/logs/node0:/fleetbox/logs" in flag_values(a0, "-v")
+    assert "/logs/node1:/fleetbox/logs" in flag_values(a1, "-v")
 
 
 def test_single_node_and_procs_per_node():
@@ -81,7 +84,8 @@ def test_dcu_gets_kfd_dri_video_and_hyhal_when_present():
 def test_hosts_put_each_node_on_its_engine_and_copy_the_workspace():
     s = spec(nodes=2, hosts=("ssh://u@10.0.0.1", "ssh://u@10.0.0.2"))
     n0, n1 = plan(s, iface=["eth0", "eth1"], node_ips=["10.0.0.1", "10.0.0.2"], hosts=list(s.hosts))
-    assert list(n1.command)[list(n1.command).index("--host") + 1] == "10.0.0.2" and n1.env["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert list(n1.command)[list(n1.command).index("--host") + 1] == "10.0.0.2"
+    assert n1.env["GLOO_SOCKET_IFNAME"] == "eth1"
     assert n0.argv()[:3] == ["docker", "-H", "ssh://u@10.0.0.1"] and n1.host == "ssh://u@10.0.0.2"
     assert not any(v.endswith(":/workspace:ro") for v in flag_values(n0.argv(), "-v"))
     assert hostnet.host_address("ssh://u@10.0.0.1") == "10.0.0.1"
@@ -155,14 +159,16 @@ def test_network_facts_of_this_machine():
 
 
 def test_launcher_polling_stays_out_of_the_live_stream_unless_debug():
-    from fleetbox.run import jobs
+    from fleetbox.run import output
     shown = []
-    log = jobs.quiet(shown.append)
+    log = output.quiet(shown.append)
     poll = ('[node0] [2026-11-22 07:16:55,479] [    INFO] _client.py:1025 - HTTP Request: POST '
             'http://127.0.0.1:39605/default/info/yehgad/0 "HTTP/1.0 200 OK"')
-    healthy = '[node0] [2026-11-22 07:16:55,454] [    INFO] _client.py:1025 - HTTP Request: GET http://127.0.0.1:39605/healthy "HTTP/1.0 200 OK"'
+    healthy = ('[node0] [2026-11-22 07:16:55,454] [    INFO] _client.py:1025 - '
+               'HTTP Request: GET http://127.0.0.1:39605/healthy "HTTP/1.0 200 OK"')
     users = ["[node0] step    0  loss 4.39", "[node0] my script says HTTP Request: hello",
-             '[node0] INFO httpx - HTTP Request: POST https://api.wandb.ai/graphql "HTTP/1.1 500 Internal Server Error"',
+             '[node0] INFO httpx - HTTP Request: POST https://api.wandb.ai/graphql '
+             '"HTTP/1.1 500 Internal Server Error"',
              '[node0] INFO httpx - HTTP Request: GET http://10.0.0.5:8080/metrics "HTTP/1.1 200 OK"']
     for line in (poll, healthy, *users):
         log(line)

@@ -5,9 +5,10 @@ import json
 import pytest
 from PIL import Image
 
-from fleetbox.build import matrix
+from fleetbox.commands import scale
 from fleetbox.errors import UserError
-from fleetbox.run import scale, spec as spec_mod
+from fleetbox.image import matrix
+from fleetbox.run import spec as spec_mod
 from tests.unit.test_report import write_job
 
 
@@ -101,9 +102,9 @@ def test_a_study_refuses_a_job_id_and_too_few_hosts_before_any_run(tmp_path, mon
 
 
 def fake_runs(monkeypatch, tmp_path, outcomes):
-    """jobs.train replaced: each run writes the metrics of its ranks (or raises what `outcomes` says)."""
+    """The train command replaced: each run writes the metrics of its ranks (or raises what `outcomes` says)."""
+    from fleetbox.commands import train as train_cmd
     from fleetbox.errors import Failed
-    from fleetbox.run import jobs
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
     calls = []
 
@@ -121,7 +122,7 @@ def fake_runs(monkeypatch, tmp_path, outcomes):
         ranks = range(spec.nodes * spec.procs_per_node)
         write_job(tmp_path / spec.job_id, ranks=tuple(ranks) if what == "pass" else ())
         return None
-    monkeypatch.setattr(jobs, "train", train)
+    monkeypatch.setattr(train_cmd, "train", train)
     return calls
 
 

@@ -3,9 +3,10 @@ import subprocess
 
 import pytest
 
-from fleetbox.build import matrix
 from fleetbox.errors import UserError
-from fleetbox.run import runtimes, slurm_backend as slurm, spec as spec_mod
+from fleetbox.image import matrix
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends import runtimes, slurm
 from fleetbox.ship import exports as hpc
 
 
@@ -112,6 +113,7 @@ def test_failures_are_read_from_sruns_messages():
 def _recorded_job(tmp_path, batch_out: str, last_words: dict[int, int]):
     """A finished Slurm job's folder as node.sh leaves it: srun's messages, node logs, worker logs."""
     import os
+
     from fleetbox.run.backend import Handle
     (tmp_path / "slurm-77.out").write_text(batch_out)
     for rank, t in last_words.items():
@@ -168,7 +170,8 @@ def test_slurm_names_a_kill_and_an_oom(tmp_path):
     out = "srun: error: node2: task 1: Out Of Memory\n"
     h = _recorded_job(tmp_path, out, {1: 1_000_000_000})
     r = slurm.SlurmBackend(runtime="podman").result(h, "OUT_OF_MEMORY")
-    assert r.failure().startswith("node1 (rank 1) on node2 exited with exit code 137 (killed by SIGKILL: out of memory)")
+    assert r.failure().startswith("node1 (rank 1) on node2 exited with exit code 137 "
+                                  "(killed by SIGKILL: out of memory)")
     (tmp_path / "slurm-77.out").write_text("srun: error: node2: task 1: Killed\n")
     r = slurm.SlurmBackend(runtime="podman").result(h, "FAILED")
     assert r.failure().startswith("node1 (rank 1) on node2 exited with exit code 137 (killed by SIGKILL) (logs")
@@ -195,7 +198,7 @@ def test_registry_refs_and_pull_commands():
         hpc.registry_refs(v, "reg.example", "x:y")
     ref = refs[0]
     def pull(rt, **kw):   # the content tag's commands
-        lines = hpc.pull_commands(rt, refs[0], refs[1], "p", **kw)
+        lines = runtimes.pull_commands(rt, refs[0], refs[1], "p", **kw)
         return lines[1:lines.index("# alias")]
     assert pull("apptainer") == [f"apptainer pull p.sif docker://{ref}"]
     assert pull("apptainer", insecure=True) == [f"env APPTAINER_NOHTTPS=1 apptainer pull p.sif docker://{ref}"]
@@ -206,7 +209,7 @@ def test_registry_refs_and_pull_commands():
     # a hostile registry value is quoted, never run
     evil = hpc.registry_refs(v, "reg.example/$(touch x);y", "fleetbox/paddle:cpu-0")
     for rt in runtimes.RUNTIMES:
-        for ln in hpc.pull_commands(rt, evil[0], evil[1], "p"):
+        for ln in runtimes.pull_commands(rt, evil[0], evil[1], "p"):
             if "docker://" in ln or " pull " in ln:
                 assert "'" in ln and "$(touch x)" in ln, ln
                 words = subprocess.run(["bash", "-c", "printf '%s\\n' " + ln], capture_output=True, text=True).stdout
@@ -217,7 +220,7 @@ def test_pull_commands_without_a_content_tag_never_call_the_alias_immutable():
     v = matrix.load().get("cu126")
     refs = hpc.registry_refs(v, "reg.example:5000/team", None)
     assert refs == ["reg.example:5000/team/paddle:cu126", "reg.example:5000/team/paddle:3.3.1-cu126-py311"]
-    lines = hpc.pull_commands("apptainer", None, refs[0], "p")
+    lines = runtimes.pull_commands("apptainer", None, refs[0], "p")
     assert lines == ["# alias (mutable: the image is not built here, so its immutable content tag is unknown)",
                      f"apptainer pull p.sif docker://{refs[0]}"]
 
@@ -282,7 +285,8 @@ def test_an_allocation_that_checkpointed_and_stopped_is_continued(tmp_path):
     rec, sbatch, job, out = _allocation(tmp_path, state="continue", rc=0)
     assert rec == {"chain": "7", "allocation": 1, "max_allocations": 3, "slurm_job": "7", "from_step": 10,
                    "to_step": 20, "state": "continue", "exit": 0, "ended": "continue", "next": "99"}
-    assert "--dependency=afterany:7" in sbatch and "FLEETBOX_ALLOCATION=2,FLEETBOX_RESTARTS=0,FLEETBOX_CHAIN=7" in sbatch
+    assert "--dependency=afterany:7" in sbatch
+    assert "FLEETBOX_ALLOCATION=2,FLEETBOX_RESTARTS=0,FLEETBOX_CHAIN=7" in sbatch
     assert sorted(p.name for p in (job / "alloc1").iterdir()) == ["node0", "node0.log"]   # its logs kept apart
     assert (job / "node.sh").exists() and "exit=0" in out
     assert slurm.chain_end(rec) == "stopped at the time limit with a checkpoint at step 20; continued in Slurm job 99"

@@ -4,8 +4,8 @@ import json
 import pytest
 from packaging.tags import Tag
 
-from fleetbox.build import locks, matrix, wheelhouse
 from fleetbox.errors import UserError
+from fleetbox.image import locks, matrix, wheelhouse
 
 
 def test_platforms_expand_to_older_manylinux_and_legacy_aliases():

@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from fleetbox.build import locks, matrix, wheelhouse
 from fleetbox.errors import UserError
+from fleetbox.image import locks, matrix, wheelhouse
 from tests.httpserver import Server
 
 WHEELS = {
@@ -37,7 +37,8 @@ def index(tmp_path, monkeypatch):
         v = replace(matrix.load().get("cpu"), pypi=f"{s.url}/simple", extras=(), tools=("pip==25.3",))
         lock = (locks.header(v) + "paddlepaddle==3.3.1 \\\n"
                 + "".join(f"    --hash=sha256:{sha(b)} \\\n" for n, b in WHEELS.items() if "paddle" in n)
-                + f"    # from {s.url}/simple\npip==25.3 \\\n    --hash=sha256:{sha(WHEELS['pip-25.3-py3-none-any.whl'])}\n")
+                + f"    # from {s.url}/simple\npip==25.3 \\\n"
+                + f"    --hash=sha256:{sha(WHEELS['pip-25.3-py3-none-any.whl'])}\n")
         (tmp_path / "locks").mkdir()
         v.lock_path.write_text(lock)
         yield s, v

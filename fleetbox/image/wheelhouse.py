@@ -15,11 +15,11 @@ from urllib.parse import urldefrag, urljoin
 from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
-from .. import settings
-from ..data import fetch
-from . import locks
-from ..errors import UserError
-from .matrix import Variant
+from fleetbox import settings
+from fleetbox.data import fetch
+from fleetbox.errors import UserError
+from fleetbox.image import locks
+from fleetbox.image.matrix import Variant
 
 MANIFEST = "manifest.json"
 LOCK_COPY = "requirements.lock"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import requests
 
-from ..errors import UserError
-from .matrix import Variant
+from fleetbox.errors import UserError
+from fleetbox.image.matrix import Variant
 
 HEADER = "# fleetbox-lock"
 
@@ -154,7 +154,7 @@ def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Pa
 
 def _uv_binary() -> str:
     try:
-        from uv import find_uv_bin   # the PyPI package ships the binary next to this finder
+        from uv import find_uv_bin  # noqa: PLC0415 (optional: the PyPI package ships the binary next to this finder)
         return find_uv_bin()
     except (ImportError, FileNotFoundError):
         return "uv"

@@ -5,9 +5,10 @@ and environment as the job) in place of Paddle's launcher, and prints what it fi
     python -m fleetbox_doctor --rank R --nnodes N --width W --master IP:PORT --node-ip IP --iface IF ...
 
 Across nodes it talks over exactly the ports the job will use: node 0 listens on the master port, every node
-on its pinned block of W ports (PORT_RANGE: node k's starts at PORT + 1 + k * W). Node k joins node 0 through the master port (which also measures
-the clock offset), learns every node's address, then knocks on every other node's ports; with --blast it
-streams bytes to node 0, whose receive time gives the raw TCP throughput. Standard library only.
+on its pinned block of W ports (PORT_RANGE: node k's starts at PORT + 1 + k * W). Node k joins node 0 through
+the master port (which also measures the clock offset), learns every node's address, then knocks on every
+other node's ports; with --blast it streams bytes to node 0, whose receive time gives the raw TCP throughput.
+Standard library only.
 """
 import argparse
 import array

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import ROOT
-from .. import engine
-from ..engine import image_or_none, run_dir
-from ..errors import UserError
-from .matrix import Base, Variant
+from fleetbox import ROOT, engine
+from fleetbox.data import fetch
+from fleetbox.engine import image_or_none, run_dir
+from fleetbox.errors import UserError
+from fleetbox.image.matrix import Base, Variant
 
 BASE_DOCKERFILE = ROOT / "images" / "base.Dockerfile"
 IMPORT_CHANGES = [
@@ -37,7 +37,6 @@ _MIRROR_CHARS = re.compile(r"[A-Za-z0-9._~:/@%+-]+")
 def check_mirror(url: str) -> tuple[str, str]:
     """(public, download): the mirror without and with its user info. Only `public` may be recorded (labels,
     build args, the image's apt sources); `download` is for debootstrap's download alone."""
-    from ..data import fetch
     shown = fetch.shown(url)   # never echo credentials, not even in an error
     bad = f"mirror {shown!r} is not usable: "
     if not _MIRROR_CHARS.fullmatch(url):
@@ -106,7 +105,7 @@ def labels(p: BasePlan) -> dict[str, str]:
 
 
 def _can_have(c, ref: str, log) -> bool:
-    import docker
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
 
     if image_or_none(c, ref):
         return True

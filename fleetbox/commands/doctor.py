@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-import shlex
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from . import settings
-from .errors import UserError
-from .run import plan as planner
-from .run.spec import JobSpec
+from fleetbox import engine, settings
+from fleetbox.errors import UserError
+from fleetbox.processes import sigterm_as_interrupt
+from fleetbox.run import backends
+from fleetbox.run import plan as planner
+from fleetbox.run.spec import JobSpec, new_job_id
 
 PROBE_MARK = "FLEETBOX-DOCTOR "
 SWEEP_MARK = "FLEETBOX-COLLECTIVE "
@@ -71,7 +70,8 @@ def version_tuple(v: str) -> tuple[int, ...]:
 def probe_command(spec: JobSpec, blast: int, wait: float) -> tuple[str, ...]:
     paths = [settings.LOG_DIR, settings.CHECKPOINT_DIR, "~/" + settings.HOME_CACHE]   # ~: Paddle's DATA_HOME
     return ("python", "-m", "fleetbox_doctor", "--rank", "{rank}", "--nnodes", "{nnodes}",
-            "--width", str(planner.block_width(spec.procs_per_node)), "--master", "{master_ip}:{master_port}", "--node-ip", "{node_ip}",
+            "--width", str(planner.block_width(spec.procs_per_node)), "--master", "{master_ip}:{master_port}",
+            "--node-ip", "{node_ip}",
             "--iface", "{iface}", "--ib-hca", spec.ib_hca, "--device", spec.variant.device,
             "--paths", ",".join(paths), "--wait", f"{wait:g}", "--blast", str(blast))
 
@@ -109,8 +109,8 @@ def check_shm(node: str, f: dict, e: Expect) -> Row:
     want = size_bytes(e.shm)
     shm = f.get("shm", {})
     if "error" in shm:
-        return Row(node, "/dev/shm", False, f"missing ({shm['error']})", f">= {e.shm}", "the container has no /dev/shm; "
-                   "NCCL and DataLoader workers need it")
+        return Row(node, "/dev/shm", False, f"missing ({shm['error']})", f">= {e.shm}",
+                   "the container has no /dev/shm; NCCL and DataLoader workers need it")
     got = shm["total"]
     ok = got >= want * 0.99   # tmpfs rounds to pages
     fix = ""
@@ -223,7 +223,8 @@ def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
     driver = drivers[0] if drivers else "?"
     ok = bool(gpus) and (not e.min_driver or version_tuple(driver) >= version_tuple(e.min_driver))
     compat = ok and e.toolkit_driver and version_tuple(driver) < version_tuple(e.toolkit_driver)
-    rows = [Row(node, "GPU driver", ok, driver + (" (by CUDA minor-version compatibility: no PTX JIT)" if compat else ""),
+    shown = driver + (" (by CUDA minor-version compatibility: no PTX JIT)" if compat else "")
+    rows = [Row(node, "GPU driver", ok, shown,
                 f">= {e.min_driver} (the variant's CUDA; {e.toolkit_driver} for PTX JIT)", "" if ok else
                 f"driver {driver} is older than {e.min_driver}, the oldest this image's CUDA runs on: upgrade the "
                 f"node's driver or use a variant built for an older CUDA (e.g. cu118)")]
@@ -421,7 +422,8 @@ def sweep_table(sweep: dict, tcp_gbps: float | None) -> str:
     """nccl-tests' all_reduce_perf layout (in place), with the raw TCP floor beside it."""
     lines = [f"# all_reduce ({sweep['backend']}), {sweep['world']} ranks on {sweep['nodes']} nodes; "
              f"busbw = algbw * 2(n-1)/n",
-             f"#{'size':>12} {'count':>12} {'type':>7} {'redop':>6} {'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>6}",
+             f"#{'size':>12} {'count':>12} {'type':>7} {'redop':>6} {'time':>10} {'algbw':>8} {'busbw':>8} "
+             f"{'#wrong':>6}",
              f"#{'(B)':>12} {'(elements)':>12} {'':>7} {'':>6} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8} {'':>6}"]
     for r in sweep["rows"]:
         lines.append(f" {r['size']:>12} {r['count']:>12} {'float':>7} {'sum':>6} {r['time_us']:>10.1f} "
@@ -436,10 +438,6 @@ def sweep_table(sweep: dict, tcp_gbps: float | None) -> str:
 
 
 # -- acting --
-
-def new_job_id(kind: str = "doctor") -> str:
-    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
 
 def expect(spec: JobSpec, port: int, runtime: str = "docker", runtime_args: tuple = ()) -> Expect:
     v = spec.variant
@@ -457,7 +455,6 @@ def _output(path: str) -> str:
 
 def docker_identity(spec: JobSpec) -> list[Row]:
     """Every node's engine reachable and holding the image, and the same image everywhere (ID and content tag)."""
-    from . import engine
     hosts = list(spec.hosts) or [""] * spec.nodes
     ref, rows, ids, clients = spec.image_ref, [], {}, {}
     for k, host in enumerate(hosts):
@@ -475,7 +472,7 @@ def docker_identity(spec: JobSpec) -> list[Row]:
                 f"docker save {ref} | docker -H {host} load (or push it and pull it there)" if host
                 else f"invoke build --variant {spec.variant.name}")))
             continue
-        tag = (img.labels or {}).get("io.fleetbox.inputs-sha256", "")
+        tag = (img.labels or {}).get(settings.LABEL_INPUTS, "")
         ids[k] = (img.id, tag)
         rows.append(Row(node, "image", True, f"{img.id[7:19]}, content {tag[:12] or 'unknown'}", "present"))
     rows += same_image(ids, spec.nodes, ref)
@@ -525,17 +522,16 @@ def slurm_identity(outputs: dict[int, str], nodes: int, ref: str) -> list[Row]:
 def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, quick: bool = False,
         wait: float = 30.0, log=print) -> dict:
     """Check every node for `spec` (the job as `invoke train` would run it); returns the report."""
-    from .run import backend as backends
     b = backends.get(backend, **(backend_options or {}))
     runtime = b.runtime.name if backend == "slurm" else "docker"
-    job_id = new_job_id()
+    job_id = new_job_id("doctor")
     rows = docker_identity(spec) if backend == "docker" else []
     base = replace(spec, job_id=job_id, max_restarts=0, resume="auto", checkpoint_dir="")
     facts, master_ip, sweep, job_dir, port = {}, "", None, settings.runs_root() / job_id, None
     if all(r.ok for r in rows):
         probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait),
                         image_identity=backend == "slurm")
-        with backends.sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             plan = b.plan(probe)
         log(f"doctor {job_id}: probing {spec.nodes} node(s) in the job's own container ({backend}"
             f"{'/' + runtime if backend == 'slurm' else ''}), master port {plan.port}")
@@ -585,7 +581,6 @@ def run_sweep(b, base: JobSpec, log) -> dict:
     """The all-reduce sweep as a real Paddle job (its launcher, pinned ports, Gloo or NCCL)."""
     spec = replace(base, job_id=new_job_id("doctor-sweep"), script=str(settings.HELPERS / "fleetbox_collective.py"),
                    args=("--max-bytes", str(BLAST_BYTES)), command=())
-    from .run.backend import sigterm_as_interrupt
     with sigterm_as_interrupt():
         plan = b.plan(spec)
     log(f"doctor: all-reduce sweep ({spec.job_id}) across {spec.nodes} node(s)")

@@ -18,18 +18,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import ROOT, settings
-from ..data import datasets
-from . import layers, locks, wheelhouse
-from .. import engine
-from ..engine import image_or_none, run_dir
-from ..run.backend import signals_held, sigterm_as_interrupt
-from ..errors import UserError
-from .matrix import Variant
+from fleetbox import ROOT, engine, settings
+from fleetbox.data import datasets
+from fleetbox.engine import image_or_none, run_dir
+from fleetbox.errors import UserError
+from fleetbox.image import layers, locks, wheelhouse
+from fleetbox.image.matrix import Variant
+from fleetbox.processes import signals_held, sigterm_as_interrupt
 
 DATA_DOCKERFILE = ROOT / "images" / "data.Dockerfile"
 
 UNKNOWN = "<unknown until the base exists>"
+
+
+def short_id(image_id: str) -> str:
+    """An image ID as `docker images` shows it: 12 hex digits."""
+    return image_id[7:19] if image_id.startswith("sha256:") else image_id
 
 
 @dataclass(frozen=True)
@@ -75,14 +79,15 @@ class BuildPlan:
             f"paddle    {v.paddle} from {v.paddle_index or v.pypi}",
             f"extras    {' '.join([*v.extras, *v.tools])} from {v.pypi}",
             f"python    {v.python_version} on {v.platform}",
-            f"base      {self.base_ref} (id {self.base_id[7:19] if self.base_id.startswith('sha256:') else self.base_id})",
+            f"base      {self.base_ref} (id {short_id(self.base_id)})",
             f"lock      {v.lock_path.relative_to(ROOT)} "
             + (f"sha256 {self.lock_sha256[:16]}…" if self.lock_sha256 else "MISSING: "
                + f"make it with `invoke lock --variant {v.name}` where {v.paddle_index or v.pypi} is reachable"),
             f"tag       {self.tag}",
             f"aliases   {' '.join(self.aliases)}",
             "datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {settings.CONTAINER_CACHE} in "
-                             f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})" if self.data else "none baked"),
+                             f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})"
+                             if self.data else "none baked"),
             *[f"layer     {x.name}: "
               + (", ".join(e.name for e in x.entries) or "the freeze file, bind-mount targets and settings")
               for x in self.layers],
@@ -139,11 +144,11 @@ def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, r
         "org.opencontainers.image.source": "fleetbox",
         "org.opencontainers.image.base.name": variant.base_ref,
         "org.opencontainers.image.base.digest": base_id,
-        "io.fleetbox.variant": variant.name,
+        settings.LABEL_VARIANT: variant.name,
         "io.fleetbox.device": variant.device,
-        "io.fleetbox.lock-sha256": lock_sha,
-        "io.fleetbox.inputs-sha256": chash,
-        "io.fleetbox.pip-freeze": freeze(entries),
+        settings.LABEL_LOCK: lock_sha,
+        settings.LABEL_INPUTS: chash,
+        settings.LABEL_FREEZE: freeze(entries),
         **{f"io.fleetbox.{k}": v for k, v in variant.accel.items()},
     }
 
@@ -247,7 +252,7 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
     """One layer: a container of `parent` runs the layer's script, network off, wheelhouse read-only; its
     changes become the layer, tagged only once whole. The container is removed on every way out (by its
     name, so also when Ctrl-C lands inside create), with Ctrl-C and SIGTERM held while that runs."""
-    import docker
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
     name = f"fleetbox-layer-{layer.name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
     try:
         # a bind mount in the host config only: `volumes=` would also declare a VOLUME that commit keeps
@@ -298,7 +303,7 @@ def _bake(c, p: BuildPlan, data_dir: Path, force: bool, log) -> None:
 
 def _tidy(c, replaced, image) -> None:
     """Drop an image a forced rebuild left without tags."""
-    import docker
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
     if replaced is not None and replaced.id != image.id:
         try:
             if not c.images.get(replaced.id).tags:
@@ -314,7 +319,7 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     (build/layers.py) goes when no image with another tag is built on it. "Built on" is read from the layers
     (RootFS), which every image store keeps. An image a container uses is kept; so is a running build's
     container, while the containers of builds that were killed go."""
-    import docker
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
 
     def snapshot() -> dict[str, tuple[list[str], list[str]]]:   # image ID -> (tags, layer digests)
         out = {}

@@ -1,104 +1,26 @@
-"""`invoke train` and `invoke up`'s training step: choose the backend, plan once, then describe that plan
-(--dry-run), run it, or leave it running (--detach) and report one JobResult; and `invoke jobs / logs /
-cancel`, which work on any job from any shell through its runs/<job>/handle.json."""
+"""`invoke jobs / logs / cancel / report`, which work on any job from any shell through its
+runs/<job>/handle.json."""
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import re
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import ROOT, settings
-from ..errors import Failed, UserError
-from . import backend as backends, checkpoints, supervisor
-from .backend import CANCELLED, Handle, process_start
-from .result import JobResult
-from .spec import JOB_ID, JobSpec
-
-
-def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, dry_run: bool = False,
-          timeout: float | None = None, detach: bool = False, log=print, preflight: bool = False) -> JobResult | None:
-    if timeout and backend != "docker":
-        raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
-    if timeout and detach:
-        raise UserError("--timeout needs an attached job; a detached one ends with `invoke cancel`")
-    b = backends.get(backend, **(backend_options or {}))
-    if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
-        from dataclasses import replace
-        from .. import doctor
-        log(f"preflight: checking {spec.nodes} node(s) before starting the job")
-        report = doctor.run(spec, backend, backend_options, quick=True, log=log)
-        if not report["ok"]:
-            bad = sum(not r["ok"] for r in report["rows"])
-            raise Failed(f"preflight: {bad} check(s) failed; the job was not started (report: {report['path']})")
-        spec = replace(spec, port=report["port"])   # the ports just checked
-    with backends.sigterm_as_interrupt():   # planning starts probe containers on --hosts engines
-        plan = b.plan(spec)
-    if dry_run:
-        log(b.describe(plan))
-        return None
-    if detach:
-        handle = supervise(plan, log) if backend == "docker" else b.submit(plan, log)
-        log(f"job {plan.job_id} detached" + (f" (supervisor pid {handle.supervisor})" if handle.supervisor else "")
-            + f"; see it with `invoke jobs`, `invoke logs {plan.job_id} --follow`; stop it with "
-              f"`invoke cancel {plan.job_id}`")
-        return None
-    result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
-    log(result.table())
-    draw_report(Path(result.dir), log)
-    if not result.ok:
-        raise Failed(f"train failed: {result.failure()}")
-    return result
-
-
-# Paddle's launcher logs every poll of its HTTP master (dozens of lines per job: /healthy, /<job>/info...);
-# the log files keep them. Other HTTP logging (a user's own) is left alone.
-LAUNCHER_POLLING = re.compile(
-    r"\[node\d+\] .*HTTP Request: [A-Z]+ http://[\d.:\[\]a-fA-F]+/(healthy|[\w.-]+/info(/\S*)?) \"HTTP/[\d.]+ \d+")
-
-
-METRICS = re.compile(r"\[node\d+\] FLEETBOX-METRIC ")   # one per step per rank: metrics.jsonl has them
-
-
-def quiet(log):
-    """The live stream without the launcher's polling lines and the metrics lines (`--debug` shows them;
-    the log files keep them)."""
-    return lambda line: None if LAUNCHER_POLLING.match(line) or METRICS.match(line) else log(line)
-
-
-# -- detached jobs --
-
-def supervise(plan, log) -> Handle:
-    """Start the supervisor of a detached Docker job and return once it has started the job (or say, in one
-    line, why it could not)."""
-    plan.dir.mkdir(parents=True, exist_ok=True)
-    for name in (supervisor.READY, "summary.json"):
-        (plan.dir / name).unlink(missing_ok=True)
-    part = plan.dir / f".{supervisor.PLAN}.part"
-    part.write_bytes(pickle.dumps(plan))
-    part.rename(plan.dir / supervisor.PLAN)
-    with open(plan.dir / supervisor.LOG, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "fleetbox.run.supervisor", str(plan.dir)], cwd=ROOT,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-    try:
-        while not (plan.dir / supervisor.READY).exists():
-            if proc.poll() is not None:
-                said = [ln for ln in (plan.dir / supervisor.LOG).read_text(errors="replace").splitlines()
-                        if "fleetbox: " in ln]
-                why = said[-1].split("fleetbox: ", 1)[1] if said else f"it exited with {proc.returncode}"
-                raise Failed(f"the detached job did not start: {why} (log: {plan.dir / supervisor.LOG})")
-            time.sleep(0.1)
-    except KeyboardInterrupt:   # the supervisor cleans up on SIGTERM, as an attached job does on Ctrl-C
-        proc.terminate()
-        proc.wait(timeout=60)
-        raise
-    return Handle.load(plan.dir)
+from fleetbox import settings
+from fleetbox.errors import UserError
+from fleetbox.processes import process_start
+from fleetbox.run import backends, checkpoints
+from fleetbox.run import report as report_mod
+from fleetbox.run.backend import CANCELLED, Handle
+from fleetbox.run.backends.docker import DockerBackend
+from fleetbox.run.backends.slurm import ACTIVE, SlurmBackend, allocations, job_state, tail_file
+from fleetbox.run.result import JobResult
+from fleetbox.run.spec import JOB_ID
 
 
 def alive(h: Handle) -> bool:
@@ -125,7 +47,6 @@ def describe(h: Handle) -> dict:
            if h.checkpoints.startswith("/") and not any(h.hosts) else None,
            "note": ""}
     if h.backend == "slurm":
-        from .slurm_backend import ACTIVE, allocations, job_state
         b, recs = backends.get("slurm"), allocations(d, h.scheduler_job)
         chained = bool(recs and recs[-1]["next"])
         row["attempt"] = len(recs) + 1 if chained or not recs else len(recs)
@@ -183,21 +104,9 @@ def listing(log=print) -> list[dict]:
     log(f"{'job':<36} {'backend':<7} {'nodes':>5} {'state':<9} {'attempt':>7} {'ckpt step':>9}  note")
     for r in rows:
         step = "-" if r["checkpoint"] is None else str(r["checkpoint"])
-        log(f"{r['job']:<36} {r['backend']:<7} {r['nodes']:>5} {r['state']:<9} {r['attempt']:>7} {step:>9}  {r['note']}")
+        log(f"{r['job']:<36} {r['backend']:<7} {r['nodes']:>5} {r['state']:<9} {r['attempt']:>7} {step:>9}  "
+            f"{r['note']}")
     return rows
-
-
-def draw_report(job_dir: Path, log=print) -> dict | None:
-    """report.md and report.png of a run; a report that cannot be drawn never fails the job."""
-    from . import report
-    try:
-        drawn = report.draw(job_dir)
-    except Exception as e:   # a report is a view of the run, not part of it
-        log(f"no report: {type(e).__name__}: {e}"[:300])
-        return None
-    log(f"report: {drawn['md']} ({Path(drawn['png']).name})"
-        + (f"; missing: {'; '.join(drawn['missing'])}" if drawn["missing"] else ""))
-    return drawn
 
 
 def report(job_id: str, log=print) -> dict | None:
@@ -207,7 +116,6 @@ def report(job_id: str, log=print) -> dict | None:
     job_dir = settings.runs_root() / job_id
     if not job_dir.is_dir():
         raise UserError(f"no job {job_id} in {settings.runs_root()} (see `invoke jobs`)")
-    from . import report as report_mod
     drawn = report_mod.draw(job_dir)
     log(f"report: {drawn['md']} ({Path(drawn['png']).name})")
     for m in drawn["missing"]:
@@ -231,7 +139,6 @@ def logs(job_id: str, node: int = 0, follow: bool = False, log=print, poll: floa
 
 
 def _docker_logs(h: Handle, node: int, follow: bool, log, poll: float) -> None:
-    from .docker_backend import DockerBackend
     b, seen, shown = DockerBackend(), set(), False
     while True:
         mine = [c for c in b._containers(h) if c.labels.get(settings.LABEL_RANK) == str(node) and c.id not in seen]
@@ -262,7 +169,6 @@ def _docker_logs(h: Handle, node: int, follow: bool, log, poll: float) -> None:
 
 
 def _file_logs(h: Handle, path: Path, follow: bool, log, poll: float) -> None:
-    from .slurm_backend import ACTIVE, SlurmBackend, tail_file
     tail_file(path, lambda: follow and SlurmBackend().status(h) in ACTIVE, log, poll)
 
 
@@ -293,7 +199,6 @@ def cancel(job_id: str, log=print, wait: float = 60) -> None:
 
 
 def _json(p: Path) -> dict:
-    import json
     try:
         return json.loads(p.read_text())
     except (OSError, ValueError):

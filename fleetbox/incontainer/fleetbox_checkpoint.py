@@ -28,7 +28,8 @@ skipped, with a line that says so.
 
 Environment (set by fleetbox): FLEETBOX_CHECKPOINT_DIR (no checkpoints without it), FLEETBOX_RESUME
 (auto: the newest complete step; never: start fresh; a path: a step folder or a checkpoint folder to start
-from, until the job has checkpoints of its own; `never` holds for FLEETBOX_ATTEMPT 0 only), FLEETBOX_CHECKPOINT_SCOPE (shared: one folder for all nodes; node: one per node),
+from, until the job has checkpoints of its own; `never` holds for FLEETBOX_ATTEMPT 0 only),
+FLEETBOX_CHECKPOINT_SCOPE (shared: one folder for all nodes; node: one per node),
 FLEETBOX_CHECKPOINT_EVERY / FLEETBOX_CHECKPOINT_KEEP (override the script's values).
 """
 from __future__ import annotations

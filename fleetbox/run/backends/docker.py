@@ -8,6 +8,7 @@ On `--hosts` engines the logs stay in each container (no folder on that host) an
 
 from __future__ import annotations
 
+import datetime as dt
 import getpass
 import io
 import json
@@ -21,11 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .. import engine, probes, settings
-from ..errors import Failed, UserError
-from . import checkpoints, hostnet, placeholders, plan as planner, spec as spec_mod
-from .backend import CANCELLED, Backend, Handle, Plan, process_start
-from .result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
+from fleetbox import engine, incontainer, settings
+from fleetbox.archives import safe_extract
+from fleetbox.errors import Failed, UserError
+from fleetbox.processes import process_start
+from fleetbox.run import checkpoints, hostnet, placeholders
+from fleetbox.run import plan as planner
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backend import CANCELLED, Backend, Handle, Plan
+from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
 STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
@@ -119,15 +124,15 @@ class DockerBackend(Backend):
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
         return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt), t, values,
-                          image_id=image.id, content_tag=(image.labels or {}).get("io.fleetbox.inputs-sha256", ""),
+                          image_id=image.id, content_tag=(image.labels or {}).get(settings.LABEL_INPUTS, ""),
                           paddle=_paddle_of(image.labels or {}) or spec.paddle_pin)
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
         whether the port is free, and how much locked memory that engine's containers may get."""
         probe = self.engine(host).containers.run(
-            spec.image_ref, ["python", "-c", probes.source("netinfo"), master_ip, str(port)], network_mode="host",
-            detach=True, labels={settings.LABEL_JOB: job_id})
+            spec.image_ref, ["python", "-c", incontainer.source("fleetbox_netinfo"), master_ip, str(port)],
+            network_mode="host", detach=True, labels={settings.LABEL_JOB: job_id})
         try:   # removed on every way out (Ctrl-C while planning included), not only after a clean exit
             code = probe.wait(timeout=120).get("StatusCode")
             out = probe.logs(stdout=True, stderr=False)
@@ -240,7 +245,7 @@ class DockerBackend(Backend):
         """Remove fleetbox job containers left on these engines (found by label): the finished ones, or every
         one of `job`, or every one with `force`. A running container without either belongs to a live job
         and is kept. Returns (removed, kept)."""
-        import docker
+        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
         label = f"{settings.LABEL_JOB}={job}" if job else settings.LABEL_JOB
         removed = kept = 0
         for host in hosts or [""]:
@@ -258,7 +263,8 @@ class DockerBackend(Backend):
                 except docker.errors.APIError as e:
                     if e.status_code == 409:   # a removal already in progress
                         continue
-                    raise UserError(f"cannot remove {c.name} on {where}: {(e.explanation or str(e)).strip()[:200]}") from None
+                    why = (e.explanation or str(e)).strip()[:200]
+                    raise UserError(f"cannot remove {c.name} on {where}: {why}") from None
                 log(f"removed {c.name} ({c.labels.get(settings.LABEL_JOB)}) on {where}")
                 removed += 1
             if job:   # a --hosts job's checkpoint volumes (fleetbox-<job>-node<k>-checkpoints[-token])
@@ -288,7 +294,7 @@ class _Live:
         self.timed_out = False
 
     def start(self) -> None:
-        import docker
+        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
         nodes = self.plan.nodes
         # a remote engine cannot see our files: the workspace is copied in (packed once for every such node)
         remote = any(n.host for n in nodes)
@@ -338,7 +344,7 @@ class _Live:
 
     def watch(self, log, timeout: float | None = None) -> None:
         """Until every node exited, or the first failure (plus a short grace) stops the rest."""
-        import docker
+        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
         deadline = time.monotonic() + timeout if timeout else None
         first_fail = None
         while True:
@@ -398,7 +404,6 @@ class _Live:
                 (d / "container.log").write_bytes(c.logs())
                 if self.plan.nodes[rank].host:   # remote: the log folder is in the container; copy it out
                     bits, _ = c.get_archive(settings.LOG_DIR + "/.")   # the folder's content, not the folder
-                    from ..data.datasets import safe_extract
                     with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
                         safe_extract(tar, d)
             except Exception as e:
@@ -452,8 +457,8 @@ class engine_errors:
         return self
 
     def __exit__(self, kind, e, tb):
-        import docker
-        import requests
+        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
+        import requests  # noqa: PLC0415 (deferred: with the Docker SDK, only where an engine is used)
         if kind is not None and issubclass(kind, (docker.errors.DockerException, requests.RequestException)):
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise Failed(f"train failed: the Docker Engine failed while running the job: {why} "
@@ -463,7 +468,6 @@ class engine_errors:
 
 def finish_time(ts: str) -> float:
     """Docker's FinishedAt (RFC 3339, nanoseconds, trailing zeros trimmed) as seconds; unknown: last."""
-    import datetime as dt
     m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z", ts or "")
     if not m or m.group(1).startswith("0001"):
         return float("inf")
@@ -510,4 +514,4 @@ def _node_tail(node_dir: Path) -> list[str]:
 
 def _paddle_of(labels: dict) -> str:
     """The Paddle version an image says it has: our images' version label (another image's may be its OS's)."""
-    return labels.get("org.opencontainers.image.version", "") if labels.get("io.fleetbox.inputs-sha256") else ""
+    return labels.get("org.opencontainers.image.version", "") if labels.get(settings.LABEL_INPUTS) else ""

@@ -10,15 +10,17 @@ folder, logs and report; the study's table and plot are in runs/<study>/."""
 from __future__ import annotations
 
 import json
-import secrets
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .. import options, settings
-from ..errors import Failed, UserError
-from . import backend as backends, metrics, report as report_mod
-from .spec import JobSpec, validate
+from fleetbox import options, settings
+from fleetbox.commands import train as train_cmd
+from fleetbox.errors import Failed, UserError
+from fleetbox.processes import signals_held, sigterm_as_interrupt
+from fleetbox.run import backends, hostnet, metrics
+from fleetbox.run import plan as planner
+from fleetbox.run import report as report_mod
+from fleetbox.run.spec import JobSpec, new_job_id, validate
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,6 @@ def cells(nodes: str, procs: str | None, images: str | None) -> list[Cell]:
         raise UserError(f"--image {images}: each image once")
     return [Cell(img, n, p) for img in image_list
             for n in sizes("--nodes", nodes) for p in sizes("--procs-per-node", procs or "1")]
-
-
-def new_study_id() -> str:
-    return f"scale-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def job_id(study: str, index: int, cell: Cell) -> str:
@@ -121,9 +119,9 @@ def markdown(study: str, spec: JobSpec, backend: str, rows: list[dict]) -> str:
 def draw(path: Path, rows: list[dict]) -> list[str]:
     """scale.png: samples/s and efficiency against ranks (one line per image and processes per node, its ideal
     dashed) and each run's step time split into compute and communication. Returns the legend."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (deferred: matplotlib takes a second to load; only drawing needs it)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (deferred: matplotlib takes a second to load; only drawing needs it)
 
     fig, (ax_rate, ax_eff, ax_step) = plt.subplots(1, 3, figsize=(14, 4.5))
     many_procs, ideal = len({r["procs"] for r in rows}) > 1, set()
@@ -199,10 +197,9 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
         raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
     backends.get(backend, **(backend_options or {}))
     if spec.port:
-        from . import hostnet, plan as planner
         hostnet.check_room(spec.port, planner.ports_needed(max(c.nodes for c in study_cells),
                                                             max(c.procs for c in study_cells)))
-    study = study or new_study_id()
+    study = study or new_job_id("scale")
     images = list(dict.fromkeys(c.image for c in study_cells))
     plan = [(job_id(study, images.index(c.image), c),
              replace(spec, nodes=c.nodes, procs_per_node=c.procs, image=c.image, hosts=spec.hosts[:c.nodes],
@@ -216,11 +213,11 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
     log(f"scale: study {study}: {len(plan)} run(s), {backend} backend; table in {out}/scale.md")
     done = None
     try:
-        with backends.sigterm_as_interrupt():   # SIGTERM between runs too: the same way out as Ctrl-C
+        with sigterm_as_interrupt():   # SIGTERM between runs too: the same way out as Ctrl-C
             failed = _run_all(plan, rows, backend, backend_options, timeout, log)
     finally:   # the table of what ended, also after Ctrl-C or an error (each run marked as it ended)
         try:
-            with backends.signals_held():
+            with signals_held():
                 done = write(out, study, spec, backend, rows)
             log(f"scale: {done['md']} ({Path(done['png']).name})")
         except Exception as e:   # the study's own error (or Ctrl-C) is the one to report, not the table's
@@ -239,7 +236,6 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
 
 def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
     """Each run in turn, its row filled as it ends; the number that did not pass."""
-    from . import jobs
     failed = 0
     for i, ((jid, s), row) in enumerate(zip(plan, rows)):
         log(f"scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
@@ -248,7 +244,7 @@ def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
         if "image" in opts:   # Slurm hands the runtime its image itself
             opts["image"] = s.image
         try:
-            jobs.train(s, backend, opts, timeout=timeout, log=log)
+            train_cmd.train(s, backend, opts, timeout=timeout, log=log)
         except Failed as e:
             row["state"], row["failure"] = "FAILED", str(e)
         except UserError as e:   # this run could not start (say, an image a node lacks): the others go on

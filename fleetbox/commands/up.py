@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from . import engine, verify
-from .build import bases, images, wheelhouse
-from .build.matrix import Variant
-from .errors import Failed
-from .run import jobs, spec as spec_mod
+from fleetbox import engine
+from fleetbox.commands import train, verify
+from fleetbox.errors import Failed
+from fleetbox.image import bases, images, wheelhouse
+from fleetbox.image.matrix import Variant
+from fleetbox.run import spec as spec_mod
 
 
 def up(variant: Variant, mirror: str | None = None, nodes: int = 2, log=print) -> None:
@@ -25,4 +26,4 @@ def up(variant: Variant, mirror: str | None = None, nodes: int = 2, log=print) -
             if not report["ok"]:
                 raise Failed(f"verify failed for {variant.name} (report: {report['path']})")
         else:
-            jobs.train(spec_mod.from_options(variant, nodes=nodes), log=log)
+            train.train(spec_mod.from_options(variant, nodes=nodes), log=log)

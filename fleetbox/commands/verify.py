@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
-from . import probes
-from . import settings
-from .settings import CONTAINER_CACHE
-from .engine import image_or_none, run_dir
-from .errors import UserError
-from .build.images import resolve
-from .build.matrix import Variant
+from fleetbox import incontainer, settings
+from fleetbox.engine import client as engine_client
+from fleetbox.engine import image_or_none, run_dir
+from fleetbox.errors import UserError
+from fleetbox.image.images import resolve
+from fleetbox.image.matrix import Variant
+from fleetbox.run.backends.docker import DockerBackend
+from fleetbox.run.plan import device_kwargs, device_options
+from fleetbox.run.result import smoke_line
+from fleetbox.run.spec import JobSpec
+from fleetbox.settings import CONTAINER_CACHE
 
 MARK = "FLEETBOX-REPORT "
 
@@ -20,12 +23,10 @@ MARK = "FLEETBOX-REPORT "
 def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None) -> dict:
     """Pure: how the verify container is run: no network; the variant's devices, as a job's node gets them;
     the seeded dataset cache mounted read-only at Paddle's cache path when there is one."""
-    from .run.plan import device_kwargs, device_options
-    from .run.spec import JobSpec
     dev = device_options(JobSpec(variant=variant))
     kw = {"network_mode": "none", "environment": {
         "FLEETBOX_DEVICE": variant.device,
-        "FLEETBOX_EXPECT_FREEZE": image_labels.get("io.fleetbox.pip-freeze", "")},
+        "FLEETBOX_EXPECT_FREEZE": image_labels.get(settings.LABEL_FREEZE, "")},
           **device_kwargs(dev.get("devices", ()), dev.get("group_add", ()), dev.get("security_opt", ()),
                           dev.get("gpus", ""))}
     if data_dir is not None:
@@ -63,8 +64,8 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     mount = data_dir if data_dir.is_dir() and any(data_dir.iterdir()) else None
     if mount:
         log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
-    container = c.containers.run(image.id, ["python", "-c", probes.source("verify_image")], detach=True,
-                                 labels={"io.fleetbox.role": "verify"}, **container_kwargs(variant, labels, mount))
+    container = c.containers.run(image.id, ["python", "-c", incontainer.source("fleetbox_verify_image")], detach=True,
+                                 labels={settings.LABEL_ROLE: "verify"}, **container_kwargs(variant, labels, mount))
     try:
         status = container.wait(timeout=600)
         output = container.logs().decode(errors="replace")
@@ -73,7 +74,7 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     (rd / "verify.log").write_text(output)
     report = parse_report(output)
     report.update(variant=variant.name, image=image.id, tags=image.tags, exit_code=status.get("StatusCode"),
-                  lock_sha256=labels.get("io.fleetbox.lock-sha256", ""), path=str(rd / "report.json"))
+                  lock_sha256=labels.get(settings.LABEL_LOCK, ""), path=str(rd / "report.json"))
     report["ok"] = report["ok"] and status.get("StatusCode") == 0
     (rd / "report.json").write_text(json.dumps(report, indent=1))
     log(table(variant.name, image.tags[0] if image.tags else image.id, report["checks"]))
@@ -84,8 +85,6 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
 def run_nodes(spec, log=print) -> dict:
     """`verify --nodes N`: the image checks (run_check() included) in every node's container, then the
     smoke job across all nodes; one table, one JSON report."""
-    from .engine import client as engine_client
-
     hosts = list(spec.hosts) or [""] * spec.nodes
     rows = []
     for k, host in enumerate(hosts):
@@ -101,8 +100,6 @@ def run_nodes(spec, log=print) -> dict:
                                + (f"; failed: {', '.join(failed)}" if failed else ""), "report": rep["path"]})
         log(f"node{k} ({host or 'local'}): {'PASS' if rep['ok'] else 'FAIL'}")
     log(f"running the smoke job across {spec.nodes} nodes")
-    from .run.docker_backend import DockerBackend
-    from .run.result import smoke_line
     backend = DockerBackend()
     job = backend.run(backend.plan(spec), log=lambda m: None)
     smoke = job.smoke or {}

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from .. import probes, settings
-from ..errors import UserError
-from . import checkpoints, hostnet, metrics, placeholders, plan as planner, runtimes, spec as spec_mod
-from .backend import Backend, Handle, Plan
-from .result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
-from .shell import Raw, line
+from fleetbox import incontainer, settings
+from fleetbox.errors import UserError
+from fleetbox.run import checkpoints, hostnet, metrics, placeholders
+from fleetbox.run import plan as planner
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backend import Backend, Handle, Plan
+from fleetbox.run.backends import runtimes
+from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
+from fleetbox.run.shell import Raw, line
 
 # The placeholders on a Slurm node: shell variables of the node script (the job id is known in advance).
 NODE_VARS = {"rank": Raw('"$SLURM_NODEID"'), "node": Raw('node"$SLURM_NODEID"'), "nnodes": Raw('"$SLURM_NNODES"'),
@@ -99,7 +102,7 @@ next_allocation() {  # max_allocations max_restarts
   printf '{"chain": "%s", "allocation": %d, "max_allocations": %d, "slurm_job": "%s", "from_step": %d, "to_step": %d, "state": "%s", "exit": %d, "ended": "%s", "next": "%s"}\n' \
     "$CHAIN" "$ALLOCATION" "$1" "$SLURM_JOB_ID" "$FROM_STEP" "$to" "$state" "$rc" "$ended" "$next" >> "$JOB_DIR/allocations.jsonl"
   echo "fleetbox: allocation $ALLOCATION ended ($ended) at checkpoint step $to${next:+; next: Slurm job $next}"
-}''')
+}''')  # noqa: E501 (shell as rendered)
 
 # What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
 SBATCH_VALUES = {
@@ -175,7 +178,7 @@ class SlurmBackend(Backend):
                  'FLEETBOX_ATTEMPT="${FLEETBOX_ATTEMPT:-0}"   # job.sbatch counts allocations and restarts',
                  *rt.prelude()]
         if rt.name == "pyxis":   # runs inside the image (Python, no iproute2): the probe the Docker backend uses
-            lines.append(f'read -r IFACE NODE_IP <<<"$(python -c {shlex.quote(probes.source("netinfo"))} '
+            lines.append(f'read -r IFACE NODE_IP <<<"$(python -c {shlex.quote(incontainer.source("fleetbox_netinfo"))} '
                          f'"$MASTER_IP" --plain)"')
         else:
             lines += [ROUTE_SH, 'read -r IFACE NODE_IP <<<"$(route_to "$MASTER_IP")"']
@@ -184,8 +187,10 @@ class SlurmBackend(Backend):
         width = planner.block_width(spec.procs_per_node)   # planner.trainer_ports, in shell
         lines.append(Raw(f'PORT_RANGE="$((MASTER_PORT + 1 + SLURM_NODEID * {width})):'
                          f'$((MASTER_PORT + {width} + SLURM_NODEID * {width}))"'))
-        lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
-                  'echo "fleetbox: node $SLURM_NODEID on $(hostname): $IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
+        lines += ['[ -n "$IFACE" ] || '
+                  '{ echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
+                  'echo "fleetbox: node $SLURM_NODEID on $(hostname): '
+                  '$IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
         if spec.image_identity:
             lines += [f"IMAGE_REF={shlex.quote(image)}", rt.identify()]
         if rt.name != "pyxis" and (home_cache := rt.home_cache_dir(t)):   # pyxis mounts before node.sh runs
@@ -234,7 +239,8 @@ class SlurmBackend(Backend):
         body += ["set +e", self.words(srun, job_id) + " &",
                  "SRUN=$!",
                  "# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
-                 'while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || { wait "$SRUN"; rc=$?; break; }; done']
+                 'while :; do wait "$SRUN"; rc=$?; '
+                 'kill -0 "$SRUN" 2>/dev/null || { wait "$SRUN"; rc=$?; break; }; done']
         if rt.kills_client_only:   # whatever a killed task left behind, on every node
             sweep = line([rt.name, "ps", "-aq", "--filter", f"label={settings.LABEL_JOB}={job_id}"]) + \
                 f" | xargs -r {rt.name} rm -f"
@@ -419,7 +425,8 @@ def chain_end(rec: dict) -> str:
         "continue": f"stopped at the time limit with a checkpoint at step {step}; continued in Slurm job {rec['next']}",
         "no-progress": f"allocation {rec['allocation']} made no progress (its newest checkpoint is still step "
                        f"{rec['from_step']}): not continuing",
-        "max-allocations": f"stopped at step {step} to continue, but --max-allocations {rec['max_allocations']} was reached",
+        "max-allocations": f"stopped at step {step} to continue, but --max-allocations {rec['max_allocations']} "
+                           f"was reached",
         "restart": f"failed (exit {rec['exit']}); restarted from step {step} in Slurm job {rec['next']}",
         "failed": f"failed (exit {rec['exit']})",
         "cancelled": "cancelled",

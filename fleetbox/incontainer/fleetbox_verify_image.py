@@ -79,9 +79,9 @@ def _run_check():
 
 @check("import scipy")
 def _scipy():
+    import numpy as np
     import scipy
     import scipy.linalg
-    import numpy as np
     det = scipy.linalg.det(np.eye(3) * 2)
     assert abs(det - 8) < 1e-9, det
     return f"scipy {scipy.__version__}, numpy {np.__version__}"
@@ -102,7 +102,8 @@ def _freeze():
     from importlib import metadata
     if not EXPECT_FREEZE:
         return "no expectation given"
-    norm = lambda n: n.lower().replace("_", "-").replace(".", "-")
+    def norm(name):
+        return name.lower().replace("_", "-").replace(".", "-")
     want = {norm(n): v for n, v in (ln.split("==") for ln in EXPECT_FREEZE.split() if "==" in ln)}
     # Only the environment's own site-packages: setuptools puts its vendored copies on sys.path.
     site = sysconfig.get_paths()["purelib"]

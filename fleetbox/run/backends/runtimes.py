@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import settings
-from ..errors import UserError
-from ..settings import WORKDIR
-from .plan import NodeRun
-from .shell import Raw
+from fleetbox import settings
+from fleetbox.errors import UserError
+from fleetbox.run.plan import NodeRun
+from fleetbox.run.shell import Raw, line
+from fleetbox.settings import WORKDIR
+from fleetbox.ship.exports import export_path
 
 
 class Runtime:
@@ -86,7 +87,7 @@ class Runtime:
 elif [ -d "$IMAGE_REF" ]; then
   echo "fleetbox: image tree-sha256 $(cd "$IMAGE_REF" && find . -type f -printf '%P %s\n' | LC_ALL=C sort | sha256sum | cut -c1-64)"
 elif [[ "$IMAGE_REF" == *://* ]]; then echo "fleetbox: image ref $IMAGE_REF"
-else echo "fleetbox: image missing $IMAGE_REF is not on $(hostname)"; exit 3; fi''')
+else echo "fleetbox: image missing $IMAGE_REF is not on $(hostname)"; exit 3; fi''')  # noqa: E501 (shell as rendered)
 
     # -- getting the image --
 
@@ -100,9 +101,9 @@ else echo "fleetbox: image missing $IMAGE_REF is not on $(hostname)"; exit 3; fi
 
 def _engine_identify(engine: str, labels: str) -> Raw:
     """An engine's image ID and fleetbox content tag (`labels`: where its image inspect keeps them)."""
-    return Raw(f'''if out=$({engine} image inspect --format '{{{{.Id}}}} {{{{index {labels} "io.fleetbox.inputs-sha256"}}}}' "$IMAGE_REF" 2>&1); then
+    return Raw(f'''if out=$({engine} image inspect --format '{{{{.Id}}}} {{{{index {labels} "{settings.LABEL_INPUTS}"}}}}' "$IMAGE_REF" 2>&1); then
   echo "fleetbox: image id ${{out//<no value>/}}"
-else echo "fleetbox: image missing $(tail -n 1 <<<"$out")"; exit 3; fi''')
+else echo "fleetbox: image missing $(tail -n 1 <<<"$out")"; exit 3; fi''')  # noqa: E501 (shell as rendered)
 
 
 class Docker(Runtime):
@@ -166,7 +167,6 @@ class Apptainer(Runtime):
         return {f"APPTAINERENV_{k}": v for k, v in n.env.items()}
 
     def default_image(self, variant, image_ref):
-        from ..ship.exports import export_path
         sif = export_path(variant, "sif")
         return str(sif) if sif.exists() else f"docker://{image_ref}"
 
@@ -200,7 +200,6 @@ class Charliecloud(Runtime):
         return a + ["-c", WORKDIR, *extra, image, "--", *n.command]
 
     def default_image(self, variant, image_ref):
-        from ..ship.exports import export_path
         sq = export_path(variant, "charliecloud", squash=True)
         return str(sq if sq.exists() else export_path(variant, "charliecloud"))
 
@@ -247,7 +246,6 @@ class Pyxis(Runtime):
                 "--container-mount-home"]
 
     def default_image(self, variant, image_ref):
-        from ..ship.exports import export_path
         sqsh = export_path(variant, "sqsh")
         return str(sqsh) if sqsh.exists() else image_ref
 
@@ -264,3 +262,17 @@ def get(name: str) -> Runtime:
     if name not in RUNTIMES:
         raise UserError(f"unknown runtime {name!r}; choose one of: {', '.join(RUNTIMES)}")
     return RUNTIMES[name]
+
+
+def pull_commands(runtime: str, content_ref: str | None, alias_ref: str, out_name: str,
+                  insecure: bool = False) -> list[str]:
+    """Pure: the commands (quoted) a cluster user runs to get the content tag, then the alias, into `runtime`.
+    Without a content tag (the image is not built here) only the alias, said to be mutable."""
+    rt = get(runtime)
+    out = []
+    pairs = [(content_ref, "content tag (immutable)"), (alias_ref, "alias")] if content_ref else \
+        [(alias_ref, "alias (mutable: the image is not built here, so its immutable content tag is unknown)")]
+    for ref, what in pairs:
+        out.append(f"# {what}")
+        out += [line(words) for words in rt.pull_commands(ref, out_name, insecure)]
+    return out

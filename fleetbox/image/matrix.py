@@ -8,8 +8,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import ROOT
-from ..errors import UserError
+from fleetbox import ROOT
+from fleetbox.errors import UserError
 
 MATRIX_PATH = ROOT / "images" / "matrix.toml"
 LOCK_DIR = ROOT / "images" / "locks"

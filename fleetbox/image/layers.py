@@ -21,15 +21,14 @@ from dataclasses import dataclass
 
 from packaging.utils import canonicalize_name
 
-from . import locks
-from ..errors import UserError
-from .matrix import Variant
+from fleetbox import settings
+from fleetbox.errors import UserError
+from fleetbox.image import locks
+from fleetbox.image.matrix import Variant
 
 WHEELS = "/mnt"   # the wheelhouse's mount point: a folder every base has, so no layer records a new one
 MOUNT = f"type=bind,dst={WHEELS},readonly"   # how the wheelhouse reaches a layer's container (no VOLUME)
 VENV = "/opt/venv"
-BIND_TARGETS = ("/workspace", "/fleetbox/logs", "/fleetbox/helpers", "/fleetbox/checkpoints", "/fleetbox/resume",
-                "/root/.cache/paddle/dataset")   # for runtimes that cannot create them (Charliecloud, Apptainer)
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ def install_script(python: str, pip_wheel: str, first: bool) -> str:
 
 def last_script() -> str:
     return (f"{_START}{VENV}/bin/python -m pip freeze --all --disable-pip-version-check > {VENV}/fleetbox-freeze.txt; "
-            f"mkdir -p {' '.join(BIND_TARGETS)}; {_settle()}")
+            f"mkdir -p {' '.join(settings.BIND_TARGETS)}; {_settle()}")
 
 
 def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id: str, python: str,
@@ -168,7 +167,7 @@ def changes(variant: Variant, base_env: list[str], labels: dict[str, str]) -> li
                 "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env = {"VIRTUAL_ENV": VENV, "PATH": f"{VENV}/bin:{path}", "PYTHONUNBUFFERED": "1", "PIP_NO_INDEX": "1",
            "FLEETBOX_VARIANT": variant.name, "FLEETBOX_DEVICE": variant.device}
-    return ([f"ENV {k}={_quoted(v)}" for k, v in env.items()] + ["WORKDIR /workspace", 'CMD ["python"]']
+    return ([f"ENV {k}={_quoted(v)}" for k, v in env.items()] + [f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]']
             + [f"LABEL {_quoted(k)}={_quoted(v)}" for k, v in sorted(labels.items())])
 
 

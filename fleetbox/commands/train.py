@@ -1,0 +1,60 @@
+"""`invoke train` and `invoke up`'s training step: choose the backend, plan once, then describe that plan
+(--dry-run), run it, or leave it running (--detach), and report one JobResult."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from fleetbox.commands import doctor
+from fleetbox.errors import Failed, UserError
+from fleetbox.processes import sigterm_as_interrupt
+from fleetbox.run import backends, report, supervisor
+from fleetbox.run.output import quiet
+from fleetbox.run.result import JobResult
+from fleetbox.run.spec import JobSpec
+
+
+def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, dry_run: bool = False,
+          timeout: float | None = None, detach: bool = False, log=print, preflight: bool = False) -> JobResult | None:
+    if timeout and backend != "docker":
+        raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
+    if timeout and detach:
+        raise UserError("--timeout needs an attached job; a detached one ends with `invoke cancel`")
+    b = backends.get(backend, **(backend_options or {}))
+    if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
+        log(f"preflight: checking {spec.nodes} node(s) before starting the job")
+        checked = doctor.run(spec, backend, backend_options, quick=True, log=log)
+        if not checked["ok"]:
+            bad = sum(not r["ok"] for r in checked["rows"])
+            raise Failed(f"preflight: {bad} check(s) failed; the job was not started (report: {checked['path']})")
+        spec = replace(spec, port=checked["port"])   # the ports just checked
+    with sigterm_as_interrupt():   # planning starts probe containers on --hosts engines
+        plan = b.plan(spec)
+    if dry_run:
+        log(b.describe(plan))
+        return None
+    if detach:
+        handle = supervisor.start(plan, log) if backend == "docker" else b.submit(plan, log)
+        log(f"job {plan.job_id} detached" + (f" (supervisor pid {handle.supervisor})" if handle.supervisor else "")
+            + f"; see it with `invoke jobs`, `invoke logs {plan.job_id} --follow`; stop it with "
+              f"`invoke cancel {plan.job_id}`")
+        return None
+    result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
+    log(result.table())
+    draw_report(Path(result.dir), log)
+    if not result.ok:
+        raise Failed(f"train failed: {result.failure()}")
+    return result
+
+
+def draw_report(job_dir: Path, log=print) -> dict | None:
+    """report.md and report.png of a run; a report that cannot be drawn never fails the job."""
+    try:
+        drawn = report.draw(job_dir)
+    except Exception as e:   # a report is a view of the run, not part of it
+        log(f"no report: {type(e).__name__}: {e}"[:300])
+        return None
+    log(f"report: {drawn['md']} ({Path(drawn['png']).name})"
+        + (f"; missing: {'; '.join(drawn['missing'])}" if drawn["missing"] else ""))
+    return drawn
