@@ -153,8 +153,8 @@ def test_a_tampered_kit_is_refused_in_one_line_and_changes_nothing(kit, tmp_path
             if name == wheel:
                 return flip(wheel)(name, data)
             if name == kit_load.MANIFEST:
-                data = tarfile.open(kit["path"]).extractfile(wheel).read()
-                new = hashlib.sha256(flip(wheel)(wheel, data)).hexdigest()
+                wheel_bytes = tarfile.open(kit["path"]).extractfile(wheel).read()
+                new = hashlib.sha256(flip(wheel)(wheel, wheel_bytes)).hexdigest()
                 return b"".join((f"{new}  {wheel}\n".encode() if ln.endswith(f"  {wheel}".encode()) else ln + b"\n")
                                 for ln in data.splitlines())
             return data
