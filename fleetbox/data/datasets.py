@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from fleetbox import settings
+from fleetbox import files, settings
 from fleetbox.archives import safe_extract, safe_member
 from fleetbox.data import fetch
 from fleetbox.errors import Failed, UserError
@@ -138,11 +138,11 @@ def _mkdir(path: Path) -> None:
 def _share(root: Path) -> None:
     """Folders 0755 and files 0644 under `root` (itself included): readable by a container's non-root user."""
     root.chmod(0o755)
-    for top, dirs, files in os.walk(root):
+    for top, dirs, names in os.walk(root):
         for name in dirs:
             if not os.path.islink(p := os.path.join(top, name)):
                 os.chmod(p, 0o755)
-        for name in files:
+        for name in names:
             if not os.path.islink(p := os.path.join(top, name)):
                 os.chmod(p, 0o644)
 
@@ -299,19 +299,17 @@ def pack(datasets: list[Dataset], dest: Path, out: Path) -> Path:
             p = dest / f.relpath
             index["files"][f.relpath] = {"md5": f.md5, "sha256": fetch.file_digest(p), "bytes": p.stat().st_size,
                                          "dataset": f.dataset}
-    part = out.with_name(out.name + ".part")
     mode = "w:gz" if out.name.endswith((".tgz", ".tar.gz")) else "w"
-    try:
-        with tarfile.open(part, mode, dereference=True) as tar:   # a link's target, not the link
+    try:   # Ctrl-C included: no half-written pack is left behind
+        with files.atomic(out) as part, tarfile.open(part, mode, dereference=True) as tar:   # links: their targets
             blob = json.dumps(index, indent=1, sort_keys=True).encode()
             info = tarfile.TarInfo(PACK_INDEX)
             info.size, info.mtime = len(blob), int(time.time())
             tar.addfile(info, io.BytesIO(blob))
             for rel in index["files"]:
                 tar.add(dest / rel, arcname=f"dataset/{rel}", recursive=False)
-        return part.replace(out)
-    except BaseException as e:   # Ctrl-C included: no half-written pack is left behind
-        part.unlink(missing_ok=True)
+        return out
+    except BaseException as e:
         if isinstance(e, OSError):
             raise UserError(f"cannot write {out}: {e.strerror}") from None
         raise

@@ -46,7 +46,7 @@ class BuildPlan:
     content_hash: str
     labels: dict[str, str] = field(default_factory=dict)
     data: tuple = ()   # data sets baked on top, in a thin image of their own
-    layers: tuple = ()   # build/layers.py's Layers, in order (keys valid once base_id is known)
+    layers: tuple = ()   # image/layers.py's Layers, in order (keys valid once base_id is known)
 
     @property
     def aliases(self) -> list[str]:
@@ -214,7 +214,7 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
 
 
 def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, force: bool, log) -> None:
-    """The environment in layers (build/layers.py): each layer run from the one before with the wheelhouse
+    """The environment in layers (image/layers.py): each layer run from the one before with the wheelhouse
     mounted read-only and the network off, then committed; a layer whose inputs are unchanged is reused."""
     variant, split, wheels = p.variant, p.layers, str(wheel_dir.resolve())
     wheelhouse.verify(variant, wheel_dir, lock_text, entries)
@@ -316,7 +316,7 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     """`invoke clean --images`: untag what older builds left, returning (content tags, layer tags, leftover
     layer containers) removed. A content tag (<image>:<variant>-<hash>) goes when no alias of its variant
     points to its image and no other image is built on it (a data image baked on an older build); a layer tag
-    (build/layers.py) goes when no image with another tag is built on it. "Built on" is read from the layers
+    (image/layers.py) goes when no image with another tag is built on it. "Built on" is read from the layers
     (RootFS), which every image store keeps. An image a container uses is kept; so is a running build's
     container, while the containers of builds that were killed go."""
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import requests
 
+from fleetbox import files
 from fleetbox.errors import UserError
 from fleetbox.image.matrix import Variant
 
@@ -146,9 +147,7 @@ def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Pa
         entries = parse(body)
         if not entries or any(not e.hashes for e in entries):
             raise UserError(f"uv produced a lock without hashes for {variant.name}")
-        staged = path.with_name(path.name + ".tmp")
-        staged.write_text(header(variant) + body)
-        staged.replace(path)
+        files.write_atomic(path, header(variant) + body)
     return path
 
 

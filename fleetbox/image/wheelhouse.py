@@ -15,7 +15,7 @@ from urllib.parse import urldefrag, urljoin
 from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
-from fleetbox import settings
+from fleetbox import files, settings
 from fleetbox.data import fetch
 from fleetbox.errors import UserError
 from fleetbox.image import locks
@@ -204,10 +204,9 @@ def ensure(variant: Variant, dest: Path | None = None, log=print) -> Path:
         log(f"[{i}/{len(wheels)}] {w.filename}")
         fetch.download(w.url, dest / w.filename, w.sha256, sess=sess)
     (dest / LOCK_COPY).write_text(lock_text)
-    staged = dest / (MANIFEST + ".tmp")
-    staged.write_text(json.dumps({"variant": variant.name, "lock_sha256": locks.lock_hash(lock_text),
-                                  "files": {w.filename: w.sha256 for w in wheels}}, indent=1, sort_keys=True))
-    staged.replace(dest / MANIFEST)   # the manifest last: a wheelhouse without one is incomplete
+    files.write_json(dest / MANIFEST, {"variant": variant.name, "lock_sha256": locks.lock_hash(lock_text),
+                                       "files": {w.filename: w.sha256 for w in wheels}},
+                     sort_keys=True)   # the manifest last: a wheelhouse without one is incomplete
     verify(variant, dest, lock_text, entries)
     total = sum((dest / w.filename).stat().st_size for w in wheels)
     log(f"wheelhouse {dest}: {len(wheels)} wheels, {total / 2**20:.0f} MiB, all sha256 verified")

@@ -1,5 +1,5 @@
 """The job's checkpoint folder on the host side: where it is, whether it can be written, what it holds.
-The containers' side (saving, loading) is fleetbox/helpers/fleetbox_checkpoint.py; the layout is its."""
+The containers' side (saving, loading) is fleetbox/incontainer/fleetbox_checkpoint.py; the layout is its."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Host side of the metrics protocol (helpers/fleetbox_metrics.py): every rank's lines, from every node's
+"""Host side of the metrics protocol (incontainer/fleetbox_metrics.py): every rank's lines, from every node's
 worker logs of every attempt and allocation, into runs/<job>/metrics.jsonl."""
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+
+from fleetbox import files
 
 PREFIX = "FLEETBOX-METRIC "
 
@@ -51,6 +53,4 @@ def collect(job_dir: Path, recs: list[dict] | None = None) -> Path | None:
     recs = read(job_dir) if recs is None else recs
     if not recs:
         return None
-    part = job_dir / ".metrics.jsonl.part"
-    part.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return part.rename(job_dir / "metrics.jsonl")
+    return files.write_atomic(job_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in recs))

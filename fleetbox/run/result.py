@@ -9,6 +9,9 @@ import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fleetbox import files
+from fleetbox.run.records import SUMMARY
+
 
 @dataclass
 class NodeResult:
@@ -38,6 +41,8 @@ class JobResult:
     scheduler_state: str = ""    # Slurm's final JobState
     attempts: list[dict] = field(default_factory=list)   # with restarts: {attempt, ok, ended, logs} each
     ended: str = ""              # why a job that no node failed did not pass (e.g. a chain of allocations stopped)
+    attempts_are: str = "restarts"   # what the backend calls a job's later attempts (Backend.attempts_are)
+    name_host: bool = False          # the failure line names the failing node's host (a scheduler's node)
 
     @property
     def failed(self) -> NodeResult | None:
@@ -48,7 +53,8 @@ class JobResult:
         if self.ok:
             return ""
         n = len(self.attempts)
-        after = "" if n < 2 else f"over {n} allocations; " if self.backend == "slurm" else f"after {n - 1} restart(s); "
+        after = "" if n < 2 else f"over {n} allocations; " if self.attempts_are == "allocations" \
+            else f"after {n - 1} restart(s); "
         return f"{self.reason()} ({after}logs: {self.dir})"
 
     def reason(self) -> str:
@@ -60,7 +66,7 @@ class JobResult:
         elif self.timed_out:
             why = "timed out"
         elif (bad := self.failed) is not None:
-            where = f" on {bad.host}" if self.backend == "slurm" else ""
+            where = f" on {bad.host}" if self.name_host else ""
             why = f"{bad.node} (rank {bad.rank}){where} " + (
                 bad.why or f"exited with {exit_meaning(bad.exit_code, bad.oom_killed)}")
         else:
@@ -85,7 +91,7 @@ class JobResult:
         return "\n".join(out)
 
     def save(self) -> None:
-        Path(self.dir, "summary.json").write_text(json.dumps(asdict(self), indent=1))
+        files.write_json(Path(self.dir, SUMMARY), asdict(self))
 
 
 def exit_meaning(code: int | None, oom_killed: bool = False) -> str:

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from fleetbox import settings
+from fleetbox import files, settings
 from fleetbox.errors import UserError
 from fleetbox.image.matrix import Variant
 
@@ -63,7 +63,7 @@ def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest
     tool = export_argv(fmt, image, out)[0]
     if not shutil.which(tool):
         raise UserError(_tool_missing(fmt, image, variant))
-    part = out.with_name(out.name + ".part")
+    part = out.with_name(out.name + ".part")   # by hand: the converters may write a folder (Charliecloud)
     _remove(part)
     argv = export_argv(fmt, image, part)
     log(f"running {' '.join(argv)}")
@@ -88,19 +88,16 @@ def _remove(p: Path) -> None:
 
 def _docker_archive(c, image: str, out: Path, log) -> Path:
     """`docker save` with a sha256 file beside it, for air-gapped transfer (sha256sum -c checks it)."""
-    part = out.with_name(out.name + ".part")
     h = hashlib.sha256()
     log(f"saving {image} to {out}")
     try:
-        with open(part, "wb") as f:
+        with files.atomic(out) as part, open(part, "wb") as f:
             for chunk in c.images.get(image).save(named=True):
                 h.update(chunk)
                 f.write(chunk)
     except OSError as e:
-        part.unlink(missing_ok=True)
         raise UserError(f"cannot write {out}: {e.strerror}") from None
-    part.rename(out)
-    Path(f"{out}.sha256").write_text(f"{h.hexdigest()}  {out.name}\n")
+    files.write_atomic(Path(f"{out}.sha256"), f"{h.hexdigest()}  {out.name}\n")
     log(f"exported {out} ({out.stat().st_size / 1e6:.0f} MB), sha256 {h.hexdigest()[:16]}… in {out.name}.sha256")
     return out
 

@@ -28,11 +28,11 @@ import tarfile
 import tomllib
 from pathlib import Path
 
-from fleetbox import ROOT, settings
+from fleetbox import ROOT, engine, settings
 from fleetbox.data import datasets as ds
-from fleetbox.engine import client as engine_client
 from fleetbox.engine import image_or_none
 from fleetbox.errors import UserError
+from fleetbox.files import atomic, read_json, write_json
 from fleetbox.image import images, locks, wheelhouse
 from fleetbox.image.matrix import Variant
 from fleetbox.ship import kit_load
@@ -176,12 +176,12 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
     out = out.resolve()
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; name the kit file, e.g. {out}/fleetbox-{variant.name}.kit")
-    parts = _parts(variant, engine_client(), datasets or [], data_dir or settings.data_dir(),
+    parts = _parts(variant, engine.client(), datasets or [], data_dir or settings.data_dir(),
                    manifest or settings.datasets_manifest(), with_image, log)   # its checks first
     out.parent.mkdir(parents=True, exist_ok=True)
     parts_dir = out.with_name(out.name + ".parts")
     parts_dir.mkdir(exist_ok=True)
-    state = _read_json(parts_dir / PARTS_STATE)
+    state = read_json(parts_dir / PARTS_STATE)
     folders = {"loader": ".", "source": "source", "lock": "lock", "host-wheels": "host-wheels",
                "wheelhouse": "wheelhouse", "base": "base", "image": "image", "datasets": "datasets"}
     new_state, rows = {}, []
@@ -206,14 +206,14 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
                 st = f.stat()
                 files[str(f.relative_to(d))] = [st.st_size, st.st_mtime_ns, kit_load.sha256_file(f)]
             new_state[p.name], how = {"key": p.key, "files": files}, "made"
-            _write_json(parts_dir / PARTS_STATE, {**state, **new_state})   # a made part survives a later failure
+            write_json(parts_dir / PARTS_STATE, {**state, **new_state})   # a made part survives a later failure
         size = sum(v[0] for v in new_state[p.name]["files"].values())
         rows.append((p.name, len(new_state[p.name]["files"]), size, how))
         log(f"  {p.name:<12} {len(new_state[p.name]['files']):>4} file(s) {size / 2**20:>9.1f} MiB  {how}")
     for stale in set(state) - {p.name for p in parts}:   # a part this kit no longer has (say, --with-image)
         shutil.rmtree(parts_dir / stale, ignore_errors=True)
     if new_state != state:
-        _write_json(parts_dir / PARTS_STATE, new_state)
+        write_json(parts_dir / PARTS_STATE, new_state)
 
     # what goes into the archive: path in the kit -> (file here, sha256)
     entries = {}
@@ -235,7 +235,7 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
     manifest_sha = hashlib.sha256(manifest).hexdigest()
 
     sidecar = out.with_name(out.name + ".sha256")
-    side = _read_json(out.with_name(f".{out.name}.kit.json"))
+    side = read_json(out.with_name(f".{out.name}.kit.json"))
     if out.exists() and side.get("manifest") == manifest_sha and side.get("bytes") == out.stat().st_size \
             and side.get("mtime_ns") == out.stat().st_mtime_ns:
         kit_sha, how = side["sha256"], "unchanged; not rewritten"
@@ -244,7 +244,7 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
     else:
         kit_sha, how = _write_tar(out, entries, info_blob, manifest), "written"
         st = out.stat()
-        _write_json(out.with_name(f".{out.name}.kit.json"), {"manifest": manifest_sha, "sha256": kit_sha,
+        write_json(out.with_name(f".{out.name}.kit.json"), {"manifest": manifest_sha, "sha256": kit_sha,
                                                               "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
         sidecar.write_text(f"{kit_sha}  {out.name}\n")
     total = out.stat().st_size
@@ -259,7 +259,6 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
 def _write_tar(out: Path, entries: dict, info_blob: bytes, manifest: bytes) -> str:
     """The archive with fixed metadata (owner 0, time 0, mode 0644): the loader first, then the manifest (a
     damaged part is found as soon as it is read), kit.json, the parts; its sha256."""
-    part = out.with_name(f".{out.name}.part")
     h = hashlib.sha256()
 
     class Hashing(io.RawIOBase):
@@ -279,20 +278,16 @@ def _write_tar(out: Path, entries: dict, info_blob: bytes, manifest: bytes) -> s
         return ti
 
     order = sorted(n for n in entries if n != "kit-load.py")
-    try:
-        with open(part, "wb") as raw, tarfile.open(fileobj=Hashing(raw), mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            with open(entries["kit-load.py"][0], "rb") as f:
-                tar.addfile(info("kit-load.py", entries["kit-load.py"][0].stat().st_size), f)
-            tar.addfile(info(kit_load.MANIFEST, len(manifest)), io.BytesIO(manifest))
-            tar.addfile(info(kit_load.KIT_JSON, len(info_blob)), io.BytesIO(info_blob))
-            for name in order:
-                src = entries[name][0]
-                with open(src, "rb") as f:
-                    tar.addfile(info(name, src.stat().st_size), f)
-        part.rename(out)
-    except BaseException:   # Ctrl-C included: no half-written kit under its name
-        part.unlink(missing_ok=True)
-        raise
+    with atomic(out) as part, open(part, "wb") as raw, \
+            tarfile.open(fileobj=Hashing(raw), mode="w|", format=tarfile.PAX_FORMAT) as tar:   # Ctrl-C: no half kit
+        with open(entries["kit-load.py"][0], "rb") as f:
+            tar.addfile(info("kit-load.py", entries["kit-load.py"][0].stat().st_size), f)
+        tar.addfile(info(kit_load.MANIFEST, len(manifest)), io.BytesIO(manifest))
+        tar.addfile(info(kit_load.KIT_JSON, len(info_blob)), io.BytesIO(info_blob))
+        for name in order:
+            src = entries[name][0]
+            with open(src, "rb") as f:
+                tar.addfile(info(name, src.stat().st_size), f)
     return h.hexdigest()
 
 
@@ -303,16 +298,3 @@ def load(kit: Path, dest: Path | None, expect: str | None, log=print, no_expect:
         return kit_load.load(kit, dest, expect, log=log, no_expect=no_expect)
     except kit_load.Refused as e:
         raise UserError(f"kit refused: {e}") from None
-
-
-def _read_json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_json(p: Path, data: dict) -> None:
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(p)

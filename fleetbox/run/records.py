@@ -1,0 +1,186 @@
+"""What a job folder (runs/<job-id>/) holds about the job, one record type per file, read and written here only:
+
+    handle.json   Handle: enough to follow, ask, read and cancel the job from any shell
+    job.json      JobInfo: what ran (image, its id and content tag, the commands), for reports
+    plan.json     the plan a detached job's supervisor carries out (save_plan / load_plan)
+    summary.json  JobResult (run/result.py): how the job ended, every node's exit, the node to blame
+
+Every record is written whole or not at all (files.write_atomic). A record from an older fleetbox still reads:
+missing fields take their defaults, unknown ones are left aside; one that cannot be read is DamagedRecord,
+a UserError that says which file and what to do. States a job can be in are one vocabulary, JobState.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from fleetbox import files
+from fleetbox.errors import UserError
+from fleetbox.processes import process_start
+
+HANDLE, JOB, PLAN, SUMMARY = "handle.json", "job.json", "plan.json", "summary.json"
+SUPERVISOR_READY, SUPERVISOR_LOG = "supervisor.ready", "supervisor.log"   # a detached job's supervisor
+
+
+class JobState(StrEnum):
+    """A job's state as `invoke jobs` shows it (TorchX's AppState, Ray's JobStatus, in our words)."""
+    PENDING = "PENDING"       # queued (Slurm)
+    STARTING = "STARTING"     # its supervisor runs, its containers are not all up yet
+    RUNNING = "RUNNING"
+    SUSPENDED = "SUSPENDED"   # Slurm suspended it
+    ORPHANED = "ORPHANED"     # containers run, but nothing follows them (the supervisor died)
+    PASSED = "PASSED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    DIED = "DIED"             # its supervisor ended without a result
+    UNKNOWN = "?"             # the scheduler no longer knows it, or it cannot be asked
+    DAMAGED = "DAMAGED"       # its handle.json cannot be read
+
+    @property
+    def is_terminal(self) -> bool:
+        """Nothing more will happen to the job by itself."""
+        return self in (JobState.PASSED, JobState.FAILED, JobState.CANCELLED, JobState.DIED)
+
+
+class DamagedRecord(UserError):
+    """A record in a job folder that cannot be read (truncated, not JSON, not the record's shape)."""
+
+
+def _load(cls, path: Path, required: tuple[str, ...]):
+    """A record of type `cls` from `path`, tolerant of an older or newer fleetbox's fields."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        why = "not JSON (truncated?)" if isinstance(e, ValueError) else e.strerror
+        raise DamagedRecord(f"{path} is damaged: {why}") from None
+    if not isinstance(data, dict) or any(k not in data for k in required):
+        raise DamagedRecord(f"{path} is damaged: not a {cls.__name__} record (needs {', '.join(required)})")
+    known = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return from_record(cls, {k: v for k, v in data.items() if k in known})
+    except (TypeError, ValueError) as e:
+        raise DamagedRecord(f"{path} is damaged: {e}") from None
+
+
+@dataclass
+class Handle:
+    """A submitted job: enough to follow, ask, read and cancel it (also from another process)."""
+    backend: str
+    job_id: str
+    dir: str
+    nodes: int = 0
+    hosts: list[str] = field(default_factory=list)   # Docker: the engines ("" for this machine)
+    procs_per_node: int = 1
+    scheduler_job: str = ""                           # Slurm: its job id (the first of a chain of allocations)
+    supervisor: int = 0                               # pid of the process that follows the job (0: Slurm alone)
+    supervisor_start: int = 0                         # ... and its start time (clock ticks): a reused pid is not it
+    checkpoints: str = ""                             # the job's checkpoint folder (or --hosts volume)
+
+    def save(self) -> None:
+        files.write_json(Path(self.dir, HANDLE), asdict(self))
+
+    def followed(self) -> bool:
+        """The process that follows the job runs: the same pid and the same start time (a reused pid is another
+        process)."""
+        return self.supervisor > 0 and self.supervisor_start > 0 and \
+            process_start(self.supervisor) == self.supervisor_start
+
+    @classmethod
+    def load(cls, job_dir: Path) -> Handle:
+        """Raises FileNotFoundError when there is none, DamagedRecord when it cannot be read."""
+        return _load(cls, Path(job_dir, HANDLE), ("backend", "job_id", "dir"))
+
+
+@dataclass
+class JobInfo:
+    """What a job ran, as its backend knew it at submit (job.json); the report reads it."""
+    job_id: str
+    backend: str
+    variant: str
+    nodes: int
+    procs_per_node: int
+    image: str                       # the reference the nodes were given
+    runtime: str = ""                # Slurm: the container runtime
+    image_id: str = ""               # Docker: node 0's image ID ...
+    content_tag: str = ""            # ... and our content tag, when it is one of our images
+    paddle: str = ""                 # the image's Paddle version, where it says (our images' label, or the pin)
+    started: float = 0.0             # Docker: when this attempt's containers were started (time.time())
+    commands: list[str] = field(default_factory=list)   # Docker: each node's `docker run`
+
+    def save(self, job_dir: Path) -> None:
+        files.write_json(Path(job_dir, JOB), asdict(self))
+
+    @classmethod
+    def load(cls, job_dir: Path) -> JobInfo:
+        return _load(cls, Path(job_dir, JOB), ("job_id", "backend"))
+
+
+# -- plans as records (a detached job's supervisor gets its plan as JSON, not as a pickle) --
+
+def to_record(value):
+    """A dataclass (nested ones, tuples, Paths included) as plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_record(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_record(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_record(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def from_record(cls, data: dict):
+    """The dataclass `cls` from `to_record`'s output, each field converted back by its type."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: _convert(hints[k], v) for k, v in data.items() if k in fields})
+
+
+def _convert(hint, value):
+    if value is None:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_record(hint, value)
+    if origin is tuple:
+        item = args[0] if args else typing.Any
+        return tuple(_convert(item, v) for v in value)
+    if origin is list:
+        return [_convert(args[0], v) for v in value] if args else list(value)
+    if hint is Path:
+        return Path(value)
+    if hint in (str, int, float, bool):   # a field of the wrong kind is damage, found here, not deep in a run
+        kinds = (int, float) if hint is float else (hint,)
+        if not isinstance(value, kinds) or (hint is not bool and isinstance(value, bool)):
+            raise TypeError(f"{type(value).__name__} where {hint.__name__} belongs")
+    return value
+
+
+def plan_record(backend: str, plan) -> dict:
+    return {"backend": backend, "plan": to_record(plan)}
+
+
+def save_plan(job_dir: Path, backend: str, plan) -> None:
+    files.write_json(Path(job_dir, PLAN), plan_record(backend, plan))
+
+
+def load_plan(job_dir: Path, plan_type_of) -> tuple[str, object]:
+    """(backend name, plan) from plan.json; `plan_type_of(name)` gives the backend's plan class."""
+    path = Path(job_dir, PLAN)
+    try:
+        data = json.loads(path.read_text())
+        return data["backend"], from_record(plan_type_of(data["backend"]), data["plan"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DamagedRecord(f"{path} cannot be read ({type(e).__name__}: {e})") from None

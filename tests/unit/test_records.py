@@ -1,0 +1,126 @@
+"""The job folder's records: written whole or not at all, read back across versions, and a damaged one is one
+line in `cancel` and `logs` and a row of its own in `invoke jobs`."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fleetbox import files
+from fleetbox.image import matrix
+from fleetbox.run import plan as planner
+from fleetbox.run import records
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends.docker import DockerPlan
+from fleetbox.run.backends.slurm import SlurmPlan
+from fleetbox.run.records import DamagedRecord, Handle, JobState
+from tests.unit.test_cli import one_line_error
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_part(tmp_path):
+    target = tmp_path / "summary.json"
+    files.write_json(target, {"ok": True})
+    with pytest.raises(KeyboardInterrupt):
+        with files.atomic(target) as part:
+            part.write_text('{"ok": fal')   # half a record, then Ctrl-C
+            raise KeyboardInterrupt
+    assert json.loads(target.read_text()) == {"ok": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_a_handle_from_an_older_or_newer_fleetbox_still_reads(tmp_path):
+    older = {"backend": "docker", "job_id": "train-1", "dir": str(tmp_path), "nodes": 2, "hosts": ["", ""]}
+    (tmp_path / "handle.json").write_text(json.dumps(older))   # before supervisor_start and checkpoints
+    h = Handle.load(tmp_path)
+    assert (h.nodes, h.supervisor_start, h.checkpoints) == (2, 0, "")
+    (tmp_path / "handle.json").write_text(json.dumps({**older, "queue": "gpu"}))   # a field we do not know
+    assert Handle.load(tmp_path).job_id == "train-1"
+
+
+@pytest.mark.parametrize("text, why", [('{"backend": "docker", "job_id": "tr', "not JSON"),
+                                       ("", "not JSON"),
+                                       ('["docker"]', "not a Handle record"),
+                                       ('{"job_id": "x", "dir": "/"}', "not a Handle record"),
+                                       ('{"backend": "docker", "job_id": "x", "dir": "/", "nodes": []}', "damaged")])
+def test_a_damaged_handle_says_which_file(tmp_path, text, why):
+    (tmp_path / "handle.json").write_text(text)
+    with pytest.raises(DamagedRecord, match=why) as e:
+        Handle.load(tmp_path)
+    assert str(tmp_path / "handle.json") in str(e.value)
+
+
+def test_states_are_one_vocabulary_that_knows_its_ends():
+    assert {s for s in JobState if s.is_terminal} == {JobState.PASSED, JobState.FAILED, JobState.CANCELLED,
+                                                      JobState.DIED}
+    assert JobState.RUNNING == "RUNNING" and f"{JobState.UNKNOWN:<3}|" == "?  |"
+
+
+def _docker_plan(tmp_path) -> DockerPlan:
+    v = matrix.load().get("cu126")
+    s = spec_mod.JobSpec(variant=v, nodes=2, env={"A": "$(id) {rank}"}, args=("--seed", "{rank}"),
+                         mounts=(spec_mod.Mount("/data", "/data", False),), hosts=("ssh://u@h1", "ssh://u@h2"))
+    t = planner.template(s, "train-1", None, workspace=False, checkpoints="fleetbox-train-1-{node}-checkpoints")
+    values = tuple(planner.node_values(k, 2, "train-1", "10.0.0.1", 23456, f"10.0.0.{k + 1}", "eth0")
+                   for k in range(2))
+    return DockerPlan(s, "train-1", tmp_path, 23456, tuple(t.fill(x) for x in values), ("a note",),
+                      "fleetbox-train-1-{node}-checkpoints", t, values, attempt=1, image_id="sha256:abc",
+                      content_tag="c0ffee", paddle="3.3.1")
+
+
+def test_a_plan_goes_to_the_supervisor_as_json_and_comes_back_equal(tmp_path):
+    plan = _docker_plan(tmp_path)
+    records.save_plan(tmp_path, "docker", plan)
+    assert not list(tmp_path.glob("*.pickle"))
+    name, back = records.load_plan(tmp_path, {"docker": DockerPlan}.__getitem__)
+    assert name == "docker" and back == plan
+    assert isinstance(back.dir, Path) and isinstance(back.spec.mounts[0], spec_mod.Mount)
+    assert back.nodes[1].command == plan.nodes[1].command and back.template.env == plan.template.env
+    slurm = SlurmPlan(plan.spec, "train-1", tmp_path, 23456, "podman", "img", (("node.sh", "#!/bin/bash\n"),))
+    assert records.from_record(SlurmPlan, json.loads(json.dumps(records.to_record(slurm)))) == slurm
+
+
+def test_a_damaged_plan_is_one_line(tmp_path):
+    (tmp_path / "plan.json").write_text('{"backend": "docker", "plan": {"spec"')
+    with pytest.raises(DamagedRecord, match="plan.json cannot be read"):
+        records.load_plan(tmp_path, {"docker": DockerPlan}.__getitem__)
+
+
+def _truncated_job(runs: Path, job: str) -> None:
+    (runs / job).mkdir(parents=True)
+    whole = json.dumps({"backend": "docker", "job_id": job, "dir": str(runs / job), "nodes": 2})
+    (runs / job / "handle.json").write_text(whole[:len(whole) // 2])   # as a full disk or a crash leaves it
+
+
+def test_a_truncated_handle_is_one_line_in_cancel_and_logs_and_a_row_in_jobs(run_invoke, tmp_path):
+    runs = tmp_path / "runs"
+    _truncated_job(runs, "train-20261123-000000-dead")
+    good = runs / "train-20261123-000001-beef"
+    good.mkdir()
+    Handle("docker", good.name, str(good), 2, ["", ""], supervisor=0).save()
+    files.write_json(good / "summary.json", {"ok": True})
+    env = {"FLEETBOX_RUNS": str(runs), "DOCKER_HOST": "unix:///nonexistent.sock"}
+    for task in ("cancel", "logs"):
+        one_line_error(run_invoke(task, "train-20261123-000000-dead", env=env),
+                       "handle.json is damaged: not JSON (truncated?)",
+                       "invoke clean --job train-20261123-000000-dead")
+    proc = run_invoke("jobs", env=env)
+    assert proc.returncode == 0, proc.stderr
+    rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[1:]}
+    assert rows["train-20261123-000000-dead"][1:4] == ["?", "?", "DAMAGED"]
+    assert rows["train-20261123-000001-beef"][1:4] == ["docker", "2", "PASSED"]
+
+
+def test_a_record_that_is_written_is_whole(tmp_path, monkeypatch):
+    """handle.json goes through the atomic writer: a failure while writing keeps the previous one."""
+    h = Handle("docker", "train-1", str(tmp_path), 2)
+    h.save()
+
+    def full_disk(self, data, *a, **k):   # as a full disk does: the file is opened (emptied), half written
+        with open(self, "w") as f:
+            f.write(data[:10])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError):
+        Handle("docker", "train-1", str(tmp_path), 4).save()
+    monkeypatch.undo()
+    assert Handle.load(tmp_path).nodes == 2 and os.listdir(tmp_path) == ["handle.json"]
