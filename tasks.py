@@ -4,14 +4,14 @@ Each task parses its options and calls the package; user errors end as one line 
 """
 
 import functools
-import json
+import inspect
 import os
 import sys
 from pathlib import Path
 
 from invoke import Exit, task
 
-from fleetbox import engine, options
+from fleetbox import engine, files, options
 from fleetbox.commands import doctor as doctor_mod
 from fleetbox.commands import jobs
 from fleetbox.commands import scale as scale_mod
@@ -23,9 +23,8 @@ from fleetbox.errors import Failed, UserError
 from fleetbox.image import bases, locks, matrix
 from fleetbox.image import images as images_mod
 from fleetbox.image import wheelhouse as wheelhouse_mod
+from fleetbox.run import backends
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backends import runtimes
-from fleetbox.run.backends.docker import DockerBackend
 from fleetbox.ship import exports as hpc
 from fleetbox.ship import kit as kit_mod
 
@@ -129,8 +128,7 @@ def verify(c, variant=None, json_out=None, image=None, nodes=None, hosts=None):
     else:
         report = verify_mod.run(engine.client(), v, image, log=_log)
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(report, f, indent=1)
+        files.write_json(Path(json_out), report)
     if not report["ok"]:
         raise Failed(f"verify failed for {v.name} (report: {report['path']})")
 
@@ -177,12 +175,7 @@ TRAIN_HELP = {
     "shm_size": "shared memory per container (default 8g; NCCL needs more than Docker's 64m)",
     "timeout": "stop the job after this many seconds (default: none)",
     "dry_run": "print the exact docker run command of every node (slurm: the sbatch script); start nothing",
-    "backend": "docker (default: containers via Docker Engines) or slurm (an sbatch job)",
-    "runtime": "with --backend slurm: apptainer, pyxis, charliecloud, podman or docker (default docker)",
-    "partition": "with --backend slurm: the partition (-p)",
-    "time": "with --backend slurm: the time limit (e.g. 01:00:00)",
-    "account": "with --backend slurm: the account (-A)",
-    "runtime_args": "with --backend slurm: extra options for the runtime, e.g. \"--ulimit nproc=32768:32768\"",
+    "backend": backends.choices(),
     "job_id": "the job's id (default: train-<time>-<random>); with --port, a dry-run can be replayed exactly; "
               "the same id again resumes that job from its newest checkpoint",
     "checkpoint_dir": "the job's checkpoint folder, FLEETBOX_CHECKPOINT_DIR in the containers (default "
@@ -190,91 +183,93 @@ TRAIN_HELP = {
     "resume": "auto (default: from the newest complete checkpoint), never, or a checkpoint folder to start from",
     "max_restarts": "after a node fails, start the whole job again from its newest checkpoint, up to N times "
                     "(default 0; docker: at once, slurm: in a new allocation)",
-    "max_allocations": "with --backend slurm: a job that checkpointed and stopped at its --time limit goes on in "
-                       "a new allocation, up to N allocations in all (default 1)",
     "detach": "start the job and return its id at once; it goes on without this terminal (docker: a "
               "supervisor process; slurm: the queue): see `invoke jobs`, `invoke logs`, `invoke cancel`",
-    "signal_grace": "with --backend slurm: seconds before the --time limit at which the job is told to "
-                    "checkpoint and stop (default 120; Slurm may send it up to a minute early)",
 }
 
 
-def _slurm_options(backend, runtime, image, partition, time, account, runtime_args, signal_grace=None,
-                   max_allocations=None) -> dict:
-    if backend != "slurm":
-        if max_allocations is not None or signal_grace is not None:
-            raise UserError("--max-allocations and --signal-grace are for --backend slurm")
-        return {}
-    return {"runtime": runtime, "image": image or "", "partition": partition, "time": time, "account": account,
-            "runtime_args": runtime_args,
-            "signal_grace": options.integer("--signal-grace", 120 if signal_grace is None else signal_grace, 1, 65535),
-            "max_allocations": options.integer("--max-allocations", max_allocations or 1, 1)}
+def _backend_options(train: bool = True):
+    """Every registered backend's own options (Backend.options), added to a task's: a job's after --backend, the
+    long-run ones after --max-restarts (in that order invoke gives short flags). Their values reach the task in
+    `backend_options` (None where not given); their help is _backend_help's."""
+    def add(fn):
+        sig = inspect.signature(fn)
+        params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        for after, long_run in (("backend", False), ("max_restarts", True)):
+            names = [p.name for p in params]
+            if after not in names:
+                continue
+            at = names.index(after) + 1
+            params[at:at] = [inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+                             for _, o in backends.all_options(train) if o.train_only == long_run]
+        fn.__signature__ = sig.replace(parameters=params)
+        return fn
+    return add
 
 
-@task(help={**TRAIN_HELP, "preflight": "run `invoke doctor --quick` on the job's own nodes, containers and ports "
-                                       "first, and start nothing if a check fails"})
+def _backend_help(train: bool = True) -> dict:
+    return {o.name: o.help for _, o in backends.all_options(train)}
+
+
+@task(help={**TRAIN_HELP, **_backend_help(), "preflight": "run `invoke doctor --quick` on the job's own nodes, "
+                                                         "containers and ports first, and start nothing if a check "
+                                                         "fails"})
+@_backend_options()
 @_fleetbox
 def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=None, image=None, hosts=None,
           iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, mount=None,
-          data_dir=None, shm_size=None, timeout=None, dry_run=False, backend="docker", runtime="docker",
-          partition=None, time=None, account=None, runtime_args=None, job_id=None, checkpoint_dir=None, resume=None,
-          max_restarts=None, max_allocations=None, signal_grace=None, detach=False, preflight=False):
+          data_dir=None, shm_size=None, timeout=None, dry_run=False, backend=backends.DEFAULT, job_id=None,
+          checkpoint_dir=None, resume=None, max_restarts=None, detach=False, preflight=False, **backend_options):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, script=script,
                                  args=args, image=image, hosts=hosts, iface=iface, ib_hca=ib_hca, debug=debug,
                                  gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
                                  data_dir=data_dir, shm_size=shm_size, job_id=job_id, checkpoint_dir=checkpoint_dir,
                                  resume=resume, max_restarts=max_restarts)
-    slurm = _slurm_options(backend, runtime, image, partition, time, account, runtime_args, signal_grace,
-                           max_allocations)
-    train_mod.train(spec, backend, slurm, dry_run, options.seconds("--timeout", timeout), detach=detach, log=_log,
-               preflight=preflight)
+    train_mod.train(spec, backend, backends.configure(backend, backend_options), dry_run,
+                    options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight)
 
 
 @task(auto_shortflags=False, help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts",
                                                                  "iface", "ib_hca", "gpus_per_node", "devices", "env",
-                                                                 "mount", "data_dir", "shm_size", "backend", "runtime",
-                                                                 "partition", "time", "account", "runtime_args")},
+                                                                 "mount", "data_dir", "shm_size", "backend")},
+            **_backend_help(train=False),
             "port": "master port to check (the trainers' pinned ports follow it; default: as `invoke train` picks)",
             "quick": "everything but the all-reduce sweep and the TCP throughput (what train --preflight runs)",
             "wait": "seconds each node waits for the others (default 30)",
             "json_out": "also write the JSON report to this path"})
+@_backend_options(train=False)
 @_fleetbox
 def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=None, iface=None, ib_hca=None,
            gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None, shm_size=None,
-           backend="docker", runtime="docker", partition=None, time=None, account=None, runtime_args=None,
-           quick=False, wait=None, json_out=None):
+           backend=backends.DEFAULT, quick=False, wait=None, json_out=None, **backend_options):
     """Check that the nodes are ready for a job, in the job's own containers: image the same everywhere, shm,
     limits, interface and route, devices, clocks, disk, every port the job uses, then an all-reduce sweep."""
     spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, image=image,
                                  hosts=hosts, iface=iface, ib_hca=ib_hca, gpus_per_node=gpus_per_node,
                                  devices=devices, port=port, env=env, mount=mount, data_dir=data_dir,
                                  shm_size=shm_size)
-    slurm = _slurm_options(backend, runtime, image, partition, time, account, runtime_args)
-    report = doctor_mod.run(spec, backend, slurm, quick=quick,
+    report = doctor_mod.run(spec, backend, backends.configure(backend, backend_options), quick=quick,
                             wait=options.seconds("--wait", wait) or 30.0, log=_log)
     if json_out:
-        part = f"{json_out}.part"   # complete or absent
-        with open(part, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(part, json_out)
+        files.write_json(Path(json_out), report)
     if not report["ok"]:
         raise Failed(f"doctor: {sum(not r['ok'] for r in report['rows'])} check(s) failed (report: {report['path']})")
 
 
 @task(auto_shortflags=False, help={
     **{k: TRAIN_HELP[k] for k in ("variant", "script", "args", "hosts", "iface", "ib_hca", "gpus_per_node", "devices",
-                                  "port", "env", "mount", "data_dir", "shm_size", "timeout", "backend", "runtime",
-                                  "partition", "time", "account", "runtime_args")},
+                                  "port", "env", "mount", "data_dir", "shm_size", "timeout", "backend")},
+    **_backend_help(train=False),
     "nodes": "comma-separated node counts to run at, e.g. 1,2,4 (default 1,2); with --hosts, N nodes use the "
              "first N hosts",
     "procs_per_node": "comma-separated processes per node, e.g. 1,2 (default 1)",
     "image": "comma-separated images to compare, each run at every size (default fleetbox/paddle:<variant>)"})
+@_backend_options(train=False)
 @_fleetbox
 def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=None, args=None, hosts=None,
           iface=None, ib_hca=None, gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None,
-          shm_size=None, timeout=None, backend="docker", runtime="docker", partition=None, time=None, account=None,
-          runtime_args=None):
+          shm_size=None, timeout=None, backend=backends.DEFAULT, **backend_options):
     """A scaling study: the same job at each size and for each image, then a table and a plot of samples/s,
     speed-up, parallel efficiency, time per step and communication share (runs/<study>/scale.md, scale.png)."""
     study_cells = scale_mod.cells(nodes, procs_per_node, image)
@@ -283,8 +278,8 @@ def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=
                                  script=script, args=args, hosts=hosts, iface=iface, ib_hca=ib_hca,
                                  gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
                                  data_dir=data_dir, shm_size=shm_size)
-    slurm = _slurm_options(backend, runtime, None, partition, time, account, runtime_args)
-    scale_mod.run(spec, study_cells, backend, slurm, options.seconds("--timeout", timeout), log=_log)
+    scale_mod.run(spec, study_cells, backend, backends.configure(backend, backend_options),
+                  options.seconds("--timeout", timeout), log=_log)
 
 
 @task(name="jobs")
@@ -328,7 +323,7 @@ def clean(c, hosts=None, job=None, force=False, images=False):
     belong to live jobs and are kept unless --job or --force."""
     if job is not None and not spec_mod.JOB_ID.fullmatch(job):
         raise UserError(f"--job {job!r} is not a job id")
-    removed, kept = DockerBackend().clean(options.items(hosts), job or "", force, log=_log)
+    removed, kept = backends.clean(options.items(hosts), job or "", force, log=_log)
     _log(f"removed {removed} leftover container(s)" + (f"; kept {kept} running" if kept else ""))
     if images:
         old, unused, stopped = images_mod.prune(engine.client(), list(matrix.load().variants.values()), log=_log)
@@ -407,5 +402,5 @@ def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False
         content = None
     refs = hpc.registry_refs(v, registry or "", content)
     content_ref, alias_ref = (refs[0], refs[1]) if content else (None, refs[0])
-    for line in runtimes.pull_commands(runtime, content_ref, alias_ref, hpc.export_name(v), insecure):
+    for line in backends.pull_commands(runtime, content_ref, alias_ref, hpc.export_name(v), insecure):
         _log(line)

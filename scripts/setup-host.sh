@@ -18,6 +18,7 @@ command -v ch-run >/dev/null 2>&1 || missing+=(charliecloud)
 command -v podman >/dev/null 2>&1 || missing+=(podman)
 command -v skopeo >/dev/null 2>&1 || missing+=(skopeo)
 command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry)
+command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)   # the tests check the rendered Slurm scripts
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]} from the distribution"
   apt-get update -qq

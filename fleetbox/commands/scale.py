@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fleetbox import options, settings
+from fleetbox import files, options, settings
 from fleetbox.commands import train as train_cmd
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import signals_held, sigterm_as_interrupt
-from fleetbox.run import backends, hostnet, metrics
+from fleetbox.run import backends, hostnet, metrics, records
 from fleetbox.run import plan as planner
 from fleetbox.run import report as report_mod
 from fleetbox.run.spec import JobSpec, new_job_id, validate
@@ -164,10 +164,9 @@ def draw(path: Path, rows: list[dict]) -> list[str]:
         ax_rate.legend(fontsize=7)
         legend = [t.get_text() for t in ax_rate.get_legend().get_texts()]
     fig.tight_layout()
-    part = path.with_name(f".{path.name}.part")
-    fig.savefig(part, format="png", dpi=90)
+    with files.atomic(path) as part:
+        fig.savefig(part, format="png", dpi=90)
     plt.close(fig)
-    part.rename(path)
     return legend
 
 
@@ -179,8 +178,7 @@ def write(out: Path, study: str, spec: JobSpec, backend: str, rows: list[dict]) 
     for name, text in (("scale.json", json.dumps({"study": study, "backend": backend, "script": spec.script,
                                                  "args": list(spec.args), "rows": rows}, indent=1)),
                        ("scale.md", markdown(study, spec, backend, rows))):
-        (out / f".{name}.part").write_text(text)
-        (out / f".{name}.part").rename(out / name)
+        files.write_atomic(out / name, text)
     return {"rows": rows, "legend": legend, "md": str(out / "scale.md"), "png": str(out / "scale.png")}
 
 
@@ -193,8 +191,7 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
     if spec.hosts and len(spec.hosts) < max(c.nodes for c in study_cells):
         raise UserError(f"--hosts names {len(spec.hosts)} hosts; the largest run needs "
                         f"{max(c.nodes for c in study_cells)} (the first N are used for N nodes)")
-    if timeout and backend != "docker":   # the same refusals train makes, once for the whole study
-        raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
+    backends.check_timeout(backend, timeout)   # the same refusals train makes, once for the whole study
     backends.get(backend, **(backend_options or {}))
     if spec.port:
         hostnet.check_room(spec.port, planner.ports_needed(max(c.nodes for c in study_cells),
@@ -240,11 +237,8 @@ def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
     for i, ((jid, s), row) in enumerate(zip(plan, rows)):
         log(f"scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
             f"process(es) (job {jid})")
-        opts = dict(backend_options or {})
-        if "image" in opts:   # Slurm hands the runtime its image itself
-            opts["image"] = s.image
         try:
-            train_cmd.train(s, backend, opts, timeout=timeout, log=log)
+            train_cmd.train(s, backend, dict(backend_options or {}), timeout=timeout, log=log)
         except Failed as e:
             row["state"], row["failure"] = "FAILED", str(e)
         except UserError as e:   # this run could not start (say, an image a node lacks): the others go on
@@ -258,7 +252,7 @@ def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
         else:
             row["state"] = "PASSED"
         job = settings.runs_root() / jid
-        row["paddle"] = report_mod._json(job / "job.json").get("paddle", "")
+        row["paddle"] = files.read_json(job / records.JOB).get("paddle", "")
         if row["state"] == "PASSED":   # a failed run's figures are in its own report, not the study's
             try:
                 row.update(measure(job))

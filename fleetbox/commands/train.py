@@ -9,7 +9,7 @@ from pathlib import Path
 from fleetbox.commands import doctor
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import sigterm_as_interrupt
-from fleetbox.run import backends, report, supervisor
+from fleetbox.run import backends, report
 from fleetbox.run.output import quiet
 from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
@@ -17,8 +17,7 @@ from fleetbox.run.spec import JobSpec
 
 def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, dry_run: bool = False,
           timeout: float | None = None, detach: bool = False, log=print, preflight: bool = False) -> JobResult | None:
-    if timeout and backend != "docker":
-        raise UserError(f"--timeout is for the docker backend; give {backend} its own limit (Slurm: --time)")
+    backends.check_timeout(backend, timeout)
     if timeout and detach:
         raise UserError("--timeout needs an attached job; a detached one ends with `invoke cancel`")
     b = backends.get(backend, **(backend_options or {}))
@@ -35,7 +34,7 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
         log(b.describe(plan))
         return None
     if detach:
-        handle = supervisor.start(plan, log) if backend == "docker" else b.submit(plan, log)
+        handle = b.detach(plan, log)
         log(f"job {plan.job_id} detached" + (f" (supervisor pid {handle.supervisor})" if handle.supervisor else "")
             + f"; see it with `invoke jobs`, `invoke logs {plan.job_id} --follow`; stop it with "
               f"`invoke cancel {plan.job_id}`")

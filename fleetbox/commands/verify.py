@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fleetbox import incontainer, settings
-from fleetbox.engine import client as engine_client
+from fleetbox import engine, incontainer, settings
 from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
 from fleetbox.image.images import resolve
 from fleetbox.image.matrix import Variant
-from fleetbox.run.backends.docker import DockerBackend
+from fleetbox.run import backends
 from fleetbox.run.plan import device_kwargs, device_options
 from fleetbox.run.result import smoke_line
 from fleetbox.run.spec import JobSpec
@@ -88,7 +87,7 @@ def run_nodes(spec, log=print) -> dict:
     hosts = list(spec.hosts) or [""] * spec.nodes
     rows = []
     for k, host in enumerate(hosts):
-        c = engine_client(host or None)
+        c = engine.client(host or None)
         rep = run(c, spec.variant, spec.image or None, log=lambda m: None,
                   data_dir=Path(spec.data_dir) if spec.data_dir and not host else None)
         passed = sum(ch["ok"] for ch in rep["checks"])
@@ -100,7 +99,7 @@ def run_nodes(spec, log=print) -> dict:
                                + (f"; failed: {', '.join(failed)}" if failed else ""), "report": rep["path"]})
         log(f"node{k} ({host or 'local'}): {'PASS' if rep['ok'] else 'FAIL'}")
     log(f"running the smoke job across {spec.nodes} nodes")
-    backend = DockerBackend()
+    backend = backends.get(backends.DEFAULT)   # the nodes are Docker Engines: this machine or --hosts
     job = backend.run(backend.plan(spec), log=lambda m: None)
     smoke = job.smoke or {}
     detail = smoke_line(smoke) if smoke else job.failure()

@@ -9,16 +9,16 @@ so a dry-run shows exactly what runs. `run` is submit + follow, with cancel on e
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import never_failing, signals_held, sigterm_as_interrupt
 from fleetbox.run import metrics
+from fleetbox.run.records import Handle, JobState
 from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
 
@@ -34,30 +34,45 @@ class Plan:
     port: int
 
 
-@dataclass
-class Handle:
-    """A submitted job: enough to follow, ask, read and cancel it (also from another process, via job.json)."""
-    backend: str
-    job_id: str
-    dir: str
-    nodes: int = 0
-    hosts: list[str] = field(default_factory=list)   # Docker: the engines ("" for this machine)
-    procs_per_node: int = 1
-    scheduler_job: str = ""                           # Slurm: its job id (the first of a chain of allocations)
-    supervisor: int = 0                               # pid of the process that follows the job (0: Slurm alone)
-    supervisor_start: int = 0                         # ... and its start time (clock ticks): a reused pid is not it
-    checkpoints: str = ""                             # the job's checkpoint folder (or --hosts volume)
+@dataclass(frozen=True)
+class Option:
+    """A command-line option a backend owns (TorchX's run_opts), declared once with the backend: the front door
+    adds `--name-with-dashes` to `invoke train`, `doctor` and `scale`, and hands its value to the backend."""
+    name: str                  # the constructor's keyword; the flag is --<name with - for _>
+    help: str
+    default: object = None     # when not given
+    low: int | None = None     # an int option's range (its default says it is an int)
+    high: int | None = None
+    train_only: bool = False   # about long runs: `invoke train` only
 
-    def save(self) -> None:
-        Path(self.dir, "handle.json").write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, job_dir: Path) -> "Handle":
-        return cls(**json.loads(Path(job_dir, "handle.json").read_text()))
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
 
 
 class Backend(ABC):
+    """One way to run a job. A new backend is a subclass registered with run/backends (README: writing a backend);
+    nothing outside run/backends/ asks which backend it is: it asks the backend."""
     name = ""
+    about = ""                     # a few words for `--backend` in `invoke --help train`
+    plan_type: type[Plan] = Plan   # what `plan` returns (a detached job's plan is read back as one)
+    options: tuple[Option, ...] = ()
+    timeout_ok = False             # `--timeout` stops an attached run; otherwise the backend's own limit does ...
+    own_limit = ""                 # ... set this way (said when --timeout is refused)
+    attempts_are = "restarts"      # what a job's later attempts are called (Slurm: allocations)
+    reports_image = False          # a job with spec.image_identity says which image each node has (doctor)
+
+    @property
+    def runtime_name(self) -> str:
+        """What starts the containers (doctor's advice depends on it)."""
+        return self.name
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime
+    shm_settable = True                  # --shm-size reaches the container (else the node's /dev/shm counts)
 
     @abstractmethod
     def plan(self, spec: JobSpec) -> Plan: ...
@@ -79,6 +94,33 @@ class Backend(ABC):
 
     @abstractmethod
     def cancel(self, handle: Handle, log=print) -> None: ...
+
+    # -- from any shell, through the job's handle.json --
+
+    @abstractmethod
+    def job_state(self, handle: Handle) -> tuple[JobState, int, str]:
+        """(state, attempt, note): what a submitted job is doing now, as far as this machine can tell."""
+
+    @abstractmethod
+    def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
+        """`invoke logs`: a node's output; with `follow`, until the job ends (across restarts and allocations)."""
+
+    def stop(self, handle: Handle, log=print, wait: float = 60) -> None:
+        """`invoke cancel`: stop the job from any shell, every node, logs kept."""
+        self.cancel(handle, log)
+
+    def detach(self, plan: Plan, log=print) -> Handle:
+        """`--detach`: start the job and return; by default the backend's own scheduler carries it."""
+        return self.submit(plan, log)
+
+    def engine_facts(self, spec: JobSpec) -> list[dict] | None:
+        """For `invoke doctor`, before anything starts: each node's engine and image, where the backend can see
+        them from here ({host, version, error, image: (id, content tag) | None}); None where it cannot."""
+        return None
+
+    def clean(self, hosts: list[str], job: str = "", force: bool = False, log=print) -> tuple[int, int]:
+        """`invoke clean`: remove what earlier jobs of this backend left behind; (removed, kept running)."""
+        return 0, 0
 
     def run(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end; after a failure (a node's non-zero exit, a killed container, a lost

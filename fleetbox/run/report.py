@@ -6,22 +6,15 @@ and what is missing). Drawn on this machine with matplotlib; the images stay as 
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from fleetbox import files
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
-from fleetbox.run import metrics
+from fleetbox.run import backends, metrics, records
 from fleetbox.run.result import JobResult, NodeResult
-
-
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def job_start(job_dir: Path, job: dict) -> float | None:
@@ -73,7 +66,7 @@ def draw(job_dir: Path) -> dict:
         raise UserError(f"no job folder {job_dir}")
     recs = metrics.read(job_dir)
     metrics.collect(job_dir, recs)
-    job, summary = _json(job_dir / "job.json"), _json(job_dir / "summary.json")
+    job, summary = files.read_json(job_dir / records.JOB), files.read_json(job_dir / records.SUMMARY)
     missing = []
     if not recs:
         missing.append("no metrics lines (the script does not use fleetbox_metrics, or no step ran)")
@@ -105,7 +98,9 @@ def draw(job_dir: Path) -> dict:
         ax_rate.plot([t - t0 for t, _ in pts], [x for _, x in pts], lw=1, label=f"node{node}")
     ax_rate.set(xlabel="seconds since the job started" if start is not None else "seconds since the first step",
                 ylabel="samples/s", title="throughput by node")
-    word = "allocation" if job.get("backend") == "slurm" else "restart"
+    # a later attempt is a restart or (a scheduler's chain) an allocation: the summary says, else its backend
+    kind = summary.get("attempts_are") or getattr(backends.BACKENDS.get(job.get("backend")), "attempts_are", "")
+    word = (kind or "restarts").removesuffix("s")
     for a in range(1, last + 1):   # where each restart (or allocation) began
         firsts = [r for r in recs if r["attempt"] == a]
         if firsts:
@@ -122,9 +117,9 @@ def draw(job_dir: Path) -> dict:
     legend = [t.get_text() for t in ax_loss.get_legend().get_texts()] if ax_loss.get_legend() else []
     node_legend = [t.get_text() for t in ax_rate.get_legend().get_texts()] if ax_rate.get_legend() else []
     png = job_dir / "report.png"
-    fig.savefig(job_dir / ".report.png.part", format="png", dpi=90)
+    with files.atomic(png) as part:
+        fig.savefig(part, format="png", dpi=90)
     plt.close(fig)
-    (job_dir / ".report.png.part").rename(png)
 
     lines_last = [r for r in recs if r["attempt"] == last]
     rate, times = throughput(lines_last), timing(lines_last)
@@ -162,8 +157,7 @@ def draw(job_dir: Path) -> dict:
     if missing:
         md += ["", "## Missing", ""] + [f"- {m}" for m in missing]
     md += ["", "![report](report.png)", ""]
-    (job_dir / ".report.md.part").write_text("\n".join(md))
-    (job_dir / ".report.md.part").rename(job_dir / "report.md")
+    files.write_atomic(job_dir / "report.md", "\n".join(md))
     return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "missing": missing,
             "throughput": rate, **times}
 

@@ -93,8 +93,8 @@ def test_charliecloud_run_as_a_user_finds_the_seeded_cache_in_its_home(charliecl
         monkeypatch.setenv("FLEETBOX_RUNS", str(shared / "runs"))
         spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=1, job_id="train-user-0001",
                                 script=str(shared / "ws" / "read_mnist.py"), args=(json.dumps(seeded_mnist["md5"]),),
-                                data_dir=str(shared / "cache"))
-        plan = slurm_backend.SlurmBackend("charliecloud", image=charliecloud_image).plan(spec)
+                                data_dir=str(shared / "cache"), image=charliecloud_image)
+        plan = slurm_backend.SlurmBackend("charliecloud").plan(spec)
         (shared / "node.sh").write_text(dict(plan.files)["node.sh"])
         (shared / "runs" / "train-user-0001" / "node0").mkdir(parents=True)   # the batch script makes it
         (shared / "runs" / "train-user-0001" / "checkpoints").mkdir()          # submit makes it

@@ -24,9 +24,9 @@ from fleetbox import settings
 from fleetbox.errors import Failed, UserError
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import Handle
 from fleetbox.run.backends import docker as docker_backend
 from fleetbox.run.backends.docker import DockerBackend
+from fleetbox.run.records import Handle
 
 JOB = "train-fake-0001"
 IMAGE = "fleetbox/paddle:cpu"

@@ -9,9 +9,11 @@ import sys
 import pytest
 
 from fleetbox import settings
-from fleetbox.commands import doctor
+from fleetbox.commands import checks, doctor
 from fleetbox.image import matrix
+from fleetbox.run import backends
 from fleetbox.run import plan as planner
+from fleetbox.run import spec as spec_mod
 
 PORT = 41000
 
@@ -65,11 +67,11 @@ DCU     Temp     AvgPwr     Perf     PwrCap     VRAM%      DCU%      Mode
 
 def expect(**kw):
     base = dict(nodes=2, shm="8g", device="cpu", port=PORT)
-    return doctor.Expect(**{**base, **kw})
+    return checks.Expect(**{**base, **kw})
 
 
 def rows_of(facts, **kw):
-    return doctor.evaluate(facts, expect(**kw), "10.213.77.11")
+    return checks.evaluate(facts, expect(**kw), "10.213.77.11")
 
 
 def failing(rows):
@@ -129,6 +131,18 @@ def test_shm_fix_names_the_runtime_args_that_override_it():
     assert fix == "shm is 64 MiB: the job would use --shm-size 8g; your --runtime-args override it (--shm-size 64m)"
 
 
+def test_shm_advice_follows_what_the_backend_says_of_its_runtime():
+    """--shm-size reaches Docker's and Podman's containers; Apptainer's see the node's own /dev/shm."""
+    assert backends.get("docker").shm_settable and backends.get("slurm", runtime="podman").shm_settable
+    assert not backends.get("slurm", runtime="apptainer").shm_settable
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2)
+    for b, advice in ((backends.get("slurm", runtime="podman"), "raise the engine's limit"),
+                      (backends.get("slurm", runtime="apptainer"), "apptainer uses the node's own /dev/shm")):
+        e = doctor.expect(spec, PORT, b)
+        rows = checks.evaluate(broken(1, ("shm", "total"), 64 << 20), e, "10.213.77.11")
+        assert advice in next(r.fix for r in rows if not r.ok)
+
+
 def test_a_forced_interface_that_does_not_route_says_which_one_does():
     facts = copy.deepcopy(HEALTHY)   # --iface lo: on every node
     for f in facts.values():
@@ -185,8 +199,9 @@ def test_gpu_driver_against_the_matrix_minimum_on_recorded_nvidia_smi():
 def test_a_process_per_gpu_needs_as_many_gpus():
     from fleetbox.run import spec as spec_mod
     spec = spec_mod.JobSpec(variant=matrix.load().get("cu126"), nodes=2, procs_per_node=8)
-    assert doctor.expect(spec, PORT).gpus == 8
-    assert doctor.expect(spec_mod.JobSpec(variant=matrix.load().get("cu126"), devices="0,1"), PORT).gpus == 2
+    assert doctor.expect(spec, PORT, backends.get(backends.DEFAULT)).gpus == 8
+    assert doctor.expect(spec_mod.JobSpec(variant=matrix.load().get("cu126"), devices="0,1"), PORT,
+                         backends.get(backends.DEFAULT)).gpus == 2
 
 
 def test_gpu_without_a_driver_or_tool_in_the_container():
@@ -206,8 +221,8 @@ def dcu_facts(**kw):
 
 
 def test_dcu_devices_on_recorded_sysfs_and_smi_outputs():
-    assert doctor.dcus_from_smi(HY_SMI) == 4 and doctor.dcus_from_smi(ROCM_SMI) == 2
-    assert doctor.dcus_from_smi("GPU[0]\t\t: Card series: ...\nGPU[1]\t\t: Card series: ...\n") == 2
+    assert checks.dcus_from_smi(HY_SMI) == 4 and checks.dcus_from_smi(ROCM_SMI) == 2
+    assert checks.dcus_from_smi("GPU[0]\t\t: Card series: ...\nGPU[1]\t\t: Card series: ...\n") == 2
     assert failing(rows_of(dcu_facts(), device="rocm", gpus=4)) == []
     for fault, check in (({"kfd": False}, "/dev/kfd"), ({"dri": ["card0"]}, "/dev/dri"),
                          ({"hyhal": False}, "/opt/hyhal"), ({"groups": [0]}, "video group"),
@@ -233,22 +248,23 @@ def test_infiniband_on_recorded_sysfs():
 
 def test_image_identity_across_nodes():
     same = {0: ("sha256:aa", "c1"), 1: ("sha256:aa", "c1")}
-    assert [r.ok for r in doctor.same_image(same, 2, "x")] == [True, True]
-    assert [r.ok for r in doctor.same_image({0: ("sha256:aa", "c1"), 1: ("sha256:bb", "c1")}, 2, "x")] == [True, False]
-    assert [r.ok for r in doctor.same_image({0: ("sha256:aa", "c1"), 1: ("sha256:aa", "c2")}, 2, "x")] == [True, False]
+    assert [r.ok for r in checks.same_image(same, 2, "x")] == [True, True]
+    assert [r.ok for r in checks.same_image({0: ("sha256:aa", "c1"), 1: ("sha256:bb", "c1")}, 2, "x")] == [True, False]
+    assert [r.ok for r in checks.same_image({0: ("sha256:aa", "c1"), 1: ("sha256:aa", "c2")}, 2, "x")] == [True, False]
     out = {0: "fleetbox: node 0 on node1: ...\nfleetbox: image id sha256:aa c1\n",
            1: "fleetbox: image file-sha256 0123 \n"}
-    rows = doctor.slurm_identity(out, 2, "img")
+    rows = checks.reported_image_rows(out, 2, "img")
     assert [(r.node, r.check, r.ok) for r in rows] == [("node0", "image", True), ("node1", "image", True),
                                                        ("node0", "same image", True), ("node1", "same image", False)]
-    rows = doctor.slurm_identity({0: "fleetbox: image missing /x/img.sqfs is not on node2\n", 1: ""}, 2, "/x/img.sqfs")
+    rows = checks.reported_image_rows({0: "fleetbox: image missing /x/img.sqfs is not on node2\n", 1: ""}, 2,
+                                      "/x/img.sqfs")
     assert [(r.check, r.ok) for r in rows] == [("image", False), ("image", False)]
 
 
 def test_sizes():
-    assert doctor.size_bytes("8g") == 8 << 30 and doctor.size_bytes("512M") == 512 << 20
-    assert doctor.size_bytes("100") == 100
-    assert doctor.human(64 << 20) == "64 MiB" and doctor.human(-1) == "unlimited"
+    assert checks.size_bytes("8g") == 8 << 30 and checks.size_bytes("512M") == 512 << 20
+    assert checks.size_bytes("100") == 100
+    assert checks.human(64 << 20) == "64 MiB" and checks.human(-1) == "unlimited"
 
 
 def test_no_backend_pins_ports_past_65535(monkeypatch, tmp_path):
@@ -307,14 +323,14 @@ def free_block(n):
 def test_the_probe_on_loopback_meets_its_peer_and_knocks_on_every_port():
     port = free_block(planner.ports_needed(2, 1))
     p0, p1 = run_probe(0, port, blast=1 << 20), run_probe(1, port)
-    f0, f1 = (doctor.parse_probe(p.communicate(timeout=30)[0]) for p in (p0, p1))
+    f0, f1 = (checks.parse_probe(p.communicate(timeout=30)[0]) for p in (p0, p1))
     assert f0["ports"]["bound"] == [port, *block(port, 0)] and f1["ports"]["bound"] == block(port, 1)
     assert f1["master"]["ok"] and abs(f1["master"]["offset"]) < 0.5
     assert sorted(f1["reach"]["0"]["ports"], key=int) == [str(p) for p in block(port, 0)]
     assert all(r["ok"] for r in f1["reach"]["0"]["ports"].values())
     assert all(r["ok"] for r in f0["reach"]["1"]["ports"].values()) and f0["joined"] == [1]
     assert f0["tcp"]["1"]["bytes"] == 1 << 20 and f0["tcp"]["1"]["seconds"] > 0
-    assert failing(doctor.evaluate({0: f0, 1: f1}, doctor.Expect(2, "1m", "cpu", port=port), "127.0.0.1")) == []
+    assert failing(checks.evaluate({0: f0, 1: f1}, checks.Expect(2, "1m", "cpu", port=port), "127.0.0.1")) == []
 
 
 def test_the_probe_names_a_port_taken_and_a_master_that_never_answers():
@@ -323,12 +339,12 @@ def test_the_probe_names_a_port_taken_and_a_master_that_never_answers():
         taken.bind(("", block(port, 1)[0]))   # node 1's first pinned port
         taken.listen()
         p1 = run_probe(1, port)      # no node 0: nothing listens on the master port
-        f1 = doctor.parse_probe(p1.communicate(timeout=30)[0])
+        f1 = checks.parse_probe(p1.communicate(timeout=30)[0])
     assert list(f1["ports"]["busy"]) == [str(block(port, 1)[0])] and f1["ports"]["bound"] == block(port, 1)[1:]
     assert f1["master"] == {"ok": False, "error": "refused"}
     assert {p: r["error"] for p, r in f1["reach"]["0"]["ports"].items()} == \
         {str(p): "refused" for p in block(port, 0)}
-    rows = doctor.evaluate({1: f1}, doctor.Expect(2, "1m", "cpu", port=port), "127.0.0.1")
+    rows = checks.evaluate({1: f1}, checks.Expect(2, "1m", "cpu", port=port), "127.0.0.1")
     assert {r.check for r in rows if not r.ok} >= {"ports free", "master port", "ports of node0"}
 
 
@@ -336,12 +352,12 @@ def test_sweep_table_is_nccl_tests_shaped():
     sweep = {"backend": "gloo", "world": 2, "nodes": 2, "rows": [
         {"size": 1024, "count": 256, "time_us": 100.0, "algbw": 0.01024, "busbw": 0.01024, "wrong": 0},
         {"size": 67108864, "count": 16777216, "time_us": 600000.0, "algbw": 0.1118, "busbw": 0.1118, "wrong": 0}]}
-    text = doctor.sweep_table(sweep, 0.125)
+    text = checks.sweep_table(sweep, 0.125)
     assert "    67108864     16777216   float    sum   600000.0    0.112    0.112      0" in text
     assert "busbw 0.112 GB/s = 0.89 x raw TCP" in text
-    assert doctor.sweep_row({"ok": True, "sweep": sweep}).ok
+    assert checks.sweep_row({"ok": True, "sweep": sweep}).ok
     sweep["rows"][0]["wrong"] = 3
-    assert not doctor.sweep_row({"ok": True, "sweep": sweep}).ok
+    assert not checks.sweep_row({"ok": True, "sweep": sweep}).ok
 
 
 def test_a_read_only_mount_needs_no_free_space():
@@ -351,8 +367,8 @@ def test_a_read_only_mount_needs_no_free_space():
 
 def test_a_broken_tcp_stream_is_a_failed_row():
     facts = broken(0, ("tcp", "1"), {"error": "the sender closed the connection"})
-    assert [(r.node, r.check, r.ok) for r in doctor.throughput_rows(facts)] == [("node1", "TCP to node0", False)]
-    assert [(r.ok, r.value) for r in doctor.throughput_rows(HEALTHY)] == [(True, "0.134 GB/s (64 MiB in 0.500 s)")]
+    assert [(r.node, r.check, r.ok) for r in checks.throughput_rows(facts)] == [("node1", "TCP to node0", False)]
+    assert [(r.ok, r.value) for r in checks.throughput_rows(HEALTHY)] == [(True, "0.134 GB/s (64 MiB in 0.500 s)")]
 
 
 def test_link_speed_is_read_where_ethtool_puts_it():
@@ -373,13 +389,13 @@ def test_link_speed_is_read_where_ethtool_puts_it():
 def test_three_nodes_two_processes_each_every_port_reached_and_left_bindable_for_paddle():
     port = free_block(planner.ports_needed(3, 2))
     procs = [run_probe(k, port, nnodes=3, width=planner.block_width(2)) for k in range(3)]
-    facts = {k: doctor.parse_probe(p.communicate(timeout=60)[0]) for k, p in enumerate(procs)}
+    facts = {k: checks.parse_probe(p.communicate(timeout=60)[0]) for k, p in enumerate(procs)}
     assert facts[0]["joined"] == [1, 2] and facts[0]["missing"] == []
     for k in range(3):
         assert facts[k]["ports"]["bound"] == ([port] if k == 0 else []) + block(port, k, 2)
         assert sorted(facts[k]["reach"]) == sorted(str(j) for j in range(3) if j != k)
         assert all(r["ok"] for seen in facts[k]["reach"].values() for r in seen["ports"].values())
-    assert failing(doctor.evaluate(facts, doctor.Expect(3, "1m", "cpu", procs=2, port=port), "127.0.0.1")) == []
+    assert failing(checks.evaluate(facts, checks.Expect(3, "1m", "cpu", procs=2, port=port), "127.0.0.1")) == []
     # the launcher binds its pinned ports without SO_REUSEADDR right after: none may be held in TIME_WAIT
     for p in range(port + 1, port + planner.ports_needed(3, 2)):
         with socket.socket() as s:
@@ -392,6 +408,28 @@ def test_a_node_that_reaches_the_master_after_it_stopped_waiting_is_told_so():
     import time
     time.sleep(4.5)
     late = run_probe(2, port, nnodes=3, wait=3)
-    f0, f1, f2 = (doctor.parse_probe(p.communicate(timeout=60)[0]) for p in (*early, late))
+    f0, f1, f2 = (checks.parse_probe(p.communicate(timeout=60)[0]) for p in (*early, late))
     assert f0["joined"] == [1] and f0["missing"] == [2]
     assert f2["master"]["ok"] is False and "after node0 had stopped waiting" in f2["master"]["error"]
+
+
+def test_engine_rows_from_the_backends_facts():
+    """Docker's engine facts (Backend.engine_facts): an engine that cannot be reached, an image missing on a
+    --hosts engine, and nodes that hold different images are each one ✗ with its fix."""
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=3, hosts=("ssh://a", "ssh://b", "ssh://c"))
+    same = ("sha256:" + "a" * 64, "c1")
+    facts = [{"host": "ssh://a", "version": "28.2", "error": "", "image": same},
+             {"host": "ssh://b", "version": None, "error": "cannot reach the Docker Engine at ssh://b (refused)",
+              "image": None},
+             {"host": "ssh://c", "version": "28.2", "error": "", "image": None}]
+    rows = checks.engine_rows(facts, spec)
+    assert [(r.node, r.check, r.ok) for r in rows] == [("node0", "engine", True), ("node0", "image", True),
+                                                       ("node1", "engine", False), ("node2", "engine", True),
+                                                       ("node2", "image", False)]
+    assert rows[2].fix == "cannot reach the Docker Engine at ssh://b: start the Docker Engine on ssh://b or fix the " \
+                          "--hosts URL"
+    assert rows[4].fix.startswith("fleetbox/paddle:cpu is not on ssh://c: docker save fleetbox/paddle:cpu | docker -H")
+    facts = [{**facts[0], "host": h} for h in ("ssh://a", "ssh://b")] + [
+        {**facts[0], "host": "ssh://c", "image": ("sha256:" + "b" * 64, "c1")}]
+    assert [(r.node, r.ok) for r in checks.engine_rows(facts, spec) if r.check == "same image"] == [
+        ("node0", True), ("node1", True), ("node2", False)]

@@ -95,8 +95,8 @@ def test_a_hostile_value_never_runs_and_arrives_unchanged(runtime, raw, stubs, t
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
     marker = tmp_path / "pwned"
     payload = raw.format(m=marker)
-    spec = hostile_spec(tmp_path, payload, iface="eth0")
-    backend = slurm.SlurmBackend(runtime, image="img:" + "tag", runtime_args="--opt 'x y'")
+    spec = hostile_spec(tmp_path, payload, iface="eth0", image="img:" + "tag")
+    backend = slurm.SlurmBackend(runtime, runtime_args="--opt 'x y'")
     try:
         plan = backend.plan(spec)
     except UserError as e:   # refused for this runtime: one line that names the field

@@ -109,7 +109,7 @@ def fake_runs(monkeypatch, tmp_path, outcomes):
     calls = []
 
     def train(spec, backend, opts, timeout=None, log=print):
-        calls.append((spec.nodes, spec.procs_per_node, spec.image, spec.hosts, opts.get("image"), timeout))
+        calls.append((spec.nodes, spec.procs_per_node, spec.image, spec.hosts, timeout))
         what = outcomes[len(calls) - 1]
         if what == "fail":
             raise Failed("train failed: node1 (rank 1) exited with exit code 3")
@@ -131,11 +131,11 @@ def test_a_study_runs_each_cell_as_its_own_job_and_goes_on_past_a_failed_one(tmp
     calls = fake_runs(monkeypatch, tmp_path, ["pass", "fail", "no image", "pass"])
     base = spec_mod.JobSpec(matrix.load().get("cpu"), nodes=2, hosts=("tcp://a:1", "tcp://b:1"))
     with pytest.raises(Failed, match=r"scale: 2 of 4 run\(s\) did not pass"):
-        scale.run(base, scale.cells("1,2", None, "x:1,y:2"), "slurm", {"image": "", "runtime": "podman"},
+        scale.run(base, scale.cells("1,2", None, "x:1,y:2"), "slurm", {"runtime": "podman"},
                   study="scale-t", log=lambda m: None)
-    # the first N hosts for N nodes; Slurm's runtime is handed each run's own image
-    assert calls == [(1, 1, "x:1", ("tcp://a:1",), "x:1", None), (2, 1, "x:1", ("tcp://a:1", "tcp://b:1"), "x:1", None),
-                     (1, 1, "y:2", ("tcp://a:1",), "y:2", None), (2, 1, "y:2", ("tcp://a:1", "tcp://b:1"), "y:2", None)]
+    # the first N hosts for N nodes; each run's spec names its own image (Slurm's runtime takes it from there)
+    assert calls == [(1, 1, "x:1", ("tcp://a:1",), None), (2, 1, "x:1", ("tcp://a:1", "tcp://b:1"), None),
+                     (1, 1, "y:2", ("tcp://a:1",), None), (2, 1, "y:2", ("tcp://a:1", "tcp://b:1"), None)]
     rows = json.loads((tmp_path / "scale-t" / "scale.json").read_text())["rows"]
     assert [(r["job"], r["state"]) for r in rows] == [("scale-t-i0-n1p1", "PASSED"), ("scale-t-i0-n2p1", "FAILED"),
                                                       ("scale-t-i1-n1p1", "NOT STARTED"), ("scale-t-i1-n2p1", "PASSED")]

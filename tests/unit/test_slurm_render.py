@@ -1,4 +1,5 @@
 """The sbatch renderer for every runtime and variant family, the export commands and the pull commands."""
+import shutil
 import subprocess
 
 import pytest
@@ -13,8 +14,8 @@ from fleetbox.ship import exports as hpc
 def job(variant="cpu", runtime="podman", runtime_args="", **kw):
     spec = spec_mod.JobSpec(variant=matrix.load().get(variant), nodes=kw.pop("nodes", 2), job_id="train-t-0001",
                             port=29555, **kw)
-    backend = slurm.SlurmBackend(runtime, image=kw.get("image", ""), partition="gpu", time="01:00:00",
-                                 account="proj42", runtime_args=runtime_args)
+    backend = slurm.SlurmBackend(runtime, partition="gpu", time="01:00:00", account="proj42",
+                                 runtime_args=runtime_args)
     return dict(backend.plan(spec).files)
 
 
@@ -29,6 +30,28 @@ def node_script(files):
 def bash_ok(text):
     proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# shellcheck findings we keep, each on purpose: SC2317 (stop_soon and cleanup run from a trap, shellcheck sees no
+# call), SC2209 (`ended=continue` assigns the word), SC2016 (pyxis: the probe's Python source, single-quoted),
+# SC2026 (shlex.quote writes a quote inside a value as '"'"', which is right).
+SHELLCHECK_KEPT = "SC2317,SC2209,SC2016,SC2026"
+
+
+@pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
+@pytest.mark.parametrize("variant", ["cpu", "cu126"])
+def test_shellcheck_passes_the_scripts_as_rendered(runtime, variant, tmp_path):
+    """Every rendered script (with the parts that only some jobs have: an interface, the image's identity, user
+    values with quotes and $), exactly as submitted, through shellcheck (Debian's package)."""
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck is not installed (scripts/setup-host.sh installs it)")
+    files = job(variant, runtime, iface="eth0", image_identity=True, max_restarts=1, env={"A": "a b {rank}"},
+                args=("--tag", "it's $(id) {node}"), mounts=(spec_mod.Mount("{home}/data", "/data"),))
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    proc = subprocess.run(["shellcheck", "--shell=bash", "--severity=info", "--exclude", SHELLCHECK_KEPT,
+                           "--format=gcc", *(str(tmp_path / n) for n in files)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
@@ -114,7 +137,7 @@ def _recorded_job(tmp_path, batch_out: str, last_words: dict[int, int]):
     """A finished Slurm job's folder as node.sh leaves it: srun's messages, node logs, worker logs."""
     import os
 
-    from fleetbox.run.backend import Handle
+    from fleetbox.run.records import Handle
     (tmp_path / "slurm-77.out").write_text(batch_out)
     for rank, t in last_words.items():
         (tmp_path / f"node{rank}.log").write_text(

@@ -1,16 +1,113 @@
-"""The backends, by name: the only place that knows which backends exist (`train --backend NAME`)."""
+"""The backends, by name: the only place that knows which backends exist (`train --backend NAME`).
+
+fleetbox's own backends are registered here; another package registers its own through the entry point group
+`fleetbox.backends` (`name = "module:Class"`, as TorchX's `torchx.schedulers`), or in-process with register().
+A backend's options are declared on its class (Backend.options) and reach `invoke train`, `doctor` and `scale`
+from here.
+"""
 
 from __future__ import annotations
 
+from importlib import metadata
+
+from fleetbox import options as parse
 from fleetbox.errors import UserError
-from fleetbox.run.backend import Backend
+from fleetbox.run.backend import Backend, Option
 from fleetbox.run.backends.docker import DockerBackend
+from fleetbox.run.backends.runtimes import pull_commands  # noqa: F401 (`invoke pull-cmd`: the runtimes' commands)
 from fleetbox.run.backends.slurm import SlurmBackend
 
-BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (DockerBackend, SlurmBackend)}
+ENTRY_POINTS = "fleetbox.backends"
+DEFAULT = DockerBackend.name   # containers through Docker Engines: this machine or --hosts
+BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register(cls: type[Backend]) -> type[Backend]:
+    """Add a backend; its options may not take a flag another backend (or the job itself) already has."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend) and cls.name):
+        raise UserError(f"{cls!r} is not a named fleetbox Backend")
+    taken = {o.name: b.name for b in BACKENDS.values() if b is not cls for o in b.options}
+    for o in cls.options:
+        if o.name in taken or o.name in JOB_OPTIONS:
+            raise UserError(f"backend {cls.name}: option {o.flag} is {taken.get(o.name, 'the job')}'s already")
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+# the options every job has (tasks.py): a backend's own options take other names
+JOB_OPTIONS = {"nodes", "procs_per_node", "variant", "script", "args", "image", "hosts", "iface", "ib_hca", "debug",
+               "gpus_per_node", "devices", "port", "env", "mount", "data_dir", "shm_size", "timeout", "dry_run",
+               "backend", "job_id", "checkpoint_dir", "resume", "max_restarts", "detach", "preflight", "quick",
+               "wait", "json_out"}
+
+
+def _load_entry_points() -> None:
+    for ep in metadata.entry_points(group=ENTRY_POINTS):
+        try:
+            cls = ep.load()
+        except Exception as e:   # a broken plugin is named, not a traceback in every task
+            raise UserError(f"backend {ep.name} ({ep.value}) cannot be loaded: {type(e).__name__}: {e}") from None
+        if getattr(cls, "name", None) != ep.name:
+            raise UserError(f"entry point {ep.name} = {ep.value}: the class is named {getattr(cls, 'name', None)!r}")
+        register(cls)
+
+
+def choices() -> str:
+    """The --backend help: every registered backend, the default first."""
+    names = [DEFAULT] + [n for n in BACKENDS if n != DEFAULT]
+    return " or ".join(f"{n} ({'default: ' if n == DEFAULT else ''}{BACKENDS[n].about})" for n in names)
+
+
+def lookup(name: str) -> type[Backend]:
+    if name not in BACKENDS:
+        raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    return BACKENDS[name]
 
 
 def get(name: str, **options) -> Backend:
-    if name not in BACKENDS:
-        raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
-    return BACKENDS[name](**options)
+    return lookup(name)(**options)
+
+
+def all_options(train: bool = True) -> list[tuple[str, Option]]:
+    """(backend name, option) of every registered backend, for the front door."""
+    return [(b.name, o) for b in BACKENDS.values() for o in b.options if train or not o.train_only]
+
+
+def configure(name: str, given: dict) -> dict:
+    """The chosen backend's constructor options from the command line (`given`: every backend option, None where
+    not given): ints parsed and checked; an option of another backend is refused in one line."""
+    cls = lookup(name)
+    foreign = [(owner, o) for owner, o in all_options() if owner != name and given.get(o.name) is not None]
+    if foreign:
+        flags = " and ".join(o.flag for _, o in foreign)
+        owners = sorted({owner for owner, _ in foreign})
+        raise UserError(f"{flags} {'is' if len(foreign) == 1 else 'are'} for --backend {' or '.join(owners)}")
+    out = {}
+    for o in cls.options:
+        value = given.get(o.name)
+        if value is None:
+            continue
+        out[o.name] = parse.integer(o.flag, value, o.low, o.high) if isinstance(o.default, int) else value
+    return out
+
+
+def check_timeout(name: str, timeout: float | None) -> None:
+    """`--timeout` is an attached run's own limit; a backend with a queue has its own."""
+    cls = lookup(name)
+    if timeout and not cls.timeout_ok:
+        able = " or ".join(b.name for b in BACKENDS.values() if b.timeout_ok)
+        raise UserError(f"--timeout is for the {able} backend; give {name} its own limit ({cls.own_limit})")
+
+
+def clean(hosts: list[str], job: str = "", force: bool = False, log=print) -> tuple[int, int]:
+    """`invoke clean`: every backend removes what its earlier jobs left behind."""
+    removed = kept = 0
+    for cls in BACKENDS.values():
+        r, k = cls().clean(hosts, job, force, log)
+        removed, kept = removed + r, kept + k
+    return removed, kept
+
+
+register(DockerBackend)
+register(SlurmBackend)
+_load_entry_points()

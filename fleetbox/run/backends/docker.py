@@ -15,6 +15,9 @@ import json
 import os
 import re
 import secrets
+import signal
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -22,14 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fleetbox import engine, incontainer, settings
+from fleetbox import ROOT, engine, files, incontainer, settings
 from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import process_start
-from fleetbox.run import checkpoints, hostnet, placeholders
+from fleetbox.run import checkpoints, hostnet, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Backend, Handle, Plan
+from fleetbox.run.backend import CANCELLED, Backend, Plan
+from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
@@ -52,6 +56,9 @@ class DockerPlan(Plan):
 
 class DockerBackend(Backend):
     name = "docker"
+    about = "containers via Docker Engines"
+    plan_type = DockerPlan
+    timeout_ok = True
 
     def __init__(self, connect=engine.client):
         self.connect = connect            # host URL ("" = this machine) -> engine client; tests pass a fake
@@ -175,11 +182,9 @@ class DockerBackend(Backend):
             (plan.dir / CANCELLED).unlink(missing_ok=True)
             if not spec.hosts:
                 checkpoints.prepare(Path(plan.checkpoints), spec.resume, log)
-        (plan.dir / "job.json").write_text(json.dumps({
-            "job_id": plan.job_id, "variant": spec.variant.name, "nodes": spec.nodes,
-            "procs_per_node": spec.procs_per_node, "image": spec.image_ref, "backend": self.name,
-            "image_id": plan.image_id, "content_tag": plan.content_tag, "paddle": plan.paddle, "started": time.time(),
-            "commands": [n.shell() for n in plan.nodes]}, indent=1))
+        JobInfo(plan.job_id, self.name, spec.variant.name, spec.nodes, spec.procs_per_node, spec.image_ref,
+                image_id=plan.image_id, content_tag=plan.content_tag, paddle=plan.paddle, started=time.time(),
+                commands=[n.shell() for n in plan.nodes]).save(plan.dir)
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
                         procs_per_node=spec.procs_per_node, supervisor=os.getpid(),
                         supervisor_start=process_start(os.getpid()), checkpoints=plan.checkpoints)
@@ -233,6 +238,119 @@ class DockerBackend(Backend):
             d = Path(handle.dir) / f"node{rank}"
             _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), (d / "container.log").write_bytes(c.logs())))
             _quietly(lambda: c.remove(force=True))
+
+    def detach(self, plan: DockerPlan, log=print) -> Handle:
+        """A supervisor process carries the job (python -m fleetbox.run.supervisor): this returns once it has
+        started the job, or says in one line why it could not."""
+        plan.dir.mkdir(parents=True, exist_ok=True)
+        for name in (records.SUPERVISOR_READY, records.SUMMARY):
+            (plan.dir / name).unlink(missing_ok=True)
+        records.save_plan(plan.dir, self.name, plan)
+        out_log = plan.dir / records.SUPERVISOR_LOG
+        with open(out_log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "fleetbox.run.supervisor", str(plan.dir)], cwd=ROOT,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        try:
+            while not (plan.dir / records.SUPERVISOR_READY).exists():
+                if proc.poll() is not None:
+                    said = [ln for ln in out_log.read_text(errors="replace").splitlines() if "fleetbox: " in ln]
+                    why = said[-1].split("fleetbox: ", 1)[1] if said else f"it exited with {proc.returncode}"
+                    raise Failed(f"the detached job did not start: {why} (log: {out_log})")
+                time.sleep(0.1)
+        except KeyboardInterrupt:   # the supervisor cleans up on SIGTERM, as an attached job does on Ctrl-C
+            proc.terminate()
+            proc.wait(timeout=60)
+            raise
+        return Handle.load(plan.dir)
+
+    def engine_facts(self, spec: spec_mod.JobSpec) -> list[dict]:
+        """Each node's engine (reachable, its version) and the image there (ID and content tag)."""
+        hosts = list(spec.hosts) or [""] * spec.nodes
+        facts = []
+        for host in hosts:
+            try:
+                c = self.engine(host)
+            except UserError as e:
+                facts.append({"host": host, "version": None, "error": str(e), "image": None})
+                continue
+            img = engine.image_or_none(c, spec.image_ref)
+            facts.append({"host": host, "version": c.version().get("Version", "?"), "error": "",
+                          "image": (img.id, (img.labels or {}).get(settings.LABEL_INPUTS, "")) if img else None})
+        return facts
+
+    # -- from any shell --
+
+    def job_state(self, handle: Handle) -> tuple[JobState, int, str]:
+        d = Path(handle.dir)
+        attempt = len([p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"attempt\d+", p.name)])
+        following = handle.followed()
+        if not following and (d / CANCELLED).exists():
+            return JobState.CANCELLED, attempt, ""
+        summary = files.read_json(d / records.SUMMARY)
+        if summary and not following:
+            return (JobState.PASSED if summary.get("ok") else JobState.FAILED), attempt, ""
+        try:
+            state = self.status(handle)
+        except UserError as e:
+            return JobState.UNKNOWN, attempt, str(e)
+        if following:
+            return (JobState.RUNNING if state == "RUNNING" else JobState.STARTING), attempt, ""
+        if state == "RUNNING":
+            return JobState.ORPHANED, attempt, (f"its supervisor (pid {handle.supervisor}) is gone: nothing propagates "
+                                                f"failures or restarts; `invoke cancel {handle.job_id}` removes it")
+        return JobState.DIED, attempt, f"its supervisor (pid {handle.supervisor}) ended without a summary"
+
+    def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
+        """From the engine while the node's container exists (a restart makes a new one: followed too), else what
+        the job left in its folder."""
+        seen, shown = set(), False
+        while True:
+            mine = [c for c in self._containers(handle)
+                    if c.labels.get(settings.LABEL_RANK) == str(node) and c.id not in seen]
+            if mine:
+                c = mine[0]
+                seen.add(c.id)
+                buf = b""
+                try:
+                    for chunk in (c.logs(stream=True, follow=True) if follow else [c.logs()]):
+                        buf += chunk
+                        while b"\n" in buf:
+                            ln, buf = buf.split(b"\n", 1)
+                            log(ln.decode(errors="replace"))
+                except Exception:   # removed while we read: the job moved on
+                    pass
+                if buf:
+                    log(buf.decode(errors="replace"))
+            elif not seen and not shown:   # nothing running: what the job left in its folder
+                p = Path(handle.dir) / f"node{node}" / "container.log"
+                if p.exists():
+                    log(p.read_text(errors="replace").rstrip("\n"))
+                    shown = True
+                elif not follow:
+                    raise UserError(f"no output of node {node} yet (job {handle.job_id})")
+            if not follow or not handle.followed():
+                return
+            time.sleep(poll)
+
+    def stop(self, handle: Handle, log=print, wait: float = 60) -> None:
+        """The job's supervisor (a detached job's, or another shell's `invoke train`) is asked (SIGTERM) and cleans
+        up as on Ctrl-C; without one, or when it does not stop in time, the job's containers are removed here."""
+        following = handle.followed() and handle.supervisor != os.getpid()
+        if not following and self.status(handle) == "GONE":
+            raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
+        (Path(handle.dir) / CANCELLED).touch()   # first: a supervisor between attempts does not start another
+        if following:
+            log(f"asking the supervisor (pid {handle.supervisor}) to stop job {handle.job_id}")
+            os.kill(handle.supervisor, signal.SIGTERM)
+            end = time.monotonic() + wait
+            while handle.followed() and time.monotonic() < end:
+                time.sleep(0.2)
+            if not handle.followed():
+                log(f"job {handle.job_id} cancelled; logs in {handle.dir}")
+                return
+            log(f"the supervisor did not stop within {wait:g} s; removing the job's containers")
+        self.cancel(handle, log)
+        log(f"job {handle.job_id}: containers removed; logs in {handle.dir}")
 
     def _containers(self, handle: Handle) -> list:
         found = []
@@ -438,7 +556,7 @@ class _Live:
         said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.spec.hosts else {}
         if ok and said.get("state") == "continue":   # told to stop from outside (SIGTERM): saved, not finished
             ok, ended = False, f"stopped at step {said.get('step')} to continue, before its work was done"
-        r = JobResult(self.plan.job_id, "docker", ok, nodes, bad, self.timed_out, str(d),
+        r = JobResult(self.plan.job_id, self.backend.name, ok, nodes, bad, self.timed_out, str(d),
                       smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended)
         if r.culprit is not None:
             r.log_tail = _node_tail(d / f"node{bad}")

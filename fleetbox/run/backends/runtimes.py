@@ -8,7 +8,9 @@ hold placeholders that the node script fills from shell variables; `Raw` words a
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from importlib import resources
 
 from fleetbox import settings
 from fleetbox.errors import UserError
@@ -18,6 +20,18 @@ from fleetbox.settings import WORKDIR
 from fleetbox.ship.exports import export_path
 
 
+def template(name: str, **fields: str) -> Raw:
+    """Our own shell, kept as a .sh file beside this module (shellcheck reads the rendered scripts in the tests),
+    with @FIELD@ filled from `fields` (our own values, never a user's); inlined where it runs, so --dry-run shows
+    every line."""
+    text = resources.files(__package__).joinpath("shell", name).read_text().removesuffix("\n")
+    for key, value in fields.items():
+        text = text.replace(f"@{key}@", value)
+    if re.search(r"@[A-Z_]+@", text):
+        raise ValueError(f"{name}: a field is left unfilled")
+    return Raw(text)
+
+
 class Runtime:
     name = ""
     runs_as_user = False          # Apptainer, Pyxis and Charliecloud run the job as the calling user
@@ -25,6 +39,8 @@ class Runtime:
     kills_client_only = False     # Docker, Podman: killing the client leaves the container running
     bind_separators = ":"         # characters that split a bind mount option for this runtime
     unverified_env = ""           # characters we cannot show this runtime keeps in an --env value
+    sets_shm = False              # --shm-size reaches the container (else it has the node's own /dev/shm)
+    node_script_inside = False    # srun starts the container, and node.sh runs in it (Pyxis), not on the node
 
     # -- what the runtime can carry --
 
@@ -83,11 +99,7 @@ class Runtime:
         (invoke doctor compares them across nodes), and end the script when the node has none. $IMAGE_REF is
         set, quoted, before them. An image file (SIF, squashfs) counts by its sha256; a folder (Charliecloud)
         by the sha256 of its file list with sizes; a registry reference cannot be checked before it is pulled."""
-        return Raw(r'''if [ -f "$IMAGE_REF" ]; then echo "fleetbox: image file-sha256 $(sha256sum < "$IMAGE_REF" | cut -c1-64)"
-elif [ -d "$IMAGE_REF" ]; then
-  echo "fleetbox: image tree-sha256 $(cd "$IMAGE_REF" && find . -type f -printf '%P %s\n' | LC_ALL=C sort | sha256sum | cut -c1-64)"
-elif [[ "$IMAGE_REF" == *://* ]]; then echo "fleetbox: image ref $IMAGE_REF"
-else echo "fleetbox: image missing $IMAGE_REF is not on $(hostname)"; exit 3; fi''')  # noqa: E501 (shell as rendered)
+        return template("identify_file.sh")
 
     # -- getting the image --
 
@@ -101,17 +113,20 @@ else echo "fleetbox: image missing $IMAGE_REF is not on $(hostname)"; exit 3; fi
 
 def _engine_identify(engine: str, labels: str) -> Raw:
     """An engine's image ID and fleetbox content tag (`labels`: where its image inspect keeps them)."""
-    return Raw(f'''if out=$({engine} image inspect --format '{{{{.Id}}}} {{{{index {labels} "{settings.LABEL_INPUTS}"}}}}' "$IMAGE_REF" 2>&1); then
-  echo "fleetbox: image id ${{out//<no value>/}}"
-else echo "fleetbox: image missing $(tail -n 1 <<<"$out")"; exit 3; fi''')  # noqa: E501 (shell as rendered)
+    return template("identify_engine.sh", ENGINE=engine, LABELS=labels, LABEL_INPUTS=settings.LABEL_INPUTS)
 
 
 class Docker(Runtime):
     name = "docker"
+    sets_shm = True
     kills_client_only = True
 
     def identify(self):
         return _engine_identify("docker", ".Config.Labels")
+
+    def remove_now(self, container: str) -> list[str]:
+        """What removes the node's container when Slurm stops the task (a killed client leaves it running)."""
+        return [self.name, "rm", "-f", container]
 
     def launch(self, n, image, extra=()):
         return ["docker", "run", "--rm", *n.run_flags(), *extra, image, *n.command]
@@ -122,10 +137,14 @@ class Docker(Runtime):
 
 class Podman(Runtime):
     name = "podman"
+    sets_shm = True
     kills_client_only = True
 
     def identify(self):
         return _engine_identify("podman", ".Labels")
+
+    def remove_now(self, container: str) -> list[str]:   # at once: Slurm's SIGKILL may come before the 10 s default
+        return [self.name, "rm", "-f", "--time", "0", container]
 
     def prelude(self):
         return [Raw('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')]
@@ -211,6 +230,7 @@ class Charliecloud(Runtime):
 class Pyxis(Runtime):
     name = "pyxis"
     runs_as_user = True
+    node_script_inside = True
     bind_separators = ":,"        # --container-mounts=SRC:DST[:FLAGS][,...]
 
     def check(self, n, image):

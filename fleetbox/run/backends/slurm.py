@@ -16,17 +16,19 @@ import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from fleetbox import incontainer, settings
+from fleetbox import files, incontainer, settings
 from fleetbox.errors import UserError
-from fleetbox.run import checkpoints, hostnet, metrics, placeholders
+from fleetbox.run import checkpoints, hostnet, metrics, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import Backend, Handle, Plan
+from fleetbox.run.backend import CANCELLED, Backend, Option, Plan
 from fleetbox.run.backends import runtimes
+from fleetbox.run.backends.runtimes import template
+from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 from fleetbox.run.shell import Raw, line
 
@@ -38,71 +40,14 @@ NODE_VARS = {"rank": Raw('"$SLURM_NODEID"'), "node": Raw('node"$SLURM_NODEID"'),
 
 # The node's NIC and own address towards the master, found on the node (iproute2); on the master itself
 # `ip route get` answers "local ... dev lo", so the interface holding the address is looked up instead.
-ROUTE_SH = Raw(r'''route_to() {
-  local out dev src
-  out=$(ip -o route get "$1")
-  dev=$(sed -n 's/.* dev \([^ ]*\).*/\1/p' <<<"$out")
-  src=$(sed -n 's/.* src \([^ ]*\).*/\1/p' <<<"$out")
-  if [ "$dev" = lo ] && [ "${1#127.}" = "$1" ]; then
-    dev=$(ip -o -4 addr show | awk -v ip="$1" 'index($4, ip "/") == 1 {print $2; exit}')
-    src=$1
-  fi
-  echo "$dev $src"
-}''')
+ROUTE_SH = template("route_to.sh")
 
 # The allocation chain (our own shell; JOB_DIR and CHECKPOINTS are set, quoted, before it). An allocation
 # whose script recorded "continue" (fleetbox_checkpoint, after Slurm's USR1 warning) and made progress is
 # followed by the next one (a dependent job); a real failure is followed only while restarts remain. Each
 # allocation appends one JSON line to allocations.jsonl and moves its logs to alloc<N>/ before the next one
 # starts; the last one's stay in the job folder.
-CHAIN_SH = Raw(r'''ALLOCATION="${FLEETBOX_ALLOCATION:-1}"; RESTARTS="${FLEETBOX_RESTARTS:-0}"
-CHAIN="${FLEETBOX_CHAIN:-$SLURM_JOB_ID}"
-export FLEETBOX_ATTEMPT=$((ALLOCATION - 1))
-if [ -e "$JOB_DIR/CANCELLED.$CHAIN" ]; then echo "fleetbox: the job was cancelled"; exit 0; fi
-newest_step() {
-  local d n best=0
-  for d in "$CHECKPOINTS"/step-*; do
-    n=${d##*/step-}
-    case "$n" in ""|*[!0-9]*) continue;; esac
-    [ -e "$d/COMPLETE" ] || continue
-    n=$((10#$n)); [ "$n" -gt "$best" ] && best=$n
-  done
-  echo "$best"
-}
-script_state() { sed -n 's/.*"state": *"\([a-z]*\)".*/\1/p' "$CHECKPOINTS/STATE" 2>/dev/null || true; }
-rm -f "$CHECKPOINTS/STOP" "$CHECKPOINTS/STATE"   # the script records its state again once it runs
-FROM_STEP=$(newest_step)
-stop_soon() {
-  echo "fleetbox: the time limit is near: asking the training processes to checkpoint and stop"
-  : > "$CHECKPOINTS/STOP"
-}
-trap stop_soon USR1
-echo "fleetbox: allocation $ALLOCATION (Slurm job $SLURM_JOB_ID) starts from checkpoint step $FROM_STEP"
-echo "fleetbox: allocation $ALLOCATION started at $(date +%s.%N)"
-next_allocation() {  # max_allocations max_restarts
-  local to state ended next="" restarts="$RESTARTS"
-  to=$(newest_step); state=$(script_state)
-  if [ -e "$JOB_DIR/CANCELLED.$CHAIN" ]; then ended=cancelled
-  elif [ "$state" = continue ] && [ "$to" -le "$FROM_STEP" ]; then ended=no-progress
-  elif [ "$state" = continue ] && [ "$ALLOCATION" -ge "$1" ]; then ended=max-allocations
-  elif [ "$state" = continue ]; then ended=continue
-  elif [ "$rc" -eq 0 ]; then ended=finished
-  elif [ "$RESTARTS" -lt "$2" ]; then ended=restart; restarts=$((RESTARTS + 1))
-  else ended=failed
-  fi
-  if [ "$ended" = continue ] || [ "$ended" = restart ]; then
-    mkdir -p "$JOB_DIR/alloc$ALLOCATION"
-    mv "$JOB_DIR"/node[0-9]* "$JOB_DIR/alloc$ALLOCATION"/ 2>/dev/null
-    next=$(sbatch --parsable --dependency="afterany:$SLURM_JOB_ID" \
-      --export="ALL,FLEETBOX_ALLOCATION=$((ALLOCATION + 1)),FLEETBOX_RESTARTS=$restarts,FLEETBOX_CHAIN=$CHAIN" \
-      "$JOB_DIR/job.sbatch") || { ended=submit-failed; next=""; }
-    next=${next%%;*}
-    [ "$ended" = continue ] && rc=0
-  fi
-  printf '{"chain": "%s", "allocation": %d, "max_allocations": %d, "slurm_job": "%s", "from_step": %d, "to_step": %d, "state": "%s", "exit": %d, "ended": "%s", "next": "%s"}\n' \
-    "$CHAIN" "$ALLOCATION" "$1" "$SLURM_JOB_ID" "$FROM_STEP" "$to" "$state" "$rc" "$ended" "$next" >> "$JOB_DIR/allocations.jsonl"
-  echo "fleetbox: allocation $ALLOCATION ended ($ended) at checkpoint step $to${next:+; next: Slurm job $next}"
-}''')  # noqa: E501 (shell as rendered)
+CHAIN_SH = template("chain.sh")
 
 # What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
 SBATCH_VALUES = {
@@ -123,11 +68,30 @@ class SlurmPlan(Plan):
 
 class SlurmBackend(Backend):
     name = "slurm"
+    about = "an sbatch job"
+    plan_type = SlurmPlan
+    own_limit = "Slurm: --time"
+    attempts_are = "allocations"
+    reports_image = True
+    options = (
+        Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman or docker (default docker)",
+               "docker"),
+        Option("partition", "with --backend slurm: the partition (-p)", ""),
+        Option("time", "with --backend slurm: the time limit (e.g. 01:00:00)", ""),
+        Option("account", "with --backend slurm: the account (-A)", ""),
+        Option("runtime_args", "with --backend slurm: extra options for the runtime, e.g. "
+                               "\"--ulimit nproc=32768:32768\"", ""),
+        Option("max_allocations", "with --backend slurm: a job that checkpointed and stopped at its --time limit "
+                                  "goes on in a new allocation, up to N allocations in all (default 1)",
+               1, low=1, train_only=True),
+        Option("signal_grace", "with --backend slurm: seconds before the --time limit at which the job is told to "
+                               "checkpoint and stop (default 120; Slurm may send it up to a minute early)",
+               120, low=1, high=65535, train_only=True),
+    )
 
-    def __init__(self, runtime: str = "docker", image: str = "", partition: str = "", time: str = "",
-                 account: str = "", runtime_args: str = "", signal_grace: int = 120, max_allocations: int = 1):
+    def __init__(self, runtime: str = "docker", partition: str = "", time: str = "", account: str = "",
+                 runtime_args: str = "", signal_grace: int = 120, max_allocations: int = 1):
         self.runtime = runtimes.get(runtime)
-        self.image = image
         if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
             raise UserError(f"--signal-grace must be between 1 and 65535 seconds (got {signal_grace})")
         if max_allocations < 1:
@@ -146,6 +110,18 @@ class SlurmBackend(Backend):
         except ValueError as e:
             raise UserError(f"--runtime-args cannot be split into words: {e}") from None
 
+    @property
+    def runtime_name(self) -> str:
+        return self.runtime.name
+
+    @property
+    def label(self) -> str:
+        return f"slurm/{self.runtime.name}"
+
+    @property
+    def shm_settable(self) -> bool:
+        return self.runtime.sets_shm
+
     # -- plan and describe (pure once the spec is given) --
 
     def plan(self, spec: spec_mod.JobSpec) -> SlurmPlan:
@@ -158,7 +134,7 @@ class SlurmBackend(Backend):
                             f"and ._-/ only); set FLEETBOX_RUNS to another folder")
         port = spec.port or hostnet.random_port()
         hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
-        image = self.image or self.runtime.default_image(spec.variant, spec.image_ref)
+        image = spec.image or self.runtime.default_image(spec.variant, spec.image_ref)
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
         t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt)))
@@ -177,7 +153,7 @@ class SlurmBackend(Backend):
                  "set -euo pipefail", 'export USER="${USER:-$(id -un)}"',
                  'FLEETBOX_ATTEMPT="${FLEETBOX_ATTEMPT:-0}"   # job.sbatch counts allocations and restarts',
                  *rt.prelude()]
-        if rt.name == "pyxis":   # runs inside the image (Python, no iproute2): the probe the Docker backend uses
+        if rt.node_script_inside:   # Python, but no iproute2 there: the probe the Docker backend uses
             lines.append(f'read -r IFACE NODE_IP <<<"$(python -c {shlex.quote(incontainer.source("fleetbox_netinfo"))} '
                          f'"$MASTER_IP" --plain)"')
         else:
@@ -193,14 +169,14 @@ class SlurmBackend(Backend):
                   '$IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
         if spec.image_identity:
             lines += [f"IMAGE_REF={shlex.quote(image)}", rt.identify()]
-        if rt.name != "pyxis" and (home_cache := rt.home_cache_dir(t)):   # pyxis mounts before node.sh runs
+        if not rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):   # else mounted before node.sh
             lines.append(self.words(["mkdir", "-p", home_cache], job_id))
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
         run = self.words([*rt.launch(t, image, list(self.runtime_args))], job_id)
         if rt.kills_client_only:
             # A killed client leaves its container running: remove it when Slurm stops this task, at once (Slurm
             # sends SIGKILL after KillWait, which may be shorter than podman's 10 s graceful stop).
-            rm = [rt.name, "rm", "-f", *(["--time", "0"] if rt.name == "podman" else []), t.name]
+            rm = rt.remove_now(t.name)
             lines += [f"cleanup() {{ {self.words(rm, job_id)} >/dev/null 2>&1; exit 143; }}", "trap cleanup TERM INT",
                       f"{run} &", "wait $!"]
         else:
@@ -232,7 +208,7 @@ class SlurmBackend(Backend):
             'echo "fleetbox: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_HOST = $MASTER_IP:$MASTER_PORT"',
             "mkdir -p " + line([str(job_dir / f"node{k}") for k in range(spec.nodes)]),
         ]
-        if rt.name == "pyxis" and (home_cache := rt.home_cache_dir(t)):
+        if rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):
             body.append(self.words(["mkdir", "-p", home_cache], job_id))   # the mount point, before srun mounts
         srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", Raw('--nodes="$SLURM_NNODES"'), "--ntasks-per-node=1",
                 f"--output={job_dir}/node%n.log", *rt.srun_options(t, image), "bash", str(job_dir / "node.sh")]
@@ -258,14 +234,10 @@ class SlurmBackend(Backend):
         plan.dir.mkdir(parents=True, exist_ok=True)
         checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, log)
         (plan.dir / "summary.json").unlink(missing_ok=True)   # an earlier run's of the same job id
-        (plan.dir / "job.json").write_text(json.dumps({
-            "job_id": plan.job_id, "variant": plan.spec.variant.name, "nodes": plan.spec.nodes,
-            "procs_per_node": plan.spec.procs_per_node, "image": plan.image, "backend": self.name,
-            "runtime": plan.runtime, "paddle": plan.spec.paddle_pin}, indent=1))
-        for name, text in plan.files:   # complete files only: written aside, then renamed
-            part = plan.dir / f".{name}.part"
-            part.write_text(text)
-            part.rename(plan.dir / name)
+        JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
+                plan.image, runtime=plan.runtime, paddle=plan.spec.paddle_pin).save(plan.dir)
+        for name, text in plan.files:
+            files.write_atomic(plan.dir / name, text)
         out = _slurm("sbatch", "--parsable", str(plan.dir / "job.sbatch")).stdout.strip()
         handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0],
                         procs_per_node=plan.spec.procs_per_node, checkpoints=plan.checkpoints)
@@ -297,11 +269,44 @@ class SlurmBackend(Backend):
     def cancel(self, handle: Handle, log=print) -> None:
         """The marker first (an allocation about to submit the next one reads it, and a next one that was
         already submitted ends at once), then every job of the chain by its name."""
-        Path(handle.dir, f"CANCELLED.{handle.scheduler_job}").touch()   # the name jobs.CANCELLED + chain
+        Path(handle.dir, f"{CANCELLED}.{handle.scheduler_job}").touch()   # per chain: job.sbatch reads it
         if not shutil.which("scancel"):
             raise UserError("scancel not found: run on a Slurm login node (or install Slurm's client tools)")
         log(f"scancel --name=fleetbox-{handle.job_id}")
         subprocess.run(["scancel", f"--name=fleetbox-{handle.job_id}"], capture_output=True)
+
+    # -- from any shell --
+
+    def job_state(self, handle: Handle) -> tuple[JobState, int, str]:
+        d = Path(handle.dir)
+        recs = allocations(d, handle.scheduler_job)
+        chained = bool(recs and recs[-1]["next"])
+        attempt = len(recs) + 1 if chained or not recs else len(recs)
+        cancelled = (d / f"{CANCELLED}.{handle.scheduler_job}").exists()
+        summary = files.read_json(d / records.SUMMARY)
+        if not summary or chained:
+            current = self.current(handle, recs)
+            try:
+                state = job_state(current)[0]
+            except UserError as e:
+                return JobState.UNKNOWN, attempt, str(e)
+            if state in ACTIVE:
+                return ACTIVE[state], attempt, ""
+            if state == "UNKNOWN":   # Slurm has forgotten it (MinJobAge): what the chain recorded, else nothing
+                if not recs or chained:
+                    return JobState.UNKNOWN, attempt, f"Slurm no longer knows job {current}"
+                state = "COMPLETED" if recs[-1]["exit"] == 0 else "FAILED"
+            # the chain has ended and no one followed it (a detached job): its result, from its files
+            summary = asdict(self.result(handle, state, current, recs))
+        if cancelled:
+            return JobState.CANCELLED, attempt, ""
+        if summary.get("ok"):
+            return JobState.PASSED, attempt, ""
+        return JobState.FAILED, attempt, JobResult(**{**summary, "nodes": []}).reason()
+
+    def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
+        """The node's log file on the shared file system, followed across allocations."""
+        tail_file(Path(handle.dir) / f"node{node}.log", lambda: follow and self.status(handle) in ACTIVE, log, poll)
 
     def follow(self, handle: Handle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
         """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time),
@@ -349,7 +354,8 @@ class SlurmBackend(Backend):
                                     str(job_dir / f"node{k}.log"), oom_killed=oom))
         last = records[-1] if records else None
         ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
-        r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir),
+        r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=self.attempts_are,
+                      name_host=True,
                       log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
                       smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
                       scheduler_job=slurm_job, scheduler_state=state,
@@ -478,7 +484,9 @@ def job_state(job_id: str) -> tuple[str, str]:
     return (state.group(1) if state else "UNKNOWN"), (code.group(1) if code else "")
 
 
-ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")   # a job Slurm has not ended
+# Slurm's states of a job it has not ended, in our words
+ACTIVE = {"PENDING": JobState.PENDING, "CONFIGURING": JobState.STARTING, "RUNNING": JobState.RUNNING,
+          "COMPLETING": JobState.RUNNING, "SUSPENDED": JobState.SUSPENDED}
 
 FAILED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: "
                          r"(?:Exited with exit code (\d+)|(Killed|Terminated|Out Of Memory))")

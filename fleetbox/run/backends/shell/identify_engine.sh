@@ -1,0 +1,3 @@
+if out=$(@ENGINE@ image inspect --format '{{.Id}} {{index @LABELS@ "@LABEL_INPUTS@"}}' "$IMAGE_REF" 2>&1); then
+  echo "fleetbox: image id ${out//<no value>/}"
+else echo "fleetbox: image missing $(tail -n 1 <<<"$out")"; exit 3; fi

@@ -1,0 +1,137 @@
+"""A backend defined here, outside fleetbox, and registered the documented way (an entry point in the group
+`fleetbox.backends`): `invoke train --backend echo` plans, describes and runs it, and `invoke --help train`
+shows its own option, with no edit to any fleetbox module."""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fleetbox import settings
+from fleetbox.errors import UserError
+from fleetbox.run.backend import Backend, Option, Plan
+from fleetbox.run.records import Handle, JobInfo, JobState
+from fleetbox.run.result import JobResult, NodeResult
+from fleetbox.run.spec import new_job_id
+from tests.conftest import ROOT
+from tests.unit.test_cli import one_line_error
+
+
+@dataclass(frozen=True)
+class EchoPlan(Plan):
+    word: str = ""
+
+
+class EchoBackend(Backend):
+    """Every node is a local process that prints a word: the smallest backend that runs for real."""
+    name = "echo"
+    about = "a process per node that says a word (a test's backend)"
+    plan_type = EchoPlan
+    options = (Option("echo_word", "with --backend echo: the word every node says", "hello"),)
+
+    def __init__(self, echo_word: str = "hello"):
+        self.word = echo_word
+
+    def plan(self, spec) -> EchoPlan:
+        job_id = spec.job_id or new_job_id()
+        return EchoPlan(spec, job_id, settings.runs_root() / job_id, spec.port or 1, self.word)
+
+    def argv(self, plan: EchoPlan, rank: int) -> list[str]:
+        return [sys.executable, "-c", "import sys; print(sys.argv[1], sys.argv[2])", plan.word, f"node{rank}"]
+
+    def describe(self, plan: EchoPlan) -> str:
+        return "\n".join(" ".join(self.argv(plan, k)[3:]) for k in range(plan.spec.nodes))
+
+    def submit(self, plan: EchoPlan, log=print) -> Handle:
+        plan.dir.mkdir(parents=True, exist_ok=True)
+        JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, 1, plan.spec.image_ref).save(plan.dir)
+        for k in range(plan.spec.nodes):
+            with open(plan.dir / f"node{k}.log", "w") as out:
+                subprocess.Popen(self.argv(plan, k), stdout=out, stderr=out).wait()
+        handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes)
+        handle.save()
+        return handle
+
+    def follow(self, handle: Handle, log=print, timeout=None) -> JobResult:
+        nodes = [NodeResult(f"node{k}", k, "local", 0, "ok", str(Path(handle.dir) / f"node{k}.log"))
+                 for k in range(handle.nodes)]
+        for n in nodes:
+            log(f"[{n.node}] {Path(n.logs).read_text().strip()}")
+        r = JobResult(handle.job_id, self.name, True, nodes, dir=handle.dir)
+        r.save()
+        return r
+
+    def status(self, handle: Handle) -> str:
+        return "EXITED"
+
+    def logs(self, handle: Handle, node: int) -> str:
+        return (Path(handle.dir) / f"node{node}.log").read_text()
+
+    def cancel(self, handle: Handle, log=print) -> None:
+        pass   # every node has ended by the time submit returns
+
+    def job_state(self, handle: Handle):
+        return JobState.PASSED, 0, ""
+
+    def show_logs(self, handle: Handle, node: int, follow=False, log=print, poll=0.5) -> None:
+        log(self.logs(handle, node).rstrip("\n"))
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    """The entry point, as an installed package would declare it (a dist-info folder on PYTHONPATH)."""
+    dist = tmp_path / "site" / "fleetbox_echo-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fleetbox-echo\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[fleetbox.backends]\necho = {__name__}:EchoBackend\n")
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), "FLEETBOX_RUNS": str(tmp_path / "runs")}
+
+
+def test_a_backend_from_an_entry_point_is_offered_planned_described_and_run(run_invoke, plugin, tmp_path):
+    helptext = " ".join(run_invoke("--help", "train", env=plugin).stdout.split())   # unwrapped
+    assert "--echo-word=STRING with --backend echo: the word every node says" in helptext
+    assert "or echo (a process per node that says a word (a test's backend))" in helptext
+    assert "--echo-word" not in run_invoke("--help", "train").stdout   # without the plugin: not there
+
+    dry = run_invoke("train", "--backend", "echo", "--echo-word", "hi there", "--nodes", "3", "--dry-run", env=plugin)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines() == ["hi there node0", "hi there node1", "hi there node2"]
+
+    proc = run_invoke("train", "--backend", "echo", "--nodes", "2", "--job-id", "echo-1", env=plugin)
+    assert proc.returncode == 0, proc.stderr
+    assert "[node1] hello node1" in proc.stdout   # the option's default
+    summary = json.loads((tmp_path / "runs" / "echo-1" / "summary.json").read_text())
+    assert summary["ok"] and summary["backend"] == "echo"
+    jobs = run_invoke("jobs", env=plugin)
+    assert ["echo-1", "echo", "2", "PASSED"] in [ln.split()[:4] for ln in jobs.stdout.splitlines()]
+    logs = run_invoke("logs", "echo-1", "--node", "1", env=plugin)
+    assert logs.stdout.strip() == "hello node1", logs.stderr
+
+    one_line_error(run_invoke("train", "--echo-word", "x", "--dry-run", env=plugin),
+                   "--echo-word is for --backend echo")
+    one_line_error(run_invoke("train", "--backend", "echo", "--partition", "gpu", "--dry-run", env=plugin),
+                   "--partition is for --backend slurm")
+
+
+def test_registering_takes_the_class_and_refuses_a_taken_flag(monkeypatch):
+    from fleetbox.run import backends
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    backends.register(EchoBackend)
+    assert backends.get("echo", **backends.configure("echo", {"echo_word": "x", "partition": None})).word == "x"
+    with pytest.raises(UserError, match="unknown backend 'nope'; choose one of: docker, slurm, echo"):
+        backends.lookup("nope")
+
+    class Clash(EchoBackend):
+        name = "clash"
+        options = (Option("partition", "mine too"),)
+    with pytest.raises(UserError, match="option --partition is slurm's already"):
+        backends.register(Clash)
+
+    class Job(EchoBackend):
+        name = "job"
+        options = (Option("nodes", "the job's own"),)
+    with pytest.raises(UserError, match="option --nodes is the job's already"):
+        backends.register(Job)
