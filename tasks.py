@@ -1,6 +1,8 @@
 """fleetbox front door: `invoke --list` shows every task, `invoke --help TASK` every option.
 
-Each task parses its options and calls the package; user errors end as one line and a non-zero exit.
+Each task parses its options and calls the package; user errors end as one line and a non-zero exit. A task
+imports its part of the package when it runs (`invoke --list` and `--help` load only the backends' registry,
+which adds their options).
 """
 
 import functools
@@ -11,22 +13,8 @@ from pathlib import Path
 
 from invoke import Exit, task
 
-from fleetbox import engine, files, options
-from fleetbox.commands import doctor as doctor_mod
-from fleetbox.commands import jobs
-from fleetbox.commands import scale as scale_mod
-from fleetbox.commands import train as train_mod
-from fleetbox.commands import up as up_mod
-from fleetbox.commands import verify as verify_mod
-from fleetbox.data import datasets as ds
 from fleetbox.errors import Failed, UserError
-from fleetbox.image import bases, locks, matrix
-from fleetbox.image import images as images_mod
-from fleetbox.image import wheelhouse as wheelhouse_mod
 from fleetbox.run import backends
-from fleetbox.run import spec as spec_mod
-from fleetbox.ship import exports as hpc
-from fleetbox.ship import kit as kit_mod
 
 VARIANT_HELP = "matrix variant (images/matrix.toml): cpu (default), cu118, cu126, cu129, dcu"
 
@@ -50,6 +38,7 @@ def _fleetbox(fn):
 
 
 def _variant(name):
+    from fleetbox.image import matrix
     if name is not None and not name.strip():
         raise UserError("--variant is empty; name a variant (default: cpu)")
     return matrix.load().get(name)
@@ -65,6 +54,7 @@ def _log(msg):
 @_fleetbox
 def lock(c, variant=None, upgrade=False):
     """Resolve the variant's pins across PyPI and Paddle's index into images/locks/<variant>.lock (sha256)."""
+    from fleetbox.image import locks
     v = _variant(variant)
     path = locks.make(v, upgrade=upgrade)
     _, entries = locks.read(v)
@@ -75,6 +65,7 @@ def lock(c, variant=None, upgrade=False):
 @_fleetbox
 def wheels(c, variant=None, dest=None):
     """Download the lock's wheels into an offline wheelhouse (hash-checked; reused when complete)."""
+    from fleetbox.image import wheelhouse as wheelhouse_mod
     wheelhouse_mod.ensure(_variant(variant), Path(dest) if dest else None, log=_log)
 
 
@@ -86,6 +77,8 @@ def wheels(c, variant=None, dest=None):
 @_fleetbox
 def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=False):
     """Make the variant's system base (OS + Python + runtime libraries) under fleetbox/base:<name>-<hash>."""
+    from fleetbox import engine
+    from fleetbox.image import bases
     v = _variant(variant)
     if dry_run:
         for line in bases.plan(v, bootstrap, mirror).describe():
@@ -101,6 +94,9 @@ def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=F
 @_fleetbox
 def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets=None):
     """Build the variant's image hermetically (network off) from the wheelhouse; no-op when up to date."""
+    from fleetbox import engine
+    from fleetbox.data import datasets as ds
+    from fleetbox.image import images as images_mod
     v = _variant(variant)
     data = ds.select(ds.load(), datasets) if datasets else []
     if dry_run:
@@ -121,6 +117,9 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets
 @_fleetbox
 def verify(c, variant=None, json_out=None, image=None, nodes=None, hosts=None):
     """Check the image with the network off: run_check(), device, scipy/cv2, installed == lock."""
+    from fleetbox import engine, files, options
+    from fleetbox.commands import verify as verify_mod
+    from fleetbox.run import spec as spec_mod
     v = _variant(variant)
     n = options.integer("--nodes", nodes or 0, 0)
     if n:
@@ -138,6 +137,8 @@ def verify(c, variant=None, json_out=None, image=None, nodes=None, hosts=None):
 @_fleetbox
 def up(c, variant=None, mirror=None, nodes=None):
     """The main job: base -> wheels -> build -> verify -> a 2-node training run (smoke), on this machine."""
+    from fleetbox import options
+    from fleetbox.commands import up as up_mod
     up_mod.up(_variant(variant), mirror, options.integer("--nodes", 2 if nodes is None else nodes, 0), log=_log)
 
 
@@ -152,6 +153,7 @@ def up(c, variant=None, mirror=None, nodes=None):
 @_fleetbox
 def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, from_=None, manifest=None, jobs=None):
     """Seed Paddle's dataset cache offline-ready: download (MD5, resume, retry), verify, pack, restore."""
+    from fleetbox.data import datasets as ds
     ds.cache_command(datasets, mirror, dest, verify, pack, from_, manifest, 4 if jobs is None else jobs, log=_log)
 
 
@@ -221,6 +223,9 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
           data_dir=None, shm_size=None, timeout=None, dry_run=False, backend=backends.DEFAULT, job_id=None,
           checkpoint_dir=None, resume=None, max_restarts=None, detach=False, preflight=False, **backend_options):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
+    from fleetbox import options
+    from fleetbox.commands import train as train_mod
+    from fleetbox.run import spec as spec_mod
     spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, script=script,
                                  args=args, image=image, hosts=hosts, iface=iface, ib_hca=ib_hca, debug=debug,
                                  gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
@@ -245,6 +250,9 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
            backend=backends.DEFAULT, quick=False, wait=None, json_out=None, **backend_options):
     """Check that the nodes are ready for a job, in the job's own containers: image the same everywhere, shm,
     limits, interface and route, devices, clocks, disk, every port the job uses, then an all-reduce sweep."""
+    from fleetbox import files, options
+    from fleetbox.commands import doctor as doctor_mod
+    from fleetbox.run import spec as spec_mod
     spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, image=image,
                                  hosts=hosts, iface=iface, ib_hca=ib_hca, gpus_per_node=gpus_per_node,
                                  devices=devices, port=port, env=env, mount=mount, data_dir=data_dir,
@@ -272,6 +280,9 @@ def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=
           shm_size=None, timeout=None, backend=backends.DEFAULT, **backend_options):
     """A scaling study: the same job at each size and for each image, then a table and a plot of samples/s,
     speed-up, parallel efficiency, time per step and communication share (runs/<study>/scale.md, scale.png)."""
+    from fleetbox import options
+    from fleetbox.commands import scale as scale_mod
+    from fleetbox.run import spec as spec_mod
     study_cells = scale_mod.cells(nodes, procs_per_node, image)
     host_count = len(options.items(hosts))
     spec = spec_mod.from_options(_variant(variant), nodes=host_count or max(x.nodes for x in study_cells),
@@ -287,6 +298,7 @@ def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=
 def jobs_(c):
     """List fleetbox's jobs (runs/*/): backend, state, attempt or allocation, newest checkpoint step; a job whose
     supervisor died is flagged."""
+    from fleetbox.commands import jobs
     jobs.listing(log=_log)
 
 
@@ -295,6 +307,8 @@ def jobs_(c):
 @_fleetbox
 def logs(c, job, node=0, follow=False):
     """Print a job's node output (Docker: the container; Slurm: the node's log), from any shell."""
+    from fleetbox import options
+    from fleetbox.commands import jobs
     jobs.logs(job, options.integer("--node", node, 0), follow, log=_log)
 
 
@@ -303,6 +317,7 @@ def logs(c, job, node=0, follow=False):
 def report(c, job):
     """Draw a run's report again, runs/<job>/report.png and report.md (also for a failed or cancelled run, from
     what exists; says what is missing)."""
+    from fleetbox.commands import jobs
     jobs.report(job, log=_log)
 
 
@@ -310,6 +325,7 @@ def report(c, job):
 @_fleetbox
 def cancel(c, job):
     """Stop a job from any shell: every node stopped, logs kept, containers removed (Slurm: the whole chain)."""
+    from fleetbox.commands import jobs
     jobs.cancel(job, log=_log)
 
 
@@ -321,6 +337,10 @@ def cancel(c, job):
 def clean(c, hosts=None, job=None, force=False, images=False):
     """Remove containers that earlier jobs left behind (found by their io.fleetbox.job label); running ones
     belong to live jobs and are kept unless --job or --force."""
+    from fleetbox import engine, options
+    from fleetbox.image import images as images_mod
+    from fleetbox.image import matrix
+    from fleetbox.run import spec as spec_mod
     if job is not None and not spec_mod.JOB_ID.fullmatch(job):
         raise UserError(f"--job {job!r} is not a job id")
     removed, kept = backends.clean(options.items(hosts), job or "", force, log=_log)
@@ -338,6 +358,9 @@ def clean(c, hosts=None, job=None, force=False, images=False):
 @_fleetbox
 def export(c, variant=None, format="docker-archive", squash=False, dest=None, image=None):
     """Export the image for HPC runtimes; where a converter is missing, print the command for the cluster."""
+    from fleetbox import engine
+    from fleetbox.image import images as images_mod
+    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     client = engine.client()
     ref = image or images_mod.resolve(client, v).tags[0]
@@ -358,6 +381,8 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
 def kit(c, variant=None, out=None, datasets=None, data_dir=None, manifest=None, with_image=False, load=None,
         expect=None, no_expect=False, dest=None):
     """One verified bundle for an air-gapped site: source, host wheels, lock, wheelhouse, base (image), datasets."""
+    from fleetbox.data import datasets as ds
+    from fleetbox.ship import kit as kit_mod
     if load:
         if variant or out or datasets or data_dir or manifest or with_image:
             raise UserError("--load takes only --expect and --dest: the kit says what it holds")
@@ -379,6 +404,9 @@ def kit(c, variant=None, out=None, datasets=None, data_dir=None, manifest=None, 
 @_fleetbox
 def push(c, variant=None, registry=None):
     """Push the content tag and the aliases of the variant's image to a registry."""
+    from fleetbox import engine
+    from fleetbox.image import images as images_mod
+    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     client = engine.client()
     image = images_mod.resolve(client, v)
@@ -395,6 +423,9 @@ def push(c, variant=None, registry=None):
 @_fleetbox
 def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False):
     """Print the pull/convert commands a cluster user runs for a runtime (immutable content tag first)."""
+    from fleetbox import engine
+    from fleetbox.image import images as images_mod
+    from fleetbox.ship import exports as hpc
     v = _variant(variant)
     try:
         content = images_mod.content_tag(images_mod.resolve(engine.client(), v), v)
