@@ -9,13 +9,10 @@ so a dry-run shows exactly what runs. `run` is submit + follow, with cancel on e
 
 from __future__ import annotations
 
-import re
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetbox.errors import Failed, UserError
 from fleetbox.processes import never_failing, signals_held, sigterm_as_interrupt
 from fleetbox.run import metrics
 from fleetbox.run.records import Handle, JobState
@@ -123,51 +120,12 @@ class Backend(ABC):
         return 0, 0
 
     def run(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
-        """Submit and follow to the end; after a failure (a node's non-zero exit, a killed container, a lost
-        engine), stop every node and start the whole job again from its newest checkpoint, with the same job id,
-        up to spec.max_restarts times (torchrun's --max-restarts). Each attempt keeps its own logs: the last in
-        the job folder, earlier ones under attempt<N>/."""
-        deadline = time.monotonic() + timeout if timeout else None
-        restarts, attempts = plan.spec.max_restarts, []
-        for attempt in range(restarts + 1):
-            left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            try:
-                result = self.run_once(self.for_attempt(plan, attempt), log, left, on_submit)
-                why = result.reason()
-            except Failed as e:   # the engine failed under the job: run_once has cleaned up
-                if attempt == restarts:
-                    raise
-                result, why = None, str(e).removeprefix("train failed: ")
-            attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
-                             "logs": str(plan.dir)})
-            if result is not None and (result.ok or result.timed_out) or attempt == restarts \
-                    or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
-                break
-            attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
-            log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
-                f"(restart {attempt + 1} of {restarts})")
-        if len(attempts) > 1:
-            result.attempts = attempts
-            result.save()
+        """Submit and follow to the end (cancelled on every way out), then gather every rank's metrics lines. A
+        backend that restarts a failed job itself says how here (Docker); a scheduler's chain does it in its own
+        scripts (Slurm)."""
+        result = self.run_once(plan, log, timeout, on_submit)
         metrics.collect(plan.dir)
         return result
-
-    def for_attempt(self, plan: Plan, attempt: int) -> Plan:
-        """The plan of a restart (the same job, told which attempt it is)."""
-        if attempt:
-            raise UserError(f"the {self.name} backend does not restart jobs")
-        return plan
-
-    def keep_attempt(self, plan: Plan, attempt: int) -> Path:
-        """Move a finished attempt's logs aside (to attempt<N>/), so the next one starts with a clean folder."""
-        aside = plan.dir / f"attempt{attempt}"
-        if aside.exists():   # left by an earlier run of the same job id
-            aside.rename(aside.with_name(f"{aside.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
-        aside.mkdir()
-        for p in sorted(plan.dir.iterdir()):
-            if re.fullmatch(r"node\d+(\.log)?|summary\.json", p.name):
-                p.rename(aside / p.name)
-        return aside
 
     def run_once(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end. Ctrl-C, SIGTERM and any error cancel the job before going on up."""

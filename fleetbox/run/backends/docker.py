@@ -29,7 +29,7 @@ from fleetbox import ROOT, engine, files, incontainer, settings
 from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import process_start
-from fleetbox.run import checkpoints, hostnet, placeholders, records
+from fleetbox.run import checkpoints, hostnet, metrics, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Plan
@@ -159,11 +159,52 @@ class DockerBackend(Backend):
             raise UserError(f"no interface on {host} routes to the master {master_ip}; pass --iface")
         return info
 
+    def run(self, plan: DockerPlan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
+        """Submit and follow to the end; after a failure (a node's non-zero exit, a killed container, a lost
+        engine), stop every node and start the whole job again from its newest checkpoint, with the same job id,
+        up to spec.max_restarts times (torchrun's --max-restarts). Each attempt keeps its own logs: the last in
+        the job folder, earlier ones under attempt<N>/."""
+        deadline = time.monotonic() + timeout if timeout else None
+        restarts, attempts = plan.spec.max_restarts, []
+        for attempt in range(restarts + 1):
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                result = self.run_once(self.for_attempt(plan, attempt), log, left, on_submit)
+                why = result.reason()
+            except Failed as e:   # the engine failed under the job: run_once has cleaned up
+                if attempt == restarts:
+                    raise
+                result, why = None, str(e).removeprefix("train failed: ")
+            attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
+                             "logs": str(plan.dir)})
+            if result is not None and (result.ok or result.timed_out) or attempt == restarts \
+                    or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
+                break
+            attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
+            log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
+                f"(restart {attempt + 1} of {restarts})")
+        if len(attempts) > 1:
+            result.attempts = attempts
+            result.save()
+        metrics.collect(plan.dir)
+        return result
+
     def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
         """The same nodes with {attempt} filled again (FLEETBOX_ATTEMPT, and wherever the user wrote it)."""
         return replace(plan, attempt=attempt, nodes=tuple(
             replace(plan.template, host=n.host).fill({**v, "attempt": str(attempt)})
             for n, v in zip(plan.nodes, plan.values)))
+
+    def keep_attempt(self, plan: DockerPlan, attempt: int) -> Path:
+        """Move a finished attempt's logs aside (to attempt<N>/), so the next one starts with a clean folder."""
+        aside = plan.dir / f"attempt{attempt}"
+        if aside.exists():   # left by an earlier run of the same job id
+            aside.rename(aside.with_name(f"{aside.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
+        aside.mkdir()
+        for p in sorted(plan.dir.iterdir()):
+            if re.fullmatch(r"node\d+(\.log)?|summary\.json", p.name):
+                p.rename(aside / p.name)
+        return aside
 
     def describe(self, plan: DockerPlan) -> str:
         out = list(plan.notes)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from fleetbox import files, incontainer, settings
 from fleetbox.errors import UserError
-from fleetbox.run import checkpoints, hostnet, metrics, placeholders, records
+from fleetbox.run import checkpoints, hostnet, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Option, Plan
@@ -245,12 +245,6 @@ class SlurmBackend(Backend):
         log(f"submitted Slurm job {handle.scheduler_job} ({plan.spec.nodes} nodes, runtime {plan.runtime}); "
             f"logs in {plan.dir}")
         return handle
-
-    def run(self, plan: SlurmPlan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
-        """Restarts and continuations happen in the chain of allocations (job.sbatch), not here."""
-        result = self.run_once(plan, log, timeout, on_submit)
-        metrics.collect(plan.dir)
-        return result
 
     def current(self, handle: Handle, recs: list[dict] | None = None) -> str:
         """The Slurm job of the chain's newest allocation: the next one once submitted, else the last one."""
