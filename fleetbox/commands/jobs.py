@@ -21,7 +21,7 @@ def find(job_id: str) -> Handle:
     except FileNotFoundError:
         raise UserError(f"no job {job_id} in {settings.runs_root()} (see `invoke jobs`)") from None
     except DamagedRecord as e:
-        raise DamagedRecord(f"{e}; `invoke clean --job {job_id}` removes the job's containers") from None
+        raise DamagedRecord(f"{e}; {_leftovers(job_id)}") from None
 
 
 def describe(h: Handle) -> dict:
@@ -43,7 +43,12 @@ def describe(h: Handle) -> dict:
 def damaged(job_dir: Path, why: str) -> dict:
     """The row of a job whose handle.json cannot be read: shown, never dropped."""
     return {"job": job_dir.name, "backend": "?", "nodes": "?", "state": JobState.DAMAGED, "attempt": "-",
-            "checkpoint": None, "note": f"{why}; `invoke clean --job {job_dir.name}` removes its containers"}
+            "checkpoint": None, "note": f"{why}; {_leftovers(job_dir.name)}"}
+
+
+def _leftovers(job_id: str) -> str:
+    """What stops a job whose record cannot be read (its backend unknown): every backend's own way."""
+    return (f"`invoke clean --job {job_id}` removes its containers (a Slurm job: `scancel --name=fleetbox-{job_id}`)")
 
 
 def listing(log=print) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fleetbox import engine, incontainer, settings
+from fleetbox import engine, files, incontainer, settings
 from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
 from fleetbox.image.images import resolve
@@ -70,12 +70,12 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
         output = container.logs().decode(errors="replace")
     finally:
         container.remove(force=True)
-    (rd / "verify.log").write_text(output)
+    files.write_atomic(rd / "verify.log", output)
     report = parse_report(output)
     report.update(variant=variant.name, image=image.id, tags=image.tags, exit_code=status.get("StatusCode"),
                   lock_sha256=labels.get(settings.LABEL_LOCK, ""), path=str(rd / "report.json"))
     report["ok"] = report["ok"] and status.get("StatusCode") == 0
-    (rd / "report.json").write_text(json.dumps(report, indent=1))
+    files.write_json(rd / "report.json", report)
     log(table(variant.name, image.tags[0] if image.tags else image.id, report["checks"]))
     log(f"{'PASSED' if report['ok'] else 'FAILED'}; report: {rd / 'report.json'}")
     return report
@@ -108,7 +108,7 @@ def run_nodes(spec, log=print) -> dict:
     rd = run_dir(f"verify-{spec.variant.name}-{spec.nodes}nodes")
     report = {"variant": spec.variant.name, "nodes": spec.nodes, "rows": rows, "ok": all(r["ok"] for r in rows),
               "path": str(rd / "report.json")}
-    (rd / "report.json").write_text(json.dumps(report, indent=1))
+    files.write_json(rd / "report.json", report)
     log(f"verify {spec.variant.name} across {spec.nodes} nodes")
     for r in rows:
         log(f"  {'PASS' if r['ok'] else 'FAIL'}  {r['what']:<6} {r['host']:<24} {r['detail']}")

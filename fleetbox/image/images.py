@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetbox import ROOT, engine, settings
+from fleetbox import ROOT, engine, files, settings
 from fleetbox.data import datasets
 from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
@@ -223,7 +223,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     rd = run_dir(f"build-{variant.name}")
     base = c.images.get(p.base_id)   # by ID, as every layer after: the keys name IDs, and a tag can move
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
-    (rd / "by-hand.sh").write_text(layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
+    files.write_atomic(rd / "by-hand.sh", layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
     parent = base.id
     with open(rd / "build.log", "a") as out, sigterm_as_interrupt():
         for layer in split:
@@ -242,8 +242,8 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     image = c.images.get(p.tag)
     _alias(image, p.aliases)
     _tidy(c, existing, image)
-    (rd / "plan.json").write_text(json.dumps({"tags": p.tags, "build_args": p.build_args, "labels": p.labels,
-                                              "layers": [(x.name, x.key) for x in split]}, indent=1))
+    files.write_json(rd / "plan.json", {"tags": p.tags, "build_args": p.build_args, "labels": p.labels,
+                                        "layers": [(x.name, x.key) for x in split]})
     log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}; "
         f"by hand: {rd / 'by-hand.sh'}")
 

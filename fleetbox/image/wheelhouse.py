@@ -203,7 +203,7 @@ def ensure(variant: Variant, dest: Path | None = None, log=print) -> Path:
     for i, w in enumerate(wheels, 1):
         log(f"[{i}/{len(wheels)}] {w.filename}")
         fetch.download(w.url, dest / w.filename, w.sha256, sess=sess)
-    (dest / LOCK_COPY).write_text(lock_text)
+    files.write_atomic(dest / LOCK_COPY, lock_text)
     files.write_json(dest / MANIFEST, {"variant": variant.name, "lock_sha256": locks.lock_hash(lock_text),
                                        "files": {w.filename: w.sha256 for w in wheels}},
                      sort_keys=True)   # the manifest last: a wheelhouse without one is incomplete

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetbox.errors import UserError
 from fleetbox.processes import never_failing, signals_held, sigterm_as_interrupt
 from fleetbox.run import metrics
 from fleetbox.run.records import Handle, JobState
@@ -37,8 +38,9 @@ class Option:
     adds `--name-with-dashes` to `invoke train`, `doctor` and `scale`, and hands its value to the backend."""
     name: str                  # the constructor's keyword; the flag is --<name with - for _>
     help: str
-    default: object = None     # when not given
-    low: int | None = None     # an int option's range (its default says it is an int)
+    default: object = None     # what the backend gets when the option is not given
+    kind: type = str           # str, or int (parsed and held to low..high)
+    low: int | None = None
     high: int | None = None
     train_only: bool = False   # about long runs: `invoke train` only
 
@@ -57,6 +59,8 @@ class Backend(ABC):
     timeout_ok = False             # `--timeout` stops an attached run; otherwise the backend's own limit does ...
     own_limit = ""                 # ... set this way (said when --timeout is refused)
     attempts_are = "restarts"      # what a job's later attempts are called (Slurm: allocations)
+    names_hosts = False            # a failure names the node's host (a scheduler's node names mean something)
+    restarts = False               # carries out --max-restarts (else a job asking for restarts is refused)
     reports_image = False          # a job with spec.image_identity says which image each node has (doctor)
 
     @property
@@ -123,6 +127,8 @@ class Backend(ABC):
         """Submit and follow to the end (cancelled on every way out), then gather every rank's metrics lines. A
         backend that restarts a failed job itself says how here (Docker); a scheduler's chain does it in its own
         scripts (Slurm)."""
+        if plan.spec.max_restarts and not self.restarts:
+            raise UserError(f"the {self.name} backend does not restart jobs: drop --max-restarts")
         result = self.run_once(plan, log, timeout, on_submit)
         metrics.collect(plan.dir)
         return result

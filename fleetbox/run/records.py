@@ -58,9 +58,10 @@ def _load(cls, path: Path, required: tuple[str, ...]):
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise
-    except (OSError, ValueError) as e:
-        why = "not JSON (truncated?)" if isinstance(e, ValueError) else e.strerror
-        raise DamagedRecord(f"{path} is damaged: {why}") from None
+    except ValueError:
+        raise DamagedRecord(f"{path} is damaged: not JSON (truncated?)") from None
+    except OSError as e:   # another user's folder on a shared runs folder, say
+        raise DamagedRecord(f"{path} cannot be read: {e.strerror}") from None
     if not isinstance(data, dict) or any(k not in data for k in required):
         raise DamagedRecord(f"{path} is damaged: not a {cls.__name__} record (needs {', '.join(required)})")
     known = {f.name for f in dataclasses.fields(cls)}
@@ -146,19 +147,31 @@ def from_record(cls, data: dict):
 
 
 def _convert(hint, value):
-    if value is None:
-        return None
+    """`value` as `hint` says; a value of the wrong kind (a null where none belongs, a list for a dict) is
+    TypeError: damage, found here, not deep in a run."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
         hint = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return value
+    if value is None:
+        raise TypeError(f"null where {getattr(hint, '__name__', hint)} belongs")
     if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise TypeError(f"{type(value).__name__} where {hint.__name__} belongs")
         return from_record(hint, value)
-    if origin is tuple:
+    if origin in (tuple, list) or hint in (tuple, list):
+        if not isinstance(value, list):
+            raise TypeError(f"{type(value).__name__} where a list belongs")
         item = args[0] if args else typing.Any
-        return tuple(_convert(item, v) for v in value)
-    if origin is list:
-        return [_convert(args[0], v) for v in value] if args else list(value)
+        return (tuple if tuple in (origin, hint) else list)(_convert(item, v) for v in value)
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"{type(value).__name__} where a dict belongs")
+        return value
     if hint is Path:
         return Path(value)
     if hint in (str, int, float, bool):   # a field of the wrong kind is damage, found here, not deep in a run
@@ -182,5 +195,5 @@ def load_plan(job_dir: Path, plan_type_of) -> tuple[str, object]:
     try:
         data = json.loads(path.read_text())
         return data["backend"], from_record(plan_type_of(data["backend"]), data["plan"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DamagedRecord(f"{path} cannot be read ({type(e).__name__}: {e})") from None

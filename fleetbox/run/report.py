@@ -175,8 +175,11 @@ def _paddle(job: dict) -> str:
 
 
 def _failure(summary: dict) -> str:
+    """The failure line; a summary from before it said how its backend words it takes the backend's ways."""
+    cls = backends.BACKENDS.get(summary.get("backend"))
+    told = {"attempts_are": getattr(cls, "attempts_are", "restarts"), "name_host": getattr(cls, "names_hosts", False)}
     try:
-        r = JobResult(**{**summary, "nodes": [NodeResult(**n) for n in summary.get("nodes", [])]})
+        r = JobResult(**{**told, **summary, "nodes": [NodeResult(**n) for n in summary.get("nodes", [])]})
         return r.reason()
     except TypeError:
         return "see summary.json"

@@ -32,7 +32,7 @@ from fleetbox import ROOT, engine, settings
 from fleetbox.data import datasets as ds
 from fleetbox.engine import image_or_none
 from fleetbox.errors import UserError
-from fleetbox.files import atomic, read_json, write_json
+from fleetbox.files import atomic, read_json, write_atomic, write_json
 from fleetbox.image import images, locks, wheelhouse
 from fleetbox.image.matrix import Variant
 from fleetbox.ship import kit_load
@@ -240,13 +240,13 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
             and side.get("mtime_ns") == out.stat().st_mtime_ns:
         kit_sha, how = side["sha256"], "unchanged; not rewritten"
         if not sidecar.exists() or sidecar.read_text() != f"{kit_sha}  {out.name}\n":
-            sidecar.write_text(f"{kit_sha}  {out.name}\n")
+            write_atomic(sidecar, f"{kit_sha}  {out.name}\n")
     else:
         kit_sha, how = _write_tar(out, entries, info_blob, manifest), "written"
         st = out.stat()
         write_json(out.with_name(f".{out.name}.kit.json"), {"manifest": manifest_sha, "sha256": kit_sha,
                                                               "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
-        sidecar.write_text(f"{kit_sha}  {out.name}\n")
+        write_atomic(sidecar, f"{kit_sha}  {out.name}\n")
     total = out.stat().st_size
     log(f"kit {out}: {total / 2**20:.1f} MiB, {len(entries) + 2} files ({how})")
     q = shlex.quote(out.name)

@@ -32,7 +32,7 @@ class EchoBackend(Backend):
     plan_type = EchoPlan
     options = (Option("echo_word", "with --backend echo: the word every node says", "hello"),)
 
-    def __init__(self, echo_word: str = "hello"):
+    def __init__(self, echo_word: str):   # no default here: the option's declared one must arrive
         self.word = echo_word
 
     def plan(self, spec) -> EchoPlan:
@@ -114,6 +114,21 @@ def test_a_backend_from_an_entry_point_is_offered_planned_described_and_run(run_
                    "--echo-word is for --backend echo")
     one_line_error(run_invoke("train", "--backend", "echo", "--partition", "gpu", "--dry-run", env=plugin),
                    "--partition is for --backend slurm")
+
+
+def test_a_plugin_that_cannot_load_stops_no_task_and_is_named_when_chosen(run_invoke, tmp_path):
+    dist = tmp_path / "site" / "fleetbox_broken-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fleetbox-broken\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[fleetbox.backends]\nbroken = no_such_module:Broken\n"
+                                           f"echo = {__name__}:EchoBackend\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), "FLEETBOX_RUNS": str(tmp_path / "r")}
+    listed = run_invoke("--list", env=env)
+    assert listed.returncode == 0 and "train" in listed.stdout, listed.stderr
+    one_line_error(run_invoke("train", "--backend", "broken", "--dry-run", env=env),
+                   "backend broken could not be loaded (no_such_module:Broken: ModuleNotFoundError")
+    dry = run_invoke("train", "--backend", "echo", "--dry-run", "--nodes", "1", env=env)   # the good one still works
+    assert dry.stdout.strip() == "hello node0", dry.stderr
 
 
 def test_registering_takes_the_class_and_refuses_a_taken_flag(monkeypatch):

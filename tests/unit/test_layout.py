@@ -68,28 +68,37 @@ def _constants(node) -> set[str]:
     return set()
 
 
-def name_tests(path: Path, names: set[str] = NAMES, own_modules: bool = True) -> list[str]:
-    """`x.backend == "slurm"`, `runtime in ("docker", "podman")`, `backends.get("docker")`, ... and (own_modules)
-    an import of a backend's own module."""
+def name_tests(path: Path, names: set[str] = NAMES, own_modules: bool = True, root: Path = ROOT) -> list[str]:
+    """Every way of asking which backend or runtime it is: `x.backend == "slurm"`, `runtime in ("docker", ...)`,
+    `backends.get("docker")`, `h.backend.startswith("sl")`, `match h.backend: case "slurm"`, `{"slurm": ...}[
+    h.backend]`, and (own_modules) reaching into a backend's own module or class."""
     source = path.read_text()
+
+    def about(node) -> bool:   # the thing compared is a backend's or runtime's name
+        return any(word in (ast.get_source_segment(source, node) or "") for word in SUBJECTS)
+
     found = []
     for node in ast.walk(ast.parse(source)):
+        hit = False
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            named = set().union(*map(_constants, sides)) & names
-            subject = " ".join(ast.get_source_segment(source, s) or "" for s in sides if not _constants(s))
-            if named and any(word in subject for word in SUBJECTS):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.get_source_segment(source, node)}")
-        elif isinstance(node, ast.Call) and node.args and _constants(node.args[0]) & names:
-            func = ast.get_source_segment(source, node.func) or ""
-            if func.split(".")[-1] in ("get", "lookup") and "backend" in func:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.get_source_segment(source, node)}")
-        elif not own_modules:
-            continue
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(OWN_MODULES) \
-                or isinstance(node, ast.ImportFrom) and node.module == "fleetbox.run.backends" \
-                and {a.name for a in node.names} & {"docker", "slurm", "runtimes"}:
-            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.get_source_segment(source, node)}")
+            hit = bool(set().union(*map(_constants, sides)) & names) and any(about(s) for s in sides
+                                                                          if not _constants(s))
+        elif isinstance(node, ast.Call):
+            hit = any(_constants(a) & names for a in node.args) and about(node.func)
+        elif isinstance(node, ast.Match):
+            cases = {c.pattern.value.value for c in node.cases
+                     if isinstance(c.pattern, ast.MatchValue) and isinstance(c.pattern.value, ast.Constant)}
+            hit = bool(cases & names) and about(node.subject)
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict):
+            hit = bool({k.value for k in node.value.keys if isinstance(k, ast.Constant)} & names) and about(node.slice)
+        elif own_modules and isinstance(node, ast.Import):
+            hit = any(a.name.startswith(OWN_MODULES) for a in node.names)
+        elif own_modules and isinstance(node, ast.ImportFrom):
+            hit = (node.module or "").startswith(OWN_MODULES) or node.module == "fleetbox.run.backends" and any(
+                a.name in ("docker", "slurm", "runtimes") or a.name.endswith("Backend") for a in node.names)
+        if hit:
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.get_source_segment(source, node)}")
     return found
 
 
@@ -109,15 +118,17 @@ def test_in_run_backends_only_the_runtime_classes_test_a_runtime_name():
 
 
 def test_the_name_check_finds_each_way_of_asking(tmp_path):
-    p = ROOT / "tests" / "unit" / "_name_probe.py"   # under ROOT: the check names files relative to it
-    try:
-        p.write_text('if h.backend == "slurm": pass\nif e.runtime in ("docker", "podman"): pass\n'
-                     'if rt.name != "pyxis": pass\nb = backends.get("docker")\nif fmt == "charliecloud": pass\n'
-                     'from fleetbox.run.backends.docker import DockerBackend\n'
-                     'from fleetbox.run.backends import slurm\nfrom fleetbox.run import backends\n')
-        assert sorted(hit.split(": ", 1)[1] for hit in name_tests(p)) == sorted([
-            'h.backend == "slurm"', 'e.runtime in ("docker", "podman")', 'rt.name != "pyxis"',
-            'backends.get("docker")', "from fleetbox.run.backends.docker import DockerBackend",
-            "from fleetbox.run.backends import slurm"])
-    finally:
-        p.unlink()
+    p = tmp_path / "probe.py"
+    p.write_text('if h.backend == "slurm": pass\nif e.runtime in ("docker", "podman"): pass\n'
+                 'if rt.name != "pyxis": pass\nb = backends.get("docker")\nif fmt == "charliecloud": pass\n'
+                 'from fleetbox.run.backends.docker import DockerBackend\n'
+                 'from fleetbox.run.backends import slurm\nfrom fleetbox.run import backends\n'
+                 'import fleetbox.run.backends.slurm\nfrom fleetbox.run.backends import SlurmBackend\n'
+                 'if h.backend.startswith("slurm"): pass\nx = {"slurm": 1, "docker": 2}[h.backend]\n'
+                 'match h.backend:\n    case "slurm":\n        pass\n')
+    assert sorted(hit.split(": ", 1)[1] for hit in name_tests(p, root=tmp_path)) == sorted([
+        'h.backend == "slurm"', 'e.runtime in ("docker", "podman")', 'rt.name != "pyxis"',
+        'backends.get("docker")', "from fleetbox.run.backends.docker import DockerBackend",
+        "from fleetbox.run.backends import slurm", "import fleetbox.run.backends.slurm",
+        "from fleetbox.run.backends import SlurmBackend", 'h.backend.startswith("slurm")',
+        '{"slurm": 1, "docker": 2}[h.backend]', 'match h.backend:\n    case "slurm":\n        pass'])

@@ -41,7 +41,11 @@ def test_a_handle_from_an_older_or_newer_fleetbox_still_reads(tmp_path):
                                        ("", "not JSON"),
                                        ('["docker"]', "not a Handle record"),
                                        ('{"job_id": "x", "dir": "/"}', "not a Handle record"),
-                                       ('{"backend": "docker", "job_id": "x", "dir": "/", "nodes": []}', "damaged")])
+                                       ('{"backend": "docker", "job_id": "x", "dir": "/", "nodes": []}', "damaged"),
+                                       ('{"backend": "docker", "job_id": "x", "dir": "/", "checkpoints": null}',
+                                        "null where str belongs"),
+                                       ('{"backend": "docker", "job_id": "x", "dir": "/", "hosts": {"a": 1}}',
+                                        "dict where a list belongs")])
 def test_a_damaged_handle_says_which_file(tmp_path, text, why):
     (tmp_path / "handle.json").write_text(text)
     with pytest.raises(DamagedRecord, match=why) as e:
@@ -70,7 +74,6 @@ def _docker_plan(tmp_path) -> DockerPlan:
 def test_a_plan_goes_to_the_supervisor_as_json_and_comes_back_equal(tmp_path):
     plan = _docker_plan(tmp_path)
     records.save_plan(tmp_path, "docker", plan)
-    assert not list(tmp_path.glob("*.pickle"))
     name, back = records.load_plan(tmp_path, {"docker": DockerPlan}.__getitem__)
     assert name == "docker" and back == plan
     assert isinstance(back.dir, Path) and isinstance(back.spec.mounts[0], spec_mod.Mount)
@@ -79,8 +82,11 @@ def test_a_plan_goes_to_the_supervisor_as_json_and_comes_back_equal(tmp_path):
     assert records.from_record(SlurmPlan, json.loads(json.dumps(records.to_record(slurm)))) == slurm
 
 
-def test_a_damaged_plan_is_one_line(tmp_path):
-    (tmp_path / "plan.json").write_text('{"backend": "docker", "plan": {"spec"')
+@pytest.mark.parametrize("text", ['{"backend": "docker", "plan": {"spec"', '{"backend": "docker", "plan": []}',
+                                  '{"backend": "docker", "plan": {"spec": "x", "job_id": "j", "dir": "/", "port": 1}}',
+                                  '{"backend": "nope", "plan": {}}'])
+def test_a_damaged_plan_is_one_line(tmp_path, text):
+    (tmp_path / "plan.json").write_text(text)
     with pytest.raises(DamagedRecord, match="plan.json cannot be read"):
         records.load_plan(tmp_path, {"docker": DockerPlan}.__getitem__)
 

@@ -90,3 +90,12 @@ def test_restarts_are_reported_per_attempt_and_an_empty_folder_still_draws(tmp_p
     assert not_blank(drawn["png"]) and drawn["legend"] == []
     assert drawn["missing"][:2] == ["no metrics lines (the script does not use fleetbox_metrics, or no step ran)",
                                     "no summary.json (the job is still running, or was killed before it ended)"]
+
+
+def test_a_summary_from_before_it_said_its_wording_takes_its_backends():
+    """Summaries written before attempts_are and name_host: a Slurm one still names the failing node's host."""
+    from fleetbox.run import report
+    node = {"node": "node1", "rank": 1, "host": "gpu07", "exit_code": 3, "state": "FAILED", "logs": "x"}
+    old = {"job_id": "j", "backend": "slurm", "ok": False, "nodes": [node], "culprit": 1}
+    assert report._failure(old) == "node1 (rank 1) on gpu07 exited with exit code 3"
+    assert report._failure({**old, "backend": "docker"}) == "node1 (rank 1) exited with exit code 3"

@@ -20,6 +20,7 @@ from fleetbox.run.backends.slurm import SlurmBackend
 ENTRY_POINTS = "fleetbox.backends"
 DEFAULT = DockerBackend.name   # containers through Docker Engines: this machine or --hosts
 BACKENDS: dict[str, type[Backend]] = {}
+UNLOADED: dict[str, str] = {}   # a plugin that could not be registered, and why (said when it is chosen)
 
 
 def register(cls: type[Backend]) -> type[Backend]:
@@ -42,14 +43,16 @@ JOB_OPTIONS = {"nodes", "procs_per_node", "variant", "script", "args", "image", 
 
 
 def _load_entry_points() -> None:
+    """Every installed plugin backend. One that cannot be loaded stops no task: it is left out, and choosing it
+    says why in one line."""
     for ep in metadata.entry_points(group=ENTRY_POINTS):
         try:
             cls = ep.load()
-        except Exception as e:   # a broken plugin is named, not a traceback in every task
-            raise UserError(f"backend {ep.name} ({ep.value}) cannot be loaded: {type(e).__name__}: {e}") from None
-        if getattr(cls, "name", None) != ep.name:
-            raise UserError(f"entry point {ep.name} = {ep.value}: the class is named {getattr(cls, 'name', None)!r}")
-        register(cls)
+            if getattr(cls, "name", None) != ep.name:
+                raise UserError(f"the class is named {getattr(cls, 'name', None)!r}, not {ep.name!r}")
+            register(cls)
+        except Exception as e:   # anything a plugin's import can raise
+            UNLOADED[ep.name] = f"{ep.value}: {type(e).__name__}: {e}"[:300]
 
 
 def choices() -> str:
@@ -59,13 +62,17 @@ def choices() -> str:
 
 
 def lookup(name: str) -> type[Backend]:
+    if name in UNLOADED:
+        raise UserError(f"backend {name} could not be loaded ({UNLOADED[name]})")
     if name not in BACKENDS:
         raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     return BACKENDS[name]
 
 
 def get(name: str, **options) -> Backend:
-    return lookup(name)(**options)
+    """The backend, made with its options: those given, the declared defaults for the rest."""
+    cls = lookup(name)
+    return cls(**{o.name: o.default for o in cls.options} | options)
 
 
 def all_options(train: bool = True) -> list[tuple[str, Option]]:
@@ -75,7 +82,8 @@ def all_options(train: bool = True) -> list[tuple[str, Option]]:
 
 def configure(name: str, given: dict) -> dict:
     """The chosen backend's constructor options from the command line (`given`: every backend option, None where
-    not given): ints parsed and checked; an option of another backend is refused in one line."""
+    not given; an option not given takes its declared default): ints parsed and checked; an option of another
+    backend is refused in one line."""
     cls = lookup(name)
     foreign = [(owner, o) for owner, o in all_options() if owner != name and given.get(o.name) is not None]
     if foreign:
@@ -85,9 +93,8 @@ def configure(name: str, given: dict) -> dict:
     out = {}
     for o in cls.options:
         value = given.get(o.name)
-        if value is None:
-            continue
-        out[o.name] = parse.integer(o.flag, value, o.low, o.high) if isinstance(o.default, int) else value
+        out[o.name] = o.default if value is None else parse.integer(o.flag, value, o.low, o.high) \
+            if o.kind is int else value
     return out
 
 
@@ -102,8 +109,8 @@ def check_timeout(name: str, timeout: float | None) -> None:
 def clean(hosts: list[str], job: str = "", force: bool = False, log=print) -> tuple[int, int]:
     """`invoke clean`: every backend removes what its earlier jobs left behind."""
     removed = kept = 0
-    for cls in BACKENDS.values():
-        r, k = cls().clean(hosts, job, force, log)
+    for name in BACKENDS:
+        r, k = get(name).clean(hosts, job, force, log)
         removed, kept = removed + r, kept + k
     return removed, kept
 

@@ -59,6 +59,7 @@ class DockerBackend(Backend):
     about = "containers via Docker Engines"
     plan_type = DockerPlan
     timeout_ok = True
+    restarts = True   # the whole job again, at once, from its newest checkpoint (run)
 
     def __init__(self, connect=engine.client):
         self.connect = connect            # host URL ("" = this machine) -> engine client; tests pass a fake
@@ -277,7 +278,7 @@ class DockerBackend(Backend):
         for c in self._containers(handle):   # not ours: keep what each said, then remove it
             rank = c.labels.get(settings.LABEL_RANK, "x")
             d = Path(handle.dir) / f"node{rank}"
-            _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), (d / "container.log").write_bytes(c.logs())))
+            _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), files.write_atomic(d / "container.log", c.logs())))
             _quietly(lambda: c.remove(force=True))
 
     def detach(self, plan: DockerPlan, log=print) -> Handle:
@@ -560,7 +561,7 @@ class _Live:
                 state = c.attrs["State"]
                 self.finished[rank] = state.get("FinishedAt", "")
                 self.oom[rank] = bool(state.get("OOMKilled"))
-                (d / "container.log").write_bytes(c.logs())
+                files.write_atomic(d / "container.log", c.logs())
                 if self.plan.nodes[rank].host:   # remote: the log folder is in the container; copy it out
                     bits, _ = c.get_archive(settings.LOG_DIR + "/.")   # the folder's content, not the folder
                     with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
@@ -598,6 +599,7 @@ class _Live:
         if ok and said.get("state") == "continue":   # told to stop from outside (SIGTERM): saved, not finished
             ok, ended = False, f"stopped at step {said.get('step')} to continue, before its work was done"
         r = JobResult(self.plan.job_id, self.backend.name, ok, nodes, bad, self.timed_out, str(d),
+                      attempts_are=self.backend.attempts_are, name_host=self.backend.names_hosts,
                       smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended)
         if r.culprit is not None:
             r.log_tail = _node_tail(d / f"node{bad}")

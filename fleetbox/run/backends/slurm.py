@@ -72,6 +72,8 @@ class SlurmBackend(Backend):
     plan_type = SlurmPlan
     own_limit = "Slurm: --time"
     attempts_are = "allocations"
+    names_hosts = True
+    restarts = True   # in the chain of allocations (job.sbatch)
     reports_image = True
     options = (
         Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman or docker (default docker)",
@@ -83,10 +85,10 @@ class SlurmBackend(Backend):
                                "\"--ulimit nproc=32768:32768\"", ""),
         Option("max_allocations", "with --backend slurm: a job that checkpointed and stopped at its --time limit "
                                   "goes on in a new allocation, up to N allocations in all (default 1)",
-               1, low=1, train_only=True),
+               1, int, low=1, train_only=True),
         Option("signal_grace", "with --backend slurm: seconds before the --time limit at which the job is told to "
                                "checkpoint and stop (default 120; Slurm may send it up to a minute early)",
-               120, low=1, high=65535, train_only=True),
+               120, int, low=1, high=65535, train_only=True),
     )
 
     def __init__(self, runtime: str = "docker", partition: str = "", time: str = "", account: str = "",
@@ -296,7 +298,8 @@ class SlurmBackend(Backend):
             return JobState.CANCELLED, attempt, ""
         if summary.get("ok"):
             return JobState.PASSED, attempt, ""
-        return JobState.FAILED, attempt, JobResult(**{**summary, "nodes": []}).reason()
+        told = {"attempts_are": self.attempts_are, "name_host": self.names_hosts, **summary, "nodes": []}   # older
+        return JobState.FAILED, attempt, JobResult(**told).reason()
 
     def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """The node's log file on the shared file system, followed across allocations."""
@@ -349,7 +352,7 @@ class SlurmBackend(Backend):
         last = records[-1] if records else None
         ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
         r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=self.attempts_are,
-                      name_host=True,
+                      name_host=self.names_hosts,
                       log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
                       smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
                       scheduler_job=slurm_job, scheduler_state=state,
