@@ -4,6 +4,7 @@ sharing its layers (tagged by content). Used by the layer tests and bench/build.
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 OPENCV_NOW, OPENCV_BUMPED = "opencv-python-headless==4.12.0.88", "opencv-python-headless==4.11.0.86"
@@ -36,6 +37,16 @@ def tags(repo: str) -> list[str]:
     out = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}", repo],
                          capture_output=True, text=True).stdout
     return [t for t in out.split() if not t.endswith(":<none>")]
+
+
+def planned_layers(src: Path, env: dict | None = None) -> set[str]:
+    """The layer tags a build of the cpu variant in checkout `src` would make or reuse (its own fleetbox)."""
+    code = ("from fleetbox import engine; from fleetbox.image import images, layers, matrix; "
+            "p = images.dry_run(matrix.load().get('cpu'), engine.client()); "
+            "print(' '.join(layers.layer_tag(x) for x in p.layers))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=src, env={**os.environ, **(env or {})},
+                         capture_output=True, text=True, check=True).stdout
+    return set(out.split())
 
 
 def made_since(layers_before: set[str], image_repo: str) -> list[str]:

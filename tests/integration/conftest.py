@@ -55,7 +55,7 @@ def bumped(cpu_image, tmp_path_factory):
     opencv-python-headless 4.12.0.88 -> 4.11.0.86 in images/matrix.toml, then `invoke lock`, `invoke wheels`,
     `invoke build`. The copy's images are fleetbox-test/paddle; only the new opencv wheel is downloaded."""
     from fleetbox.image import matrix, wheelhouse
-    from tests.checkout import copy_with_pin, made_since, tags
+    from tests.checkout import copy_with_pin, made_since, planned_layers, tags
     tmp = tmp_path_factory.mktemp("bumped")
     env = copy_with_pin(ROOT, tmp, "fleetbox-test/paddle", wheelhouse.default_dir(matrix.load().get("cpu")))
 
@@ -66,6 +66,13 @@ def bumped(cpu_image, tmp_path_factory):
     try:
         run("lock", "--variant", "cpu")
         wheels = run("wheels", "--variant", "cpu")
+        # the copy's own layers (the changed pin's and after) are made here: a run killed before its teardown
+        # may have left them tagged, and reusing them would hide what this build makes
+        own = planned_layers(tmp / "src", env) - planned_layers(ROOT)
+        leftover = [t for t in tags("fleetbox/layers") if t in own]
+        if leftover:
+            subprocess.run(["docker", "rmi", "--no-prune", *leftover], capture_output=True)
+        before = set(tags("fleetbox/layers"))
         build = run("build", "--variant", "cpu")
         yield {"src": tmp / "src", "run": run, "build": build, "wheels": wheels, "ref": "fleetbox-test/paddle:cpu"}
     finally:
