@@ -66,10 +66,10 @@ def bumped(cpu_image, tmp_path_factory):
     try:
         run("lock", "--variant", "cpu")
         wheels = run("wheels", "--variant", "cpu")
-        # the copy's own layers (the changed pin's and after) are made here: a run killed before its teardown
-        # may have left them tagged, and reusing them would hide what this build makes
+        # the copy's own image and layers (the changed pin's and after) are made here: a run killed before its
+        # teardown may have left them tagged, and reusing them would hide what this build makes
         own = planned_layers(tmp / "src", env) - planned_layers(ROOT)
-        leftover = [t for t in tags("fleetbox/layers") if t in own]
+        leftover = [t for t in tags("fleetbox/layers") if t in own] + tags("fleetbox-test/paddle")
         if leftover:
             subprocess.run(["docker", "rmi", "--no-prune", *leftover], capture_output=True)
         before = set(tags("fleetbox/layers"))
