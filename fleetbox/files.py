@@ -10,16 +10,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def part_of(path: Path) -> Path:
-    return path.with_name(f".{path.name}.part")
-
-
 @contextmanager
 def atomic(path: Path):
     """Yield the name to write to (for writers that take a path: a plot, a tool); on success it becomes `path`,
     on any error (Ctrl-C included) it is removed and `path` is left as it was."""
     path = Path(path)
-    part = part_of(path)
+    part = path.with_name(f".{path.name}.part")
     try:
         yield part
         os.replace(part, path)

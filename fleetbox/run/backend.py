@@ -62,6 +62,8 @@ class Backend(ABC):
     names_hosts = False            # a failure names the node's host (a scheduler's node names mean something)
     restarts = False               # carries out --max-restarts (else a job asking for restarts is refused)
     reports_image = False          # a job with spec.image_identity says which image each node has (doctor)
+    runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime
+    shm_settable = True                  # --shm-size reaches the container (else the node's /dev/shm counts)
 
     @property
     def runtime_name(self) -> str:
@@ -71,9 +73,6 @@ class Backend(ABC):
     @property
     def label(self) -> str:
         return self.name
-
-    runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime
-    shm_settable = True                  # --shm-size reaches the container (else the node's /dev/shm counts)
 
     @abstractmethod
     def plan(self, spec: JobSpec) -> Plan: ...

@@ -119,10 +119,6 @@ class JobInfo:
     def save(self, job_dir: Path) -> None:
         files.write_json(Path(job_dir, JOB), asdict(self))
 
-    @classmethod
-    def load(cls, job_dir: Path) -> JobInfo:
-        return _load(cls, Path(job_dir, JOB), ("job_id", "backend"))
-
 
 # -- plans as records (a detached job's supervisor gets its plan as JSON, not as a pickle) --
 
@@ -141,6 +137,8 @@ def to_record(value):
 
 def from_record(cls, data: dict):
     """The dataclass `cls` from `to_record`'s output, each field converted back by its type."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{type(data).__name__} where {cls.__name__} belongs")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: _convert(hints[k], v) for k, v in data.items() if k in fields})
@@ -160,8 +158,6 @@ def _convert(hint, value):
     if value is None:
         raise TypeError(f"null where {getattr(hint, '__name__', hint)} belongs")
     if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise TypeError(f"{type(value).__name__} where {hint.__name__} belongs")
         return from_record(hint, value)
     if origin in (tuple, list) or hint in (tuple, list):
         if not isinstance(value, list):
@@ -181,12 +177,8 @@ def _convert(hint, value):
     return value
 
 
-def plan_record(backend: str, plan) -> dict:
-    return {"backend": backend, "plan": to_record(plan)}
-
-
 def save_plan(job_dir: Path, backend: str, plan) -> None:
-    files.write_json(Path(job_dir, PLAN), plan_record(backend, plan))
+    files.write_json(Path(job_dir, PLAN), {"backend": backend, "plan": to_record(plan)})
 
 
 def load_plan(job_dir: Path, plan_type_of) -> tuple[str, object]:
@@ -195,5 +187,5 @@ def load_plan(job_dir: Path, plan_type_of) -> tuple[str, object]:
     try:
         data = json.loads(path.read_text())
         return data["backend"], from_record(plan_type_of(data["backend"]), data["plan"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise DamagedRecord(f"{path} cannot be read ({type(e).__name__}: {e})") from None

@@ -81,21 +81,17 @@ def all_options(train: bool = True) -> list[tuple[str, Option]]:
 
 
 def configure(name: str, given: dict) -> dict:
-    """The chosen backend's constructor options from the command line (`given`: every backend option, None where
-    not given; an option not given takes its declared default): ints parsed and checked; an option of another
-    backend is refused in one line."""
+    """The chosen backend's options given on the command line (`given`: every backend option, None where not
+    given; get() adds the declared defaults): ints parsed and checked; an option of another backend is refused
+    in one line."""
     cls = lookup(name)
     foreign = [(owner, o) for owner, o in all_options() if owner != name and given.get(o.name) is not None]
     if foreign:
         flags = " and ".join(o.flag for _, o in foreign)
         owners = sorted({owner for owner, _ in foreign})
         raise UserError(f"{flags} {'is' if len(foreign) == 1 else 'are'} for --backend {' or '.join(owners)}")
-    out = {}
-    for o in cls.options:
-        value = given.get(o.name)
-        out[o.name] = o.default if value is None else parse.integer(o.flag, value, o.low, o.high) \
-            if o.kind is int else value
-    return out
+    return {o.name: parse.integer(o.flag, given[o.name], o.low, o.high) if o.kind is int else given[o.name]
+            for o in cls.options if given.get(o.name) is not None}
 
 
 def check_timeout(name: str, timeout: float | None) -> None:

@@ -111,22 +111,25 @@ class Runtime:
         raise NotImplementedError
 
 
-def _engine_identify(engine: str, labels: str) -> Raw:
-    """An engine's image ID and fleetbox content tag (`labels`: where its image inspect keeps them)."""
-    return template("identify_engine.sh", ENGINE=engine, LABELS=labels, LABEL_INPUTS=settings.LABEL_INPUTS)
-
-
-class Docker(Runtime):
-    name = "docker"
+class Engine(Runtime):
+    """A client of a container engine on the node (Docker, Podman): --shm-size reaches the container, killing
+    the client leaves the container running, and the engine says which image it has."""
     sets_shm = True
     kills_client_only = True
+    inspect_labels = ""   # where `image inspect` keeps an image's labels
 
     def identify(self):
-        return _engine_identify("docker", ".Config.Labels")
+        return template("identify_engine.sh", ENGINE=self.name, LABELS=self.inspect_labels,
+                        LABEL_INPUTS=settings.LABEL_INPUTS)
 
     def remove_now(self, container: str) -> list[str]:
         """What removes the node's container when Slurm stops the task (a killed client leaves it running)."""
         return [self.name, "rm", "-f", container]
+
+
+class Docker(Engine):
+    name = "docker"
+    inspect_labels = ".Config.Labels"
 
     def launch(self, n, image, extra=()):
         return ["docker", "run", "--rm", *n.run_flags(), *extra, image, *n.command]
@@ -135,13 +138,9 @@ class Docker(Runtime):
         return [["docker", "pull", ref]]
 
 
-class Podman(Runtime):
+class Podman(Engine):
     name = "podman"
-    sets_shm = True
-    kills_client_only = True
-
-    def identify(self):
-        return _engine_identify("podman", ".Labels")
+    inspect_labels = ".Labels"
 
     def remove_now(self, container: str) -> list[str]:   # at once: Slurm's SIGKILL may come before the 10 s default
         return [self.name, "rm", "-f", "--time", "0", container]
