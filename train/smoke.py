@@ -64,7 +64,7 @@ def main():
     model = paddle.DataParallel(paddle.nn.Sequential(
         paddle.nn.Linear(16, 64), paddle.nn.ReLU(), paddle.nn.Linear(64, 1)))
     opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
-    ckpt = fleetbox_checkpoint.Checkpoint(every=args.checkpoint_every, keep=3)
+    ckpt = fleetbox_checkpoint.Checkpoint(every=args.checkpoint_every, keep=3, total=args.steps)
     first = ckpt.restore(model, opt)
     losses = []
     if ckpt.rank_state:   # this rank's data stream and loss history, where they were

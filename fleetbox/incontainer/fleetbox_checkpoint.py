@@ -3,7 +3,8 @@ PYTHONPATH, nothing to copy) and a job that dies, is restarted or reaches its qu
 from where it was.
 
     import fleetbox_checkpoint
-    ckpt = fleetbox_checkpoint.Checkpoint(every=100, keep=3)     # after init_parallel_env() / fleet.init()
+    ckpt = fleetbox_checkpoint.Checkpoint(every=100, keep=3, total=total_steps)   # after fleet.init(); total:
+                                                                  # told to stop at the last step, it finishes
     start = ckpt.restore(model, opt)                              # 0 on a fresh start
     mine = ckpt.rank_state or {}                                  # this rank's own state, as it was saved
     for step in range(start, total_steps):
@@ -114,7 +115,7 @@ def complete_steps(folder: str) -> list[int]:
 
 
 class Checkpoint:
-    def __init__(self, every: int = 100, keep: int = 3, folder: str | None = None):
+    def __init__(self, every: int = 100, keep: int = 3, folder: str | None = None, total: int | None = None):
         import paddle.distributed as dist
         self.dist = dist
         self.folder = folder if folder is not None else os.environ.get("FLEETBOX_CHECKPOINT_DIR", "")
@@ -128,6 +129,7 @@ class Checkpoint:
         self.shared = os.environ.get("FLEETBOX_CHECKPOINT_SCOPE", "shared") != "node"
         self.writer = self.rank == 0 if self.shared else local == 0    # writes the replicated state and COMPLETE
         self.rank_state: dict | None = None
+        self.total = total   # the script's last step, where given: told to stop there, it finishes instead
         self.saved_step = self.last_step = 0
         self._stop = False
         self._looked = 0.0
@@ -270,7 +272,9 @@ class Checkpoint:
         stop = self._any_rank(self._stop)
         if stop or step % self.every == 0:
             self.save(step, model, optimizer, rank_state)
-        if stop:
+        if stop and self.total and step >= self.total:   # the work is done: a next allocation would do nothing
+            _say(f"told to stop at the last step ({step}): saved it; finishing")
+        elif stop:
             if self.rank == 0:
                 self._mark("continue", step)
                 _say(f"told to stop: saved step {step}; the job continues from there")

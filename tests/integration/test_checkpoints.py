@@ -96,3 +96,21 @@ def test_a_folder_it_cannot_write_is_one_line(image, tmp_path):
     assert proc.returncode == 2 and r is None and "Traceback" not in proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if "fleetbox-checkpoint" in ln]
     assert errors == ["fleetbox-checkpoint: error: cannot write checkpoints to /ck: Read-only file system"]
+
+
+def test_told_to_stop_at_its_last_step_a_script_finishes_instead_of_asking_for_another_allocation(image, tmp_path):
+    """The stop (Slurm's time-limit warning) lands as the last step is taken: with `total` the work is saved and
+    done (STATE "done"); without it the script stops and a next allocation would start only to finish."""
+    stopped = tmp_path / "without"
+    stopped.mkdir()
+    (stopped / "STOP").touch()
+    proc, r = steps(image, stopped, "--steps", "1")
+    state = json.loads((stopped / "STATE").read_text())
+    assert r is None and (state["state"], state["step"]) == ("continue", 1), proc.stdout
+    done = tmp_path / "with"
+    done.mkdir()
+    (done / "STOP").touch()
+    proc, r = steps(image, done, "--steps", "1", "--total", "1")
+    assert r and r["draws"] == 1, proc.stdout + proc.stderr
+    assert json.loads((done / "STATE").read_text())["state"] == "done"
+    assert "told to stop at the last step (1): saved it; finishing" in proc.stdout
