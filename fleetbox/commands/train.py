@@ -21,6 +21,8 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     if timeout and detach:
         raise UserError("--timeout needs an attached job; a detached one ends with `invoke cancel`")
     b = backends.get(backend, **(backend_options or {}))
+    for note in b.notes:
+        log(f"warning: {note}")
     if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
         log(f"preflight: checking {spec.nodes} node(s) before starting the job")
         checked = doctor.run(spec, backend, backend_options, quick=True, log=log)

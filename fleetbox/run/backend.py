@@ -64,6 +64,7 @@ class Backend(ABC):
     reports_image = False          # a job with spec.image_identity says which image each node has (doctor)
     runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime
     shm_settable = True                  # --shm-size reaches the container (else the node's /dev/shm counts)
+    notes: tuple[str, ...] = ()          # what the user should know about the options given (one line each)
 
     @property
     def runtime_name(self) -> str:

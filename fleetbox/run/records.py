@@ -33,7 +33,8 @@ class JobState(StrEnum):
     PENDING = "PENDING"       # queued (Slurm)
     STARTING = "STARTING"     # its supervisor runs, its containers are not all up yet
     RUNNING = "RUNNING"
-    SUSPENDED = "SUSPENDED"   # Slurm suspended it
+    SUSPENDED = "SUSPENDED"   # Slurm suspended or stopped it
+    HELD = "HELD"             # Slurm holds it (requeued on hold, special exit): it waits for a release
     ORPHANED = "ORPHANED"     # containers run, but nothing follows them (the supervisor died)
     PASSED = "PASSED"
     FAILED = "FAILED"

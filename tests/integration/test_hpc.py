@@ -403,14 +403,26 @@ def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_imag
         assert time.monotonic() < deadline, "the job's containers never started"
         time.sleep(0.5)
     assert _slurm_row(job_id, env)[3] == "RUNNING"
-    proc = invoke("cancel", job_id, env=env)
-    assert proc.returncode == 0 and f"scancel --name=fleetbox-{job_id}" in proc.stdout, proc.stdout + proc.stderr
-    deadline = time.monotonic() + 60
-    while (row := _slurm_row(job_id, env))[3] != "CANCELLED" or subprocess.run(
-            ["podman", "ps", "-aq", "--filter", f"label=io.fleetbox.job={job_id}"], capture_output=True,
-            text=True).stdout.split():
-        assert time.monotonic() < deadline, row
-        time.sleep(1)
+    # another job that only carries the same name (scancel --name would take it too)
+    decoy = subprocess.run(["sbatch", "--parsable", f"--job-name=fleetbox-{job_id}", "--output=/dev/null",
+                            "--wrap", "sleep 300"], capture_output=True, text=True, env=env)
+    assert decoy.returncode == 0, decoy.stderr
+    decoy = decoy.stdout.strip().split(";")[0]
+    try:
+        proc = invoke("cancel", job_id, env=env)
+        handle = json.loads((ROOT / "runs" / job_id / "handle.json").read_text())
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"scancel --user=root {handle['scheduler_job']}" in proc.stdout.splitlines(), proc.stdout
+        deadline = time.monotonic() + 60
+        while (row := _slurm_row(job_id, env))[3] != "CANCELLED" or subprocess.run(
+                ["podman", "ps", "-aq", "--filter", f"label=io.fleetbox.job={job_id}"], capture_output=True,
+                text=True).stdout.split():
+            assert time.monotonic() < deadline, row
+            time.sleep(1)
+        state = subprocess.run(["scontrol", "show", "job", decoy, "-o"], capture_output=True, text=True, env=env)
+        assert "JobState=PENDING" in state.stdout or "JobState=RUNNING" in state.stdout, state.stdout
+    finally:
+        subprocess.run(["scancel", decoy], env=env)
 
 
 # -- invoke doctor as a Slurm job on the allocation --

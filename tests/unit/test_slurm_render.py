@@ -351,10 +351,10 @@ def test_an_allocation_of_a_cancelled_chain_ends_at_once(tmp_path):
 
 
 def test_slurm_is_asked_to_warn_before_the_time_limit_and_the_chain_is_bounded(tmp_path):
-    b = slurm.SlurmBackend("podman", time="2", signal_grace=90, max_allocations=4)
+    b = slurm.SlurmBackend("podman", time="4", signal_grace=90, max_allocations=4)
     p = b.plan(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-x", max_restarts=2))
     sbatch = dict(p.files)["job.sbatch"]
-    assert "#SBATCH --signal=B:USR1@90\n" in sbatch and "#SBATCH --time=2\n" in sbatch
+    assert "#SBATCH --signal=B:USR1@90\n" in sbatch and "#SBATCH --time=4\n" in sbatch
     assert sbatch.rstrip().endswith('next_allocation 4 2\nexit "$rc"')
     assert f"CHECKPOINTS={p.checkpoints}" in sbatch and p.checkpoints == str(p.dir / "checkpoints")
     node = dict(p.files)["node.sh"]
@@ -367,10 +367,36 @@ def test_slurm_time_limits_in_seconds(value, seconds):
     assert slurm.time_seconds(value) == seconds
 
 
-def test_a_grace_as_long_as_the_time_limit_is_refused():
-    with pytest.raises(UserError, match=r"--signal-grace 120 s is not shorter than --time 2 \(120 s\)"):
-        slurm.SlurmBackend("podman", time="2")
-    slurm.SlurmBackend("podman", time="2", signal_grace=90)
+@pytest.mark.parametrize("time,grace,work", [("2", 120, 0), ("2", 90, 0), ("3", 90, 30), ("2:59", 60, 59)])
+def test_a_time_limit_that_leaves_under_a_minute_of_work_is_refused(time, grace, work):
+    """Slurm may warn up to a minute before the grace: --time - grace - 60 s is what an allocation keeps."""
+    with pytest.raises(UserError, match=rf"leaves {work} s of work per allocation, under the 60 s") as e:
+        slurm.SlurmBackend("podman", time=time, signal_grace=grace)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("time,grace,notes", [("3", 60, 1), ("6", 60, 1), ("7", 60, 0), ("1:00:00", 120, 0),
+                                              ("", 120, 0)])
+def test_a_time_limit_that_leaves_under_five_minutes_is_warned_about(time, grace, notes):
+    b = slurm.SlurmBackend("podman", time=time, signal_grace=grace)
+    assert len(b.notes) == notes and all("of work per allocation" in n for n in b.notes)
+
+
+def test_the_warning_is_shown_before_the_plan(tmp_path, monkeypatch):
+    from fleetbox.commands import train
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    said = []
+    train.train(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-x"), "slurm",
+                {"runtime": "podman", "time": "3", "signal_grace": 60}, dry_run=True, log=said.append)
+    assert said[0] == ("warning: --time 3 (180 s) less --signal-grace 60 s and the minute Slurm may warn early "
+                       "leaves 60 s of work per allocation: start-up and the checkpoint take part of it")
+
+
+def test_a_runs_folder_with_a_percent_is_refused(tmp_path, monkeypatch):
+    """Slurm expands % in --output (%j, %n): the job's own logs would go elsewhere."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs%j"))
+    with pytest.raises(UserError, match="cannot be written in an #SBATCH line"):
+        slurm.SlurmBackend("podman").plan(spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-x"))
 
 
 def test_a_followed_log_loses_no_line_when_an_allocation_moves_it_aside(tmp_path):

@@ -9,6 +9,7 @@ them, byte for byte.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -55,7 +56,12 @@ SBATCH_VALUES = {
     "account": re.compile(r"[A-Za-z0-9_.-]+"),
     "time": re.compile(r"(\d+-)?\d+(:\d+){0,2}|(?i:unlimited|infinite)"),
 }
-SBATCH_PATH = re.compile(r"[A-Za-z0-9_./%+-]+")
+SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+-]+")   # no '%': Slurm expands it in --output
+
+# Slurm may send the warning up to a minute before the grace it was asked for (its event loop's resolution):
+# an allocation whose --time leaves less than this after the grace and that minute cannot start a job and save.
+EARLY_WARNING = 60
+MIN_WORK, SHORT_WORK = 60, 300   # seconds of work an allocation keeps at worst: refused below, warned below
 
 
 @dataclass(frozen=True)
@@ -103,10 +109,17 @@ class SlurmBackend(Backend):
         for key, value in self.sbatch.items():
             if value and not SBATCH_VALUES[key].fullmatch(value):
                 raise UserError(f"--{key} {value!r} is not a value Slurm accepts for --{key}")
+        self.notes: tuple[str, ...] = ()
         limit = time_seconds(self.sbatch["time"])
-        if limit is not None and signal_grace >= limit:
-            raise UserError(f"--signal-grace {signal_grace} s is not shorter than --time {self.sbatch['time']} "
-                            f"({limit} s): the job would be told to stop as soon as it starts")
+        if limit is not None:
+            work = limit - signal_grace - EARLY_WARNING
+            said = (f"--time {self.sbatch['time']} ({limit} s) less --signal-grace {signal_grace} s and the minute "
+                    f"Slurm may warn early leaves {max(work, 0)} s of work per allocation")
+            if work < MIN_WORK:
+                raise UserError(f"{said}, under the {MIN_WORK} s a job needs to start and save: raise --time or "
+                                f"lower --signal-grace")
+            if work < SHORT_WORK:
+                self.notes = (f"{said}: start-up and the checkpoint take part of it",)
         try:
             self.runtime_args = tuple(shlex.split(runtime_args or ""))
         except ValueError as e:
@@ -264,12 +277,22 @@ class SlurmBackend(Backend):
 
     def cancel(self, handle: Handle, log=print) -> None:
         """The marker first (an allocation about to submit the next one reads it, and a next one that was
-        already submitted ends at once), then every job of the chain by its name."""
+        already submitted ends at once), then the chain's own Slurm jobs that are still alive, as this user:
+        never every job that happens to carry the job's name."""
         Path(handle.dir, f"{CANCELLED}.{handle.scheduler_job}").touch()   # per chain: job.sbatch reads it
-        if not shutil.which("scancel"):
-            raise UserError("scancel not found: run on a Slurm login node (or install Slurm's client tools)")
-        log(f"scancel --name=fleetbox-{handle.job_id}")
-        subprocess.run(["scancel", f"--name=fleetbox-{handle.job_id}"], capture_output=True)
+        recs = allocations(Path(handle.dir), handle.scheduler_job)
+        ids = dict.fromkeys([handle.scheduler_job, *(j for r in recs for j in (r["slurm_job"], r["next"]) if j)])
+        live = [j for j in ids if alive(job_state(j)[0])]
+        if not live:
+            log(f"no Slurm job of {handle.job_id} is alive ({', '.join(ids)})")
+            return
+        argv = ["scancel", f"--user={getpass.getuser()}", *live]
+        log(line(argv))
+        proc = _slurm(*argv, check=False)
+        if proc.returncode and (still := [j for j in live if alive(job_state(j)[0])]):   # else it ended meanwhile
+            msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            raise UserError(f"scancel could not cancel Slurm job(s) {', '.join(still)} of {handle.job_id}: "
+                            f"{msg[-1] if msg else f'exit {proc.returncode}'}")
 
     # -- from any shell --
 
@@ -286,9 +309,9 @@ class SlurmBackend(Backend):
                 state = job_state(current)[0]
             except UserError as e:
                 return JobState.UNKNOWN, attempt, str(e)
-            if state in ACTIVE:
-                return ACTIVE[state], attempt, ""
-            if state == "UNKNOWN":   # Slurm has forgotten it (MinJobAge): what the chain recorded, else nothing
+            if alive(state):
+                return STATES.get(state, (JobState.UNKNOWN,))[0], attempt, "" if state in STATES else state
+            if state == FORGOTTEN:   # Slurm has forgotten it (MinJobAge): what the chain recorded, else nothing
                 if not recs or chained:
                     return JobState.UNKNOWN, attempt, f"Slurm no longer knows job {current}"
                 state = "COMPLETED" if recs[-1]["exit"] == 0 else "FAILED"
@@ -303,7 +326,7 @@ class SlurmBackend(Backend):
 
     def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """The node's log file on the shared file system, followed across allocations."""
-        tail_file(Path(handle.dir) / f"node{node}.log", lambda: follow and self.status(handle) in ACTIVE, log, poll)
+        tail_file(Path(handle.dir) / f"node{node}.log", lambda: follow and alive(self.status(handle)), log, poll)
 
     def follow(self, handle: Handle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
         """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time),
@@ -317,7 +340,7 @@ class SlurmBackend(Backend):
                 if rec["next"] or rec["allocation"] > 1:
                     log(f"allocation {rec['allocation']} (Slurm job {rec['slurm_job']}) ended: {chain_end(rec)}")
             shown = len(recs)
-            return job_state(self.current(handle, recs))[0] in ACTIVE
+            return alive(job_state(self.current(handle, recs))[0])
 
         while True:
             tail_file(job_dir / "node0.log", running, lambda ln: log(f"[node0] {ln}"), poll)
@@ -478,12 +501,44 @@ def job_state(job_id: str) -> tuple[str, str]:
     out = _slurm("scontrol", "show", "job", job_id, "-o", check=False).stdout
     state = re.search(r"JobState=(\S+)", out)
     code = re.search(r"ExitCode=(\S+)", out)
-    return (state.group(1) if state else "UNKNOWN"), (code.group(1) if code else "")
+    return (state.group(1) if state else FORGOTTEN), (code.group(1) if code else "")
 
 
-# Slurm's states of a job it has not ended, in our words
-ACTIVE = {"PENDING": JobState.PENDING, "CONFIGURING": JobState.STARTING, "RUNNING": JobState.RUNNING,
-          "COMPLETING": JobState.RUNNING, "SUSPENDED": JobState.SUSPENDED}
+# Every job state Slurm has (squeue(1), JOB STATE CODES), its meaning, and what `invoke jobs` calls it while it
+# lasts; None: Slurm has ended the job. A state not in this table (a newer Slurm's) counts as alive.
+STATES = {
+    "PENDING": (JobState.PENDING, "awaiting resource allocation"),
+    "CONFIGURING": (JobState.STARTING, "allocated, waiting for the nodes to become ready (e.g. booting)"),
+    "RUNNING": (JobState.RUNNING, "allocated and running"),
+    "COMPLETING": (JobState.RUNNING, "completing: some processes on some nodes may still be active"),
+    "REQUEUED": (JobState.PENDING, "a completing job being requeued"),
+    "REQUEUE_FED": (JobState.PENDING, "being requeued by a federation"),
+    "REQUEUE_HOLD": (JobState.HELD, "a held job being requeued"),
+    "SPECIAL_EXIT": (JobState.HELD, "requeued in a special state (set by an epilog), held"),
+    "RESV_DEL_HOLD": (JobState.HELD, "held after its reservation was deleted"),
+    "RESIZING": (JobState.RUNNING, "about to change size"),
+    "SIGNALING": (JobState.RUNNING, "being signaled"),
+    "STAGE_OUT": (JobState.RUNNING, "staging out files"),
+    "STOPPED": (JobState.SUSPENDED, "stopped with SIGSTOP, its CPUs retained"),
+    "SUSPENDED": (JobState.SUSPENDED, "suspended, its CPUs released to other jobs"),
+    "BOOT_FAIL": (None, "ended: a launch failure, typically hardware"),
+    "CANCELLED": (None, "ended: cancelled by the user or an administrator"),
+    "COMPLETED": (None, "ended: every process exited 0"),
+    "DEADLINE": (None, "ended: its deadline passed"),
+    "FAILED": (None, "ended: a non-zero exit or another failure"),
+    "NODE_FAIL": (None, "ended: one of its nodes failed"),
+    "OUT_OF_MEMORY": (None, "ended: out of memory"),
+    "PREEMPTED": (None, "ended: preempted"),
+    "REVOKED": (None, "ended: a federation sibling started elsewhere"),
+    "TIMEOUT": (None, "ended: its time limit"),
+}
+FORGOTTEN = "UNKNOWN"   # job_state's answer when Slurm no longer knows the job
+
+
+def alive(state: str) -> bool:
+    """Slurm has not ended the job: every state but the terminal ones."""
+    return state != FORGOTTEN and STATES.get(state, (JobState.UNKNOWN, ""))[0] is not None
+
 
 FAILED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: "
                          r"(?:Exited with exit code (\d+)|(Killed|Terminated|Out Of Memory))")

@@ -1,0 +1,121 @@
+"""Slurm's job states as `invoke jobs` and `follow` read them, and `invoke cancel` of a chain, against stub
+scontrol and scancel that answer as Slurm does and record what they were asked."""
+import getpass
+import json
+import sys
+
+import pytest
+
+from fleetbox.errors import UserError
+from fleetbox.run.backends import slurm
+from fleetbox.run.records import Handle, JobState
+
+# scontrol show job ID -o: the state the test gave job ID in states.json (none: Slurm forgot it);
+# scancel: records its argv, fails as Slurm does when told to (fail.json: message, exit code)
+SCONTROL = r'''#!{py}
+import json, os, sys
+states = json.load(open(os.environ["STUB_DIR"] + "/states.json"))
+job = sys.argv[3]
+if job in states:
+    print(f"JobId={{job}} JobName=fleetbox-x JobState={{states[job]}} Reason=None ExitCode=0:0")
+else:
+    print(f"slurm_load_jobs error: Invalid job id specified", file=sys.stderr)
+'''
+SCANCEL = r'''#!{py}
+import json, os, sys
+d = os.environ["STUB_DIR"]
+with open(d + "/scancel.jsonl", "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\n")
+if os.path.exists(d + "/fail.json"):
+    msg, code, states = json.load(open(d + "/fail.json"))
+    json.dump(states, open(d + "/states.json", "w"))
+    print(msg, file=sys.stderr)
+    sys.exit(code)
+'''
+
+
+@pytest.fixture
+def stub_slurm(tmp_path, monkeypatch):
+    d = tmp_path / "bin"
+    d.mkdir()
+    for name, text in (("scontrol", SCONTROL), ("scancel", SCANCEL)):
+        (d / name).write_text(text.format(py=sys.executable))
+        (d / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{d}:/usr/bin:/bin")
+    monkeypatch.setenv("STUB_DIR", str(d))
+
+    def states(**by_job):
+        (d / "states.json").write_text(json.dumps({k.lstrip("j"): v for k, v in by_job.items()}))
+    states()
+    return d, states
+
+
+def chain(tmp_path, *recs):
+    job_dir = tmp_path / "train-x"
+    job_dir.mkdir()
+    with open(job_dir / "allocations.jsonl", "w") as f:
+        for rec in recs:
+            f.write(json.dumps({"chain": "7", "max_allocations": 3, "from_step": 0, "to_step": 10, "state": "",
+                                "exit": 0, **rec}) + "\n")
+    return Handle("slurm", "train-x", str(job_dir), nodes=2, scheduler_job="7")
+
+
+@pytest.mark.parametrize("state,ours", [
+    ("PENDING", JobState.PENDING), ("CONFIGURING", JobState.STARTING), ("RUNNING", JobState.RUNNING),
+    ("COMPLETING", JobState.RUNNING), ("REQUEUED", JobState.PENDING), ("REQUEUE_FED", JobState.PENDING),
+    ("REQUEUE_HOLD", JobState.HELD), ("SPECIAL_EXIT", JobState.HELD), ("RESV_DEL_HOLD", JobState.HELD),
+    ("RESIZING", JobState.RUNNING), ("SIGNALING", JobState.RUNNING), ("STAGE_OUT", JobState.RUNNING),
+    ("STOPPED", JobState.SUSPENDED), ("SUSPENDED", JobState.SUSPENDED), ("SOME_NEW_STATE", JobState.UNKNOWN),
+])
+def test_every_state_slurm_has_not_ended_is_alive(state, ours, stub_slurm, tmp_path):
+    _, states = stub_slurm
+    states(j7=state)
+    h = chain(tmp_path)
+    assert slurm.alive(state)
+    got, attempt, note = slurm.SlurmBackend().job_state(h)
+    assert (got, attempt) == (ours, 1) and note == ("" if state in slurm.STATES else state)
+
+
+@pytest.mark.parametrize("state", ["BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                                   "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT", slurm.FORGOTTEN])
+def test_the_ended_states_are_not_alive(state):
+    assert not slurm.alive(state)
+
+
+def test_cancel_takes_the_chains_own_live_jobs_as_this_user_never_a_name(stub_slurm, tmp_path):
+    """Allocation 1 (job 7) has ended and submitted job 8, which is pending: only 8 is cancelled, by id, as us."""
+    d, states = stub_slurm
+    states(j7="COMPLETED", j8="PENDING", j9="RUNNING")   # 9: someone's job of the same name
+    h = chain(tmp_path, {"allocation": 1, "slurm_job": "7", "ended": "continue", "next": "8"})
+    said = []
+    slurm.SlurmBackend().cancel(h, said.append)
+    calls = [json.loads(ln) for ln in (d / "scancel.jsonl").read_text().splitlines()]
+    assert calls == [[f"--user={getpass.getuser()}", "8"]]
+    assert said == [f"scancel --user={getpass.getuser()} 8"]
+    assert (tmp_path / "train-x" / "CANCELLED.7").exists()
+
+
+def test_a_failed_cancel_is_reported_in_one_line(stub_slurm, tmp_path):
+    d, states = stub_slurm
+    states(j7="RUNNING")
+    (d / "fail.json").write_text(json.dumps(["scancel: error: Kill job error on job id 7: Access/permission denied",
+                                             1, {"7": "RUNNING"}]))
+    with pytest.raises(UserError, match=r"could not cancel Slurm job\(s\) 7 of train-x: .*permission denied") as e:
+        slurm.SlurmBackend().cancel(chain(tmp_path), lambda _: None)
+    assert "\n" not in str(e.value)
+
+
+def test_a_job_that_ended_while_being_cancelled_is_no_failure(stub_slurm, tmp_path):
+    d, states = stub_slurm
+    states(j7="RUNNING")
+    (d / "fail.json").write_text(json.dumps(["scancel: error: Kill job error on job id 7: Job/step already "
+                                             "completing or completed", 1, {"7": "COMPLETED"}]))
+    slurm.SlurmBackend().cancel(chain(tmp_path), lambda _: None)
+
+
+def test_cancel_of_a_chain_that_has_ended_asks_nothing(stub_slurm, tmp_path):
+    d, states = stub_slurm
+    states(j7="COMPLETED")
+    said = []
+    slurm.SlurmBackend().cancel(chain(tmp_path), said.append)
+    assert not (d / "scancel.jsonl").exists() and said == ["no Slurm job of train-x is alive (7)"]
