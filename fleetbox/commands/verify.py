@@ -20,14 +20,14 @@ MARK = "FLEETBOX-REPORT "
 
 
 def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None) -> dict:
-    """Pure: how the verify container is run: no network; the variant's devices, as a job's node gets them;
+    """Pure: how the verify container is run: no network; the variant's devices, every GPU of the machine;
     the seeded dataset cache mounted read-only at Paddle's cache path when there is one."""
     dev = device_options(JobSpec(variant=variant))
     kw = {"network_mode": "none", "environment": {
         "FLEETBOX_DEVICE": variant.device,
         "FLEETBOX_EXPECT_FREEZE": image_labels.get(settings.LABEL_FREEZE, "")},
           **device_kwargs(dev.get("devices", ()), dev.get("group_add", ()), dev.get("security_opt", ()),
-                          dev.get("gpus", ""))}
+                          "all" if dev.get("gpus") else "")}
     if data_dir is not None:
         kw["volumes"] = {str(Path(data_dir).resolve()): {"bind": CONTAINER_CACHE, "mode": "ro"}}
     return kw

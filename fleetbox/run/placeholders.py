@@ -10,6 +10,8 @@ substitutions fleetbox makes:
   {iface}        the node's network interface towards the master
   {port_range}   the node's pinned launcher and trainer ports, FIRST:LAST (the job's PORT_RANGE)
   {attempt}      0 for the job's first run, then 1, 2, ... for each restart or continuation in a new allocation
+  {gpus}         the accelerator ids the node is given, as its host numbers them ("0,1"; Slurm: its allocation);
+                 empty on CPU
 
 Anything else in braces (JSON, say) is left alone.
 """
@@ -21,7 +23,7 @@ import re
 from fleetbox.run.shell import Joined, Raw
 
 NAMES = ("rank", "node", "nnodes", "job_id", "home", "user", "master_ip", "master_port", "node_ip", "iface", "attempt",
-         "port_range")
+         "port_range", "gpus")
 PATTERN = re.compile(r"\{(" + "|".join(NAMES) + r")\}")
 
 

@@ -13,6 +13,8 @@ from fleetbox.run.spec import JobSpec, Mount
 from fleetbox.settings import LABEL_JOB, LABEL_NODE, LABEL_RANK, LABEL_VARIANT, LOG_DIR, WORKDIR
 
 STACK_BYTES = 67108864
+HIP_VISIBLE = "HIP_VISIBLE_DEVICES"   # how a ROCm node that sees every GPU is told its own
+ALL_RENDER_NODES = "/dev/dri"   # a ROCm device list's entry for every GPU's render node (a job gets only its own)
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,13 @@ class NodeRun:
     group_add: tuple[str, ...] = ()
     security_opt: tuple[str, ...] = ()
     gpus: str = ""                # "all", "2" or "device=0,1" (docker --gpus syntax); "" none
+    accelerator: str = ""         # the variant's device: cuda | rocm | "" (CPU)
     memlock: int = -1             # -1 unlimited (NCCL/InfiniBand); lower only where the engine cannot raise it
 
     def fill(self, values: dict[str, str]) -> "NodeRun":
         def f(s):
             return placeholders.fill(s, values)
-        return replace(self, name=f(self.name), command=tuple(map(f, self.command)),
+        return replace(self, name=f(self.name), command=tuple(map(f, self.command)), gpus=f(self.gpus),
                        env={k: f(v) for k, v in self.env.items()}, labels={k: f(v) for k, v in self.labels.items()},
                        mounts=tuple(Mount(f(m.src), f(m.dst), m.ro) for m in self.mounts))
 
@@ -70,8 +73,8 @@ class NodeRun:
             a += ["--group-add", g]
         for s in self.security_opt:
             a += ["--security-opt", s]
-        if self.gpus:
-            a += ["--gpus", self.gpus]
+        if self.gpus:   # the CLI reads the value as CSV: a list of ids must be one quoted field
+            a += ["--gpus", f'"{self.gpus}"' if "," in self.gpus else self.gpus]
         return a
 
     def argv(self) -> list[str]:
@@ -156,22 +159,34 @@ def launch_command(spec: JobSpec) -> tuple[str, ...]:
             f"{WORKDIR}/{spec.script_path.name}", *spec.args)
 
 
+def node_gpus(spec: JobSpec, rank: int) -> str:
+    """The accelerator ids node `rank` gets where fleetbox, not a scheduler, chooses them (Docker): each node
+    one per process, or --gpus-per-node. On one machine the nodes share its GPUs, so node k takes the k-th
+    block: of --devices in order, else GPUs kM .. kM+M-1; with --hosts each node has its own machine's."""
+    if spec.variant.device == "cpu":
+        return ""
+    per = spec.gpus_each
+    ids = spec.devices.split(",") if spec.devices else [str(i) for i in range(per * (1 if spec.hosts else spec.nodes))]
+    block = 0 if spec.hosts else rank
+    return ",".join(ids[block * per:(block + 1) * per])
+
+
 def device_options(spec: JobSpec, hyhal_present: bool = True) -> dict:
-    """Devices by variant: CUDA -> GPU requests; DCU/ROCm -> /dev/kfd, /dev/dri, video, /opt/hyhal; CPU -> none."""
+    """Devices by variant: CUDA -> GPU requests; DCU/ROCm -> /dev/kfd, /dev/dri, video, /opt/hyhal; CPU -> none.
+    Which GPUs each node gets is filled per node ({gpus}: node_gpus); a scheduler's allocation replaces it."""
     v = spec.variant
     if v.device == "cuda":
-        gpus = f"device={spec.devices}" if spec.devices else str(spec.gpus_per_node) if spec.gpus_per_node else "all"
-        return {"gpus": gpus}
+        return {"gpus": "device={gpus}"}
     if v.device == "rocm":
         rt = v.runtime
-        env = {"HIP_VISIBLE_DEVICES": spec.devices} if spec.devices else {}
         mounts = []
         for m in rt.get("mounts", []):
             src, dst, *mode = m.split(":")
             if src != "/opt/hyhal" or hyhal_present:
                 mounts.append(Mount(src, dst, ro=mode == ["ro"]))
         return {"devices": tuple(rt.get("devices", [])), "group_add": tuple(rt.get("group_add", [])),
-                "security_opt": tuple(rt.get("security_opt", [])), "mounts": tuple(mounts), "env": env}
+                "security_opt": tuple(rt.get("security_opt", [])), "mounts": tuple(mounts),
+                "env": {HIP_VISIBLE: "{gpus}"}}
     return {}
 
 
@@ -221,13 +236,15 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
         command=spec.command or launch_command(spec), env=env, mounts=tuple(mounts),
         labels={LABEL_JOB: job_id, LABEL_NODE: "{node}", LABEL_RANK: "{rank}", LABEL_VARIANT: spec.variant.name},
         shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),
-        security_opt=dev.get("security_opt", ()), gpus=dev.get("gpus", ""), memlock=memlock)
+        security_opt=dev.get("security_opt", ()), gpus=dev.get("gpus", ""), memlock=memlock,
+        accelerator="" if spec.variant.device == "cpu" else spec.variant.device)
 
 
 def node_values(rank: int, nnodes: int, job_id: str, master_ip: str, port: int, node_ip: str, iface: str,
-                home: str = "", user: str = "", attempt: int = 0, procs: int = 1) -> dict[str, str]:
+                home: str = "", user: str = "", attempt: int = 0, procs: int = 1, gpus: str = "") -> dict[str, str]:
     """The placeholders' values on one node."""
     first, last = trainer_ports(port, rank, procs)
-    return {"port_range": f"{first}:{last}", "rank": str(rank), "node": f"node{rank}", "nnodes": str(nnodes),
+    return {"port_range": f"{first}:{last}", "gpus": gpus, "rank": str(rank), "node": f"node{rank}",
+            "nnodes": str(nnodes),
             "job_id": job_id, "home": home, "user": user, "master_ip": master_ip, "master_port": str(port),
             "node_ip": node_ip, "iface": iface, "attempt": str(attempt)}

@@ -61,6 +61,11 @@ class JobSpec:
         return self.variant.paddle_version if self.image in ("", *self.variant.aliases) else ""
 
     @property
+    def gpus_each(self) -> int:
+        """Accelerators each node gets: one per process (--gpus-per-node, where given, says the same)."""
+        return self.gpus_per_node or self.procs_per_node
+
+    @property
     def script_path(self) -> Path:
         return Path(self.script).resolve()
 
@@ -86,6 +91,9 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
                  max_restarts=None) -> JobSpec:
     """A validated JobSpec from command-line strings (each by its option's name)."""
     host_list = tuple(options.items(hosts))
+    if procs_per_node is None and (gpus_per_node or devices):   # Paddle runs one process per device
+        sharing = 1 if host_list else options.integer("--nodes", 2 if nodes is None else nodes, 1)
+        procs_per_node = gpus_per_node or max(1, len(devices.split(",")) // sharing)
     if data_dir is None:   # the default cache is used when it exists here (a remote engine cannot see it)
         default = settings.data_dir()
         data_dir = str(default) if default.is_dir() and not host_list else ""
@@ -120,6 +128,8 @@ def validate(spec: JobSpec) -> None:
     if spec.variant.device == "cpu" and (spec.gpus_per_node or spec.devices):
         raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
                         f"or choose a GPU variant (cu118, cu126, cu129, dcu)")
+    if spec.variant.device != "cpu":
+        validate_devices(spec)
     if spec.hosts and len(spec.hosts) != spec.nodes:
         raise UserError(f"--hosts names {len(spec.hosts)} hosts for {spec.nodes} nodes: give one per node")
     if spec.port and not 1024 <= spec.port <= 65535:
@@ -144,3 +154,28 @@ def validate(spec: JobSpec) -> None:
     for m in spec.mounts:
         if not m.src or not m.dst.startswith("/"):
             raise UserError(f"--mount {m.src}:{m.dst}: the destination must be an absolute path")
+
+
+DEVICE_ID = re.compile(r"[0-9]+|GPU-[0-9A-Fa-f-]+")   # an index, or an NVIDIA/AMD UUID
+
+
+def validate_devices(spec: JobSpec) -> None:
+    """Each process its own device: --gpus-per-node equals --procs-per-node, and --devices, split in order among
+    the nodes that share this machine (every node, unless --hosts), covers them without overlap."""
+    if spec.gpus_per_node and spec.gpus_per_node != spec.procs_per_node:
+        raise UserError(f"--gpus-per-node {spec.gpus_per_node} with --procs-per-node {spec.procs_per_node}: Paddle "
+                        f"runs one process per device; give the same number (or --procs-per-node alone)")
+    if not spec.devices:
+        return
+    ids = spec.devices.split(",")
+    if not all(DEVICE_ID.fullmatch(i) for i in ids):
+        raise UserError(f"--devices {spec.devices!r}: give device ids separated by commas, e.g. 0,1")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"--devices {spec.devices} names a device twice: two processes would share it")
+    sharing = 1 if spec.hosts else spec.nodes
+    if len(ids) % sharing:
+        raise UserError(f"--devices {spec.devices}: {len(ids)} device(s) cannot be split evenly among {sharing} "
+                        f"nodes on this machine")
+    if len(ids) // sharing != spec.gpus_each:
+        raise UserError(f"--devices {spec.devices}: {len(ids)} device(s) for {sharing} node(s) of "
+                        f"{spec.procs_per_node} process(es) each; each process needs its own device")

@@ -1,6 +1,8 @@
 """The job planner: the node template, its placeholders filled per node, docker argv and SDK arguments,
 for cpu / CUDA / DCU, 1 and several nodes; spec validation; network facts."""
 
+import re
+
 import pytest
 
 from fleetbox import ROOT, settings
@@ -21,7 +23,8 @@ def plan(s, master="10.0.0.1", port=29500, iface="eth0", hyhal=True, node_ips=No
     t = planner.template(s, s.job_id, "/logs/{node}", workspace=not s.hosts, hyhal_present=hyhal)
     return [planner.replace(t, host=(hosts or [""] * s.nodes)[k]).fill(planner.node_values(
         k, s.nodes, s.job_id, master, port, (node_ips or [master] * s.nodes)[k],
-        iface[k] if isinstance(iface, list) else iface, "/home/u", "u")) for k in range(s.nodes)]
+        iface[k] if isinstance(iface, list) else iface, "/home/u", "u", gpus=planner.node_gpus(s, k)))
+        for k in range(s.nodes)]
 
 
 def flag_values(argv, flag):
@@ -61,18 +64,64 @@ def test_ib_hca_and_debug():
     assert n.env["NCCL_IB_HCA"] == "mlx5_0" and n.env["NCCL_IB_DISABLE"] == "0" and n.env["NCCL_DEBUG"] == "INFO"
 
 
-@pytest.mark.parametrize("kw,gpus", [({}, "all"), ({"gpus_per_node": 4}, "4"), ({"devices": "0,1"}, "device=0,1")])
-def test_cuda_requests_gpus(kw, gpus):
+@pytest.mark.parametrize("kw,gpus", [({}, ["device=0"]), ({"procs_per_node": 4}, ["device=0,1,2,3"]),
+                                     ({"gpus_per_node": 4, "procs_per_node": 4}, ["device=0,1,2,3"]),
+                                     ({"devices": "2,3", "procs_per_node": 2}, ["device=2,3"])])
+def test_cuda_on_one_node_gets_one_gpu_per_process(kw, gpus):
     (n,) = plan(spec("cu126", nodes=1, **kw))
-    assert flag_values(n.argv(), "--gpus") == [gpus]
+    assert n.gpus == gpus[0]
+    want = gpus[0].removeprefix("device=").split(",")
+    # the CLI reads --gpus as CSV: a list of ids is one quoted field
+    assert flag_values(n.argv(), "--gpus") == [f'"{gpus[0]}"' if len(want) > 1 else gpus[0]]
     req = n.sdk_kwargs()["device_requests"][0]
-    assert req["Capabilities"] == [["gpu"]]
-    if kw.get("devices"):
-        assert req["DeviceIDs"] == ["0", "1"]
+    assert req["Capabilities"] == [["gpu"]] and req["DeviceIDs"] == want
+
+
+@pytest.mark.parametrize("kw,per_node", [
+    ({"nodes": 2}, ["0", "1"]),
+    ({"nodes": 2, "procs_per_node": 2}, ["0,1", "2,3"]),
+    ({"nodes": 3, "gpus_per_node": 2, "procs_per_node": 2}, ["0,1", "2,3", "4,5"]),
+    ({"nodes": 2, "devices": "4,5,6,7", "procs_per_node": 2}, ["4,5", "6,7"]),
+    ({"nodes": 2, "devices": "7,3"}, ["7", "3"]),
+    ({"nodes": 2, "hosts": ("ssh://a", "ssh://b")}, ["0", "0"]),                  # each host has its own GPUs
+    ({"nodes": 2, "hosts": ("ssh://a", "ssh://b"), "devices": "1"}, ["1", "1"]),
+])
+def test_nodes_on_one_machine_get_their_own_gpus(kw, per_node):
+    """Locally every node shares the machine's GPUs: node k takes the k-th block, never every node GPU 0."""
+    s = spec("cu126", **kw)
+    spec_mod.validate(s)
+    got = [planner.node_gpus(s, k) for k in range(s.nodes)]
+    assert got == per_node
+    if not s.hosts:
+        nodes = plan(s)
+        assert [n.gpus for n in nodes] == [f"device={g}" for g in per_node]
+        dcu = plan(spec("dcu", **kw))
+        assert [n.env["HIP_VISIBLE_DEVICES"] for n in dcu] == per_node
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"nodes": 2, "devices": "0,0"}, "--devices 0,0 names a device twice"),
+    ({"nodes": 2, "devices": "0,1,2"}, "--devices 0,1,2: 3 device(s) cannot be split evenly among 2 nodes"),
+    ({"nodes": 2, "devices": "0,1", "procs_per_node": 2},
+     "--devices 0,1: 2 device(s) for 2 node(s) of 2 process(es) each"),
+    ({"nodes": 1, "gpus_per_node": 2}, "--gpus-per-node 2 with --procs-per-node 1"),
+    ({"nodes": 1, "devices": "a;b"}, "--devices 'a;b'"),
+])
+def test_gpus_that_overlap_or_do_not_cover_the_processes_are_refused(kw, needle):
+    with pytest.raises(UserError, match=re.escape(needle)) as e:
+        spec_mod.validate(spec("cu126", **kw))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw,procs", [({"devices": "0,1,2,3"}, 2), ({"gpus_per_node": "4"}, 4),
+                                      ({"devices": "0,1", "hosts": "ssh://a,ssh://b"}, 2), ({}, 1)])
+def test_without_procs_per_node_each_device_gets_a_process(kw, procs):
+    s = spec_mod.from_options(matrix.load().get("cu126"), nodes=2, **kw)
+    assert s.procs_per_node == procs
 
 
 def test_dcu_gets_kfd_dri_video_and_hyhal_when_present():
-    (n,) = plan(spec("dcu", nodes=1, devices="0,1"))
+    (n,) = plan(spec("dcu", nodes=1, devices="0,1", procs_per_node=2))
     a = n.argv()
     assert flag_values(a, "--device") == ["/dev/kfd", "/dev/dri"] and flag_values(a, "--group-add") == ["video"]
     assert "/opt/hyhal:/opt/hyhal:ro" in flag_values(a, "-v") and n.env["HIP_VISIBLE_DEVICES"] == "0,1"

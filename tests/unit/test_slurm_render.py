@@ -101,11 +101,13 @@ def test_runtime_specifics():
 
 
 def test_cuda_asks_slurm_for_gpus_and_docker_runtime_for_them():
-    sj = job("cu126", "docker", gpus_per_node=4)
+    sj = job("cu126", "docker", gpus_per_node=4, procs_per_node=4)
     assert "#SBATCH --gpus-per-node=4" in sbatch(sj)
-    assert "--gpus 4" in node_script(sj)
-    dcu = node_script(job("dcu", "podman"))
-    assert "--device /dev/kfd --device /dev/dri" in dcu and "--group-add keep-groups" in dcu
+    assert '"${ACCEL[@]}"' in node_script(sj) and "--gpus" not in node_script(sj).split("ACCEL[@]")[-1]
+    dcu = job("dcu", "podman")
+    assert "#SBATCH --gpus-per-node=1" in sbatch(dcu)   # one per process: node.sh reads which
+    dcu = node_script(dcu)
+    assert "--device /dev/kfd" in dcu and "--device /dev/dri " not in dcu and "--group-add keep-groups" in dcu
 
 
 def test_ib_and_iface_overrides_reach_the_node_script():
@@ -270,7 +272,7 @@ def test_dataset_cache_is_mounted_where_paddle_looks_as_the_runtimes_user(runtim
 # -- the chain of allocations (job.sbatch's own shell, run here with bash; sbatch is a stand-in that records) --
 
 def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, restarts=0, max_alloc=3,
-                max_restarts=0, cancelled=False, stale=""):
+                max_restarts=0, cancelled=False, stale="", requeues=0, exit_code=0):
     import json as _json
     import subprocess
     job, ck, bin_ = tmp_path / "job", tmp_path / "ck", tmp_path / "bin"
@@ -288,6 +290,7 @@ def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, 
         (ck / "STATE").write_text(f'{{"state": "{stale}", "step": {from_step}}}')
     script = "\n".join([
         "set -euo pipefail", f"JOB_DIR={job}", f"CHECKPOINTS={ck}", "SLURM_JOB_ID=7",
+        f"MAX_ALLOCATIONS={max_alloc} MAX_RESTARTS={max_restarts}", f"SLURM_RESTART_COUNT={requeues}",
         f"FLEETBOX_ALLOCATION={allocation}", f"FLEETBOX_RESTARTS={restarts}", "FLEETBOX_CHAIN=7",
         # the allocation starts at from_step; the script then ran, checkpointed up to to_step and recorded its state
         f"mv {ck}/step-{to_step:08d} {tmp_path}/later" if to_step != from_step else ":",
@@ -295,13 +298,44 @@ def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, 
         f"mv {tmp_path}/later {ck}/step-{to_step:08d}" if to_step != from_step else ":",
         f"touch {job}/CANCELLED.7" if cancelled else ":",   # `invoke cancel` while the allocation ran
         f"echo '{{\"state\": \"{state}\", \"step\": {to_step}}}' > {ck}/STATE" if state else ":",
-        f"rc={rc}", f"next_allocation {max_alloc} {max_restarts}", 'echo "exit=$rc"'])
+        'echo "attempt=$FLEETBOX_ATTEMPT"', f"rc={rc}", "next_allocation", 'echo "exit=$rc"'])
+    if requeues:   # the run Slurm cut short had started from this step
+        (job / "from_step.7").write_text("5\n")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                           env={"PATH": f"{bin_}:/usr/bin:/bin"})
-    assert proc.returncode == 0, proc.stderr
-    rec = _json.loads((job / "allocations.jsonl").read_text().splitlines()[-1])
+    assert proc.returncode == exit_code, proc.stderr
+    recs = [_json.loads(ln) for ln in (job / "allocations.jsonl").read_text().splitlines()]
+    if requeues:
+        return recs, proc.stdout + proc.stderr, job
+    rec = recs[-1]
     sbatch = (bin_ / "sbatch.args").read_text() if (bin_ / "sbatch.args").exists() else ""
     return rec, sbatch, job, proc.stdout
+
+
+def test_a_requeued_allocation_is_a_restart_from_the_newest_checkpoint(tmp_path):
+    """Slurm runs job 7's script again (SLURM_RESTART_COUNT=1): the cut run is recorded as allocation 1 with its
+    logs kept apart, and this run is allocation 2, attempt 1, from the newest checkpoint, one restart spent."""
+    recs, out, job = _allocation(tmp_path, state="done", rc=0, requeues=1, max_restarts=1)
+    cut, this = recs
+    assert cut == {"chain": "7", "allocation": 1, "max_allocations": 3, "slurm_job": "7", "from_step": 5,
+                   "to_step": 10, "state": "", "exit": -1, "ended": "requeued", "next": "7"}
+    assert this["allocation"] == 2 and this["from_step"] == 10 and this["ended"] == "finished"
+    assert "attempt=1" in out and (job / "alloc1" / "node0.log").read_text() == "node 0 said\n"
+    assert slurm.chain_end(cut).startswith("requeued by Slurm (a node failure, preemption or scontrol requeue) at "
+                                           "checkpoint step 10")
+
+
+def test_a_requeue_spends_a_restart_and_the_next_allocation_knows(tmp_path):
+    """Requeued once, then failing with one more restart allowed: the next allocation is 3 with both spent."""
+    recs, out, job = _allocation(tmp_path, state="running", rc=3, requeues=1, max_restarts=2)
+    assert [r["ended"] for r in recs] == ["requeued", "restart"]
+    assert "FLEETBOX_ALLOCATION=3,FLEETBOX_RESTARTS=2," in (tmp_path / "bin" / "sbatch.args").read_text()
+
+
+def test_a_requeue_with_no_restart_left_is_not_run_again(tmp_path):
+    recs, out, job = _allocation(tmp_path, state="running", rc=0, requeues=2, max_restarts=1, exit_code=1)
+    assert [(r["allocation"], r["ended"]) for r in recs] == [(2, "requeued"), (3, "requeue-refused")]
+    assert "--max-restarts 1 is spent: not running it again" in out and "attempt=" not in out
 
 
 def test_an_allocation_that_checkpointed_and_stopped_is_continued(tmp_path):
@@ -355,7 +389,8 @@ def test_slurm_is_asked_to_warn_before_the_time_limit_and_the_chain_is_bounded(t
     p = b.plan(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-x", max_restarts=2))
     sbatch = dict(p.files)["job.sbatch"]
     assert "#SBATCH --signal=B:USR1@90\n" in sbatch and "#SBATCH --time=4\n" in sbatch
-    assert sbatch.rstrip().endswith('next_allocation 4 2\nexit "$rc"')
+    assert "MAX_ALLOCATIONS=4 MAX_RESTARTS=2\n" in sbatch and sbatch.rstrip().endswith('next_allocation\nexit "$rc"')
+    assert "#SBATCH --requeue\n" in sbatch   # a node failure or preemption is a restart
     assert f"CHECKPOINTS={p.checkpoints}" in sbatch and p.checkpoints == str(p.dir / "checkpoints")
     node = dict(p.files)["node.sh"]
     assert "FLEETBOX_ATTEMPT=\"$FLEETBOX_ATTEMPT\"" in node   # filled per allocation, on the node

@@ -121,7 +121,8 @@ class DockerBackend(Backend):
                                  checkpoints=str(ckpt))
             home, user = str(Path.home()), getpass.getuser()
         values = tuple(planner.node_values(k, spec.nodes, job_id, master_ip, port, facts[k]["local"],
-                                           facts[k]["iface"], home, user, procs=spec.procs_per_node)
+                                           facts[k]["iface"], home, user, procs=spec.procs_per_node,
+                                           gpus=planner.node_gpus(spec, k))
                        for k in range(spec.nodes))
         nodes = tuple(replace(t, host=hosts[k]).fill(values[k]) for k in range(spec.nodes))
         if not spec.hosts:   # Docker would make a missing source an empty folder; our log folders come later

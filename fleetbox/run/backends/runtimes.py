@@ -14,7 +14,7 @@ from importlib import resources
 
 from fleetbox import settings
 from fleetbox.errors import UserError
-from fleetbox.run.plan import NodeRun
+from fleetbox.run.plan import ALL_RENDER_NODES, HIP_VISIBLE, NodeRun
 from fleetbox.run.shell import Raw, line
 from fleetbox.settings import WORKDIR
 from fleetbox.ship.exports import export_path
@@ -76,6 +76,21 @@ class Runtime:
             return "{home}/" + settings.HOME_CACHE
         return None
 
+    # -- the devices Slurm allocated --
+
+    VISIBLE = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")   # what Slurm sets per task
+    confined = True   # the container runs inside the task's cgroup: Slurm's device binding holds for it
+
+    def allocation(self, device: str, procs: int) -> tuple[list[Raw], list]:
+        """Node-script lines that read the task's allocation ($GPUS, $GPU_COUNT, checked against the plan's
+        process count) and hand it to the runtime, and the words `launch` gets before the image. This default:
+        the container runs in the task's cgroup and sees the visibility variables Slurm set."""
+        return [template("allocated.sh", PROCS=str(procs))], []
+
+    def for_allocation(self, n: NodeRun) -> NodeRun:
+        """The node without the ids fleetbox would choose ({gpus}): the allocation's are given instead."""
+        return replace(n, gpus="", env={k: v for k, v in n.env.items() if (k, v) != (HIP_VISIBLE, "{gpus}")})
+
     # -- starting the container --
 
     def launch(self, n: NodeRun, image: str, extra: list[str] = ()) -> list:
@@ -113,10 +128,30 @@ class Runtime:
 
 class Engine(Runtime):
     """A client of a container engine on the node (Docker, Podman): --shm-size reaches the container, killing
-    the client leaves the container running, and the engine says which image it has."""
+    the client leaves the container running, and the engine says which image it has. The engine, not the task,
+    starts the container: it runs outside the task's cgroup and gets exactly the allocated devices by name."""
     sets_shm = True
     kills_client_only = True
+    confined = False
     inspect_labels = ""   # where `image inspect` keeps an image's labels
+    cuda_devices = ""     # node-script shell that fills the array ACCEL from $GPUS for NVIDIA GPUs
+
+    def allocation(self, device, procs):
+        lines, _ = super().allocation(device, procs)
+        if device == "rocm":
+            lines += [template("render_nodes.sh"), Raw("RENDER=$(render_nodes)"),
+                      Raw('ACCEL=(); for d in $RENDER; do ACCEL+=(--device "$d"); done')]
+        else:
+            lines.append(Raw(self.cuda_devices))
+        lines.append(Raw(f'echo "fleetbox: {self.unconfined_note()} ($GPUS)"'))
+        return lines, [Raw('"${ACCEL[@]}"')]
+
+    def unconfined_note(self) -> str:
+        return (f"{self.name} starts the container outside the Slurm task's cgroup: it is given the allocated "
+                f"devices, but Slurm neither confines it to them nor accounts for them")
+
+    def for_allocation(self, n):   # and every render node: the allocated ones come in $ACCEL
+        return replace(super().for_allocation(n), devices=tuple(d for d in n.devices if d != ALL_RENDER_NODES))
 
     def identify(self):
         return template("identify_engine.sh", ENGINE=self.name, LABELS=self.inspect_labels,
@@ -130,6 +165,8 @@ class Engine(Runtime):
 class Docker(Engine):
     name = "docker"
     inspect_labels = ".Config.Labels"
+    # --gpus reads its value as CSV: a list of ids is one quoted field
+    cuda_devices = 'ACCEL=(--gpus "\\"device=$GPUS\\"")'
 
     def launch(self, n, image, extra=()):
         return ["docker", "run", "--rm", *n.run_flags(), *extra, image, *n.command]
@@ -141,6 +178,7 @@ class Docker(Engine):
 class Podman(Engine):
     name = "podman"
     inspect_labels = ".Labels"
+    cuda_devices = 'ACCEL=(); for g in ${GPUS//,/ }; do ACCEL+=(--device "nvidia.com/gpu=$g"); done'   # CDI, by index
 
     def remove_now(self, container: str) -> list[str]:   # at once: Slurm's SIGKILL may come before the 10 s default
         return [self.name, "rm", "-f", "--time", "0", container]
@@ -157,8 +195,6 @@ class Podman(Engine):
             a += ["--device", d]
         if n.group_add:
             a += ["--group-add", "keep-groups"]
-        if n.gpus:
-            a += ["--device", "nvidia.com/gpu=all"]   # CDI
         return a + [*extra, image, *n.command]
 
     def pull_commands(self, ref, out_name, insecure=False):
@@ -175,14 +211,18 @@ class Apptainer(Runtime):
 
     def launch(self, n, image, extra=()):
         a = ["apptainer", "exec", "--cleanenv", "--pwd", WORKDIR]
-        device = "cuda" if n.gpus else "rocm" if n.devices else ""
-        a += {"cuda": ["--nv"], "rocm": ["--rocm"]}.get(device, [])
+        a += {"cuda": ["--nv"], "rocm": ["--rocm"]}.get(n.accelerator, [])
         for m in n.mounts:
             a += ["--bind", f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}"]
         return a + [*extra, image, *n.command]
 
     def exports(self, n):
         return {f"APPTAINERENV_{k}": v for k, v in n.env.items()}
+
+    def allocation(self, device, procs):   # --cleanenv drops them: pass them on by name
+        lines, words = super().allocation(device, procs)
+        return lines + [Raw(f'for v in {" ".join(self.VISIBLE)}; do [ -z "${{!v+x}}" ] || '
+                            'export "APPTAINERENV_$v=${!v}"; done')], words
 
     def default_image(self, variant, image_ref):
         sif = export_path(variant, "sif")
@@ -216,6 +256,11 @@ class Charliecloud(Runtime):
         for m in n.mounts:
             a += ["-b", f"{m.src}:{m.dst}"]
         return a + ["-c", WORKDIR, *extra, image, "--", *n.command]
+
+    def allocation(self, device, procs):   # ch-run passes the environment on, but the image's may override it
+        lines, words = super().allocation(device, procs)
+        return lines + [Raw(f'VISIBLE=(); for v in {" ".join(self.VISIBLE)}; do [ -z "${{!v+x}}" ] || '
+                            'VISIBLE+=("--set-env=$v=${!v}"); done')], [Raw('${VISIBLE[@]+"${VISIBLE[@]}"}')]
 
     def default_image(self, variant, image_ref):
         sq = export_path(variant, "charliecloud", squash=True)

@@ -37,17 +37,18 @@ from fleetbox.run.shell import Raw, line
 NODE_VARS = {"rank": Raw('"$SLURM_NODEID"'), "node": Raw('node"$SLURM_NODEID"'), "nnodes": Raw('"$SLURM_NNODES"'),
              "home": Raw('"$HOME"'), "user": Raw('"$USER"'), "master_ip": Raw('"$MASTER_IP"'),
              "master_port": Raw('"$MASTER_PORT"'), "node_ip": Raw('"$NODE_IP"'), "iface": Raw('"$IFACE"'),
-             "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"')}
+             "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'), "gpus": Raw('"${GPUS:-}"')}
 
 # The node's NIC and own address towards the master, found on the node (iproute2); on the master itself
 # `ip route get` answers "local ... dev lo", so the interface holding the address is looked up instead.
 ROUTE_SH = template("route_to.sh")
 
-# The allocation chain (our own shell; JOB_DIR and CHECKPOINTS are set, quoted, before it). An allocation
-# whose script recorded "continue" (fleetbox_checkpoint, after Slurm's USR1 warning) and made progress is
-# followed by the next one (a dependent job); a real failure is followed only while restarts remain. Each
-# allocation appends one JSON line to allocations.jsonl and moves its logs to alloc<N>/ before the next one
-# starts; the last one's stay in the job folder.
+# The allocation chain (our own shell; JOB_DIR, CHECKPOINTS, MAX_ALLOCATIONS and MAX_RESTARTS are set, quoted,
+# before it). An allocation whose script recorded "continue" (fleetbox_checkpoint, after Slurm's USR1 warning)
+# and made progress is followed by the next one (a dependent job); a real failure is followed only while
+# restarts remain, and so is a requeue by Slurm, which goes on from the newest checkpoint. Each allocation
+# appends one JSON line to allocations.jsonl and moves its logs to alloc<N>/ before the next one starts; the
+# last one's stay in the job folder.
 CHAIN_SH = template("chain.sh")
 
 # What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
@@ -142,6 +143,8 @@ class SlurmBackend(Backend):
     def plan(self, spec: spec_mod.JobSpec) -> SlurmPlan:
         if spec.hosts:
             raise UserError("--hosts is for the docker backend; Slurm chooses the nodes")
+        if spec.devices:
+            raise UserError("--devices is for the docker backend; Slurm chooses the GPUs: give --gpus-per-node")
         job_id = spec.job_id or spec_mod.new_job_id()
         job_dir = settings.runs_root() / job_id
         if not SBATCH_PATH.fullmatch(str(job_dir)):
@@ -153,6 +156,8 @@ class SlurmBackend(Backend):
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
         t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt)))
+        if t.accelerator:   # the node's devices are Slurm's allocation, read on the node
+            t = self.runtime.for_allocation(t)
         self.runtime.check(t, image)
         files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
                  ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
@@ -186,8 +191,12 @@ class SlurmBackend(Backend):
             lines += [f"IMAGE_REF={shlex.quote(image)}", rt.identify()]
         if not rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):   # else mounted before node.sh
             lines.append(self.words(["mkdir", "-p", home_cache], job_id))
+        given = []   # the words that hand the runtime the allocated devices
+        if t.accelerator:
+            shell, given = rt.allocation(t.accelerator, spec.procs_per_node)
+            lines += shell
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
-        run = self.words([*rt.launch(t, image, list(self.runtime_args))], job_id)
+        run = self.words([*rt.launch(t, image, [*given, *self.runtime_args])], job_id)
         if rt.kills_client_only:
             # A killed client leaves its container running: remove it when Slurm stops this task, at once (Slurm
             # sends SIGKILL after KillWait, which may be shorter than podman's 10 s graceful stop).
@@ -207,12 +216,15 @@ class SlurmBackend(Backend):
                 "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={job_dir}/slurm-%j.out",
                 f"#SBATCH --signal=B:USR1@{self.signal_grace}"]
         head += [f"#SBATCH --{k}={v}" for k, v in self.sbatch.items() if v]
-        if spec.variant.device == "cuda" and not spec.devices:
-            head.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node or 1}")
+        # Slurm requeues a job on a node failure or preemption only where the job allows it: a restart
+        head.append("#SBATCH --requeue" if spec.max_restarts else "#SBATCH --no-requeue")
+        if spec.variant.device != "cpu":   # one per process; node.sh gives each runtime exactly these
+            head.append(f"#SBATCH --gpus-per-node={spec.gpus_each}")
         body = [
             "set -euo pipefail",
             f"JOB_DIR={shlex.quote(str(job_dir))}",
             f"CHECKPOINTS={shlex.quote(str(ckpt))}",
+            f"MAX_ALLOCATIONS={self.max_allocations} MAX_RESTARTS={spec.max_restarts}",
             CHAIN_SH,
             "# the master: first host of the allocation, as a numeric IP (Paddle's master needs one)",
             'MASTER_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -237,7 +249,7 @@ class SlurmBackend(Backend):
                 f" | xargs -r {rt.name} rm -f"
             body.append('srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --output=/dev/null bash -c '
                         f"{shlex.quote(sweep)} || true")
-        body += [f"next_allocation {self.max_allocations} {spec.max_restarts}", 'exit "$rc"']
+        body += ["next_allocation", 'exit "$rc"']
         return "\n".join(head + body) + "\n"
 
     def describe(self, plan: SlurmPlan) -> str:
@@ -381,7 +393,8 @@ class SlurmBackend(Backend):
                       scheduler_job=slurm_job, scheduler_state=state,
                       ended="" if ok or last is None or last["ended"] in ("failed", "restart") or bad is not None
                       else chain_end(last))
-        if len(records) > 1 or last and last["ended"] in ("no-progress", "max-allocations", "submit-failed"):
+        if len(records) > 1 or last and last["ended"] in ("no-progress", "max-allocations", "submit-failed",
+                                                          "requeue-refused"):
             r.attempts = [{"attempt": rec["allocation"] - 1, "ok": rec["ended"] in ("finished", "continue"),
                            "ended": chain_end(rec), "slurm_job": rec["slurm_job"],
                            "steps": [rec["from_step"], rec["to_step"]],
@@ -457,6 +470,9 @@ def chain_end(rec: dict) -> str:
         "failed": f"failed (exit {rec['exit']})",
         "cancelled": "cancelled",
         "submit-failed": f"could not submit the next allocation (see slurm-{rec['slurm_job']}.out)",
+        "requeued": f"requeued by Slurm (a node failure, preemption or scontrol requeue) at checkpoint step {step}; "
+                    f"restarted in the same Slurm job {rec['slurm_job']}",
+        "requeue-refused": "requeued by Slurm, but --max-restarts was spent: not run again",
     }.get(rec["ended"], rec["ended"])
 
 

@@ -1,4 +1,7 @@
-ALLOCATION="${FLEETBOX_ALLOCATION:-1}"; RESTARTS="${FLEETBOX_RESTARTS:-0}"
+# A requeue (node failure, preemption, scontrol requeue) runs this script again in the same Slurm job, with the
+# environment it was submitted with and SLURM_RESTART_COUNT grown: each run is an allocation and a restart.
+REQUEUES="${SLURM_RESTART_COUNT:-0}"
+ALLOCATION=$(( ${FLEETBOX_ALLOCATION:-1} + REQUEUES )); RESTARTS=$(( ${FLEETBOX_RESTARTS:-0} + REQUEUES ))
 CHAIN="${FLEETBOX_CHAIN:-$SLURM_JOB_ID}"
 export FLEETBOX_ATTEMPT=$((ALLOCATION - 1))
 if [ -e "$JOB_DIR/CANCELLED.$CHAIN" ]; then echo "fleetbox: the job was cancelled"; exit 0; fi
@@ -13,8 +16,29 @@ newest_step() {
   echo "$best"
 }
 script_state() { sed -n 's/.*"state": *"\([a-z]*\)".*/\1/p' "$CHECKPOINTS/STATE" 2>/dev/null || true; }
+record() {  # allocation from_step to_step state exit ended next: one line of allocations.jsonl
+  printf '{"chain": "%s", "allocation": %d, "max_allocations": %d, "slurm_job": "%s", "from_step": %d, "to_step": %d, "state": "%s", "exit": %d, "ended": "%s", "next": "%s"}\n' \
+    "$CHAIN" "$1" "$MAX_ALLOCATIONS" "$SLURM_JOB_ID" "$2" "$3" "$4" "$5" "$6" "$7" >> "$JOB_DIR/allocations.jsonl"
+}
+keep_logs() {  # the node logs of allocation $1, apart, before another one writes new ones
+  mkdir -p "$JOB_DIR/alloc$1"
+  mv "$JOB_DIR"/node[0-9]* "$JOB_DIR/alloc$1"/ 2>/dev/null || true
+}
+if [ "$REQUEUES" -gt 0 ]; then   # the run before this one was cut short: record it, as its own allocation
+  cut_from=$(cat "$JOB_DIR/from_step.$CHAIN" 2>/dev/null || echo 0)
+  keep_logs $((ALLOCATION - 1))
+  record $((ALLOCATION - 1)) "${cut_from:-0}" "$(newest_step)" "$(script_state)" -1 requeued "$SLURM_JOB_ID"
+  echo "fleetbox: Slurm requeued job $SLURM_JOB_ID (restart count $REQUEUES): allocation $ALLOCATION goes on from the newest checkpoint"
+  if [ "$RESTARTS" -gt "$MAX_RESTARTS" ]; then
+    rc=1; step=$(newest_step)
+    record "$ALLOCATION" "$step" "$step" "" "$rc" requeue-refused ""
+    echo "fleetbox: Slurm requeued the job, but --max-restarts $MAX_RESTARTS is spent: not running it again" >&2
+    exit "$rc"
+  fi
+fi
 rm -f "$CHECKPOINTS/STOP" "$CHECKPOINTS/STATE"   # the script records its state again once it runs
 FROM_STEP=$(newest_step)
+echo "$FROM_STEP" > "$JOB_DIR/from_step.$CHAIN"
 stop_soon() {
   echo "fleetbox: the time limit is near: asking the training processes to checkpoint and stop"
   : > "$CHECKPOINTS/STOP"
@@ -22,27 +46,25 @@ stop_soon() {
 trap stop_soon USR1
 echo "fleetbox: allocation $ALLOCATION (Slurm job $SLURM_JOB_ID) starts from checkpoint step $FROM_STEP"
 echo "fleetbox: allocation $ALLOCATION started at $(date +%s.%N)"
-next_allocation() {  # max_allocations max_restarts
+next_allocation() {
   local to state ended next="" restarts="$RESTARTS"
   to=$(newest_step); state=$(script_state)
   if [ -e "$JOB_DIR/CANCELLED.$CHAIN" ]; then ended=cancelled
   elif [ "$state" = continue ] && [ "$to" -le "$FROM_STEP" ]; then ended=no-progress
-  elif [ "$state" = continue ] && [ "$ALLOCATION" -ge "$1" ]; then ended=max-allocations
+  elif [ "$state" = continue ] && [ "$ALLOCATION" -ge "$MAX_ALLOCATIONS" ]; then ended=max-allocations
   elif [ "$state" = continue ]; then ended=continue
   elif [ "$rc" -eq 0 ]; then ended=finished
-  elif [ "$RESTARTS" -lt "$2" ]; then ended=restart; restarts=$((RESTARTS + 1))
+  elif [ "$RESTARTS" -lt "$MAX_RESTARTS" ]; then ended=restart; restarts=$((RESTARTS + 1))
   else ended=failed
   fi
   if [ "$ended" = continue ] || [ "$ended" = restart ]; then
-    mkdir -p "$JOB_DIR/alloc$ALLOCATION"
-    mv "$JOB_DIR"/node[0-9]* "$JOB_DIR/alloc$ALLOCATION"/ 2>/dev/null
+    keep_logs "$ALLOCATION"
     next=$(sbatch --parsable --dependency="afterany:$SLURM_JOB_ID" \
       --export="ALL,FLEETBOX_ALLOCATION=$((ALLOCATION + 1)),FLEETBOX_RESTARTS=$restarts,FLEETBOX_CHAIN=$CHAIN" \
       "$JOB_DIR/job.sbatch") || { ended=submit-failed; next=""; }
     next=${next%%;*}
     [ "$ended" = continue ] && rc=0
   fi
-  printf '{"chain": "%s", "allocation": %d, "max_allocations": %d, "slurm_job": "%s", "from_step": %d, "to_step": %d, "state": "%s", "exit": %d, "ended": "%s", "next": "%s"}\n' \
-    "$CHAIN" "$ALLOCATION" "$1" "$SLURM_JOB_ID" "$FROM_STEP" "$to" "$state" "$rc" "$ended" "$next" >> "$JOB_DIR/allocations.jsonl"
+  record "$ALLOCATION" "$FROM_STEP" "$to" "$state" "$rc" "$ended" "$next"
   echo "fleetbox: allocation $ALLOCATION ended ($ended) at checkpoint step $to${next:+; next: Slurm job $next}"
 }
