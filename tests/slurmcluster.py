@@ -31,6 +31,9 @@ def conf(d: Path, addrs: list[str]) -> str:
 SlurmctldHost={host}({fabric.SUBNET}.1)
 SlurmUser=root
 AuthType=auth/munge
+# a requeued job waits cred_expire before it starts again (default 120 s)
+AuthInfo=cred_expire=30
+JobRequeue=1
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill

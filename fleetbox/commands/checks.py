@@ -199,6 +199,13 @@ def gpus_from_nvidia_smi(out: str) -> list[dict]:
     return gpus
 
 
+def confinement_rows(device: str, unconfined: str) -> list[Row]:
+    """Said, not failed: a GPU job whose runtime the scheduler cannot confine runs, but outside its accounting."""
+    if device == "cpu" or not unconfined:
+        return []
+    return [Row("cluster", "device confinement", True, f"none: {unconfined}", "the task's cgroup")]
+
+
 def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
     if e.device != "cuda":
         return []

@@ -19,6 +19,7 @@ from fleetbox.commands.checks import (
     BLAST_BYTES,
     Expect,
     Row,
+    confinement_rows,
     engine_rows,
     evaluate,
     parse_probe,
@@ -58,6 +59,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
     job_id = new_job_id("doctor")
     facts_here = b.engine_facts(spec)   # what the backend can see from here, before anything starts
     rows = engine_rows(facts_here, spec) if facts_here is not None else []
+    rows += confinement_rows(spec.variant.device, b.unconfined)
     base = replace(spec, job_id=job_id, max_restarts=0, resume="auto", checkpoint_dir="")
     facts, master_ip, sweep, job_dir, port = {}, "", None, settings.runs_root() / job_id, None
     if all(r.ok for r in rows):

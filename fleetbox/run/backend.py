@@ -65,6 +65,7 @@ class Backend(ABC):
     runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime
     shm_settable = True                  # --shm-size reaches the container (else the node's /dev/shm counts)
     notes: tuple[str, ...] = ()          # what the user should know about the options given (one line each)
+    unconfined = ""                      # why the job's devices are not confined to what the scheduler allocated
 
     @property
     def runtime_name(self) -> str:

@@ -123,3 +123,14 @@ def test_cpu_jobs_read_no_allocation(stubs, tmp_path, monkeypatch):
     assert "GPUS" not in text and "ACCEL" not in text
     proc, calls = run(text, stubs, tmp_path, {})
     assert proc.returncode == 0 and "--gpus" not in the_call(calls, "docker")[0]
+
+
+@pytest.mark.parametrize("runtime,confined", [("docker", False), ("podman", False), ("apptainer", True),
+                                              ("charliecloud", True), ("pyxis", True)])
+def test_doctor_says_which_runtimes_slurm_cannot_confine(runtime, confined):
+    from fleetbox.commands.checks import confinement_rows
+    rows = confinement_rows("cuda", slurm.SlurmBackend(runtime).unconfined)
+    assert len(rows) == (0 if confined else 1)
+    if rows:
+        assert rows[0].ok and rows[0].value.startswith(f"none: {runtime} starts the container outside the Slurm task")
+    assert confinement_rows("cpu", slurm.SlurmBackend(runtime).unconfined) == []

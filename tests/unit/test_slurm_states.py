@@ -119,3 +119,15 @@ def test_cancel_of_a_chain_that_has_ended_asks_nothing(stub_slurm, tmp_path):
     said = []
     slurm.SlurmBackend().cancel(chain(tmp_path), said.append)
     assert not (d / "scancel.jsonl").exists() and said == ["no Slurm job of train-x is alive (7)"]
+
+
+def test_a_requeued_jobs_earlier_run_is_not_read_as_this_ones_failure():
+    """With --open-mode=append every run of a requeued job writes to one slurm-<id>.out: only the newest counts."""
+    out = ("fleetbox: allocation 1 (Slurm job 7) starts from checkpoint step 0\n"
+           "srun: error: node2: task 1: Terminated\n"
+           "fleetbox: Slurm requeued job 7 (restart count 1): allocation 2 goes on from the newest checkpoint\n"
+           "fleetbox: allocation 2 (Slurm job 7) starts from checkpoint step 10\n"
+           "fleetbox: allocation 2 ended (finished) at checkpoint step 20\n")
+    assert slurm.failures(slurm.this_run(out)) == []
+    assert [f.rank for f in slurm.failures(out)] == [1]
+    assert slurm.this_run("no marker\n") == "no marker\n"

@@ -138,6 +138,10 @@ class SlurmBackend(Backend):
     def shm_settable(self) -> bool:
         return self.runtime.sets_shm
 
+    @property
+    def unconfined(self) -> str:
+        return "" if self.runtime.confined else self.runtime.unconfined_note()
+
     # -- plan and describe (pure once the spec is given) --
 
     def plan(self, spec: spec_mod.JobSpec) -> SlurmPlan:
@@ -214,6 +218,7 @@ class SlurmBackend(Backend):
         # holds them) to checkpoint and stop through a file in the checkpoint folder
         head = ["#!/bin/bash", f"#SBATCH --job-name=fleetbox-{job_id}", f"#SBATCH --nodes={spec.nodes}",
                 "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={job_dir}/slurm-%j.out",
+                "#SBATCH --open-mode=append",   # a requeued run keeps the cut one's output (Slurm truncates)
                 f"#SBATCH --signal=B:USR1@{self.signal_grace}"]
         head += [f"#SBATCH --{k}={v}" for k, v in self.sbatch.items() if v]
         # Slurm requeues a job on a node failure or preemption only where the job allows it: a restart
@@ -367,7 +372,7 @@ class SlurmBackend(Backend):
     def result(self, handle: Handle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
         job_dir, slurm_job, records = Path(handle.dir), slurm_job or handle.scheduler_job, records or []
         batch = job_dir / f"slurm-{slurm_job}.out"
-        fails = failures(batch.read_text(errors="replace") if batch.exists() else "")
+        fails = failures(this_run(batch.read_text(errors="replace") if batch.exists() else ""))
         # srun --kill-on-bad-exit stops the other tasks after the first failure: a task it reports after that
         # was stopped by Slurm, not failing by itself (as the Docker backend leaves out nodes it stopped)
         suspects = [f for i, f in enumerate(fails) if i == 0 or not f.stopped]
@@ -570,6 +575,12 @@ class TaskFailure(NamedTuple):
     node: str
     oom: bool = False
     stopped: bool = False   # reported killed, or after srun began stopping the step: maybe srun's doing
+
+
+def this_run(batch_output: str) -> str:
+    """The batch output of the job's newest run: a requeued job appends each run's to the same file."""
+    starts = [m.start() for m in re.finditer(r"^fleetbox: allocation \d+ \(Slurm job", batch_output, re.M)]
+    return batch_output[starts[-1]:] if starts else batch_output
 
 
 def failures(batch_output: str) -> list[TaskFailure]:
