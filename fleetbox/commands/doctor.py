@@ -40,8 +40,7 @@ from fleetbox.run.spec import JobSpec, new_job_id
 def expect(spec: JobSpec, port: int, b) -> Expect:
     """What the job needs of every node, with what the backend says of how it starts containers."""
     v = spec.variant
-    count = len(spec.devices.split(",")) if spec.devices else max(spec.gpus_per_node or 1, spec.procs_per_node)
-    return Expect(spec.nodes, spec.shm_size, v.device, spec.ib_hca, v.min_driver, v.toolkit_driver, count,
+    return Expect(spec.nodes, spec.shm_size, v.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
                   spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, b.shm_settable)
 
 

@@ -91,6 +91,7 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
                  max_restarts=None) -> JobSpec:
     """A validated JobSpec from command-line strings (each by its option's name)."""
     host_list = tuple(options.items(hosts))
+    gpus_per_node = options.integer("--gpus-per-node", gpus_per_node or 0, 0)
     if procs_per_node is None and (gpus_per_node or devices):   # Paddle runs one process per device
         sharing = 1 if host_list else options.integer("--nodes", 2 if nodes is None else nodes, 1)
         procs_per_node = gpus_per_node or max(1, len(devices.split(",")) // sharing)
@@ -108,7 +109,7 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
         procs_per_node=options.integer("--procs-per-node", 1 if procs_per_node is None else procs_per_node, 1),
         script=script or str(settings.DEFAULT_SCRIPT), args=argv, image=image or "", hosts=host_list,
         iface=iface or "", ib_hca=ib_hca or "", debug=bool(debug),
-        gpus_per_node=options.integer("--gpus-per-node", gpus_per_node or 0, 0), devices=devices or "",
+        gpus_per_node=gpus_per_node, devices=devices or "",
         port=options.integer("--port", port, 1024, 65535) if port else 0, env=options.pairs("--env", env),
         mounts=tuple(parse_mount(m) for m in options.items(mount)), data_dir=data_dir,
         shm_size=shm_size or "8g", job_id=job_id or "", checkpoint_dir=checkpoint_dir or "",

@@ -88,12 +88,18 @@ def test_rocm_apptainer_passes_the_visibility_variables_by_name(stubs, tmp_path,
     assert "APPTAINERENV_HIP_VISIBLE_DEVICES" not in env
 
 
-def test_without_a_step_allocation_the_jobs_is_read(stubs, tmp_path, monkeypatch):
-    task = {k: v for k, v in TASK.items() if k != "SLURM_STEP_GPUS"} | {"SLURM_JOB_GPUS": "2,5"}
+@pytest.mark.parametrize("node,given", [("0", ["/dev/kfd", "/dev/dri/renderD131", "/dev/dri/renderD132"]),
+                                        ("1", None)])
+def test_without_a_step_allocation_only_the_batch_node_reads_the_jobs(node, given, stubs, tmp_path, monkeypatch):
+    """SLURM_JOB_GPUS is the batch node's (node 0's) allocation, inherited by every task: another node that has no
+    step allocation of its own stops rather than take node 0's ids."""
+    task = {k: v for k, v in TASK.items() if k != "SLURM_STEP_GPUS"} | {"SLURM_JOB_GPUS": "2,5", "SLURM_NODEID": node}
     proc, calls = run(node_script("dcu", "docker", tmp_path, monkeypatch), stubs, tmp_path, task)
-    assert proc.returncode == 0, proc.stderr
-    argv, _ = the_call(calls, "docker")
-    assert values(argv, "--device") == ["/dev/kfd", "/dev/dri/renderD131", "/dev/dri/renderD132"]   # nodes 4, 11
+    if given is None:
+        assert proc.returncode == 2 and calls == [] and "Slurm allocated 0 device(s) (none)" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert values(the_call(calls, "docker")[0], "--device") == given   # GPUs 2, 5: KFD nodes 4, 11
 
 
 @pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer", "charliecloud", "pyxis"])

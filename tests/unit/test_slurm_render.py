@@ -103,7 +103,8 @@ def test_runtime_specifics():
 def test_cuda_asks_slurm_for_gpus_and_docker_runtime_for_them():
     sj = job("cu126", "docker", gpus_per_node=4, procs_per_node=4)
     assert "#SBATCH --gpus-per-node=4" in sbatch(sj)
-    assert '"${ACCEL[@]}"' in node_script(sj) and "--gpus" not in node_script(sj).split("ACCEL[@]")[-1]
+    run = next(ln for ln in node_script(sj).splitlines() if ln.startswith("docker run"))
+    assert '"${ACCEL[@]}"' in run and "--gpus" not in run   # only the allocation's, from ACCEL
     dcu = job("dcu", "podman")
     assert "#SBATCH --gpus-per-node=1" in sbatch(dcu)   # one per process: node.sh reads which
     dcu = node_script(dcu)
@@ -286,7 +287,7 @@ def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, 
         (ck / f"step-{s:08d}").mkdir(exist_ok=True)
         (ck / f"step-{s:08d}" / "COMPLETE").write_text("{}")
     (ck / "step-00000099").mkdir(exist_ok=True)   # no COMPLETE: never counts
-    if stale:   # what the previous allocation's script recorded
+    if stale and stale != "started":   # what the previous allocation's script recorded
         (ck / "STATE").write_text(f'{{"state": "{stale}", "step": {from_step}}}')
     script = "\n".join([
         "set -euo pipefail", f"JOB_DIR={job}", f"CHECKPOINTS={ck}", "SLURM_JOB_ID=7",
@@ -299,8 +300,10 @@ def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, 
         f"touch {job}/CANCELLED.7" if cancelled else ":",   # `invoke cancel` while the allocation ran
         f"echo '{{\"state\": \"{state}\", \"step\": {to_step}}}' > {ck}/STATE" if state else ":",
         'echo "attempt=$FLEETBOX_ATTEMPT"', f"rc={rc}", "next_allocation", 'echo "exit=$rc"'])
-    if requeues:   # the run Slurm cut short had started from this step
-        (job / "from_step.7").write_text("5\n")
+    if requeues and stale != "started":   # the run Slurm cut short (run `requeues` of job 7) began at step 5
+        (job / "started.7").write_text(f"7 {requeues} 5\n")
+    elif requeues:   # it never got as far: what is there is the previous job's
+        (job / "started.7").write_text("6 1 0\n")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                           env={"PATH": f"{bin_}:/usr/bin:/bin"})
     assert proc.returncode == exit_code, proc.stderr
@@ -318,18 +321,25 @@ def test_a_requeued_allocation_is_a_restart_from_the_newest_checkpoint(tmp_path)
     recs, out, job = _allocation(tmp_path, state="done", rc=0, requeues=1, max_restarts=1)
     cut, this = recs
     assert cut == {"chain": "7", "allocation": 1, "max_allocations": 3, "slurm_job": "7", "from_step": 5,
-                   "to_step": 10, "state": "", "exit": -1, "ended": "requeued", "next": "7"}
+                   "to_step": 10, "state": "", "exit": -1, "ended": "requeued", "next": ""}
     assert this["allocation"] == 2 and this["from_step"] == 10 and this["ended"] == "finished"
     assert "attempt=1" in out and (job / "alloc1" / "node0.log").read_text() == "node 0 said\n"
     assert slurm.chain_end(cut).startswith("requeued by Slurm (a node failure, preemption or scontrol requeue) at "
                                            "checkpoint step 10")
 
 
+def test_a_run_cut_before_it_started_is_recorded_without_steps(tmp_path):
+    recs, out, job = _allocation(tmp_path, state="done", rc=0, requeues=1, max_restarts=1, stale="started")
+    assert (recs[0]["ended"], recs[0]["from_step"], recs[0]["to_step"]) == ("requeued", 10, 10)
+
+
 def test_a_requeue_spends_a_restart_and_the_next_allocation_knows(tmp_path):
     """Requeued once, then failing with one more restart allowed: the next allocation is 3 with both spent."""
     recs, out, job = _allocation(tmp_path, state="running", rc=3, requeues=1, max_restarts=2)
     assert [r["ended"] for r in recs] == ["requeued", "restart"]
-    assert "FLEETBOX_ALLOCATION=3,FLEETBOX_RESTARTS=2," in (tmp_path / "bin" / "sbatch.args").read_text()
+    # a count of its own is not handed on: Slurm sets one only when the next job is itself requeued
+    sbatch = (tmp_path / "bin" / "sbatch.args").read_text()
+    assert "SLURM_RESTART_COUNT=0,FLEETBOX_ALLOCATION=3,FLEETBOX_RESTARTS=2," in sbatch
 
 
 def test_a_requeue_with_no_restart_left_is_not_run_again(tmp_path):
@@ -381,7 +391,7 @@ def test_an_allocation_of_a_cancelled_chain_ends_at_once(tmp_path):
     script = "\n".join(["set -euo pipefail", f"JOB_DIR={tmp_path}", f"CHECKPOINTS={tmp_path}", "SLURM_JOB_ID=8",
                         "FLEETBOX_CHAIN=7", str(slurm.CHAIN_SH), "echo started"])
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
-    assert proc.returncode == 0 and proc.stdout == "fleetbox: the job was cancelled\n"
+    assert proc.returncode == 0 and proc.stdout == "fleetbox: run 1 of Slurm job 8\nfleetbox: the job was cancelled\n"
 
 
 def test_slurm_is_asked_to_warn_before_the_time_limit_and_the_chain_is_bounded(tmp_path):

@@ -122,12 +122,49 @@ def test_cancel_of_a_chain_that_has_ended_asks_nothing(stub_slurm, tmp_path):
 
 
 def test_a_requeued_jobs_earlier_run_is_not_read_as_this_ones_failure():
-    """With --open-mode=append every run of a requeued job writes to one slurm-<id>.out: only the newest counts."""
-    out = ("fleetbox: allocation 1 (Slurm job 7) starts from checkpoint step 0\n"
-           "srun: error: node2: task 1: Terminated\n"
-           "fleetbox: Slurm requeued job 7 (restart count 1): allocation 2 goes on from the newest checkpoint\n"
-           "fleetbox: allocation 2 (Slurm job 7) starts from checkpoint step 10\n"
-           "fleetbox: allocation 2 ended (finished) at checkpoint step 20\n")
-    assert slurm.failures(slurm.this_run(out)) == []
-    assert [f.rank for f in slurm.failures(out)] == [1]
+    """With --open-mode=append every run of a requeued job writes to one slurm-<id>.out: only the newest counts,
+    also when it stopped before starting anything (--max-restarts spent)."""
+    cut = ("fleetbox: run 1 of Slurm job 7\n"
+           "fleetbox: allocation 1 (Slurm job 7) starts from checkpoint step 0\n"
+           "srun: error: node2: task 1: Terminated\n")
+    rerun = ("fleetbox: run 2 of Slurm job 7\n"
+             "fleetbox: Slurm requeued job 7 (restart count 1): allocation 2 goes on from the newest checkpoint\n")
+    assert [f.rank for f in slurm.failures(cut + rerun)] == [1]
+    assert slurm.failures(slurm.this_run(cut + rerun)) == []
     assert slurm.this_run("no marker\n") == "no marker\n"
+
+
+def test_a_requeued_run_that_ends_with_no_record_ends_the_job(stub_slurm, tmp_path):
+    """The rerun of a requeued job is cancelled (or hits the hard limit) before it writes its own line: the job
+    has ended, and says how; while it runs, it is the next attempt."""
+    _, states = stub_slurm
+    h = chain(tmp_path, {"allocation": 1, "slurm_job": "7", "ended": "requeued", "next": "", "exit": -1})
+    states(j7="RUNNING")
+    assert slurm.SlurmBackend().job_state(h)[:2] == (JobState.RUNNING, 2)
+    states(j7="CANCELLED")
+    state, attempt, note = slurm.SlurmBackend().job_state(h)
+    assert (state, attempt) == (JobState.FAILED, 2) and note.endswith(
+        "that run ended with no record (Slurm: CANCELLED)"), note
+    states()   # Slurm forgot it: what the chain recorded, not UNKNOWN for ever
+    (tmp_path / "train-x" / "summary.json").unlink()
+    assert slurm.SlurmBackend().job_state(h)[0] == JobState.FAILED
+
+
+def test_cancel_also_takes_a_next_allocation_submitted_meanwhile(stub_slurm, tmp_path, monkeypatch):
+    """Allocation 1 submits job 8 between our reading of allocations.jsonl and scancel: cancel reads again."""
+    d, states = stub_slurm
+    states(j7="RUNNING", j8="PENDING")
+    h = chain(tmp_path)
+    real = slurm._slurm
+
+    def scancel_then_chain(*argv, check=True):
+        out = real(*argv, check=check)
+        if argv[0] == "scancel" and "7" in argv:   # the allocation had just submitted 8 and written its line
+            with open(tmp_path / "train-x" / "allocations.jsonl", "a") as f:
+                f.write(json.dumps({"chain": "7", "allocation": 1, "slurm_job": "7", "ended": "continue",
+                                    "next": "8", "from_step": 0, "to_step": 10, "exit": 0}) + "\n")
+        return out
+    monkeypatch.setattr(slurm, "_slurm", scancel_then_chain)
+    slurm.SlurmBackend().cancel(h, lambda _: None)
+    calls = [json.loads(ln) for ln in (d / "scancel.jsonl").read_text().splitlines()]
+    assert [c[1:] for c in calls] == [["7"], ["8"]]

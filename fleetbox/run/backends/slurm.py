@@ -243,7 +243,9 @@ class SlurmBackend(Backend):
         if rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):
             body.append(self.words(["mkdir", "-p", home_cache], job_id))   # the mount point, before srun mounts
         srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", Raw('--nodes="$SLURM_NNODES"'), "--ntasks-per-node=1",
-                f"--output={job_dir}/node%n.log", *rt.srun_options(t, image), "bash", str(job_dir / "node.sh")]
+                # each node's own log, fresh: the batch script's append (SLURM_OPEN_MODE) is for its own output
+                f"--output={job_dir}/node%n.log", "--open-mode=truncate",
+                *rt.srun_options(t, image), "bash", str(job_dir / "node.sh")]
         body += ["set +e", self.words(srun, job_id) + " &",
                  "SRUN=$!",
                  "# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
@@ -270,7 +272,9 @@ class SlurmBackend(Backend):
                 plan.image, runtime=plan.runtime, paddle=plan.spec.paddle_pin).save(plan.dir)
         for name, text in plan.files:
             files.write_atomic(plan.dir / name, text)
-        out = _slurm("sbatch", "--parsable", str(plan.dir / "job.sbatch")).stdout.strip()
+        # SLURM_RESTART_COUNT=0: a requeue count of the shell's own Slurm job is not this job's (chain.sh)
+        out = _slurm("sbatch", "--parsable", "--export=ALL,SLURM_RESTART_COUNT=0",
+                     str(plan.dir / "job.sbatch")).stdout.strip()
         handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0],
                         procs_per_node=plan.spec.procs_per_node, checkpoints=plan.checkpoints)
         handle.save()
@@ -297,26 +301,30 @@ class SlurmBackend(Backend):
         already submitted ends at once), then the chain's own Slurm jobs that are still alive, as this user:
         never every job that happens to carry the job's name."""
         Path(handle.dir, f"{CANCELLED}.{handle.scheduler_job}").touch()   # per chain: job.sbatch reads it
-        recs = allocations(Path(handle.dir), handle.scheduler_job)
-        ids = dict.fromkeys([handle.scheduler_job, *(j for r in recs for j in (r["slurm_job"], r["next"]) if j)])
-        live = [j for j in ids if alive(job_state(j)[0])]
-        if not live:
+        asked: list[str] = []
+        for _ in range(5):   # an allocation may submit the next one meanwhile: read the chain again
+            recs = allocations(Path(handle.dir), handle.scheduler_job)
+            ids = dict.fromkeys([handle.scheduler_job, *(j for r in recs for j in (r["slurm_job"], r["next"]) if j)])
+            live = [j for j in ids if j not in asked and alive(job_state(j)[0])]
+            if not live:
+                break
+            argv = ["scancel", f"--user={getpass.getuser()}", *live]
+            log(line(argv))
+            proc = _slurm(*argv, check=False)
+            if proc.returncode and (still := [j for j in live if alive(job_state(j)[0])]):   # else it ended meanwhile
+                msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+                raise UserError(f"scancel could not cancel Slurm job(s) {', '.join(still)} of {handle.job_id}: "
+                                f"{msg[-1] if msg else f'exit {proc.returncode}'}")
+            asked += live
+        if not asked:
             log(f"no Slurm job of {handle.job_id} is alive ({', '.join(ids)})")
-            return
-        argv = ["scancel", f"--user={getpass.getuser()}", *live]
-        log(line(argv))
-        proc = _slurm(*argv, check=False)
-        if proc.returncode and (still := [j for j in live if alive(job_state(j)[0])]):   # else it ended meanwhile
-            msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-            raise UserError(f"scancel could not cancel Slurm job(s) {', '.join(still)} of {handle.job_id}: "
-                            f"{msg[-1] if msg else f'exit {proc.returncode}'}")
 
     # -- from any shell --
 
     def job_state(self, handle: Handle) -> tuple[JobState, int, str]:
         d = Path(handle.dir)
         recs = allocations(d, handle.scheduler_job)
-        chained = bool(recs and recs[-1]["next"])
+        chained = bool(recs and (recs[-1]["next"] or recs[-1]["ended"] == REQUEUED_RUN))   # another run follows
         attempt = len(recs) + 1 if chained or not recs else len(recs)
         cancelled = (d / f"{CANCELLED}.{handle.scheduler_job}").exists()
         summary = files.read_json(d / records.SUMMARY)
@@ -329,7 +337,7 @@ class SlurmBackend(Backend):
             if alive(state):
                 return STATES.get(state, (JobState.UNKNOWN,))[0], attempt, "" if state in STATES else state
             if state == FORGOTTEN:   # Slurm has forgotten it (MinJobAge): what the chain recorded, else nothing
-                if not recs or chained:
+                if not recs or recs[-1]["next"]:
                     return JobState.UNKNOWN, attempt, f"Slurm no longer knows job {current}"
                 state = "COMPLETED" if recs[-1]["exit"] == 0 else "FAILED"
             # the chain has ended and no one followed it (a detached job): its result, from its files
@@ -397,13 +405,14 @@ class SlurmBackend(Backend):
                       smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
                       scheduler_job=slurm_job, scheduler_state=state,
                       ended="" if ok or last is None or last["ended"] in ("failed", "restart") or bad is not None
-                      else chain_end(last))
+                      else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
+                                              if last["ended"] == REQUEUED_RUN else ""))
         if len(records) > 1 or last and last["ended"] in ("no-progress", "max-allocations", "submit-failed",
                                                           "requeue-refused"):
             r.attempts = [{"attempt": rec["allocation"] - 1, "ok": rec["ended"] in ("finished", "continue"),
                            "ended": chain_end(rec), "slurm_job": rec["slurm_job"],
                            "steps": [rec["from_step"], rec["to_step"]],
-                           "logs": str(job_dir / f"alloc{rec['allocation']}") if rec["next"] else str(job_dir)}
+                           "logs": str(kept if (kept := job_dir / f"alloc{rec['allocation']}").is_dir() else job_dir)}
                           for rec in records]
         r.save()
         return r
@@ -475,7 +484,7 @@ def chain_end(rec: dict) -> str:
         "failed": f"failed (exit {rec['exit']})",
         "cancelled": "cancelled",
         "submit-failed": f"could not submit the next allocation (see slurm-{rec['slurm_job']}.out)",
-        "requeued": f"requeued by Slurm (a node failure, preemption or scontrol requeue) at checkpoint step {step}; "
+        REQUEUED_RUN: f"requeued by Slurm (a node failure, preemption or scontrol requeue) at checkpoint step {step}; "
                     f"restarted in the same Slurm job {rec['slurm_job']}",
         "requeue-refused": "requeued by Slurm, but --max-restarts was spent: not run again",
     }.get(rec["ended"], rec["ended"])
@@ -554,6 +563,7 @@ STATES = {
     "TIMEOUT": (None, "ended: its time limit"),
 }
 FORGOTTEN = "UNKNOWN"   # job_state's answer when Slurm no longer knows the job
+REQUEUED_RUN = "requeued"   # how chain.sh records a run that Slurm cut short and ran again in the same job
 
 
 def alive(state: str) -> bool:
@@ -579,7 +589,7 @@ class TaskFailure(NamedTuple):
 
 def this_run(batch_output: str) -> str:
     """The batch output of the job's newest run: a requeued job appends each run's to the same file."""
-    starts = [m.start() for m in re.finditer(r"^fleetbox: allocation \d+ \(Slurm job", batch_output, re.M)]
+    starts = [m.start() for m in re.finditer(r"^fleetbox: run \d+ of Slurm job ", batch_output, re.M)]
     return batch_output[starts[-1]:] if starts else batch_output
 
 

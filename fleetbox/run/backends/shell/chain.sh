@@ -1,9 +1,11 @@
 # A requeue (node failure, preemption, scontrol requeue) runs this script again in the same Slurm job, with the
 # environment it was submitted with and SLURM_RESTART_COUNT grown: each run is an allocation and a restart.
+# Every submission exports SLURM_RESTART_COUNT=0, so a count is never inherited from the submitting job.
 REQUEUES="${SLURM_RESTART_COUNT:-0}"
 ALLOCATION=$(( ${FLEETBOX_ALLOCATION:-1} + REQUEUES )); RESTARTS=$(( ${FLEETBOX_RESTARTS:-0} + REQUEUES ))
 CHAIN="${FLEETBOX_CHAIN:-$SLURM_JOB_ID}"
 export FLEETBOX_ATTEMPT=$((ALLOCATION - 1))
+echo "fleetbox: run $((REQUEUES + 1)) of Slurm job $SLURM_JOB_ID"   # where this run's output begins
 if [ -e "$JOB_DIR/CANCELLED.$CHAIN" ]; then echo "fleetbox: the job was cancelled"; exit 0; fi
 newest_step() {
   local d n best=0
@@ -25,9 +27,11 @@ keep_logs() {  # the node logs of allocation $1, apart, before another one write
   mv "$JOB_DIR"/node[0-9]* "$JOB_DIR/alloc$1"/ 2>/dev/null || true
 }
 if [ "$REQUEUES" -gt 0 ]; then   # the run before this one was cut short: record it, as its own allocation
-  cut_from=$(cat "$JOB_DIR/from_step.$CHAIN" 2>/dev/null || echo 0)
+  cut_to=$(newest_step); cut_from=$cut_to   # unless it got as far as starting its training (below)
+  read -r ran_job ran_run ran_from < "$JOB_DIR/started.$CHAIN" 2>/dev/null || true
+  if [ "${ran_job:-}" = "$SLURM_JOB_ID" ] && [ "${ran_run:-}" = "$REQUEUES" ]; then cut_from=$ran_from; fi
   keep_logs $((ALLOCATION - 1))
-  record $((ALLOCATION - 1)) "${cut_from:-0}" "$(newest_step)" "$(script_state)" -1 requeued "$SLURM_JOB_ID"
+  record $((ALLOCATION - 1)) "$cut_from" "$cut_to" "$(script_state)" -1 requeued ""
   echo "fleetbox: Slurm requeued job $SLURM_JOB_ID (restart count $REQUEUES): allocation $ALLOCATION goes on from the newest checkpoint"
   if [ "$RESTARTS" -gt "$MAX_RESTARTS" ]; then
     rc=1; step=$(newest_step)
@@ -38,7 +42,7 @@ if [ "$REQUEUES" -gt 0 ]; then   # the run before this one was cut short: record
 fi
 rm -f "$CHECKPOINTS/STOP" "$CHECKPOINTS/STATE"   # the script records its state again once it runs
 FROM_STEP=$(newest_step)
-echo "$FROM_STEP" > "$JOB_DIR/from_step.$CHAIN"
+echo "$SLURM_JOB_ID $((REQUEUES + 1)) $FROM_STEP" > "$JOB_DIR/started.$CHAIN"   # a requeue reads where this run began
 stop_soon() {
   echo "fleetbox: the time limit is near: asking the training processes to checkpoint and stop"
   : > "$CHECKPOINTS/STOP"
@@ -60,7 +64,7 @@ next_allocation() {
   if [ "$ended" = continue ] || [ "$ended" = restart ]; then
     keep_logs "$ALLOCATION"
     next=$(sbatch --parsable --dependency="afterany:$SLURM_JOB_ID" \
-      --export="ALL,FLEETBOX_ALLOCATION=$((ALLOCATION + 1)),FLEETBOX_RESTARTS=$restarts,FLEETBOX_CHAIN=$CHAIN" \
+      --export="ALL,SLURM_RESTART_COUNT=0,FLEETBOX_ALLOCATION=$((ALLOCATION + 1)),FLEETBOX_RESTARTS=$restarts,FLEETBOX_CHAIN=$CHAIN" \
       "$JOB_DIR/job.sbatch") || { ended=submit-failed; next=""; }
     next=${next%%;*}
     [ "$ended" = continue ] && rc=0
