@@ -200,8 +200,9 @@ def test_a_process_per_gpu_needs_as_many_gpus():
     from fleetbox.run import spec as spec_mod
     spec = spec_mod.JobSpec(variant=matrix.load().get("cu126"), nodes=2, procs_per_node=8)
     assert doctor.expect(spec, PORT, backends.get(backends.DEFAULT)).gpus == 8
-    assert doctor.expect(spec_mod.JobSpec(variant=matrix.load().get("cu126"), devices="0,1"), PORT,
-                         backends.get(backends.DEFAULT)).gpus == 2
+    # each node's container sees its own block of --devices: 2 of 4 for 2 nodes
+    assert doctor.expect(spec_mod.JobSpec(variant=matrix.load().get("cu126"), devices="0,1,2,3", procs_per_node=2),
+                         PORT, backends.get(backends.DEFAULT)).gpus == 2
 
 
 def test_gpu_without_a_driver_or_tool_in_the_container():
