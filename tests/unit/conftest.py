@@ -1,4 +1,6 @@
 """Fixtures the unit tests share."""
+import json
+import subprocess
 import sys
 
 import pytest
@@ -26,3 +28,19 @@ def stubs(tmp_path):
                                 'case "$2" in hostnames) echo localhost;; *) echo "NodeAddr=127.0.0.1";; esac\n')
     (d / "scontrol").chmod(0o755)
     return d
+
+
+def run_node(text, stubs, tmp_path, env=None):
+    """Run a rendered node script with the stub runtimes as node 1 of 2 (Slurm job 7), `env` added: (the finished
+    process, the calls the stubs recorded). It runs in an empty folder, tmp_path/cwd."""
+    script = tmp_path / "node.sh"
+    script.write_text(text)
+    out = tmp_path / "calls.jsonl"
+    out.unlink(missing_ok=True)
+    env = {"PATH": f"{stubs}:/usr/sbin:/usr/bin:/bin", "STUB_OUT": str(out), "HOME": str(tmp_path), "USER": "u",
+           "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost",
+           "MASTER_IP": "127.0.0.1", "MASTER_PORT": "29555", **(env or {})}
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, cwd=cwd)
+    return proc, [json.loads(ln) for ln in out.read_text().splitlines()] if out.exists() else []

@@ -1,7 +1,6 @@
 """Hostile values in every user-controlled field, rendered for every runtime and executed by bash with stub
 runtime commands that record what they were given: the payload never runs, and each value reaches the
 container (and the training script's argv and environment) unchanged, or the runtime refuses it in one line."""
-import json
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
 from fleetbox.run.spec import Mount
+from tests.unit.conftest import run_node
 
 PAYLOADS = ["$(touch {m})", "`touch {m}`", "a'b\"c", "two words", "new\nline", ";touch {m};", "$HOME", "{{x}}"]
 
@@ -23,23 +23,11 @@ def hostile_spec(tmp_path, payload, **kw):
                             mounts=(Mount(str(src), "/data/" + payload.replace("\n", "_"), True),), **kw)
 
 
-def run_node_script(text, stubs, tmp_path, slurm_env=None, ok=True):
-    script = tmp_path / "node.sh"
-    script.write_text(text)
-    out = tmp_path / "calls.jsonl"
-    out.unlink(missing_ok=True)
-    env = {"PATH": f"{stubs}:/usr/sbin:/usr/bin:/bin", "STUB_OUT": str(out), "HOME": str(tmp_path), "USER": "u",
-           "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost",
-           "MASTER_IP": "127.0.0.1",
-           "MASTER_PORT": "29555", **(slurm_env or {})}
-    cwd = tmp_path / "cwd"   # a payload that ran would leave a file here (or at its marker)
-    cwd.mkdir(exist_ok=True)
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, cwd=cwd)
-    assert list(cwd.iterdir()) == []
-    if not ok:
-        return proc
+def run_node_script(text, stubs, tmp_path):
+    proc, calls = run_node(text, stubs, tmp_path)
+    assert list((tmp_path / "cwd").iterdir()) == []   # a payload that ran would leave a file here (or at its marker)
     assert proc.returncode == 0, proc.stderr
-    return [json.loads(ln) for ln in out.read_text().splitlines()]
+    return calls
 
 
 def carried(call, runtime):

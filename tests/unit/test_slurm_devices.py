@@ -2,8 +2,6 @@
 environments with stub runtimes that record their argv and environment. Each runtime gets exactly the task's
 allocation (SLURM_STEP_GPUS, else SLURM_JOB_GPUS; ROCm render nodes through a recorded KFD topology), and a
 task whose allocation does not match the plan's process count stops in one line before any container starts."""
-import json
-import subprocess
 
 import pytest
 
@@ -11,6 +9,7 @@ from fleetbox import ROOT
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm
+from tests.unit.conftest import run_node
 
 TOPOLOGY = ROOT / "tests" / "probes" / "kfd-topology"   # GPUs 0..5 are renderD130, 128, 131, 129, 133, 132
 
@@ -27,19 +26,6 @@ def node_script(variant, runtime, tmp_path, monkeypatch, procs=2):
     return dict(slurm.SlurmBackend(runtime).plan(spec).files)["node.sh"]
 
 
-def run(text, stubs, tmp_path, task):
-    script = tmp_path / "node.sh"
-    script.write_text(text)
-    out = tmp_path / "calls.jsonl"
-    out.unlink(missing_ok=True)
-    env = {"PATH": f"{stubs}:/usr/sbin:/usr/bin:/bin", "STUB_OUT": str(out), "HOME": str(tmp_path), "USER": "u",
-           "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "7", "MASTER_IP": "127.0.0.1",
-           "MASTER_PORT": "29555", **task}
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
-    calls = [json.loads(ln) for ln in out.read_text().splitlines()] if out.exists() else []
-    return proc, calls
-
-
 def the_call(calls, runtime):
     tool = {"charliecloud": "ch-run", "pyxis": "python"}.get(runtime, runtime)
     (call,) = [c for c in calls if c["tool"] == tool]
@@ -52,7 +38,7 @@ def values(argv, flag):
 
 @pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer", "charliecloud", "pyxis"])
 def test_cuda_runtimes_get_exactly_the_allocated_gpus(runtime, stubs, tmp_path, monkeypatch):
-    proc, calls = run(node_script("cu126", runtime, tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    proc, calls = run_node(node_script("cu126", runtime, tmp_path, monkeypatch), stubs, tmp_path, TASK)
     assert proc.returncode == 0, proc.stderr
     argv, env = the_call(calls, runtime)
     given = {
@@ -72,7 +58,7 @@ def test_cuda_runtimes_get_exactly_the_allocated_gpus(runtime, stubs, tmp_path, 
 @pytest.mark.parametrize("runtime", ["docker", "podman"])
 def test_rocm_engines_get_the_allocated_render_nodes_through_the_kfd_topology(runtime, stubs, tmp_path,
                                                                              monkeypatch):
-    proc, calls = run(node_script("dcu", runtime, tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    proc, calls = run_node(node_script("dcu", runtime, tmp_path, monkeypatch), stubs, tmp_path, TASK)
     assert proc.returncode == 0, proc.stderr
     argv, _ = the_call(calls, runtime)
     # GPUs 1 and 3 are KFD nodes 3 and 5: renderD128 and renderD129 (never renderD129/131 by index)
@@ -81,7 +67,7 @@ def test_rocm_engines_get_the_allocated_render_nodes_through_the_kfd_topology(ru
 
 
 def test_rocm_apptainer_passes_the_visibility_variables_by_name(stubs, tmp_path, monkeypatch):
-    proc, calls = run(node_script("dcu", "apptainer", tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    proc, calls = run_node(node_script("dcu", "apptainer", tmp_path, monkeypatch), stubs, tmp_path, TASK)
     assert proc.returncode == 0, proc.stderr
     argv, env = the_call(calls, "apptainer")
     assert "--rocm" in argv and env["APPTAINERENV_ROCR_VISIBLE_DEVICES"] == "0,1"
@@ -94,7 +80,7 @@ def test_without_a_step_allocation_only_the_batch_node_reads_the_jobs(node, give
     """SLURM_JOB_GPUS is the batch node's (node 0's) allocation, inherited by every task: another node that has no
     step allocation of its own stops rather than take node 0's ids."""
     task = {k: v for k, v in TASK.items() if k != "SLURM_STEP_GPUS"} | {"SLURM_JOB_GPUS": "2,5", "SLURM_NODEID": node}
-    proc, calls = run(node_script("dcu", "docker", tmp_path, monkeypatch), stubs, tmp_path, task)
+    proc, calls = run_node(node_script("dcu", "docker", tmp_path, monkeypatch), stubs, tmp_path, task)
     if given is None:
         assert proc.returncode == 2 and calls == [] and "Slurm allocated 0 device(s) (none)" in proc.stderr
     else:
@@ -109,7 +95,7 @@ def test_an_allocation_that_does_not_match_the_processes_stops_the_node_in_one_l
                                                                                      stubs, tmp_path,
                                                                                      monkeypatch):
     task = {**TASK, "SLURM_STEP_GPUS": gpus, "SLURM_JOB_GPUS": ""}
-    proc, calls = run(node_script(variant, runtime, tmp_path, monkeypatch), stubs, tmp_path, task)
+    proc, calls = run_node(node_script(variant, runtime, tmp_path, monkeypatch), stubs, tmp_path, task)
     assert proc.returncode == 2 and calls == []   # no container started
     (said,) = proc.stderr.splitlines()
     assert said.startswith("fleetbox: node 1 on ") and said.endswith(
@@ -118,7 +104,7 @@ def test_an_allocation_that_does_not_match_the_processes_stops_the_node_in_one_l
 
 
 def test_a_render_node_the_topology_lacks_is_named(stubs, tmp_path, monkeypatch):
-    proc, calls = run(node_script("dcu", "podman", tmp_path, monkeypatch), stubs, tmp_path,
+    proc, calls = run_node(node_script("dcu", "podman", tmp_path, monkeypatch), stubs, tmp_path,
                       {**TASK, "SLURM_STEP_GPUS": "1,7"})
     assert proc.returncode != 0 and calls == []
     assert f"the KFD topology ({TOPOLOGY}) has 6 GPU(s); Slurm allocated 1,7" in proc.stderr
@@ -127,7 +113,7 @@ def test_a_render_node_the_topology_lacks_is_named(stubs, tmp_path, monkeypatch)
 def test_cpu_jobs_read_no_allocation(stubs, tmp_path, monkeypatch):
     text = node_script("cpu", "docker", tmp_path, monkeypatch, procs=1)
     assert "GPUS" not in text and "ACCEL" not in text
-    proc, calls = run(text, stubs, tmp_path, {})
+    proc, calls = run_node(text, stubs, tmp_path, {})
     assert proc.returncode == 0 and "--gpus" not in the_call(calls, "docker")[0]
 
 
