@@ -31,7 +31,7 @@ class NodeRun:
     devices: tuple[str, ...] = ()
     group_add: tuple[str, ...] = ()
     security_opt: tuple[str, ...] = ()
-    gpus: str = ""                # "all", "2" or "device=0,1" (docker --gpus syntax); "" none
+    gpus: str = ""                # docker --gpus syntax: "device=0,1" (a template: "device={gpus}"); "" none
     accelerator: str = ""         # the variant's device: cuda | rocm | "" (CPU)
     memlock: int = -1             # -1 unlimited (NCCL/InfiniBand); lower only where the engine cannot raise it
 
@@ -166,8 +166,8 @@ def node_gpus(spec: JobSpec, rank: int) -> str:
     if spec.variant.device == "cpu":
         return ""
     per = spec.gpus_each
-    ids = spec.devices.split(",") if spec.devices else [str(i) for i in range(per * (1 if spec.hosts else spec.nodes))]
-    block = 0 if spec.hosts else rank
+    ids = spec.devices.split(",") if spec.devices else [str(i) for i in range(per * spec.sharing)]
+    block = rank % spec.sharing   # with --hosts, 0: each node's machine
     return ",".join(ids[block * per:(block + 1) * per])
 
 

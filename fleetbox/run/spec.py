@@ -7,7 +7,7 @@ import re
 import secrets
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fleetbox import options, settings
@@ -66,6 +66,11 @@ class JobSpec:
         return self.gpus_per_node or self.procs_per_node
 
     @property
+    def sharing(self) -> int:
+        """Nodes that share one machine's devices: every node on this machine, one per machine with --hosts."""
+        return 1 if self.hosts else self.nodes
+
+    @property
     def script_path(self) -> Path:
         return Path(self.script).resolve()
 
@@ -91,10 +96,6 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
                  max_restarts=None) -> JobSpec:
     """A validated JobSpec from command-line strings (each by its option's name)."""
     host_list = tuple(options.items(hosts))
-    gpus_per_node = options.integer("--gpus-per-node", gpus_per_node or 0, 0)
-    if procs_per_node is None and (gpus_per_node or devices):   # Paddle runs one process per device
-        sharing = 1 if host_list else options.integer("--nodes", 2 if nodes is None else nodes, 1)
-        procs_per_node = gpus_per_node or max(1, len(devices.split(",")) // sharing)
     if data_dir is None:   # the default cache is used when it exists here (a remote engine cannot see it)
         default = settings.data_dir()
         data_dir = str(default) if default.is_dir() and not host_list else ""
@@ -109,11 +110,14 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
         procs_per_node=options.integer("--procs-per-node", 1 if procs_per_node is None else procs_per_node, 1),
         script=script or str(settings.DEFAULT_SCRIPT), args=argv, image=image or "", hosts=host_list,
         iface=iface or "", ib_hca=ib_hca or "", debug=bool(debug),
-        gpus_per_node=gpus_per_node, devices=devices or "",
+        gpus_per_node=options.integer("--gpus-per-node", gpus_per_node or 0, 0), devices=devices or "",
         port=options.integer("--port", port, 1024, 65535) if port else 0, env=options.pairs("--env", env),
         mounts=tuple(parse_mount(m) for m in options.items(mount)), data_dir=data_dir,
         shm_size=shm_size or "8g", job_id=job_id or "", checkpoint_dir=checkpoint_dir or "",
         resume=resume or "auto", max_restarts=options.integer("--max-restarts", max_restarts or 0, 0))
+    if procs_per_node is None and spec.variant.device != "cpu" and (spec.gpus_per_node or spec.devices):
+        # Paddle runs one process per device: as many as each node is given
+        spec = replace(spec, procs_per_node=spec.gpus_per_node or max(1, len(spec.devices.split(",")) // spec.sharing))
     validate(spec)
     return spec
 
@@ -173,10 +177,9 @@ def validate_devices(spec: JobSpec) -> None:
         raise UserError(f"--devices {spec.devices!r}: give device ids separated by commas, e.g. 0,1")
     if len(set(ids)) != len(ids):
         raise UserError(f"--devices {spec.devices} names a device twice: two processes would share it")
-    sharing = 1 if spec.hosts else spec.nodes
-    if len(ids) % sharing:
-        raise UserError(f"--devices {spec.devices}: {len(ids)} device(s) cannot be split evenly among {sharing} "
+    if len(ids) % spec.sharing:
+        raise UserError(f"--devices {spec.devices}: {len(ids)} device(s) cannot be split evenly among {spec.sharing} "
                         f"nodes on this machine")
-    if len(ids) // sharing != spec.gpus_each:
-        raise UserError(f"--devices {spec.devices}: {len(ids)} device(s) for {sharing} node(s) of "
+    if len(ids) // spec.sharing != spec.gpus_each:
+        raise UserError(f"--devices {spec.devices}: {len(ids)} device(s) for {spec.sharing} node(s) of "
                         f"{spec.procs_per_node} process(es) each; each process needs its own device")
