@@ -428,7 +428,7 @@ def test_slurm_requeue_restarts_from_the_newest_checkpoint_as_an_attempt(cluster
     env = {**os.environ, **cluster}
     proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--detach",
                   "--max-restarts", "1", "--resume", "never",
-                  "--args", "--steps 120 --step-sleep 0.5 --checkpoint-every 10", env=env)
+                  "--args", "--steps 60 --step-sleep 0.5 --checkpoint-every 10", env=env)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.split("job ")[-1].split()[0]
     job_dir = ROOT / "runs" / job_id
@@ -447,7 +447,7 @@ def test_slurm_requeue_restarts_from_the_newest_checkpoint_as_an_attempt(cluster
     assert row[3] == "PASSED" and row[4] == "2", row
     s = json.loads((job_dir / "summary.json").read_text())
     cut, rerun = s["attempts"]
-    assert cut["ended"].startswith("requeued by Slurm") and rerun["ended"] == "finished at checkpoint step 120"
+    assert cut["ended"].startswith("requeued by Slurm") and rerun["ended"] == "finished at checkpoint step 60"
     assert cut["slurm_job"] == rerun["slurm_job"] == slurm_job
     assert rerun["steps"][0] == cut["steps"][1] >= 10      # from the newest checkpoint, not step 0
     assert s["smoke"]["resumed_from"] == rerun["steps"][0] and s["smoke"]["whole_run"], s["smoke"]
