@@ -80,14 +80,32 @@ def start(d: Path, n: int = 2) -> dict:
         time.sleep(0.5)
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def stop(d: Path, n: int = 2) -> None:
-    pids = [d / "slurmctld.pid"] + [d / f"slurmd-node{k}.pid" for k in range(1, n + 1)]
-    for p in pids:
+    pids = []
+    for p in [d / "slurmctld.pid"] + [d / f"slurmd-node{k}.pid" for k in range(1, n + 1)]:
         try:
-            os.kill(int(p.read_text()), signal.SIGTERM)
+            pids.append(int(p.read_text()))
+            os.kill(pids[-1], signal.SIGTERM)
         except (OSError, ValueError):
             pass
-    time.sleep(1)
+    # a slurmd busy ending a job step can outlive its SIGTERM (one was still running, in a namespace already
+    # removed, minutes after its cluster stopped): wait for each, then kill what is left
+    deadline = time.monotonic() + 15
+    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in alive:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
     if (d / "started-munged").exists():
         subprocess.run(["pkill", "-x", "munged"], capture_output=True)
     fabric.teardown(n)

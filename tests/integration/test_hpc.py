@@ -321,7 +321,7 @@ def test_slurm_dry_run_is_what_slurm_got_and_hostile_values_arrive_unchanged(clu
     assert s["smoke"]["env_tag"] == "$(touch /tmp/fleetbox-pwned); `id` $HOME node0"
 
 
-TIME_LIMIT_STEPS = 300
+TIME_LIMIT_STEPS = 360
 
 
 def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_done(cluster, podman_image):
@@ -329,7 +329,8 @@ def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_don
     limit, or up to a minute earlier), the job checkpoints and stops, and the next allocation goes on from there,
     without help and with no client attached, until smoke.py is done; it is judged on the whole run. `invoke jobs`
     and `invoke logs --follow` work from another shell, across allocations. Each allocation keeps 90-150 s for
-    work (the rule: at least 60 s after the grace and Slurm's early minute); 150 s of steps need at least two."""
+    work (the rule: at least 60 s after the grace and Slurm's early minute); 180 s of steps never fit in one (seen:
+    257 of 300 steps in the first allocation, under load, with Slurm's warning 2 s before the grace)."""
     env = {**os.environ, **cluster}
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
                           "--runtime-args", PODMAN_ARGS, "--time", "3", "--signal-grace", "30",
