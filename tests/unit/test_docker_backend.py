@@ -43,7 +43,7 @@ class Life:
     stop_code: int = 137                  # exit code when stopped (137: SIGKILL; Paddle's launcher says 15)
     error: BaseException | None = None    # reload raises this ...
     errors: int = 1                       # ... this many times
-    sigterm: bool = False                 # the first reload sends SIGTERM to this process (a `kill`)
+    kill_with: int | None = None          # the first reload sends this signal to this process (a `kill`, a hang-up)
     start_error: BaseException | None = None   # start() raises this (e.g. Ctrl-C while the job starts)
     finished: str = ""                    # FinishedAt as the engine writes it (default: a ticking clock)
     stop_signal: int | None = None        # stop() sends this signal to this process (a second Ctrl-C)
@@ -84,9 +84,9 @@ class FakeContainer:
     def reload(self):
         if self.removed:
             raise docker.errors.NotFound(f"No such container: {self.name}")
-        if self.life.sigterm:
-            self.life.sigterm = False
-            os.kill(os.getpid(), signal.SIGTERM)
+        if self.life.kill_with is not None:
+            sig, self.life.kill_with = self.life.kill_with, None
+            os.kill(os.getpid(), sig)
         if self.life.error is not None and self.life.errors > 0:
             self.life.errors -= 1
             raise self.life.error
@@ -395,23 +395,40 @@ def test_ctrl_c_stops_and_removes_every_container():
 
 
 class _NotMapped(BaseException):
-    """What SIGTERM raises here unless the backend maps it to KeyboardInterrupt."""
+    """What SIGTERM or SIGHUP raises here unless the backend maps it to KeyboardInterrupt."""
 
 
-def test_sigterm_cancels_like_ctrl_c():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_a_hang_up_cancel_like_ctrl_c(sig):
+    """A `kill`, or a dropped SSH connection / closed terminal (SIGHUP): every container stopped and removed."""
     def not_mapped(signum, frame):
         raise _NotMapped
-    previous = signal.signal(signal.SIGTERM, not_mapped)   # never let a stray SIGTERM end pytest
+    previous = signal.signal(sig, not_mapped)   # never let a stray signal end pytest
     try:
-        engine = FakeEngine({0: Life(code=None, sigterm=True), 1: Life(code=None)})
+        engine = FakeEngine({0: Life(code=None, kill_with=sig), 1: Life(code=None)})
         b, plan = job(engine)
         with pytest.raises(KeyboardInterrupt):
             b.run(plan, log=lambda _: None)
-        assert signal.getsignal(signal.SIGTERM) is not_mapped   # the caller's handler is back
+        assert signal.getsignal(sig) is not_mapped   # the caller's handler is back
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(sig, previous)
     assert all(c.stopped for c in engine.made.values())
     assert engine.all_removed()
+
+
+def test_a_hang_up_ignored_by_nohup_stays_ignored():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)   # as `nohup invoke train ...` starts it
+    try:
+        engine = FakeEngine({0: Life(code=0, after=2, kill_with=signal.SIGHUP), 1: Life(code=0, after=2)})
+        b, plan = job(engine)
+        try:
+            result = b.run(plan, log=lambda _: None)
+        except KeyboardInterrupt:
+            pytest.fail("the ignored hang-up stopped the job")
+        assert result.ok   # the hang-up changed nothing
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_refused_create_removes_what_was_created():
@@ -620,7 +637,8 @@ def test_a_failed_node_restarts_the_whole_job_from_its_checkpoints():
     engine = FakeEngine({0: [Life(code=None), Life(code=0, after=2)], 1: [Life(code=3, after=2), Life(code=0)]})
     b, plan, r, lines = run(engine, spec_kw={"max_restarts": 2, "args": ("--tag", "try-{attempt}")})
     assert r.ok and r.job_id == JOB
-    first, second = engine.history[:2], engine.history[2:]
+    # by rank: an attempt's nodes are created concurrently, in either order
+    first, second = (sorted(h, key=lambda c: c.rank) for h in (engine.history[:2], engine.history[2:]))
     assert len(engine.history) == 4 and all(c.removed for c in engine.history)
     assert first[0].stopped and [c.name for c in first] == [c.name for c in second]   # the same job, again
     for c in first:
