@@ -1,16 +1,20 @@
-"""Processes and signals, for any work that must finish its cleanup: signals held during it, SIGTERM taking
-Ctrl-C's way out, a log that cannot fail, and a process's start time (a reused pid is another process)."""
+"""Processes and signals, for any work that must finish its cleanup: signals held during it, SIGTERM and SIGHUP
+taking Ctrl-C's way out, a log that cannot fail, and a process's start time (a reused pid is another process)."""
 
 from __future__ import annotations
 
 import signal
 from contextlib import contextmanager
 
+# What asks a command to stop besides Ctrl-C: a scheduler or `kill` (SIGTERM), a dropped SSH connection or a
+# closed terminal (SIGHUP). Each takes Ctrl-C's way out, through the same cleanup.
+STOPS = (signal.SIGTERM, signal.SIGHUP)
+
 
 @contextmanager
 def signals_held():
-    """Ctrl-C and SIGTERM wait until the block is done (users press Ctrl-C twice; cleanup must finish)."""
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done (users press Ctrl-C twice; cleanup must finish)."""
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOPS)}
     try:
         yield
     finally:
@@ -28,15 +32,20 @@ def never_failing(log):
 
 
 @contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM (a scheduler, `kill`) takes the same way out as Ctrl-C."""
+def stops_as_interrupt():
+    """SIGTERM and SIGHUP take the same way out as Ctrl-C; one that was ignored when we started (`nohup`)
+    stays ignored."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.getsignal(sig) for sig in STOPS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def process_start(pid: int) -> int:

@@ -32,7 +32,7 @@ from fleetbox.commands.checks import (
     tcp_gbps,
     throughput_rows,
 )
-from fleetbox.processes import sigterm_as_interrupt
+from fleetbox.processes import stops_as_interrupt
 from fleetbox.run import backends
 from fleetbox.run.spec import JobSpec, new_job_id
 
@@ -64,7 +64,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
     if all(r.ok for r in rows):
         probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait),
                         image_identity=b.reports_image)
-        with sigterm_as_interrupt():
+        with stops_as_interrupt():
             plan = b.plan(probe)
         log(f"doctor {job_id}: probing {spec.nodes} node(s) in the job's own container ({b.label}), "
             f"master port {plan.port}")
@@ -107,7 +107,7 @@ def run_sweep(b, base: JobSpec, log) -> dict:
     """The all-reduce sweep as a real Paddle job (its launcher, pinned ports, Gloo or NCCL)."""
     spec = replace(base, job_id=new_job_id("doctor-sweep"), script=str(settings.HELPERS / "fleetbox_collective.py"),
                    args=("--max-bytes", str(BLAST_BYTES)), command=())
-    with sigterm_as_interrupt():
+    with stops_as_interrupt():
         plan = b.plan(spec)
     log(f"doctor: all-reduce sweep ({spec.job_id}) across {spec.nodes} node(s)")
     result = b.run(plan, log=lambda m: None, timeout=1800 if b.timeout_ok else None)

@@ -16,7 +16,7 @@ from pathlib import Path
 from fleetbox import files, options, settings
 from fleetbox.commands import train as train_cmd
 from fleetbox.errors import Failed, UserError
-from fleetbox.processes import signals_held, sigterm_as_interrupt
+from fleetbox.processes import signals_held, stops_as_interrupt
 from fleetbox.run import backends, hostnet, metrics, records
 from fleetbox.run import plan as planner
 from fleetbox.run import report as report_mod
@@ -210,7 +210,7 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
     log(f"scale: study {study}: {len(plan)} run(s), {backend} backend; table in {out}/scale.md")
     done = None
     try:
-        with sigterm_as_interrupt():   # SIGTERM between runs too: the same way out as Ctrl-C
+        with stops_as_interrupt():   # SIGTERM between runs too: the same way out as Ctrl-C
             failed = _run_all(plan, rows, backend, backend_options, timeout, log)
     finally:   # the table of what ended, also after Ctrl-C or an error (each run marked as it ended)
         try:

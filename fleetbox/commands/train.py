@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fleetbox.commands import doctor
 from fleetbox.errors import Failed, UserError
-from fleetbox.processes import sigterm_as_interrupt
+from fleetbox.processes import stops_as_interrupt
 from fleetbox.run import backends, report
 from fleetbox.run.output import quiet
 from fleetbox.run.result import JobResult
@@ -30,7 +30,7 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
             bad = sum(not r["ok"] for r in checked["rows"])
             raise Failed(f"preflight: {bad} check(s) failed; the job was not started (report: {checked['path']})")
         spec = replace(spec, port=checked["port"])   # the ports just checked
-    with sigterm_as_interrupt():   # planning starts probe containers on --hosts engines
+    with stops_as_interrupt():   # planning starts probe containers on --hosts engines
         plan = b.plan(spec)
     if dry_run:
         log(b.describe(plan))

@@ -24,7 +24,7 @@ from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
 from fleetbox.image import layers, locks, wheelhouse
 from fleetbox.image.matrix import Variant
-from fleetbox.processes import signals_held, sigterm_as_interrupt
+from fleetbox.processes import signals_held, stops_as_interrupt
 
 DATA_DOCKERFILE = ROOT / "images" / "data.Dockerfile"
 
@@ -225,7 +225,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
     files.write_atomic(rd / "by-hand.sh", layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
     parent = base.id
-    with open(rd / "build.log", "a") as out, sigterm_as_interrupt():
+    with open(rd / "build.log", "a") as out, stops_as_interrupt():
         for layer in split:
             tag = p.tag if layer.last else layers.layer_tag(layer)
             have = image_or_none(c, tag)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetbox.errors import UserError
-from fleetbox.processes import never_failing, signals_held, sigterm_as_interrupt
+from fleetbox.processes import never_failing, signals_held, stops_as_interrupt
 from fleetbox.run import metrics
 from fleetbox.run.records import Handle, JobState
 from fleetbox.run.result import JobResult
@@ -137,7 +137,7 @@ class Backend(ABC):
     def run_once(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end. Ctrl-C, SIGTERM and any error cancel the job before going on up."""
         handle = None
-        with sigterm_as_interrupt():
+        with stops_as_interrupt():
             try:
                 handle = self.submit(plan, log)
                 if on_submit is not None:

@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 MANIFEST = "MANIFEST.sha256"
 KIT_JSON = "kit.json"
 CHUNK = 1 << 20
+STOPS = (signal.SIGTERM, signal.SIGHUP)   # besides Ctrl-C: a scheduler, a dropped connection (as fleetbox.processes)
 
 
 class Refused(Exception):
@@ -251,7 +252,11 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
     made_dest = not dest.exists()
     staging = dest.parent / f".{dest.name}.kit-load"
     undo = _Undo()
-    previous = signal.signal(signal.SIGTERM, _interrupt)   # a scheduler's SIGTERM takes Ctrl-C's way out
+    # a scheduler's SIGTERM and a dropped connection's SIGHUP take Ctrl-C's way out (an ignored one stays ignored)
+    previous = {sig: signal.getsignal(sig) for sig in STOPS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, _interrupt)
     try:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
@@ -297,7 +302,7 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
                  "--dest", str(src / "offline_cache" / "dataset")], cwd=str(src))
         (dest / KIT_JSON).write_text(json.dumps({**info, "kit": str(kit)}, indent=1))
     except BaseException as e:   # Ctrl-C included: undo what this load placed, with signals held
-        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOPS)}
         try:
             undo()
             if made_dest:
@@ -314,7 +319,8 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
                           + (f" ({e.filename})" if e.filename else "")) from None
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     shutil.rmtree(staging, ignore_errors=True)
     q = shlex.quote
     if os.environ.get("FLEETBOX_WHEELHOUSE"):

@@ -6,6 +6,7 @@ import hashlib
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -125,6 +126,24 @@ def engine_images():
     return sorted(subprocess.run(["docker", "images", "-a", "--no-trunc",
                                   "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
                                  capture_output=True, text=True).stdout.splitlines())
+
+
+def test_a_hang_up_during_a_load_undoes_it(kit, tmp_path):
+    """The SSH connection drops while the kit loads (SIGHUP): what the load placed is undone, as on Ctrl-C."""
+    dest, before = tmp_path / "site", engine_images()
+    p = subprocess.Popen([sys.executable, "-m", "fleetbox.ship.kit_load", str(kit["path"]), "--dest", str(dest),
+                          "--expect", kit["sha"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = []
+    for ln in p.stdout:   # verified, and placing things now
+        said.append(ln)
+        if ln.startswith("loading the "):
+            break
+    assert dest.is_dir(), said
+    p.send_signal(signal.SIGHUP)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and "kit-load: interrupted; what it had loaded was undone" in err, "".join(said) + err
+    assert not dest.exists() and not (tmp_path / ".site.kit-load").exists()
+    assert engine_images() == before
 
 
 @pytest.mark.parametrize("how", ["wheel byte", "base truncated", "extra file", "missing file", "kit cut short",

@@ -199,6 +199,20 @@ def test_a_container_removed_behind_our_back_ends_the_job_cleanly(cpu_image):
     assert job_containers(job_id) == []
 
 
+def test_a_hang_up_stops_the_job_and_keeps_its_summary(cpu_image):
+    """An SSH connection drops: the terminal goes away and the shell sends SIGHUP. Nothing is left running and
+    what happened is kept, though nothing can be said any more."""
+    p, names, job_id = _start_job("--args", "--step-sleep 1")
+    time.sleep(2)
+    p.stdout.close()
+    p.stderr.close()
+    p.send_signal(signal.SIGHUP)
+    assert p.wait(timeout=60) != 0   # no one is there to read what it says (it cannot say "interrupted")
+    assert job_containers(job_id) == []
+    s = json.loads((ROOT / "runs" / job_id / "summary.json").read_text())
+    assert [r["state"] for r in s["nodes"]] == ["stopped", "stopped"] and not s["ok"]
+
+
 def test_a_closed_terminal_does_not_leak_the_job(cpu_image):
     # the user's terminal goes away (ssh drops), then a node fails: saying so fails, the cleanup must not
     p, names, job_id = _start_job("--args", "--step-sleep 1")
