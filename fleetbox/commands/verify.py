@@ -10,6 +10,7 @@ from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
 from fleetbox.image.images import resolve
 from fleetbox.image.matrix import Variant
+from fleetbox.processes import signals_held, stops_as_interrupt
 from fleetbox.run import backends
 from fleetbox.run.plan import device_kwargs, device_options
 from fleetbox.run.result import smoke_line
@@ -63,13 +64,16 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     mount = data_dir if data_dir.is_dir() and any(data_dir.iterdir()) else None
     if mount:
         log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
-    container = c.containers.run(image.id, ["python", "-c", incontainer.source("fleetbox_verify_image")], detach=True,
-                                 labels={settings.LABEL_ROLE: "verify"}, **container_kwargs(variant, labels, mount))
-    try:
-        status = container.wait(timeout=600)
-        output = container.logs().decode(errors="replace")
-    finally:
-        container.remove(force=True)
+    with stops_as_interrupt():   # a `kill` or a hang-up removes the probe container as Ctrl-C does
+        container = c.containers.run(image.id, ["python", "-c", incontainer.source("fleetbox_verify_image")],
+                                     detach=True, labels={settings.LABEL_ROLE: "verify"},
+                                     **container_kwargs(variant, labels, mount))
+        try:
+            status = container.wait(timeout=600)
+            output = container.logs().decode(errors="replace")
+        finally:
+            with signals_held():
+                container.remove(force=True)
     files.write_atomic(rd / "verify.log", output)
     report = parse_report(output)
     report.update(variant=variant.name, image=image.id, tags=image.tags, exit_code=status.get("StatusCode"),

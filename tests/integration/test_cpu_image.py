@@ -1,9 +1,12 @@
 """Real Docker Engine, real Paddle: bootstrap base -> hermetic build -> verify -> no-op rebuild."""
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 
-from tests.conftest import invoke
+from tests.conftest import ROOT, invoke
 from tests.unit.test_cli import one_line_error
 
 
@@ -35,6 +38,20 @@ def test_verify_passes_and_writes_a_report(cpu_image, tmp_path):
     assert "packages match" in checks["installed == lock"]["detail"]
     assert "PASS  paddle.utils.run_check()" in proc.stdout
     assert os.path.exists(report["path"])   # the run keeps its own copy under runs/
+
+
+def test_a_hang_up_during_verify_removes_its_container(cpu_image):
+    """SIGHUP (a dropped SSH connection) while the probe runs: the container goes, as on Ctrl-C."""
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "verify", "--variant", "cpu"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not docker("ps", "-q", "--filter", "label=io.fleetbox.role=verify").stdout.split():
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGHUP)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip().splitlines()[-1] == "fleetbox: interrupted", out + err
+    assert docker("ps", "-aq", "--filter", "label=io.fleetbox.role=verify").stdout.split() == []
 
 
 def test_second_build_is_a_no_op(cpu_image):
