@@ -114,13 +114,22 @@ def complete_steps(folder: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def _positive(name: str, default: int) -> int:
+    """A whole number >= 1 from the environment (else the script's own value); anything else ends the rank with
+    one line, not a traceback."""
+    text = os.environ.get(name) or str(default)
+    if not text.strip().isdigit() or int(text) < 1:
+        raise SystemExit(f"fleetbox-checkpoint: {name}={text!r} must be a whole number >= 1")
+    return int(text)
+
+
 class Checkpoint:
     def __init__(self, every: int = 100, keep: int = 3, folder: str | None = None, total: int | None = None):
         import paddle.distributed as dist
         self.dist = dist
         self.folder = folder if folder is not None else os.environ.get("FLEETBOX_CHECKPOINT_DIR", "")
-        self.every = int(os.environ.get("FLEETBOX_CHECKPOINT_EVERY") or every)
-        self.keep = max(1, int(os.environ.get("FLEETBOX_CHECKPOINT_KEEP") or keep))
+        self.every = _positive("FLEETBOX_CHECKPOINT_EVERY", every)
+        self.keep = _positive("FLEETBOX_CHECKPOINT_KEEP", keep)
         self.resume = os.environ.get("FLEETBOX_RESUME", "auto") or "auto"
         if int(os.environ.get("FLEETBOX_ATTEMPT") or 0) > 0:   # a restart or continuation: from its own
             self.resume = "auto" if self.resume == "never" else self.resume

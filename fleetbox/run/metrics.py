@@ -41,10 +41,23 @@ def read(job_dir: Path) -> list[dict]:
                         rec = json.loads(line[len(PREFIX):])
                     except ValueError:
                         continue   # a line cut short (a killed worker)
-                    if isinstance(rec, dict) and {"rank", "step", "time"} <= rec.keys():
+                    if well_formed(rec):
                         out.append({"node": node, "attempt": attempt, **rec})
     out.sort(key=lambda r: (r["attempt"], r["time"]))
     return out
+
+
+NUMBERS = ("loss", "samples_per_s", "comm_seconds", "samples", "seconds")   # the optional fields the report adds up
+
+
+def well_formed(rec) -> bool:
+    """A metrics record the report can use: whole rank and step, a time, and numbers where it gives numbers (a
+    script's malformed line is left out, never a traceback after the job)."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(rec, dict) and all(isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool)
+                                         for k in ("rank", "step")) \
+        and number(rec.get("time")) and all(number(rec[k]) for k in NUMBERS if k in rec)
 
 
 def collect(job_dir: Path, recs: list[dict] | None = None) -> Path | None:

@@ -141,7 +141,9 @@ def draw(job_dir: Path) -> dict:
           + (f"; time to first step: {first_step - start:.1f} s" if start and first_step else ""),
           "- final loss: " + (", ".join(f"rank {k} {v:.4f} (step {s})" for k, (s, v) in sorted(final.items()))
                                 or "none"),
-          f"- throughput: {rate['total']:.1f} samples/s" + (f" (attempt {last})" if last else "")
+          ("- throughput: " + (f"{rate['total']:.1f} samples/s" if rate["ranks"] else
+                                "unknown (the script reported no samples; fleetbox_metrics' Meter counts them)"))
+          + (f" (attempt {last})" if last and rate["ranks"] else "")
           + "".join(f"; node{n} {x:.1f}" for n, x in rate["nodes"].items()),
           "- step time: " + (f"{1000 * times['step_seconds']:.1f} ms (mean over ranks and steps)"
                               if times["step_seconds"] is not None else "unknown")

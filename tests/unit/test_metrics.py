@@ -54,3 +54,32 @@ def test_slurm_allocations_count_as_attempts_and_no_metrics_writes_nothing(tmp_p
     (empty / "node0").mkdir(parents=True)
     (empty / "node0" / "workerlog.0").write_text("no metrics\n")
     assert metrics.collect(empty) is None and not (empty / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("bad", [{"rank": "0", "step": 1, "time": 2.0}, {"rank": 0, "step": 1.5, "time": 2.0},
+                                 {"rank": 0, "step": 1, "time": "now"}, {"rank": True, "step": 1, "time": 2.0},
+                                 {"rank": 0, "step": 1, "time": 2.0, "loss": "nan"},
+                                 {"rank": 0, "step": 1, "time": 2.0, "samples": None}, [0, 1, 2], "text"])
+def test_a_malformed_metrics_line_is_left_out_and_the_report_still_draws(tmp_path, bad):
+    from fleetbox.run import report
+    job = tmp_path / "job"
+    (job / "node0").mkdir(parents=True)
+    (job / "node0" / "workerlog.0").write_text(line(0, 0, 1.0, loss=2.0, samples=8, seconds=0.5)
+                                               + "FLEETBOX-METRIC " + json.dumps(bad) + "\n"
+                                               + line(0, 2, 3.0, loss=1.0, samples=8, seconds=0.5))
+    assert [r["step"] for r in metrics.read(job)] == [0, 2]
+    report.draw(job)
+    assert "- throughput: 16.0 samples/s" in (job / "report.md").read_text()
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "-3", "1.5"])
+def test_a_bad_checkpoint_interval_ends_the_rank_in_one_line(monkeypatch, value):
+    from fleetbox.incontainer import fleetbox_checkpoint
+    monkeypatch.setenv("FLEETBOX_CHECKPOINT_EVERY", value)
+    with pytest.raises(SystemExit) as e:
+        fleetbox_checkpoint._positive("FLEETBOX_CHECKPOINT_EVERY", 100)
+    assert str(e.value) == f"fleetbox-checkpoint: FLEETBOX_CHECKPOINT_EVERY={value!r} must be a whole number >= 1"
+    monkeypatch.setenv("FLEETBOX_CHECKPOINT_EVERY", "25")
+    assert fleetbox_checkpoint._positive("FLEETBOX_CHECKPOINT_EVERY", 100) == 25
+    monkeypatch.delenv("FLEETBOX_CHECKPOINT_EVERY")
+    assert fleetbox_checkpoint._positive("FLEETBOX_CHECKPOINT_EVERY", 100) == 100

@@ -99,3 +99,16 @@ def test_a_summary_from_before_it_said_its_wording_takes_its_backends():
     old = {"job_id": "j", "backend": "slurm", "ok": False, "nodes": [node], "culprit": 1}
     assert report._failure(old) == "node1 (rank 1) on gpu07 exited with exit code 3"
     assert report._failure({**old, "backend": "docker"}) == "node1 (rank 1) exited with exit code 3"
+
+
+def test_a_run_whose_script_counts_no_samples_has_an_unknown_throughput(tmp_path):
+    """A script that logs loss but no samples (paddle.Model.fit's own loop, say): 'unknown', never 0.0."""
+    job = tmp_path / "train-e"
+    write_job(job)
+    for k in (0, 1):
+        log = job / f"node{k}" / "workerlog.0"
+        lines = [json.dumps({"rank": k, "step": s, "time": 1002.0 + s, "loss": 1.0}) for s in range(5)]
+        log.write_text("".join(f"FLEETBOX-METRIC {ln}\n" for ln in lines))
+    report.draw(job)
+    md = (job / "report.md").read_text()
+    assert "- throughput: unknown (the script reported no samples" in md and "0.0 samples/s" not in md
