@@ -158,6 +158,7 @@ def _mismatch(name: str, got: str, listed: str):
                   f"it was changed or damaged")
 
 
+IMAGE_PARTS = ("base", "image")   # parts that `docker load` takes, each naming the tags it brings
 VARIANT = re.compile(r"[a-z0-9][a-z0-9._-]{0,40}")
 IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[0-9]+)?/?[a-z0-9._/-]*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
@@ -173,7 +174,10 @@ def check_info(staging: Path, names: set[str]) -> dict:
               and isinstance(parts, dict) and {"source", "lock", "host-wheels", "wheelhouse", "base"} <= set(parts))
         for name, part in parts.items():
             ok = ok and all(isinstance(f, str) and f in names for f in part["files"]) and part["files"]
-            ok = ok and all(isinstance(t, str) and IMAGE_REF.fullmatch(t) for t in part.get("tags", []))
+            ok = ok and type(part["bytes"]) is int and part["bytes"] >= 0
+            tags = part["tags"] if name in IMAGE_PARTS else part.get("tags", [])   # what an image part loads
+            ok = ok and isinstance(tags, list) and (tags or name not in IMAGE_PARTS)
+            ok = ok and all(isinstance(t, str) and IMAGE_REF.fullmatch(t) for t in tags)
         place = parts["lock"]["place"]
         ok = ok and safe_name(place).startswith("images/locks/") and place.endswith(".lock")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, Refused):
@@ -265,7 +269,7 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
         before = docker_images()
         dest.mkdir(exist_ok=True)
         # the images first: an engine that cannot take them stops the load before any folder is placed
-        for part in ("base", "image"):
+        for part in IMAGE_PARTS:
             if part in info["parts"]:
                 log(f"loading the {part} into the Docker Engine ({info['parts'][part]['bytes'] / 2**20:.0f} MiB)")
                 undo.expect(info["parts"][part]["tags"], before)

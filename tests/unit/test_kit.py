@@ -40,10 +40,11 @@ FILES = {"source/fleetbox-src.tar": b"s", "lock/cpu.lock": b"l", "host-wheels/pi
 
 
 def info(**change):
-    parts = {"source": {"files": ["source/fleetbox-src.tar"]},
-             "lock": {"files": ["lock/cpu.lock"], "place": "images/locks/cpu.lock"},
-             "host-wheels": {"files": ["host-wheels/pip.whl"]}, "wheelhouse": {"files": ["wheelhouse/a.whl"]},
-             "base": {"files": ["base/base.tar"], "tags": ["fleetbox/base:bookworm-965f49151f4a"]}}
+    parts = {"source": {"files": ["source/fleetbox-src.tar"], "bytes": 1},
+             "lock": {"files": ["lock/cpu.lock"], "place": "images/locks/cpu.lock", "bytes": 1},
+             "host-wheels": {"files": ["host-wheels/pip.whl"], "bytes": 1},
+             "wheelhouse": {"files": ["wheelhouse/a.whl"], "bytes": 1},
+             "base": {"files": ["base/base.tar"], "tags": ["fleetbox/base:bookworm-965f49151f4a"], "bytes": 1}}
     out = {"variant": "cpu", "revision": "a" * 40, "python": "3.11", "machine": "x86_64", "glibc": "2.28",
            "parts": parts}
     for path, value in change.items():   # "parts.lock.place" -> parts["lock"]["place"]
@@ -51,8 +52,14 @@ def info(**change):
         d = out
         for k in head:
             d = d[k]
-        d[last] = value
+        if value is DROP:
+            del d[last]
+        else:
+            d[last] = value
     return json.dumps(out).encode()
+
+
+DROP = object()   # info(): leave the key out
 
 
 def test_a_good_small_kit_passes_and_is_extracted_only_into_staging(tmp_path):
@@ -67,6 +74,9 @@ def test_a_good_small_kit_passes_and_is_extracted_only_into_staging(tmp_path):
     ("parts.lock.place", "/tmp/evil.lock"), ("parts.lock.place", "images/../../evil.lock"),
     ("parts.lock.place", "tasks.py"), ("variant", "../../x"), ("parts.base.files", ["/etc/passwd"]),
     ("parts.base.tags", ["-f"]), ("revision", "HEAD; rm -rf /"), ("glibc", "x"),
+    # each ended in a traceback after "verified"
+    ("parts.base.tags", DROP), ("parts.base.tags", []), ("parts.base.tags", "fleetbox/base:x"),
+    ("parts.base.bytes", "12"), ("parts.wheelhouse.bytes", DROP), ("parts.base.bytes", -1),
 ])
 def test_a_kit_json_whose_values_would_reach_outside_is_refused(tmp_path, path, value):
     refused(tmp_path, make(tmp_path / "k.kit", {"kit.json": info(**{path: value}), **FILES}),
