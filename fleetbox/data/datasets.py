@@ -12,6 +12,7 @@ import io
 import json
 import lzma
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -64,11 +65,36 @@ def load(path: Path | None = None) -> dict[str, Dataset]:
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"dataset manifest {path}: {e}") from None
     out = {}
-    for name, d in data.get("datasets", {}).items():
-        files = tuple(DataFile(name, d["module"], f["url"], f["md5"].lower()) for f in d["files"])
-        unpack = tuple((u["file"], u["into"], u.get("marker", "")) for u in d.get("unpack", []))
-        out[name] = Dataset(name, d["module"], d.get("loader", ""), files, d.get("note", ""), unpack)
+    try:
+        for name, d in data.get("datasets", {}).items():
+            files = tuple(DataFile(name, _name(d["module"], "module"), f["url"], _md5(f["md5"])) for f in d["files"])
+            for f in files:   # the file's own name in the cache is the URL's last part
+                if not PATH_NAME.fullmatch(f.url.rsplit("/", 1)[-1]):
+                    raise ValueError(f"url {f.url!r} does not end in a file name")
+            unpack = tuple((_name(u["file"], "unpack file"), _name(u["into"], "unpack into"),
+                            _name(u.get("marker", ""), "unpack marker", empty=True)) for u in d.get("unpack", []))
+            out[name] = Dataset(name, d["module"], d.get("loader", ""), files, d.get("note", ""), unpack)
+    except KeyError as e:
+        raise UserError(f"dataset manifest {path}: data set {name!r} lacks {e.args[0]!r}") from None
+    except (TypeError, AttributeError, ValueError) as e:
+        raise UserError(f"dataset manifest {path}: data set {name!r}: {e}") from None
     return out
+
+
+# A cache path part: one plain name, never a path that leaves <cache>/<module>/ (the manifest can come from anyone)
+PATH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*")
+
+
+def _name(value, what: str, empty: bool = False) -> str:
+    if not (isinstance(value, str) and (PATH_NAME.fullmatch(value) or empty and value == "")):
+        raise ValueError(f"{what} {value!r} is not a single file or folder name")
+    return value
+
+
+def _md5(value) -> str:
+    if not (isinstance(value, str) and re.fullmatch(r"[0-9a-fA-F]{32}", value)):
+        raise ValueError(f"md5 {value!r} is not 32 hex digits")
+    return value.lower()
 
 
 def select(manifest: dict[str, Dataset], names) -> list[Dataset]:

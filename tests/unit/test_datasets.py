@@ -4,6 +4,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import stat
@@ -535,3 +536,24 @@ def test_a_redirect_loop_is_one_line_naming_the_url(site):
         ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None, backoff=0.01)
     assert str(e.value) == f"cannot download {server.url}/{name}: redirect loop (more than 30 redirects)"
     assert sum(p == "/" + name for p, _ in server.requests) == 31   # followed once, not retried
+
+
+@pytest.mark.parametrize("entry,said", [
+    ('module = "../x"\nfiles = [{ url = "http://h/a.gz", md5 = "' + "0" * 32 + '" }]', "module '../x' is not a single"),
+    ('module = "m/n"\nfiles = [{ url = "http://h/a.gz", md5 = "' + "0" * 32 + '" }]', "module 'm/n' is not a single"),
+    ('module = "m"\nfiles = [{ url = "http://h/..", md5 = "' + "0" * 32 + '" }]',
+     "url 'http://h/..' does not end in a file name"),
+    ('module = "m"\nfiles = [{ url = "http://h/a.gz", md5 = "../x" }]', "md5 '../x' is not 32 hex digits"),
+    ('module = "m"\nfiles = [{ url = "http://h/a.gz" }]', "data set 'evil' lacks 'md5'"),
+    ('module = "m"\nfiles = [{ url = "http://h/a.tgz", md5 = "' + "0" * 32 + '" }]\n'
+     'unpack = [{ file = "a.tgz", into = "../../etc" }]', "unpack into '../../etc' is not a single"),
+    ('module = "m"\nfiles = [{ url = "http://h/a.tgz", md5 = "' + "0" * 32 + '" }]\n'
+     'unpack = [{ file = "a.tgz", into = "x", marker = "/etc/passwd" }]', "unpack marker '/etc/passwd'"),
+])
+def test_a_manifest_whose_names_would_leave_the_cache_is_refused_in_one_line(tmp_path, entry, said):
+    """Each name becomes a path under <cache>/<module>/: `module = "../x"` downloaded outside the cache."""
+    manifest = tmp_path / "datasets.toml"
+    manifest.write_text(f"[datasets.evil]\n{entry}\n")
+    with pytest.raises(UserError, match=re.escape(said)) as e:
+        ds.load(manifest)
+    assert "\n" not in str(e.value) and str(manifest) in str(e.value)
