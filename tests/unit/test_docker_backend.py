@@ -776,3 +776,18 @@ def test_jobs_tells_running_orphaned_died_passed_and_cancelled_apart(monkeypatch
     assert jobs.describe(gone)["state"] == "DIED"             # no containers, no summary, no supervisor
     (plan.dir / "CANCELLED").touch()
     assert jobs.describe(gone)["state"] == "CANCELLED"
+
+
+@pytest.mark.parametrize("where", ["source", "destination", "checkpoints"])
+def test_a_colon_in_a_bind_is_refused_before_the_job_makes_anything(tmp_path, monkeypatch, where):
+    """Docker reads SRC:DST:MODE: a ':' in a path failed at container creation, after the job's folders existed."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    src = tmp_path / ("a:b" if where == "source" else "ab")
+    src.mkdir()
+    kw = {"mounts": (spec_mod.Mount(str(src), "/data:x" if where == "destination" else "/data"),)}
+    if where == "checkpoints":
+        kw["checkpoint_dir"] = str(tmp_path / "ck:1")
+    with pytest.raises(UserError, match="holds ':', which docker reads as a separator") as e:
+        job(FakeEngine(), **kw)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ck:1").exists()

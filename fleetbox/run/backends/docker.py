@@ -33,6 +33,7 @@ from fleetbox.run import checkpoints, hostnet, metrics, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Plan
+from fleetbox.run.backends import runtimes
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
 
@@ -101,6 +102,7 @@ class DockerBackend(Backend):
                 f"-{secrets.token_hex(3)}" if spec.resume == "never" else "")               # on a shared engine
             t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
                                  memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared)
+            runtimes.get("docker").check(t, spec.image_ref)
             home, user = "", ""
             if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
                 raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
@@ -115,10 +117,11 @@ class DockerBackend(Backend):
             port = spec.port or hostnet.free_block(master_ip, need)
             facts = [{"iface": spec.iface or iface, "local": own}] * spec.nodes
             ckpt = checkpoints.folder(spec.checkpoint_dir, settings.runs_root() / job_id)
-            checkpoints.check_writable(ckpt)
             t = planner.template(spec, job_id, str(settings.runs_root() / job_id / "{node}"),
                                  hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock(),
                                  checkpoints=str(ckpt))
+            runtimes.get("docker").check(t, spec.image_ref)   # binds the engine would split: before anything is made
+            checkpoints.check_writable(ckpt)
             home, user = str(Path.home()), getpass.getuser()
         values = tuple(planner.node_values(k, spec.nodes, job_id, master_ip, port, facts[k]["local"],
                                            facts[k]["iface"], home, user, procs=spec.procs_per_node,
@@ -677,3 +680,4 @@ def _node_tail(node_dir: Path) -> list[str]:
 def _paddle_of(labels: dict) -> str:
     """The Paddle version an image says it has: our images' version label (another image's may be its OS's)."""
     return labels.get("org.opencontainers.image.version", "") if labels.get(settings.LABEL_INPUTS) else ""
+
