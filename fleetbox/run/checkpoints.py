@@ -46,10 +46,30 @@ def prepare(path: Path, resume: str, log=print) -> None:
     for marker in (layout.STOP, layout.STATE):   # an earlier run's: the script records its own state again
         (path / marker).unlink(missing_ok=True)
     if resume == "never" and steps(path):
-        aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
-        path.rename(aside)
-        path.mkdir()
+        stamp = time.strftime('%Y%m%d-%H%M%S')
+        aside = _unused(path.with_name(f"{path.name}.before-{stamp}"))
+        try:
+            try:
+                path.rename(aside)
+                path.mkdir()
+            except OSError:   # a mount point (EBUSY, EXDEV): its contents go aside inside it, out of the helper's view
+                aside = _unused(path / f"before-{stamp}")
+                aside.mkdir()
+                for entry in [e for e in path.iterdir() if e != aside and not e.name.startswith("before-")]:
+                    entry.rename(aside / entry.name)
+        except OSError as e:
+            raise UserError(f"--resume never: cannot move the earlier checkpoints in {path} aside: "
+                            f"{e.strerror or e}") from None
         log(f"--resume never: moved the earlier checkpoints to {aside}")
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or path-2, path-3, ... where it exists (two runs in one second)."""
+    n, p = 1, path
+    while p.exists():
+        n += 1
+        p = path.with_name(f"{path.name}-{n}")
+    return p
 
 
 def steps(path: Path) -> list[int]:
