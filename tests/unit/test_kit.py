@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -26,13 +27,15 @@ def make(path, files, extra=None, manifest=None):
     return path
 
 
-def refused(tmp_path, kit, said, expect=None):
+def refused(tmp_path, kit, said, expect=None, outside=()):
+    """Refused with `said`, and nothing written where a member's name points: beside the staging folder
+    (`../evil`) or at an absolute path (`outside`)."""
     staging = tmp_path / "staging"
     staging.mkdir(exist_ok=True)
     with pytest.raises(kit_load.Refused) as e:
         kit_load.verify(kit, staging, expect, log=lambda m: None)
     assert said in str(e.value), str(e.value)
-    assert not (tmp_path / "evil").exists()
+    assert not (tmp_path / "evil").exists() and not any(Path(p).exists() for p in outside)
 
 
 FILES = {"source/fleetbox-src.tar": b"s", "lock/cpu.lock": b"l", "host-wheels/pip.whl": b"p",
@@ -89,7 +92,8 @@ def test_a_file_and_a_folder_of_one_name_is_refused(tmp_path):
 
 def test_unsafe_names_links_and_bad_manifests_are_refused(tmp_path):
     refused(tmp_path, make(tmp_path / "1.kit", {"../evil": b"x"}), "unsafe path '../evil'")
-    refused(tmp_path, make(tmp_path / "2.kit", {"/evil": b"x"}), "unsafe path '/evil'")
+    absolute = f"{tmp_path}/abs/evil"   # where an absolute member would land, not under the staging folder
+    refused(tmp_path, make(tmp_path / "2.kit", {absolute: b"x"}), f"unsafe path '{absolute}'", outside=[absolute])
     link = tarfile.TarInfo("lnk")
     link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
     refused(tmp_path, make(tmp_path / "3.kit", {"a": b"x"}, extra=link), "'lnk', which is not a regular file")
