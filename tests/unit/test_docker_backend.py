@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import threading
 import time
 import types
@@ -791,3 +792,49 @@ def test_a_colon_in_a_bind_is_refused_before_the_job_makes_anything(tmp_path, mo
         job(FakeEngine(), **kw)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ck:1").exists()
+
+
+def test_an_engine_error_while_planning_is_one_line(tmp_path, monkeypatch):
+    """The engine goes away between connecting and asking for the image: one line, not a traceback."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    engine = FakeEngine()
+
+    def gone(ref):
+        raise docker.errors.APIError("500 Server Error: Internal Server Error (\"connection reset\")")
+    engine.images.get = gone
+    with pytest.raises(UserError, match=r"^the Docker Engine failed while planning the job: 500 Server Error") as e:
+        job(engine)
+    assert "\n" not in str(e.value)
+
+
+def test_a_supervisor_that_does_not_stop_in_60_s_is_killed_and_its_job_removed(tmp_path, monkeypatch):
+    """Ctrl-C while a detached job starts: its supervisor is asked to stop; one stuck past 60 s is killed and the
+    job's containers removed here, not a TimeoutExpired traceback."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    engine = FakeEngine()
+    b, plan = job(engine)
+    said = []
+
+    class Stuck:
+        def __init__(self, *a, **kw):
+            said.append("started")
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            said.append("terminate")
+
+        def kill(self):
+            said.append("kill")
+
+        def wait(self, timeout=None):
+            if timeout is not None:
+                raise subprocess.TimeoutExpired("supervisor", timeout)
+            said.append("reaped")
+    monkeypatch.setattr(docker_backend.subprocess, "Popen", Stuck)
+    monkeypatch.setattr(docker_backend.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(b, "clean", lambda hosts, job="", force=False, log=print: said.append(("clean", job)))
+    with pytest.raises(KeyboardInterrupt):
+        b.detach(plan, log=lambda m: None)
+    assert said == ["started", "terminate", "kill", "reaped", ("clean", plan.job_id)]

@@ -75,6 +75,14 @@ class DockerBackend(Backend):
     # -- plan: read the hosts' facts, decide everything --
 
     def plan(self, spec: spec_mod.JobSpec) -> DockerPlan:
+        try:
+            return self._plan(spec)
+        except Exception as e:
+            if (why := engine_failure(e)) is None:
+                raise
+            raise UserError(f"the Docker Engine failed while planning the job: {why}") from None
+
+    def _plan(self, spec: spec_mod.JobSpec) -> DockerPlan:
         job_id = spec.job_id or spec_mod.new_job_id()
         hosts = list(spec.hosts) or [""] * spec.nodes
         image = None
@@ -305,7 +313,13 @@ class DockerBackend(Backend):
                 time.sleep(0.1)
         except KeyboardInterrupt:   # the supervisor cleans up on SIGTERM, as an attached job does on Ctrl-C
             proc.terminate()
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:   # stuck: stop it, and remove what it had started ourselves
+                proc.kill()
+                proc.wait()
+                self.clean(list(dict.fromkeys(plan.spec.hosts or [""])), job=plan.job_id, force=True,
+                           log=lambda m: None)
             raise
         return Handle.load(plan.dir)
 
@@ -622,13 +636,19 @@ class engine_errors:
         return self
 
     def __exit__(self, kind, e, tb):
-        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
-        import requests  # noqa: PLC0415 (deferred: with the Docker SDK, only where an engine is used)
-        if kind is not None and issubclass(kind, (docker.errors.DockerException, requests.RequestException)):
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        if e is not None and (why := engine_failure(e)) is not None:
             raise Failed(f"train failed: the Docker Engine failed while running the job: {why} "
                          f"(logs: {self.job_dir})") from None
         return False
+
+
+def engine_failure(e: BaseException) -> str | None:
+    """An engine error (connection lost, engine stopped, a refusal) in one line; None for anything else."""
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
+    import requests  # noqa: PLC0415 (deferred: with the Docker SDK, only where an engine is used)
+    if isinstance(e, (docker.errors.DockerException, requests.RequestException)):
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return None
 
 
 def finish_time(ts: str) -> float:
