@@ -1,5 +1,5 @@
-"""What of a job's live output reaches the terminal: everything but the launcher's polling and the metrics lines
-(`--debug` shows them; the log files always keep them)."""
+"""What of a job's live output reaches the terminal: everything but the launcher's polling, its configuration dump
+and the metrics lines (`--debug` shows them; the log files always keep them)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,24 @@ LAUNCHER_POLLING = re.compile(
 METRICS = re.compile(r"\[node\d+\] FLEETBOX-METRIC ")   # one per step per rank: metrics.jsonl has them
 
 
+# The launcher's dump of its ~30 settings, between two dashed lines: half of a 2-node job's live output.
+LAUNCH_INFO = r"\[(node\d+)\] LAUNCH INFO [\d-]+ [\d:,]+ "
+CONFIG_START = re.compile(LAUNCH_INFO + r"-+\s+Configuration\s+-+$")
+CONFIG_END = re.compile(LAUNCH_INFO + r"-+$")
+
+
 def quiet(log):
-    """The live stream without the launcher's polling lines and the metrics lines."""
-    return lambda line: None if LAUNCHER_POLLING.match(line) or METRICS.match(line) else log(line)
+    """The live stream without the launcher's polling lines, its configuration dump and the metrics lines."""
+    in_config: set[str] = set()   # the nodes whose dump is being printed now
+
+    def show(line: str) -> None:
+        if m := CONFIG_START.match(line):
+            in_config.add(m.group(1))
+            return
+        if in_config and (m := re.match(LAUNCH_INFO, line)) and m.group(1) in in_config:   # the dump's own lines
+            if CONFIG_END.match(line):
+                in_config.discard(m.group(1))
+            return
+        if not (LAUNCHER_POLLING.match(line) or METRICS.match(line)):
+            log(line)
+    return show

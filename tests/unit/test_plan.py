@@ -224,6 +224,27 @@ def test_launcher_polling_stays_out_of_the_live_stream_unless_debug():
     assert shown == users   # only the launcher's own polling of its master is held back
 
 
+def test_the_launchers_configuration_dump_stays_out_of_the_live_stream():
+    """Paddle's launcher prints ~30 settings between two dashed lines on every node: half of a 2-node job's live
+    output (recorded from a real run); the lines around it, and another node's, still show."""
+    from fleetbox.run import output
+    ts = "LAUNCH INFO 2026-11-24 02:15:39,021 "
+    dump = [f"{ts}-----------  Configuration  ----------------------", f"{ts}auto_cluster_config: 0",
+            f"{ts}master: 10.213.77.11:20916", f"{ts}servers: ", f"{ts}with_gloo: 1",
+            f"{ts}--------------------------------------------------"]
+    kept = ["LAUNCH WARNING 2026-11-24 02:15:39,014 Host ip reset to 10.213.77.11",
+            f"{ts}Job: default, mode collective, replicas 2[2:2], elastic False", "step    0  loss 4.39",
+            f"{ts}--------------------------------------------------"]   # a dashed line outside a dump shows
+    shown = []
+    log = output.quiet(shown.append)
+    for line in [f"[node0] {kept[0]}", f"[node0] {dump[0]}", f"[node1] {dump[0]}", *(f"[node0] {d}" for d in dump[1:]),
+                 "[node1] step    0  loss 4.39", *(f"[node1] {d}" for d in dump[1:]), f"[node0] {kept[1]}",
+                 f"[node0] {kept[2]}", f"[node0] {kept[3]}"]:
+        log(line)
+    assert shown == [f"[node0] {kept[0]}", "[node1] step    0  loss 4.39", f"[node0] {kept[1]}",
+                     f"[node0] {kept[2]}", f"[node0] {kept[3]}"]
+
+
 # -- the checkpoint contract --
 
 def test_every_node_gets_the_checkpoint_folder_the_helpers_and_their_environment(tmp_path):
