@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from fleetbox.commands import doctor
+from fleetbox import settings
+from fleetbox.commands import doctor, jobs
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import stops_as_interrupt
 from fleetbox.run import backends, report
 from fleetbox.run.output import quiet
+from fleetbox.run.records import DamagedRecord, Handle, JobState
 from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
 
@@ -23,6 +25,8 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     b = backends.get(backend, **(backend_options or {}))
     for note in b.notes:
         log(f"warning: {note}")
+    if spec.job_id and not dry_run:
+        refuse_live(spec.job_id)
     if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
         log(f"preflight: checking {spec.nodes} node(s) before starting the job")
         checked = doctor.run(spec, backend, backend_options, quick=True, log=log)
@@ -47,6 +51,23 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     if not result.ok:
         raise Failed(f"train failed: {result.failure()}")
     return result
+
+
+def refuse_live(job_id: str) -> None:
+    """One job id, one live job: a job id whose job has not ended (running, pending, a Slurm chain between its
+    allocations, containers its dead supervisor left) is refused, on every backend and from any machine that
+    shares the runs folder; its record would be overwritten and its checkpoints moved under it."""
+    try:
+        h = Handle.load(settings.runs_root() / job_id)
+    except FileNotFoundError:
+        return
+    except DamagedRecord as e:
+        raise UserError(f"job {job_id} has a record that cannot be read ({e}); give another --job-id") from None
+    row = jobs.describe(h)
+    if not row["state"].is_terminal:
+        state = "in a state that cannot be told" if row["state"] == JobState.UNKNOWN else row["state"].value
+        raise UserError(f"job {job_id} is {state} ({h.backend}{'; ' + row['note'] if row['note'] else ''}): "
+                        f"wait for it, `invoke cancel {job_id}`, or give another --job-id")
 
 
 def draw_report(job_dir: Path, log=print) -> dict | None:

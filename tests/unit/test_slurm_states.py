@@ -168,3 +168,30 @@ def test_cancel_also_takes_a_next_allocation_submitted_meanwhile(stub_slurm, tmp
     slurm.SlurmBackend().cancel(h, lambda _: None)
     calls = [json.loads(ln) for ln in (d / "scancel.jsonl").read_text().splitlines()]
     assert [c[1:] for c in calls] == [["7"], ["8"]]
+
+
+def test_a_live_jobs_id_is_refused_from_any_shell(stub_slurm, tmp_path, monkeypatch):
+    """A second submission with the id of a chain that is running, or between allocations (its next one pending),
+    would overwrite its job.sbatch and handle.json and move its checkpoints: refused in one line."""
+    from fleetbox.commands import train
+    from fleetbox.image import matrix
+    from fleetbox.run import spec as spec_mod
+    _, states = stub_slurm
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    h = chain(tmp_path, {"allocation": 1, "slurm_job": "7", "ended": "continue", "next": "8"})
+    h.save()
+    again = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-x")
+    states(j7="COMPLETED", j8="PENDING")
+    with pytest.raises(UserError, match=r"^job train-x is PENDING \(slurm\): wait for it, `invoke cancel train-x`, "
+                                        r"or give another --job-id$"):
+        train.train(again, "slurm", {"runtime": "podman"}, log=lambda m: None)
+    assert (tmp_path / "train-x" / "allocations.jsonl").exists()   # nothing of it touched
+    states(j7="COMPLETED", j8="RUNNING")
+    with pytest.raises(UserError, match="is RUNNING"):
+        train.refuse_live("train-x")
+    states(j7="COMPLETED", j8="COMPLETED")   # its chain has ended: the id may be used again
+    with open(tmp_path / "train-x" / "allocations.jsonl", "a") as f:
+        f.write(json.dumps({"chain": "7", "allocation": 2, "max_allocations": 3, "slurm_job": "8", "from_step": 10,
+                            "to_step": 20, "state": "done", "exit": 0, "ended": "finished", "next": ""}) + "\n")
+    train.refuse_live("train-x")
+    train.refuse_live("train-never-run")

@@ -110,7 +110,7 @@ class DockerBackend(Backend):
                 f"-{secrets.token_hex(3)}" if spec.resume == "never" else "")               # on a shared engine
             t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
                                  memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared)
-            runtimes.get("docker").check(t, spec.image_ref)
+            runtimes.Docker().check(t, spec.image_ref)
             home, user = "", ""
             if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
                 raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
@@ -128,7 +128,7 @@ class DockerBackend(Backend):
             t = planner.template(spec, job_id, str(settings.runs_root() / job_id / "{node}"),
                                  hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock(),
                                  checkpoints=str(ckpt))
-            runtimes.get("docker").check(t, spec.image_ref)   # binds the engine would split: before anything is made
+            runtimes.Docker().check(t, spec.image_ref)   # binds the engine would split: before anything is made
             checkpoints.check_writable(ckpt)
             home, user = str(Path.home()), getpass.getuser()
         values = tuple(planner.node_values(k, spec.nodes, job_id, master_ip, port, facts[k]["local"],
