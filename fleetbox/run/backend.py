@@ -31,6 +31,14 @@ class Plan:
     dir: Path          # runs/<job-id>/ on this machine
     port: int
 
+    def make_dir(self) -> Path:
+        """The job's folder; private to the user (0700) when the job has --env values, which its scripts and
+        records hold (a token, a password) and which no one else on a shared login node should read."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.spec.env:
+            self.dir.chmod(0o700)
+        return self.dir
+
 
 @dataclass(frozen=True)
 class Option:

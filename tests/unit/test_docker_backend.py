@@ -838,3 +838,9 @@ def test_a_supervisor_that_does_not_stop_in_60_s_is_killed_and_its_job_removed(t
     with pytest.raises(KeyboardInterrupt):
         b.detach(plan, log=lambda m: None)
     assert said == ["started", "terminate", "kill", "reaped", ("clean", plan.job_id)]
+
+
+def test_a_jobs_folder_is_private_when_the_job_has_env_values():
+    engine = FakeEngine({0: Life(code=0), 1: Life(code=0)})
+    b, plan, r, lines = run(engine, spec_kw={"env": {"HF_TOKEN": "secret"}})
+    assert r.ok and plan.dir.stat().st_mode & 0o777 == 0o700

@@ -38,7 +38,7 @@ if os.path.exists(d + "/fail.json"):
 def stub_slurm(tmp_path, monkeypatch):
     d = tmp_path / "bin"
     d.mkdir()
-    for name, text in (("scontrol", SCONTROL), ("scancel", SCANCEL)):
+    for name, text in (("scontrol", SCONTROL), ("scancel", SCANCEL), ("sbatch", "#!/bin/sh\necho 9\n")):
         (d / name).write_text(text.format(py=sys.executable))
         (d / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{d}:/usr/bin:/bin")
@@ -195,3 +195,17 @@ def test_a_live_jobs_id_is_refused_from_any_shell(stub_slurm, tmp_path, monkeypa
                             "to_step": 20, "state": "done", "exit": 0, "ended": "finished", "next": ""}) + "\n")
     train.refuse_live("train-x")
     train.refuse_live("train-never-run")
+
+
+@pytest.mark.parametrize("env,mode", [({"WANDB_API_KEY": "secret"}, 0o700), ({}, None)])
+def test_a_jobs_folder_holding_env_values_is_private(stub_slurm, tmp_path, monkeypatch, env, mode):
+    """job.sbatch and node.sh hold --env values (tokens): the job's folder is the user's alone."""
+    from fleetbox.image import matrix
+    from fleetbox.run import spec as spec_mod
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    b = slurm.SlurmBackend("podman")
+    plan = b.plan(spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-env", env=env))
+    b.submit(plan, log=lambda m: None)
+    assert ("secret" in (plan.dir / "node.sh").read_text()) == bool(env)
+    got = plan.dir.stat().st_mode & 0o777
+    assert got == mode if mode else got & 0o077, oct(got)

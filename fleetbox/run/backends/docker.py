@@ -230,7 +230,7 @@ class DockerBackend(Backend):
     def submit(self, plan: DockerPlan, log=print) -> Handle:
         for note in plan.notes:
             log(note)
-        plan.dir.mkdir(parents=True, exist_ok=True)
+        plan.make_dir()
         spec = plan.spec
         if plan.attempt == 0:   # a restart goes on with the same folders
             (plan.dir / CANCELLED).unlink(missing_ok=True)
@@ -296,7 +296,7 @@ class DockerBackend(Backend):
     def detach(self, plan: DockerPlan, log=print) -> Handle:
         """A supervisor process carries the job (python -m fleetbox.run.supervisor): this returns once it has
         started the job, or says in one line why it could not."""
-        plan.dir.mkdir(parents=True, exist_ok=True)
+        plan.make_dir()
         for name in (records.SUPERVISOR_READY, records.SUMMARY):
             (plan.dir / name).unlink(missing_ok=True)
         records.save_plan(plan.dir, self.name, plan)

@@ -265,7 +265,7 @@ class SlurmBackend(Backend):
     # -- acting --
 
     def submit(self, plan: SlurmPlan, log=print) -> Handle:
-        plan.dir.mkdir(parents=True, exist_ok=True)
+        plan.make_dir()
         checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, log)
         (plan.dir / "summary.json").unlink(missing_ok=True)   # an earlier run's of the same job id
         JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
