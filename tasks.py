@@ -172,6 +172,8 @@ TRAIN_HELP = {
     "devices": "accelerator ids, e.g. 0,1",
     "port": "master port (default: a free one here, a random one for Slurm)",
     "env": "extra environment, comma-separated KEY=VALUE pairs",
+    "pass_env": "variables passed by name from your environment, e.g. HF_TOKEN,WANDB_API_KEY: for secrets, their "
+                "values are never printed (--dry-run) or written to the job's folder",
     "mount": "extra bind mounts, comma-separated SRC:DST[:ro]",
     "data_dir": "seeded dataset cache to mount read-only at Paddle's cache path (default offline_cache/dataset)",
     "shm_size": "shared memory per container (default 8g; NCCL needs more than Docker's 64m)",
@@ -219,9 +221,10 @@ def _backend_help(train: bool = True) -> dict:
 @_backend_options()
 @_fleetbox
 def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=None, image=None, hosts=None,
-          iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, mount=None,
-          data_dir=None, shm_size=None, timeout=None, dry_run=False, backend=backends.DEFAULT, job_id=None,
-          checkpoint_dir=None, resume=None, max_restarts=None, detach=False, preflight=False, **backend_options):
+          iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, pass_env=None,
+          mount=None, data_dir=None, shm_size=None, timeout=None, dry_run=False, backend=backends.DEFAULT,
+          job_id=None, checkpoint_dir=None, resume=None, max_restarts=None, detach=False, preflight=False,
+          **backend_options):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import options
     from fleetbox.commands import train as train_mod
@@ -230,7 +233,7 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
                                  args=args, image=image, hosts=hosts, iface=iface, ib_hca=ib_hca, debug=debug,
                                  gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
                                  data_dir=data_dir, shm_size=shm_size, job_id=job_id, checkpoint_dir=checkpoint_dir,
-                                 resume=resume, max_restarts=max_restarts)
+                                 resume=resume, max_restarts=max_restarts, pass_env=pass_env)
     train_mod.train(spec, backend, backends.configure(backend, backend_options), dry_run,
                     options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight)
 

@@ -4,6 +4,7 @@ Backends fill the template per node (Docker: with values; Slurm: with shell vari
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class NodeRun:
     security_opt: tuple[str, ...] = ()
     gpus: str = ""                # docker --gpus syntax: "device=0,1" (a template: "device={gpus}"); "" none
     accelerator: str = ""         # the variant's device: cuda | rocm | "" (CPU)
+    pass_env: tuple[str, ...] = ()   # variables passed by name: their values come from the environment they start in
     memlock: int = -1             # -1 unlimited (NCCL/InfiniBand); lower only where the engine cannot raise it
 
     def fill(self, values: dict[str, str]) -> "NodeRun":
@@ -60,6 +62,8 @@ class NodeRun:
             a += ["-v", f"{m.src}:{m.dst}" + (":ro" if m.ro else "")]
         for k, v in self.env.items():
             a += ["-e", f"{k}={v}"]
+        for k in self.pass_env:   # by name: the client takes the value from its own environment
+            a += ["-e", k]
         return a
 
     def run_flags(self) -> list[str]:
@@ -91,7 +95,9 @@ class NodeRun:
         kw = {"name": self.name, "network_mode": "host", "shm_size": self.shm_size, "working_dir": WORKDIR,
               "ulimits": [docker.types.Ulimit(name="memlock", soft=self.memlock, hard=self.memlock),
                           docker.types.Ulimit(name="stack", soft=STACK_BYTES, hard=STACK_BYTES)],
-              "labels": dict(self.labels), "environment": dict(self.env),
+              "labels": dict(self.labels),
+              # a variable passed by name, from this process's environment, as the CLI's `-e NAME` does
+              "environment": {**self.env, **{k: os.environ[k] for k in self.pass_env if k in os.environ}},
               "volumes": [f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}" for m in self.mounts]}
         return {**kw, **device_kwargs(self.devices, self.group_add, self.security_opt, self.gpus)}
 
@@ -237,7 +243,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
         labels={LABEL_JOB: job_id, LABEL_NODE: "{node}", LABEL_RANK: "{rank}", LABEL_VARIANT: spec.variant.name},
         shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),
         security_opt=dev.get("security_opt", ()), gpus=dev.get("gpus", ""), memlock=memlock,
-        accelerator="" if spec.variant.device == "cpu" else spec.variant.device)
+        accelerator="" if spec.variant.device == "cpu" else spec.variant.device, pass_env=spec.pass_env)
 
 
 def node_values(rank: int, nnodes: int, job_id: str, master_ip: str, port: int, node_ip: str, iface: str,

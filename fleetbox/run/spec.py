@@ -3,6 +3,7 @@ Pure: building and validating a spec reads no network, engine or host facts."""
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import shlex
@@ -33,6 +34,8 @@ class JobSpec:
     script: str = str(settings.DEFAULT_SCRIPT)
     args: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
+    pass_env: tuple[str, ...] = ()       # variables passed by name from the caller's environment (secrets): never
+                                         # printed or stored, read where a container is made
     mounts: tuple[Mount, ...] = ()       # extra bind mounts
     image: str = ""                      # default: the variant's alias (fleetbox/paddle:<variant>)
     hosts: tuple[str, ...] = ()          # one Docker Engine URL per node (ssh://user@h1, tcp://IP:2375); empty: here
@@ -93,7 +96,7 @@ def parse_mount(text: str) -> Mount:
 def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=None, args=None, image=None,
                  hosts=None, iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None,
                  env=None, mount=None, data_dir=None, shm_size=None, job_id=None, checkpoint_dir=None, resume=None,
-                 max_restarts=None) -> JobSpec:
+                 max_restarts=None, pass_env=None) -> JobSpec:
     """A validated JobSpec from command-line strings (each by its option's name)."""
     host_list = tuple(options.items(hosts))
     if data_dir is None:   # the default cache is used when it exists here (a remote engine cannot see it)
@@ -114,11 +117,15 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
         port=options.integer("--port", port, 1024, 65535) if port else 0, env=options.pairs("--env", env),
         mounts=tuple(parse_mount(m) for m in options.items(mount)), data_dir=data_dir,
         shm_size=shm_size or "8g", job_id=job_id or "", checkpoint_dir=checkpoint_dir or "",
-        resume=resume or "auto", max_restarts=options.integer("--max-restarts", max_restarts or 0, 0))
+        resume=resume or "auto", max_restarts=options.integer("--max-restarts", max_restarts or 0, 0),
+        pass_env=tuple(options.items(pass_env)))
     if procs_per_node is None and spec.variant.device != "cpu" and (spec.gpus_per_node or spec.devices):
         # Paddle runs one process per device: as many as each node is given
         spec = replace(spec, procs_per_node=spec.gpus_per_node or max(1, len(spec.devices.split(",")) // spec.sharing))
     validate(spec)
+    for name in spec.pass_env:   # its value is read where a container is made: it must be there now
+        if name not in os.environ:
+            raise UserError(f"--pass-env {name}: it is not set in your environment")
     return spec
 
 
@@ -156,11 +163,17 @@ def validate(spec: JobSpec) -> None:
     if spec.checkpoint_dir and not spec.hosts and Path(spec.checkpoint_dir).exists() \
             and not Path(spec.checkpoint_dir).is_dir():
         raise UserError(f"--checkpoint-dir {spec.checkpoint_dir} is not a folder")
+    for name in spec.pass_env:
+        if not ENV_NAME.fullmatch(name):
+            raise UserError(f"--pass-env {name!r}: give variable names, e.g. HF_TOKEN,WANDB_API_KEY")
+        if name in spec.env:
+            raise UserError(f"--pass-env {name}: also given a value with --env; give it once")
     for m in spec.mounts:
         if not m.src or not m.dst.startswith("/"):
             raise UserError(f"--mount {m.src}:{m.dst}: the destination must be an absolute path")
 
 
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # a variable name, as every runtime and shell takes it
 DEVICE_ID = re.compile(r"[0-9]+|GPU-[0-9A-Fa-f-]+")   # an index, or an NVIDIA/AMD UUID
 
 

@@ -37,9 +37,9 @@ def register(cls: type[Backend]) -> type[Backend]:
 
 # the options every job has (tasks.py): a backend's own options take other names
 JOB_OPTIONS = {"nodes", "procs_per_node", "variant", "script", "args", "image", "hosts", "iface", "ib_hca", "debug",
-               "gpus_per_node", "devices", "port", "env", "mount", "data_dir", "shm_size", "timeout", "dry_run",
-               "backend", "job_id", "checkpoint_dir", "resume", "max_restarts", "detach", "preflight", "quick",
-               "wait", "json_out"}
+               "gpus_per_node", "devices", "port", "env", "pass_env", "mount", "data_dir", "shm_size", "timeout",
+               "dry_run", "backend", "job_id", "checkpoint_dir", "resume", "max_restarts", "detach", "preflight",
+               "quick", "wait", "json_out"}
 
 
 def _load_entry_points() -> None:

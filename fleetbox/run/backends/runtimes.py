@@ -109,6 +109,12 @@ class Runtime:
         """Environment the node script exports for the runtime to pass on (values are user values)."""
         return {}
 
+    def prelude_for(self, n: NodeRun) -> list[Raw]:
+        """Node-script lines for this node's own values that must stay out of the script (--pass-env): ours, with
+        names checked as identifiers. Docker and Podman take `-e NAME` from their environment, Pyxis runs the
+        node script in the container, which has the task's environment."""
+        return []
+
     def identify(self) -> Raw:
         """Node script lines that say which image this node has, as `fleetbox: image KIND VALUE [CONTENT-TAG]`
         (invoke doctor compares them across nodes), and end the script when the node has none. $IMAGE_REF is
@@ -219,6 +225,9 @@ class Apptainer(Runtime):
     def exports(self, n):
         return {f"APPTAINERENV_{k}": v for k, v in n.env.items()}
 
+    def prelude_for(self, n):   # a variable passed by name: its value from the task's environment, never written
+        return [Raw(f'export APPTAINERENV_{k}="${{{k}}}"') for k in n.pass_env]
+
     def allocation(self, device, procs):   # --cleanenv drops them: pass them on by name
         lines, words = super().allocation(device, procs)
         return lines + [Raw(f'for v in {" ".join(self.VISIBLE)}; do [ -z "${{!v+x}}" ] || '
@@ -253,6 +262,7 @@ class Charliecloud(Runtime):
         # --env-no-expand: `$` in a value is literal, as everywhere in fleetbox
         a = ["ch-run", "--env-no-expand", "--set-env", "--home"]
         a += [f"--set-env={k}={v}" for k, v in n.env.items()]
+        a += [Raw(f'"--set-env={k}=${{{k}}}"') for k in n.pass_env]   # by name, from the task's environment
         for m in n.mounts:
             a += ["-b", f"{m.src}:{m.dst}"]
         return a + ["-c", WORKDIR, *extra, image, "--", *n.command]

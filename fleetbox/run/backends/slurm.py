@@ -200,6 +200,7 @@ class SlurmBackend(Backend):
             shell, given = rt.allocation(t.accelerator, spec.procs_per_node)
             lines += shell
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
+        lines += rt.prelude_for(t)
         run = self.words([*rt.launch(t, image, [*given, *self.runtime_args])], job_id)
         if rt.kills_client_only:
             # A killed client leaves its container running: remove it when Slurm stops this task, at once (Slurm
