@@ -9,14 +9,14 @@ from fleetbox.errors import UserError
 
 
 def safe_extract(tar: tarfile.TarFile, dest: Path) -> None:
-    """Extract refusing absolute paths, '..', links and special files. Uses tarfile's "data" filter where
-    this Python has it (3.11.4+), and the same checks done here before extracting where it does not."""
-    if hasattr(tarfile, "data_filter"):
-        tar.extractall(dest, filter="data")
-        return
+    """Extract refusing absolute paths, '..', links, special files and sparse files, all checked before anything
+    is written; tarfile's "data" filter too where this Python has it (3.11.4+)."""
     members = tar.getmembers()
     for m in members:
         safe_member(m)
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, members=members, filter="data")
+        return
     tar.extractall(dest, members=members)
 
 
@@ -27,6 +27,8 @@ def safe_member(m: tarfile.TarInfo) -> str:
         raise UserError(f"refusing archive: member {m.name!r} has an absolute path")
     if ".." in p.parts:
         raise UserError(f"refusing archive: member {m.name!r} climbs out with '..'")
+    if m.issparse():   # a few KiB in the archive that write as many GiB as its header says
+        raise UserError(f"refusing archive: member {m.name!r} is a sparse file")
     if m.issym() or m.islnk():
         raise UserError(f"refusing archive: member {m.name!r} is a link ({m.linkname!r})")
     if not (m.isfile() or m.isdir()):

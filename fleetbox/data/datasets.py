@@ -417,6 +417,9 @@ def _verified_copy(archive: Path, staging: Path, known: dict[str, DataFile]) -> 
                 raise UserError(f"refusing archive: member {name!r} is not listed once in its {PACK_INDEX}")
             if meta["md5"] != f.md5:
                 raise UserError(f"refusing archive: {rel} has MD5 {meta['md5']}, Paddle expects {f.md5}")
+            if m.size != meta.get("bytes", m.size):   # before writing: a gzip bomb claims more than it should
+                raise UserError(f"refusing archive: {rel} holds {m.size} bytes, its {PACK_INDEX} in {archive.name} "
+                                f"says {meta['bytes']}")
             out = staging / rel
             out.parent.mkdir(parents=True, exist_ok=True)
             md5, sha = hashlib.md5(), hashlib.sha256()

@@ -93,16 +93,21 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
     listed: dict[str, str] | None = None   # the manifest, once read (our kits put it second: damage shows early)
     try:
         with open(kit, "rb") as raw:
+            size = os.fstat(raw.fileno()).st_size
             reader = _Hashing(raw)
             with tarfile.open(fileobj=io.BufferedReader(reader, CHUNK), mode="r|") as tar:
                 for m in tar:
                     if m.isdir():
                         continue
-                    if not m.isfile():
+                    if not m.isfile() or m.issparse():   # a sparse file writes far more than the kit holds
                         raise Refused(f"the kit holds {m.name!r}, which is not a regular file")
                     name = safe_name(m.name)
                     if name in got:
                         raise Refused(f"the kit holds {name!r} twice")
+                    if listed is not None and name not in listed:   # before writing a byte of it
+                        raise Refused(f"kit {kit} holds {name}, which its manifest does not list")
+                    if m.size > size:
+                        raise Refused(f"the kit's {name} says it holds {m.size} bytes, more than the kit's {size}")
                     out = staging / name
                     out.parent.mkdir(parents=True, exist_ok=True)
                     h = hashlib.sha256()

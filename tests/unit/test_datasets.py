@@ -483,11 +483,16 @@ def _bad_packs(tmp, files):
         "random-bytes": random.Random(1).randbytes(100_000),
         # zeros across more than a deflate block (<= 64 KiB): a block header breaks, not only content
         "gzip-corrupt-midway": good_gz[:mid] + bytes(70_000) + good_gz[mid + 70_000:],
+        # a member larger than its index says (a bomb's way): refused before it is written
+        "bigger-than-its-index": _pack(tmp / "x.tar", files, index={"format": 1, "files": {
+            r: {"md5": hashlib.md5(b).hexdigest(), "bytes": len(b) - 1, "sha256": hashlib.sha256(b).hexdigest()}
+            for r, b in files.items()}}).read_bytes(),
     }
 
 
 @pytest.mark.parametrize("kind", ["truncated", "truncated-gz", "index-not-json", "index-a-list", "index-files-a-list",
-                                  "index-entry-a-string", "random-bytes", "gzip-corrupt-midway"])
+                                  "index-entry-a-string", "random-bytes", "gzip-corrupt-midway",
+                                  "bigger-than-its-index"])
 def test_a_bad_pack_is_one_line_and_dest_is_unchanged(site, kind):
     _, known, _, tmp = site
     ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None)
@@ -557,3 +562,12 @@ def test_a_manifest_whose_names_would_leave_the_cache_is_refused_in_one_line(tmp
     with pytest.raises(UserError, match=re.escape(said)) as e:
         ds.load(manifest)
     assert "\n" not in str(e.value) and str(manifest) in str(e.value)
+
+
+def test_a_sparse_member_of_a_pack_is_refused_before_anything_is_written(tmp_path):
+    from tests.unit.test_kit import sparse_tar
+    pack = sparse_tar(tmp_path, tmp_path / "pack.tar")
+    (tmp_path / "out").mkdir()
+    with tarfile.open(pack) as tar, pytest.raises(UserError, match="member 'big' is a sparse file"):
+        archives.safe_extract(tar, tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []

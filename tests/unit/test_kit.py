@@ -151,3 +151,42 @@ def test_with_the_manifest_first_a_changed_file_is_refused_before_the_rest_is_re
             tar.addfile(info, io.BytesIO(data))
     refused(tmp_path, tmp_path / "k.kit", "kit part b does not match the kit's manifest")
     assert not (tmp_path / "staging" / "c").exists()
+
+
+def sparse_tar(tmp_path, out, name="big"):
+    """A real GNU sparse archive: 1 GiB of holes in a few KiB."""
+    import subprocess
+    (tmp_path / "src").mkdir(exist_ok=True)
+    with open(tmp_path / "src" / name, "wb") as f:
+        f.truncate(1 << 30)
+    subprocess.run(["tar", "-S", "-cf", str(out), "-C", str(tmp_path / "src"), name], check=True)
+    assert out.stat().st_size < 64 << 10
+    return out
+
+
+def test_a_sparse_member_is_refused_before_it_is_written(tmp_path):
+    kit = sparse_tar(tmp_path, tmp_path / "sparse.kit")
+    refused(tmp_path, kit, "the kit holds 'big', which is not a regular file")
+    assert not (tmp_path / "staging" / "big").exists()
+
+
+def test_a_member_claiming_more_than_the_kit_holds_is_refused_before_it_is_written(tmp_path):
+    kit = tmp_path / "liar.kit"
+    with tarfile.open(kit, "w") as tar:
+        info = tarfile.TarInfo("huge.bin")
+        info.size = 10 ** 9
+        tar.addfile(info)   # the header only: what follows is not 1 GB
+    refused(tmp_path, kit, "the kit's huge.bin says it holds 1000000000 bytes, more than the kit's")
+    assert not (tmp_path / "staging" / "huge.bin").exists()
+
+
+def test_a_member_the_manifest_does_not_list_is_refused_before_it_is_written(tmp_path):
+    kit = tmp_path / "extra.kit"
+    with tarfile.open(kit, "w") as tar:
+        text = f"{hashlib.sha256(b'a').hexdigest()}  a\n".encode()
+        for name, data in ((kit_load.MANIFEST, text), ("a", b"a"), ("unlisted.bin", b"x" * 4096)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    refused(tmp_path, kit, "holds unlisted.bin, which its manifest does not list")
+    assert not (tmp_path / "staging" / "unlisted.bin").exists()
