@@ -116,13 +116,10 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
                             h.update(chunk)
                             dst.write(chunk)
                     got[name] = h.hexdigest()
-                    if name == MANIFEST:
+                    if name == MANIFEST:   # what came before it must be listed too (later members: above)
                         listed = parse_manifest(out.read_text(encoding="utf-8", errors="replace"))
-                        early = sorted(set(got) - set(listed) - {MANIFEST})
-                    else:
-                        early = [name] if listed is not None and name not in listed else []
-                    if early:
-                        raise Refused(f"kit {kit} holds {early[0]}, which its manifest does not list")
+                        if early := sorted(set(got) - set(listed) - {MANIFEST}):
+                            raise Refused(f"kit {kit} holds {early[0]}, which its manifest does not list")
                     if listed is not None and name in listed and got[name] != listed[name]:
                         _mismatch(name, got[name], listed[name])
                     if len(got) % 50 == 0:
