@@ -110,7 +110,6 @@ class DockerBackend(Backend):
                 f"-{secrets.token_hex(3)}" if spec.resume == "never" else "")               # on a shared engine
             t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
                                  memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared)
-            runtimes.Docker().check(t, spec.image_ref)
             home, user = "", ""
             if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
                 raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
@@ -128,9 +127,10 @@ class DockerBackend(Backend):
             t = planner.template(spec, job_id, str(settings.runs_root() / job_id / "{node}"),
                                  hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock(),
                                  checkpoints=str(ckpt))
-            runtimes.Docker().check(t, spec.image_ref)   # binds the engine would split: before anything is made
-            checkpoints.check_writable(ckpt)
             home, user = str(Path.home()), getpass.getuser()
+        runtimes.Docker().check(t, spec.image_ref)   # binds the engine would split: before anything is made
+        if not spec.hosts:
+            checkpoints.check_writable(ckpt)
         values = tuple(planner.node_values(k, spec.nodes, job_id, master_ip, port, facts[k]["local"],
                                            facts[k]["iface"], home, user, procs=spec.procs_per_node,
                                            gpus=planner.node_gpus(spec, k))
@@ -700,4 +700,3 @@ def _node_tail(node_dir: Path) -> list[str]:
 def _paddle_of(labels: dict) -> str:
     """The Paddle version an image says it has: our images' version label (another image's may be its OS's)."""
     return labels.get("org.opencontainers.image.version", "") if labels.get(settings.LABEL_INPUTS) else ""
-
