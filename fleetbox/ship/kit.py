@@ -1,7 +1,8 @@
 """`invoke kit`: one archive for an air-gapped site, made on a connected machine. It holds
 
     kit-load.py          the loader (standard library only: it runs before fleetbox is installed)
-    kit.json             variant, fleetbox revision, Python and machine, each part's files and size
+    kit.json             variant, fleetbox revision, Python and machine, each part's files and size, each
+                         file's size
     source/              the fleetbox source at its revision (git archive HEAD)
     lock/                the variant's lock (also when it is not committed: `invoke lock` where the index is)
     host-wheels/         wheels of fleetbox's own host dependencies, so the site needs no package index
@@ -228,7 +229,9 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
             "parts": {p.name: {"files": [f"{folders[p.name]}/{r}" if folders[p.name] != "." else r
                                          for r in new_state[p.name]["files"]],
                                "bytes": sum(v[0] for v in new_state[p.name]["files"].values()), **p.info}
-                      for p in parts}}
+                      for p in parts},
+            # every file's size, read by the loader before it writes a byte of that file
+            "sizes": {name: src.stat().st_size for name, (src, _) in sorted(entries.items())}}
     info_blob = json.dumps(info, indent=1, sort_keys=True).encode()
     manifest = "".join(f"{sha}  {name}\n" for name, (_, sha) in sorted(
         {**entries, kit_load.KIT_JSON: (None, hashlib.sha256(info_blob).hexdigest())}.items())).encode()

@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 MANIFEST = "MANIFEST.sha256"
 KIT_JSON = "kit.json"
 CHUNK = 1 << 20
+HEAD_LIMIT = 16 << 20   # a member read before kit.json declares every file's size (loader, manifest, kit.json)
 STOPS = (signal.SIGTERM, signal.SIGHUP)   # besides Ctrl-C: a scheduler, a dropped connection (as fleetbox.processes)
 
 
@@ -91,6 +92,7 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
             raise Refused(f"--expect {expect!r} is not a sha256 (64 hex digits)")
     got: dict[str, str] = {}
     listed: dict[str, str] | None = None   # the manifest, once read (our kits put it second: damage shows early)
+    sizes: dict[str, int] | None = None    # kit.json's sizes, once it matched the manifest (our kits: third)
     try:
         with open(kit, "rb") as raw:
             size = os.fstat(raw.fileno()).st_size
@@ -108,6 +110,12 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
                         raise Refused(f"kit {kit} holds {name}, which its manifest does not list")
                     if m.size > size:
                         raise Refused(f"the kit's {name} says it holds {m.size} bytes, more than the kit's {size}")
+                    if sizes is not None and sizes.get(name) != m.size:
+                        raise Refused(f"the kit's {name} says it holds {m.size} bytes; its {KIT_JSON} declares "
+                                      f"{sizes.get(name, 'no such file')}")
+                    if sizes is None and m.size > HEAD_LIMIT:
+                        raise Refused(f"the kit's {name} ({m.size} bytes) comes before its {KIT_JSON} declares the "
+                                      f"sizes of its files; only the loader, the manifest and {KIT_JSON} may")
                     out = staging / name
                     out.parent.mkdir(parents=True, exist_ok=True)
                     h = hashlib.sha256()
@@ -122,6 +130,8 @@ def verify(kit: Path, staging: Path, expect: str | None, log=print) -> dict:
                             raise Refused(f"kit {kit} holds {early[0]}, which its manifest does not list")
                     if listed is not None and name in listed and got[name] != listed[name]:
                         _mismatch(name, got[name], listed[name])
+                    if name == KIT_JSON and listed is not None:   # matched the manifest: its sizes hold from here
+                        sizes = declared_sizes(out)
                     if len(got) % 50 == 0:
                         log(f"read {len(got)} files")
             rest = bytearray(CHUNK)
@@ -160,6 +170,17 @@ def _mismatch(name: str, got: str, listed: str):
                   f"it was changed or damaged")
 
 
+def declared_sizes(kit_json: Path) -> dict[str, int]:
+    """kit.json's size of every file; the whole of kit.json is checked later (check_info)."""
+    try:
+        sizes = json.loads(kit_json.read_text())["sizes"]
+        if isinstance(sizes, dict) and all(type(v) is int and v >= 0 for v in sizes.values()):
+            return sizes
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    raise Refused(f"the kit's {KIT_JSON} is not one fleetbox makes (no size for each file)")
+
+
 IMAGE_PARTS = ("base", "image")   # parts that `docker load` takes, each naming the tags it brings
 VARIANT = re.compile(r"[a-z0-9][a-z0-9._-]{0,40}")
 IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[0-9]+)?/?[a-z0-9._/-]*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
@@ -180,6 +201,9 @@ def check_info(staging: Path, names: set[str]) -> dict:
             tags = part["tags"] if name in IMAGE_PARTS else part.get("tags", [])   # what an image part loads
             ok = ok and isinstance(tags, list) and (tags or name not in IMAGE_PARTS)
             ok = ok and all(isinstance(t, str) and IMAGE_REF.fullmatch(t) for t in tags)
+        sizes = info["sizes"]
+        ok = ok and isinstance(sizes, dict) and set(sizes) == names - {KIT_JSON}
+        ok = ok and all(type(v) is int and v >= 0 for v in sizes.values())
         place = parts["lock"]["place"]
         ok = ok and safe_name(place).startswith("images/locks/") and place.endswith(".lock")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, Refused):

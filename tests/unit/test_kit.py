@@ -49,7 +49,7 @@ def info(**change):
              "wheelhouse": {"files": ["wheelhouse/a.whl"], "bytes": 1},
              "base": {"files": ["base/base.tar"], "tags": ["fleetbox/base:bookworm-965f49151f4a"], "bytes": 1}}
     out = {"variant": "cpu", "revision": "a" * 40, "python": "3.11", "machine": "x86_64", "glibc": "2.28",
-           "parts": parts}
+           "parts": parts, "sizes": {n: len(d) for n, d in FILES.items()}}
     for path, value in change.items():   # "parts.lock.place" -> parts["lock"]["place"]
         *head, last = path.split(".")
         d = out
@@ -80,6 +80,8 @@ def test_a_good_small_kit_passes_and_is_extracted_only_into_staging(tmp_path):
     # each ended in a traceback after "verified"
     ("parts.base.tags", DROP), ("parts.base.tags", []), ("parts.base.tags", "fleetbox/base:x"),
     ("parts.base.bytes", "12"), ("parts.wheelhouse.bytes", DROP), ("parts.base.bytes", -1),
+    ("sizes", DROP), ("sizes", {n: 1 for n in FILES if n != "lock/cpu.lock"}), ("sizes.extra", 1),
+    ("sizes", {**{n: 1 for n in FILES}, "base/base.tar": "1"}), ("sizes", {n: -1 for n in FILES}),
 ])
 def test_a_kit_json_whose_values_would_reach_outside_is_refused(tmp_path, path, value):
     refused(tmp_path, make(tmp_path / "k.kit", {"kit.json": info(**{path: value}), **FILES}),
@@ -190,3 +192,39 @@ def test_a_member_the_manifest_does_not_list_is_refused_before_it_is_written(tmp
             tar.addfile(info, io.BytesIO(data))
     refused(tmp_path, kit, "holds unlisted.bin, which its manifest does not list")
     assert not (tmp_path / "staging" / "unlisted.bin").exists()
+
+
+def ordered_kit(path, members, listed=None, sizes=None):
+    """A kit in our order: the manifest, kit.json (with `sizes`), then the members as given; the manifest lists
+    `listed` (default: the members as they are)."""
+    listed = dict(members if listed is None else listed)
+    kit_json = json.dumps({"sizes": {n: len(d) for n, d in listed.items()} if sizes is None else sizes}).encode()
+    text = "".join(f"{hashlib.sha256(d).hexdigest()}  {n}\n"
+                   for n, d in {**listed, kit_load.KIT_JSON: kit_json}.items()).encode()
+    with tarfile.open(path, "w") as tar:
+        for name, data in [(kit_load.MANIFEST, text), (kit_load.KIT_JSON, kit_json), *members.items()]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_member_larger_than_kit_json_declares_is_refused_before_it_is_written(tmp_path):
+    # the manifest lists 1 byte, kit.json declares 1 byte; the archive's member is 64 KiB
+    kit = ordered_kit(tmp_path / "k.kit", {"a": b"1", "big.bin": b"x" * (64 << 10)},
+                      listed={"a": b"1", "big.bin": b"x"})
+    refused(tmp_path, kit, "the kit's big.bin says it holds 65536 bytes; its kit.json declares 1")
+    assert (tmp_path / "staging" / "a").exists() and not (tmp_path / "staging" / "big.bin").exists()
+
+
+def test_a_kit_json_without_sizes_is_refused_before_the_parts_are_written(tmp_path):
+    kit = ordered_kit(tmp_path / "k.kit", {"a": b"1"}, sizes="none")
+    refused(tmp_path, kit, "kit.json is not one fleetbox makes (no size for each file)")
+    assert not (tmp_path / "staging" / "a").exists()
+
+
+def test_a_large_member_before_kit_json_is_refused_before_it_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(kit_load, "HEAD_LIMIT", 1000)
+    refused(tmp_path, make(tmp_path / "k.kit", {"early.bin": b"x" * 1001}),
+            "the kit's early.bin (1001 bytes) comes before its kit.json declares the sizes")
+    assert not (tmp_path / "staging" / "early.bin").exists()
