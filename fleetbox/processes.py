@@ -4,6 +4,7 @@ taking Ctrl-C's way out, a log that cannot fail, and a process's start time (a r
 from __future__ import annotations
 
 import signal
+import socket
 from contextlib import contextmanager
 
 # What asks a command to stop besides Ctrl-C: a scheduler or `kill` (SIGTERM), a dropped SSH connection or a
@@ -56,3 +57,9 @@ def process_start(pid: int) -> int:
     except OSError:
         return 0
     return 0 if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def this_host() -> str:
+    """This machine's name, as a job's record keeps where its supervisor runs (login nodes share a runs folder;
+    a pid means nothing on another one)."""
+    return socket.gethostname()

@@ -47,6 +47,7 @@ CONTAINER_CACHE = "/root/.cache/paddle/dataset"   # Paddle's DATA_HOME for the i
 HOME_CACHE = ".cache/paddle/dataset"              # the same, under the home of a runtime that runs as the user
 LOG_DIR = "/fleetbox/logs"                        # --log_dir of paddle.distributed.launch
 WORKDIR = "/workspace"                            # the training script's folder
+WORKSPACE_MAX = 1 << 30   # what a --hosts job copies to each engine: the script's folder, not the data
 HELPERS_DIR = "/fleetbox/helpers"                 # HELPERS, on the containers' PYTHONPATH
 CHECKPOINT_DIR = "/fleetbox/checkpoints"          # the job's checkpoint folder (FLEETBOX_CHECKPOINT_DIR), read-write
 RESUME_DIR = "/fleetbox/resume"                   # --resume PATH, read-only

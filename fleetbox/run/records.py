@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fleetbox import files
 from fleetbox.errors import UserError
-from fleetbox.processes import process_start
+from fleetbox.processes import process_start, this_host
 
 HANDLE, JOB, PLAN, SUMMARY = "handle.json", "job.json", "plan.json", "summary.json"
 SUPERVISOR_READY, SUPERVISOR_LOG = "supervisor.ready", "supervisor.log"   # a detached job's supervisor
@@ -84,6 +84,7 @@ class Handle:
     scheduler_job: str = ""                           # Slurm: its job id (the first of a chain of allocations)
     supervisor: int = 0                               # pid of the process that follows the job (0: Slurm alone)
     supervisor_start: int = 0                         # ... and its start time (clock ticks): a reused pid is not it
+    supervisor_host: str = ""                         # ... and the machine it runs on ("": before it was recorded)
     checkpoints: str = ""                             # the job's checkpoint folder (or --hosts volume)
 
     def save(self) -> None:
@@ -91,9 +92,14 @@ class Handle:
 
     def followed(self) -> bool:
         """The process that follows the job runs: the same pid and the same start time (a reused pid is another
-        process)."""
-        return self.supervisor > 0 and self.supervisor_start > 0 and \
+        process), on this machine (see elsewhere())."""
+        return self.supervisor > 0 and self.supervisor_start > 0 and not self.elsewhere() and \
             process_start(self.supervisor) == self.supervisor_start
+
+    def elsewhere(self) -> str:
+        """The machine the job's supervisor runs on when it is not this one (another login node sharing the runs
+        folder), else "": from here its pid cannot be asked, and its engine may not be this machine's."""
+        return self.supervisor_host if self.supervisor_host and self.supervisor_host != this_host() else ""
 
     @classmethod
     def load(cls, job_dir: Path) -> Handle:

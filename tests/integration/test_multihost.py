@@ -47,21 +47,25 @@ def test_two_node_job_across_two_engines_with_hosts(hosts):
 def test_the_whole_workspace_reaches_remote_hosts(hosts, tmp_path):
     ws, outside = tmp_path / "ws", tmp_path / "outside"
     (ws / "helpers").mkdir(parents=True)
+    (ws / "store").mkdir()
     outside.mkdir()
     (ws / "helpers" / "__init__.py").write_text("")
     (ws / "helpers" / "util.py").write_text("WORD = 'from-a-sub-folder'\n")
-    (outside / "data.txt").write_text("through-an-absolute-link\n")
-    (ws / "data.txt").symlink_to(outside / "data.txt")          # absolute: would dangle on another host
-    (ws / "main.py").write_text("import os, sys\nsys.path.insert(0, os.path.dirname(__file__))\n"
+    (ws / "store" / "data.txt").write_text("through-an-absolute-link\n")
+    (ws / "data.txt").symlink_to(ws / "store" / "data.txt")   # absolute: would dangle on another host
+    (outside / ".npmrc").write_text("token\n")
+    (ws / "npmrc").symlink_to(outside / ".npmrc")              # leaves the folder: not shipped
+    (ws / "main.py").write_text("import os, sys\nhere = os.path.dirname(__file__)\nsys.path.insert(0, here)\n"
                                 "from helpers.util import WORD\n"
-                                "print('FLEETBOX-WS', WORD, "
-                                "open(os.path.join(os.path.dirname(__file__), 'data.txt')).read())\n")
+                                "print('FLEETBOX-WS', WORD, open(os.path.join(here, 'data.txt')).read().strip(), "
+                                "os.path.exists(os.path.join(here, 'npmrc')))\n")
     proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts), "--script", str(ws / "main.py"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert f"warning: not copied to the remote engines: npmrc -> {outside / '.npmrc'} leaves {ws}" in proc.stdout
     job_dir = proc.stdout.split("logs in ")[1].split()[0]
     for k in (0, 1):
         log = open(os.path.join(job_dir, f"node{k}", "workerlog.0")).read()
-        assert "FLEETBOX-WS from-a-sub-folder through-an-absolute-link" in log, log[-2000:]
+        assert "FLEETBOX-WS from-a-sub-folder through-an-absolute-link False" in log, log[-2000:]
 
 
 def test_unreachable_host_is_one_clear_error(hosts):

@@ -3,6 +3,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -507,6 +508,37 @@ def test_a_dead_supervisor_shows_in_jobs_and_cancel_still_removes_the_job(cpu_im
         assert job_containers(job_id) == []
         assert (ROOT / "runs" / job_id / "node0" / "container.log").stat().st_size > 0   # what it said, kept
     finally:
+        invoke("clean", "--job", job_id)
+
+
+def test_a_job_seen_from_another_login_node_says_where_it_runs_and_is_not_cancelled_from_there(cpu_image):
+    """Another login node, sharing the runs folder, is this machine in a new UTS and PID namespace: another host
+    name, and the supervisor's pid is not there (it read as DIED, and cancel removed the live containers)."""
+    job_id = f"elsewhere-{os.getpid()}-{time.monotonic_ns()}"
+    proc = invoke("train", "--nodes", "2", "--job-id", job_id, "--detach", "--args", "--step-sleep 1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def there(*args):
+        return subprocess.run(["unshare", "--uts", "--pid", "--fork", "--mount-proc", "sh", "-c",
+                               'hostname fleetbox-login2 && exec "$@"', "sh", sys.executable, "-m", "invoke", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    try:
+        pid = int(proc.stdout.split("supervisor pid ")[1].split(")")[0])
+        rows = [ln.split(None, 6) for ln in there("jobs").stdout.splitlines() if ln.startswith(job_id + " ")]
+        assert rows and rows[0][3] == "?" and \
+            rows[0][6] == f"its supervisor (pid {pid}) runs on {socket.gethostname()}: `invoke jobs` there tells its " \
+                          f"state", rows
+        out = there("cancel", job_id)
+        assert out.returncode != 0 and out.stderr.strip().count("\n") == 0 and \
+            f"is followed by its supervisor on {socket.gethostname()} (pid {pid}), not this machine" in out.stderr, out
+        out = there("train", "--nodes", "2", "--job-id", job_id, "--args", "--steps 1")
+        assert out.returncode != 0 and f"job {job_id} is in a state that cannot be told" in out.stderr, out
+        running = subprocess.run(["docker", "ps", "-q", "--filter", f"label=io.fleetbox.job={job_id}"],
+                                 capture_output=True, text=True).stdout.split()
+        assert len(running) == 2 and _jobs_row(job_id)["state"] == "RUNNING"
+        assert invoke("cancel", job_id).returncode == 0 and job_containers(job_id) == []
+    finally:
+        invoke("cancel", job_id)
         invoke("clean", "--job", job_id)
 
 

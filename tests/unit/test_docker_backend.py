@@ -27,7 +27,7 @@ from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import docker as docker_backend
 from fleetbox.run.backends.docker import DockerBackend
-from fleetbox.run.records import Handle
+from fleetbox.run.records import Handle, JobState
 
 JOB = "train-fake-0001"
 IMAGE = "fleetbox/paddle:cpu"
@@ -580,22 +580,53 @@ def test_mount_sources_are_checked_with_placeholders_filled(tmp_path):
     assert engine.made == {}
 
 
-def test_the_workspace_for_remote_engines_holds_sub_folders_and_link_targets(tmp_path):
-    import io
+def packed(ws, **kw) -> tuple[dict, list[str]]:
+    """What pack_dir puts in the archive (name -> bytes) and the lines it says."""
     import tarfile
-    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    said = []
+    out = ws.parent / "ws.tar"
+    docker_backend.pack_dir(ws, out, log=said.append, **kw)
+    with tarfile.open(out) as tar:
+        assert not any(m.issym() or m.islnk() for m in tar.getmembers())
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}, said
+
+
+def test_the_workspace_for_remote_engines_holds_sub_folders_and_links_inside_it(tmp_path):
+    ws = tmp_path / "ws"
     (ws / "pkg" / "deep").mkdir(parents=True)
-    outside.mkdir()
     (ws / "main.py").write_text("main")
     (ws / "pkg" / "deep" / "mod.py").write_text("mod")
-    (outside / "data.txt").write_text("data")
-    (ws / "data.txt").symlink_to(outside / "data.txt")      # absolute link: its content must travel
+    (ws / "alias.py").symlink_to(ws / "pkg" / "deep" / "mod.py")   # absolute, inside: its content travels
     (ws / "pkg" / "up").symlink_to(ws)                       # a loop back up: copied once
     (ws / ".#main.py").symlink_to("root@host.1234")          # an editor's lock file: dangling, skipped
-    with tarfile.open(fileobj=io.BytesIO(docker_backend._tar_dir(ws))) as tar:
-        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
-        assert not any(m.issym() or m.islnk() for m in tar.getmembers())
-    assert files == {"main.py": b"main", "data.txt": b"data", "pkg/deep/mod.py": b"mod"}
+    files, said = packed(ws)
+    assert files == {"main.py": b"main", "alias.py": b"mod", "pkg/deep/mod.py": b"mod"} and said == []
+
+
+def test_links_leaving_the_workspace_are_not_followed_and_are_named(tmp_path):
+    ws, home = tmp_path / "ws", tmp_path / "home"
+    ws.mkdir()
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".npmrc").write_text("//registry/:_authToken=secret")
+    (home / ".ssh" / "id_ed25519").write_text("key")
+    (ws / "train.py").write_text("main")
+    (ws / "home").symlink_to(home)                           # a folder outside
+    (ws / "npmrc").symlink_to(home / ".npmrc")               # a file outside
+    (ws / "up").symlink_to("..")                             # relative, leaving
+    files, said = packed(ws)
+    assert files == {"train.py": b"main"}
+    assert sorted(said) == sorted(f"warning: not copied to the remote engines: {n} -> {t} leaves {ws}"
+                                  for n, t in [("home", home), ("npmrc", home / ".npmrc"), ("up", "..")])
+
+
+def test_a_workspace_over_the_bound_is_refused_naming_the_file(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.py").write_bytes(b"x" * 600)
+    (ws / "data.bin").write_bytes(b"x" * 600)
+    with pytest.raises(UserError, match=r"more than 0 MiB .*\(reached at data.bin\): keep data out of it"):
+        packed(ws, limit=1000)
+    assert packed(ws, limit=1200)[0].keys() == {"a.py", "data.bin"}
 
 
 class _Probe:
@@ -777,6 +808,50 @@ def test_jobs_tells_running_orphaned_died_passed_and_cancelled_apart(monkeypatch
     assert jobs.describe(gone)["state"] == "DIED"             # no containers, no summary, no supervisor
     (plan.dir / "CANCELLED").touch()
     assert jobs.describe(gone)["state"] == "CANCELLED"
+
+
+def test_a_job_followed_from_another_machine_says_where_and_is_not_removed_behind_its_supervisor(monkeypatch):
+    """Login nodes share the runs folder: from another one, the supervisor's pid cannot be asked and this
+    machine's engine is not the job's; the job is neither DIED nor ORPHANED, and cancel leaves it alone."""
+    from fleetbox import processes
+    from fleetbox.commands import jobs, train
+    from fleetbox.run import backends, records
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan = job(engine)
+    b.submit(plan, log=lambda _: None)
+    monkeypatch.setattr(backends, "get", lambda name, **kw: DockerBackend(connect=engine.connect))
+    here = processes.this_host()
+    assert Handle.load(plan.dir).supervisor_host == here and jobs.describe(Handle.load(plan.dir))["state"] == "RUNNING"
+    monkeypatch.setattr(records, "this_host", lambda: "login2")   # the same folder, seen from another machine
+    h = Handle.load(plan.dir)
+    assert h.elsewhere() == here and not h.followed()
+    row = jobs.describe(h)
+    assert (row["state"], row["note"]) == (
+        JobState.UNKNOWN, f"its supervisor (pid {os.getpid()}) runs on {here}: `invoke jobs` there tells its state")
+    with pytest.raises(UserError, match=f"^job {JOB} is followed by its supervisor on {here} .*cancel it there"):
+        b.stop(h, log=lambda _: None)
+    with pytest.raises(UserError, match=f"^job {JOB} is in a state .*runs on {here}"):   # nor is its id reused there
+        train.refuse_live(JOB)
+    assert all(c.status == "running" and not c.removes for c in engine.made.values())
+    (plan.dir / "summary.json").write_text(json.dumps({"ok": False}))   # it ended there
+    assert jobs.describe(h)["state"] == "FAILED"
+    with pytest.raises(UserError, match="has already ended"):
+        b.stop(h, log=lambda _: None)
+
+
+def test_a_hosts_job_followed_from_another_machine_is_asked_of_its_engines(monkeypatch):
+    from fleetbox.run import records
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan = job(engine)
+    b.submit(plan, log=lambda _: None)
+    h = Handle.load(plan.dir)
+    h.hosts = ["tcp://10.0.0.1:2375", "tcp://10.0.0.2:2375"]   # engines every login node reaches
+    monkeypatch.setattr(b, "engine", lambda host: engine)
+    monkeypatch.setattr(records, "this_host", lambda: "login2")
+    assert b.job_state(h)[0] == JobState.RUNNING and "runs on" in b.job_state(h)[2]
+    for c in engine.made.values():
+        c._exit(0)
+    assert b.job_state(h)[0] == JobState.UNKNOWN
 
 
 @pytest.mark.parametrize("where", ["source", "destination", "checkpoints"])

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,7 @@ from pathlib import Path
 from fleetbox import ROOT, engine, files, incontainer, settings
 from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
-from fleetbox.processes import process_start
+from fleetbox.processes import process_start, this_host
 from fleetbox.run import checkpoints, hostnet, metrics, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
@@ -241,12 +242,13 @@ class DockerBackend(Backend):
                 commands=[n.shell() for n in plan.nodes]).save(plan.dir)
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
                         procs_per_node=spec.procs_per_node, supervisor=os.getpid(),
-                        supervisor_start=process_start(os.getpid()), checkpoints=plan.checkpoints)
+                        supervisor_start=process_start(os.getpid()), supervisor_host=this_host(),
+                        checkpoints=plan.checkpoints)
         handle.save()
         live = self.live[plan.job_id] = _Live(self, plan)
         try:
             with engine_errors(plan.dir):
-                live.start()   # removes what it created on any error, Ctrl-C included
+                live.start(log)   # removes what it created on any error, Ctrl-C included
             log(f"job {plan.job_id}: {spec.nodes} node(s) x {spec.procs_per_node} process(es), master "
                 f"{master_of(plan)}, logs in {plan.dir}")
         except BaseException:   # no handle reaches run(): nothing would cancel what runs
@@ -343,6 +345,8 @@ class DockerBackend(Backend):
     def job_state(self, handle: Handle) -> tuple[JobState, int, str]:
         d = Path(handle.dir)
         attempt = len([p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"attempt\d+", p.name)])
+        if where := handle.elsewhere():
+            return self._state_elsewhere(handle, where, attempt)
         following = handle.followed()
         if not following and (d / CANCELLED).exists():
             return JobState.CANCELLED, attempt, ""
@@ -359,6 +363,24 @@ class DockerBackend(Backend):
             return JobState.ORPHANED, attempt, (f"its supervisor (pid {handle.supervisor}) is gone: nothing propagates "
                                                 f"failures or restarts; `invoke cancel {handle.job_id}` removes it")
         return JobState.DIED, attempt, f"its supervisor (pid {handle.supervisor}) ended without a summary"
+
+    def _state_elsewhere(self, handle: Handle, where: str, attempt: int) -> tuple[JobState, int, str]:
+        """A job followed from another machine: its files say how it ended; while it runs, only `--hosts` engines
+        can be asked from here (this machine's own engine is not the one its containers run on)."""
+        d = Path(handle.dir)
+        summary = files.read_json(d / records.SUMMARY)
+        if summary:
+            return (JobState.PASSED if summary.get("ok") else JobState.FAILED), attempt, ""
+        if (d / CANCELLED).exists():
+            return JobState.CANCELLED, attempt, ""
+        who = f"its supervisor (pid {handle.supervisor}) runs on {where}"
+        if all(handle.hosts):
+            try:
+                if self.status(handle) == "RUNNING":
+                    return JobState.RUNNING, attempt, who
+            except UserError as e:
+                return JobState.UNKNOWN, attempt, f"{who}; {e}"
+        return JobState.UNKNOWN, attempt, f"{who}: `invoke jobs` there tells its state"
 
     def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """From the engine while the node's container exists (a restart makes a new one: followed too), else what
@@ -395,6 +417,12 @@ class DockerBackend(Backend):
     def stop(self, handle: Handle, log=print, wait: float = 60) -> None:
         """The job's supervisor (a detached job's, or another shell's `invoke train`) is asked (SIGTERM) and cleans
         up as on Ctrl-C; without one, or when it does not stop in time, the job's containers are removed here."""
+        if where := handle.elsewhere():   # its containers are not ours to remove behind its supervisor
+            if files.read_json(Path(handle.dir) / records.SUMMARY):
+                raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
+            raise UserError(f"job {handle.job_id} is followed by its supervisor on {where} (pid {handle.supervisor}), "
+                            f"not this machine: cancel it there; were {where} gone for good, `invoke clean --job "
+                            f"{handle.job_id}` on the machines that run its containers removes them")
         following = handle.followed() and handle.supervisor != os.getpid()
         if not following and self.status(handle) == "GONE":
             raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
@@ -471,37 +499,41 @@ class _Live:
         self.gone: set[int] = set()      # containers removed behind our back while the job ran
         self.timed_out = False
 
-    def start(self) -> None:
+    def start(self, log=print) -> None:
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
         nodes = self.plan.nodes
-        # a remote engine cannot see our files: the workspace is copied in (packed once for every such node)
-        remote = any(n.host for n in nodes)
-        workspace = _tar_dir(self.plan.spec.script_path.parent) if remote else b""
-        helpers = _tar_dir(settings.HELPERS, settings.HELPERS_DIR.lstrip("/")) if remote else b""
+        # a remote engine cannot see our files: the workspace is copied in (packed once, to a temporary file
+        # each node's upload streams from)
+        with tempfile.TemporaryDirectory(prefix="fleetbox-workspace-") as tmp:
+            packs = {}
+            if any(n.host for n in nodes):
+                packs = {settings.WORKDIR: Path(tmp, "workspace.tar"), "/": Path(tmp, "helpers.tar")}
+                pack_dir(self.plan.spec.script_path.parent, packs[settings.WORKDIR], log=log)
+                pack_dir(settings.HELPERS, packs["/"], settings.HELPERS_DIR.lstrip("/"), log=log)
 
-        def create(k: int):
-            n = nodes[k]
-            if not n.host:
-                Path(next(m.src for m in n.mounts if m.dst == settings.LOG_DIR)).mkdir(parents=True, exist_ok=True)
-            container = self.backend.engine(n.host).containers.create(n.image, list(n.command), **n.sdk_kwargs())
-            self.containers[k] = container
-            if n.host:
-                container.put_archive(settings.WORKDIR, workspace)
-                container.put_archive("/", helpers)
+            def create(k: int):
+                n = nodes[k]
+                if not n.host:
+                    Path(next(m.src for m in n.mounts if m.dst == settings.LOG_DIR)).mkdir(parents=True, exist_ok=True)
+                container = self.backend.engine(n.host).containers.create(n.image, list(n.command), **n.sdk_kwargs())
+                self.containers[k] = container
+                for where, pack in packs.items() if n.host else ():
+                    with open(pack, "rb") as f:
+                        container.put_archive(where, f)
 
-        for n in nodes:   # engine clients are made here, once, not from several threads
-            self.backend.engine(n.host)
-        try:
-            with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
-                list(pool.map(create, range(len(nodes))))                   # all created before any starts
-                list(pool.map(lambda k: self.containers[k].start(), sorted(self.containers)))
-        except docker.errors.APIError as e:
-            self.remove_all()
-            why = (e.explanation or str(e)).strip().splitlines()[-1]
-            raise UserError(f"the engine refused to start the job's containers: {why[:300]}") from None
-        except BaseException:
-            self.remove_all()
-            raise
+            for n in nodes:   # engine clients are made here, once, not from several threads
+                self.backend.engine(n.host)
+            try:
+                with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
+                    list(pool.map(create, range(len(nodes))))                   # all created before any starts
+                    list(pool.map(lambda k: self.containers[k].start(), sorted(self.containers)))
+            except docker.errors.APIError as e:
+                self.remove_all()
+                why = (e.explanation or str(e)).strip().splitlines()[-1]
+                raise UserError(f"the engine refused to start the job's containers: {why[:300]}") from None
+            except BaseException:
+                self.remove_all()
+                raise
 
     def stream_rank0(self, log) -> threading.Thread:
         def pump():
@@ -667,25 +699,41 @@ def _quietly(fn) -> None:
         pass
 
 
-def _tar_dir(folder: Path, prefix: str = "") -> bytes:
-    """The workspace as a remote engine gets it: every file in every sub-folder, symlinks resolved to what
-    they point at (an absolute link would dangle on the other host); under `prefix` in the archive."""
-    buf = io.BytesIO()
-    seen: set[str] = set()
-    with tarfile.open(fileobj=buf, mode="w", dereference=True) as tar:
-        for top, dirs, files in os.walk(folder, followlinks=True):
-            real = os.path.realpath(top)
-            if real in seen:   # a link back up the tree: once is enough
+def pack_dir(folder: Path, out: Path, prefix: str = "", log=print, limit: int = settings.WORKSPACE_MAX) -> None:
+    """The folder as a remote engine gets it, written to `out`: every file in every sub-folder, under `prefix`.
+    A link inside the folder is copied as what it points at (an absolute link would dangle on the other
+    host); a link that leaves the folder is skipped with a line (it would ship whatever it points at: a home
+    folder's secrets); more than `limit` bytes is refused, naming the file that crossed it."""
+    root = os.path.realpath(folder)
+    total, seen = 0, set()
+
+    def leaves(p: Path) -> bool:
+        real = os.path.realpath(p)
+        if real == root or real.startswith(root + os.sep):
+            return False
+        log(f"warning: not copied to the remote engines: {p.relative_to(folder)} -> {os.readlink(p)} leaves "
+            f"{folder}")
+        return True
+
+    with tarfile.open(out, "w") as tar:
+        for top, dirs, names in os.walk(folder, followlinks=True):
+            if os.path.realpath(top) in seen:   # a link back up the tree: once is enough
                 dirs[:] = []
                 continue
-            seen.add(real)
-            dirs.sort()
-            rel = Path(prefix, Path(top).relative_to(folder))
-            for name in sorted(files):
+            seen.add(os.path.realpath(top))
+            dirs[:] = sorted(d for d in dirs if not (Path(top, d).is_symlink() and leaves(Path(top, d))))
+            for name in sorted(names):
                 p = Path(top, name)
-                if p.exists():   # a dangling link (an editor's lock file) has nothing to copy
-                    tar.add(p, arcname=str(rel / name))
-    return buf.getvalue()
+                if not p.exists() or (p.is_symlink() and leaves(p)):   # dangling: an editor's lock file
+                    continue
+                if not p.is_file():   # a socket or a fifo: nothing to copy
+                    continue
+                total += p.stat().st_size
+                if total > limit:
+                    raise UserError(f"the script's folder {folder} holds more than {limit >> 20} MiB to copy to every "
+                                    f"remote engine (reached at {p.relative_to(folder)}): keep data out of it "
+                                    f"(--data-dir, --mount)")
+                tar.add(os.path.realpath(p), arcname=str(Path(prefix, Path(top).relative_to(folder), name)))
 
 
 def _node_tail(node_dir: Path) -> list[str]:
