@@ -187,6 +187,9 @@ TRAIN_HELP = {
     "resume": "auto (default: from the newest complete checkpoint), never, or a checkpoint folder to start from",
     "max_restarts": "after a node fails, start the whole job again from its newest checkpoint, up to N times "
                     "(default 0; docker: at once, slurm: in a new allocation)",
+    "hang_timeout": "a rank that makes no progress for this long is hung: every rank's stacks are kept, the job "
+                    "stopped (and restarted with --max-restarts); 90, 90s, 20m, 1h; 0: off (default 10m)",
+    "start_timeout": "from the start to a rank's first progress, at most this long (default 15m; 0: off)",
     "detach": "start the job and return its id at once; it goes on without this terminal (docker: a "
               "supervisor process; slurm: the queue): see `invoke jobs`, `invoke logs`, `invoke cancel`",
 }
@@ -223,8 +226,8 @@ def _backend_help(train: bool = True) -> dict:
 def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=None, image=None, hosts=None,
           iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, pass_env=None,
           mount=None, data_dir=None, shm_size=None, timeout=None, dry_run=False, backend=backends.DEFAULT,
-          job_id=None, checkpoint_dir=None, resume=None, max_restarts=None, detach=False, preflight=False,
-          **backend_options):
+          job_id=None, checkpoint_dir=None, resume=None, max_restarts=None, hang_timeout=None, start_timeout=None,
+          detach=False, preflight=False, **backend_options):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import options
     from fleetbox.commands import train as train_mod
@@ -233,7 +236,8 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
                                  args=args, image=image, hosts=hosts, iface=iface, ib_hca=ib_hca, debug=debug,
                                  gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
                                  data_dir=data_dir, shm_size=shm_size, job_id=job_id, checkpoint_dir=checkpoint_dir,
-                                 resume=resume, max_restarts=max_restarts, pass_env=pass_env)
+                                 resume=resume, max_restarts=max_restarts, pass_env=pass_env,
+                                 hang_timeout=hang_timeout, start_timeout=start_timeout)
     train_mod.train(spec, backend, backends.configure(backend, backend_options), dry_run,
                     options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight)
 

@@ -35,6 +35,16 @@ def seconds(option: str, value) -> float | None:
     return s
 
 
+def duration(option: str, value, default: float) -> float:
+    """`90`, `90s`, `20m`, `1h` as seconds (default where not given); 0 turns off what it bounds."""
+    if value in (None, ""):
+        return default
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(value))
+    if not m:
+        raise UserError(f"{option} takes seconds, or minutes or hours like 20m, 1h; 0 turns it off (got {value!r})")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
 def items(value) -> list[str]:
     """A comma-separated list, blanks dropped."""
     return [v.strip() for v in (value or "").split(",") if v.strip()]

@@ -4,7 +4,10 @@ Checks that the loss falls and that every rank ends with identical parameters (a
 parameter checksum); prints samples/s; exits non-zero otherwise. To test failure handling:
 `--fail-rank R --fail-step S --fail-code C` makes rank R exit with code C at step S (S = -1: before joining
 the group; `--fail-attempt A`: only in the job's attempt A, see FLEETBOX_ATTEMPT), and `--hang-rank R` makes
-rank R sleep before joining, like a stuck node that never notices a peer died.
+rank R sleep for `--hang-seconds` before joining, like a stuck node that never notices a peer died, or with
+`--hang-step S` at step S, in a data loader that never returns (`--hang-attempt A`: only in attempt A). For hang
+detection's other cases: `--slow-save S` makes every checkpoint write take S seconds longer, and `--phase-step
+S --phase-seconds X` runs a declared long phase (fleetbox_progress.phase, "evaluation") of X seconds at step S.
 
 It checkpoints with fleetbox_checkpoint (every `--checkpoint-every` steps, and when told to stop) and resumes
 from the newest checkpoint, its per-rank data RNG and loss history included, so a resumed run is judged as a
@@ -23,6 +26,7 @@ import time
 
 import fleetbox_checkpoint  # on every fleetbox container's PYTHONPATH
 import fleetbox_metrics
+import fleetbox_progress
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -42,18 +46,29 @@ def main():
     ap.add_argument("--step-sleep", type=float, default=0.0, help="slow each step down (for interrupt tests)")
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--hang-seconds", type=float, default=300)
+    ap.add_argument("--hang-step", type=int, default=-1, help="hang at this step (-1: before joining the group)")
+    ap.add_argument("--hang-attempt", type=int, default=-1, help="hang only in this attempt (-1: in every one)")
+    ap.add_argument("--slow-save", type=float, default=0.0, help="seconds added to every checkpoint write")
+    ap.add_argument("--phase-step", type=int, default=-1, help="run a declared long phase at this step")
+    ap.add_argument("--phase-seconds", type=float, default=0.0)
     ap.add_argument("--tag", nargs="*", default=[], help="words echoed back in the report (to check what arrived)")
     args = ap.parse_args()
 
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))   # set by paddle.distributed.launch
-    if args.fail_attempt >= 0 and int(os.environ.get("FLEETBOX_ATTEMPT", "0")) != args.fail_attempt:
+    attempt = int(os.environ.get("FLEETBOX_ATTEMPT", "0"))
+    if args.fail_attempt >= 0 and attempt != args.fail_attempt:
         args.fail_rank = -1
+    if args.hang_attempt >= 0 and attempt != args.hang_attempt:
+        args.hang_rank = -1
     if rank == args.fail_rank and args.fail_step < 0:
         print(f"rank {rank}: failing on purpose before joining with exit code {args.fail_code}", flush=True)
         sys.exit(args.fail_code)
-    if rank == args.hang_rank:
+    if rank == args.hang_rank and args.hang_step < 0:
         print(f"rank {rank}: hanging on purpose for {args.hang_seconds:.0f} s", flush=True)
         time.sleep(args.hang_seconds)
+    if args.slow_save:   # a slow file system under the checkpoint helper's own writes
+        real_save = paddle.save
+        paddle.save = lambda *a, **kw: (time.sleep(args.slow_save), real_save(*a, **kw))[1]
 
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -73,6 +88,12 @@ def main():
     start = time.perf_counter()
     meter = fleetbox_metrics.Meter()
     for step in range(first, args.steps):
+        if rank == args.hang_rank and step == args.hang_step:
+            print(f"rank {rank}: hanging on purpose at step {step} for {args.hang_seconds:.0f} s", flush=True)
+            load_batch_that_never_returns(args.hang_seconds)
+        if step == args.phase_step:
+            with fleetbox_progress.phase("evaluation"):
+                time.sleep(args.phase_seconds)
         if rank == args.fail_rank and step >= args.fail_step:   # >=: an attempt may resume past it
             print(f"rank {rank}: failing on purpose at step {step} with exit code {args.fail_code}", flush=True)
             sys.exit(args.fail_code)
@@ -116,6 +137,11 @@ def main():
     report.update(whole_run=ok_steps)
     print("FLEETBOX-SMOKE " + json.dumps(report), flush=True)
     sys.exit(0 if ok_loss and ok_sync and ok_steps and len(sums) == world else 1)
+
+
+def load_batch_that_never_returns(seconds: float) -> None:
+    """A stuck data loader (a dead file system, a worker that never answers): what hang detection must name."""
+    time.sleep(seconds)
 
 
 def allreduce_gradients(model, world) -> float:

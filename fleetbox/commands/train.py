@@ -10,7 +10,7 @@ from fleetbox import settings
 from fleetbox.commands import doctor, jobs
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import stops_as_interrupt
-from fleetbox.run import backends, report
+from fleetbox.run import backends, hang, report
 from fleetbox.run.output import quiet
 from fleetbox.run.records import DamagedRecord, Handle, JobState
 from fleetbox.run.result import JobResult
@@ -25,6 +25,10 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     b = backends.get(backend, **(backend_options or {}))
     for note in b.notes:
         log(f"warning: {note}")
+    asked = (spec.hang_timeout, spec.start_timeout) != (JobSpec.hang_timeout, JobSpec.start_timeout)
+    if asked and not b.watches_hangs:
+        log(f"warning: the {b.name} backend does not detect hangs yet: --hang-timeout and --start-timeout have no "
+            f"effect")
     if spec.job_id and not dry_run:
         refuse_live(spec.job_id)
     if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
@@ -38,6 +42,8 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
         plan = b.plan(spec)
     if dry_run:
         log(b.describe(plan))
+        if b.watches_hangs:
+            log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout))
         return None
     if detach:
         handle = b.detach(plan, log)

@@ -11,12 +11,22 @@ lines of every rank from every node's logs into runs/<job>/metrics.jsonl, on eve
         ...
         meter.step(step, loss=float(loss), samples=len(batch), lr=0.01)   # any more scalars by name
 
+Every line is progress for hang detection too (fleetbox_progress).
+
 One scalar has a meaning fleetbox reads: `comm_seconds`, the part of the step spent communicating (say, the
 gradients' all-reduce timed by the script, as train/smoke.py does); reports and `invoke scale` show its share.
 """
 import json
 import os
 import time
+
+# in a container the helpers' folder is on PYTHONPATH; on the host this is fleetbox.incontainer.fleetbox_metrics
+try:
+    import fleetbox_progress
+except ImportError:
+    from . import fleetbox_progress
+
+fleetbox_progress.reporting()   # a script that logs metrics reports progress: hang detection counts on it
 
 PREFIX = "FLEETBOX-METRIC "
 FIXED = ("rank", "step", "time")
@@ -38,6 +48,7 @@ def log(step, loss=None, samples_per_s=None, **scalars):
         rec["samples_per_s"] = float(samples_per_s)
     rec.update({k: float(v) for k, v in scalars.items()})
     print(PREFIX + json.dumps(rec), flush=True)
+    fleetbox_progress.step(step)
 
 
 class Meter:

@@ -69,6 +69,7 @@ class Backend(ABC):
     attempts_are = "restarts"      # what a job's later attempts are called (Slurm: allocations)
     names_hosts = False            # a failure names the node's host (a scheduler's node names mean something)
     restarts = False               # carries out --max-restarts (else a job asking for restarts is refused)
+    watches_hangs = False          # carries out --hang-timeout / --start-timeout (run/hang.py)
     reports_image = False          # a job with spec.image_identity says which image each node has (doctor)
     runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime
     shm_settable = True                  # --shm-size reaches the container (else the node's /dev/shm counts)

@@ -222,6 +222,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     dev = device_options(spec, hyhal_present)
     user_path = spec.env.get("PYTHONPATH", "")
     env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}", "PORT_RANGE": "{port_range}",
+           "FLEETBOX_PROGRESS_DIR": LOG_DIR,   # each rank's progress and stacks, for hang detection (run/hang.py)
            **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
            **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}), **spec.env,
            "PYTHONPATH": settings.HELPERS_DIR + (f":{user_path}" if user_path else "")}

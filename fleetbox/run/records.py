@@ -38,6 +38,7 @@ class JobState(StrEnum):
     ORPHANED = "ORPHANED"     # containers run, but nothing follows them (the supervisor died)
     PASSED = "PASSED"
     FAILED = "FAILED"
+    HUNG = "HUNG"             # stopped by hang detection (run/hang.py): no progress within its deadline
     CANCELLED = "CANCELLED"
     DIED = "DIED"             # its supervisor ended without a result
     UNKNOWN = "?"             # the scheduler no longer knows it, or it cannot be asked
@@ -46,7 +47,7 @@ class JobState(StrEnum):
     @property
     def is_terminal(self) -> bool:
         """Nothing more will happen to the job by itself."""
-        return self in (JobState.PASSED, JobState.FAILED, JobState.CANCELLED, JobState.DIED)
+        return self in (JobState.PASSED, JobState.FAILED, JobState.HUNG, JobState.CANCELLED, JobState.DIED)
 
 
 class DamagedRecord(UserError):

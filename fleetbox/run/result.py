@@ -43,6 +43,12 @@ class JobResult:
     ended: str = ""              # why a job that no node failed did not pass (e.g. a chain of allocations stopped)
     attempts_are: str = "restarts"   # what the backend calls a job's later attempts (Backend.attempts_are)
     name_host: bool = False          # the failure line names the failing node's host (a scheduler's node)
+    hang: dict | None = None         # the job hung (run/hang.py): {kind, ranks, decided, where, node, text, dir}
+
+    @property
+    def state(self) -> str:
+        """PASSED, HUNG or FAILED: as `invoke jobs` (JobState) and the summary say it."""
+        return "PASSED" if self.ok else "HUNG" if self.hang else "FAILED"
 
     @property
     def failed(self) -> NodeResult | None:
@@ -63,6 +69,8 @@ class JobResult:
             return "passed"
         if self.ended:
             why = self.ended
+        elif self.hang:
+            why = self.hang["text"]
         elif self.timed_out:
             why = "timed out"
         elif (bad := self.failed) is not None:
@@ -74,7 +82,7 @@ class JobResult:
         return why
 
     def table(self) -> str:
-        head = f"job {self.job_id}: {'PASSED' if self.ok else 'FAILED'}"
+        head = f"job {self.job_id}: {self.state}"
         if self.scheduler_job:
             head += f" (Slurm job {self.scheduler_job}, {self.scheduler_state})"
         out = [head, f"  {'node':<6} {'host':<28} {'rank':>4} {'exit':>5}  {'state':<8} logs"]
@@ -84,7 +92,9 @@ class JobResult:
             out.append(f"  attempt {a['attempt']}: {a['ended']}" + ("" if a["logs"] == self.dir else f" ({a['logs']})"))
         if self.smoke:
             out.append(f"  smoke: {smoke_line(self.smoke)}")
-        if (bad := self.failed) is not None:
+        if self.hang:
+            out.append(f"  {self.hang['text']}; stacks and last lines: {self.hang['dir']}")
+        elif (bad := self.failed) is not None:
             out.append(f"  {bad.node} (rank {bad.rank}) failed: "
                        f"{bad.why or exit_meaning(bad.exit_code, bad.oom_killed)}; last lines of its log:")
             out += [f"    | {ln}" for ln in self.log_tail]

@@ -51,6 +51,8 @@ class JobSpec:
     checkpoint_dir: str = ""             # host folder (shared for Slurm); "": runs/<job>/checkpoints (--hosts: volume)
     resume: str = "auto"                 # auto | never | a checkpoint (step folder or checkpoint folder) to start from
     max_restarts: int = 0                # Docker: start the whole job again after a failure, this many times
+    hang_timeout: float = 600.0          # seconds without progress before a rank counts as hung (0: off)
+    start_timeout: float = 900.0         # seconds from the start to a rank's first progress (0: off)
     command: tuple[str, ...] = ()        # the containers' command instead of Paddle's launcher (invoke doctor)
     image_identity: bool = False         # Slurm: node.sh first says which image the node has (invoke doctor)
 
@@ -96,7 +98,7 @@ def parse_mount(text: str) -> Mount:
 def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=None, args=None, image=None,
                  hosts=None, iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None,
                  env=None, mount=None, data_dir=None, shm_size=None, job_id=None, checkpoint_dir=None, resume=None,
-                 max_restarts=None, pass_env=None) -> JobSpec:
+                 max_restarts=None, pass_env=None, hang_timeout=None, start_timeout=None) -> JobSpec:
     """A validated JobSpec from command-line strings (each by its option's name)."""
     host_list = tuple(options.items(hosts))
     if data_dir is None:   # the default cache is used when it exists here (a remote engine cannot see it)
@@ -118,7 +120,9 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
         mounts=tuple(parse_mount(m) for m in options.items(mount)), data_dir=data_dir,
         shm_size=shm_size or "8g", job_id=job_id or "", checkpoint_dir=checkpoint_dir or "",
         resume=resume or "auto", max_restarts=options.integer("--max-restarts", max_restarts or 0, 0),
-        pass_env=tuple(options.items(pass_env)))
+        pass_env=tuple(options.items(pass_env)),
+        hang_timeout=options.duration("--hang-timeout", hang_timeout, JobSpec.hang_timeout),
+        start_timeout=options.duration("--start-timeout", start_timeout, JobSpec.start_timeout))
     if procs_per_node is None and spec.variant.device != "cpu" and (spec.gpus_per_node or spec.devices):
         # Paddle runs one process per device: as many as each node is given
         spec = replace(spec, procs_per_node=spec.gpus_per_node or max(1, len(spec.devices.split(",")) // spec.sharing))

@@ -17,6 +17,7 @@ SELF_CONTAINED = sorted((PACKAGE / "incontainer").glob("*.py")) + [PACKAGE / "sh
 # the all-reduce sweep, a script that runs only there
 IMAGE_ONLY = {"paddle", "numpy", "scipy", "cv2"}
 IMAGE_SCRIPTS = {"fleetbox_collective.py"}
+HELPERS = {p.stem for p in (PACKAGE / "incontainer").glob("*.py")}   # each other's: the same folder, checked here
 
 
 def imports(tree: ast.AST):
@@ -26,6 +27,9 @@ def imports(tree: ast.AST):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name.split(".")[0], id(node) in top_level, node
+        elif isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:   # from . import x
+            for alias in node.names:
+                yield alias.name, id(node) in top_level, node
         elif isinstance(node, ast.ImportFrom):
             yield ("." if node.level else (node.module or "").split(".")[0]), id(node) in top_level, node
 
@@ -33,7 +37,7 @@ def imports(tree: ast.AST):
 def foreign_imports(path: Path) -> list[str]:
     bad = []
     for name, at_top, node in imports(ast.parse(path.read_text())):
-        if name in sys.stdlib_module_names or name == "__future__":
+        if name in sys.stdlib_module_names or name == "__future__" or name in HELPERS:
             continue
         if name in IMAGE_ONLY and (not at_top or path.name in IMAGE_SCRIPTS):
             continue
@@ -52,7 +56,7 @@ def test_the_self_contained_check_catches_what_would_break_in_a_container(tmp_pa
                      "def f():\n    import numpy\n    from fleetbox.incontainer import fleetbox_netinfo\n"
                      "    from . import sibling\n")
     assert [b.split(": ", 1)[1] for b in foreign_imports(probe)] == [
-        "fleetbox (at import)", "paddle (at import)", "requests (at import)", "fleetbox", "."]
+        "fleetbox (at import)", "paddle (at import)", "requests (at import)", "fleetbox", "sibling"]
 
 
 NAMES = set(backends.BACKENDS) | set(runtimes.RUNTIMES)

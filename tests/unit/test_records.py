@@ -54,8 +54,8 @@ def test_a_damaged_handle_says_which_file(tmp_path, text, why):
 
 
 def test_states_are_one_vocabulary_that_knows_its_ends():
-    assert {s for s in JobState if s.is_terminal} == {JobState.PASSED, JobState.FAILED, JobState.CANCELLED,
-                                                      JobState.DIED}
+    assert {s for s in JobState if s.is_terminal} == {JobState.PASSED, JobState.FAILED, JobState.HUNG,
+                                                      JobState.CANCELLED, JobState.DIED}
     assert JobState.RUNNING == "RUNNING" and f"{JobState.UNKNOWN:<3}|" == "?  |"
 
 

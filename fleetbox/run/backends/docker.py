@@ -30,7 +30,7 @@ from fleetbox import ROOT, engine, files, incontainer, settings
 from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import process_start, this_host
-from fleetbox.run import checkpoints, hostnet, metrics, placeholders, records
+from fleetbox.run import checkpoints, hang, hostnet, metrics, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Plan
@@ -62,6 +62,7 @@ class DockerBackend(Backend):
     plan_type = DockerPlan
     timeout_ok = True
     restarts = True   # the whole job again, at once, from its newest checkpoint (run)
+    watches_hangs = True   # _Live.watch reads the ranks' progress files
 
     def __init__(self, connect=engine.client):
         self.connect = connect            # host URL ("" = this machine) -> engine client; tests pass a fake
@@ -190,7 +191,7 @@ class DockerBackend(Backend):
                     raise
                 result, why = None, str(e).removeprefix("train failed: ")
             attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
-                             "logs": str(plan.dir)})
+                             "state": result.state if result is not None else "FAILED", "logs": str(plan.dir)})
             if result is not None and (result.ok or result.timed_out) or attempt == restarts \
                     or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
                 break
@@ -352,7 +353,7 @@ class DockerBackend(Backend):
             return JobState.CANCELLED, attempt, ""
         summary = files.read_json(d / records.SUMMARY)
         if summary and not following:
-            return (JobState.PASSED if summary.get("ok") else JobState.FAILED), attempt, ""
+            return ended_as(summary), attempt, ""
         try:
             state = self.status(handle)
         except UserError as e:
@@ -370,7 +371,7 @@ class DockerBackend(Backend):
         d = Path(handle.dir)
         summary = files.read_json(d / records.SUMMARY)
         if summary:
-            return (JobState.PASSED if summary.get("ok") else JobState.FAILED), attempt, ""
+            return ended_as(summary), attempt, ""
         if (d / CANCELLED).exists():
             return JobState.CANCELLED, attempt, ""
         who = f"its supervisor (pid {handle.supervisor}) runs on {where}"
@@ -481,6 +482,11 @@ class DockerBackend(Backend):
         return removed, kept
 
 
+def ended_as(summary: dict) -> JobState:
+    """How a job ended, from its summary.json."""
+    return JobState.PASSED if summary.get("ok") else JobState.HUNG if summary.get("hang") else JobState.FAILED
+
+
 def master_of(plan: DockerPlan) -> str:
     cmd = plan.nodes[0].command
     return cmd[cmd.index("--master") + 1]
@@ -498,6 +504,8 @@ class _Live:
         self.oom: dict[int, bool] = {}
         self.gone: set[int] = set()      # containers removed behind our back while the job ran
         self.timed_out = False
+        self.stall: hang.Stall | None = None   # the job hung: its ranks' stacks were asked for ...
+        self.stacks_from: dict[int, int] = {}    # ... each rank's stacks file's size before that (its new part)
 
     def start(self, log=print) -> None:
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
@@ -557,6 +565,9 @@ class _Live:
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
         deadline = time.monotonic() + timeout if timeout else None
         first_fail = None
+        spec = self.plan.spec
+        progress = hang.Watch(len(self.containers) * spec.procs_per_node, spec.hang_timeout, spec.start_timeout)
+        look = time.monotonic()
         while True:
             for rank, c in self.containers.items():
                 if rank in dict(self.exits):
@@ -585,13 +596,67 @@ class _Live:
                 self.timed_out = True
                 self.stop_all()
                 return
+            if first_fail is None and time.monotonic() >= look:   # progress files: once a second is enough
+                look = time.monotonic() + 1.0
+                for r in range(progress.world):
+                    progress.see(r, _json(self.node_file(r // spec.procs_per_node, f"progress-rank{r}.json")))
+                if (stall := progress.verdict()) is not None:
+                    self.stacks(stall, log)
+                    self.stop_all(timeout=1)
+                    return
             time.sleep(POLL_S)
 
-    def stop_all(self) -> None:
+    def node_file(self, k: int, name: str) -> bytes | None:
+        """A file of node k's log folder while the job runs: here, or (--hosts) from its container."""
+        if not self.plan.nodes[k].host:
+            try:
+                return (self.plan.dir / f"node{k}" / name).read_bytes()
+            except OSError:
+                return None
+        try:
+            bits, _ = self.containers[k].get_archive(f"{settings.LOG_DIR}/{name}")
+            with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
+                member = tar.next()
+                return tar.extractfile(member).read() if member is not None and member.isfile() else None
+        except Exception:   # not there (yet), or the container went away
+            return None
+
+    def stacks(self, stall: hang.Stall, log) -> None:
+        """Every rank's stacks, asked of each node's launcher (sitecustomize's relay) through a request file,
+        waited for a few seconds; the job is stopped after this either way."""
+        spec = self.plan.spec
+        world = len(self.containers) * spec.procs_per_node
+        late = ", ".join(f"rank {r}" for r in stall.ranks)
+        log(f"no progress for {hang.duration(max(stall.idle[r] for r in stall.ranks))} ({late}, "
+            f"{'start-up deadline' if stall.kind == 'start' else 'hang deadline'}): taking every rank's stacks, "
+            f"then stopping the job")
+        self.stall = stall
+        self.stacks_from = {r: len(self.node_file(r // spec.procs_per_node, hang.STACKS.format(rank=r)) or b"")
+                            for r in range(world)}
+        request = f"{self.plan.attempt}-{time.time()}\n".encode()
+        for k, c in self.containers.items():
+            if self.plan.nodes[k].host:
+                buf = io.BytesIO()
+                with tarfile.open(fileobj=buf, mode="w") as tar:
+                    info = tarfile.TarInfo(hang.REQUEST)
+                    info.size = len(request)
+                    tar.addfile(info, io.BytesIO(request))
+                _quietly(lambda: c.put_archive(settings.LOG_DIR, buf.getvalue()))
+            else:
+                _quietly(lambda: files.write_atomic(self.plan.dir / f"node{k}" / hang.REQUEST, request))
+        end = time.monotonic() + hang.STACKS_WAIT_S
+        waiting = set(range(world))
+        while waiting and time.monotonic() < end:
+            time.sleep(POLL_S)
+            waiting = {r for r in waiting if len(self.node_file(r // spec.procs_per_node, hang.STACKS.format(rank=r))
+                                                 or b"") <= self.stacks_from[r]}
+        time.sleep(POLL_S)   # a dump still being written: its last lines
+
+    def stop_all(self, timeout: float = STOP_TIMEOUT_S) -> None:
         seen = dict(self.exits)
         self.stopped |= {r for r in self.containers if r not in seen}
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(self.containers)))) as pool:
-            list(pool.map(lambda c: _quietly(lambda: c.stop(timeout=STOP_TIMEOUT_S)), self.containers.values()))
+            list(pool.map(lambda c: _quietly(lambda: c.stop(timeout=timeout)), self.containers.values()))
         for rank, c in self.containers.items():
             if rank not in seen:
                 try:
@@ -635,26 +700,56 @@ class _Live:
         evidence = {r: t for r in failed if one_worker and not self.plan.nodes[r].host and r not in self.gone
                     and (t := last_words(d / f"node{r}")) is not None}
         bad = None if self.timed_out else culprit(failed, evidence)
+        hung = self.hang_record() if self.stall is not None else None
+        if hung is not None:
+            bad = hung["node"]
         nodes = []
         for k, n in enumerate(self.plan.nodes):
             code = exits.get(k)
-            state = ("ok" if code == 0 else "FAILED" if k == bad else "stopped" if k in self.stopped
+            state = ("hung" if hung and k == bad else "ok" if code == 0 else "FAILED" if k == bad
+                     else "stopped" if k in self.stopped
                      else "gone" if k in self.gone else "aborted" if k in exits else "?")
             nodes.append(NodeResult(f"node{k}", k, n.host or "local", code, state, str(d / f"node{k}"),
                                     self.finished.get(k, ""), self.oom.get(k, False),
                                     "lost its container (removed while the job ran)" if k in self.gone else ""))
-        ok = not self.timed_out and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
+        ok = not self.timed_out and hung is None and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
         ended = ""
         said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.spec.hosts else {}
         if ok and said.get("state") == "continue":   # told to stop from outside (SIGTERM): saved, not finished
             ok, ended = False, f"stopped at step {said.get('step')} to continue, before its work was done"
         r = JobResult(self.plan.job_id, self.backend.name, ok, nodes, bad, self.timed_out, str(d),
                       attempts_are=self.backend.attempts_are, name_host=self.backend.names_hosts,
-                      smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended)
+                      smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended, hang=hung)
         if r.culprit is not None:
             r.log_tail = _node_tail(d / f"node{bad}")
         r.save()
         return r
+
+    def hang_record(self) -> dict:
+        """After a hang, with the logs gathered: every rank's stacks and last lines kept in hang-<attempt>/, and
+        whom they blame (JobResult.hang)."""
+        ppn, d = self.plan.spec.procs_per_node, self.plan.dir
+        out = d / f"hang-{self.plan.attempt}"
+        out.mkdir(exist_ok=True)
+        stacks = {}
+        for r in range(len(self.plan.nodes) * ppn):
+            node = d / f"node{r // ppn}"
+            try:
+                dump = (node / hang.STACKS.format(rank=r)).read_bytes()[self.stacks_from.get(r, 0):].decode(
+                    errors="replace")
+            except OSError:
+                dump = ""
+            stacks[r] = hang.main_stack(dump)
+            last = tail(node / f"workerlog.{r % ppn}", 20)
+            files.write_atomic(out / f"rank{r}.txt", (
+                f"rank {r} (node{r // ppn}), attempt {self.plan.attempt}\n\n== the last lines of its log ==\n"
+                + "\n".join(last) + "\n\n== its Python stacks, every thread (faulthandler) ==\n"
+                + (dump or "(none arrived)\n")).encode())
+        b = hang.blame(stacks, len(stacks))
+        text = hang.summary(self.stall, b, ppn)
+        files.write_atomic(out / "blame.txt", (text + "\n").encode())
+        return {"kind": self.stall.kind, "ranks": b.ranks, "decided": b.decided, "where": b.where,
+                "node": b.ranks[0] // ppn if b.decided else None, "text": text, "dir": str(out)}
 
 
 class engine_errors:
@@ -690,6 +785,13 @@ def finish_time(ts: str) -> float:
         return float("inf")
     whole = dt.datetime.fromisoformat(m.group(1)).replace(tzinfo=dt.timezone.utc).timestamp()
     return whole + (int(m.group(2)) / 10 ** len(m.group(2)) if m.group(2) else 0.0)
+
+
+def _json(data: bytes | None) -> dict | None:
+    try:
+        return json.loads(data) if data else None
+    except ValueError:   # a file caught mid-write by a reader on another file system: the next look has it
+        return None
 
 
 def _quietly(fn) -> None:

@@ -1,0 +1,214 @@
+"""Hang detection as every backend uses it: when a job counts as stuck (Watch, on the ranks' progress files
+that the helpers write, fleetbox/incontainer/fleetbox_progress.py), and whom the ranks' Python stacks blame
+(blame, on faulthandler's dumps, fleetbox/incontainer/sitecustomize.py). Pure: the backends read the files,
+ask for the stacks and stop the job.
+
+The deadlines (nvidia-resiliency-ext's initial and per-rank heartbeat timeouts, and its sections, in our words):
+- start: from the task's start to each rank's first progress;
+- hang: from a rank's last progress to its next;
+- a declared phase (an evaluation, a checkpoint save): its own limit, else the start deadline.
+A rank's progress is when fleetbox saw its file change (this machine's clock: nodes' clocks may differ). A
+script that reports no progress at all (no rank ever said it would) gets the start deadline only for ranks
+whose process never started; a job from which no file at all arrives is never called hung (its image may not
+run our helpers).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+PROGRESS = re.compile(r"progress-rank(\d+)\.json")
+STACKS = "stacks-rank{rank}.txt"
+REQUEST = "STACKS-REQUEST"          # sitecustomize's relay in each node's launcher reads it
+HANG_TIMEOUT_S = 600.0              # --hang-timeout default: well inside Paddle's 30 min collective timeout
+START_TIMEOUT_S = 900.0             # --start-timeout default: a slow image pull, a big model's load
+STACKS_WAIT_S = 8.0                 # for every rank's stacks, after asking
+
+
+def duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def describe_deadlines(hang_s: float, start_s: float) -> str:
+    """What --dry-run says about hang detection."""
+    hang = f"no progress for {duration(hang_s)}" if hang_s else "no hang deadline (--hang-timeout 0)"
+    start = f"no first progress within {duration(start_s)}" if start_s else "no start-up deadline (--start-timeout 0)"
+    return (f"hang detection: {hang}; {start} -> every rank's stacks kept, the job stopped as after a failure. "
+            f"Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress steps; a script that reports "
+            f"none gets only the start-up deadline, for ranks that never start")
+
+
+@dataclass
+class Stall:
+    kind: str                  # "hang": no progress for the hang deadline; "start": none before the start one
+    ranks: list[int]           # the ranks past their deadline
+    idle: dict[int, float]     # seconds since each rank's last progress (or since the start)
+    steps: dict[int, int | None]   # each rank's last step
+    since: dict[int, float]    # wall time of each rank's last progress (or of the start)
+
+
+@dataclass
+class Watch:
+    """The ranks' progress as seen by a backend polling their files; verdict() says when the job is stuck."""
+    world: int
+    hang_s: float
+    start_s: float
+    started: float = field(default_factory=time.monotonic)   # the task's start (monotonic)
+    records: dict[int, dict] = field(default_factory=dict)
+    changed: dict[int, float] = field(default_factory=dict)   # monotonic time each rank's record last changed
+    wall: dict[int, float] = field(default_factory=dict)      # ... and the wall clock then
+
+    def see(self, rank: int, record: dict | None, now: float | None = None) -> None:
+        if not isinstance(record, dict) or not 0 <= rank < self.world:
+            return
+        now = time.monotonic() if now is None else now
+        old = self.records.get(rank)
+        if old is None or old.get("seq") != record.get("seq"):
+            self.changed[rank], self.wall[rank] = now, time.time() - (time.monotonic() - now)
+        self.records[rank] = record
+
+    def deadline(self, rank: int) -> tuple[float, str] | None:
+        """When `rank` counts as stuck (monotonic) and which deadline that is; None: none applies."""
+        rec = self.records.get(rank)
+        reporting = any(r.get("reports") for r in self.records.values())
+        if rec and rec.get("phase"):
+            limit = rec.get("phase_limit") or self.start_s
+            return (self.changed[rank] + float(limit), "phase") if limit else None
+        if rec and rec.get("step") is not None:
+            return (self.changed[rank] + self.hang_s, "hang") if self.hang_s else None
+        if rec and not reporting:   # it runs, and the script reports nothing: nothing to wait for
+            return None
+        return (self.started + self.start_s, "start") if self.start_s else None
+
+    def verdict(self, now: float | None = None) -> Stall | None:
+        if not self.records:   # nothing arrives at all: not ours to judge
+            return None
+        now = time.monotonic() if now is None else now
+        late = {}
+        for r in range(self.world):
+            d = self.deadline(r)
+            if d is not None and now > d[0]:
+                late[r] = d[1]
+        if not late:
+            return None
+        kind = "start" if all(k == "start" for k in late.values()) else "hang"
+        wall_now = time.time() - (time.monotonic() - now)
+        return Stall(kind, sorted(late),
+                     idle={r: now - self.changed.get(r, self.started) for r in range(self.world)},
+                     steps={r: (self.records.get(r) or {}).get("step") for r in range(self.world)},
+                     since={r: self.wall.get(r, wall_now - (now - self.started)) for r in range(self.world)})
+
+
+# -- the stacks --
+
+FRAME = re.compile(r'\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)')
+THREAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    @property
+    def paddle(self) -> bool:
+        return "/paddle/" in self.file
+
+    def short(self) -> str:
+        return f"`{self.func}` ({self.file.rsplit('/', 1)[-1]}:{self.line})"
+
+
+def main_stack(dump: str) -> list[Frame] | None:
+    """The main thread's frames, innermost first, from one faulthandler dump of all threads (None: no dump).
+    The main thread is the one whose outermost frame is a module's top level; else the one that took the
+    signal."""
+    threads, cur = [], None
+    for line in dump.splitlines():
+        if m := THREAD.match(line):
+            cur = (m.group(1) == "Current thread", [])
+            threads.append(cur)
+        elif cur is not None and (f := FRAME.match(line)):
+            cur[1].append(Frame(f["file"], int(f["line"]), f["func"]))
+    threads = [t for t in threads if t[1]]
+    if not threads:
+        return None
+    main = [t for t in threads if t[1][-1].func == "<module>"] or [t for t in threads if t[0]] or threads
+    return main[0][1]
+
+
+def collective(frames: list[Frame]) -> Frame | None:
+    """The collective (or DataParallel's all-reducing backward pass) the stack waits in: the outermost of
+    Paddle's frames that names one; None when the stack is not in one."""
+    found = None
+    for f in frames:   # innermost first: the last match is the outermost, the call the script made
+        if "/paddle/distributed/" in f.file and f.func != "<module>" or f.paddle and f.func == "backward":
+            found = f
+    return found
+
+
+def user_frames(frames: list[Frame]) -> list[Frame]:
+    """The script's own frames (not Paddle's, not the standard library's, not site-packages'), innermost first."""
+    return [f for f in frames if not (f.paddle or "/site-packages/" in f.file or re.search(r"/python3\.\d+/", f.file))]
+
+
+def where(frames: list[Frame] | None) -> str:
+    """Where a rank is, in a few words."""
+    if frames is None:
+        return "gave no stack"
+    mine = user_frames(frames) or frames
+    op = collective(frames)
+    if op is not None:
+        return f"waiting in `{op.func}`" + (f" ← {mine[0].short()}" if mine else "")
+    return "in " + " ← ".join(f.short() for f in mine[:2])
+
+
+@dataclass
+class Blame:
+    ranks: list[int]           # the ranks to blame (one where the stacks decide; empty where they cannot)
+    decided: bool
+    where: dict[int, str]      # every rank, where it is
+
+
+def blame(stacks: dict[int, list[Frame] | None], world: int) -> Blame:
+    """The rank that is not in a collective while its peers wait in one. The checkpoint helper's per-step
+    agreement and DataParallel's all-reduce keep the ranks in lock step, so a healthy peer of a stuck rank
+    waits inside a collective; a stuck rank is elsewhere. A rank without a stack, where every other waits in
+    a collective, is the one. Anything else cannot be decided from the stacks, and is said so."""
+    stacks = {r: stacks.get(r) for r in range(world)}
+    places = {r: where(s) for r, s in stacks.items()}
+    outside = [r for r, s in stacks.items() if s is not None and collective(s) is None]
+    missing = [r for r, s in stacks.items() if s is None]
+    inside = [r for r, s in stacks.items() if s is not None and collective(s) is not None]
+    if world == 1 and outside:
+        return Blame(outside, True, places)
+    if len(outside) == 1 and not missing and inside:
+        return Blame(outside, True, places)
+    if not outside and len(missing) == 1 and inside:
+        return Blame(missing, True, places)
+    return Blame([], False, places)
+
+
+def summary(stall: Stall, b: Blame, procs_per_node: int = 1) -> str:
+    """The line the job's summary gives, e.g. `node1 (rank 1) hung: no progress since step 30 (12:03:11, 20 s);
+    in `load_batch` (smoke.py:88) ← `main` (smoke.py:131). rank 0 waiting in `all_reduce` ← ...`."""
+    def since(r: int) -> str:
+        at = time.strftime("%H:%M:%S", time.localtime(stall.since[r]))
+        if stall.steps.get(r) is None:
+            return f"no first step {duration(stall.idle[r])} after it started ({at})"
+        return f"no progress since step {stall.steps[r]} ({at}, {duration(stall.idle[r])})"
+    if b.decided:
+        r = b.ranks[0]
+        others = [f"rank {o} {b.where[o]}" for o in sorted(b.where) if o != r]
+        return (f"node{r // procs_per_node} (rank {r}) hung: {since(r)}; {b.where[r]}"
+                + (". " + "; ".join(others) if others else ""))
+    first = stall.ranks[0]
+    return (f"the job hung: rank {first}: {since(first)}; the stacks cannot tell which rank is stuck: "
+            + "; ".join(f"rank {r} {b.where[r]}" for r in sorted(b.where)))

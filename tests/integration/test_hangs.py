@@ -1,0 +1,55 @@
+"""Hang detection with the real Docker Engine and real Paddle (Gloo on CPU, two host-network containers): a rank
+stuck mid-run or before joining is noticed within its deadline, every rank's stacks are kept, the stuck rank is
+named from them, and the job restarts; a slow checkpoint save and a declared long phase are not hangs."""
+import datetime as dt
+import json
+
+from tests.conftest import ROOT, invoke
+from tests.integration.test_train import job_containers, summary_of, when
+
+
+def last_metric_time(workerlog) -> float:
+    times = [json.loads(ln.split(" ", 1)[1])["time"] for ln in workerlog.read_text().splitlines()
+             if ln.startswith("FLEETBOX-METRIC ")]
+    return times[-1]
+
+
+def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_passes(cpu_image):
+    proc = invoke("train", "--nodes", "2", "--hang-timeout", "20", "--max-restarts", "1", "--args",
+                  "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 --hang-attempt 0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s = summary_of(proc)
+    job = ROOT / s["dir"]
+    assert [a["state"] for a in s["attempts"]] == ["HUNG", "PASSED"], s["attempts"]
+    assert s["smoke"]["whole_run"] and s["smoke"]["resumed_from"] == 30 and s["smoke"]["params_identical"]
+    first = json.loads((job / "attempt0" / "summary.json").read_text())
+    h = first["hang"]
+    assert (h["kind"], h["ranks"], h["decided"], first["culprit"]) == ("hang", [1], True, 1), h
+    assert h["text"].startswith("node1 (rank 1) hung: no progress since step 29 (") and \
+        "; in `load_batch_that_never_returns` (smoke.py:" in h["text"] and \
+        "rank 0 waiting in `fused_allreduce_gradients` ← `allreduce_gradients` (smoke.py:" in h["text"], h["text"]
+    assert [n["state"] for n in first["nodes"]] == ["stopped", "hung"]
+    assert s["attempts"][0]["ended"] == h["text"]
+    # every rank's stacks (all threads) and last lines are kept
+    rank0, rank1 = ((job / "hang-0" / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert 'in load_batch_that_never_returns' in rank1 and 'in fused_allreduce_gradients' in rank0
+    assert "in _flusher" in rank1   # every thread, not only the main one
+    assert "FLEETBOX-METRIC" in rank1.split("== its Python stacks")[0]
+    # stopped within the deadline plus 10 s of the stuck rank's last progress
+    last = last_metric_time(job / "attempt0" / "node1" / "workerlog.0")
+    stopped = max(when(n["finished_at"]).replace(tzinfo=dt.timezone.utc).timestamp() for n in first["nodes"])
+    assert 20 <= stopped - last <= 30, stopped - last
+    assert job_containers(s["job_id"]) == []
+
+
+def test_a_rank_that_never_reaches_its_first_step_is_named_at_the_start_deadline(cpu_image):
+    proc = invoke("train", "--nodes", "2", "--start-timeout", "15", "--args", "--steps 20 --hang-rank 1")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stdout[-3000:] + proc.stderr
+    assert "fleetbox: train failed: node1 (rank 1) hung: no first step " in proc.stderr and \
+        "in `main` (smoke.py:" in proc.stderr and "rank 0 waiting in `init_parallel_env`" in proc.stderr, proc.stderr
+    s = summary_of(proc)
+    assert s["hang"]["kind"] == "start" and s["hang"]["ranks"] == [1] and "job " in proc.stdout
+    assert f"job {s['job_id']}: HUNG" in proc.stdout
+    rows = [ln.split() for ln in invoke("jobs").stdout.splitlines() if ln.startswith(s["job_id"] + " ")]
+    assert rows[0][3] == "HUNG", rows
+    assert job_containers(s["job_id"]) == []

@@ -1,0 +1,160 @@
+"""Hang detection's rules (run/hang.py): when a job counts as stuck, and whom the stacks blame. The stacks are
+faulthandler dumps recorded from real 2-rank Paddle jobs (Gloo on CPU, in the fleetbox image) in
+tests/probes/hang-stacks/: a rank stuck in a data loader at step 30 and its peer in the gradients' all-reduce
+(at-step-*), a rank asleep before joining and its peer in init_parallel_env (at-start-*), and a DataParallel
+peer waiting in backward (backward-rank0)."""
+from pathlib import Path
+
+import pytest
+
+from fleetbox import options
+from fleetbox.errors import UserError
+from fleetbox.run import hang
+
+STACKS = Path(__file__).parent.parent / "probes" / "hang-stacks"
+
+
+def stack(name):
+    return hang.main_stack((STACKS / f"{name}.txt").read_text())
+
+
+def rec(seq, step=None, phase=None, limit=None, reports=True):
+    return {"seq": seq, "step": step, "phase": phase, "phase_limit": limit, "reports": reports}
+
+
+# -- deadlines --
+
+def test_a_rank_without_progress_for_the_hang_deadline_is_late_and_its_peers_are_not_yet():
+    w = hang.Watch(2, hang_s=20, start_s=100, started=0)
+    w.see(0, rec(1, step=1), now=1)
+    w.see(1, rec(1, step=1), now=1)
+    w.see(0, rec(2, step=2), now=10)
+    w.see(1, rec(1, step=1), now=10)          # the same record read again: not progress
+    assert w.verdict(now=20.9) is None
+    stall = w.verdict(now=21.5)
+    assert stall.kind == "hang" and stall.ranks == [1] and stall.steps == {0: 2, 1: 1}
+    assert stall.idle == {0: 11.5, 1: 20.5}
+    assert w.verdict(now=30.5).ranks == [0, 1]
+
+
+def test_before_the_first_step_only_the_start_deadline_counts():
+    w = hang.Watch(2, hang_s=5, start_s=60, started=0)
+    w.see(0, rec(1), now=1)                   # started, says it will report, no step yet
+    w.see(1, rec(1), now=1)
+    assert w.verdict(now=59) is None          # the hang deadline does not apply before a first step
+    stall = w.verdict(now=61)
+    assert stall.kind == "start" and stall.ranks == [0, 1] and stall.steps == {0: None, 1: None}
+
+
+def test_a_rank_whose_process_never_started_is_late_at_the_start_deadline():
+    w = hang.Watch(2, hang_s=5, start_s=60, started=0)
+    w.see(0, rec(1, reports=False), now=1)    # a script that reports nothing: its started rank is never late
+    assert w.verdict(now=1000).ranks == [1] and w.verdict(now=1000).kind == "start"
+    w.see(1, rec(1, reports=False), now=1001)
+    assert w.verdict(now=10 ** 6) is None
+
+
+def test_nothing_at_all_arriving_is_never_a_hang():
+    """An image whose Python does not run our helpers: no file from any rank, nothing to judge by."""
+    w = hang.Watch(4, hang_s=5, start_s=5, started=0)
+    w.see(0, None, now=1)
+    w.see(9, rec(1), now=1)                   # not a rank of this job
+    assert w.verdict(now=10 ** 6) is None
+
+
+def test_a_declared_phase_holds_the_hang_deadline_for_its_limit_or_the_start_deadline():
+    w = hang.Watch(2, hang_s=10, start_s=100, started=0)
+    w.see(0, rec(1, step=5, phase="checkpoint save"), now=1)       # no limit: the start deadline
+    w.see(1, rec(1, step=5, phase="evaluation", limit=30), now=1)
+    assert w.verdict(now=30) is None
+    assert w.verdict(now=31.5).ranks == [1]
+    w.see(1, rec(2, step=6), now=31.5)        # the phase ended: the hang deadline again
+    assert w.verdict(now=41) is None and w.verdict(now=42).ranks == [1]
+    assert 0 not in w.verdict(now=100).ranks and w.verdict(now=101.5).ranks == [0, 1]
+
+
+def test_zero_turns_each_deadline_off():
+    w = hang.Watch(1, hang_s=0, start_s=0, started=0)
+    w.see(0, rec(1, step=1), now=1)
+    assert w.verdict(now=10 ** 6) is None
+    w = hang.Watch(2, hang_s=0, start_s=0, started=0)
+    w.see(0, rec(1), now=1)
+    assert w.verdict(now=10 ** 6) is None
+
+
+@pytest.mark.parametrize("text,seconds", [("90", 90), ("90s", 90), ("20m", 1200), ("1h", 3600), ("0", 0),
+                                          ("1.5m", 90), (None, 600)])
+def test_durations(text, seconds):
+    assert options.duration("--hang-timeout", text, 600) == seconds
+
+
+@pytest.mark.parametrize("text", ["-5", "5x", "m", "1e3", "ten"])
+def test_a_duration_that_is_not_one_is_one_line(text):
+    with pytest.raises(UserError, match=r"--hang-timeout takes seconds, or minutes or hours like 20m, 1h"):
+        options.duration("--hang-timeout", text, 600)
+
+
+# -- the stacks --
+
+def test_the_main_thread_is_read_not_the_progress_thread():
+    frames = stack("at-step-rank1")
+    assert [f.func for f in frames] == ["load_batch_that_never_returns", "main", "<module>"]
+    assert hang.main_stack("nothing like a dump\n") is None
+
+
+def test_collectives_are_told_from_the_rest():
+    assert hang.collective(stack("at-step-rank0")).func == "fused_allreduce_gradients"
+    assert hang.collective(stack("at-start-rank0")).func == "init_parallel_env"
+    assert hang.collective(stack("backward-rank0")).func == "backward"
+    assert hang.collective(stack("at-step-rank1")) is None and hang.collective(stack("at-start-rank1")) is None
+
+
+def test_the_one_rank_outside_a_collective_is_blamed():
+    b = hang.blame({0: stack("at-step-rank0"), 1: stack("at-step-rank1")}, 2)
+    assert (b.ranks, b.decided) == ([1], True)
+    assert b.where == {0: "waiting in `fused_allreduce_gradients` ← `allreduce_gradients` (smoke.py:155)",
+                       1: "in `load_batch_that_never_returns` (smoke.py:144) ← `main` (smoke.py:93)"}
+    b = hang.blame({0: stack("at-start-rank0"), 1: stack("at-start-rank1")}, 2)
+    assert (b.ranks, b.where[0]) == ([1], "waiting in `init_parallel_env` ← `main` (smoke.py:73)")
+    b = hang.blame({0: stack("backward-rank0"), 1: stack("at-step-rank1"), 2: stack("backward-rank0")}, 3)
+    assert (b.ranks, b.where[0]) == ([1], "waiting in `backward` ← `<module>` (dp.py:12)")
+
+
+def test_two_ranks_outside_a_collective_cannot_be_decided():
+    b = hang.blame({0: stack("at-step-rank0"), 1: stack("at-step-rank1"), 2: stack("at-start-rank1")}, 3)
+    assert (b.ranks, b.decided) == ([], False)
+
+
+def test_a_rank_that_gives_no_stack_while_every_other_waits_is_the_one():
+    b = hang.blame({0: stack("at-step-rank0"), 2: stack("backward-rank0")}, 3)
+    assert (b.ranks, b.decided, b.where[1]) == ([1], True, "gave no stack")
+    b = hang.blame({0: stack("at-step-rank0")}, 3)                                   # two without: undecided
+    assert not b.decided
+    b = hang.blame({0: stack("at-step-rank1")}, 2)                                   # one outside, one silent
+    assert not b.decided
+
+
+def test_every_rank_in_a_collective_cannot_be_decided():
+    """Mismatched collectives (rank 0 in the all-reduce, rank 1 still in init): every rank waits."""
+    b = hang.blame({0: stack("at-step-rank0"), 1: stack("at-start-rank0")}, 2)
+    assert (b.ranks, b.decided) == ([], False)
+
+
+def test_the_summary_line_names_the_rank_where_it_is_and_where_its_peers_wait():
+    stall = hang.Stall("hang", [1], idle={0: 21.0, 1: 20.4}, steps={0: 30, 1: 29},
+                       since={0: 1795503486.0, 1: 1795503485.0})
+    b = hang.blame({0: stack("at-step-rank0"), 1: stack("at-step-rank1")}, 2)
+    text = hang.summary(stall, b)
+    at = __import__("time").strftime("%H:%M:%S", __import__("time").localtime(1795503485.0))
+    assert text == (f"node1 (rank 1) hung: no progress since step 29 ({at}, 20 s); in "
+                    f"`load_batch_that_never_returns` (smoke.py:144) ← `main` (smoke.py:93). rank 0 waiting in "
+                    f"`fused_allreduce_gradients` ← `allreduce_gradients` (smoke.py:155)")
+    assert hang.summary(stall, b, procs_per_node=2).startswith("node0 (rank 1) hung")
+    undecided = hang.blame({0: stack("at-step-rank0"), 1: stack("at-start-rank0")}, 2)
+    text = hang.summary(stall, undecided)
+    assert text.startswith("the job hung: rank 1: no progress since step 29") and \
+        "the stacks cannot tell which rank is stuck: rank 0 waiting in `fused_allreduce_gradients`" in text and \
+        "rank 1 waiting in `init_parallel_env`" in text
+    start = hang.Stall("start", [1], idle={0: 30.0, 1: 30.0}, steps={0: None, 1: None}, since={0: 0.0, 1: 0.0})
+    assert "no first step 30 s after it started" in hang.summary(start, hang.blame(
+        {0: stack("at-start-rank0"), 1: stack("at-start-rank1")}, 2))
