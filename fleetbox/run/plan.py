@@ -221,9 +221,9 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     checkpoint folder on the node's host, or a volume name, mounted read-write at CHECKPOINT_DIR."""
     dev = device_options(spec, hyhal_present)
     user_path = spec.env.get("PYTHONPATH", "")
+    watched = {"FLEETBOX_PROGRESS_DIR": LOG_DIR} if spec.hang_timeout or spec.start_timeout else {}   # run/hang.py
     env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}", "PORT_RANGE": "{port_range}",
-           "FLEETBOX_PROGRESS_DIR": LOG_DIR,   # each rank's progress and stacks, for hang detection (run/hang.py)
-           **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
+           **watched, **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
            **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}), **spec.env,
            "PYTHONPATH": settings.HELPERS_DIR + (f":{user_path}" if user_path else "")}
     mounts = [Mount(str(spec.script_path.parent), WORKDIR, ro=True),

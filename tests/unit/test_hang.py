@@ -158,3 +158,17 @@ def test_the_summary_line_names_the_rank_where_it_is_and_where_its_peers_wait():
     start = hang.Stall("start", [1], idle={0: 30.0, 1: 30.0}, steps={0: None, 1: None}, since={0: 0.0, 1: 0.0})
     assert "no first step 30 s after it started" in hang.summary(start, hang.blame(
         {0: stack("at-start-rank0"), 1: stack("at-start-rank1")}, 2))
+
+
+def test_with_both_deadlines_off_nothing_of_detection_runs_in_the_containers():
+    """No FLEETBOX_PROGRESS_DIR: the helpers write no progress, sitecustomize registers nothing (bench/hang.py
+    measures on against off)."""
+    from fleetbox.image import matrix
+    from fleetbox.run import plan, spec
+    on = spec.JobSpec(variant=matrix.load().get("cpu"))
+    assert plan.template(on, "j", "/logs").env["FLEETBOX_PROGRESS_DIR"] == "/fleetbox/logs"
+    for hang_s, start_s in ((0, 900), (600, 0)):
+        one = spec.JobSpec(variant=matrix.load().get("cpu"), hang_timeout=hang_s, start_timeout=start_s)
+        assert "FLEETBOX_PROGRESS_DIR" in plan.template(one, "j", "/logs").env
+    off = spec.JobSpec(variant=matrix.load().get("cpu"), hang_timeout=0, start_timeout=0)
+    assert "FLEETBOX_PROGRESS_DIR" not in plan.template(off, "j", "/logs").env
