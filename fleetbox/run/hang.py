@@ -1,7 +1,9 @@
 """Hang detection as every backend uses it: when a job counts as stuck (Watch, on the ranks' progress files
 that the helpers write, fleetbox/incontainer/fleetbox_progress.py), and whom the ranks' Python stacks blame
-(blame, on faulthandler's dumps, fleetbox/incontainer/sitecustomize.py). Pure: the backends read the files,
-ask for the stacks and stop the job.
+(blame, on faulthandler's dumps, fleetbox/incontainer/sitecustomize.py). The rules are pure; the file work
+(asking for the stacks, waiting for them, keeping them) goes through a reader and a writer each backend gives
+(Docker: its containers' log folders; Slurm: the shared file system). Standard library only: a Slurm batch
+script runs this file as a program on its node (`python3 hang.py JOB_DIR ...`, see main()).
 
 The deadlines (nvidia-resiliency-ext's initial and per-rank heartbeat timeouts, and its sections, in our words):
 - start: from the task's start to each rank's first progress;
@@ -15,7 +17,11 @@ run our helpers).
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -212,3 +218,114 @@ def summary(stall: Stall, b: Blame, procs_per_node: int = 1) -> str:
     first = stall.ranks[0]
     return (f"the job hung: rank {first}: {since(first)}; the stacks cannot tell which rank is stuck: "
             + "; ".join(f"rank {r} {b.where[r]}" for r in sorted(b.where)))
+
+
+# -- the file work, through a backend's reader and writer: read(node, name) -> bytes | None, write(node, name,
+# data) --
+
+def stacks_file(rank: int) -> str:
+    return STACKS.format(rank=rank)
+
+
+def ask_for_stacks(read, write, nodes: int, ppn: int, attempt: int, wait: float = STACKS_WAIT_S,
+                   poll: float = 0.25) -> dict[int, int]:
+    """Ask every node's launcher for its ranks' stacks; wait until every rank's stacks file has grown (or
+    `wait` seconds). Returns each file's size before the request: the new part is this dump."""
+    before = {r: len(read(r // ppn, stacks_file(r)) or b"") for r in range(nodes * ppn)}
+    request = f"{attempt}-{time.time()}\n".encode()
+    for k in range(nodes):
+        try:
+            write(k, REQUEST, request)
+        except Exception:   # a node that is gone: the others still answer
+            pass
+    end, waiting = time.monotonic() + wait, set(before)
+    while waiting and time.monotonic() < end:
+        time.sleep(poll)
+        waiting = {r for r in waiting if len(read(r // ppn, stacks_file(r)) or b"") <= before[r]}
+    time.sleep(poll)   # a dump still being written: its last lines
+    return before
+
+
+def keep(out: str, read, nodes: int, ppn: int, attempt: int, before: dict[int, int], stall: Stall,
+         **extra) -> dict:
+    """Every rank's new stacks and last lines into `out` (rank<r>.txt), whom they blame (blame.txt), and the
+    record a job's summary carries (hang.json, with `extra`)."""
+    os.makedirs(out, exist_ok=True)
+    stacks = {}
+    for r in range(nodes * ppn):
+        dump = (read(r // ppn, stacks_file(r)) or b"")[before.get(r, 0):].decode(errors="replace")
+        stacks[r] = main_stack(dump)
+        last = (read(r // ppn, f"workerlog.{r % ppn}") or b"").decode(errors="replace").rstrip().splitlines()[-20:]
+        _write_whole(os.path.join(out, f"rank{r}.txt"), (
+            f"rank {r} (node{r // ppn}), attempt {attempt}\n\n== the last lines of its log ==\n" + "\n".join(last)
+            + "\n\n== its Python stacks, every thread (faulthandler) ==\n" + (dump or "(none arrived)\n")).encode())
+    b = blame(stacks, len(stacks))
+    text = summary(stall, b, ppn)
+    _write_whole(os.path.join(out, "blame.txt"), (text + "\n").encode())
+    record = {"kind": stall.kind, "ranks": b.ranks, "decided": b.decided, "where": {str(r): w for r, w in
+              b.where.items()}, "node": b.ranks[0] // ppn if b.decided else None, "text": text, "dir": out, **extra}
+    _write_whole(os.path.join(out, "hang.json"), json.dumps(record, indent=1).encode())
+    return record
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def folder_reader(job_dir: str):
+    """read(node, name) on node folders of one file system (runs/<job>/node<k>/)."""
+    def read(k: int, name: str) -> bytes | None:
+        try:
+            with open(os.path.join(job_dir, f"node{k}", name), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+    return read
+
+
+def main(argv: list[str]) -> int:
+    """A Slurm batch script's watcher: python3 hang.py JOB_DIR NODES PPN HANG_S START_S ATTEMPT SRUN_PID.
+    Reads the ranks' progress on the shared file system; at a deadline keeps every rank's stacks in
+    JOB_DIR/hang-<attempt>/ and stops the job step (SIGTERM to srun, SIGKILL 10 s later); exit 3 then."""
+    job_dir, nodes, ppn, hang_s, start_s, attempt, srun = argv
+    nodes, ppn, attempt, srun = int(nodes), int(ppn), int(attempt), int(srun)
+    read = folder_reader(job_dir)
+
+    def write(k: int, name: str, data: bytes) -> None:
+        _write_whole(os.path.join(job_dir, f"node{k}", name), data)
+
+    w = Watch(nodes * ppn, float(hang_s), float(start_s))
+    while True:
+        time.sleep(1.0)
+        for r in range(w.world):
+            try:
+                w.see(r, json.loads(read(r // ppn, f"progress-rank{r}.json") or b"null"))
+            except ValueError:   # caught mid-write: the next look has it
+                pass
+        stall = w.verdict()
+        if stall is None:
+            continue
+        late = ", ".join(f"rank {r}" for r in stall.ranks)
+        print(f"fleetbox: no progress for {duration(max(stall.idle[r] for r in stall.ranks))} ({late}, "
+              f"{'start-up deadline' if stall.kind == 'start' else 'hang deadline'}): taking every rank's stacks, "
+              f"then stopping the job", flush=True)
+        before = ask_for_stacks(read, write, nodes, ppn, attempt)
+        rec = keep(os.path.join(job_dir, f"hang-{attempt}"), read, nodes, ppn, attempt, before, stall,
+                   slurm_job=os.environ.get("SLURM_JOB_ID", ""))
+        print(f"fleetbox: {rec['text']}", flush=True)
+        for sig, after in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.kill(srun, sig)
+            except OSError:
+                break
+            end = time.monotonic() + after
+            while time.monotonic() < end and os.path.exists(f"/proc/{srun}"):
+                time.sleep(0.2)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

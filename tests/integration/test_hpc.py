@@ -457,6 +457,36 @@ def test_slurm_requeue_restarts_from_the_newest_checkpoint_as_an_attempt(cluster
     assert "allocation 1 (Slurm job" in batch and "Slurm requeued job" in batch   # both runs' output kept
 
 
+def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_passes(cluster, podman_image):
+    """Detached (the client is gone once it submitted): the batch script's watcher notices rank 1 stuck at step
+    30, keeps every rank's stacks, stops the step; the chain restarts in a new allocation from step 30."""
+    env = {**os.environ, **cluster}
+    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--detach",
+                  "--max-restarts", "1", "--hang-timeout", "20", "--args",
+                  "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 --hang-attempt 0",
+                  env=env)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.split("job ")[-1].split()[0]
+    job_dir = ROOT / "runs" / job_id
+    follow = invoke("logs", job_id, "--follow", env=env, timeout=600)
+    assert follow.returncode == 0 and '"whole_run": true' in follow.stdout, follow.stdout[-3000:] + follow.stderr
+    row = _slurm_row(job_id, env)
+    assert row[3] == "PASSED" and row[4] == "2", row
+    s = json.loads((job_dir / "summary.json").read_text())
+    hung, rerun = s["attempts"]
+    assert (hung["state"], rerun["state"]) == ("HUNG", "PASSED"), s["attempts"]
+    assert hung["ended"].startswith("node1 (rank 1) hung: no progress since step 29 (") and \
+        "in `load_batch_that_never_returns` (smoke.py:" in hung["ended"] and \
+        "rank 0 waiting in `fused_allreduce_gradients`" in hung["ended"] and \
+        hung["ended"].endswith(f"; restarted in Slurm job {rerun['slurm_job']}"), hung["ended"]
+    assert s["smoke"]["resumed_from"] == 30 and s["smoke"]["whole_run"], s["smoke"]
+    rank0, rank1 = ((job_dir / "hang-0" / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert "in load_batch_that_never_returns" in rank1 and "in fused_allreduce_gradients" in rank0
+    assert "taking every rank's stacks" in (job_dir / f"slurm-{hung['slurm_job']}.out").read_text()
+    assert not subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.fleetbox.job={job_id}"],
+                              capture_output=True, text=True).stdout.split()
+
+
 def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_image):
     env = {**os.environ, **cluster}
     proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--detach",

@@ -12,7 +12,8 @@ from fleetbox.run.backends import runtimes
 from tests.conftest import ROOT
 
 PACKAGE = ROOT / "fleetbox"
-SELF_CONTAINED = sorted((PACKAGE / "incontainer").glob("*.py")) + [PACKAGE / "ship" / "kit_load.py"]
+SELF_CONTAINED = sorted((PACKAGE / "incontainer").glob("*.py")) + [PACKAGE / "ship" / "kit_load.py",
+                                                                   PACKAGE / "run" / "hang.py"]
 # Paddle and what comes with it exist only in the images: imported inside the functions that need them, except in
 # the all-reduce sweep, a script that runs only there
 IMAGE_ONLY = {"paddle", "numpy", "scipy", "cv2"}

@@ -622,35 +622,26 @@ class _Live:
             return None
 
     def stacks(self, stall: hang.Stall, log) -> None:
-        """Every rank's stacks, asked of each node's launcher (sitecustomize's relay) through a request file,
-        waited for a few seconds; the job is stopped after this either way."""
-        spec = self.plan.spec
-        world = len(self.containers) * spec.procs_per_node
+        """Every rank's stacks, asked of each node's launcher (sitecustomize's relay) through a request file in
+        its log folder; the job is stopped after this either way."""
         late = ", ".join(f"rank {r}" for r in stall.ranks)
         log(f"no progress for {hang.duration(max(stall.idle[r] for r in stall.ranks))} ({late}, "
             f"{'start-up deadline' if stall.kind == 'start' else 'hang deadline'}): taking every rank's stacks, "
             f"then stopping the job")
         self.stall = stall
-        self.stacks_from = {r: len(self.node_file(r // spec.procs_per_node, hang.STACKS.format(rank=r)) or b"")
-                            for r in range(world)}
-        request = f"{self.plan.attempt}-{time.time()}\n".encode()
-        for k, c in self.containers.items():
-            if self.plan.nodes[k].host:
-                buf = io.BytesIO()
-                with tarfile.open(fileobj=buf, mode="w") as tar:
-                    info = tarfile.TarInfo(hang.REQUEST)
-                    info.size = len(request)
-                    tar.addfile(info, io.BytesIO(request))
-                _quietly(lambda: c.put_archive(settings.LOG_DIR, buf.getvalue()))
-            else:
-                _quietly(lambda: files.write_atomic(self.plan.dir / f"node{k}" / hang.REQUEST, request))
-        end = time.monotonic() + hang.STACKS_WAIT_S
-        waiting = set(range(world))
-        while waiting and time.monotonic() < end:
-            time.sleep(POLL_S)
-            waiting = {r for r in waiting if len(self.node_file(r // spec.procs_per_node, hang.STACKS.format(rank=r))
-                                                 or b"") <= self.stacks_from[r]}
-        time.sleep(POLL_S)   # a dump still being written: its last lines
+        self.stacks_from = hang.ask_for_stacks(self.node_file, self.put_node_file, len(self.containers),
+                                               self.plan.spec.procs_per_node, self.plan.attempt)
+
+    def put_node_file(self, k: int, name: str, data: bytes) -> None:
+        if not self.plan.nodes[k].host:
+            files.write_atomic(self.plan.dir / f"node{k}" / name, data)
+            return
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        self.containers[k].put_archive(settings.LOG_DIR, buf.getvalue())
 
     def stop_all(self, timeout: float = STOP_TIMEOUT_S) -> None:
         seen = dict(self.exits)
@@ -726,30 +717,11 @@ class _Live:
         return r
 
     def hang_record(self) -> dict:
-        """After a hang, with the logs gathered: every rank's stacks and last lines kept in hang-<attempt>/, and
-        whom they blame (JobResult.hang)."""
-        ppn, d = self.plan.spec.procs_per_node, self.plan.dir
-        out = d / f"hang-{self.plan.attempt}"
-        out.mkdir(exist_ok=True)
-        stacks = {}
-        for r in range(len(self.plan.nodes) * ppn):
-            node = d / f"node{r // ppn}"
-            try:
-                dump = (node / hang.STACKS.format(rank=r)).read_bytes()[self.stacks_from.get(r, 0):].decode(
-                    errors="replace")
-            except OSError:
-                dump = ""
-            stacks[r] = hang.main_stack(dump)
-            last = tail(node / f"workerlog.{r % ppn}", 20)
-            files.write_atomic(out / f"rank{r}.txt", (
-                f"rank {r} (node{r // ppn}), attempt {self.plan.attempt}\n\n== the last lines of its log ==\n"
-                + "\n".join(last) + "\n\n== its Python stacks, every thread (faulthandler) ==\n"
-                + (dump or "(none arrived)\n")).encode())
-        b = hang.blame(stacks, len(stacks))
-        text = hang.summary(self.stall, b, ppn)
-        files.write_atomic(out / "blame.txt", (text + "\n").encode())
-        return {"kind": self.stall.kind, "ranks": b.ranks, "decided": b.decided, "where": b.where,
-                "node": b.ranks[0] // ppn if b.decided else None, "text": text, "dir": str(out)}
+        """After a hang, with the logs gathered here: every rank's stacks and last lines kept in hang-<attempt>/,
+        and whom they blame (JobResult.hang)."""
+        return hang.keep(str(self.plan.dir / f"hang-{self.plan.attempt}"), hang.folder_reader(str(self.plan.dir)),
+                         len(self.plan.nodes), self.plan.spec.procs_per_node, self.plan.attempt, self.stacks_from,
+                         self.stall)
 
 
 class engine_errors:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from fleetbox import files, incontainer, settings
 from fleetbox.errors import UserError
-from fleetbox.run import checkpoints, hostnet, placeholders, records
+from fleetbox.run import checkpoints, hang, hostnet, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Option, Plan
@@ -50,6 +50,7 @@ ROUTE_SH = template("route_to.sh")
 # appends one JSON line to allocations.jsonl and moves its logs to alloc<N>/ before the next one starts; the
 # last one's stay in the job folder.
 CHAIN_SH = template("chain.sh")
+HANG_PY = str(Path(hang.__file__).resolve())   # the batch script's hang watcher (on the shared file system)
 
 # What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
 SBATCH_VALUES = {
@@ -81,6 +82,7 @@ class SlurmBackend(Backend):
     attempts_are = "allocations"
     names_hosts = True
     restarts = True   # in the chain of allocations (job.sbatch)
+    watches_hangs = True   # the batch script runs run/hang.py beside srun
     reports_image = True
     options = (
         Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman or docker (default docker)",
@@ -248,10 +250,18 @@ class SlurmBackend(Backend):
                 f"--output={job_dir}/node%n.log", "--open-mode=truncate",
                 *rt.srun_options(t, image), "bash", str(job_dir / "node.sh")]
         body += ["set +e", self.words(srun, job_id) + " &",
-                 "SRUN=$!",
-                 "# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
+                 "SRUN=$!", 'WATCH=""']
+        if spec.hang_timeout or spec.start_timeout:   # run/hang.py as a program, standard library only
+            # -I: the file's own folder (fleetbox/run) is not put on sys.path
+            watch = line(["python3", "-I", HANG_PY, str(job_dir), str(spec.nodes), str(spec.procs_per_node),
+                          f"{spec.hang_timeout:g}", f"{spec.start_timeout:g}", Raw('"$FLEETBOX_ATTEMPT"'),
+                          Raw('"$SRUN"')])
+            body.append(f'if command -v python3 >/dev/null 2>&1; then {watch} & WATCH=$!; '
+                        'else echo "fleetbox: no python3 on $(hostname): no hang detection in this allocation" >&2; fi')
+        body += ["# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
                  'while :; do wait "$SRUN"; rc=$?; '
-                 'kill -0 "$SRUN" 2>/dev/null || { wait "$SRUN"; rc=$?; break; }; done']
+                 'kill -0 "$SRUN" 2>/dev/null || { wait "$SRUN"; rc=$?; break; }; done',
+                 '[ -z "$WATCH" ] || { kill "$WATCH" 2>/dev/null; wait "$WATCH" 2>/dev/null; }']
         if rt.kills_client_only:   # whatever a killed task left behind, on every node
             sweep = line([rt.name, "ps", "-aq", "--filter", f"label={settings.LABEL_JOB}={job_id}"]) + \
                 f" | xargs -r {rt.name} rm -f"
@@ -347,6 +357,8 @@ class SlurmBackend(Backend):
             return JobState.CANCELLED, attempt, ""
         if summary.get("ok"):
             return JobState.PASSED, attempt, ""
+        if summary.get("hang"):
+            return JobState.HUNG, attempt, summary["hang"].get("text", "")
         told = {"attempts_are": self.attempts_are, "name_host": self.names_hosts, **summary, "nodes": []}   # older
         return JobState.FAILED, attempt, JobResult(**told).reason()
 
@@ -389,29 +401,37 @@ class SlurmBackend(Backend):
         evidence = {f.rank: t for f in suspects if one_worker
                     and (t := last_words(job_dir / f"node{f.rank}", job_dir / f"node{f.rank}.log"))}
         bad = culprit([f.rank for f in suspects], evidence)
+        last = records[-1] if records else None
+        hung = hang_of(job_dir, last) if last else None   # its stacks blame a node, not its exit
+        if hung is not None:
+            bad = hung["node"]
         by_rank = {f.rank: (f.code, f.node, f.oom) for f in fails}
         stopped = {f.rank for f in fails if f not in suspects}
         nodes = []
         for k in range(handle.nodes):
             code, host, oom = by_rank.get(k, (0 if state == "COMPLETED" else None, "", False))
             nodes.append(NodeResult(f"node{k}", k, host or node_host(job_dir / f"node{k}.log"), code,
-                                    "ok" if code == 0 else "FAILED" if k == bad else "stopped" if k in stopped
+                                    "hung" if hung and k == bad else "ok" if code == 0 else "FAILED" if k == bad
+                                    else "stopped" if k in stopped
                                     else "aborted" if code else "?",
                                     str(job_dir / f"node{k}.log"), oom_killed=oom))
-        last = records[-1] if records else None
         ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
         r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=self.attempts_are,
                       name_host=self.names_hosts,
                       log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
                       smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
                       scheduler_job=slurm_job, scheduler_state=state,
-                      ended="" if ok or last is None or last["ended"] in ("failed", "restart") or bad is not None
+                      hang=hung,
+                      ended="" if ok or last is None or hung or bad is not None
+                      or last["ended"] in ("failed", "restart", "hung")
                       else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
                                               if last["ended"] == REQUEUED_RUN else ""))
         if len(records) > 1 or last and last["ended"] in ("no-progress", "max-allocations", "submit-failed",
                                                           "requeue-refused"):
             r.attempts = [{"attempt": rec["allocation"] - 1, "ok": rec["ended"] in ("finished", "continue"),
-                           "ended": chain_end(rec), "slurm_job": rec["slurm_job"],
+                           "ended": attempt_end(job_dir, rec), "slurm_job": rec["slurm_job"],
+                           "state": "HUNG" if hang_of(job_dir, rec) else
+                           "PASSED" if rec["ended"] in ("finished", "continue") else "FAILED",
                            "steps": [rec["from_step"], rec["to_step"]],
                            "logs": str(kept if (kept := job_dir / f"alloc{rec['allocation']}").is_dir() else job_dir)}
                           for rec in records]
@@ -471,6 +491,21 @@ def _record_of(job_dir: Path, chain: str, slurm_job: str, wait: float = 5.0) -> 
         time.sleep(0.2)
 
 
+def hang_of(job_dir: Path, rec: dict) -> dict | None:
+    """What hang detection kept of an allocation that hung (hang-<attempt>/hang.json, written by that Slurm job's
+    own watcher), else None."""
+    found = files.read_json(job_dir / f"hang-{rec['allocation'] - 1}" / "hang.json")
+    return found if found and found.get("slurm_job") == rec["slurm_job"] else None
+
+
+def attempt_end(job_dir: Path, rec: dict) -> str:
+    """How an allocation ended, for the list of attempts: a hang in the summary's words."""
+    hung = hang_of(job_dir, rec)
+    if hung is None:
+        return chain_end(rec)
+    return hung["text"] + (f"; restarted in Slurm job {rec['next']}" if rec["next"] else "")
+
+
 def chain_end(rec: dict) -> str:
     """How one allocation ended, in words."""
     step = rec["to_step"]
@@ -483,6 +518,7 @@ def chain_end(rec: dict) -> str:
                            f"was reached",
         "restart": f"failed (exit {rec['exit']}); restarted from step {step} in Slurm job {rec['next']}",
         "failed": f"failed (exit {rec['exit']})",
+        "hung": "hung (stopped by hang detection)",
         "cancelled": "cancelled",
         "submit-failed": f"could not submit the next allocation (see slurm-{rec['slurm_job']}.out)",
         REQUEUED_RUN: f"requeued by Slurm (a node failure, preemption or scontrol requeue) at checkpoint step {step}; "

@@ -59,6 +59,7 @@ next_allocation() {
   elif [ "$state" = continue ]; then ended=continue
   elif [ "$rc" -eq 0 ]; then ended=finished
   elif [ "$RESTARTS" -lt "$MAX_RESTARTS" ]; then ended=restart; restarts=$((RESTARTS + 1))
+  elif grep -qs "\"slurm_job\": \"$SLURM_JOB_ID\"" "$JOB_DIR/hang-$FLEETBOX_ATTEMPT/hang.json"; then ended=hung
   else ended=failed
   fi
   if [ "$ended" = continue ] || [ "$ended" = restart ]; then
