@@ -129,7 +129,8 @@ def draw(job_dir: Path) -> dict:
             final[r["rank"]] = (r["step"], r["loss"])
     first_step = min((r["time"] for r in lines_last), default=None)
     ok = summary.get("ok")
-    md = [f"# {job_dir.name}: {'PASSED' if ok else 'FAILED' if summary else 'unfinished'}", "",
+    state = "PASSED" if ok else "HUNG" if summary.get("hang") else "FAILED" if summary else "unfinished"
+    md = [f"# {job_dir.name}: {state}", "",
           f"- backend: {job.get('backend', summary.get('backend', '?'))}"
           + (f" ({job['runtime']})" if job.get("runtime") else "")
           + f", {job.get('nodes', '?')} node(s) x {job.get('procs_per_node', '?')} process(es)",
@@ -153,9 +154,11 @@ def draw(job_dir: Path) -> dict:
                                   for k in sorted(seen) for mine in [[r["step"] for r in recs if r["rank"] == k]]),
           f"- plotted: loss of {', '.join(legend) or 'no rank'}; samples/s of {', '.join(node_legend) or 'no node'}"]
     for a in summary.get("attempts", []):
-        md.append(f"- attempt {a['attempt']}: {a['ended']}")
+        md.append(f"- attempt {a['attempt']}" + (f" ({a['state']})" if a.get("state") else "") + f": {a['ended']}")
     if summary and not ok:
         md.append(f"- failure: {_failure(summary)}")
+    if summary.get("hang"):
+        md.append(f"- stacks and last lines of every rank: {summary['hang']['dir']}")
     if missing:
         md += ["", "## Missing", ""] + [f"- {m}" for m in missing]
     md += ["", "![report](report.png)", ""]

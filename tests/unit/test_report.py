@@ -112,3 +112,17 @@ def test_a_run_whose_script_counts_no_samples_has_an_unknown_throughput(tmp_path
     report.draw(job)
     md = (job / "report.md").read_text()
     assert "- throughput: unknown (the script reported no samples" in md and "0.0 samples/s" not in md
+
+
+def test_a_hung_attempt_and_a_hung_job_say_so(tmp_path):
+    job = tmp_path / "train-h"
+    write_job(job, attempts=((0, 20), (15, 60)), fail=True)
+    s = json.loads((job / "summary.json").read_text())
+    text = "node1 (rank 1) hung: no progress since step 19 (10:00:00, 20 s); in `load` (t.py:3)"
+    s["attempts"][0].update(state="HUNG", ended=text)
+    s["hang"] = {"kind": "hang", "ranks": [1], "decided": True, "node": 1, "text": text, "dir": str(job / "hang-1")}
+    (job / "summary.json").write_text(json.dumps(s))
+    report.draw(job)
+    md = (job / "report.md").read_text()
+    assert md.startswith("# train-h: HUNG") and f"- attempt 0 (HUNG): {text}" in md
+    assert f"- failure: {text}" in md and f"- stacks and last lines of every rank: {job / 'hang-1'}" in md
