@@ -47,6 +47,14 @@ import signal
 import sys
 import time
 
+# in a container the helpers' folder is on PYTHONPATH; on the host this is fleetbox.incontainer.fleetbox_checkpoint
+try:
+    import fleetbox_progress
+except ImportError:
+    from . import fleetbox_progress
+
+fleetbox_progress.reporting()   # every step() is progress for hang detection, a save a declared phase
+
 STEP_DIR = re.compile(r"step-(\d{8})")
 MODEL, OPTIMIZER, COMPLETE, STATE = "model.pdparams", "optimizer.pdopt", "COMPLETE", "STATE"
 STOP = "STOP"   # written by fleetbox (Slurm's warning before the time limit): checkpoint now, then stop
@@ -271,6 +279,7 @@ class Checkpoint:
     def step(self, step: int, model, optimizer=None, rank_state=None) -> None:
         """Call after every training step: saves every `every` steps, and when the job is told to stop (SIGTERM or
         SIGUSR1 on any rank, or a STOP file in the folder), saves, records "continue" and exits."""
+        fleetbox_progress.step(step)
         if not self.folder:
             return
         self.last_step = step
@@ -291,6 +300,10 @@ class Checkpoint:
             raise SystemExit(0)
 
     def save(self, step: int, model, optimizer=None, rank_state=None) -> None:
+        with fleetbox_progress.phase("checkpoint save"):   # a long save on a slow file system is not a hang
+            self._save(step, model, optimizer, rank_state)
+
+    def _save(self, step: int, model, optimizer=None, rank_state=None) -> None:
         import numpy as np
         import paddle
         if not self.folder or step == self.saved_step:

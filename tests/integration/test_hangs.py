@@ -3,6 +3,7 @@ stuck mid-run or before joining is noticed within its deadline, every rank's sta
 named from them, and the job restarts; a slow checkpoint save and a declared long phase are not hangs."""
 import datetime as dt
 import json
+from pathlib import Path
 
 from tests.conftest import ROOT, invoke
 from tests.integration.test_train import job_containers, summary_of, when
@@ -53,3 +54,15 @@ def test_a_rank_that_never_reaches_its_first_step_is_named_at_the_start_deadline
     rows = [ln.split() for ln in invoke("jobs").stdout.splitlines() if ln.startswith(s["job_id"] + " ")]
     assert rows[0][3] == "HUNG", rows
     assert job_containers(s["job_id"]) == []
+
+
+def test_a_slow_checkpoint_save_and_a_declared_long_phase_are_not_hangs(cpu_image):
+    # every save writes two files 4 s slower each (8 s in all), the evaluation takes 9 s: both over the 6 s deadline
+    proc = invoke("train", "--nodes", "2", "--hang-timeout", "6", "--args",
+                  "--steps 50 --checkpoint-every 20 --slow-save 4 --phase-step 45 --phase-seconds 9")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s = summary_of(proc)
+    assert s["ok"] and s["hang"] is None and s["smoke"]["whole_run"]
+    saves = [ln for ln in (Path(s["dir"]) / "node0" / "workerlog.0").read_text().splitlines() if "saved step" in ln]
+    assert len(saves) >= 2, saves   # the slow saves did happen
+    assert "taking every rank's stacks" not in proc.stdout
