@@ -22,10 +22,12 @@ Layout of FLEETBOX_CHECKPOINT_DIR (the job's checkpoint folder, the same for eve
     STOP            written by fleetbox when Slurm warns that the time limit is near: save and stop now
 
 A save goes to `.step-N.partial/`: every rank writes its own file (to a temporary name, then renamed), the
-writer (rank 0, or each node's first rank where nodes do not share the folder) writes the replicated state,
-all meet at a barrier, then the writer adds COMPLETE and renames the folder. Only complete folders count.
-On restore, ranks agree on the newest step every one of them has complete and intact; a damaged one is
-skipped, with a line that says so.
+writer (rank 0, or each node's first rank where nodes do not share the folder) writes the replicated state;
+each file's size and sha256 are taken from the bytes as they are written and reach the writer in one
+all-gather (nothing is read back from the file system), then the writer adds COMPLETE and renames the
+folder. Only complete folders count. On restore, ranks agree on the newest step every one of them has
+complete and intact: each rank checks its own file, the writer also the replicated state (once per folder,
+not once per rank); a step damaged for any rank is given up by all, with a line that says so.
 
 Environment (set by fleetbox): FLEETBOX_CHECKPOINT_DIR (no checkpoints without it), FLEETBOX_RESUME
 (auto: the newest complete step; never: start fresh; a path: a step folder or a checkpoint folder to start
@@ -36,6 +38,7 @@ FLEETBOX_CHECKPOINT_EVERY / FLEETBOX_CHECKPOINT_KEEP (override the script's valu
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -69,14 +72,16 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
-def _write(path: str, data: bytes) -> None:
-    """Complete or absent: written to a temporary name, flushed to disk, then renamed."""
+def _write(path: str, data: bytes) -> tuple[int, str]:
+    """Complete or absent: written to a temporary name, flushed to disk, then renamed. Returns the size and
+    sha256 of what was written, taken from the bytes themselves (never read back from a shared file system)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return len(data), hashlib.sha256(data).hexdigest()
 
 
 def _sha256(path: str) -> str:
@@ -95,14 +100,17 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def intact(step_dir: str) -> str:
-    """"" when the step folder is complete and every file it lists has its size and sha256; else why not."""
+def intact(step_dir: str, names=None) -> str:
+    """"" when the step folder is complete and the files it lists (or those of them in `names`) have their size
+    and sha256; else why not."""
     try:
         with open(os.path.join(step_dir, COMPLETE)) as f:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError) as e:
         return f"no readable {COMPLETE} ({e})"
     for name, (size, digest) in files.items():
+        if names is not None and name not in names:
+            continue
         p = os.path.join(step_dir, name)
         if not os.path.exists(p):
             return f"{name} is missing"
@@ -145,6 +153,8 @@ class Checkpoint:
         local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) or 0)
         self.shared = os.environ.get("FLEETBOX_CHECKPOINT_SCOPE", "shared") != "node"
         self.writer = self.rank == 0 if self.shared else local == 0    # writes the replicated state and COMPLETE
+        # the folder this rank writes to: one for all (shared), else its node's (FLEETBOX_NODE, set by fleetbox)
+        self.place = "shared" if self.shared else os.environ.get("FLEETBOX_NODE", "0")
         self.rank_state: dict | None = None
         self.total = total   # the script's last step, where given: told to stop there, it finishes instead
         self.saved_step = self.last_step = 0
@@ -210,14 +220,18 @@ class Checkpoint:
             common &= set(theirs)
         step = 0
         for candidate in sorted(common, reverse=True):
-            why = intact(found[candidate])
-            if self._every_rank(not why):
+            # each rank checks its own file; the writer also the replicated state, once for its folder
+            mine = [f"rank-{self.rank}.pkl"] + ([MODEL, OPTIMIZER] if self.writer else [])
+            why = intact(found[candidate], mine)
+            seen = self._gather((self.place, why))
+            if not any(w for _, w in seen):
                 step = self._load(found[candidate], model, optimizer)
                 break
             if why:
                 _say(f"rank {self.rank}: step {candidate} ({found[candidate]}) is unusable: {why}")
-                if self.writer and found[candidate].startswith(self.folder):   # out of the way, kept to look at
-                    os.rename(found[candidate], f"{found[candidate]}.damaged-{int(time.time())}")
+            if self.writer and any(w for place, w in seen if place == self.place) \
+                    and found[candidate].startswith(self.folder):   # damaged here: out of the way, kept to look at
+                os.rename(found[candidate], f"{found[candidate]}.damaged-{int(time.time())}")
             if self.rank == 0:
                 _say(f"step {candidate} is unusable on some rank; falling back to the one before")
         if self.resume not in ("auto", "never") and not step:
@@ -316,22 +330,24 @@ class Checkpoint:
                 "paddle_rng": paddle.get_rng_state(), "rank_state": state,
                 # buffers are each rank's own (BatchNorm statistics are not all-reduced by DataParallel)
                 "buffers": {n: b.numpy() for n, b in model.named_buffers()}}
-        _write(os.path.join(part, f"rank-{self.rank}.pkl"), pickle.dumps(mine))
+        written = {f"rank-{self.rank}.pkl": _write(os.path.join(part, f"rank-{self.rank}.pkl"), pickle.dumps(mine))}
         if self.writer:
             for name, obj in ((MODEL, model.state_dict()), (OPTIMIZER, optimizer.state_dict() if optimizer else None)):
-                if obj is not None:
-                    tmp = os.path.join(part, f"{name}.tmp")
-                    paddle.save(obj, tmp)
-                    with open(tmp, "rb") as f:
-                        os.fsync(f.fileno())
-                    os.replace(tmp, os.path.join(part, name))
-        self._barrier()   # every rank's file is in place
+                if obj:   # serialized in memory so that its sha256 is taken as it is written (paddle.save skips {})
+                    buf = io.BytesIO()
+                    paddle.save(obj, buf)
+                    written[name] = _write(os.path.join(part, name), buf.getvalue())
+        # every rank's file is in place, and the writer learns each one's size and sha256 (no re-reading)
+        seen = self._gather((self.place, written))
         if self.writer:
-            names = [n for n in os.listdir(part) if ".tmp" not in n]
-            if self.shared:   # every rank's own file, by name (a cached listing on NFS may not show them yet)
-                names = [n for n in (MODEL, OPTIMIZER) if n in names] + [f"rank-{r}.pkl" for r in range(self.world)]
-                self._wait_for(part, names)
-            files = {n: [os.path.getsize(os.path.join(part, n)), _sha256(os.path.join(part, n))] for n in sorted(names)}
+            files = {n: list(v) for place, w in seen if place == self.place for n, v in w.items()}
+            if self.shared:   # by name: a cached listing on NFS may not show them yet
+                self._wait_for(part, sorted(files))
+            for n, (size, _) in files.items():
+                if os.path.getsize(os.path.join(part, n)) != size:
+                    _fail(f"{n} in {part} is not the size its rank wrote: is FLEETBOX_CHECKPOINT_DIR one folder "
+                          f"shared by every node, or one per node with FLEETBOX_CHECKPOINT_SCOPE=node?")
+            files = dict(sorted(files.items()))
             _write(os.path.join(part, COMPLETE), json.dumps(
                 {"step": step, "world": self.world, "time": time.time(), "files": files}).encode())
             shutil.rmtree(final, ignore_errors=True)   # the same step saved by an earlier attempt
