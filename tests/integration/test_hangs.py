@@ -26,7 +26,7 @@ def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_
     first = json.loads((job / "attempt0" / "summary.json").read_text())
     h = first["hang"]
     assert (h["kind"], h["ranks"], h["decided"], first["culprit"]) == ("hang", [1], True, 1), h
-    assert h["text"].startswith("node1 (rank 1) hung: no progress since step 29 (") and \
+    assert h["text"].startswith("node1 (rank 1) hung: no progress since step 30 (") and \
         "; in `load_batch_that_never_returns` (smoke.py:" in h["text"] and \
         "rank 0 waiting in `fused_allreduce_gradients` ← `allreduce_gradients` (smoke.py:" in h["text"], h["text"]
     assert [n["state"] for n in first["nodes"]] == ["stopped", "hung"]

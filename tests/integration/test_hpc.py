@@ -475,7 +475,7 @@ def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_
     s = json.loads((job_dir / "summary.json").read_text())
     hung, rerun = s["attempts"]
     assert (hung["state"], rerun["state"]) == ("HUNG", "PASSED"), s["attempts"]
-    assert hung["ended"].startswith("node1 (rank 1) hung: no progress since step 29 (") and \
+    assert hung["ended"].startswith("node1 (rank 1) hung: no progress since step 30 (") and \
         "in `load_batch_that_never_returns` (smoke.py:" in hung["ended"] and \
         "rank 0 waiting in `fused_allreduce_gradients`" in hung["ended"] and \
         hung["ended"].endswith(f"; restarted in Slurm job {rerun['slurm_job']}"), hung["ended"]
