@@ -41,9 +41,9 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     with stops_as_interrupt():   # planning starts probe containers on --hosts engines
         plan = b.plan(spec)
     if dry_run:
-        log(b.describe(plan))
-        if b.watches_hangs:
+        if b.watches_hangs:   # first: what follows is the backend's files, each to its end
             log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout))
+        log(b.describe(plan))
         return None
     if detach:
         handle = b.detach(plan, log)
