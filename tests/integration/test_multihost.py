@@ -68,6 +68,23 @@ def test_the_whole_workspace_reaches_remote_hosts(hosts, tmp_path):
         assert "FLEETBOX-WS from-a-sub-folder through-an-absolute-link False" in log, log[-2000:]
 
 
+def test_a_stuck_rank_on_a_remote_engine_is_noticed_and_named_from_its_stacks(hosts):
+    """No shared folder: the progress files and the stacks come out of each container through its engine, and
+    the request for stacks goes in the same way."""
+    proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts), "--hang-timeout", "10", "--args",
+                  "--steps 100 --step-sleep 0.05 --hang-rank 1 --hang-step 20")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    assert "fleetbox: train failed: node1 (rank 1) hung: no progress since step 20 (" in proc.stderr and \
+        "in `load_batch_that_never_returns` (smoke.py:" in proc.stderr and \
+        "rank 0 waiting in `fused_allreduce_gradients`" in proc.stderr, proc.stderr
+    job_dir = proc.stdout.split("logs in ")[1].split()[0]
+    for k in (0, 1):
+        kept = open(os.path.join(job_dir, "hang-0", f"rank{k}.txt")).read()
+        assert ("in load_batch_that_never_returns" if k else "in fused_allreduce_gradients") in kept
+    for url in hosts:
+        assert fabric.sh("docker", "-H", url, "ps", "-aq", "--filter", "label=io.fleetbox.job").stdout.split() == []
+
+
 def test_unreachable_host_is_one_clear_error(hosts):
     proc = invoke("train", "--nodes", "2", "--hosts", f"{hosts[0]},tcp://10.213.77.99:2375")
     assert proc.returncode == 2 and "cannot reach the Docker Engine at tcp://10.213.77.99:2375" in proc.stderr

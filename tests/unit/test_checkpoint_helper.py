@@ -1,17 +1,23 @@
 """fleetbox_checkpoint with several ranks for real: each rank is its own process (forked), running the helper
 against one folder (or one per node), with a stand-in `paddle` whose collectives really go between the
-processes (a barrier and a shared dict: no rank sees a result before every rank contributed). What is
-checked: the ranks agree on one step, a step damaged on some ranks only is given up by all, the replicated
-state is hashed by its writer only and nothing is read back at a save, node scope, and the environment's
-overrides. Real Paddle with real ranks: tests/integration (test_checkpoints, test_train)."""
+processes (a shared dict and a barrier: no rank sees a result before every rank contributed). What is checked:
+the ranks agree on one step, a step damaged on some ranks only is given up by all, the replicated state is read
+for checking by its writer only and nothing is read back at a save, node scope, the environment's overrides,
+and a stop asked of one rank. Real Paddle with real ranks: tests/integration (test_checkpoints, test_train)."""
+import builtins
+import hashlib
 import io
 import itertools
 import json
 import multiprocessing
 import os
 import pickle
+import shutil
+import signal
 import sys
+import time
 import types
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +26,8 @@ import pytest
 from fleetbox.incontainer import fleetbox_checkpoint as fc
 
 CTX = multiprocessing.get_context("fork")
+REAL_OPEN, REAL_OS_OPEN = builtins.open, os.open
+DEADLINE = 60   # seconds for every rank of one run to end; a collective gives up after half of it
 
 
 def fake_paddle(world: int, rank: int, barrier, box) -> None:
@@ -30,7 +38,7 @@ def fake_paddle(world: int, rank: int, barrier, box) -> None:
     def gather(obj) -> list:
         n = next(calls)   # every rank makes the same collectives in the same order
         box[(n, rank)] = obj
-        barrier.wait(timeout=30)
+        barrier.wait(timeout=DEADLINE / 2)   # every rank's contribution is in before anyone reads
         return [box[(n, r)] for r in range(world)]
 
     class Tensor:
@@ -41,28 +49,53 @@ def fake_paddle(world: int, rank: int, barrier, box) -> None:
             return np.array(self.values)
 
     def all_reduce(t, op):
-        t.values = [(min if op == "min" else max)(gather(t.values[0]))]
+        t.values = [{"min": min, "max": max}[op](gather(t.values[0]))]
 
-    def save(obj, where):
+    def all_gather_object(out, obj):
+        out.extend(gather(obj))   # Paddle's appends to the list it is given
+
+    def save(obj, where):   # as Paddle's: a path or an io.BytesIO, nothing else
         if isinstance(where, io.BytesIO):
             pickle.dump(obj, where)
-        else:
-            with open(where, "wb") as f:
+        elif isinstance(where, str):
+            with REAL_OPEN(where, "wb") as f:
                 pickle.dump(obj, f)
+        else:
+            raise ValueError(f"only supports saving objects to file and `BytesIO`, but got {type(where)}")
 
-    def load(path):
-        with open(path, "rb") as f:
+    def load(path):   # loading is every rank's; only the helper's own reads (its checks) are counted
+        with REAL_OPEN(path, "rb") as f:
             return pickle.load(f)
 
     dist.get_rank, dist.get_world_size = (lambda: rank), (lambda: world)
     dist.barrier = lambda: gather(None) and None
     dist.ReduceOp = types.SimpleNamespace(MIN="min", MAX="max")
-    dist.all_reduce = all_reduce
-    dist.all_gather_object = lambda out, obj: out.extend(gather(obj))
+    dist.all_reduce, dist.all_gather_object = all_reduce, all_gather_object
     paddle.distributed, paddle.to_tensor = dist, (lambda values, dtype=None: Tensor(values))
     paddle.save, paddle.load = save, load
     paddle.get_rng_state, paddle.set_rng_state = (lambda: [rank]), (lambda state: None)
     sys.modules["paddle"], sys.modules["paddle.distributed"] = paddle, dist
+
+
+def record_reads(root: str, reads: list) -> None:
+    """Every file under `root` this process opens for reading (open, io.open, os.open) goes to `reads`."""
+    def note(path):
+        p = os.path.abspath(os.fspath(path))
+        if p.startswith(root + os.sep) and not os.path.isdir(p):
+            reads.append(os.path.relpath(p, root))
+
+    def opened(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, bytes, os.PathLike)) and ("r" in mode or "+" in mode):
+            note(file)
+        return REAL_OPEN(file, mode, *args, **kwargs)
+
+    def os_opened(path, flags, *args, **kwargs):
+        if flags & os.O_ACCMODE != os.O_WRONLY:
+            note(path)
+        return REAL_OS_OPEN(path, flags, *args, **kwargs)
+
+    builtins.open = io.open = opened
+    os.open = os_opened
 
 
 class Buffer:
@@ -102,50 +135,65 @@ class Optimizer:
         self.moments = d["moments"].copy()
 
 
-def rank_main(world, rank, barrier, box, env, steps, every, keep, out):
-    """One rank: restore, train `steps` steps saving every `every`; what it saw goes to `out` as JSON."""
-    sys.stdout = open(f"{out}.log", "w", buffering=1)
-    os.environ.update(env)
-    fake_paddle(world, rank, barrier, box)
-    hashed = []
-    real_sha = fc._sha256
-    fc._sha256 = lambda path: (hashed.append(os.path.basename(path)), real_sha(path))[1]
-    model, opt = Model(rank), Optimizer()
-    ckpt = fc.Checkpoint(every=every, keep=keep)
-    start = ckpt.restore(model, opt)
-    at_restore, hashed[:] = list(hashed), []
-    for step in range(start, steps):
-        model.w += 1
-        opt.moments += 0.5
-        model.buffer.value += 1
-        ckpt.step(step + 1, model, opt, rank_state={"rank": rank, "step": step + 1})
-    Path(out).write_text(json.dumps({"start": start, "rank_state": ckpt.rank_state, "w": model.w.tolist(),
-                                     "moments": opt.moments.tolist(), "buffer": model.buffer.value.tolist(),
-                                     "hashed_at_restore": at_restore, "hashed_at_save": hashed}))
+def rank_main(world, rank, barrier, box, env, steps, every, keep, out, data, signal_at):
+    """One rank: restore, train up to `steps` steps saving every `every`; what it saw goes to `out` as JSON."""
+    sys.stdout = sys.stderr = open(f"{out}.log", "w", buffering=1)
+    try:
+        os.environ.update(env)
+        fake_paddle(world, rank, barrier, box)
+        at_restore, at_save = [], []
+        record_reads(data, at_restore)
+        model, opt = Model(rank), Optimizer()
+        ckpt = fc.Checkpoint(every=every, keep=keep)
+        start = ckpt.restore(model, opt)
+        record_reads(data, at_save)   # from here on: steps and saves
+        stopped = None
+        try:
+            for step in range(start, steps):
+                model.w += 1
+                opt.moments += 0.5
+                model.buffer.value += 1
+                if step + 1 == signal_at:   # "stop soon", to this rank only: its handler runs before step()
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                ckpt.step(step + 1, model, opt, rank_state={"rank": rank, "step": step + 1})
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+            stopped = ckpt.last_step
+        Path(out).write_text(json.dumps({
+            "start": start, "rank_state": ckpt.rank_state, "w": model.w.tolist(), "moments": opt.moments.tolist(),
+            "buffer": model.buffer.value.tolist(), "stopped": stopped,
+            "read_at_restore": at_restore, "read_at_save": at_save}))
+    except BaseException:
+        barrier.abort()   # the other ranks fail at once, not after the collective's timeout
+        raise
 
 
-def run_ranks(tmp_path, world, env_of, steps, every=4, keep=3, name="run") -> list[dict]:
-    """Every rank's process, to the end; a rank that fails or hangs fails the test (every process ended)."""
+def run_ranks(tmp_path, world, env_of, steps, every=4, keep=3, name="run", signal_at=None) -> list[dict]:
+    """Every rank's process, to the end; a rank that fails or hangs fails the test (every process ended).
+    The checkpoint folders are to be under tmp_path/data (reads there are recorded), the records go to tmp_path."""
     manager = CTX.Manager()
     barrier, box = CTX.Barrier(world), manager.dict()
     outs = [tmp_path / f"{name}-rank{r}.json" for r in range(world)]
-    procs = [CTX.Process(target=rank_main, args=(world, r, barrier, box, env_of(r), steps, every, keep, str(outs[r])))
+    procs = [CTX.Process(target=rank_main, args=(world, r, barrier, box, env_of(r), steps, every, keep, str(outs[r]),
+                                                 str(tmp_path / "data"), (signal_at or {}).get(r)))
              for r in range(world)]
     try:
         for p in procs:
             p.start()
+        end = time.monotonic() + DEADLINE
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=max(0.0, end - time.monotonic()))
         stuck = [r for r, p in enumerate(procs) if p.exitcode is None]
-        assert not stuck, f"ranks {stuck} did not end within 60 s"
+        assert not stuck, f"ranks {stuck} of run {name!r} did not end within {DEADLINE} s"
         failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
-        assert not failed, f"ranks failed {failed}: " + " | ".join(
-            Path(f"{outs[r]}.log").read_text()[-500:] for r in failed)
+        assert not failed, f"ranks of run {name!r} failed {failed}: " + " | ".join(
+            said(tmp_path, name, r)[-800:] for r in failed)
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
-                p.join()
+            p.join()
         manager.shutdown()
     return [json.loads(o.read_text()) for o in outs]
 
@@ -154,35 +202,55 @@ def said(tmp_path, name, rank) -> str:
     return (tmp_path / f"{name}-rank{rank}.json.log").read_text()
 
 
+def steps_in(folder: Path) -> list[str]:
+    """The step folders (not those moved aside)."""
+    return sorted(p.name for p in folder.iterdir() if fc.STEP_DIR.fullmatch(p.name))
+
+
+def reads_of(result: dict, when: str) -> Counter:
+    return Counter(os.path.basename(p) for p in result[f"read_at_{when}"])
+
+
 def shared(folder, **extra):
     return lambda r: {"FLEETBOX_CHECKPOINT_DIR": str(folder), "PADDLE_LOCAL_RANK": "0", "FLEETBOX_NODE": str(r),
                       **extra}
 
 
+def node_scope(tmp_path, ppn=2):
+    """Two ranks a node, each node with its own folder (the same path on real nodes; here two folders)."""
+    return lambda r: {"FLEETBOX_CHECKPOINT_DIR": str(tmp_path / "data" / f"node{r // ppn}"),
+                      "FLEETBOX_CHECKPOINT_SCOPE": "node", "FLEETBOX_NODE": str(r // ppn),
+                      "PADDLE_LOCAL_RANK": str(r % ppn)}
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_save_once_and_resume_together_each_with_its_own_state(tmp_path, world):
-    ck = tmp_path / "ck"
+    ck = tmp_path / "data" / "ck"
     first = run_ranks(tmp_path, world, shared(ck), steps=10, name="a")
-    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-00000004", "step-00000008"]
+    assert steps_in(ck) == ["step-00000004", "step-00000008"]
     listed = json.loads((ck / "step-00000008" / "COMPLETE").read_text())["files"]
     assert sorted(listed) == ["model.pdparams", "optimizer.pdopt"] + [f"rank-{r}.pkl" for r in range(world)]
+    assert sorted(p.name for p in (ck / "step-00000008").iterdir()) == sorted([*listed, "COMPLETE"])
     for name, (size, digest) in listed.items():   # what each rank wrote, as it wrote it
         data = (ck / "step-00000008" / name).read_bytes()
-        assert size == len(data) and digest == __import__("hashlib").sha256(data).hexdigest()
-    assert all(r["hashed_at_save"] == [] for r in first)   # nothing read back at a save
+        assert size == len(data) and digest == hashlib.sha256(data).hexdigest()
+    assert [r["read_at_save"] for r in first] == [[]] * world   # a save reads back nothing it wrote
     again = run_ranks(tmp_path, world, shared(ck), steps=12, name="b")
     assert [r["start"] for r in again] == [8] * world
     assert [r["rank_state"] for r in again] == [{"rank": r, "step": 8} for r in range(world)]
     assert all(r["w"] == [12.0] * 3 and r["moments"] == [6.0] * 3 for r in again)   # 8 restored + 4
     assert [r["buffer"] for r in again] == [[r + 12.0] * 2 for r in range(world)]   # each rank's own, restored
-    # the replicated state is checked once, by its writer; each rank checks its own file only
-    assert sorted(again[0]["hashed_at_restore"]) == ["model.pdparams", "optimizer.pdopt", "rank-0.pkl"]
-    assert [r["hashed_at_restore"] for r in again[1:]] == [[f"rank-{r}.pkl"] for r in range(1, world)]
+    # the replicated state is read to be checked once, by its writer; each rank reads its own file, no other's
+    replicated = [[reads_of(r, "restore")[n] for n in ("model.pdparams", "optimizer.pdopt")] for r in again]
+    assert replicated == [[1, 1]] + [[0, 0]] * (world - 1)
+    for rank, r in enumerate(again):
+        assert {n for n in reads_of(r, "restore") if n.startswith("rank-")} == {f"rank-{rank}.pkl"}
+    assert [r["read_at_save"] for r in again] == [[]] * world
 
 
 @pytest.mark.parametrize("damage", ["flipped", "missing"])
 def test_a_step_damaged_on_one_rank_only_is_given_up_by_every_rank(tmp_path, damage):
-    ck = tmp_path / "ck"
+    ck = tmp_path / "data" / "ck"
     run_ranks(tmp_path, 2, shared(ck), steps=10, name="a")
     victim = ck / "step-00000008" / "rank-1.pkl"
     if damage == "missing":
@@ -193,51 +261,84 @@ def test_a_step_damaged_on_one_rank_only_is_given_up_by_every_rank(tmp_path, dam
         victim.write_bytes(bytes(data))
     again = run_ranks(tmp_path, 2, shared(ck), steps=5, name="b")   # no save of its own
     assert [r["start"] for r in again] == [4, 4] and [r["rank_state"]["step"] for r in again] == [4, 4]
-    assert not (ck / "step-00000008").exists() and len(list(ck.glob("step-00000008.damaged-*"))) == 1
+    assert steps_in(ck) == ["step-00000004"] and len(list(ck.glob("step-00000008.damaged-*"))) == 1
     why = "is missing" if damage == "missing" else "is damaged (size or sha256 differs from COMPLETE)"
     assert f"rank 1: step 8 ({ck}/step-00000008) is unusable: rank-1.pkl {why}" in said(tmp_path, "b", 1)
     assert "unusable:" not in said(tmp_path, "b", 0)   # rank 0's own files were fine: it followed the agreement
 
 
 def test_damaged_replicated_state_is_found_by_its_writer_and_every_rank_falls_back(tmp_path):
-    ck = tmp_path / "ck"
+    ck = tmp_path / "data" / "ck"
     run_ranks(tmp_path, 3, shared(ck), steps=10, name="a")
     model = ck / "step-00000008" / "model.pdparams"
     model.write_bytes(model.read_bytes()[:-1] + b"\0")
     again = run_ranks(tmp_path, 3, shared(ck), steps=5, name="b")
-    assert [r["start"] for r in again] == [4, 4, 4] and len(list(ck.glob("step-00000008.damaged-*"))) == 1
-    assert "model.pdparams is damaged" in said(tmp_path, "b", 0)
-    assert [r["hashed_at_restore"].count("model.pdparams") for r in again] == [2, 0, 0]   # step 8, then step 4
+    assert [r["start"] for r in again] == [4, 4, 4] and [r["w"] for r in again] == [[5.0] * 3] * 3
+    assert len(list(ck.glob("step-00000008.damaged-*"))) == 1
+    assert "rank 0: step 8" in said(tmp_path, "b", 0) and "model.pdparams is damaged" in said(tmp_path, "b", 0)
+    assert [reads_of(r, "restore")["model.pdparams"] for r in again] == [2, 0, 0]   # step 8, then step 4
 
 
-def node_scope(tmp_path, ppn=2):
-    return lambda r: {"FLEETBOX_CHECKPOINT_DIR": str(tmp_path / f"node{r // ppn}"), "FLEETBOX_CHECKPOINT_SCOPE":
-                      "node", "FLEETBOX_NODE": str(r // ppn), "PADDLE_LOCAL_RANK": str(r % ppn)}
+def test_a_rank_the_checkpoint_has_no_file_of_starts_its_own_state_fresh(tmp_path):
+    ck = tmp_path / "data" / "ck"
+    run_ranks(tmp_path, 2, shared(ck), steps=8, name="a")
+    again = run_ranks(tmp_path, 3, shared(ck), steps=9, name="b")   # one rank more than saved
+    assert [r["start"] for r in again] == [8] * 3 and [r["w"] for r in again] == [[9.0] * 3] * 3
+    assert [r["rank_state"] for r in again] == [{"rank": 0, "step": 8}, {"rank": 1, "step": 8}, None]
+    assert "rank 2: no state of its own" in said(tmp_path, "b", 2) and not list(ck.glob("*.damaged-*"))
 
 
 def test_node_scope_gives_each_node_its_own_writer_and_the_ranks_agree_on_a_step_every_node_has(tmp_path):
-    run_ranks(tmp_path, 4, node_scope(tmp_path), steps=10, name="a")
+    first = run_ranks(tmp_path, 4, node_scope(tmp_path), steps=10, name="a")
     for node, ranks in ((0, [0, 1]), (1, [2, 3])):
-        listed = json.loads((tmp_path / f"node{node}" / "step-00000008" / "COMPLETE").read_text())["files"]
+        step8 = tmp_path / "data" / f"node{node}" / "step-00000008"
+        listed = json.loads((step8 / "COMPLETE").read_text())["files"]
         assert sorted(listed) == ["model.pdparams", "optimizer.pdopt"] + [f"rank-{r}.pkl" for r in ranks]
-    import shutil
-    shutil.rmtree(tmp_path / "node1" / "step-00000008")   # node 1 lacks the newest step
+        assert sorted(p.name for p in step8.iterdir()) == sorted([*listed, "COMPLETE"])
+        assert all(listed[n][0] == (step8 / n).stat().st_size for n in listed)
+    assert [r["read_at_save"] for r in first] == [[]] * 4
+    shutil.rmtree(tmp_path / "data" / "node1" / "step-00000008")   # node 1 (ranks 2 and 3) lacks the newest step
     again = run_ranks(tmp_path, 4, node_scope(tmp_path), steps=5, name="b")
     assert [r["start"] for r in again] == [4] * 4 and [r["rank_state"]["rank"] for r in again] == [0, 1, 2, 3]
     # each node's writer (its first rank) checks its own folder's replicated state
-    assert [r["hashed_at_restore"].count("model.pdparams") for r in again] == [1, 0, 1, 0]
+    assert [reads_of(r, "restore")["model.pdparams"] for r in again] == [1, 0, 1, 0]
+    # node 0's step 8 is intact, only not everywhere: kept as it is
+    assert steps_in(tmp_path / "data" / "node0") == ["step-00000004", "step-00000008"]
+
+
+def test_node_scope_a_step_damaged_on_one_node_is_given_up_by_all_and_moved_aside_there_only(tmp_path):
+    run_ranks(tmp_path, 4, node_scope(tmp_path), steps=10, name="a")
+    victim = tmp_path / "data" / "node1" / "step-00000008" / "rank-3.pkl"
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    again = run_ranks(tmp_path, 4, node_scope(tmp_path), steps=5, name="b")
+    assert [r["start"] for r in again] == [4] * 4
+    assert len(list((tmp_path / "data" / "node1").glob("step-00000008.damaged-*"))) == 1
+    assert steps_in(tmp_path / "data" / "node0") == ["step-00000004", "step-00000008"]   # intact there
 
 
 def test_the_environment_overrides_the_scripts_values(tmp_path):
-    ck = tmp_path / "ck"
+    ck = tmp_path / "data" / "ck"
     run_ranks(tmp_path, 2, shared(ck, FLEETBOX_CHECKPOINT_EVERY="3", FLEETBOX_CHECKPOINT_KEEP="2"), steps=10,
               every=100, keep=5, name="a")
-    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-00000006", "step-00000009"]
-    fresh = run_ranks(tmp_path, 2, shared(ck, FLEETBOX_RESUME="never", FLEETBOX_ATTEMPT="0"), steps=2, name="b")
-    assert [r["start"] for r in fresh] == [0, 0]
-    (ck / "step-00000002").exists() and __import__("shutil").rmtree(ck / "step-00000002")   # b's own save
+    assert steps_in(ck) == ["step-00000006", "step-00000009"]   # saved at 3, 6, 9; the newest 2 kept
+    fresh = run_ranks(tmp_path, 2, shared(ck, FLEETBOX_RESUME="never", FLEETBOX_ATTEMPT="0"), steps=3, name="b")
+    assert [(r["start"], r["rank_state"]) for r in fresh] == [(0, None)] * 2
     later = run_ranks(tmp_path, 2, shared(ck, FLEETBOX_RESUME="never", FLEETBOX_ATTEMPT="1"), steps=10, name="c")
     assert [r["start"] for r in later] == [9, 9]   # `never` holds for the first attempt only
-    other = tmp_path / "other"
+    other = tmp_path / "data" / "other"
     given = run_ranks(tmp_path, 2, shared(other, FLEETBOX_RESUME=str(ck / "step-00000006")), steps=8, name="d")
     assert [r["start"] for r in given] == [6, 6] and [r["rank_state"]["step"] for r in given] == [6, 6]
+    assert steps_in(other) == ["step-00000008"] and steps_in(ck) == ["step-00000006", "step-00000009"]
+    own = run_ranks(tmp_path, 2, shared(other, FLEETBOX_RESUME=str(ck / "step-00000006")), steps=8, name="e")
+    assert [r["start"] for r in own] == [8, 8]   # its own checkpoints come first once it has them
+    newest = run_ranks(tmp_path, 2, shared(tmp_path / "data" / "third", FLEETBOX_RESUME=str(ck)), steps=9, name="f")
+    assert [r["start"] for r in newest] == [9, 9]   # a checkpoint folder: its newest step
+
+
+def test_a_stop_asked_of_one_rank_saves_on_every_rank_and_records_continue(tmp_path):
+    ck = tmp_path / "data" / "ck"
+    stopped = run_ranks(tmp_path, 3, shared(ck), steps=20, every=100, name="a", signal_at={1: 6})
+    assert [r["stopped"] for r in stopped] == [6] * 3 and steps_in(ck) == ["step-00000006"]
+    assert json.loads((ck / "STATE").read_text())["state"] == "continue"
+    again = run_ranks(tmp_path, 3, shared(ck), steps=7, every=100, name="b")
+    assert [r["start"] for r in again] == [6] * 3 and [r["stopped"] for r in again] == [None] * 3
