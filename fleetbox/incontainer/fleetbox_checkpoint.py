@@ -23,16 +23,17 @@ Layout of FLEETBOX_CHECKPOINT_DIR (the job's checkpoint folder, the same for eve
 
 A save goes to `.step-N.partial/`: every rank writes its own file (to a temporary name, then renamed), the
 writer (rank 0, or each node's first rank where nodes do not share the folder) writes the replicated state;
-each file's size and sha256 are taken from the bytes as they are written and reach the writer in one
-all-gather (nothing is read back from the file system), then the writer adds COMPLETE and renames the
-folder. Only complete folders count. On restore, ranks agree on the newest step every one of them has
-complete and intact: each rank checks its own file, the writer also the replicated state (once per folder,
-not once per rank); a step damaged for any rank is given up by all, with a line that says so.
+each file's size and sha256 are taken from the bytes as they are written (the replicated state is serialized
+in memory first) and reach the writer in one all-gather (nothing is read back from the file system), then the
+writer checks their sizes, adds COMPLETE and renames the folder. Only complete folders count. On restore,
+ranks agree on the newest step every one of them has complete and intact: each rank checks its own file, the
+writer also the replicated state (once per folder, not once per rank); a step damaged for any rank is given up
+by all (its writer moves the folder aside), with a line that says so.
 
 Environment (set by fleetbox): FLEETBOX_CHECKPOINT_DIR (no checkpoints without it), FLEETBOX_RESUME
 (auto: the newest complete step; never: start fresh; a path: a step folder or a checkpoint folder to start
 from, until the job has checkpoints of its own; `never` holds for FLEETBOX_ATTEMPT 0 only),
-FLEETBOX_CHECKPOINT_SCOPE (shared: one folder for all nodes; node: one per node),
+FLEETBOX_CHECKPOINT_SCOPE (shared: one folder for all nodes; node: one per node, FLEETBOX_NODE telling which),
 FLEETBOX_CHECKPOINT_EVERY / FLEETBOX_CHECKPOINT_KEEP (override the script's values).
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -72,7 +74,7 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
-def _write(path: str, data: bytes) -> tuple[int, str]:
+def _write(path: str, data: bytes | memoryview) -> tuple[int, str]:
     """Complete or absent: written to a temporary name, flushed to disk, then renamed. Returns the size and
     sha256 of what was written, taken from the bytes themselves (never read back from a shared file system)."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -153,8 +155,9 @@ class Checkpoint:
         local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) or 0)
         self.shared = os.environ.get("FLEETBOX_CHECKPOINT_SCOPE", "shared") != "node"
         self.writer = self.rank == 0 if self.shared else local == 0    # writes the replicated state and COMPLETE
-        # the folder this rank writes to: one for all (shared), else its node's (FLEETBOX_NODE, set by fleetbox)
-        self.place = "shared" if self.shared else os.environ.get("FLEETBOX_NODE", "0")
+        # which folder this rank writes to: one for all (shared), else its node's; the path is the same on every
+        # node, so the node is told by FLEETBOX_NODE (set by fleetbox), else by the host's name
+        self.place = "shared" if self.shared else os.environ.get("FLEETBOX_NODE") or socket.gethostname()
         self.rank_state: dict | None = None
         self.total = total   # the script's last step, where given: told to stop there, it finishes instead
         self.saved_step = self.last_step = 0
@@ -190,9 +193,6 @@ class Checkpoint:
         self.dist.all_reduce(t, op=op)
         return bool(int(t.numpy()[0]))
 
-    def _every_rank(self, flag: bool) -> bool:
-        return self._all(flag, self.dist.ReduceOp.MIN)
-
     def _any_rank(self, flag: bool) -> bool:
         return self._all(flag, self.dist.ReduceOp.MAX)
 
@@ -223,6 +223,7 @@ class Checkpoint:
             # each rank checks its own file; the writer also the replicated state, once for its folder
             mine = [f"rank-{self.rank}.pkl"] + ([MODEL, OPTIMIZER] if self.writer else [])
             why = intact(found[candidate], mine)
+            # every rank's verdict, with its folder's place: all agree, and a writer learns whether its folder is hurt
             seen = self._gather((self.place, why))
             if not any(w for _, w in seen):
                 step = self._load(found[candidate], model, optimizer)
@@ -333,17 +334,21 @@ class Checkpoint:
         written = {f"rank-{self.rank}.pkl": _write(os.path.join(part, f"rank-{self.rank}.pkl"), pickle.dumps(mine))}
         if self.writer:
             for name, obj in ((MODEL, model.state_dict()), (OPTIMIZER, optimizer.state_dict() if optimizer else None)):
-                if obj:   # serialized in memory so that its sha256 is taken as it is written (paddle.save skips {})
+                if obj is not None:
+                    # paddle.save takes a path or an io.BytesIO (it checks isinstance), no other file object: to
+                    # hash what is written without reading the file back, it is serialized in memory, then
+                    # written and hashed from that buffer (getbuffer: no second copy of a large state)
                     buf = io.BytesIO()
                     paddle.save(obj, buf)
-                    written[name] = _write(os.path.join(part, name), buf.getvalue())
+                    with buf.getbuffer() as data:
+                        written[name] = _write(os.path.join(part, name), data)
         # every rank's file is in place, and the writer learns each one's size and sha256 (no re-reading)
         seen = self._gather((self.place, written))
         if self.writer:
+            # the files of the ranks that write to this folder (all, or this node's), as their ranks wrote them
             files = {n: list(v) for place, w in seen if place == self.place for n, v in w.items()}
-            if self.shared:   # by name: a cached listing on NFS may not show them yet
-                self._wait_for(part, sorted(files))
-            for n, (size, _) in files.items():
+            self._wait_for(part, sorted(files))   # by name: a cached listing on NFS may not show them yet
+            for n, (size, _) in files.items():   # a stat, not a read
                 if os.path.getsize(os.path.join(part, n)) != size:
                     _fail(f"{n} in {part} is not the size its rank wrote: is FLEETBOX_CHECKPOINT_DIR one folder "
                           f"shared by every node, or one per node with FLEETBOX_CHECKPOINT_SCOPE=node?")
@@ -360,13 +365,13 @@ class Checkpoint:
         self._barrier()   # nobody goes on (or exits) before the checkpoint is complete
         self.saved_step = step
 
-    @staticmethod
-    def _wait_for(part: str, names: list[str], within: float = 30.0) -> None:
+    def _wait_for(self, part: str, names: list[str], within: float = 30.0) -> None:
         end = time.monotonic() + within
         while missing := [n for n in names if not os.path.exists(os.path.join(part, n))]:
             if time.monotonic() > end:
-                _fail(f"{', '.join(missing)} did not appear in {part} within {within:.0f} s: is "
-                      f"FLEETBOX_CHECKPOINT_DIR one folder shared by every node?")
+                _fail(f"{', '.join(missing)} did not appear in {part} within {within:.0f} s: " + (
+                      "is FLEETBOX_CHECKPOINT_DIR one folder shared by every node?" if self.shared else
+                      "does FLEETBOX_NODE tell the nodes apart (each node's ranks alike, the nodes different)?"))
             time.sleep(0.2)
 
     def done(self) -> None:
