@@ -10,10 +10,12 @@ uses neither reports its steps itself, and declares a long stretch that is not a
         evaluate()                            # (or `limit` seconds: phase("compile", limit=3600))
 
 Each rank keeps one small file, $FLEETBOX_PROGRESS_DIR/progress-rank<r>.json, rewritten whole (a rename) by a
-background thread at most once a second and only when something changed: the training loop itself never
-waits on the file system. The thread writes what the loop last reported, so a stuck loop stops the file
-changing even though the thread lives on.
+background thread at most once a second and only when something changed: a step never waits on the file
+system (entering a phase writes at once: a phase is long anyway). The thread writes what the loop last
+reported, so a stuck loop stops the file changing even though the thread lives on. A rank's child processes
+(a subprocess, a data loader's workers) write nothing: the rank's own pid is in FLEETBOX_PROGRESS_PID.
 """
+import atexit
 import contextlib
 import json
 import os
@@ -21,10 +23,12 @@ import threading
 import time
 
 DIR_ENV = "FLEETBOX_PROGRESS_DIR"
+OWNER_ENV = "FLEETBOX_PROGRESS_PID"   # the rank's own process (sitecustomize sets it): its children inherit it
 EVERY_S = 1.0
 
-_lock = threading.Lock()
-_state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False}
+_lock = threading.Lock()          # the state
+_writing = threading.Lock()       # the file: the flusher and phase() may write at once
+_state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False}
 _written = -1       # the seq last written
 _thread = None
 
@@ -34,26 +38,31 @@ def rank() -> int:
 
 
 def path():
-    d = os.environ.get(DIR_ENV)
-    return os.path.join(d, f"progress-rank{rank()}.json") if d else None
+    """This rank's progress file (the name fleetbox's run/hang.py reads); None outside a job, and in a rank's
+    child process (a subprocess, a data loader's worker): that is not the rank's progress."""
+    d, owner = os.environ.get(DIR_ENV), os.environ.get(OWNER_ENV)
+    if not d or owner and owner != str(os.getpid()):
+        return None
+    return os.path.join(d, f"progress-rank{rank()}.json")
 
 
 def _write() -> None:
     global _written
     p = path()
-    with _lock:
-        if p is None or _state["seq"] == _written:
-            return
-        rec = {**_state, "rank": rank(), "pid": os.getpid(), "time": time.time()}
-        seq = _state["seq"]
-    tmp = f"{p}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(rec, f)
-        os.replace(tmp, p)
-        _written = seq
-    except OSError:   # a full or vanished log folder: detection goes blind, training goes on
-        pass
+    with _writing:
+        with _lock:
+            if p is None or _state["seq"] == _written:
+                return
+            rec = {**_state, "rank": rank(), "pid": os.getpid(), "time": time.time()}
+            seq = _state["seq"]
+        tmp = f"{p}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(rec, f)
+            os.replace(tmp, p)
+            _written = seq
+        except OSError:   # a full or vanished log folder: detection goes blind, training goes on
+            pass
 
 
 def _flusher() -> None:
@@ -74,8 +83,15 @@ def _changed(**values) -> None:
 
 
 def started() -> None:
-    """The rank's process runs (called by the helpers' sitecustomize): written at once, with its pid."""
+    """The rank's process runs (called by the helpers' sitecustomize): written at once, with its pid; at its
+    exit, it says it is done (a rank that finished is never waited for)."""
     _changed()
+    _write()
+    atexit.register(_finished)
+
+
+def _finished() -> None:
+    _changed(done=True)
     _write()
 
 

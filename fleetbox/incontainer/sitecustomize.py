@@ -23,35 +23,62 @@ def _rank_setup(d: str) -> None:
     import faulthandler
 
     import fleetbox_progress
+    owner = os.environ.get(fleetbox_progress.OWNER_ENV)
+    if owner and owner != str(os.getpid()):   # a rank's child (a subprocess, a spawned worker): not a rank
+        return
+    os.environ[fleetbox_progress.OWNER_ENV] = str(os.getpid())
     out = open(os.path.join(d, f"stacks-rank{fleetbox_progress.rank()}.txt"), "a")   # open for the process's life
     faulthandler.register(STACKS_SIGNAL, file=out, all_threads=True)
     fleetbox_progress.started()
 
 
-def _relay(d: str) -> None:
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def asked(d: str) -> str:
+    """The request for stacks now in the node's log folder ("" for none)."""
+    try:
+        with open(os.path.join(d, REQUEST)) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def pass_on(d: str, done: str) -> str:
+    """A request other than `done` is sent on to this node's ranks: the launcher's own children whose pids
+    their progress files give (SIGUSR2 kills a process that did not register it). Returns the request now."""
     import glob
     import json
+    now = asked(d)
+    if not now or now == done:
+        return done
+    for p in glob.glob(os.path.join(glob.escape(d), "progress-rank*.json")):
+        try:
+            with open(p) as f:
+                pid = int(json.load(f)["pid"])
+            if pid > 1 and _parent(pid) == os.getpid():
+                os.kill(pid, STACKS_SIGNAL)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass   # a rank that has ended, or a file being replaced: the others still dump
+    return now
+
+
+def _relay(d: str) -> None:
+    """In the launcher, a thread: every request for stacks after its start is passed on (one an earlier run
+    left is not)."""
     import threading
     import time
 
     def loop():
-        done = ""
+        done = asked(d)
         while True:
             time.sleep(0.5)
-            try:
-                with open(os.path.join(d, REQUEST)) as f:
-                    asked = f.read().strip()
-            except OSError:
-                continue
-            if not asked or asked == done:
-                continue
-            done = asked
-            for p in glob.glob(os.path.join(d, "progress-rank*.json")):
-                try:
-                    with open(p) as f:
-                        os.kill(int(json.load(f)["pid"]), STACKS_SIGNAL)
-                except (OSError, ValueError, KeyError, TypeError):
-                    pass   # a rank that has ended, or a file being replaced: the others still dump
+            done = pass_on(d, done)
     threading.Thread(target=loop, name="fleetbox-stacks-relay", daemon=True).start()
 
 
@@ -59,8 +86,8 @@ def _next_sitecustomize() -> None:
     """The sitecustomize this one shadows (the next on sys.path), run as its own module."""
     import importlib.machinery
     import importlib.util
-    here = os.path.dirname(os.path.abspath(__file__))
-    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    here = os.path.dirname(os.path.realpath(__file__))
+    rest = [p for p in sys.path if os.path.realpath(p or ".") != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)

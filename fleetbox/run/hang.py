@@ -17,6 +17,7 @@ run our helpers).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -25,11 +26,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-PROGRESS = re.compile(r"progress-rank(\d+)\.json")
+PROGRESS = "progress-rank{rank}.json"  # what fleetbox_progress writes in each node's log folder
 STACKS = "stacks-rank{rank}.txt"
 REQUEST = "STACKS-REQUEST"          # sitecustomize's relay in each node's launcher reads it
-HANG_TIMEOUT_S = 600.0              # --hang-timeout default: well inside Paddle's 30 min collective timeout
-START_TIMEOUT_S = 900.0             # --start-timeout default: a slow image pull, a big model's load
+LEFT_OVER = ("progress-rank*.json", "stacks-rank*.txt", REQUEST)   # an earlier run's: cleared before a start
+HANG_TIMEOUT_S = 600.0              # --hang-timeout default (JobSpec): well inside Paddle's 30 min collective timeout
+START_TIMEOUT_S = 900.0             # --start-timeout default (JobSpec): a slow image pull, a big model's load
 STACKS_WAIT_S = 8.0                 # for every rank's stacks, after asking
 
 
@@ -60,9 +62,29 @@ class Stall:
     since: dict[int, float]    # wall time of each rank's last progress (or of the start)
 
 
+def clean(record) -> dict | None:
+    """A progress record held to its shape (it comes from a file any script could write), else None."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not isinstance(record, dict) or not number(record.get("seq")):
+        return None
+    step, phase, limit = record.get("step"), record.get("phase"), record.get("phase_limit")
+    if step is not None and not number(step) or phase is not None and not isinstance(phase, str):
+        return None
+    if limit is not None and not (number(limit) and 0 < limit < float("inf")):
+        return None
+    return {"seq": record["seq"], "step": step, "phase": phase, "phase_limit": limit,
+            "reports": record.get("reports") is True, "done": record.get("done") is True}
+
+
 @dataclass
 class Watch:
-    """The ranks' progress as seen by a backend polling their files; verdict() says when the job is stuck."""
+    """The ranks' progress as seen by a backend polling their files; verdict() says when the job is stuck.
+
+    Collective training moves in lock step, so progress is the job's: the job is stuck when no rank has made
+    progress for the deadline (a rank that finished, or one that reports nothing itself while rank 0 logs for
+    all, is not stuck while its peers go on); a phase declared on any rank holds the deadline for all (they
+    wait for it in their next collective), up to its limit."""
     world: int
     hang_s: float
     start_s: float
@@ -71,43 +93,45 @@ class Watch:
     changed: dict[int, float] = field(default_factory=dict)   # monotonic time each rank's record last changed
     wall: dict[int, float] = field(default_factory=dict)      # ... and the wall clock then
 
-    def see(self, rank: int, record: dict | None, now: float | None = None) -> None:
-        if not isinstance(record, dict) or not 0 <= rank < self.world:
+    def see(self, rank: int, record, now: float | None = None) -> None:
+        record = clean(record)
+        if record is None or not 0 <= rank < self.world:
             return
         now = time.monotonic() if now is None else now
         old = self.records.get(rank)
-        if old is None or old.get("seq") != record.get("seq"):
+        if old is None or old["seq"] != record["seq"]:
             self.changed[rank], self.wall[rank] = now, time.time() - (time.monotonic() - now)
         self.records[rank] = record
 
-    def deadline(self, rank: int) -> tuple[float, str] | None:
-        """When `rank` counts as stuck (monotonic) and which deadline that is; None: none applies."""
-        rec = self.records.get(rank)
-        reporting = any(r.get("reports") for r in self.records.values())
-        if rec and rec.get("phase"):
-            limit = rec.get("phase_limit") or self.start_s
-            return (self.changed[rank] + float(limit), "phase") if limit else None
-        if rec and rec.get("step") is not None:
-            return (self.changed[rank] + self.hang_s, "hang") if self.hang_s else None
-        if rec and not reporting:   # it runs, and the script reports nothing: nothing to wait for
-            return None
-        return (self.started + self.start_s, "start") if self.start_s else None
+    def deadline(self) -> tuple[float, str] | None:
+        """When the job counts as stuck (monotonic) and which deadline that is; None: none applies."""
+        recs = self.records
+        phases = [self.changed[r] + (rec["phase_limit"] or self.start_s)
+                  for r, rec in recs.items() if rec["phase"] and not rec["done"]]
+        if any(rec["step"] is not None for rec in recs.values()):   # it has made progress: the hang deadline
+            if not self.hang_s:
+                return None
+            return max([max(self.changed.values()) + self.hang_s, *phases]), "hang"
+        reporting = any(rec["reports"] for rec in recs.values())
+        if not self.start_s or not (reporting or len(recs) < self.world):
+            return None   # a script that reports nothing, every rank started: nothing to wait for
+        return max([self.started + self.start_s, *phases]), "start"
 
     def verdict(self, now: float | None = None) -> Stall | None:
         if not self.records:   # nothing arrives at all: not ours to judge
             return None
         now = time.monotonic() if now is None else now
-        late = {}
-        for r in range(self.world):
-            d = self.deadline(r)
-            if d is not None and now > d[0]:
-                late[r] = d[1]
-        if not late:
+        d = self.deadline()
+        if d is None or now <= d[0]:
             return None
-        kind = "start" if all(k == "start" for k in late.values()) else "hang"
+        idle = {r: now - self.changed.get(r, self.started) for r in range(self.world)}
+        if d[1] == "start":   # the ranks that never started, else those without a first step
+            late = [r for r in range(self.world) if r not in self.records] or \
+                [r for r in range(self.world) if self.records[r]["step"] is None]
+        else:
+            late = [r for r in range(self.world) if idle[r] > self.hang_s]
         wall_now = time.time() - (time.monotonic() - now)
-        return Stall(kind, sorted(late),
-                     idle={r: now - self.changed.get(r, self.started) for r in range(self.world)},
+        return Stall(d[1], late or list(range(self.world)), idle=idle,
                      steps={r: (self.records.get(r) or {}).get("step") for r in range(self.world)},
                      since={r: self.wall.get(r, wall_now - (now - self.started)) for r in range(self.world)})
 
@@ -115,7 +139,7 @@ class Watch:
 # -- the stacks --
 
 FRAME = re.compile(r'\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)')
-THREAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
+THREAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+(?: \[.*\])? \(most recent call first\):")   # 3.14: [name]
 
 
 @dataclass(frozen=True)
@@ -150,14 +174,27 @@ def main_stack(dump: str) -> list[Frame] | None:
     return main[0][1]
 
 
+def waits(f: Frame) -> bool:
+    """A frame where a rank waits for its peers: Paddle's collectives, or a backward pass (DataParallel's
+    all-reduce runs in it)."""
+    return "/paddle/distributed/" in f.file and f.func != "<module>" or f.paddle and f.func == "backward"
+
+
 def collective(frames: list[Frame]) -> Frame | None:
-    """The collective (or DataParallel's all-reducing backward pass) the stack waits in: the outermost of
-    Paddle's frames that names one; None when the stack is not in one."""
-    found = None
-    for f in frames:   # innermost first: the last match is the outermost, the call the script made
-        if "/paddle/distributed/" in f.file and f.func != "<module>" or f.paddle and f.func == "backward":
-            found = f
-    return found
+    """The collective the stack waits in (the call the script made: the outermost waiting frame of Paddle's
+    run of frames there); None when the rank is in code of its own, even under a wrapper of Paddle's that
+    calls it (DataParallel's forward, a PyLayer's backward)."""
+    for i, f in enumerate(frames):   # innermost first
+        if f in user_frames([f]):
+            return None
+        if waits(f):
+            op = f
+            for g in frames[i + 1:]:
+                if not g.paddle:
+                    break
+                op = g if waits(g) else op
+            return op
+    return None
 
 
 def user_frames(frames: list[Frame]) -> list[Frame]:
@@ -187,7 +224,8 @@ def blame(stacks: dict[int, list[Frame] | None], world: int) -> Blame:
     """The rank that is not in a collective while its peers wait in one. The checkpoint helper's per-step
     agreement and DataParallel's all-reduce keep the ranks in lock step, so a healthy peer of a stuck rank
     waits inside a collective; a stuck rank is elsewhere. A rank without a stack, where every other waits in
-    a collective, is the one. Anything else cannot be decided from the stacks, and is said so."""
+    a collective, is not named: a stack can go missing for other reasons. Anything but one rank outside cannot
+    be decided from the stacks, and is said so."""
     stacks = {r: stacks.get(r) for r in range(world)}
     places = {r: where(s) for r, s in stacks.items()}
     outside = [r for r, s in stacks.items() if s is not None and collective(s) is None]
@@ -197,8 +235,6 @@ def blame(stacks: dict[int, list[Frame] | None], world: int) -> Blame:
         return Blame(outside, True, places)
     if len(outside) == 1 and not missing and inside:
         return Blame(outside, True, places)
-    if not outside and len(missing) == 1 and inside:
-        return Blame(missing, True, places)
     return Blame([], False, places)
 
 
@@ -255,7 +291,8 @@ def keep(out: str, read, nodes: int, ppn: int, attempt: int, before: dict[int, i
     for r in range(nodes * ppn):
         dump = (read(r // ppn, stacks_file(r)) or b"")[before.get(r, 0):].decode(errors="replace")
         stacks[r] = main_stack(dump)
-        last = (read(r // ppn, f"workerlog.{r % ppn}") or b"").decode(errors="replace").rstrip().splitlines()[-20:]
+        log = read(r // ppn, f"workerlog.{r % ppn}", last=64 << 10) or b""   # its end: a log may be GiBs
+        last = log.decode(errors="replace").rstrip().splitlines()[-20:]
         _write_whole(os.path.join(out, f"rank{r}.txt"), (
             f"rank {r} (node{r // ppn}), attempt {attempt}\n\n== the last lines of its log ==\n" + "\n".join(last)
             + "\n\n== its Python stacks, every thread (faulthandler) ==\n" + (dump or "(none arrived)\n")).encode())
@@ -277,13 +314,26 @@ def _write_whole(path: str, data: bytes) -> None:
 
 def folder_reader(job_dir: str):
     """read(node, name) on node folders of one file system (runs/<job>/node<k>/)."""
-    def read(k: int, name: str) -> bytes | None:
+    def read(k: int, name: str, last: int | None = None) -> bytes | None:
         try:
             with open(os.path.join(job_dir, f"node{k}", name), "rb") as f:
+                if last is not None:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - last))
                 return f.read()
         except OSError:
             return None
     return read
+
+
+def clear(node_dir: str) -> None:
+    """What an earlier run of the same job id left in a node's log folder for hang detection (a request for
+    stacks, the pids of processes long gone): removed before the node starts."""
+    for pattern in LEFT_OVER:
+        for p in glob.glob(os.path.join(glob.escape(node_dir), pattern)):
+            try:
+                os.remove(p)
+            except OSError:
+                pass
 
 
 def main(argv: list[str]) -> int:
@@ -302,29 +352,42 @@ def main(argv: list[str]) -> int:
         time.sleep(1.0)
         for r in range(w.world):
             try:
-                w.see(r, json.loads(read(r // ppn, f"progress-rank{r}.json") or b"null"))
+                w.see(r, json.loads(read(r // ppn, PROGRESS.format(rank=r)) or b"null"))
             except ValueError:   # caught mid-write: the next look has it
                 pass
         stall = w.verdict()
         if stall is None:
             continue
-        late = ", ".join(f"rank {r}" for r in stall.ranks)
-        print(f"fleetbox: no progress for {duration(max(stall.idle[r] for r in stall.ranks))} ({late}, "
-              f"{'start-up deadline' if stall.kind == 'start' else 'hang deadline'}): taking every rank's stacks, "
-              f"then stopping the job", flush=True)
-        before = ask_for_stacks(read, write, nodes, ppn, attempt)
-        rec = keep(os.path.join(job_dir, f"hang-{attempt}"), read, nodes, ppn, attempt, before, stall,
-                   slurm_job=os.environ.get("SLURM_JOB_ID", ""))
-        print(f"fleetbox: {rec['text']}", flush=True)
-        for sig, after in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
-            try:
-                os.kill(srun, sig)
-            except OSError:
-                break
-            end = time.monotonic() + after
-            while time.monotonic() < end and os.path.exists(f"/proc/{srun}"):
-                time.sleep(0.2)
+        try:
+            late = ", ".join(f"rank {r}" for r in stall.ranks)
+            print(f"fleetbox: no progress for {duration(max(stall.idle[r] for r in stall.ranks))} ({late}, "
+                  f"{'start-up deadline' if stall.kind == 'start' else 'hang deadline'}): taking every rank's "
+                  f"stacks, then stopping the job", flush=True)
+            before = ask_for_stacks(read, write, nodes, ppn, attempt)
+            rec = keep(os.path.join(job_dir, f"hang-{attempt}"), read, nodes, ppn, attempt, before, stall,
+                       slurm_job=os.environ.get("SLURM_JOB_ID", ""))
+            print(f"fleetbox: {rec['text']}", flush=True)
+        finally:   # whatever happened above, the stuck job does not keep its allocation
+            stop(srun)
         return 3
+
+
+def stop(pid: int) -> None:
+    """srun asked to end the step (SIGTERM: it signals every task), then made to (SIGKILL) if it is still
+    there after 10 s, and still srun (a pid is reused once its process is reaped)."""
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"srun" in f.read()
+        except OSError:
+            return False
+    for sig, after in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        if not alive():
+            return
+        os.kill(pid, sig)
+        end = time.monotonic() + after
+        while time.monotonic() < end and alive():
+            time.sleep(0.2)
 
 
 if __name__ == "__main__":

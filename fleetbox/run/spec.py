@@ -14,7 +14,7 @@ from pathlib import Path
 from fleetbox import options, settings
 from fleetbox.errors import UserError
 from fleetbox.image.matrix import Variant
-from fleetbox.run import placeholders
+from fleetbox.run import hang, placeholders
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")   # a container name, a label, a folder, a Slurm job name
 
@@ -51,8 +51,8 @@ class JobSpec:
     checkpoint_dir: str = ""             # host folder (shared for Slurm); "": runs/<job>/checkpoints (--hosts: volume)
     resume: str = "auto"                 # auto | never | a checkpoint (step folder or checkpoint folder) to start from
     max_restarts: int = 0                # Docker: start the whole job again after a failure, this many times
-    hang_timeout: float = 600.0          # seconds without progress before a rank counts as hung (0: off)
-    start_timeout: float = 900.0         # seconds from the start to a rank's first progress (0: off)
+    hang_timeout: float = hang.HANG_TIMEOUT_S    # seconds without progress before the job counts as hung (0: off)
+    start_timeout: float = hang.START_TIMEOUT_S  # seconds from the start to the first progress (0: off)
     command: tuple[str, ...] = ()        # the containers' command instead of Paddle's launcher (invoke doctor)
     image_identity: bool = False         # Slurm: node.sh first says which image the node has (invoke doctor)
 

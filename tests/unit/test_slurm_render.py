@@ -273,12 +273,15 @@ def test_dataset_cache_is_mounted_where_paddle_looks_as_the_runtimes_user(runtim
 # -- the chain of allocations (job.sbatch's own shell, run here with bash; sbatch is a stand-in that records) --
 
 def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, restarts=0, max_alloc=3,
-                max_restarts=0, cancelled=False, stale="", requeues=0, exit_code=0):
+                max_restarts=0, cancelled=False, stale="", requeues=0, exit_code=0, hung_in=""):
     import json as _json
     import subprocess
     job, ck, bin_ = tmp_path / "job", tmp_path / "ck", tmp_path / "bin"
     for d in (job, ck, bin_, job / "node0"):
         d.mkdir(parents=True, exist_ok=True)
+    if hung_in:   # what the watcher of Slurm job `hung_in` kept (run/hang.py keep())
+        (job / f"hang-{allocation - 1}").mkdir()
+        (job / f"hang-{allocation - 1}" / "hang.json").write_text(_json.dumps({"slurm_job": hung_in}, indent=1))
     (job / "node0.log").write_text("node 0 said\n")
     (job / "node.sh").write_text("# the node script stays\n")
     (bin_ / "sbatch").write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/sbatch.args"\necho "99;cluster"\n')
@@ -467,3 +470,25 @@ def test_a_followed_log_loses_no_line_when_an_allocation_moves_it_aside(tmp_path
         return True
     slurm.tail_file(log, running, seen.append, poll=0)
     assert seen == ["a1", "a2 after the first read", "b1", "b2"]
+
+
+def test_the_batch_script_runs_the_hang_watcher_beside_srun_only_with_a_deadline(tmp_path):
+    on = sbatch(job(hang_timeout=20.0))
+    assert ("then python3 -I /x/runs/train-t-0001/hang.py /x/runs/train-t-0001 2 1 20 900 \"$FLEETBOX_ATTEMPT\" "
+            "\"$SRUN\" & WATCH=$!;").replace("/x/runs", str(slurm.settings.runs_root())) in on
+    assert "sys.version_info < (3, 8)" in on   # RHEL 8's python3 is 3.6: detection off, said in the batch output
+    assert 'rm -f "$JOB_DIR"/node[0-9]*/progress-rank*.json "$JOB_DIR"/node[0-9]*/stacks-rank*.txt ' \
+        '"$JOB_DIR"/node[0-9]*/STACKS-REQUEST' in on
+    bash_ok(on)
+    off = sbatch(job(hang_timeout=0.0, start_timeout=0.0))
+    assert "hang.py" not in off and 'WATCH=""' in off
+    bash_ok(off)
+
+
+def test_an_allocation_that_hung_ends_hung_or_restarts(tmp_path):
+    rec, _, _, _ = _allocation(tmp_path / "a", state="", rc=143, hung_in="7")
+    assert rec["ended"] == "hung"
+    rec, sbatch_args, _, _ = _allocation(tmp_path / "b", state="", rc=143, hung_in="7", max_restarts=1)
+    assert rec["ended"] == "restart" and "FLEETBOX_RESTARTS=1" in sbatch_args
+    rec, _, _, _ = _allocation(tmp_path / "c", state="", rc=143, hung_in="6")   # an earlier job's record
+    assert rec["ended"] == "failed"

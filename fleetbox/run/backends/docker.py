@@ -522,7 +522,9 @@ class _Live:
             def create(k: int):
                 n = nodes[k]
                 if not n.host:
-                    Path(next(m.src for m in n.mounts if m.dst == settings.LOG_DIR)).mkdir(parents=True, exist_ok=True)
+                    logs = Path(next(m.src for m in n.mounts if m.dst == settings.LOG_DIR))
+                    logs.mkdir(parents=True, exist_ok=True)
+                    hang.clear(str(logs))
                 container = self.backend.engine(n.host).containers.create(n.image, list(n.command), **n.sdk_kwargs())
                 self.containers[k] = container
                 for where, pack in packs.items() if n.host else ():
@@ -567,6 +569,7 @@ class _Live:
         first_fail = None
         spec = self.plan.spec
         progress = hang.Watch(len(self.containers) * spec.procs_per_node, spec.hang_timeout, spec.start_timeout)
+        watched = bool(spec.hang_timeout or spec.start_timeout)
         look = time.monotonic()
         while True:
             for rank, c in self.containers.items():
@@ -596,23 +599,21 @@ class _Live:
                 self.timed_out = True
                 self.stop_all()
                 return
-            if first_fail is None and time.monotonic() >= look:   # progress files: once a second is enough
+            if watched and first_fail is None and time.monotonic() >= look:   # progress files: once a second
                 look = time.monotonic() + 1.0
                 for r in range(progress.world):
-                    progress.see(r, _json(self.node_file(r // spec.procs_per_node, f"progress-rank{r}.json")))
+                    progress.see(r, _json(self.node_file(r // spec.procs_per_node, hang.PROGRESS.format(rank=r))))
                 if (stall := progress.verdict()) is not None:
                     self.stacks(stall, log)
                     self.stop_all(timeout=1)
                     return
             time.sleep(POLL_S)
 
-    def node_file(self, k: int, name: str) -> bytes | None:
-        """A file of node k's log folder while the job runs: here, or (--hosts) from its container."""
+    def node_file(self, k: int, name: str, last: int | None = None) -> bytes | None:
+        """A file of node k's log folder while the job runs (its `last` bytes): here, or (--hosts) the whole file
+        from its container."""
         if not self.plan.nodes[k].host:
-            try:
-                return (self.plan.dir / f"node{k}" / name).read_bytes()
-            except OSError:
-                return None
+            return hang.folder_reader(str(self.plan.dir))(k, name, last)
         try:
             bits, _ = self.containers[k].get_archive(f"{settings.LOG_DIR}/{name}")
             with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:

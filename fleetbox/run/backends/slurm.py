@@ -50,7 +50,7 @@ ROUTE_SH = template("route_to.sh")
 # appends one JSON line to allocations.jsonl and moves its logs to alloc<N>/ before the next one starts; the
 # last one's stay in the job folder.
 CHAIN_SH = template("chain.sh")
-HANG_PY = str(Path(hang.__file__).resolve())   # the batch script's hang watcher (on the shared file system)
+HANG_PY = "hang.py"   # run/hang.py, copied into the job folder at submit: every allocation of a chain runs the same
 
 # What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
 SBATCH_VALUES = {
@@ -242,6 +242,8 @@ class SlurmBackend(Backend):
             "export MASTER_IP MASTER_PORT",
             'echo "fleetbox: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_HOST = $MASTER_IP:$MASTER_PORT"',
             "mkdir -p " + line([str(job_dir / f"node{k}") for k in range(spec.nodes)]),
+            # what an earlier run of this job id left for hang detection (our own fixed names: raw shell)
+            "rm -f " + " ".join(f'"$JOB_DIR"/node[0-9]*/{name}' for name in hang.LEFT_OVER),
         ]
         if rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):
             body.append(self.words(["mkdir", "-p", home_cache], job_id))   # the mount point, before srun mounts
@@ -253,11 +255,12 @@ class SlurmBackend(Backend):
                  "SRUN=$!", 'WATCH=""']
         if spec.hang_timeout or spec.start_timeout:   # run/hang.py as a program, standard library only
             # -I: the file's own folder (fleetbox/run) is not put on sys.path
-            watch = line(["python3", "-I", HANG_PY, str(job_dir), str(spec.nodes), str(spec.procs_per_node),
-                          f"{spec.hang_timeout:g}", f"{spec.start_timeout:g}", Raw('"$FLEETBOX_ATTEMPT"'),
-                          Raw('"$SRUN"')])
-            body.append(f'if command -v python3 >/dev/null 2>&1; then {watch} & WATCH=$!; '
-                        'else echo "fleetbox: no python3 on $(hostname): no hang detection in this allocation" >&2; fi')
+            watch = line(["python3", "-I", str(job_dir / HANG_PY), str(job_dir), str(spec.nodes),
+                          str(spec.procs_per_node), f"{spec.hang_timeout:g}", f"{spec.start_timeout:g}",
+                          Raw('"$FLEETBOX_ATTEMPT"'), Raw('"$SRUN"')])
+            body.append("if python3 -c 'import sys; sys.exit(sys.version_info < (3, 8))' 2>/dev/null; "
+                        f"then {watch} & WATCH=$!; else echo \"fleetbox: no python3 3.8 or newer on $(hostname): "
+                        "no hang detection in this allocation\" >&2; fi")
         body += ["# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
                  'while :; do wait "$SRUN"; rc=$?; '
                  'kill -0 "$SRUN" 2>/dev/null || { wait "$SRUN"; rc=$?; break; }; done',
@@ -283,6 +286,7 @@ class SlurmBackend(Backend):
                 plan.image, runtime=plan.runtime, paddle=plan.spec.paddle_pin).save(plan.dir)
         for name, text in plan.files:
             files.write_atomic(plan.dir / name, text)
+        files.write_atomic(plan.dir / HANG_PY, Path(hang.__file__).read_text())
         # SLURM_RESTART_COUNT=0: a requeue count of the shell's own Slurm job is not this job's (chain.sh)
         out = _slurm("sbatch", "--parsable", "--export=ALL,SLURM_RESTART_COUNT=0",
                      str(plan.dir / "job.sbatch")).stdout.strip()

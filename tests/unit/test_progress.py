@@ -1,0 +1,82 @@
+"""The in-container side of hang detection, in real processes on the host: sitecustomize makes a rank dump
+every thread's stack on SIGUSR2 and starts its progress file, a rank's own child processes stay out of it, and
+the launcher's relay passes on only a new request, only to its own children."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from fleetbox import settings
+from fleetbox.incontainer import fleetbox_progress
+from fleetbox.incontainer import sitecustomize as site
+from fleetbox.processes import process_start
+
+SLEEPER = "import sys, time\nprint('ready', flush=True)\ndef stuck_here():\n    time.sleep(60)\nstuck_here()\n"
+
+
+def rank_process(tmp_path, **env):
+    p = subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(settings.HELPERS), "FLEETBOX_PROGRESS_DIR": str(tmp_path),
+                              "PADDLE_TRAINER_ID": "3", **env})
+    assert p.stdout.readline() == "ready\n"
+    return p
+
+
+def test_a_rank_dumps_every_threads_stack_on_sigusr2_and_keeps_going(tmp_path):
+    p = rank_process(tmp_path)
+    try:
+        rec = json.loads((tmp_path / "progress-rank3.json").read_text())
+        assert rec["pid"] == p.pid and rec["step"] is None and rec["reports"] is False
+        p.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 10
+        while "stuck_here" not in (tmp_path / "stacks-rank3.txt").read_text():
+            assert time.monotonic() < deadline, "no stacks"
+            time.sleep(0.05)
+        assert p.poll() is None   # a dump, not a death
+    finally:
+        p.kill()
+        p.wait()
+    assert json.loads((tmp_path / "progress-rank3.json").read_text())["done"] is False   # SIGKILL: no atexit
+
+
+def test_a_ranks_child_process_writes_no_progress_and_takes_no_signal(tmp_path):
+    """A subprocess or a spawned worker inherits the rank's environment: it must not take over its files."""
+    p = rank_process(tmp_path, FLEETBOX_PROGRESS_PID="1")   # the rank is another process
+    try:
+        assert not (tmp_path / "progress-rank3.json").exists() and not (tmp_path / "stacks-rank3.txt").exists()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_progress_is_only_the_owners(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_PROGRESS_DIR", str(tmp_path))
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "2")
+    monkeypatch.setenv(fleetbox_progress.OWNER_ENV, str(os.getpid()))
+    assert fleetbox_progress.path() == str(tmp_path / "progress-rank2.json")
+    monkeypatch.setenv(fleetbox_progress.OWNER_ENV, str(os.getpid() + 1))
+    assert fleetbox_progress.path() is None
+
+
+def test_the_relay_passes_on_only_a_new_request_and_only_to_its_own_children(tmp_path):
+    mine = subprocess.Popen(["sleep", "60"])                        # a rank: the launcher's (our) child
+    out = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+    stranger = int(out.stdout)                                      # reparented away: not ours
+    try:
+        for r, pid in ((0, mine.pid), (1, stranger), (2, 0), (3, -1)):
+            (tmp_path / f"progress-rank{r}.json").write_text(json.dumps({"pid": pid}))
+        (tmp_path / "STACKS-REQUEST").write_text("left by an earlier run\n")
+        done = site.asked(str(tmp_path))                             # what the relay takes at its start
+        assert site.pass_on(str(tmp_path), done) == done and mine.poll() is None
+        (tmp_path / "STACKS-REQUEST").write_text("0-1234.5\n")
+        assert site.pass_on(str(tmp_path), done) == "0-1234.5"
+        assert mine.wait(timeout=10) == -signal.SIGUSR2               # it got the signal (and, unregistered, died)
+        assert process_start(stranger)                               # the stranger did not (not even a zombie)
+        assert site.pass_on(str(tmp_path), "0-1234.5") == "0-1234.5"
+    finally:
+        mine.kill()
+        mine.wait()
+        if process_start(stranger):
+            os.kill(stranger, signal.SIGKILL)
