@@ -629,6 +629,20 @@ def test_a_workspace_over_the_bound_is_refused_naming_the_file(tmp_path):
     assert packed(ws, limit=1200)[0].keys() == {"a.py", "data.bin"}
 
 
+def test_a_workspace_that_cannot_be_packed_is_one_line(tmp_path, monkeypatch):
+    import errno
+    import tarfile
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.py").write_text("a")
+
+    def full(self, name, *a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ws.tar"))
+    monkeypatch.setattr(tarfile.TarFile, "add", full)
+    with pytest.raises(UserError, match=rf"^cannot pack {ws} for the remote engines: No space left on device \("):
+        packed(ws)
+
+
 class _Probe:
     def __init__(self, wait_error=None, code=0, out=b"", err=b""):
         self.wait_error, self.code, self.out, self.err, self.removes = wait_error, code, out, err, []

@@ -780,7 +780,6 @@ def pack_dir(folder: Path, out: Path, prefix: str = "", log=print, limit: int = 
     host); a link that leaves the folder is skipped with a line (it would ship whatever it points at: a home
     folder's secrets); more than `limit` bytes is refused, naming the file that crossed it."""
     root = os.path.realpath(folder)
-    total, seen = 0, set()
 
     def leaves(p: Path) -> bool:
         real = os.path.realpath(p)
@@ -790,6 +789,15 @@ def pack_dir(folder: Path, out: Path, prefix: str = "", log=print, limit: int = 
             f"{folder}")
         return True
 
+    try:
+        _pack(folder, out, prefix, limit, root, leaves)
+    except OSError as e:   # a file that cannot be read, a full temporary folder
+        raise UserError(f"cannot pack {folder} for the remote engines: {e.strerror or e}"
+                        + (f" ({e.filename})" if e.filename else "")) from None
+
+
+def _pack(folder: Path, out: Path, prefix: str, limit: int, root: str, leaves) -> None:
+    total, seen = 0, set()
     with tarfile.open(out, "w") as tar:
         for top, dirs, names in os.walk(folder, followlinks=True):
             if os.path.realpath(top) in seen:   # a link back up the tree: once is enough
