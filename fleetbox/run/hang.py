@@ -5,14 +5,15 @@ that the helpers write, fleetbox/incontainer/fleetbox_progress.py), and whom the
 (Docker: its containers' log folders; Slurm: the shared file system). Standard library only: a Slurm batch
 script runs this file as a program on its node (`python3 hang.py JOB_DIR ...`, see main()).
 
-The deadlines (nvidia-resiliency-ext's initial and per-rank heartbeat timeouts, and its sections, in our words):
-- start: from the task's start to each rank's first progress;
-- hang: from a rank's last progress to its next;
-- a declared phase (an evaluation, a checkpoint save): its own limit, else the start deadline.
-A rank's progress is when fleetbox saw its file change (this machine's clock: nodes' clocks may differ). A
-script that reports no progress at all (no rank ever said it would) gets the start deadline only for ranks
-whose process never started; a job from which no file at all arrives is never called hung (its image may not
-run our helpers).
+The deadlines (nvidia-resiliency-ext's initial and heartbeat timeouts, and its sections, in our words), on the
+job's progress (collective training moves in lock step, see Watch):
+- start: from the task's start to the first progress;
+- hang: from the last progress of any rank to the next;
+- a phase declared on any rank (an evaluation, a checkpoint save): its own limit, else the start deadline.
+Progress is when fleetbox saw a rank's file change (this machine's clock: nodes' clocks may differ). A script
+that reports no progress at all (no rank ever said it would) gets the start deadline only for ranks whose
+process never started; a job from which no file at all arrives is never called hung (its image may not run
+our helpers).
 """
 
 from __future__ import annotations
