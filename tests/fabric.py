@@ -95,6 +95,13 @@ def setup(n=2) -> list[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engine {url} did not come up; see {RUN}")
             time.sleep(0.5)
+    for url in urls:   # the data roots are kept (the image): an earlier run killed mid-test left its containers
+        left = sh("docker", "-H", url, "ps", "-aq").stdout.split()
+        if left:
+            print(f"fabric: removing {len(left)} container(s) an earlier run left on {url}")
+            sh("docker", "-H", url, "rm", "-f", *left)
+        if vols := sh("docker", "-H", url, "volume", "ls", "-q").stdout.split():
+            sh("docker", "-H", url, "volume", "rm", "-f", *vols)
     return urls
 
 

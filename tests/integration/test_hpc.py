@@ -48,6 +48,12 @@ def podman_image(cpu_image):
         save.wait()
         if have.strip():   # the image this replaced is untagged now: 1.3 GB a run on a developer's machine
             subprocess.run(["podman", "rmi", have.strip()], capture_output=True)
+    # podman's storage outlives a run: one killed mid-test left its job containers, which the tests count
+    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
+                          text=True).stdout.split()
+    if left:
+        print(f"removing {len(left)} podman container(s) an earlier run left")
+        subprocess.run(["podman", "rm", "-f", "--time", "0", *left], capture_output=True)
 
 
 @pytest.fixture(scope="module")
