@@ -19,6 +19,8 @@ command -v podman >/dev/null 2>&1 || missing+=(podman)
 command -v skopeo >/dev/null 2>&1 || missing+=(skopeo)
 command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry)
 command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)   # the tests check the rendered Slurm scripts
+# a module system, as HPC sites have (`train --runtime none --modules`): Environment Modules (Lmod conflicts with it)
+[ -r /usr/share/modules/init/bash ] || [ -r /usr/share/lmod/lmod/init/bash ] || missing+=(environment-modules)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]} from the distribution"
   apt-get update -qq

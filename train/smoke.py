@@ -52,9 +52,13 @@ def main():
     ap.add_argument("--phase-step", type=int, default=-1, help="run a declared long phase at this step")
     ap.add_argument("--phase-seconds", type=float, default=0.0)
     ap.add_argument("--tag", nargs="*", default=[], help="words echoed back in the report (to check what arrived)")
+    ap.add_argument("--require-env", default="", help="stop at once unless this variable is set (e.g. by a module)")
     args = ap.parse_args()
 
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))   # set by paddle.distributed.launch
+    if args.require_env and args.require_env not in os.environ:
+        print(f"rank {rank}: {args.require_env} is not set (the module that sets it was not loaded)", flush=True)
+        sys.exit(3)
     attempt = int(os.environ.get("FLEETBOX_ATTEMPT", "0"))
     if args.fail_attempt >= 0 and attempt != args.fail_attempt:
         args.fail_rank = -1

@@ -58,13 +58,14 @@ def version_tuple(v: str) -> tuple[int, ...]:
 
 # -- the probe's command: the job's container, with this instead of Paddle's launcher --
 
-def probe_command(spec: JobSpec, blast: int, wait: float) -> tuple[str, ...]:
+def probe_command(spec: JobSpec, blast: int, wait: float, import_paddle: bool = False) -> tuple[str, ...]:
     paths = [settings.LOG_DIR, settings.CHECKPOINT_DIR, "~/" + settings.HOME_CACHE]   # ~: Paddle's DATA_HOME
     return ("python", "-m", "fleetbox_doctor", "--rank", "{rank}", "--nnodes", "{nnodes}",
             "--width", str(planner.block_width(spec.procs_per_node)), "--master", "{master_ip}:{master_port}",
             "--node-ip", "{node_ip}",
             "--iface", "{iface}", "--ib-hca", spec.ib_hca, "--device", spec.variant.device,
-            "--paths", ",".join(paths), "--wait", f"{wait:g}", "--blast", str(blast))
+            "--paths", ",".join(paths), "--wait", f"{wait:g}", "--blast", str(blast),
+            *(["--import-paddle"] if import_paddle else []))
 
 
 def parse_probe(output: str) -> dict | None:
@@ -95,6 +96,7 @@ class Expect:
     runtime_args: tuple = ()
     forced_iface: str = ""
     shm_settable: bool = True       # --shm-size reaches the container (Backend.shm_settable)
+    check_paddle: bool = False      # no image (an env on the nodes): `import paddle` is checked on every node
 
 
 def check_shm(node: str, f: dict, e: Expect) -> Row:
@@ -368,7 +370,21 @@ def evaluate(facts: dict[int, dict], e: Expect, master_ip: str) -> list[Row]:
         rows += check_dcu(node, f, e)
         rows += check_disk(node, f)
         rows += check_ports(node, k, f, facts, e, master_ip)
+        if e.check_paddle:
+            rows.append(check_paddle(node, f))
     return rows + check_consistency(facts)
+
+
+def check_paddle(node: str, f: dict) -> Row:
+    """Paddle imports with the env's Python and the modules loaded (no image was verified for this node)."""
+    got = f.get("paddle") or {}
+    if got.get("rc") == 0:
+        return Row(node, "import paddle", True, got["out"].strip().splitlines()[-1][:40], "imports")
+    said = [ln for ln in (got.get("err", "") + got.get("out", "")).splitlines() if ln.strip()]
+    why = said[-1][:200] if said else got.get("error") or got.get("missing") or "not probed"
+    return Row(node, "import paddle", False, why[:100], "imports",
+               f"`import paddle` fails on {node} with the env's Python and the modules loaded: {why}; load what it "
+               f"needs with --modules (e.g. the site's DTK or CUDA module) or make the env again (invoke venv)")
 
 
 def throughput_rows(facts: dict[int, dict]) -> list[Row]:
@@ -469,6 +485,14 @@ def same_image(ids: dict[int, tuple[str, str]], nodes: int, ref: str) -> list[Ro
     rows = []
     for k, (ident, tag) in sorted(ids.items()):
         ok = (ident, tag) == ids[0]
+        if ident.startswith("env-sha256:"):   # an env on the nodes: its record, and the interpreter it links to
+            what = f"{ident[:23]} (node0: {ids[0][0][:23]})" if ident != ids[0][0] else \
+                f"python {tag} (node0: {ids[0][1]})"
+            rows.append(Row(f"node{k}", "same env", ok, "as node0" if ok else what,
+                            "= node0's env record and interpreter", "" if ok else
+                            f"node{k} runs another env than node0 (another lock, or another interpreter): make one "
+                            f"env with invoke venv on a file system every node sees and give it to every node"))
+            continue
         rows.append(Row(f"node{k}", "same image", ok, "as node0" if ok else f"{ident[:19]} (node0: {ids[0][0][:19]})",
                         "= node0's ID and content tag", "" if ok else
                         f"node{k} has a different {ref} than node0: different Paddle/NCCL builds hang or fail; "
@@ -476,7 +500,9 @@ def same_image(ids: dict[int, tuple[str, str]], nodes: int, ref: str) -> list[Ro
     return rows
 
 
-REPORTED_IMAGE = re.compile(r"^fleetbox: image (id|file-sha256|tree-sha256|ref|missing) ?(\S*) ?(.*)$", re.M)
+# env-sha256: an env on the nodes (runtime none): its record's digest, then the interpreter it links to
+REPORTED_IMAGE = re.compile(r"^fleetbox: image (id|file-sha256|tree-sha256|env-sha256|ref|missing) ?(\S*) ?(.*)$",
+                            re.M)
 
 
 def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[Row]:
@@ -498,8 +524,10 @@ def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[R
                             "present; identity not checked"))
         else:
             ids[k] = (f"{m.group(1)}:{m.group(2)}", m.group(3).strip())
-            rows.append(Row(node, "image", True, f"{m.group(1)} {m.group(2)[:12]}" +
-                            (f", content {m.group(3).strip()[:12]}" if m.group(3).strip() else ""), "present"))
+            extra = m.group(3).strip()
+            rows.append(Row(node, "image", True, f"{m.group(1)} {m.group(2)[:12]}" + (
+                "" if not extra else f", python {extra[-40:]}" if m.group(1) == "env-sha256" else
+                f", content {extra[:12]}"), "present"))
     return rows + same_image(ids, nodes, ref)
 
 

@@ -41,7 +41,8 @@ def expect(spec: JobSpec, port: int, b) -> Expect:
     """What the job needs of every node, with what the backend says of how it starts containers."""
     v = spec.variant
     return Expect(spec.nodes, spec.shm_size, v.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
-                  spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, b.shm_settable)
+                  spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, b.shm_settable,
+                  check_paddle=not b.runs_in_image)
 
 
 def _output(path: str) -> str:
@@ -62,7 +63,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
     base = replace(spec, job_id=job_id, max_restarts=0, resume="auto", checkpoint_dir="")
     facts, master_ip, sweep, job_dir, port = {}, "", None, settings.runs_root() / job_id, None
     if all(r.ok for r in rows):
-        probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait),
+        probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait, not b.runs_in_image),
                         image_identity=b.reports_image)
         with stops_as_interrupt():
             plan = b.plan(probe)

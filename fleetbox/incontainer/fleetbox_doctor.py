@@ -21,6 +21,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 
@@ -401,6 +402,7 @@ def main(argv=None):
     p.add_argument("--wait", type=float, default=30.0)
     p.add_argument("--knock-timeout", type=float, default=3.0)
     p.add_argument("--blast", type=int, default=0)
+    p.add_argument("--import-paddle", action="store_true", help="also import Paddle (an env on the node, no image)")
     a = p.parse_args(argv)
     a.master_ip, _, port = a.master.rpartition(":")
     a.master_port = int(port)
@@ -418,6 +420,8 @@ def main(argv=None):
         facts["crash"] = f"{type(e).__name__}: {e}"[:300]
     for s in node.listeners:
         s.close()
+    if a.import_paddle:   # last: it takes seconds, which the nodes' meeting above must not wait for
+        facts["paddle"] = _run([sys.executable, "-c", "import paddle; print(paddle.__version__)"], timeout=300)
     print(MARK + json.dumps(facts), flush=True)
 
 

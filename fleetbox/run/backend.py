@@ -73,6 +73,8 @@ class Backend(ABC):
     reports_image = False          # a job with spec.image_identity says which image each node has (doctor)
     runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime
     shm_settable = True                  # --shm-size reaches the container (else the node's /dev/shm counts)
+    runs_in_image = True                 # the job runs in an image (else in an env on the nodes: doctor checks
+                                         # that Paddle imports there)
     notes: tuple[str, ...] = ()          # what the user should know about the options given (one line each)
     unconfined = ""                      # why the job's devices are not confined to what the scheduler allocated
 

@@ -44,3 +44,14 @@ def run_node(text, stubs, tmp_path, env=None):
     cwd.mkdir(exist_ok=True)
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, cwd=cwd)
     return proc, [json.loads(ln) for ln in out.read_text().splitlines()] if out.exists() else []
+
+
+def fake_env(folder, variant: str = "cpu", python=sys.executable):
+    """What a node script checks of an env made by `invoke venv` (runtime none): its record and bin/python."""
+    from pathlib import Path
+    folder = Path(folder)
+    (folder / "bin").mkdir(parents=True, exist_ok=True)
+    if not (folder / "bin" / "python").is_symlink():
+        (folder / "bin" / "python").symlink_to(python)
+    (folder / "fleetbox-env.json").write_text(json.dumps({"variant": variant}))
+    return folder

@@ -1,11 +1,15 @@
 """Hostile values in every user-controlled field, rendered for every runtime and executed by bash with stub
 runtime commands that record what they were given: the payload never runs, and each value reaches the
 container (and the training script's argv and environment) unchanged, or the runtime refuses it in one line."""
+import json
+import shlex
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
+from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
@@ -54,7 +58,7 @@ def carried(call, runtime):
     return cmd, env, mounts
 
 
-@pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
+@pytest.mark.parametrize("runtime", [r for r in runtimes.RUNTIMES if runtimes.RUNTIMES[r].has_image])
 @pytest.mark.parametrize("raw", PAYLOADS)
 def test_a_hostile_value_never_runs_and_arrives_unchanged(runtime, raw, stubs, tmp_path, monkeypatch):
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
@@ -88,6 +92,35 @@ def test_a_hostile_value_never_runs_and_arrives_unchanged(runtime, raw, stubs, t
     if runtime == "pyxis":
         mounts = next(a for a in srun if a.startswith("--container-mounts="))
         assert f"{tmp_path}/data " in mounts and "/fleetbox/job" in mounts
+
+
+@pytest.mark.parametrize("raw", PAYLOADS)
+def test_with_no_container_a_hostile_value_never_runs_and_arrives_unchanged(raw, stubs, tmp_path, monkeypatch):
+    """Runtime none: the env's path (with a placeholder), the modules, the arguments and the environment reach the
+    env's Python and `module load` unchanged; the container paths become the real ones."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    marker = tmp_path / "pwned"
+    payload = raw.format(m=marker)
+    envs = tmp_path / ("envs " + payload.replace("/", "_").replace("\n", "_"))
+    for k in (0, 1):   # what `invoke venv` makes, as far as the node script looks: the record, bin/python
+        (envs / f"node{k}" / "bin").mkdir(parents=True)
+        (envs / f"node{k}" / "bin" / "python").symlink_to(stubs / "python")
+        (envs / f"node{k}" / "fleetbox-env.json").write_text(json.dumps({"variant": "cpu"}))
+    (stubs / "module").symlink_to(stubs / "python")
+    spec = replace(hostile_spec(tmp_path, payload, iface="eth0"), mounts=())
+    backend = slurm.SlurmBackend("none", venv=f"{envs}/{{node}}", modules=f"{shlex.quote(payload)} dtk/24.04")
+    plan = backend.plan(spec)
+    calls = run_node_script(dict(plan.files)["node.sh"], stubs, tmp_path)
+    assert not marker.exists(), "the payload ran"
+    assert [c["argv"] for c in calls if c["tool"] == "module"] == [["load", payload], ["load", "dtk/24.04"]]
+    (call,) = [c for c in calls if c["tool"] == "python"]
+    cmd, env = call["argv"], call["env"]
+    assert cmd[:2] == ["-m", "paddle.distributed.launch"] and cmd[-3:] == ["--x", payload, "1"]
+    assert cmd[cmd.index("--rank") + 1] == "1" and cmd[cmd.index("--log_dir") + 1] == f"{plan.dir}/node1"
+    assert cmd[-4] == str(spec.script_path)   # /workspace/<script> is the script's own path
+    assert env["EVIL"] == payload and env["WHERE"] == "node1" and env["FLEETBOX_VENV"] == f"{envs}/node1"
+    assert env["PYTHONPATH"].split(":")[0] == str(settings.HELPERS)
+    assert env["FLEETBOX_CHECKPOINT_DIR"] == plan.checkpoints and env["FLEETBOX_PROGRESS_DIR"] == f"{plan.dir}/node1"
 
 
 @pytest.mark.parametrize("field,value,needle", [

@@ -9,14 +9,14 @@ from fleetbox.image import matrix
 from fleetbox.run import records
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
-from tests.unit.conftest import run_node
+from tests.unit.conftest import fake_env, run_node
 
 SECRET = "s3cret-$(touch /tmp/fleetbox-pwned)-'x'"
 
 
 def spec(**kw):
     return spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-secret-1", port=29555,
-                            image="img:tag", pass_env=("HF_TOKEN",), **kw)
+                            pass_env=("HF_TOKEN",), **{"image": "img:tag", **kw})
 
 
 @pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
@@ -24,12 +24,13 @@ def test_a_passed_variable_reaches_each_runtime_by_name_and_no_script_holds_it(r
                                                                              monkeypatch):
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("HF_TOKEN", SECRET)
-    plan = slurm.SlurmBackend(runtime).plan(spec())
+    own = {"venv": str(fake_env(tmp_path / "env", python=stubs / "python"))} if runtime == "none" else {}
+    plan = slurm.SlurmBackend(runtime, **own).plan(spec(**({"image": ""} if own else {})))
     files = dict(plan.files)
     assert not any(SECRET in text or "s3cret" in text for text in files.values())
     proc, calls = run_node(files["node.sh"], stubs, tmp_path, {"HF_TOKEN": SECRET})   # as srun hands it on
     assert proc.returncode == 0, proc.stderr
-    tool = {"charliecloud": "ch-run", "pyxis": "python"}.get(runtime, runtime)
+    tool = {"charliecloud": "ch-run", "pyxis": "python", "none": "python"}.get(runtime, runtime)
     (call,) = [c for c in calls if c["tool"] == tool]
     argv, env = call["argv"], call["env"]
     got = {
@@ -41,6 +42,7 @@ def test_a_passed_variable_reaches_each_runtime_by_name_and_no_script_holds_it(r
         "apptainer": lambda: env["APPTAINERENV_HF_TOKEN"] == SECRET,           # --cleanenv keeps these
         "charliecloud": lambda: f"--set-env=HF_TOKEN={SECRET}" in argv,
         "pyxis": lambda: env["HF_TOKEN"] == SECRET,                             # node.sh runs in the container
+        "none": lambda: env["HF_TOKEN"] == SECRET,                              # no container: the task's own
     }[runtime]
     assert got(), (argv, {k: v for k, v in env.items() if "HF" in k})
     assert not (tmp_path / "cwd" / "pwned").exists()

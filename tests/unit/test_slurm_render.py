@@ -1,6 +1,8 @@
 """The sbatch renderer for every runtime and variant family, the export commands and the pull commands."""
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -9,13 +11,19 @@ from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
 from fleetbox.ship import exports as hpc
+from tests.unit.conftest import fake_env
 
 
 def job(variant="cpu", runtime="podman", runtime_args="", **kw):
+    own = {}
+    if runtime == runtimes.Host.name:   # no container: an env (a stand-in, as far as plan looks) and a module
+        kw.pop("mounts", None)
+        own = {"venv": str(fake_env(Path(tempfile.gettempdir()) / "fleetbox-test-envs" / variant, variant)),
+               "modules": "dtk/24.04"}
     spec = spec_mod.JobSpec(variant=matrix.load().get(variant), nodes=kw.pop("nodes", 2), job_id="train-t-0001",
                             port=29555, **kw)
     backend = slurm.SlurmBackend(runtime, partition="gpu", time="01:00:00", account="proj42",
-                                 runtime_args=runtime_args)
+                                 runtime_args=runtime_args, **own)
     return dict(backend.plan(spec).files)
 
 
@@ -234,7 +242,9 @@ def test_registry_refs_and_pull_commands():
     assert pull("docker") == [f"docker pull {ref}"]
     # a hostile registry value is quoted, never run
     evil = hpc.registry_refs(v, "reg.example/$(touch x);y", "fleetbox/paddle:cpu-0")
-    for rt in runtimes.RUNTIMES:
+    with pytest.raises(UserError, match="runtime none runs no image: make the env on the cluster with `invoke venv`"):
+        runtimes.pull_commands("none", refs[0], refs[1], "p")
+    for rt in (r for r, it in runtimes.RUNTIMES.items() if it.has_image):
         for ln in runtimes.pull_commands(rt, evil[0], evil[1], "p"):
             if "docker://" in ln or " pull " in ln:
                 assert "'" in ln and "$(touch x)" in ln, ln

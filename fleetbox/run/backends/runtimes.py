@@ -8,12 +8,17 @@ hold placeholders that the node script fills from shell variables; `Raw` words a
 
 from __future__ import annotations
 
+import getpass
+import json
+import os
 import re
 from dataclasses import replace
 from importlib import resources
+from pathlib import Path
 
 from fleetbox import settings
 from fleetbox.errors import UserError
+from fleetbox.run import placeholders
 from fleetbox.run.plan import ALL_RENDER_NODES, HIP_VISIBLE, NodeRun
 from fleetbox.run.shell import Raw, line
 from fleetbox.settings import WORKDIR
@@ -75,6 +80,16 @@ class Runtime:
         if self.runs_as_user and any(m.dst in cache for m in n.mounts):
             return "{home}/" + settings.HOME_CACHE
         return None
+
+    has_image = True              # the job runs in an image (else: in an env on the nodes, runtime none)
+
+    def refuse(self, spec, runtime_args: tuple[str, ...]) -> None:
+        """Refuse, with one line, an option this runtime cannot give a meaning."""
+
+    def setup(self, n: NodeRun) -> list:
+        """Node-script lines before the image is identified: word lists (user values, placeholders filled on
+        the node) or our own Raw shell."""
+        return []
 
     # -- the devices Slurm allocated --
 
@@ -329,12 +344,120 @@ class Pyxis(Runtime):
                 ["srun", f"--container-image={out_name}.sqsh", "..."]]
 
 
-RUNTIMES = {r.name: r for r in (Apptainer(), Pyxis(), Charliecloud(), Podman(), Docker())}
+ENV_RECORD = "fleetbox-env.json"   # what `invoke venv` writes last into an env (image/venvs.py)
 
 
-def get(name: str) -> Runtime:
+def check_env(path: Path, variant: str, what: str) -> dict:
+    """An env made by `invoke venv` for this variant (its record), else one line."""
+    record = path / ENV_RECORD
+    try:
+        made = json.loads(record.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{what} is not an env made by `invoke venv` (no {ENV_RECORD}): make one with `invoke venv "
+                        f"--variant {variant} --dest DIR`") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{what}: cannot read its {ENV_RECORD}: {e}") from None
+    if made.get("variant") != variant:
+        raise UserError(f"{what} was made for variant {made.get('variant')!r}, not {variant}: give --variant "
+                        f"{made.get('variant')} or make one with `invoke venv --variant {variant}`")
+    python = path / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        raise UserError(f"{what}: its interpreter {os.readlink(python) if python.is_symlink() else python} is not "
+                        f"here (a venv needs it at the same path on every node)")
+    return made
+
+
+class Host(Runtime):
+    """No container (--runtime none): the job runs with the Python of an env that `invoke venv` made on a file
+    system every node sees, after the site's environment modules are loaded. What a container sees at fixed
+    paths (the script's folder, the logs, the helpers, the checkpoints, a --resume folder) is given at its real
+    path; devices are the task's allocation as Slurm set it (its cgroup holds the processes). Nothing is
+    isolated: the node's own /dev/shm, limits, home and dataset cache (~/.cache/paddle/dataset) count."""
+    name = "none"
+    runs_as_user = True
+    has_image = False
+    OURS = ("FLEETBOX_CHECKPOINT_DIR", "FLEETBOX_PROGRESS_DIR", "FLEETBOX_RESUME", "PYTHONPATH")   # path values
+
+    def __init__(self, venv: str = "", modules: tuple[str, ...] = ()):
+        self.venv, self.modules = venv, tuple(modules)
+
+    def refuse(self, spec, runtime_args: tuple[str, ...]) -> None:
+        """The options that mean a container, each refused in one line; the env checked where this machine sees
+        it (the shared file system) for every node."""
+        what = {"--image": spec.image, "--mount": spec.mounts, "--runtime-args": runtime_args,
+                "--data-dir": spec.data_dir if spec.data_dir != str(settings.data_dir()) else ""}   # default: unused
+        why = {"--image": "the job runs the env given with --venv",
+               "--mount": "the job sees the nodes' own file systems",
+               "--runtime-args": "no runtime is started",
+               "--data-dir": f"Paddle reads each node's ~/{settings.HOME_CACHE}: seed it with "
+                             f"`invoke cache --dest ~/{settings.HOME_CACHE}`"}
+        for flag, value in what.items():
+            if value:
+                raise UserError(f"{flag} means a container; with --runtime none {why[flag]}")
+        if not self.venv or "\n" in self.venv:
+            raise UserError("--runtime none needs --venv PATH: an env made by `invoke venv` on a file system every "
+                            "node sees")
+        home = os.path.expanduser("~")
+        for k in range(spec.nodes):
+            path = placeholders.fill(self.venv, {"rank": str(k), "node": f"node{k}", "nnodes": str(spec.nodes),
+                                                 "home": home, "user": getpass.getuser()})
+            if placeholders.used(path):   # a value known on the node only
+                return
+            check_env(Path(path), spec.variant.name, f"--venv {path}")
+
+    def paths(self, n: NodeRun) -> list[tuple[str, str]]:
+        """(container path, real path) for each of our mounts, longest first."""
+        return sorted(((m.dst, m.src) for m in n.mounts), key=lambda p: -len(p[0]))
+
+    def real(self, word: str, paths, sep: str = ",") -> str:
+        """A word with each `sep`-separated piece that is a container path given as its real path."""
+        def one(piece: str) -> str:
+            for dst, src in paths:
+                if piece == dst or piece.startswith(dst + "/"):
+                    return src + piece[len(dst):]
+            return piece
+        return sep.join(one(p) for p in word.split(sep)) if isinstance(word, str) else word
+
+    def check(self, n, image):
+        pass   # refuse() held the env to its rules; its path may hold placeholders
+
+    def setup(self, n):
+        work = next(m.src for m in n.mounts if m.dst == WORKDIR)
+        out = [["export", f"FLEETBOX_VENV={self.venv}"]]
+        if self.modules:
+            out.append(["set", "--", *self.modules])   # the modules, as the template's "$@"
+        return out + [template("host_env.sh", RECORD=ENV_RECORD), ["cd", work]]
+
+    def identify(self):
+        return template("identify_env.sh", RECORD=ENV_RECORD)
+
+    def exports(self, n):
+        paths = self.paths(n)
+        return {k: self.real(v, paths, ":") if k in self.OURS else v for k, v in n.env.items()}
+
+    def launch(self, n, image, extra=()):
+        paths = self.paths(n)
+        cmd = [self.real(w, paths) for w in n.command]
+        if cmd and cmd[0] == "python":
+            cmd[0] = Raw('"$FLEETBOX_VENV/bin/python"')
+        return cmd
+
+    def default_image(self, variant, image_ref):
+        return self.venv
+
+    def pull_commands(self, ref, out_name, insecure=False):
+        raise UserError("runtime none runs no image: make the env on the cluster with `invoke venv` (README: "
+                        "sites without containers)")
+
+
+RUNTIMES = {r.name: r for r in (Apptainer(), Pyxis(), Charliecloud(), Podman(), Docker(), Host())}
+
+
+def get(name: str, venv: str = "", modules: tuple[str, ...] = ()) -> Runtime:
     if name not in RUNTIMES:
         raise UserError(f"unknown runtime {name!r}; choose one of: {', '.join(RUNTIMES)}")
+    if name == Host.name:
+        return Host(venv, modules)
     return RUNTIMES[name]
 
 

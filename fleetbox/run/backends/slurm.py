@@ -85,8 +85,12 @@ class SlurmBackend(Backend):
     watches_hangs = True   # the batch script runs run/hang.py beside srun
     reports_image = True
     options = (
-        Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman or docker (default docker)",
-               "docker"),
+        Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman, docker (default), or none: no "
+                          "container, the env given with --venv", "docker"),
+        Option("venv", "with --runtime none: an env made by `invoke venv`, on a file system every node sees "
+                       "(placeholders such as {node} allowed)", ""),
+        Option("modules", "with --runtime none: environment modules each node loads first (Lmod or Environment "
+                          "Modules), e.g. \"compiler/dtk/24.04.1\"", ""),
         Option("partition", "with --backend slurm: the partition (-p)", ""),
         Option("time", "with --backend slurm: the time limit (e.g. 01:00:00)", ""),
         Option("account", "with --backend slurm: the account (-A)", ""),
@@ -101,8 +105,16 @@ class SlurmBackend(Backend):
     )
 
     def __init__(self, runtime: str = "docker", partition: str = "", time: str = "", account: str = "",
-                 runtime_args: str = "", signal_grace: int = 120, max_allocations: int = 1):
-        self.runtime = runtimes.get(runtime)
+                 runtime_args: str = "", signal_grace: int = 120, max_allocations: int = 1, venv: str = "",
+                 modules: str = ""):
+        try:
+            module_list = tuple(shlex.split(modules or ""))
+        except ValueError as e:
+            raise UserError(f"--modules cannot be split into words: {e}") from None
+        if (venv or module_list) and runtime != runtimes.Host.name:
+            raise UserError(f"--venv and --modules are for --runtime {runtimes.Host.name} (no container); "
+                            f"runtime {runtime} runs an image")
+        self.runtime = runtimes.get(runtime, venv or "", module_list)
         if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
             raise UserError(f"--signal-grace must be between 1 and 65535 seconds (got {signal_grace})")
         if max_allocations < 1:
@@ -141,6 +153,10 @@ class SlurmBackend(Backend):
         return self.runtime.sets_shm
 
     @property
+    def runs_in_image(self) -> bool:
+        return self.runtime.has_image
+
+    @property
     def unconfined(self) -> str:
         return "" if self.runtime.confined else self.runtime.unconfined_note()
 
@@ -158,6 +174,7 @@ class SlurmBackend(Backend):
                             f"and ._-/ only); set FLEETBOX_RUNS to another folder")
         port = spec.port or hostnet.random_port()
         hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
+        self.runtime.refuse(spec, self.runtime_args)
         image = spec.image or self.runtime.default_image(spec.variant, spec.image_ref)
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
@@ -193,8 +210,9 @@ class SlurmBackend(Backend):
                   '{ echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
                   'echo "fleetbox: node $SLURM_NODEID on $(hostname): '
                   '$IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
+        lines += [w if isinstance(w, Raw) else self.words(w, job_id) for w in rt.setup(t)]
         if spec.image_identity:
-            lines += [f"IMAGE_REF={shlex.quote(image)}", rt.identify()]
+            lines += [f"IMAGE_REF={shlex.quote(image)}"] * rt.has_image + [rt.identify()]
         if not rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):   # else mounted before node.sh
             lines.append(self.words(["mkdir", "-p", home_cache], job_id))
         given = []   # the words that hand the runtime the allocated devices
