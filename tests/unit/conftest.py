@@ -51,7 +51,7 @@ def fake_env(folder, variant: str = "cpu", python=sys.executable):
     from pathlib import Path
     folder = Path(folder)
     (folder / "bin").mkdir(parents=True, exist_ok=True)
-    if not (folder / "bin" / "python").is_symlink():
-        (folder / "bin" / "python").symlink_to(python)
+    (folder / "bin" / "python").unlink(missing_ok=True)
+    (folder / "bin" / "python").symlink_to(python)
     (folder / "fleetbox-env.json").write_text(json.dumps({"variant": variant}))
     return folder

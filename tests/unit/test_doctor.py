@@ -262,6 +262,38 @@ def test_image_identity_across_nodes():
     assert [(r.check, r.ok) for r in rows] == [("image", False), ("image", False)]
 
 
+def test_an_env_on_the_nodes_is_the_same_record_and_interpreter_on_every_node():
+    """Runtime none: node.sh says `image env-sha256 <record digest> <interpreter>` (shell/identify_env.sh)."""
+    a, b = "a" * 64, "b" * 64
+    def rows(one):
+        out = {0: f"fleetbox: image env-sha256 {a} /usr/bin/python3.11\n", 1: one}
+        return {(r.node, r.check): r for r in checks.reported_image_rows(out, 2, "/shared/envs/cpu-0123")}
+    same = rows(f"fleetbox: image env-sha256 {a} /usr/bin/python3.11\n")
+    assert same[("node1", "image")].value == f"env-sha256 {a[:12]}, python /usr/bin/python3.11"
+    assert same[("node1", "same env")].ok and same[("node0", "same env")].ok
+    other_lock = rows(f"fleetbox: image env-sha256 {b} /usr/bin/python3.11\n")[("node1", "same env")]
+    assert not other_lock.ok and other_lock.value == f"env-sha256:{b[:12]} (node0: env-sha256:{a[:12]})"
+    assert "make one env with invoke venv on a file system every node sees" in other_lock.fix
+    other_python = rows(f"fleetbox: image env-sha256 {a} /opt/python3.11/bin/python3.11\n")[("node1", "same env")]
+    assert not other_python.ok and other_python.value == "python /opt/python3.11/bin/python3.11 (node0: " \
+                                                         "/usr/bin/python3.11)"
+    missing = rows("fleetbox: image missing /shared/envs/cpu-0123: its interpreter /usr/bin/python3.11 is not on n2\n")
+    assert not missing[("node1", "image")].ok and ("node1", "same env") not in missing
+
+
+def test_without_an_image_paddle_must_import_on_every_node_with_the_modules_loaded():
+    facts = copy.deepcopy(HEALTHY)
+    facts[0]["paddle"] = {"rc": 0, "out": "3.3.1\n", "err": ""}
+    facts[1]["paddle"] = {"rc": 1, "out": "", "err": "Traceback (most recent call last):\n  ...\n"
+                          "ImportError: libgalaxyhip.so.5: cannot open shared object file: No such file or directory\n"}
+    rows = {(r.node, r.check): r for r in checks.evaluate(facts, expect(check_paddle=True), "10.213.77.11")}
+    assert rows[("node0", "import paddle")].ok and rows[("node0", "import paddle")].value == "3.3.1"
+    bad = rows[("node1", "import paddle")]
+    assert not bad.ok and bad.value.startswith("ImportError: libgalaxyhip.so.5: cannot open shared object file")
+    assert "with the env's Python and the modules loaded" in bad.fix and "--modules" in bad.fix
+    assert ("node0", "import paddle") not in {(r.node, r.check) for r in rows_of(facts)}   # an image: not asked
+
+
 def test_sizes():
     assert checks.size_bytes("8g") == 8 << 30 and checks.size_bytes("512M") == 512 << 20
     assert checks.size_bytes("100") == 100

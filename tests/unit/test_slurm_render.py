@@ -1,4 +1,6 @@
 """The sbatch renderer for every runtime and variant family, the export commands and the pull commands."""
+import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -502,3 +504,88 @@ def test_an_allocation_that_hung_ends_hung_or_restarts(tmp_path):
     assert rec["ended"] == "restart" and "FLEETBOX_RESTARTS=1" in sbatch_args
     rec, _, _, _ = _allocation(tmp_path / "c", state="", rc=143, hung_in="6")   # an earlier job's record
     assert rec["ended"] == "failed"
+
+
+def _none(tmp_path, venv=None, **kw):
+    env = fake_env(tmp_path / "env")
+    return slurm.SlurmBackend("none", venv=str(env) if venv is None else venv, **kw)
+
+
+@pytest.mark.parametrize("given,said", [
+    ({"image": "fleetbox/paddle:cpu"}, "--image means a container; with --runtime none the job runs the env given "
+                                       "with --venv"),
+    ({"mounts": (spec_mod.Mount("/data", "/data"),)}, "--mount means a container; with --runtime none the job "
+                                                      "sees the nodes' own file systems"),
+    ({"data_dir": "/somewhere"}, "--data-dir means a container; with --runtime none Paddle reads each node's "
+                                 "~/.cache/paddle/dataset: seed it with `invoke cache --dest ~/.cache/paddle/dataset`"),
+])
+def test_with_no_container_the_options_that_mean_one_are_refused_in_one_line(given, said, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555, **given)
+    with pytest.raises(UserError) as e:
+        _none(tmp_path).plan(spec)
+    assert str(e.value) == said
+
+
+def test_with_no_container_the_default_dataset_cache_is_not_mounted_and_runtime_args_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("FLEETBOX_DATA", str(tmp_path / "cache"))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555,
+                            data_dir=str(tmp_path / "cache"))   # what from_options gives when the default exists
+    node = dict(_none(tmp_path).plan(spec).files)["node.sh"]
+    assert str(tmp_path / "cache") not in node and ".cache" not in node   # no mount, no mount point made
+    assert not re.search(r"[ =:]/(fleetbox|workspace)/", node)   # no container path is left
+    with pytest.raises(UserError, match="^--runtime-args means a container; with --runtime none no runtime is "
+                                        "started$"):
+        _none(tmp_path, runtime_args="--ulimit x").plan(spec)
+
+
+def test_the_env_is_checked_for_every_node_before_anything_is_submitted(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555)
+    fake_env(tmp_path / "envs" / "node0")
+    with pytest.raises(UserError) as e:   # node1's is missing
+        _none(tmp_path, venv=str(tmp_path / "envs" / "{node}")).plan(spec)
+    assert str(e.value) == (f"--venv {tmp_path}/envs/node1 is not an env made by `invoke venv` (no fleetbox-env.json): "
+                            "make one with `invoke venv --variant cpu --dest DIR`")
+    fake_env(tmp_path / "envs" / "node1", variant="cu126")
+    with pytest.raises(UserError, match=r"was made for variant 'cu126', not cpu: give --variant cu126"):
+        _none(tmp_path, venv=str(tmp_path / "envs" / "{node}")).plan(spec)
+    fake_env(tmp_path / "envs" / "node1", python="/nonexistent/python3.11")
+    with pytest.raises(UserError, match=r"envs/node1: its interpreter /nonexistent/python3.11 is not here \(a venv "
+                                        r"needs it at the same path on every node\)"):
+        _none(tmp_path, venv=str(tmp_path / "envs" / "{node}")).plan(spec)
+    with pytest.raises(UserError, match="^--runtime none needs --venv PATH"):
+        _none(tmp_path, venv="").plan(spec)
+    # a placeholder only the node knows: checked there (node.sh), not here
+    assert _none(tmp_path, venv=str(tmp_path / "envs" / "{node_ip}")).plan(spec)
+
+
+@pytest.mark.parametrize("kw", [{"venv": "/x"}, {"modules": "dtk/24.04"}])
+def test_venv_and_modules_are_for_runtime_none(kw):
+    with pytest.raises(UserError, match=r"^--venv and --modules are for --runtime none \(no container\); runtime "
+                                        r"podman runs an image$"):
+        slurm.SlurmBackend("podman", **kw)
+
+
+def test_with_no_container_a_missing_env_or_module_system_is_one_line_in_the_nodes_log(tmp_path, stubs, monkeypatch):
+    """Run node.sh as node 1: an env that is not there, then a module with no module system on the node."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    from tests.unit.conftest import run_node
+    env = fake_env(tmp_path / "env", python=stubs / "python")
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555)
+    node = dict(_none(tmp_path, venv=str(env), modules="dtk/24.04").plan(spec).files)["node.sh"]
+    (env / "fleetbox-env.json").unlink()
+    proc, calls = run_node(node, stubs, tmp_path)
+    assert proc.returncode == 3 and calls == []
+    assert proc.stdout.splitlines()[-1] == (f"fleetbox: image missing {env} is not an env made by invoke venv on "
+                                            f"{os.uname().nodename} (no fleetbox-env.json)")
+    fake_env(env, python=stubs / "python")
+    # no module command, no init script where the node looks (MODULESHOME points nowhere; the usual paths are
+    # checked only when they exist: this host may have one, so the test hides them behind MODULESHOME's own)
+    proc, calls = run_node(node.replace("/usr/share/lmod/lmod/init/bash /usr/share/modules/init/bash", "")
+                           .replace("/etc/profile.d/lmod.sh /etc/profile.d/modules.sh", ""), stubs, tmp_path,
+                           {"MODULESHOME": str(tmp_path / "nowhere")})
+    assert proc.returncode == 4 and calls == []
+    assert proc.stdout.splitlines()[-1] == (f"fleetbox: node 1 on {os.uname().nodename}: no `module` command "
+                                            "(neither Lmod nor Environment Modules is set up here) to load: dtk/24.04")

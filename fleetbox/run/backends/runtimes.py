@@ -405,6 +405,9 @@ class Host(Runtime):
                 return
             check_env(Path(path), spec.variant.name, f"--venv {path}")
 
+    def as_user(self, n):   # the dataset cache is the user's own: nothing is mounted over it
+        return replace(n, mounts=tuple(m for m in n.mounts if m.dst != settings.CONTAINER_CACHE))
+
     def paths(self, n: NodeRun) -> list[tuple[str, str]]:
         """(container path, real path) for each of our mounts, longest first."""
         return sorted(((m.dst, m.src) for m in n.mounts), key=lambda p: -len(p[0]))
