@@ -70,6 +70,21 @@ def wheels(c, variant=None, dest=None):
 
 
 @task(help={"variant": VARIANT_HELP,
+            "dest": "the folder the env goes in, as DEST/<variant>-<lock hash>/ (e.g. on the shared file system)",
+            "python": "the interpreter to make it from, of the lock's Python version (default: python<version> on "
+                      "PATH, else python3)",
+            "wheelhouse": "wheelhouse folder (default wheelhouse/<variant>/)"})
+@_fleetbox
+def venv(c, variant=None, dest=None, python=None, wheelhouse=None):
+    """The variant's locked environment as a venv, no container: offline from the verified wheelhouse; prints its
+    path last (no-op when up to date)."""
+    from fleetbox.image import venvs
+    if not dest:
+        raise UserError("--dest is required: the folder the env goes in, e.g. on the cluster's shared file system")
+    venvs.make(_variant(variant), Path(dest), python, Path(wheelhouse) if wheelhouse else None, log=_log)
+
+
+@task(help={"variant": VARIANT_HELP,
             "bootstrap": "make the base with debootstrap + docker import even when an OS image is available",
             "mirror": "Debian/Ubuntu mirror for the packages (e.g. http://mirrors.tuna.tsinghua.edu.cn/debian)",
             "rebuild": "make the base again even if it exists",

@@ -41,8 +41,13 @@ class Layer:
 
     @property
     def requirements(self) -> str:
-        return "".join(f"{e.name}=={e.version} " + " ".join(f"--hash=sha256:{h}" for h in e.hashes) + "\n"
-                       for e in self.entries)
+        return requirements(self.entries)
+
+
+def requirements(entries) -> str:
+    """Locked entries as a pip requirements file, every allowed hash named (pip's --require-hashes)."""
+    return "".join(f"{e.name}=={e.version} " + " ".join(f"--hash=sha256:{h}" for h in e.hashes) + "\n"
+                   for e in entries)
 
 
 def needs(lock_text: str) -> dict[str, set[str]]:
