@@ -133,7 +133,7 @@ def main():
     report = {"rank": rank, "world": world, "first_loss": np.mean(losses[:5]), "last_loss": np.mean(losses[-5:]),
               "checksums": sums, "params_sha256": digest, "resumed_from": first, "steps": len(losses),
               "samples_per_s": float(total), "seconds": elapsed, "tag": args.tag,
-              "env_tag": os.environ.get("FLEETBOX_TAG")}
+              "env_tag": os.environ.get("FLEETBOX_TAG"), "prefix": sys.prefix}
     ok_loss = report["last_loss"] < 0.5 * report["first_loss"]
     ok_sync = max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0])) and len(set(digests)) == 1
     report.update(loss_falls=bool(ok_loss), params_identical=bool(ok_sync), world_ok=len(sums) == world)

@@ -242,9 +242,11 @@ def docker_images() -> dict[str, str]:
         out = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}"],
                              capture_output=True, text=True)
     except OSError as e:
-        raise Refused(f"cannot run docker: {e.strerror}") from None
+        raise Refused(f"cannot run docker: {e.strerror} (a site with no container engine: load with --skip-images, "
+                      f"then make the env with `invoke venv`)") from None
     if out.returncode != 0:
-        raise Refused(f"the Docker Engine is not reachable: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise Refused(f"the Docker Engine is not reachable: {(out.stderr.strip().splitlines() or ['?'])[-1]} (a site "
+                      f"with no container engine: load with --skip-images, then make the env with `invoke venv`)")
     return dict(ln.split() for ln in out.stdout.splitlines() if len(ln.split()) == 2)
 
 
@@ -266,7 +268,8 @@ class _Undo:
             subprocess.run(["docker", "tag", image, tag], capture_output=True)
 
 
-def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect: bool = False) -> dict:
+def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect: bool = False,
+         skip_images: bool = False) -> dict:
     """Verify, then load; returns what was placed. Raises Refused with one line."""
     if expect is None and not no_expect:
         raise Refused("give --expect SHA256 (the kit's digest, sent apart from it); --no-expect skips that check")
@@ -292,14 +295,17 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
         staging.mkdir()
         info = verify(kit, staging, expect, log)
         check_host(info)
-        before = docker_images()
+        images = [part for part in IMAGE_PARTS if part in info["parts"]]
+        if images and skip_images:   # a site with no container engine: the rest serves `invoke venv`
+            log(f"not loading the {' and the '.join(images)} (--skip-images): no container engine is asked")
+            images = []
+        before = docker_images() if images else {}
         dest.mkdir(exist_ok=True)
         # the images first: an engine that cannot take them stops the load before any folder is placed
-        for part in IMAGE_PARTS:
-            if part in info["parts"]:
-                log(f"loading the {part} into the Docker Engine ({info['parts'][part]['bytes'] / 2**20:.0f} MiB)")
-                undo.expect(info["parts"][part]["tags"], before)
-                run(["docker", "load", "-i", str(staging / info["parts"][part]["files"][0])])
+        for part in images:
+            log(f"loading the {part} into the Docker Engine ({info['parts'][part]['bytes'] / 2**20:.0f} MiB)")
+            undo.expect(info["parts"][part]["tags"], before)
+            run(["docker", "load", "-i", str(staging / info["parts"][part]["files"][0])])
         src = dest / "fleetbox"
         src.mkdir()
         with tarfile.open(staging / "source" / "fleetbox-src.tar") as tar:
@@ -358,10 +364,14 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
     py = q(str(venv / "bin" / "python"))
     log(f"kit loaded into {dest}. Next, with no network needed:")
     log(f"  cd {q(str(src))}")
-    if "image" not in info["parts"]:
-        log(f"  {py} -m invoke build --variant {variant}")
-    log(f"  {py} -m invoke verify --variant {variant}")
-    log(f"  {py} -m invoke train --nodes 2 --variant {variant}")
+    if skip_images:   # no container: the variant's env from the kit's wheelhouse
+        log(f"  {py} -m invoke venv --variant {variant} --dest DIR   # DIR: a folder every node sees")
+        log(f"  {py} -m invoke train --backend slurm --runtime none --venv DIR/{variant}-... --nodes 2")
+    else:
+        if "image" not in info["parts"]:
+            log(f"  {py} -m invoke build --variant {variant}")
+        log(f"  {py} -m invoke verify --variant {variant}")
+        log(f"  {py} -m invoke train --nodes 2 --variant {variant}")
     return {"dest": str(dest), "source": str(src), "venv": str(venv), "images": undo.added, "info": info}
 
 
@@ -375,10 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expect", help="the kit's sha256, sent apart from it")
     ap.add_argument("--no-expect", action="store_true", help="load without checking the kit's own digest")
     ap.add_argument("--dest", default=None, help="a new folder to load into (default: ./fleetbox-<kit name>)")
+    ap.add_argument("--skip-images", action="store_true",
+                    help="load no image (a site with no container engine: `invoke venv` makes the env)")
     a = ap.parse_args(argv)
     dest = Path(a.dest or f"fleetbox-{Path(a.kit).name.rsplit('.', 1)[0]}")
     try:
-        load(Path(a.kit), dest, a.expect, log=lambda m: print(m, flush=True), no_expect=a.no_expect)
+        load(Path(a.kit), dest, a.expect, log=lambda m: print(m, flush=True), no_expect=a.no_expect,
+             skip_images=a.skip_images)
     except Refused as e:
         print(f"kit-load: refused: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,13 @@ def seeded_flowers(cpu_image, tmp_path_factory):
                "--mirror", str(srv)))
     return {"dest": tmp / "cache", "md5_attrs": {"DATA_MD5": md5["102flowers.tgz"],
                                                  "LABEL_MD5": md5["imagelabels.mat"], "SETID_MD5": md5["setid.mat"]}}
+
+
+@pytest.fixture(scope="session")
+def cpu_env(tmp_path_factory):
+    """The cpu variant's locked environment as a venv, made by `invoke venv` from the verified wheelhouse (no
+    container, no network): what a site without containers puts on its shared file system."""
+    _ok(invoke("wheels", "--variant", "cpu"))
+    dest = tmp_path_factory.mktemp("envs")
+    proc = _ok(invoke("venv", "--variant", "cpu", "--dest", str(dest)))
+    return {"path": Path(proc.stdout.strip().splitlines()[-1]), "dest": dest, "proc": proc}

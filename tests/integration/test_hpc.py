@@ -66,6 +66,16 @@ def cluster(tmp_path_factory, cpu_image):
         slurmcluster.stop(d)
 
 
+@pytest.fixture(scope="module")
+def modulefiles(tmp_path_factory):
+    """A site's module of our own (Environment Modules, installed by setup-host.sh): it sets a variable the
+    training script needs (smoke.py --require-env)."""
+    d = tmp_path_factory.mktemp("modulefiles")
+    (d / "fbtest").mkdir()
+    (d / "fbtest" / "1.0").write_text("#%Module1.0\nsetenv FBTEST_LOADED 1.0\n")
+    return str(d)
+
+
 def slurm_train(env, *args):
     return invoke("train", "--backend", "slurm", *args, env=env, timeout=900)
 
@@ -330,16 +340,18 @@ def test_slurm_dry_run_is_what_slurm_got_and_hostile_values_arrive_unchanged(clu
 TIME_LIMIT_STEPS = 360
 
 
-def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_done(cluster, podman_image):
-    """Detached, with a 3-minute limit and work for two or three allocations: Slurm warns (USR1, 30 s before the
-    limit, or up to a minute earlier), the job checkpoints and stops, and the next allocation goes on from there,
-    without help and with no client attached, until smoke.py is done; it is judged on the whole run. `invoke jobs`
-    and `invoke logs --follow` work from another shell, across allocations. Each allocation keeps 90-150 s for
-    work (the rule: at least 60 s after the grace and Slurm's early minute); 180 s of steps never fit in one (seen:
-    257 of 300 steps in the first allocation, under load, with Slurm's warning 2 s before the grace)."""
+def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_done(cluster, cpu_env):
+    """With no container (runtime none: the env's Python on the nodes; the checkpoint folder, the signal path and
+    the chain are the same for every runtime, and the container runtimes' checkpoint mounts are held by the requeue
+    and hang tests). Detached, with a 3-minute limit and work for two or three allocations: Slurm warns (USR1, 30 s
+    before the limit, or up to a minute earlier), the job checkpoints and stops, and the next allocation goes on from
+    there, without help and with no client attached, until smoke.py is done; it is judged on the whole run.
+    `invoke jobs` and `invoke logs --follow` work from another shell, across allocations. Each allocation keeps
+    90-150 s for work (the rule: at least 60 s after the grace and Slurm's early minute); 180 s of steps never fit
+    in one (seen: 257 of 300 steps in the first allocation, under load, with Slurm's warning 2 s before the grace)."""
     env = {**os.environ, **cluster}
-    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
-                          "--runtime-args", PODMAN_ARGS, "--time", "3", "--signal-grace", "30",
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "none",
+                          "--venv", str(cpu_env["path"]), "--time", "3", "--signal-grace", "30",
                           "--max-allocations", "6", "--detach",
                           "--args", f"--steps {TIME_LIMIT_STEPS} --step-sleep 0.5 --checkpoint-every 10"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -536,6 +548,68 @@ def doctor_report(proc) -> dict:
 
 def failing(report) -> set:
     return {(r["node"], r["check"]) for r in report["rows"] if not r["ok"]}
+
+
+def test_slurm_without_a_container_runs_the_env_after_the_sites_module(cluster, cpu_env, modulefiles):
+    """Runtime none: each node loads the module (its variable reaches every rank), then runs Paddle's launcher
+    with the env's Python: the same job, no container."""
+    proc = slurm_train({**cluster, "MODULEPATH": modulefiles}, "--runtime", "none", "--venv", str(cpu_env["path"]),
+                       "--modules", "fbtest/1.0", "--args", "--steps 20 --require-env FBTEST_LOADED")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s, job_dir = summary(proc)
+    assert s["ok"] and s["smoke"]["world"] == 2 and s["smoke"]["params_identical"] and s["smoke"]["steps"] == 20
+    for k in (0, 1):
+        log = Path(job_dir, f"node{k}.log").read_text()
+        assert f"fleetbox: node {k} on node{k + 1}: modules loaded: fbtest/1.0" in log, log
+        worker = Path(job_dir, f"node{k}", "workerlog.0").read_text()
+        smoke = json.loads(worker.split("FLEETBOX-SMOKE ")[1].splitlines()[0])
+        assert smoke["prefix"] == str(cpu_env["path"]) and smoke["rank"] == k   # the env's Python ran each rank
+    assert json.loads(Path(job_dir, "job.json").read_text())["image"] == str(cpu_env["path"])
+    assert subprocess.run(["podman", "ps", "-aq"], capture_output=True, text=True).stdout == ""
+
+
+def test_slurm_without_a_container_an_unknown_module_is_named_with_the_module_systems_message(cluster, cpu_env,
+                                                                                              modulefiles):
+    proc = slurm_train({**cluster, "MODULEPATH": modulefiles}, "--runtime", "none", "--venv", str(cpu_env["path"]),
+                       "--modules", "fbtest/9.9", "--args", "--require-env FBTEST_LOADED")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    s, job_dir = summary(proc)
+    k = s["culprit"]   # both nodes fail alike: the one srun reported first
+    assert not s["ok"] and k in (0, 1) and s["nodes"][k]["exit_code"] == 4, s
+    said = "\n".join(s["log_tail"])
+    assert "ERROR: Unable to locate a modulefile for 'fbtest/9.9'" in said, said   # Environment Modules' own words
+    assert f"fleetbox: node {k} on node{k + 1}: `module load fbtest/9.9` failed: ERROR: Unable to locate a " \
+           f"modulefile for 'fbtest/9.9'" in said
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"fleetbox: train failed: node{k} (rank {k}) on node{k + 1} stopped before the training: `module load "
+        f"fbtest/9.9` failed: ERROR: Unable to locate a modulefile for 'fbtest/9.9' (exit 4) (logs: "), proc.stderr
+
+
+def test_slurm_doctor_without_a_container_checks_the_env_on_every_node(cluster, cpu_env, tmp_path):
+    """Passes with one env; fails naming node1 when node1's env was made from another lock (a copy of the env
+    whose record says so: the test cluster's nodes share one file system, so {node} in --venv gives each its own)."""
+    proc = invoke("doctor", "--backend", "slurm", "--runtime", "none", "--venv", str(cpu_env["path"]), "--nodes",
+                  "2", "--quick", env=cluster, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    rep = doctor_report(proc)
+    rows = {(r["node"], r["check"]): r for r in rep["rows"]}
+    assert rep["ok"] and rep["runtime"] == "none"
+    assert rows[("node1", "import paddle")]["value"] == "3.3.1" and rows[("node1", "same env")]["ok"]
+    assert rows[("node0", "image")]["value"].startswith("env-sha256 ")
+    assert rows[("node1", "route to master")]["value"] == "10.213.77.11 via fbn2e 10.213.77.12"
+    envs = tmp_path / "envs"
+    envs.mkdir()
+    (envs / "node0").symlink_to(cpu_env["path"])
+    subprocess.run(["cp", "-al", str(cpu_env["path"]), str(envs / "node1")], check=True)   # hard links: instant
+    record = json.loads((envs / "node1" / "fleetbox-env.json").read_text())
+    (envs / "node1" / "fleetbox-env.json").unlink()   # a new file: the original env's is left alone
+    (envs / "node1" / "fleetbox-env.json").write_text(json.dumps({**record, "lock_sha256": "0" * 64}))
+    proc = invoke("doctor", "--backend", "slurm", "--runtime", "none", "--venv", str(envs / "{node}"), "--nodes",
+                  "2", "--quick", env=cluster, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr
+    rep = doctor_report(proc)
+    assert failing(rep) == {("node1", "same env")}, proc.stdout[-3000:]
+    assert "  ✗ node1 same env: node1 runs another env than node0" in proc.stdout
 
 
 def test_slurm_doctor_with_podman_passes_every_check_and_sweeps(cluster, podman_image):

@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from packaging.utils import canonicalize_name
@@ -23,12 +22,10 @@ CLEAN = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    _ok(invoke("wheels", "--variant", "cpu"))   # reused when complete (FLEETBOX_WHEELHOUSE in CI)
-    dest = tmp_path_factory.mktemp("venvs") / "shared"   # made by `invoke venv`
-    made = _ok(invoke("venv", "--variant", "cpu", "--dest", str(dest), timeout=900))
+def env(cpu_env):
+    """The session's env (conftest.cpu_env: `invoke venv` into a fresh folder), which the Slurm tests also run."""
     lock_text, entries = locks.read(CPU)
-    return {"dest": dest, "path": Path(made.stdout.strip().splitlines()[-1]), "made": made,
+    return {"dest": cpu_env["dest"], "path": cpu_env["path"], "made": cpu_env["proc"],
             "lock_sha256": locks.lock_hash(lock_text), "entries": entries}
 
 

@@ -589,3 +589,17 @@ def test_with_no_container_a_missing_env_or_module_system_is_one_line_in_the_nod
     assert proc.returncode == 4 and calls == []
     assert proc.stdout.splitlines()[-1] == (f"fleetbox: node 1 on {os.uname().nodename}: no `module` command "
                                             "(neither Lmod nor Environment Modules is set up here) to load: dtk/24.04")
+
+
+def test_a_node_that_node_sh_stopped_says_why_in_the_summary(tmp_path):
+    log = tmp_path / "node1.log"
+    log.write_text("fleetbox: node 1 on n2: eth0 10.0.0.2 -> master 10.0.0.1:29555\n"
+                   "ERROR: Unable to locate a modulefile for 'dtk/9'\n"
+                   "fleetbox: node 1 on n2: `module load dtk/9` failed: ERROR: Unable to locate a modulefile for "
+                   "'dtk/9'\n")
+    assert slurm.node_said(log) == "`module load dtk/9` failed: ERROR: Unable to locate a modulefile for 'dtk/9'"
+    log.write_text("fleetbox: image missing /s/envs/cpu-0 is not an env made by invoke venv on n2 (no x)\n")
+    assert slurm.node_said(log) == "image missing /s/envs/cpu-0 is not an env made by invoke venv on n2 (no x)"
+    log.write_text("fleetbox: node 1 on n2: eth0 10.0.0.2 -> master 10.0.0.1:29555\nTraceback ...\nValueError: x\n")
+    assert slurm.node_said(log) == ""   # the training ran: its own words are the log's tail
+    assert slurm.node_said(tmp_path / "missing.log") == ""

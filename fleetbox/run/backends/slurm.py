@@ -427,6 +427,7 @@ class SlurmBackend(Backend):
         hung = hang_of(job_dir, last) if last else None   # its stacks blame a node, not its exit
         if hung is not None:
             bad = hung["node"]
+        said = node_said(job_dir / f"node{bad}.log") if bad is not None else ""   # node.sh stopped it, saying why
         by_rank = {f.rank: (f.code, f.node, f.oom) for f in fails}
         stopped = {f.rank for f in fails if f not in suspects}
         nodes = []
@@ -436,7 +437,9 @@ class SlurmBackend(Backend):
                                     "hung" if hung and k == bad else "ok" if code == 0 else "FAILED" if k == bad
                                     else "stopped" if k in stopped
                                     else "aborted" if code else "?",
-                                    str(job_dir / f"node{k}.log"), oom_killed=oom))
+                                    str(job_dir / f"node{k}.log"), oom_killed=oom,
+                                    why=f"stopped before the training: {said} (exit {code})"
+                                    if said and k == bad and code in NODE_EXITS else ""))
         ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
         r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=self.attempts_are,
                       name_host=self.names_hosts,
@@ -566,6 +569,18 @@ def time_seconds(value: str) -> int | None:
     else:
         h, m, sec = parts
     return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+
+
+NODE_EXITS = (2, 3, 4)   # node.sh's own: no route or allocation, no image or env, modules
+NODE_SAID = re.compile(r"^fleetbox: (?:node \d+ on [^:\s]+: (.+)|(image missing .+))$")
+
+
+def node_said(node_log: Path) -> str:
+    """Why node.sh stopped its node before the training started (a module, the allocation, the image or env), from
+    the line it printed last; "" when the training ran."""
+    lines = [ln for ln in (node_log.read_text(errors="replace") if node_log.exists() else "").splitlines() if ln]
+    m = NODE_SAID.match(lines[-1]) if lines else None
+    return (m.group(1) or m.group(2)) if m else ""
 
 
 def node_host(node_log: Path) -> str:

@@ -19,11 +19,15 @@ if [ "$#" -gt 0 ]; then
   if ! type module >/dev/null 2>&1; then
     echo "fleetbox: node $SLURM_NODEID on $(hostname): no \`module\` command (neither Lmod nor Environment Modules is set up here) to load: $*"; exit 4
   fi
-  for m in "$@"; do
-    if ! module load "$m"; then
-      echo "fleetbox: node $SLURM_NODEID on $(hostname): \`module load $m\` failed (the module system's message is above)"; exit 4
+  said=$(mktemp)
+  for m in "$@"; do   # in this shell (a module changes its environment); what it says is kept for the summary
+    module load "$m" 2>"$said"; rc=$?
+    cat "$said" >&2
+    if [ "$rc" -ne 0 ]; then
+      echo "fleetbox: node $SLURM_NODEID on $(hostname): \`module load $m\` failed: $(grep -m 1 . "$said")"; rm -f "$said"; exit 4
     fi
   done
+  rm -f "$said"
   set -eu
   echo "fleetbox: node $SLURM_NODEID on $(hostname): modules loaded: $*"
 fi
