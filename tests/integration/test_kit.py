@@ -285,3 +285,38 @@ def test_the_site_loads_the_kit_then_builds_verifies_and_trains_with_no_network(
     there = in_site(site, "docker", "images", "--format", "{{.Tag}}", "fleetbox/paddle").stdout.split()
     content = [t for t in there if t.startswith("cpu-")]
     assert len(content) == 1 and content[0] in here, (there, here)
+
+
+def test_a_site_with_no_container_engine_loads_the_kit_and_makes_the_env_from_it(kit, tmp_path):
+    """No docker command at all (PATH holds every tool of this machine but docker): the loader refuses in one line
+    saying what to do, loads with --skip-images, and the loaded fleetbox makes the variant's env from the kit's
+    own wheelhouse (invoke venv), offline; Paddle imports in it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for d in ("/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        for tool in Path(d).iterdir() if Path(d).is_dir() else ():
+            if not tool.name.startswith("docker") and not (bin_dir / tool.name).exists():
+                (bin_dir / tool.name).symlink_to(tool)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEETBOX_", "DOCKER_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}:{bin_dir}"
+    assert subprocess.run(["sh", "-c", "command -v docker"], env=env, capture_output=True).returncode != 0
+    assert subprocess.run(["tar", "-xf", str(kit["path"]), "-C", str(tmp_path), "kit-load.py"]).returncode == 0
+    load = [sys.executable, str(tmp_path / "kit-load.py"), str(kit["path"]), "--expect", kit["sha"], "--dest"]
+    proc = subprocess.run([*load, str(tmp_path / "refused")], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and not (tmp_path / "refused").exists()
+    assert proc.stderr.strip() == ("kit-load: refused: cannot run docker: No such file or directory (a site with no "
+                                   "container engine: load with --skip-images, then make the env with `invoke venv`)")
+    dest = tmp_path / "site"
+    proc = subprocess.run([*load, str(dest), "--skip-images"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not loading the base (--skip-images): no container engine is asked" in proc.stdout
+    py, src = dest / "venv" / "bin" / "python", dest / "fleetbox"
+    assert f"{py} -m invoke venv --variant cpu --dest DIR" in proc.stdout
+    proc = subprocess.run([str(py), "-m", "invoke", "venv", "--variant", "cpu", "--dest", str(tmp_path / "envs")],
+                          env=env, capture_output=True, text=True, cwd=src, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    made = Path(proc.stdout.strip().splitlines()[-1])
+    assert made.parent == tmp_path / "envs" and made.name.startswith("cpu-")
+    got = subprocess.run([str(made / "bin" / "python"), "-c", "import paddle, cv2, scipy; print(paddle.__version__)"],
+                         env=env, capture_output=True, text=True)
+    assert got.stdout.strip() == matrix.load().get("cpu").paddle_version, got.stderr[-2000:]
