@@ -298,7 +298,9 @@ def _build(variant: Variant, it: Interpreter, libc, wheel_dir: Path, entries, lo
     helpers = tmp / HELPERS
     helpers.mkdir()
     for src in sorted(settings.HELPERS.glob("*.py")):
-        if src.name != "__init__.py":   # the package's own file; the helpers are top-level modules
+        # the package's own file; and sitecustomize, which a job's launch puts on PYTHONPATH itself (hang
+        # detection) and which would otherwise run in every Python of the env
+        if src.name not in ("__init__.py", "sitecustomize.py"):
             shutil.copy(src, helpers / src.name)
     (site / f"{HELPERS}.pth").write_text(f"{final / HELPERS}\n")
     # the .pyc files name the final path (tracebacks); exit 1 is a file that does not compile (a Python 2

@@ -1,5 +1,5 @@
-"""Run by every Python in a fleetbox job container (the helpers folder is first on PYTHONPATH), for hang
-detection; it does nothing outside a job (no FLEETBOX_PROGRESS_DIR).
+"""fleetbox's own sitecustomize. Run by every Python in a fleetbox job (the helpers folder is first on
+PYTHONPATH), for hang detection; it does nothing outside a job (no FLEETBOX_PROGRESS_DIR).
 
 - In a training rank (Paddle's launcher sets PADDLE_TRAINER_ID): faulthandler writes every thread's Python
   stack to <log folder>/stacks-rank<r>.txt on SIGUSR2 (a C-level handler: it works while the rank is stuck in
@@ -82,12 +82,24 @@ def _relay(d: str) -> None:
     threading.Thread(target=loop, name="fleetbox-stacks-relay", daemon=True).start()
 
 
+OURS = b"fleetbox's own sitecustomize"   # in the first line of this file
+
+
+def _ours(folder: str) -> bool:
+    """The folder holds a copy of this file (another checkout's helpers, say): running it would run this again."""
+    try:
+        with open(os.path.join(folder or ".", "sitecustomize.py"), "rb") as f:
+            return OURS in f.read(256)
+    except OSError:
+        return False
+
+
 def _next_sitecustomize() -> None:
-    """The sitecustomize this one shadows (the next on sys.path), run as its own module."""
+    """The sitecustomize this one shadows (the next on sys.path that is not a copy of this one), run as its own
+    module."""
     import importlib.machinery
     import importlib.util
-    here = os.path.dirname(os.path.realpath(__file__))
-    rest = [p for p in sys.path if os.path.realpath(p or ".") != here]
+    rest = [p for p in sys.path if not _ours(p)]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)

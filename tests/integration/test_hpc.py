@@ -564,6 +564,9 @@ def test_slurm_without_a_container_runs_the_env_after_the_sites_module(cluster, 
         worker = Path(job_dir, f"node{k}", "workerlog.0").read_text()
         smoke = json.loads(worker.split("FLEETBOX-SMOKE ")[1].splitlines()[0])
         assert smoke["prefix"] == str(cpu_env["path"]) and smoke["rank"] == k   # the env's Python ran each rank
+        assert "no hang detection" not in log + worker   # the helpers' sitecustomize ran, once
+        progress = json.loads(Path(job_dir, f"node{k}", f"progress-rank{k}.json").read_text())
+        assert progress["step"] == 20 and progress["done"], progress   # hang detection saw every step
     assert json.loads(Path(job_dir, "job.json").read_text())["image"] == str(cpu_env["path"])
     assert subprocess.run(["podman", "ps", "-aq"], capture_output=True, text=True).stdout == ""
 

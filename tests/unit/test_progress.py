@@ -80,3 +80,23 @@ def test_the_relay_passes_on_only_a_new_request_and_only_to_its_own_children(tmp
         mine.wait()
         if process_start(stranger):
             os.kill(stranger, signal.SIGKILL)
+
+
+def test_a_second_copy_of_the_helpers_on_the_path_runs_once_and_the_sites_own_sitecustomize_still_runs(tmp_path):
+    """As in an env made by `invoke venv` with an older copy of the helpers, or two checkouts: each copy skips
+    the others (they ran it into a RecursionError before), and the next sitecustomize that is not ours runs."""
+    import shutil
+    copy, site_dir = tmp_path / "copy", tmp_path / "site"
+    copy.mkdir()
+    site_dir.mkdir()
+    for f in settings.HELPERS.glob("*.py"):
+        shutil.copy(f, copy / f.name)
+    (site_dir / "sitecustomize.py").write_text("import os\nprint('site ran', os.getpid(), flush=True)\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    proc = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": f"{settings.HELPERS}:{copy}:{site_dir}",
+                               "FLEETBOX_PROGRESS_DIR": str(logs), "PADDLE_TRAINER_ID": "0"})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [f"site ran {proc.stdout.split()[2]}", "ok"]   # once, then the script
+    assert (logs / "progress-rank0.json").exists()
