@@ -56,8 +56,24 @@ PartitionName=debug Nodes={','.join(f'node{k}' for k in range(1, len(addrs) + 1)
 """
 
 
+HOSTS = Path("/etc/hosts")
+HOSTS_MARK = "# fleetbox test cluster"
+
+
+def _names(addrs: list[str] | None) -> None:
+    """The nodes' names in /etc/hosts while the cluster runs (None: taken out), as a site's DNS or hosts file
+    has them: Paddle's launcher resolves its node's host name (getfqdn), which otherwise waits for the
+    resolver's timeout (10 s here) in every launcher and rank. Rewritten in place: it may be a bind mount."""
+    lines = [ln for ln in HOSTS.read_text().splitlines() if not ln.endswith(HOSTS_MARK)]
+    lines += [f"{ip} node{k} {HOSTS_MARK}" for k, ip in enumerate(addrs or [], 1)]
+    with open(HOSTS, "r+") as f:
+        f.write("\n".join(lines) + "\n")
+        f.truncate()
+
+
 def start(d: Path, n: int = 2) -> dict:
     addrs = fabric.network(n)
+    _names(addrs)
     _munge(d)
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True, exist_ok=True)
@@ -109,3 +125,4 @@ def stop(d: Path, n: int = 2) -> None:
     if (d / "started-munged").exists():
         subprocess.run(["pkill", "-x", "munged"], capture_output=True)
     fabric.teardown(n)
+    _names(None)
