@@ -490,8 +490,9 @@ def same_image(ids: dict[int, tuple[str, str]], nodes: int, ref: str) -> list[Ro
                 f"python {tag} (node0: {ids[0][1]})"
             rows.append(Row(f"node{k}", "same env", ok, "as node0" if ok else what,
                             "= node0's env record and interpreter", "" if ok else
-                            f"node{k} runs another env than node0 (another lock, or another interpreter): make one "
-                            f"env with invoke venv on a file system every node sees and give it to every node"))
+                            f"node{k} runs another env than node0 (made from another lock, or linked to another "
+                            f"interpreter): make the env with invoke venv on a file system every node sees, or from "
+                            f"the same lock with the same interpreter path on each node"))
             continue
         rows.append(Row(f"node{k}", "same image", ok, "as node0" if ok else f"{ident[:19]} (node0: {ids[0][0][:19]})",
                         "= node0's ID and content tag", "" if ok else
@@ -513,12 +514,16 @@ def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[R
         m = REPORTED_IMAGE.search(outputs.get(k, ""))
         node = f"node{k}"
         if not m:
-            rows.append(Row(node, "image", False, "not reported", "present", "node.sh did not run on this node: see "
-                            "the batch output (slurm-<id>.out)"))
+            said = [ln for ln in outputs.get(k, "").splitlines() if ln.startswith("fleetbox: node ")][-1:]
+            rows.append(Row(node, "image", False, "not reported", "present", said[0].split(": ", 2)[-1] if said
+                            else "node.sh did not run on this node: see the batch output (slurm-<id>.out)"))
         elif m.group(1) == "missing":
+            env = "invoke venv" in m.group(3) or "interpreter" in m.group(3)   # runtime none: an env, not an image
             rows.append(Row(node, "image", False, f"not found: {(m.group(2) + ' ' + m.group(3)).strip()[:80]}",
-                            "present", f"{ref} is not on this node: put it on the shared file system or pull it "
-                                       f"there (invoke export / pull)"))
+                            "present", "make the env with invoke venv on a file system every node sees, its "
+                                       "interpreter at the same path on every node" if env else
+                            f"{ref} is not on this node: put it on the shared file system or pull it "
+                            f"there (invoke export / pull)"))
         elif m.group(1) == "ref":
             rows.append(Row(node, "image", True, f"{m.group(2)} (a registry reference, pulled by each node)",
                             "present; identity not checked"))

@@ -273,7 +273,7 @@ def test_an_env_on_the_nodes_is_the_same_record_and_interpreter_on_every_node():
     assert same[("node1", "same env")].ok and same[("node0", "same env")].ok
     other_lock = rows(f"fleetbox: image env-sha256 {b} /usr/bin/python3.11\n")[("node1", "same env")]
     assert not other_lock.ok and other_lock.value == f"env-sha256:{b[:12]} (node0: env-sha256:{a[:12]})"
-    assert "make one env with invoke venv on a file system every node sees" in other_lock.fix
+    assert "make the env with invoke venv on a file system every node sees" in other_lock.fix
     other_python = rows(f"fleetbox: image env-sha256 {a} /opt/python3.11/bin/python3.11\n")[("node1", "same env")]
     assert not other_python.ok and other_python.value == "python /opt/python3.11/bin/python3.11 (node0: " \
                                                          "/usr/bin/python3.11)"

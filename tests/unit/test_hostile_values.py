@@ -110,8 +110,10 @@ def test_with_no_container_a_hostile_value_never_runs_and_arrives_unchanged(raw,
     spec = replace(hostile_spec(tmp_path, payload, iface="eth0"), mounts=())
     backend = slurm.SlurmBackend("none", venv=f"{envs}/{{node}}", modules=f"{shlex.quote(payload)} dtk/24.04")
     plan = backend.plan(spec)
-    calls = run_node_script(dict(plan.files)["node.sh"], stubs, tmp_path)
-    assert not marker.exists(), "the payload ran"
+    # a stub `module` cannot change the shell's environment: the loaded list is the one a module system keeps
+    proc, calls = run_node(dict(plan.files)["node.sh"], stubs, tmp_path, {"LOADEDMODULES": f"{payload}:dtk/24.04"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not marker.exists() and list((tmp_path / "cwd").iterdir()) == [], "the payload ran"
     assert [c["argv"] for c in calls if c["tool"] == "module"] == [["load", payload], ["load", "dtk/24.04"]]
     (call,) = [c for c in calls if c["tool"] == "python"]
     cmd, env = call["argv"], call["env"]
@@ -121,6 +123,7 @@ def test_with_no_container_a_hostile_value_never_runs_and_arrives_unchanged(raw,
     assert env["EVIL"] == payload and env["WHERE"] == "node1" and env["FLEETBOX_VENV"] == f"{envs}/node1"
     assert env["PYTHONPATH"].split(":")[0] == str(settings.HELPERS)
     assert env["FLEETBOX_CHECKPOINT_DIR"] == plan.checkpoints and env["FLEETBOX_PROGRESS_DIR"] == f"{plan.dir}/node1"
+    assert env["VIRTUAL_ENV"] == f"{envs}/node1" and env["PATH"].startswith(f"{envs}/node1/bin:")
 
 
 @pytest.mark.parametrize("field,value,needle", [

@@ -1,4 +1,5 @@
 """The sbatch renderer for every runtime and variant family, the export commands and the pull commands."""
+import json
 import os
 import re
 import shutil
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
@@ -603,3 +605,40 @@ def test_a_node_that_node_sh_stopped_says_why_in_the_summary(tmp_path):
     log.write_text("fleetbox: node 1 on n2: eth0 10.0.0.2 -> master 10.0.0.1:29555\nTraceback ...\nValueError: x\n")
     assert slurm.node_said(log) == ""   # the training ran: its own words are the log's tail
     assert slurm.node_said(tmp_path / "missing.log") == ""
+
+
+def test_with_no_container_a_module_that_did_not_load_stops_the_node_and_the_sites_pythonpath_is_kept(
+        tmp_path, stubs, monkeypatch):
+    """A `module` that returns 0 without loading (Environment Modules 3.2 for an unknown name) stops the node; a
+    loaded one's PYTHONPATH follows the helpers; a relative --venv is made absolute (node.sh runs elsewhere)."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    monkeypatch.chdir(tmp_path)
+    from tests.unit.conftest import run_node
+    fake_env(tmp_path / "mine", python=stubs / "python")
+    (stubs / "module").symlink_to(stubs / "python")   # records its arguments, returns 0, changes nothing
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555)
+    node = dict(_none(tmp_path, venv="mine", modules="dtk/24.04").plan(spec).files)["node.sh"]
+    assert f"export FLEETBOX_VENV={tmp_path}/mine\n" in node
+    proc, calls = run_node(node, stubs, tmp_path, {"LOADEDMODULES": "gcc/12"})
+    assert proc.returncode == 4 and [c["tool"] for c in calls] == ["module"]
+    assert proc.stdout.splitlines()[-1] == (f"fleetbox: node 1 on {os.uname().nodename}: `module load dtk/24.04` "
+                                            "failed: it is not among the loaded modules (gcc/12)")
+    proc, calls = run_node(node, stubs, tmp_path, {"LOADEDMODULES": "gcc/12:dtk/24.04", "PYTHONPATH": "/site/py"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (launch,) = [c for c in calls if c["tool"] == "python"]
+    assert launch["env"]["PYTHONPATH"] == f"{settings.HELPERS}:/site/py"
+
+
+def test_two_envs_from_one_lock_report_one_identity(tmp_path, stubs):
+    """shell/identify_env.sh as node.sh runs it: the lock's sha256 and the interpreter, not when the env was made."""
+    script = runtimes.template("identify_env.sh", RECORD=runtimes.ENV_RECORD)
+    said = []
+    for k, made in enumerate((1000, 2000)):
+        env = fake_env(tmp_path / f"env{k}", python=stubs / "python")
+        (env / "fleetbox-env.json").write_text(json.dumps({"variant": "cpu", "lock_sha256": "ab" * 32, "made": made,
+                                                           "fleetbox_revision": str(k)}, indent=k))
+        out = subprocess.run(["bash", "-c", script], env={"FLEETBOX_VENV": str(env), "PATH": "/usr/bin:/bin"},
+                             capture_output=True, text=True)
+        said.append(out.stdout.strip())
+    assert said == [f"fleetbox: image env-sha256 {'ab' * 32} {stubs / 'python'}"] * 2
+

@@ -379,7 +379,9 @@ class Host(Runtime):
     OURS = ("FLEETBOX_CHECKPOINT_DIR", "FLEETBOX_PROGRESS_DIR", "FLEETBOX_RESUME", "PYTHONPATH")   # path values
 
     def __init__(self, venv: str = "", modules: tuple[str, ...] = ()):
-        self.venv, self.modules = venv, tuple(modules)
+        # absolute: node.sh runs from the script's folder (a path starting with a placeholder is the node's)
+        self.venv = venv if not venv or venv.startswith("{") else os.path.abspath(venv)
+        self.modules = tuple(modules)
 
     def refuse(self, spec, runtime_args: tuple[str, ...]) -> None:
         """The options that mean a container, each refused in one line; the env checked where this machine sees
@@ -437,6 +439,9 @@ class Host(Runtime):
     def exports(self, n):
         paths = self.paths(n)
         return {k: self.real(v, paths, ":") if k in self.OURS else v for k, v in n.env.items()}
+
+    def prelude_for(self, n):   # the site's PYTHONPATH (a module's) after the helpers and the user's --env
+        return [Raw('[ -z "$SITE_PYTHONPATH" ] || export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE_PYTHONPATH"')]
 
     def launch(self, n, image, extra=()):
         paths = self.paths(n)

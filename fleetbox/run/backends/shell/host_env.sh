@@ -7,28 +7,34 @@ fi
 if [ ! -x "$FLEETBOX_VENV/bin/python" ]; then
   echo "fleetbox: image missing $FLEETBOX_VENV: its interpreter $(readlink "$FLEETBOX_VENV/bin/python") is not on $(hostname) (a venv needs it at the same path on every node)"; exit 3
 fi
-if [ "$#" -gt 0 ]; then
+MODULES=("$@"); set --   # an init script may read or shift the positional parameters
+if [ "${#MODULES[@]}" -gt 0 ]; then
   set +eu
   if ! type module >/dev/null 2>&1; then
-    for init in ${MODULESHOME:+"$MODULESHOME/init/bash"} /usr/share/lmod/lmod/init/bash /usr/share/modules/init/bash \
+    for init in ${MODULESHOME:+"$MODULESHOME/init/bash"} ${LMOD_PKG:+"$LMOD_PKG/init/bash"} \
+        /usr/share/lmod/lmod/init/bash /usr/share/modules/init/bash /etc/profile.d/z00_lmod.sh \
         /etc/profile.d/lmod.sh /etc/profile.d/modules.sh; do
       # shellcheck source=/dev/null
       if [ -r "$init" ]; then . "$init"; break; fi
     done
   fi
   if ! type module >/dev/null 2>&1; then
-    echo "fleetbox: node $SLURM_NODEID on $(hostname): no \`module\` command (neither Lmod nor Environment Modules is set up here) to load: $*"; exit 4
+    echo "fleetbox: node $SLURM_NODEID on $(hostname): no \`module\` command (neither Lmod nor Environment Modules is set up here) to load: ${MODULES[*]}"; exit 4
   fi
-  said=$(mktemp)
-  for m in "$@"; do   # in this shell (a module changes its environment); what it says is kept for the summary
+  said=$(mktemp) || { echo "fleetbox: node $SLURM_NODEID on $(hostname): no temporary file for the modules' messages"; exit 4; }
+  for m in "${MODULES[@]}"; do   # in this shell (a module changes its environment); its words kept for the summary
     module load "$m" 2>"$said"; rc=$?
     cat "$said" >&2
+    why=$(grep -m 1 . "$said")
+    # Environment Modules 3.2 returns 0 for a module it cannot find: it must be among the loaded ones too
+    case ":${LOADEDMODULES:-}:" in *":$m:"*|*":$m/"*) ;; *) [ "$rc" -ne 0 ] || rc=1 why="${why:-it is not among the loaded modules (${LOADEDMODULES:-none})}";; esac
     if [ "$rc" -ne 0 ]; then
-      echo "fleetbox: node $SLURM_NODEID on $(hostname): \`module load $m\` failed: $(grep -m 1 . "$said")"; rm -f "$said"; exit 4
+      echo "fleetbox: node $SLURM_NODEID on $(hostname): \`module load $m\` failed: $why"; rm -f "$said"; exit 4
     fi
   done
   rm -f "$said"
   set -eu
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): modules loaded: $*"
+  echo "fleetbox: node $SLURM_NODEID on $(hostname): modules loaded: ${MODULES[*]}"
 fi
-set --
+SITE_PYTHONPATH="${PYTHONPATH:-}"   # a module's (or the caller's): kept after the helpers
+export VIRTUAL_ENV="$FLEETBOX_VENV" PATH="$FLEETBOX_VENV/bin:$PATH"   # as the images have their venv
