@@ -62,3 +62,6 @@ LABEL_INPUTS = "io.fleetbox.inputs-sha256"   # the digest of everything the imag
 LABEL_LOCK = "io.fleetbox.lock-sha256"
 LABEL_FREEZE = "io.fleetbox.pip-freeze"      # `pip freeze` of the image's environment
 LABEL_ROLE = "io.fleetbox.role"              # a container fleetbox runs that is not a job's (verify)
+
+# An env made by `invoke venv` (image/venvs.py): its record, written last; the Slurm runtime none reads it.
+ENV_RECORD = "fleetbox-env.json"

@@ -33,7 +33,7 @@ from fleetbox.image import images, layers, locks, wheelhouse
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
 
-RECORD = "fleetbox-env.json"        # the Slurm runtime reads these names: keep them
+RECORD = settings.ENV_RECORD        # the Slurm runtime reads these names: keep them
 FREEZE = "fleetbox-freeze.txt"
 HELPERS = "fleetbox-helpers"        # the in-container helpers' copy, on the env's path through HELPERS.pth
 

@@ -344,7 +344,7 @@ class Pyxis(Runtime):
                 ["srun", f"--container-image={out_name}.sqsh", "..."]]
 
 
-ENV_RECORD = "fleetbox-env.json"   # what `invoke venv` writes last into an env (image/venvs.py)
+ENV_RECORD = settings.ENV_RECORD   # what `invoke venv` writes last into an env (image/venvs.py)
 
 
 def check_env(path: Path, variant: str, what: str) -> dict:
