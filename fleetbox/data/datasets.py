@@ -341,6 +341,9 @@ def pack(datasets: list[Dataset], dest: Path, out: Path) -> Path:
         raise
 
 
+PACK_RATIO, PACK_SLACK = 2, 4 << 20   # how much larger than its pack a pack's files may be
+
+
 def restore(archive: Path, dest: Path, manifest: dict[str, Dataset] | None = None, log=print) -> list[dict]:
     """Restore a cache archive into `dest`. Only the manifest's files are accepted, each checked against the
     manifest's MD5 and the pack's SHA-256, in a temp folder; they move into place only when all passed, so a
@@ -382,7 +385,7 @@ def _index(blob: bytes, archive: Path) -> dict[str, dict]:
         files = json.loads(blob)["files"]
         ok = isinstance(files, dict) and all(
             isinstance(m, dict) and isinstance(m.get("md5"), str) and isinstance(m.get("sha256"), str)
-            for m in files.values())
+            and type(m.get("bytes")) is int for m in files.values())
     except (ValueError, TypeError, KeyError):   # ValueError: not JSON, or not UTF-8
         ok = False
     if not ok:
@@ -404,6 +407,12 @@ def _verified_copy(archive: Path, staging: Path, known: dict[str, DataFile]) -> 
         if PACK_INDEX not in names:
             raise UserError(f"{archive} has no {PACK_INDEX}: not made by `invoke cache --pack`")
         index = _index((tar.extractfile(members[names.index(PACK_INDEX)]) or io.BytesIO()).read(), archive)
+        # Before a byte is written: the data sets' files are compressed already, so their pack, gzipped or not,
+        # is about their size; a few KiB that unpack to GiBs (a bomb) are no pack of them.
+        unpacked, packed = sum(m.size for m in members if m.isfile()), archive.stat().st_size
+        if unpacked > PACK_RATIO * packed + PACK_SLACK:
+            raise UserError(f"refusing archive: {archive.name} ({packed} bytes) would unpack to {unpacked} bytes; "
+                            f"a pack of data set files, compressed already, is about their size")
         rows = {}
         for m, name in zip(members, names):
             if m.isdir() or name == PACK_INDEX:
@@ -417,7 +426,7 @@ def _verified_copy(archive: Path, staging: Path, known: dict[str, DataFile]) -> 
                 raise UserError(f"refusing archive: member {name!r} is not listed once in its {PACK_INDEX}")
             if meta["md5"] != f.md5:
                 raise UserError(f"refusing archive: {rel} has MD5 {meta['md5']}, Paddle expects {f.md5}")
-            if m.size != meta.get("bytes", m.size):   # before writing: a gzip bomb claims more than it should
+            if m.size != meta["bytes"]:   # before writing
                 raise UserError(f"refusing archive: {rel} holds {m.size} bytes, its {PACK_INDEX} in {archive.name} "
                                 f"says {meta['bytes']}")
             out = staging / rel

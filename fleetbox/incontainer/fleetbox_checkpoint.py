@@ -231,7 +231,8 @@ class Checkpoint:
             if why:
                 _say(f"rank {self.rank}: step {candidate} ({found[candidate]}) is unusable: {why}")
             if self.writer and any(w for place, w in seen if place == self.place) \
-                    and found[candidate].startswith(self.folder):   # damaged here: out of the way, kept to look at
+                    and os.path.dirname(found[candidate]) == self.folder.rstrip("/"):
+                # damaged in its own folder (not a given one, e.g. ck-old beside ck): out of the way, kept to look at
                 os.rename(found[candidate], f"{found[candidate]}.damaged-{int(time.time())}")
             if self.rank == 0:
                 _say(f"step {candidate} is unusable on some rank; falling back to the one before")

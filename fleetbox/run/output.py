@@ -1,5 +1,6 @@
 """What of a job's live output reaches the terminal: everything but the launcher's polling, its configuration dump
-and the metrics lines (`--debug` shows them; the log files always keep them)."""
+and the metrics lines (`--debug` shows them; the log files always keep them). A failed job's summary shows the
+failed node's configuration dump again (`config_dump`): that is when its settings matter."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ METRICS = re.compile(r"\[node\d+\] FLEETBOX-METRIC ")   # one per step per rank:
 
 
 # The launcher's dump of its ~30 settings, between two dashed lines: half of a 2-node job's live output.
-LAUNCH_INFO = r"\[(node\d+)\] LAUNCH INFO [\d-]+ [\d:,]+ "
-CONFIG_START = re.compile(LAUNCH_INFO + r"-+\s+Configuration\s+-+$")
-CONFIG_END = re.compile(LAUNCH_INFO + r"-+$")
+# A node's log file has the lines without the live stream's "[nodeN] ".
+LOGGED_INFO = r"LAUNCH INFO [\d-]+ [\d:,]+ "
+START, END = r"-+\s+Configuration\s+-+$", r"-+$"
+LAUNCH_INFO = r"\[(node\d+)\] " + LOGGED_INFO
+CONFIG_START = re.compile(LAUNCH_INFO + START)
+CONFIG_END = re.compile(LAUNCH_INFO + END)
 
 
 def quiet(log):
@@ -35,3 +39,19 @@ def quiet(log):
         if not (LAUNCHER_POLLING.match(line) or METRICS.match(line)):
             log(line)
     return show
+
+
+def config_dump(lines: list[str]) -> list[str]:
+    """The launcher's first configuration dump in a node's log lines, its settings without the time stamps
+    ([] when there is none)."""
+    start = re.compile(LOGGED_INFO + START)
+    begun = next((i for i, ln in enumerate(lines) if start.match(ln)), None)
+    if begun is None:
+        return []
+    out = []
+    for ln in lines[begun + 1:]:
+        m = re.match(LOGGED_INFO, ln)
+        if not m or re.match(LOGGED_INFO + END, ln):
+            break
+        out.append(ln[m.end():])
+    return out

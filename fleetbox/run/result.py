@@ -36,6 +36,7 @@ class JobResult:
     timed_out: bool = False
     dir: str = ""
     log_tail: list[str] = field(default_factory=list)
+    launcher_config: list[str] = field(default_factory=list)   # the failed node's, kept out of the live output
     smoke: dict | None = None    # the smoke job's own report (FLEETBOX-SMOKE line of rank 0)
     scheduler_job: str = ""      # Slurm's job id
     scheduler_state: str = ""    # Slurm's final JobState
@@ -95,6 +96,9 @@ class JobResult:
         if self.hang:
             out.append(f"  {self.hang['text']}; stacks and last lines: {self.hang['dir']}")
         elif (bad := self.failed) is not None:
+            if self.launcher_config:
+                out.append(f"  Paddle's launcher on {bad.node} ran with:")
+                out += [f"    | {ln}" for ln in self.launcher_config]
             out.append(f"  {bad.node} (rank {bad.rank}) failed: "
                        f"{bad.why or exit_meaning(bad.exit_code, bad.oom_killed)}; last lines of its log:")
             out += [f"    | {ln}" for ln in self.log_tail]
@@ -163,5 +167,10 @@ def smoke_line(s: dict) -> str:
             f"{s['samples_per_s']:.0f} samples/s")
 
 
+def read_lines(path: Path) -> list[str]:
+    """A log's lines ([] when it is not there)."""
+    return path.read_text(errors="replace").rstrip().splitlines() if path.exists() else []
+
+
 def tail(path: Path, lines: int = 15) -> list[str]:
-    return path.read_text(errors="replace").rstrip().splitlines()[-lines:] if path.exists() else []
+    return read_lines(path)[-lines:]

@@ -310,8 +310,8 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
         src.mkdir()
         with tarfile.open(staging / "source" / "fleetbox-src.tar") as tar:
             for m in tar.getmembers():   # checked above by the manifest; still only plain files and folders
-                if not (m.isfile() or m.isdir()):
-                    raise Refused(f"the kit's source holds {m.name!r}, which is not a file or folder")
+                if not (m.isfile() or m.isdir()) or m.issparse():   # sparse: writes far more than the kit holds
+                    raise Refused(f"the kit's source holds {m.name!r}, which is not a regular file or folder")
                 safe_name(m.name.rstrip("/"))
                 m.mode &= 0o755   # no setuid, no world-writable
             tar.extractall(src)

@@ -169,6 +169,8 @@ def test_slurm_failing_rank_names_the_node(cluster, podman_image):
     # node0 hung, wrote nothing since long before; srun stopped it (node.sh exits 143): never the culprit
     summary = json.loads((Path(proc.stdout.split("logs in ")[1].split()[0]) / "summary.json").read_text())
     assert [n["state"] for n in summary["nodes"]] == ["stopped", "FAILED"] and summary["culprit"] == 1
+    assert "nnodes: 2" in summary["launcher_config"]   # the failed node's launcher settings
+    assert "    | nnodes: 2" in proc.stdout.split("Paddle's launcher on node1 ran with:")[1], proc.stdout[-3000:]
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
                           text=True).stdout.split()
     assert left == []

@@ -62,6 +62,17 @@ def test_a_kit_says_what_it_holds_and_a_second_one_reuses_every_part(kit):
     assert {n.split("/")[0] for n in names} == {"kit-load.py", "source", "lock", "host-wheels", "wheelhouse",
                                                 "base", "datasets", "kit.json", "MANIFEST.sha256"}
     assert any(n.startswith("host-wheels/matplotlib-") for n in names)   # fleetbox's own dependencies
+    # a site without fleetbox checks the unpacked kit with the standard tool
+    out = path.parent / "unpacked"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    subprocess.run(["tar", "-xf", str(path), "-C", str(out)], check=True)
+    checked = subprocess.run(["sha256sum", "--strict", "-c", "MANIFEST.sha256"], cwd=out, capture_output=True,
+                             text=True)
+    ok = {ln.removesuffix(": OK") for ln in checked.stdout.splitlines()}
+    every_file = {str(f.relative_to(out)) for f in out.rglob("*") if f.is_file()}
+    assert checked.returncode == 0 and ok == every_file - {"MANIFEST.sha256"}, checked.stdout[-2000:]
+    shutil.rmtree(out)
     before = files_under(path, path.with_name("cpu.kit.parts"))
     proc = invoke("kit", *KIT_ARGS(kit["mnist"]), "--out", str(path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr

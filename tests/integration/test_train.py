@@ -137,6 +137,9 @@ def test_failing_rank_stops_the_others_and_is_named(cpu_image):
     assert "failing on purpose" in "\n".join(s["log_tail"])
     assert "hanging on purpose" in proc.stdout
     assert "node1 (rank 1) failed: exit code 3; last lines of its log:" in proc.stdout
+    # the launcher's settings, kept out of the live output, are shown for the failed node
+    assert "    | nnodes: 2" in proc.stdout.split("Paddle's launcher on node1 ran with:")[1], proc.stdout[-3000:]
+    assert "nnodes: 2" in s["launcher_config"]
     assert job_containers(s["job_id"]) == []
 
 

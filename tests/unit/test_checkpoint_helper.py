@@ -279,6 +279,18 @@ def test_damaged_replicated_state_is_found_by_its_writer_and_every_rank_falls_ba
     assert [reads_of(r, "restore")["model.pdparams"] for r in again] == [2, 0, 0]   # step 8, then step 4
 
 
+def test_a_damaged_step_of_a_given_folder_beside_its_own_is_left_where_it_is(tmp_path):
+    """--resume ck-old (real paths, as with --runtime none): its name starts as the job's own folder's does,
+    but it is the user's; a damaged step there is given up, never moved."""
+    old, ck = tmp_path / "data" / "ck-old", tmp_path / "data" / "ck"
+    run_ranks(tmp_path, 2, shared(old), steps=10, name="a")
+    model = old / "step-00000008" / "model.pdparams"
+    model.write_bytes(model.read_bytes()[:-1] + b"\0")
+    again = run_ranks(tmp_path, 2, shared(ck, FLEETBOX_RESUME=str(old)), steps=5, name="b")
+    assert [r["start"] for r in again] == [4, 4]
+    assert steps_in(old) == ["step-00000004", "step-00000008"] and not list(old.glob("*.damaged-*"))
+
+
 def test_a_rank_the_checkpoint_has_no_file_of_starts_its_own_state_fresh(tmp_path):
     ck = tmp_path / "data" / "ck"
     run_ranks(tmp_path, 2, shared(ck), steps=8, name="a")

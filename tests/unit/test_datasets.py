@@ -487,12 +487,15 @@ def _bad_packs(tmp, files):
         "bigger-than-its-index": _pack(tmp / "x.tar", files, index={"format": 1, "files": {
             r: {"md5": hashlib.md5(b).hexdigest(), "bytes": len(b) - 1, "sha256": hashlib.sha256(b).hexdigest()}
             for r, b in files.items()}}).read_bytes(),
+        "index-without-sizes": _pack(tmp / "x.tar", files, index={"format": 1, "files": {
+            r: {"md5": hashlib.md5(b).hexdigest(), "sha256": hashlib.sha256(b).hexdigest()}
+            for r, b in files.items()}}).read_bytes(),
     }
 
 
 @pytest.mark.parametrize("kind", ["truncated", "truncated-gz", "index-not-json", "index-a-list", "index-files-a-list",
                                   "index-entry-a-string", "random-bytes", "gzip-corrupt-midway",
-                                  "bigger-than-its-index"])
+                                  "bigger-than-its-index", "index-without-sizes"])
 def test_a_bad_pack_is_one_line_and_dest_is_unchanged(site, kind):
     _, known, _, tmp = site
     ds.seed(ds.select(known, "mnist"), tmp / "cache", log=lambda m: None)
@@ -508,6 +511,24 @@ def test_a_bad_pack_is_one_line_and_dest_is_unchanged(site, kind):
             ds.restore(archive, target, known)
         assert "\n" not in str(e.value) and "None" not in str(e.value) and archive.name in str(e.value)
     assert _tree(dest) == before and not (tmp / "new").exists()
+
+
+def test_a_gzip_bomb_pack_is_refused_before_anything_is_written(site, monkeypatch):
+    """A gzipped pack of a few KiB whose member unpacks to 64 MiB, with an index and MD5 that agree with the
+    manifest (both are public): refused before a byte is written."""
+    _, known, _, tmp = site
+    f = known["mnist"].files[0]
+    zeros = bytes(64 << 20)
+    index = {"format": 1, "files": {f.relpath: {"md5": f.md5, "bytes": len(zeros), "sha256": "0" * 64}}}
+    archive = _pack(tmp / "bomb.tgz", {f.relpath: zeros}, index=index, gz=True)
+    assert archive.stat().st_size < 100_000
+    written = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, mode="r", *a, **kw: (
+        written.append(str(p)) if "w" in mode else None, real_open(p, mode, *a, **kw))[1])
+    with pytest.raises(UserError, match=r"refusing archive: bomb.tgz \(\d+ bytes\) would unpack to 6710\d{4} bytes"):
+        ds.restore(archive, tmp / "dest", known)
+    assert written == [] and not list((tmp / "dest").rglob("*.gz"))
 
 
 def test_folder_mirror_with_hash_and_question_mark_in_its_name(site):

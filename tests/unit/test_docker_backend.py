@@ -7,15 +7,18 @@ process. Every path must leave no container behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
 import signal
 import subprocess
+import tarfile
 import threading
 import time
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import docker
 import pytest
@@ -48,6 +51,7 @@ class Life:
     start_error: BaseException | None = None   # start() raises this (e.g. Ctrl-C while the job starts)
     finished: str = ""                    # FinishedAt as the engine writes it (default: a ticking clock)
     stop_signal: int | None = None        # stop() sends this signal to this process (a second Ctrl-C)
+    output: str = ""                      # what it prints (default: a hello and a bye)
 
 
 _ticks = iter(range(10**9))
@@ -65,7 +69,7 @@ class FakeContainer:
         self.name = kwargs["name"]
         self.labels = dict(kwargs["labels"])
         self.rank = int(self.labels[settings.LABEL_RANK])
-        self.output = f"hello from node{self.rank}\nbye from node{self.rank}\n".encode()
+        self.output = (life.output or f"hello from node{self.rank}\nbye from node{self.rank}\n").encode()
         self.status = "created"
         self.attrs = {"State": {"ExitCode": 0, "FinishedAt": "0001-01-01T00:00:00Z", "OOMKilled": False}}
         self.started = self.stopped = self.removed = False
@@ -246,6 +250,30 @@ def test_failed_node_stops_the_others_and_is_blamed():
     assert engine.all_removed()
     assert any("node1 (rank 1) exited with code 3; stopping the other nodes" in ln for ln in lines)
     assert json.loads((plan.dir / "summary.json").read_text())["culprit"] == 1
+
+
+# The launcher's output around its configuration dump, as a real node's container.log has it.
+TS = "LAUNCH INFO 2026-11-24 02:15:39,021 "
+LAUNCHER_OUTPUT = "".join(f"{ln}\n" for ln in (
+    f"{TS}-----------  Configuration  ----------------------", f"{TS}master: 10.213.77.11:20916", f"{TS}nnodes: 2",
+    f"{TS}--------------------------------------------------", f"{TS}Job: default, mode collective, replicas 2[2:2]",
+    "rank 1: failing on purpose at step 10 with exit code 3"))
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["failed", "passed"])
+def test_a_failed_jobs_summary_shows_the_failed_nodes_launcher_configuration(fails):
+    """The dump is kept out of the live output; a failure is when its settings matter."""
+    engine = FakeEngine({0: Life(code=None if fails else 0), 1: Life(code=3 if fails else 0, after=2,
+                                                                     output=LAUNCHER_OUTPUT)})
+    b, plan, r, lines = run(engine)
+    assert r.ok is not fails
+    assert r.launcher_config == (["master: 10.213.77.11:20916", "nnodes: 2"] if fails else [])
+    table = r.table().splitlines()
+    if fails:
+        at = table.index("  Paddle's launcher on node1 ran with:")
+        assert table[at + 1:at + 4] == ["    | master: 10.213.77.11:20916", "    | nnodes: 2",
+                                        "  node1 (rank 1) failed: exit code 3; last lines of its log:"]
+    assert json.loads((plan.dir / "summary.json").read_text())["launcher_config"] == r.launcher_config
 
 
 def _last_words(plan, when: dict[int, float]) -> None:
@@ -582,7 +610,6 @@ def test_mount_sources_are_checked_with_placeholders_filled(tmp_path):
 
 def packed(ws, **kw) -> tuple[dict, list[str]]:
     """What pack_dir puts in the archive (name -> bytes) and the lines it says."""
-    import tarfile
     said = []
     out = ws.parent / "ws.tar"
     docker_backend.pack_dir(ws, out, log=said.append, **kw)
@@ -601,6 +628,33 @@ def test_the_workspace_for_remote_engines_holds_sub_folders_and_links_inside_it(
     (ws / ".#main.py").symlink_to("root@host.1234")          # an editor's lock file: dangling, skipped
     files, said = packed(ws)
     assert files == {"main.py": b"main", "alias.py": b"mod", "pkg/deep/mod.py": b"mod"} and said == []
+
+
+def test_a_remote_engine_gets_the_workspace_streamed_from_a_file_not_from_memory(monkeypatch):
+    """The folder is packed once to a file each node's upload reads as it sends (it was bytes in memory: 6.3 GiB)."""
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan = job(engine)
+    plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, host=f"tcp://10.0.0.{k + 1}:2375")
+                                                 for k, n in enumerate(plan.nodes)))
+    monkeypatch.setattr(b, "engine", lambda host: engine)
+    sent = []
+
+    def put_archive(self, path, data):
+        assert not isinstance(data, (bytes, bytearray)) and data.tell() == 0   # a stream, read from its start
+        with tarfile.open(fileobj=data, mode="r|") as tar:   # read as a stream, the way the SDK sends it
+            sent.append((self.rank, path, sorted(m.name for m in tar)))
+        return True
+    monkeypatch.setattr(FakeContainer, "put_archive", put_archive, raising=False)
+    live = docker_backend._Live(b, plan)
+    try:
+        live.start(log=lambda _: None)
+    finally:
+        live.remove_all()
+    def files(folder, prefix=""):
+        return sorted(str(Path(prefix, p.relative_to(folder))) for p in folder.rglob("*") if p.is_file())
+    both = [(k, settings.WORKDIR, files(plan.spec.script_path.parent)) for k in (0, 1)] + \
+        [(k, "/", files(settings.HELPERS, settings.HELPERS_DIR.lstrip("/"))) for k in (0, 1)]
+    assert sorted(sent) == sorted(both)
 
 
 def test_links_leaving_the_workspace_are_not_followed_and_are_named(tmp_path):

@@ -172,6 +172,18 @@ def test_a_sparse_member_is_refused_before_it_is_written(tmp_path):
     assert not (tmp_path / "staging" / "big").exists()
 
 
+def test_a_sparse_file_in_the_kits_source_is_refused_before_it_is_written(tmp_path):
+    """The source is a tar inside the kit: its members are held to the same rule as the kit's own."""
+    files = {**FILES, "source/fleetbox-src.tar": sparse_tar(tmp_path, tmp_path / "src.tar").read_bytes()}
+    sizes = {n: len(d) for n, d in files.items()}
+    kit_json = json.loads(info(**{"parts.source.bytes": sizes["source/fleetbox-src.tar"]}))
+    kit_json["sizes"] = sizes
+    kit = make(tmp_path / "k.kit", {"kit.json": json.dumps(kit_json).encode(), **files})
+    with pytest.raises(kit_load.Refused, match="the kit's source holds 'big', which is not a regular file or folder"):
+        kit_load.load(kit, tmp_path / "dest", no_expect=True, skip_images=True, log=lambda m: None)
+    assert not (tmp_path / "dest").exists() and not list(tmp_path.glob(".dest*"))
+
+
 def test_a_member_claiming_more_than_the_kit_holds_is_refused_before_it_is_written(tmp_path):
     kit = tmp_path / "liar.kit"
     with tarfile.open(kit, "w") as tar:

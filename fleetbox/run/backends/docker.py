@@ -30,13 +30,13 @@ from fleetbox import ROOT, engine, files, incontainer, settings
 from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import process_start, this_host
-from fleetbox.run import checkpoints, hang, hostnet, metrics, placeholders, records
+from fleetbox.run import checkpoints, hang, hostnet, metrics, output, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Plan
 from fleetbox.run.backends import runtimes
 from fleetbox.run.records import Handle, JobInfo, JobState
-from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
+from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, tail
 
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
 STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
@@ -714,6 +714,7 @@ class _Live:
                       smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended, hang=hung)
         if r.culprit is not None:
             r.log_tail = _node_tail(d / f"node{bad}")
+            r.launcher_config = output.config_dump(read_lines(d / f"node{bad}" / "container.log"))
         r.save()
         return r
 

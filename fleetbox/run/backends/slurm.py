@@ -23,14 +23,14 @@ from typing import NamedTuple
 
 from fleetbox import files, incontainer, settings
 from fleetbox.errors import UserError
-from fleetbox.run import checkpoints, hang, hostnet, placeholders, records
+from fleetbox.run import checkpoints, hang, hostnet, output, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Option, Plan
 from fleetbox.run.backends import runtimes
 from fleetbox.run.backends.runtimes import template
 from fleetbox.run.records import Handle, JobInfo, JobState
-from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, smoke_report, tail
+from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, tail
 from fleetbox.run.shell import Raw, line
 
 # The placeholders on a Slurm node: shell variables of the node script (the job id is known in advance).
@@ -444,6 +444,8 @@ class SlurmBackend(Backend):
         r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=self.attempts_are,
                       name_host=self.names_hosts,
                       log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
+                      launcher_config=output.config_dump(read_lines(job_dir / f"node{bad}.log"))
+                      if bad is not None else [],
                       smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
                       scheduler_job=slurm_job, scheduler_state=state,
                       hang=hung,
