@@ -13,7 +13,9 @@ from fleetbox.incontainer import fleetbox_progress
 from fleetbox.incontainer import sitecustomize as site
 from fleetbox.processes import process_start
 
-SLEEPER = "import sys, time\nprint('ready', flush=True)\ndef stuck_here():\n    time.sleep(60)\nstuck_here()\n"
+# "ready" is printed from inside stuck_here: once it is read, stuck_here is on the main thread's stack (printed
+# before the call, a signal could catch the thread still at module level: 18 runs in 60 under load)
+SLEEPER = "import sys, time\ndef stuck_here():\n    print('ready', flush=True)\n    time.sleep(60)\nstuck_here()\n"
 
 
 def rank_process(tmp_path, **env):
