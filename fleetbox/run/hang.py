@@ -47,6 +47,8 @@ def duration(seconds: float) -> str:
 
 def describe_deadlines(hang_s: float, start_s: float) -> str:
     """What --dry-run says about hang detection."""
+    if not hang_s and not start_s:
+        return "hang detection: off (--hang-timeout 0 --start-timeout 0): nothing of it runs in the job"
     hang = f"no progress for {duration(hang_s)}" if hang_s else "no hang deadline (--hang-timeout 0)"
     start = f"no first progress within {duration(start_s)}" if start_s else "no start-up deadline (--start-timeout 0)"
     return (f"hang detection: {hang}; {start} -> every rank's stacks kept, the job stopped as after a failure. "

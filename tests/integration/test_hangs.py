@@ -5,14 +5,20 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, invoke
 from tests.integration.test_train import job_containers, summary_of, when
 
 
+def metric_times(workerlog) -> dict[int, float]:
+    """{step: when its metrics line was printed} of one rank."""
+    return {(rec := json.loads(ln.split(" ", 1)[1]))["step"]: rec["time"] for ln in workerlog.read_text().splitlines()
+            if ln.startswith("FLEETBOX-METRIC ")}
+
+
 def last_metric_time(workerlog) -> float:
-    times = [json.loads(ln.split(" ", 1)[1])["time"] for ln in workerlog.read_text().splitlines()
-             if ln.startswith("FLEETBOX-METRIC ")]
-    return times[-1]
+    return max(metric_times(workerlog).values())
 
 
 def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_passes(cpu_image):
@@ -43,14 +49,30 @@ def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_
     assert job_containers(s["job_id"]) == []
 
 
-def test_a_rank_that_never_reaches_its_first_step_is_named_at_the_start_deadline(cpu_image):
-    proc = invoke("train", "--nodes", "2", "--start-timeout", "15", "--args", "--steps 20 --hang-rank 1")
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stdout[-3000:] + proc.stderr
-    assert "fleetbox: train failed: node1 (rank 1) hung: no first step " in proc.stderr and \
-        "in `main` (smoke.py:" in proc.stderr and "rank 0 waiting in `init_parallel_env`" in proc.stderr, proc.stderr
-    s = summary_of(proc)
-    assert s["hang"]["kind"] == "start" and s["hang"]["ranks"] == [1] and "job " in proc.stdout
-    assert f"job {s['job_id']}: HUNG" in proc.stdout
+@pytest.mark.parametrize("how", ["attached", "detached"])
+def test_a_rank_that_never_reaches_its_first_step_is_named_at_the_start_deadline(cpu_image, how):
+    """Detached, the supervisor watches the deadlines: the client is gone once it started the job."""
+    args = ["--nodes", "2", "--start-timeout", "15", "--args", "--steps 20 --hang-rank 1"]
+    if how == "attached":
+        proc = invoke("train", *args)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stdout[-3000:] + proc.stderr
+        said = proc.stderr
+        assert said.startswith("fleetbox: train failed: node1 (rank 1) hung"), said
+        s = summary_of(proc)
+        assert f"job {s['job_id']}: HUNG" in proc.stdout
+    else:
+        proc = invoke("train", "--detach", *args)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        job_id = proc.stdout.split("job ")[1].split()[0]
+        follow = invoke("logs", job_id, "--follow", timeout=180)
+        assert follow.returncode == 0, follow.stderr
+        said = (ROOT / "runs" / job_id / "supervisor.log").read_text()
+        s = json.loads((ROOT / "runs" / job_id / "summary.json").read_text())
+        assert f"job {job_id}: HUNG" in said, said[-3000:]
+    assert "node1 (rank 1) hung: no first step " in said and "in `main` (smoke.py:" in said and \
+        "rank 0 waiting in `init_parallel_env`" in said, said[-3000:]
+    assert s["hang"]["kind"] == "start" and s["hang"]["ranks"] == [1]
+    assert "in main" in (ROOT / "runs" / s["job_id"] / "hang-0" / "rank1.txt").read_text()
     rows = [ln.split() for ln in invoke("jobs").stdout.splitlines() if ln.startswith(s["job_id"] + " ")]
     assert rows[0][3] == "HUNG", rows
     assert job_containers(s["job_id"]) == []
@@ -63,6 +85,11 @@ def test_a_slow_checkpoint_save_and_a_declared_long_phase_are_not_hangs(cpu_imag
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     s = summary_of(proc)
     assert s["ok"] and s["hang"] is None and s["smoke"]["whole_run"]
-    saves = [ln for ln in (Path(s["dir"]) / "node0" / "workerlog.0").read_text().splitlines() if "saved step" in ln]
-    assert len(saves) >= 2, saves   # the slow saves did happen
+    log = Path(s["dir"]) / "node0" / "workerlog.0"
+    saves = [ln for ln in log.read_text().splitlines() if "saved step" in ln]
+    assert len(saves) >= 2, saves
+    # the pauses did happen and each outlasted the deadline: the saves after steps 19 and 39, the phase before 45
+    t = metric_times(log)
+    gaps = {after: t[after + 1] - t[after] for after in (19, 39, 44)}
+    assert gaps[19] > 7.5 and gaps[39] > 7.5 and gaps[44] > 8.5, gaps
     assert "taking every rank's stacks" not in proc.stdout

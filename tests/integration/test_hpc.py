@@ -18,6 +18,7 @@ from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
 from tests.conftest import ROOT, invoke
 from tests.integration.test_datasets_in_image import READ_MNIST
+from tests.integration.test_hangs import last_metric_time
 from tests.integration.test_train import assert_rows_are_the_runs_own_figures, study_of
 from tests.unit.test_cli import one_line_error
 
@@ -502,7 +503,12 @@ def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_
     assert s["smoke"]["resumed_from"] == 30 and s["smoke"]["whole_run"], s["smoke"]
     rank0, rank1 = ((job_dir / "hang-0" / f"rank{r}.txt").read_text() for r in (0, 1))
     assert "in load_batch_that_never_returns" in rank1 and "in fused_allreduce_gradients" in rank0
-    assert "taking every rank's stacks" in (job_dir / f"slurm-{hung['slurm_job']}.out").read_text()
+    out = (job_dir / f"slurm-{hung['slurm_job']}.out").read_text()
+    assert "taking every rank's stacks" in out
+    # every node's task ended within the deadline plus 10 s of the stuck rank's last progress
+    ended = float(out.split("fleetbox: the job step ended at ")[1].split()[0])
+    last = last_metric_time(job_dir / "alloc1" / "node1" / "workerlog.0")
+    assert 20 <= ended - last <= 30, ended - last
     assert not subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.fleetbox.job={job_id}"],
                               capture_output=True, text=True).stdout.split()
 

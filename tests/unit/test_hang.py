@@ -210,3 +210,23 @@ def test_with_both_deadlines_off_nothing_of_detection_runs_in_the_containers():
         assert "FLEETBOX_PROGRESS_DIR" in plan.template(one, "j", "/logs").env
     off = spec.JobSpec(variant=matrix.load().get("cpu"), hang_timeout=0, start_timeout=0)
     assert "FLEETBOX_PROGRESS_DIR" not in plan.template(off, "j", "/logs").env
+
+
+@pytest.mark.parametrize("given,said", [
+    ([], "hang detection: no progress for 10 min; no first progress within 15 min -> every rank's stacks kept, "
+         "the job stopped as after a failure. Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress "
+         "steps; a script that reports none gets only the start-up deadline, for ranks that never start"),
+    (["--hang-timeout", "90s", "--start-timeout", "0"], "hang detection: no progress for 90 s; no start-up deadline "
+                                                         "(--start-timeout 0) -> every rank's stacks kept"),
+    (["--hang-timeout", "0", "--start-timeout", "0"],
+     "hang detection: off (--hang-timeout 0 --start-timeout 0): nothing of it runs in the job"),
+])
+@pytest.mark.parametrize("backend", ["docker", "slurm"])
+def test_dry_run_says_the_deadlines_before_the_backends_files(run_invoke, backend, given, said):
+    proc = run_invoke("train", "--backend", backend, *(["--runtime", "podman"] if backend == "slurm" else []),
+                      "--dry-run", *given)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("# " + said), lines[0]
+    watcher = any("hang.py" in ln and "python3 -I" in ln for ln in lines)
+    assert watcher is (backend == "slurm" and "off" not in said), lines   # the batch script's watcher, if any

@@ -282,6 +282,7 @@ class SlurmBackend(Backend):
         body += ["# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
                  'while :; do wait "$SRUN"; rc=$?; '
                  'kill -0 "$SRUN" 2>/dev/null || { wait "$SRUN"; rc=$?; break; }; done',
+                 'echo "fleetbox: the job step ended at $(date +%s.%N)"',   # every node's task: what hang tests time
                  '[ -z "$WATCH" ] || { kill "$WATCH" 2>/dev/null; wait "$WATCH" 2>/dev/null; }']
         if rt.kills_client_only:   # whatever a killed task left behind, on every node
             sweep = line([rt.name, "ps", "-aq", "--filter", f"label={settings.LABEL_JOB}={job_id}"]) + \
