@@ -8,6 +8,8 @@ rank R sleep for `--hang-seconds` before joining, like a stuck node that never n
 `--hang-step S` at step S, in a data loader that never returns (`--hang-attempt A`: only in attempt A). For hang
 detection's other cases: `--slow-save S` makes every checkpoint write take S seconds longer, and `--phase-step
 S --phase-seconds X` runs a declared long phase (fleetbox_progress.phase, "evaluation") of X seconds at step S.
+`--slow-rank R --slow-ms X` makes rank R a straggler: X ms more of its own work every step, before the
+all-reduce its peers then wait in.
 
 It checkpoints with fleetbox_checkpoint (every `--checkpoint-every` steps, and when told to stop) and resumes
 from the newest checkpoint, its per-rank data RNG and loss history included, so a resumed run is judged as a
@@ -51,6 +53,8 @@ def main():
     ap.add_argument("--slow-save", type=float, default=0.0, help="seconds added to every checkpoint write")
     ap.add_argument("--phase-step", type=int, default=-1, help="run a declared long phase at this step")
     ap.add_argument("--phase-seconds", type=float, default=0.0)
+    ap.add_argument("--slow-rank", type=int, default=-1, help="a straggler: this rank works longer every step")
+    ap.add_argument("--slow-ms", type=float, default=50.0)
     ap.add_argument("--tag", nargs="*", default=[], help="words echoed back in the report (to check what arrived)")
     ap.add_argument("--require-env", default="", help="stop at once unless this variable is set (e.g. by a module)")
     args = ap.parse_args()
@@ -106,6 +110,8 @@ def main():
         with model.no_sync():   # the gradients' all-reduce is ours, below, so that it can be timed
             loss = paddle.nn.functional.mse_loss(model(paddle.to_tensor(x)), paddle.to_tensor(y))
             loss.backward()
+        if rank == args.slow_rank:
+            time.sleep(args.slow_ms / 1000)   # its own work: the others wait for it in the all-reduce below
         comm = allreduce_gradients(model, world)
         opt.step()
         opt.clear_grad()

@@ -64,7 +64,7 @@ def measure(job_dir: Path) -> dict:
     rate = report_mod.throughput(recs)
     return {"samples_per_s": rate["total"] if rate["ranks"] else None,
             **report_mod.timing(recs), "steps": len(recs) // len(ranks) if ranks else 0,
-            "ranks_reporting": len(ranks)}
+            "ranks_reporting": len(ranks), "stragglers": sorted(report_mod.straggling(recs)["stragglers"])}
 
 
 def table(rows: list[dict]) -> list[dict]:
@@ -91,17 +91,19 @@ def _f(v, fmt):
 def markdown(study: str, spec: JobSpec, backend: str, rows: list[dict]) -> str:
     images = list(dict.fromkeys(r["image"] for r in rows))
     head = ["image", "Paddle", "nodes", "procs/node", "ranks", "samples/s", "speed-up", "efficiency",
-            "step ms", "comm share"] + (["vs first image"] if len(images) > 1 else []) + ["run"]
+            "step ms", "comm share", "straggler"] + (["vs first image"] if len(images) > 1 else []) + ["run"]
     lines = [f"# {study}: scaling of {Path(spec.script).name} ({backend})", "",
              "Weak scaling: every rank keeps its batch, so ideal samples/s grows with the ranks. samples/s is what "
              "the ranks' own metrics add up to; speed-up and efficiency are against the image's smallest run; "
              "step ms is the mean over ranks and steps; comm share is the part of it in the script's own "
-             "all-reduce (\"-\": the script does not report one).", "",
+             "all-reduce (\"-\": the script does not report one); straggler names a rank whose own work per step "
+             "was 1.5x the other ranks' (its figures then are its pace, not the image's).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells_ = [r["image"], r["paddle"] or "?", str(r["nodes"]), str(r["procs"]), str(r["ranks"]),
                   _f(r["samples_per_s"], ".1f"), _f(r["speedup"], ".2f"), _f(r["efficiency"], ".0%"),
-                  _f(r["step_seconds"] and 1000 * r["step_seconds"], ".1f"), _f(r["comm_share"], ".0%")]
+                  _f(r["step_seconds"] and 1000 * r["step_seconds"], ".1f"), _f(r["comm_share"], ".0%"),
+                  ", ".join(f"rank {k}" for k in r.get("stragglers") or []) or "-"]
         if len(images) > 1:
             cells_.append(_f(r["vs_first_image"], ".2f"))
         cells_.append(f"{r['job']}: {r['state']}")

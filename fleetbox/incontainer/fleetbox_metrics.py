@@ -13,8 +13,11 @@ lines of every rank from every node's logs into runs/<job>/metrics.jsonl, on eve
 
 Every line is progress for hang detection too (fleetbox_progress).
 
-One scalar has a meaning fleetbox reads: `comm_seconds`, the part of the step spent communicating (say, the
-gradients' all-reduce timed by the script, as train/smoke.py does); reports and `invoke scale` show its share.
+Two scalars have a meaning fleetbox reads: `comm_seconds`, the part of the step spent communicating (say, the
+gradients' all-reduce timed by the script, as train/smoke.py does), whose share reports and `invoke scale` show;
+and `own_seconds`, the part a rank spent on its own work, not waiting for its peers (the Meter gives it as the
+step's time less `comm_seconds`). Collective training moves in lock step, so every rank's step takes as long
+as the slowest one's: only a rank's own time tells a straggler from the ranks waiting for it.
 """
 import json
 import os
@@ -48,7 +51,7 @@ def log(step, loss=None, samples_per_s=None, **scalars):
         rec["samples_per_s"] = float(samples_per_s)
     rec.update({k: float(v) for k, v in scalars.items()})
     print(PREFIX + json.dumps(rec), flush=True)
-    fleetbox_progress.step(step)
+    fleetbox_progress.step(step, own=rec.get("own_seconds"))
 
 
 class Meter:
@@ -66,6 +69,8 @@ class Meter:
             self.samples += samples
             self.seconds += took
             scalars.update(samples=samples, seconds=took)
+        if "own_seconds" not in scalars and scalars.get("comm_seconds") is not None:
+            scalars["own_seconds"] = max(0.0, took - float(scalars["comm_seconds"]))
         log(step, loss, samples / took if samples and took > 0 else None, **scalars)
 
     def rate(self):

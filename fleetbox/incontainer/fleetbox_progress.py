@@ -9,6 +9,10 @@ uses neither reports its steps itself, and declares a long stretch that is not a
     with fleetbox_progress.phase("evaluation"):   # no hang while inside, up to the job's --start-timeout
         evaluate()                            # (or `limit` seconds: phase("compile", limit=3600))
 
+A step may say how long this rank worked on its own (`step(n, own=seconds)`: not waiting for its peers in a
+collective; fleetbox_metrics' Meter gives it from the script's `comm_seconds`): the file then carries the
+median of the last WINDOW such times, from which fleetbox names a straggler while the job runs.
+
 Each rank keeps one small file, $FLEETBOX_PROGRESS_DIR/progress-rank<r>.json, rewritten whole (a rename) by a
 background thread at most once a second and only when something changed: a step never waits on the file
 system (entering a phase writes at once: a phase is long anyway). The thread writes what the loop last
@@ -16,19 +20,25 @@ reported, so a stuck loop stops the file changing even though the thread lives o
 (a subprocess, a data loader's workers) write nothing: the rank's own pid is in FLEETBOX_PROGRESS_PID.
 """
 import atexit
+import collections
 import contextlib
 import json
+import math
 import os
+import statistics
 import threading
 import time
 
 DIR_ENV = "FLEETBOX_PROGRESS_DIR"
 OWNER_ENV = "FLEETBOX_PROGRESS_PID"   # the rank's own process (sitecustomize sets it): its children inherit it
 EVERY_S = 1.0
+WINDOW = 20   # steps whose own time a rank's file gives the median of (a straggler "stays" slow over them)
 
 _lock = threading.Lock()          # the state
 _writing = threading.Lock()       # the file: the flusher and phase() may write at once
-_state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False}
+_state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False,
+          "own_s": None, "own_n": 0}
+_own = collections.deque(maxlen=WINDOW)   # this rank's own seconds of its last steps
 _written = -1       # the seq last written
 _thread = None
 
@@ -103,9 +113,14 @@ def reporting() -> None:
         _write()
 
 
-def step(n) -> None:
-    """Step `n` is done."""
-    _changed(step=int(n), reports=True)
+def step(n, own=None) -> None:
+    """Step `n` is done; `own`: the seconds of it this rank spent on its own work, not waiting for its peers."""
+    values = {"step": int(n), "reports": True}
+    if own is not None and math.isfinite(own) and own >= 0:
+        with _lock:
+            _own.append(float(own))
+            values.update(own_s=statistics.median(_own), own_n=len(_own))
+    _changed(**values)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -76,8 +77,38 @@ def clean(record) -> dict | None:
         return None
     if limit is not None and not (number(limit) and 0 < limit < float("inf")):
         return None
+    own, own_n = record.get("own_s"), record.get("own_n")
     return {"seq": record["seq"], "step": step, "phase": phase, "phase_limit": limit,
-            "reports": record.get("reports") is True, "done": record.get("done") is True}
+            "reports": record.get("reports") is True, "done": record.get("done") is True,
+            "own_s": own if number(own) and 0 <= own < float("inf") else None,
+            "own_n": own_n if isinstance(own_n, int) and not isinstance(own_n, bool) else 0}
+
+
+# -- stragglers: slow, not stuck --
+
+STRAGGLER_STEPS = 20        # fleetbox_progress.WINDOW: a rank's own time is the median of its last this many steps
+STRAGGLER_RATIO = 1.5       # a straggler's own time per step against the other ranks' median ...
+STRAGGLER_FLOOR_S = 0.005   # ... and this much more at least (2 ms against 1 ms is noise, not a straggler)
+
+
+def stragglers(own: dict[int, float]) -> dict[int, float]:
+    """The ranks whose own work per step (seconds: not waiting for their peers) is at least STRAGGLER_RATIO times
+    the other ranks' median and STRAGGLER_FLOOR_S more, with that median: {rank: others' median}. Collective
+    training waits for its slowest rank every step, so every rank's whole step is the straggler's; only the
+    part a rank works on its own tells them apart. Pure."""
+    out = {}
+    for r, mine in own.items():
+        others = [t for k, t in own.items() if k != r]
+        if others and mine >= STRAGGLER_RATIO * (m := statistics.median(others)) and mine - m >= STRAGGLER_FLOOR_S:
+            out[r] = m
+    return out
+
+
+def straggler_line(rank: int, own: float, others: float, ppn: int, steps: int) -> str:
+    times = f", {own / others:.1f}x" if others > 0 else ""
+    return (f"straggler: node{rank // ppn} (rank {rank}) works {1000 * own:.1f} ms a step on its own against "
+            f"{1000 * others:.1f} ms for the other ranks (median of its last {steps} steps{times}): every step "
+            f"waits for it")
 
 
 @dataclass
@@ -95,6 +126,7 @@ class Watch:
     records: dict[int, dict] = field(default_factory=dict)
     changed: dict[int, float] = field(default_factory=dict)   # monotonic time each rank's record last changed
     wall: dict[int, float] = field(default_factory=dict)      # ... and the wall clock then
+    named: set[int] = field(default_factory=set)              # stragglers already named
 
     def see(self, rank: int, record, now: float | None = None) -> None:
         record = clean(record)
@@ -105,6 +137,17 @@ class Watch:
         if old is None or old["seq"] != record["seq"]:
             self.changed[rank], self.wall[rank] = now, time.time() - (time.monotonic() - now)
         self.records[rank] = record
+
+    def new_stragglers(self, ppn: int) -> list[str]:
+        """A line for each rank that has become a straggler since the last call (each named once), among the
+        ranks whose own time covers STRAGGLER_STEPS steps."""
+        full = {r: rec["own_s"] for r, rec in self.records.items()
+                if rec["own_s"] is not None and rec["own_n"] >= STRAGGLER_STEPS and not rec["done"]}
+        found = stragglers(full)
+        lines = [straggler_line(r, full[r], m, ppn, self.records[r]["own_n"]) for r, m in sorted(found.items())
+                 if r not in self.named]
+        self.named.update(found)
+        return lines
 
     def deadline(self) -> tuple[float, str] | None:
         """When the job counts as stuck (monotonic) and which deadline that is; None: none applies."""
@@ -358,6 +401,8 @@ def main(argv: list[str]) -> int:
                 w.see(r, json.loads(read(r // ppn, PROGRESS.format(rank=r)) or b"null"))
             except ValueError:   # caught mid-write: the next look has it
                 pass
+        for line in w.new_stragglers(ppn):
+            print(f"fleetbox: {line}", flush=True)
         stall = w.verdict()
         if stall is None:
             continue

@@ -47,7 +47,8 @@ def read(job_dir: Path) -> list[dict]:
     return out
 
 
-NUMBERS = ("loss", "samples_per_s", "comm_seconds", "samples", "seconds")   # the optional fields the report adds up
+# the optional fields the report adds up
+NUMBERS = ("loss", "samples_per_s", "comm_seconds", "own_seconds", "samples", "seconds")
 
 
 def well_formed(rec) -> bool:

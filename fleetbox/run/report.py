@@ -1,19 +1,21 @@
 """A run's report, from whatever the job left in runs/<job>/ (also for a failed or cancelled run):
-report.png (loss against step for every rank; samples/s over time for every node; restarts and allocations
-marked) and report.md (nodes, image, variant, Paddle, final loss, throughput, time to first step, failures,
-and what is missing). Drawn on this machine with matplotlib; the images stay as they are."""
+report.png (loss against step for every rank; samples/s over time for every node; each rank's own work per
+step, where stragglers show; restarts and allocations marked) and report.md (nodes, image, variant, Paddle,
+final loss, throughput, time to first step, stragglers, failures, and what is missing). Drawn on this machine
+with matplotlib; the images stay as they are."""
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from fleetbox import files
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
-from fleetbox.run import backends, metrics, records
+from fleetbox.run import backends, hang, metrics, records
 from fleetbox.run.result import JobResult, NodeResult
 
 
@@ -56,6 +58,28 @@ def timing(recs: list[dict]) -> dict:
             if comm and sum(r["seconds"] for r in comm) > 0 else None}
 
 
+def straggling(recs: list[dict]) -> dict:
+    """Each rank's own work per step (median seconds of its `own_seconds`) and the stragglers among them (the same
+    rule as live, hang.stragglers: {rank: the other ranks' median})."""
+    own = defaultdict(list)
+    for r in recs:
+        if "own_seconds" in r:
+            own[r["rank"]].append(r["own_seconds"])
+    medians = {k: statistics.median(v) for k, v in sorted(own.items())}
+    return {"own": medians, "stragglers": hang.stragglers(medians)}
+
+
+def straggler_text(s: dict, ppn: int) -> str:
+    if not s["own"]:
+        return "unknown (the script reports no own time per step: fleetbox_metrics' Meter gives it from " \
+               "comm_seconds, or log own_seconds)"
+    if not s["stragglers"]:
+        return "none (own work per step: " + ", ".join(f"rank {k} {1000 * t:.1f} ms" for k, t in s["own"].items()) + ")"
+    return "; ".join(f"node{k // ppn} (rank {k}): {1000 * s['own'][k]:.1f} ms a step of its own work against "
+                     f"{1000 * m:.1f} ms for the other ranks" + (f" ({s['own'][k] / m:.1f}x)" if m > 0 else "")
+                     for k, m in s["stragglers"].items())
+
+
 def draw(job_dir: Path) -> dict:
     """Write report.png and report.md for the job; returns what was drawn and what was missing."""
     import matplotlib  # noqa: PLC0415 (deferred: matplotlib takes a second to load; only drawing needs it)
@@ -80,7 +104,7 @@ def draw(job_dir: Path) -> dict:
         if k not in seen:
             missing.append(f"rank {k} printed no metrics")
 
-    fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(9, 8))
+    fig, (ax_loss, ax_rate, ax_own) = plt.subplots(3, 1, figsize=(9, 11))
     by_rank = defaultdict(list)
     for r in recs:
         if "loss" in r:
@@ -98,6 +122,14 @@ def draw(job_dir: Path) -> dict:
         ax_rate.plot([t - t0 for t, _ in pts], [x for _, x in pts], lw=1, label=f"node{node}")
     ax_rate.set(xlabel="seconds since the job started" if start is not None else "seconds since the first step",
                 ylabel="samples/s", title="throughput by node")
+    lines_last = [r for r in recs if r["attempt"] == last]
+    slow = straggling(lines_last)
+    for k in slow["own"]:
+        pts = [(r["step"], 1000 * r["own_seconds"]) for r in lines_last if r["rank"] == k and "own_seconds" in r]
+        ax_own.plot([s for s, _ in pts], [v for _, v in pts], ".", ms=2, label=f"rank {k}"
+                    + (" (straggler)" if k in slow["stragglers"] else ""))
+    ax_own.set(xlabel="step", ylabel="ms", title="own work per step by rank (not waiting for the others)"
+               + (f" (attempt {last})" if last else ""))
     # a later attempt is a restart or (a scheduler's chain) an allocation: the summary says, else its backend
     kind = summary.get("attempts_are") or getattr(backends.BACKENDS.get(job.get("backend")), "attempts_are", "")
     word = (kind or "restarts").removesuffix("s")
@@ -108,7 +140,7 @@ def draw(job_dir: Path) -> dict:
             ax_rate.axvline(min(r["time"] for r in firsts) - t0, color="grey", ls="--", lw=0.8)
             ax_rate.annotate(f"{word} {a + (1 if word == 'allocation' else 0)}",
                              (min(r["time"] for r in firsts) - t0, 0), rotation=90, fontsize=7, color="grey")
-    for ax in (ax_loss, ax_rate):
+    for ax in (ax_loss, ax_rate, ax_own):
         if ax.lines:
             ax.legend(fontsize=7, loc="best")
         else:
@@ -121,7 +153,6 @@ def draw(job_dir: Path) -> dict:
         fig.savefig(part, format="png", dpi=90)
     plt.close(fig)
 
-    lines_last = [r for r in recs if r["attempt"] == last]
     rate, times = throughput(lines_last), timing(lines_last)
     final = {}
     for r in lines_last:
@@ -150,6 +181,7 @@ def draw(job_dir: Path) -> dict:
                               if times["step_seconds"] is not None else "unknown")
           + (f", {100 * times['comm_share']:.1f}% in the script's own all-reduce"
              if times["comm_share"] is not None else ""),
+          "- stragglers: " + straggler_text(slow, job.get("procs_per_node", 1)),
           "- steps: " + ", ".join(f"rank {k} {len(mine)} (last {max(mine)})"
                                   for k in sorted(seen) for mine in [[r["step"] for r in recs if r["rank"] == k]]),
           f"- plotted: loss of {', '.join(legend) or 'no rank'}; samples/s of {', '.join(node_legend) or 'no node'}"]
@@ -164,7 +196,7 @@ def draw(job_dir: Path) -> dict:
     md += ["", "![report](report.png)", ""]
     files.write_atomic(job_dir / "report.md", "\n".join(md))
     return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "missing": missing,
-            "throughput": rate, **times}
+            "throughput": rate, "stragglers": slow["stragglers"], **times}
 
 
 def _paddle(job: dict) -> str:

@@ -3,6 +3,7 @@ stuck mid-run or before joining is noticed within its deadline, every rank's sta
 named from them, and the job restarts; a slow checkpoint save and a declared long phase are not hangs."""
 import datetime as dt
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,21 @@ def test_a_slow_checkpoint_save_and_a_declared_long_phase_are_not_hangs(cpu_imag
     gaps = {after: t[after + 1] - t[after] for after in (19, 39, 44)}
     assert gaps[19] > 7.5 and gaps[39] > 7.5 and gaps[44] > 8.5, gaps
     assert "taking every rank's stacks" not in proc.stdout
+
+
+def test_a_straggler_is_named_once_live_and_in_the_report_and_is_no_hang(cpu_image):
+    """Rank 1 works 50 ms longer every step; rank 0 waits for it in the all-reduce, so both ranks' steps take as
+    long: only their own work tells them apart."""
+    proc = invoke("train", "--nodes", "2", "--hang-timeout", "20", "--args", "--steps 100 --slow-rank 1 --slow-ms 50")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    named = [ln for ln in proc.stdout.splitlines() if "straggler: " in ln]
+    assert len(named) == 1 and "straggler: node1 (rank 1) works " in named[0], named
+    own, others = (float(x) for x in re.findall(r"([\d.]+) ms", named[0]))
+    assert 45 <= own <= 100 and others < 15, named
+    s = summary_of(proc)
+    assert s["ok"] and s["hang"] is None
+    md = (Path(s["dir"]) / "report.md").read_text()
+    line = next(ln for ln in md.splitlines() if ln.startswith("- stragglers: "))
+    assert line.startswith("- stragglers: node1 (rank 1): "), line
+    own, others = (float(x) for x in re.findall(r"([\d.]+) ms", line))
+    assert 45 <= own <= 100 and others < 15, line

@@ -3,6 +3,8 @@ faulthandler dumps recorded from real 2-rank Paddle jobs (Gloo on CPU, in the fl
 tests/probes/hang-stacks/: a rank stuck in a data loader at step 30 and its peer in the gradients' all-reduce
 (at-step-*), a rank asleep before joining and its peer in init_parallel_env (at-start-*), and a DataParallel
 peer waiting in backward (backward-rank0)."""
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -230,3 +232,62 @@ def test_dry_run_says_the_deadlines_before_the_backends_files(run_invoke, backen
     assert lines[0].startswith("# " + said), lines[0]
     watcher = any("hang.py" in ln and "python3 -I" in ln for ln in lines)
     assert watcher is (backend == "slurm" and "off" not in said), lines   # the batch script's watcher, if any
+
+
+def _rec(seq, own=None, own_n=0, step=5, done=False):
+    return {"seq": seq, "step": step, "reports": True, "own_s": own, "own_n": own_n, "done": done}
+
+
+def test_a_straggler_is_named_once_when_its_own_time_over_a_full_window_is_well_above_the_others():
+    w = hang.Watch(world=3, hang_s=60, start_s=60)
+    for r, own in ((0, 0.002), (1, 0.0021), (2, 0.052)):
+        w.see(r, _rec(1, own, own_n=hang.STRAGGLER_STEPS - 1))
+    assert w.new_stragglers(ppn=1) == []   # not over a whole window yet
+    for r, own in ((0, 0.002), (1, 0.0021), (2, 0.052)):
+        w.see(r, _rec(2, own, own_n=hang.STRAGGLER_STEPS))
+    assert w.new_stragglers(ppn=1) == [
+        "straggler: node2 (rank 2) works 52.0 ms a step on its own against 2.0 ms for the other ranks (median of its "
+        "last 20 steps, 25.4x): every step waits for it"]
+    w.see(2, _rec(3, 0.06, own_n=hang.STRAGGLER_STEPS))
+    assert w.new_stragglers(ppn=1) == []   # one line, not a flood
+    assert w.verdict() is None             # slow is not stuck
+
+
+@pytest.mark.parametrize("own,slow", [
+    ({0: 0.010, 1: 0.0151}, {1: 0.010}),           # just over 1.5x and 5 ms more
+    ({0: 0.010, 1: 0.0149}, {}),
+    ({0: 0.001, 1: 0.004}, {}),                    # 4x but 3 ms: noise on a short step
+    ({0: 0.0, 1: 0.006}, {1: 0.0}),                # peers that only wait
+    ({0: 0.05, 1: 0.05, 2: 0.2, 3: 0.21}, {2: 0.05, 3: 0.05}),   # two slow ranks of four: both named
+    ({0: 0.05}, {}),                               # one rank: no others to compare with
+])
+def test_the_straggler_rule(own, slow):
+    assert hang.stragglers(own) == pytest.approx(slow)
+
+
+def test_progress_records_keep_a_ranks_own_time_only_when_it_is_a_number():
+    assert hang.clean(_rec(1, 0.01, 20))["own_s"] == 0.01
+    for bad in ("0.01", -1, float("inf"), True):
+        assert hang.clean(_rec(1, bad, 20))["own_s"] is None
+    assert hang.clean({"seq": 1})["own_n"] == 0
+
+
+def test_the_helpers_window_is_the_one_the_watcher_waits_for(tmp_path, monkeypatch):
+    """fleetbox_metrics' Meter gives the step's own time (less comm_seconds); the progress file its running
+    median over fleetbox_progress.WINDOW steps, which the watcher reads."""
+    from fleetbox.incontainer import fleetbox_metrics, fleetbox_progress
+    assert fleetbox_progress.WINDOW == hang.STRAGGLER_STEPS
+    monkeypatch.setenv("FLEETBOX_PROGRESS_DIR", str(tmp_path))
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    monkeypatch.setenv(fleetbox_progress.OWNER_ENV, str(os.getpid()))
+    monkeypatch.setattr(fleetbox_progress, "_own", type(fleetbox_progress._own)(maxlen=fleetbox_progress.WINDOW))
+    meter = fleetbox_metrics.Meter()
+    times = iter([0.0, 0.030, 0.060, 0.100] + [0.1 + 0.02 * i for i in range(1, 40)])
+    monkeypatch.setattr(fleetbox_metrics.time, "perf_counter", lambda: next(times))
+    meter.last = next(times)
+    for step, comm in enumerate([0.025, 0.010, 0.030] + [0.015] * 39):
+        meter.step(step, loss=1.0, samples=8, comm_seconds=comm)
+    fleetbox_progress._write()
+    rec = hang.clean(json.loads((tmp_path / "progress-rank0.json").read_text()))
+    # steps of 30, 30, 40 ms, then 20 ms each with 15 ms of waiting: 5 ms of own work each, the last 20
+    assert rec["own_n"] == 20 and rec["own_s"] == pytest.approx(0.005)

@@ -3,12 +3,14 @@ report.md's figures (throughput added up from the metrics exactly as the script'
 marked, and what is missing said."""
 import json
 
+import pytest
 from PIL import Image
 
 from fleetbox.run import report
 
 
-def write_job(job, attempts=((0, 60),), ranks=(0, 1), fail=False):
+def write_job(job, attempts=((0, 60),), ranks=(0, 1), fail=False, own=None):
+    """A job folder as a run leaves it; `own`: {rank: own_seconds} its metrics lines carry."""
     job.mkdir(parents=True)
     (job / "job.json").write_text(json.dumps({"backend": "docker", "nodes": len(ranks), "procs_per_node": 1,
                                               "variant": "cpu", "image": "fleetbox/paddle:cpu",
@@ -21,7 +23,7 @@ def write_job(job, attempts=((0, 60),), ranks=(0, 1), fail=False):
             d.mkdir(parents=True, exist_ok=True)
             lines = [json.dumps({"rank": k, "step": s, "time": 1002.0 + 10 * a + s * 0.1, "loss": 5.0 / (s + 1),
                                  "samples_per_s": 320.0 * (k + 1), "samples": 32, "seconds": 0.1 / (k + 1),
-                                 "comm_seconds": 0.01 * (k + 1)})
+                                 "comm_seconds": 0.01 * (k + 1), **({"own_seconds": own[k]} if own else {})})
                      for s in range(first, last)]
             (d / "workerlog.0").write_text("".join(f"FLEETBOX-METRIC {ln}\n" for ln in lines))
     summary = {"job_id": job.name, "backend": "docker", "ok": not fail, "dir": str(job), "nodes": [
@@ -126,3 +128,20 @@ def test_a_hung_attempt_and_a_hung_job_say_so(tmp_path):
     md = (job / "report.md").read_text()
     assert md.startswith("# train-h: HUNG") and f"- attempt 0 (HUNG): {text}" in md
     assert f"- failure: {text}" in md and f"- stacks and last lines of every rank: {job / 'hang-1'}" in md
+
+
+@pytest.mark.parametrize("own,said,named", [
+    ({0: 0.0021, 1: 0.0523}, "- stragglers: node1 (rank 1): 52.3 ms a step of its own work against 2.1 ms for the "
+                             "other ranks (24.9x)", [1]),
+    ({0: 0.0021, 1: 0.0025}, "- stragglers: none (own work per step: rank 0 2.1 ms, rank 1 2.5 ms)", []),
+    # 1.5x but only 3 ms more: noise on a short step, not a straggler
+    ({0: 0.002, 1: 0.005}, "- stragglers: none (own work per step: rank 0 2.0 ms, rank 1 5.0 ms)", []),
+    (None, "- stragglers: unknown (the script reports no own time per step", []),
+])
+def test_a_straggler_is_named_with_its_own_work_per_step_against_the_others(tmp_path, own, said, named):
+    job = tmp_path / "train-s"
+    write_job(job, own=own)
+    done = report.draw(job)
+    md = (job / "report.md").read_text()
+    assert said in md, md
+    assert sorted(done["stragglers"]) == named

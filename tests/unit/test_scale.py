@@ -59,12 +59,13 @@ def test_the_table_and_plot_say_what_each_run_measured(tmp_path):
     rows = [row("fleetbox/paddle:cpu", 1, 1, 1000.0, step=0.002, comm=0.0), row("fleetbox/paddle:cpu", 2, 1, 1500.0),
             row("old:3.2", 1, 1, 800.0, step=0.003, comm=0.0), row("old:3.2", 2, 1, None, state="FAILED")]
     rows[-1]["failure"] = "train failed: node1 (rank 1) exited with exit code 3"
+    rows[1]["stragglers"] = [1]   # its figures are rank 1's pace
     done = scale.write(tmp_path / "s", "scale-x", spec, "docker", rows)
     md = (tmp_path / "s" / "scale.md").read_text()
-    assert "| fleetbox/paddle:cpu | 3.3.1 | 2 | 1 | 2 | 1500.0 | 1.50 | 75% | 10.0 | 20% | 1.00 | " \
+    assert "| fleetbox/paddle:cpu | 3.3.1 | 2 | 1 | 2 | 1500.0 | 1.50 | 75% | 10.0 | 20% | rank 1 | 1.00 | " \
            "j-fleetbox/paddle:cpu-2-1: PASSED |" in md, md
-    assert "| old:3.2 | 3.3.1 | 1 | 1 | 1 | 800.0 | 1.00 | 100% | 3.0 | 0% | 0.80 |" in md
-    assert "| old:3.2 | 3.3.1 | 2 | 1 | 2 | - | - | - | - | - | - | j-old:3.2-2-1: FAILED |" in md
+    assert "| old:3.2 | 3.3.1 | 1 | 1 | 1 | 800.0 | 1.00 | 100% | 3.0 | 0% | - | 0.80 |" in md
+    assert "| old:3.2 | 3.3.1 | 2 | 1 | 2 | - | - | - | - | - | - | - | j-old:3.2-2-1: FAILED |" in md
     assert "## Runs that did not pass\n\n- j-old:3.2-2-1: train failed: node1 (rank 1) exited with exit code 3" in md
     assert done["legend"] == ["fleetbox/paddle:cpu", "old:3.2"]
     assert json.loads((tmp_path / "s" / "scale.json").read_text())["rows"][1]["efficiency"] == 0.75
@@ -86,8 +87,10 @@ def test_a_run_is_measured_from_its_own_metrics_last_attempt_only(tmp_path):
     # rank 0: 32 samples per 0.1 s, rank 1: per 0.05 s; all-reduce 0.01 and 0.02 s of it
     assert round(m["samples_per_s"], 6) == 960.0 and m["steps"] == 45 and m["ranks_reporting"] == 2
     assert round(m["step_seconds"], 9) == 0.075 and round(m["comm_share"], 9) == 0.2
+    assert m["stragglers"] == []
     assert scale.measure(tmp_path / "nothing") == {"samples_per_s": None, "step_seconds": None,
-                                                   "comm_share": None, "steps": 0, "ranks_reporting": 0}
+                                                   "comm_share": None, "steps": 0, "ranks_reporting": 0,
+                                                   "stragglers": []}
 
 
 def test_a_study_refuses_a_job_id_and_too_few_hosts_before_any_run(tmp_path, monkeypatch):

@@ -603,6 +603,8 @@ class _Live:
                 look = time.monotonic() + 1.0
                 for r in range(progress.world):
                     progress.see(r, _json(self.node_file(r // spec.procs_per_node, hang.PROGRESS.format(rank=r))))
+                for line in progress.new_stragglers(spec.procs_per_node):   # slow, not stuck: named once
+                    log(line)
                 if (stall := progress.verdict()) is not None:
                     self.stacks(stall, log)
                     self.stop_all(timeout=1)

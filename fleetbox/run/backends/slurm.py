@@ -50,6 +50,7 @@ ROUTE_SH = template("route_to.sh")
 # appends one JSON line to allocations.jsonl and moves its logs to alloc<N>/ before the next one starts; the
 # last one's stay in the job folder.
 CHAIN_SH = template("chain.sh")
+STRAGGLER_NOTICE = "fleetbox: straggler: "   # run/hang.py's line in the batch output, shown live
 HANG_PY = "hang.py"   # run/hang.py, copied into the job folder at submit: every allocation of a chain runs the same
 
 # What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
@@ -392,7 +393,7 @@ class SlurmBackend(Backend):
     def follow(self, handle: Handle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
         """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time),
         saying how each allocation of a chain ended."""
-        job_dir, chain, shown = Path(handle.dir), handle.scheduler_job, 0
+        job_dir, chain, shown, noticed = Path(handle.dir), handle.scheduler_job, 0, set()
 
         def running() -> bool:
             nonlocal shown
@@ -401,7 +402,12 @@ class SlurmBackend(Backend):
                 if rec["next"] or rec["allocation"] > 1:
                     log(f"allocation {rec['allocation']} (Slurm job {rec['slurm_job']}) ended: {chain_end(rec)}")
             shown = len(recs)
-            return alive(job_state(self.current(handle, recs))[0])
+            current = self.current(handle, recs)
+            for ln in read_lines(job_dir / f"slurm-{current}.out"):   # what the batch script's watcher noticed
+                if ln.startswith(STRAGGLER_NOTICE) and (current, ln) not in noticed:
+                    noticed.add((current, ln))
+                    log(ln.removeprefix("fleetbox: "))
+            return alive(job_state(current)[0])
 
         while True:
             tail_file(job_dir / "node0.log", running, lambda ln: log(f"[node0] {ln}"), poll)
