@@ -205,7 +205,8 @@ class Frame:
 def main_stack(dump: str) -> list[Frame] | None:
     """The main thread's frames, innermost first, from one faulthandler dump of all threads (None: no dump).
     The main thread is the one whose outermost frame is a module's top level; else the one that took the
-    signal."""
+    signal. Where it waits for its data loader's thread, that thread's frames in the script's code come first
+    (a Dataset's __getitem__ stuck reading is where the rank is)."""
     threads, cur = [], None
     for line in dump.splitlines():
         if m := THREAD.match(line):
@@ -216,8 +217,20 @@ def main_stack(dump: str) -> list[Frame] | None:
     threads = [t for t in threads if t[1]]
     if not threads:
         return None
-    main = [t for t in threads if t[1][-1].func == "<module>"] or [t for t in threads if t[0]] or threads
-    return main[0][1]
+    main = ([t for t in threads if t[1][-1].func == "<module>"] or [t for t in threads if t[0]] or threads)[0][1]
+    if LOADER in main[0].file:   # the main thread waits for its data loader's thread: where that one is comes first
+        for _, frames in threads:
+            if frames is not main and user_frames(frames) and (at := _loader_part(frames)) is not None:
+                return frames[:at] + main
+    return main
+
+
+LOADER = "/paddle/io/dataloader/"   # Paddle's DataLoader reads a batch in a thread of its own (num_workers=0 too)
+
+
+def _loader_part(frames: list[Frame]) -> int | None:
+    """Where a thread's frames enter Paddle's data loader (a loader thread), None if they do not."""
+    return next((i for i, f in enumerate(frames) if LOADER in f.file), None)
 
 
 def waits(f: Frame) -> bool:

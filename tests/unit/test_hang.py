@@ -2,7 +2,8 @@
 faulthandler dumps recorded from real 2-rank Paddle jobs (Gloo on CPU, in the fleetbox image) in
 tests/probes/hang-stacks/: a rank stuck in a data loader at step 30 and its peer in the gradients' all-reduce
 (at-step-*), a rank asleep before joining and its peer in init_parallel_env (at-start-*), and a DataParallel
-peer waiting in backward (backward-rank0)."""
+peer waiting in backward (backward-rank0), and a paddle.Model.fit job whose rank 1 is stuck in its Dataset's
+__getitem__, read by the DataLoader's own thread, while rank 0 waits in backward (fit-loader-*)."""
 import json
 import os
 from pathlib import Path
@@ -291,3 +292,14 @@ def test_the_helpers_window_is_the_one_the_watcher_waits_for(tmp_path, monkeypat
     rec = hang.clean(json.loads((tmp_path / "progress-rank0.json").read_text()))
     # steps of 30, 30, 40 ms, then 20 ms each with 15 ms of waiting: 5 ms of own work each, the last 20
     assert rec["own_n"] == 20 and rec["own_s"] == pytest.approx(0.005)
+
+
+def test_a_rank_waiting_for_its_data_loaders_thread_is_where_that_thread_is():
+    """fit's DataLoader reads batches in a thread (num_workers=0 too): the main thread waits in `__next__`, the
+    script's own code that is stuck runs in the loader's thread."""
+    stacks = {0: stack("fit-loader-rank0"), 1: stack("fit-loader-rank1")}
+    assert [f.func for f in stacks[1][:3]] == ["trouble", "__getitem__", "__next__"]
+    b = hang.blame(stacks, 2)
+    assert b.decided and b.ranks == [1]
+    assert b.where == {0: "waiting in `backward` ← `main` (fit.py:78)",
+                       1: "in `trouble` (fit.py:72) ← `__getitem__` (fit.py:35)"}
