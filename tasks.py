@@ -105,14 +105,19 @@ def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=F
 @task(help={"variant": VARIANT_HELP, "dry_run": "print the whole build plan (any variant), build nothing",
             "wheelhouse": "wheelhouse folder (default wheelhouse/<variant>/)",
             "force": "build again even if an image with the same inputs exists",
-            "datasets": "bake these seeded data sets (see `invoke cache`) into the image at Paddle's cache path"})
+            "datasets": "bake these seeded data sets (see `invoke cache`) into the image at Paddle's cache path",
+            "dockerfile": "write images/<variant>.Dockerfile, the same build for any OCI builder (with --dry-run: "
+                          "print it); needs no engine"})
 @_fleetbox
-def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets=None):
+def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets=None, dockerfile=False):
     """Build the variant's image hermetically (network off) from the wheelhouse; no-op when up to date."""
     from fleetbox import engine
     from fleetbox.data import datasets as ds
     from fleetbox.image import images as images_mod
     v = _variant(variant)
+    if dockerfile:
+        images_mod.write_dockerfile(v, dry_run, log=_log)
+        return
     data = ds.select(ds.load(), datasets) if datasets else []
     if dry_run:
         try:

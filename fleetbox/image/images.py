@@ -159,6 +159,44 @@ def recipe(variant: Variant, split: list, entries: list) -> str:
                        "settings": layers.changes(variant, [], {}), "freeze": freeze(entries), "mount": layers.MOUNT})
 
 
+# The labels that differ by machine or commit: a rendered Dockerfile takes them as build arguments
+DOCKERFILE_ARGS = {"org.opencontainers.image.revision": "REVISION", "org.opencontainers.image.base.name": "BASE_IMAGE",
+                   "org.opencontainers.image.base.digest": "BASE_DIGEST", settings.LABEL_INPUTS: "CONTENT_HASH"}
+
+
+def dockerfile_path(variant: Variant) -> Path:
+    return ROOT / "images" / f"{variant.name}.Dockerfile"
+
+
+def render_dockerfile(variant: Variant) -> str:
+    """The variant's build as a Dockerfile (image/layers.py): from the matrix and the lock alone, so it is the
+    same on every machine; what differs by machine or commit comes in as build arguments."""
+    return dockerfile_text(variant, *locks.read(variant))
+
+
+def dockerfile_text(variant: Variant, lock_text: str, entries: list[locks.Locked]) -> str:
+    args = build_args(variant, entries)
+    split = layers.plan(variant, lock_text, entries, "", args["PYTHON"], args["PIP_WHEEL"])
+    lbl = labels(variant, locks.lock_hash(lock_text), "", "", entries, "")
+    return layers.dockerfile(variant, split, lbl, DOCKERFILE_ARGS, variant.lock_path.name)
+
+
+def write_dockerfile(variant: Variant, dry_run: bool = False, log=print) -> Path | None:
+    """`invoke build --dockerfile`: write images/<variant>.Dockerfile (with --dry-run, print it); no engine."""
+    text = render_dockerfile(variant)
+    if dry_run:
+        log(text.rstrip("\n"))
+        return None
+    path = files.write_atomic(dockerfile_path(variant), text)
+    log(f"wrote {path.relative_to(ROOT)} ({len(variant_layers(text))} layers); build it as its comments say")
+    return path
+
+
+def variant_layers(text: str) -> list[str]:
+    """The layers a rendered Dockerfile names, in order."""
+    return re.findall(r"^# layer (\S+):", text, re.M)
+
+
 def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, revision: str = "",
          data: list[datasets.Dataset] = ()) -> BuildPlan:
     """Pure: everything the build will do, from the variant, its base's ID, its lock (None if missing) and

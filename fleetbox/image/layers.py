@@ -165,14 +165,19 @@ def layer_tag(layer: Layer) -> str:
     return f"{LAYERS_REPO}:{layer.name}-{layer.key[:12]}"
 
 
+def image_env(variant: Variant, path: str) -> dict[str, str]:
+    """The image's environment, on the base's PATH."""
+    return {"VIRTUAL_ENV": VENV, "PATH": f"{VENV}/bin:{path}", "PYTHONUNBUFFERED": "1", "PIP_NO_INDEX": "1",
+            "FLEETBOX_VARIANT": variant.name, "FLEETBOX_DEVICE": variant.device}
+
+
 def changes(variant: Variant, base_env: list[str], labels: dict[str, str]) -> list[str]:
     """The image's settings, as `docker commit --change` instructions. Commit reads them as a Dockerfile
     would: a value is double-quoted, with `$` escaped (no variable is expanded) and non-ASCII kept as is."""
     path = next((e.split("=", 1)[1] for e in base_env if e.startswith("PATH=")),
                 "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-    env = {"VIRTUAL_ENV": VENV, "PATH": f"{VENV}/bin:{path}", "PYTHONUNBUFFERED": "1", "PIP_NO_INDEX": "1",
-           "FLEETBOX_VARIANT": variant.name, "FLEETBOX_DEVICE": variant.device}
-    return ([f"ENV {k}={_quoted(v)}" for k, v in env.items()] + [f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]']
+    return ([f"ENV {k}={_quoted(v)}" for k, v in image_env(variant, path).items()]
+            + [f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]']
             + [f"LABEL {_quoted(k)}={_quoted(v)}" for k, v in sorted(labels.items())])
 
 
@@ -203,3 +208,54 @@ def by_hand(variant: Variant, layers: list[Layer], base_id: str, wheelhouse: str
                   "FROM=$(docker commit " + " ".join(f"--change {q(c)}" for c in changes) + f" \"$CT\" {tag})",
                   'docker rm "$CT" > /dev/null', "CT="]
     return "\n".join(lines) + "\n"
+
+
+def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], from_args: dict[str, str],
+               lock_name: str) -> str:
+    """The same build as a Dockerfile any OCI builder takes (BuildKit, buildah/podman): one RUN per layer, each
+    running the layer's own script with its requirements (pins and hashes) inline and the wheelhouse
+    bind-mounted from a build context named `wheelhouse`. `labels` are written as they are, but those in
+    `from_args` ({label: build arg}), which differ by machine or commit and come in as build arguments."""
+    q = shlex.quote
+    head = [
+        "# syntax=docker/dockerfile:1.4",
+        f"# fleetbox {variant.name}: {variant.description}",
+        f"# Rendered from images/matrix.toml and images/locks/{lock_name} by `invoke build --variant {variant.name}",
+        "# --dockerfile`: render it again rather than edit it. The same layers as `invoke build` makes: each RUN",
+        "# installs one layer's locked wheels with pip from its own locked wheel (no index, hashes required), the",
+        f"# wheelhouse bind-mounted read-only at {WHEELS} (never copied into a layer), the network off; then every",
+        "# path the layer added gets a fixed time and is byte-compiled, so a layer made again is the same bytes.",
+        "# Build (the base image present; see README.md, \"Building without fleetbox\"):",
+        "#   podman build --format docker --network none \\",
+        f"#     --build-context wheelhouse=wheelhouse/{variant.name} --build-arg REVISION=$(git rev-parse HEAD) \\",
+        f"#     -f images/{variant.name}.Dockerfile -t {variant.aliases[0]} images",
+        "#   docker buildx build --network none --build-context wheelhouse=... (the same arguments)",
+        f"ARG BASE_IMAGE={variant.base_ref}",
+        "FROM ${BASE_IMAGE}",
+        "ARG BASE_IMAGE",
+        *[f"ARG {a}=unknown" for a in sorted(set(from_args.values()) - {"BASE_IMAGE"})],
+        'SHELL ["/bin/bash", "-o", "pipefail", "-c"]',
+    ]
+    body = []
+    for i, layer in enumerate(split):
+        what = f"{len(layer.entries)} locked package(s)" if layer.entries else \
+            "pip's freeze of the environment, the folders fleetbox binds onto"
+        body += [f"# layer {layer.name}: {what}"]
+        if i:   # one RUN per layer on purpose: each is a layer of its own, shared with invoke build's
+            body.append("# hadolint ignore=DL3059")
+        if layer.last:
+            body.append(f"RUN {layer.script}")
+            continue
+        reqs = [q(r) for r in layer.requirements.splitlines()]
+        body += [f"RUN --mount=type=bind,from=wheelhouse,target={WHEELS} \\",
+                 "    set -- \"$(printf '%s\\n' \\",
+                 *[f"      {r} \\" for r in reqs],
+                 "    )\"; \\",
+                 f"    {layer.script}"]
+    env = [f"{k}=" + ('"' + v + '"' if k == "PATH" else _quoted(v))   # ${PATH}: the base's, as commit takes it
+           for k, v in image_env(variant, "${PATH}").items()]
+    lbl = [f"{_quoted(k)}=" + (f'"${{{from_args[k]}}}"' if k in from_args else _quoted(v))
+           for k, v in sorted(labels.items())]
+    tail = ["# the image's settings", "ENV " + " \\\n    ".join(env), f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]',
+            "LABEL " + " \\\n      ".join(lbl)]
+    return "\n".join(head + body + tail) + "\n"

@@ -63,3 +63,75 @@ def test_the_image_has_every_mount_point_fleetbox_binds():
     assert wanted <= set(settings.BIND_TARGETS), sorted(wanted - set(settings.BIND_TARGETS))
     made = re.search(r"mkdir -p ([^;]+);", layers.last_script()).group(1).split()
     assert wanted <= set(made), sorted(wanted - set(made))
+
+
+# -- the variants' own Dockerfiles (invoke build --dockerfile) --
+
+def with_lock(variant: str) -> list[str]:
+    return [v for v in sorted(matrix.load().variants) if matrix.load().get(v).lock_path.exists()]
+
+
+@pytest.mark.parametrize("variant", with_lock("any") or ["cpu"])
+def test_the_committed_dockerfile_of_a_variant_with_a_lock_is_current_and_passes_hadolint(variant, tmp_path):
+    v = matrix.load().get(variant)
+    path = images.dockerfile_path(v)
+    assert path.exists(), f"{path.name} missing: `invoke build --variant {variant} --dockerfile` writes it"
+    assert path.read_text() == images.render_dockerfile(v), \
+        f"{path.name} is stale: `invoke build --variant {variant} --dockerfile` renders it again"
+    proc = subprocess.run([shutil.which("hadolint") or "hadolint", "--failure-threshold", "info", str(path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_variants_dockerfile_holds_one_run_per_layer_with_its_pins_and_what_varies_as_build_arguments():
+    v = matrix.load().get("cpu")
+    lock_text, entries = locks.read(v)
+    text = images.render_dockerfile(v)
+    split = images.plan(v, BASE_ID, (lock_text, entries)).layers
+    assert images.variant_layers(text) == [x.name for x in split]
+    runs = re.findall(r"^RUN .*?(?<!\\)$", text, re.M | re.S)
+    assert len(runs) == len(split)
+    for layer, run in zip(split, runs):   # each layer's own script, its requirements inline, every hash
+        assert run.rstrip().endswith(layer.script)
+        for e in layer.entries:
+            assert f"'{e.name}=={e.version} " + " ".join(f"--hash=sha256:{h}" for h in e.hashes) + "'" in run
+        assert ("from=wheelhouse,target=/mnt" in run) is not layer.last
+    assert "--no-index" in text and "--require-hashes" in text and "SHELL [\"/bin/bash\", \"-o\", \"pipefail\"" in text
+    for arg in ("REVISION", "BASE_DIGEST", "CONTENT_HASH"):   # what differs by machine or commit: never inline
+        assert f"ARG {arg}=unknown" in text and f'"${{{arg}}}"' in text
+    assert images.source_revision().split("-")[0] not in text   # the file is the same on every machine, any commit
+
+
+def test_changing_one_pin_changes_that_layers_line_and_the_labels_that_name_the_lock_only():
+    import difflib
+    v = matrix.load().get("cpu")
+    lock_text, entries = locks.read(v)
+    old = next(e for e in entries if e.name == "opencv-python-headless")
+    lines = lock_text.splitlines(keepends=True)
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(f"{old.name}=={old.version}"))
+    end = next(i for i in range(at + 1, len(lines)) if not lines[i].startswith("    --hash"))
+    bumped = "".join(lines[:at] + [f"{old.name}==4.11.0.86 \\\n", "    --hash=sha256:" + "ab" * 32 + "\n"]
+                     + lines[end:])
+    render = images.dockerfile_text
+    diff = [ln for ln in difflib.unified_diff(render(v, lock_text, entries).splitlines(),
+                                              render(v, bumped, locks.parse(bumped)).splitlines(), lineterm="", n=0)
+            if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    assert len(diff) == 6, "\n".join(diff)
+    assert diff[0].startswith(f"-      '{old.name}=={old.version} ") and \
+        diff[1] == f"+      '{old.name}==4.11.0.86 --hash=sha256:{'ab' * 32}' \\"
+    assert {d[1:].strip().split("=")[0] for d in diff[2:]} == {'"io.fleetbox.lock-sha256"', '"io.fleetbox.pip-freeze"'}
+
+
+def test_rendering_a_variant_without_a_lock_says_how_to_make_it_in_one_line(run_invoke):
+    from tests.unit.test_cli import one_line_error
+    one_line_error(run_invoke("build", "--variant", "cu126", "--dockerfile"), "no lock for variant cu126",
+                   "`invoke lock --variant cu126`")
+    assert not (images.ROOT / "images" / "cu126.Dockerfile").exists()
+
+
+def test_dry_run_prints_the_dockerfile_and_writes_nothing(run_invoke):
+    v = matrix.load().get("cpu")
+    before = images.dockerfile_path(v).stat().st_mtime_ns
+    proc = run_invoke("build", "--variant", "cpu", "--dockerfile", "--dry-run")
+    assert proc.returncode == 0 and proc.stdout == images.render_dockerfile(v), proc.stderr
+    assert images.dockerfile_path(v).stat().st_mtime_ns == before
