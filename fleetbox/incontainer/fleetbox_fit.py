@@ -13,9 +13,16 @@ queue's time limit, SIGTERM; FLEETBOX_CHECKPOINT_EVERY=N adds one every N batche
 Resuming. fit cannot start in the middle of an epoch. A restarted job restores the network and optimizer from
 the newest checkpoint every rank has; the epochs finished before it are not trained again (fit is stopped once
 the remaining ones are done, so its own progress bar counts them from 1), and the epoch that was in progress
-starts again from its first batch, with the weights of that checkpoint: from an epoch's end, exactly where the
-run stopped; from a checkpoint inside an epoch (a time limit), that epoch's batches before it are trained a
-second time. The steps in the metrics lines count every batch trained, across restarts.
+starts again from its first batch, with the weights of that checkpoint: from an epoch's end, with the weights
+the run had there; from a checkpoint inside an epoch (a time limit), that epoch's batches before it are trained a
+second time. The steps in the metrics lines count every batch trained, across restarts. Not carried over: the
+data order (fit's DistributedBatchSampler counts its shuffles from 0 again, so resumed epochs see the orders of
+the first ones), a learning-rate scheduler that steps by epoch unless it is part of the optimizer's state, and
+an EarlyStopping's stop (a restart after it trains the epochs it skipped).
+
+A rank's own time is what it spends on the host side of its batch: its data, and launching its forward pass.
+On a GPU, kernels run after their launch, so a rank slow in computing shows in its peers' wait, not in its own
+time; a straggler in its data (the commonest: a slow file system, a slow transform) shows.
 """
 import time
 
@@ -40,6 +47,7 @@ class Callback(paddle.callbacks.Callback):
         self._own = 0.0
         self._mark = time.perf_counter()
         self._hooks = []
+        self._stopped = False   # this callback ended fit early (a resumed fit): fit's flag is reset after
 
     # -- the parts fit does not give a callback --
 
@@ -50,6 +58,11 @@ class Callback(paddle.callbacks.Callback):
         return self.model._optimizer
 
     def _state(self):
+        """What a checkpoint records of fit's place: a save at an epoch's last batch (a stop asked there, or
+        FLEETBOX_CHECKPOINT_EVERY) has that epoch done, as the epoch's-end save would say."""
+        per_epoch = self.params.get("steps")
+        if per_epoch and self.in_epoch >= per_epoch:
+            return {"epochs": self.epochs_done + 1, "in_epoch": 0}
         return {"epochs": self.epochs_done, "in_epoch": self.in_epoch}
 
     # -- fit's events --
@@ -60,7 +73,9 @@ class Callback(paddle.callbacks.Callback):
         # restored first (it agrees with every rank through collectives), then the last step is known
         self.ckpt = fleetbox_checkpoint.Checkpoint(every=NEVER, keep=self.keep)
         self.trained = self.ckpt.restore(net, self._optimizer())
-        saved = self.ckpt.rank_state or {}
+        # fit's place, as the first rank that has one restored it: every rank must run as many epochs (a rank the
+        # checkpoint has no file of, the job grown by a node, starts its own state fresh, not its epochs)
+        saved = next((x for x in self.ckpt._gather(self.ckpt.rank_state) if x), None) or {}
         self.epochs_done, again = int(saved.get("epochs", 0)), int(saved.get("in_epoch", 0))
         left = max(0, (epochs or 0) - self.epochs_done)
         self.ckpt.total = self.trained + left * per_epoch if epochs and per_epoch else None
@@ -80,7 +95,7 @@ class Callback(paddle.callbacks.Callback):
         self._mark = time.perf_counter()
 
     def _untrained(self, inputs, labels=None, update=True):
-        loss = [paddle.zeros([1]).numpy()]
+        loss = [paddle.zeros([]).numpy()]
         return (loss, []) if self.model._metrics and self.model._loss else loss
 
     def _forward_starts(self, layer, inputs):
@@ -115,8 +130,9 @@ class Callback(paddle.callbacks.Callback):
         epochs = self.params.get("epochs")
         if self.epochs_done % self.every_epochs == 0 or self.epochs_done == epochs:
             self.ckpt.save(self.trained, self._network(), self._optimizer(), rank_state=self._state())
-        if epochs and self.epochs_done >= epochs:   # a resumed fit: its remaining epochs are done
-            self.model.stop_training = True
+        if epochs and self.epochs_done >= epochs and epoch < epochs - 1:   # a resumed fit: the ones left are done
+            self.model.stop_training = self._stopped = True
+        self._mark = time.perf_counter()   # the save is not the next batch's own work
 
     def on_eval_begin(self, logs=None):
         self._phase = fleetbox_progress.phase("evaluation")
@@ -133,4 +149,6 @@ class Callback(paddle.callbacks.Callback):
             h.remove()
         if self._skip is not None:
             self.model.train_batch, self._skip = self._skip, None
+        if self._stopped:   # Paddle resets it only in Model(): a second fit in the script would stop at once
+            self.model.stop_training = self._stopped = False
         self.ckpt.done()

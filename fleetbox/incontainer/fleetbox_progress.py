@@ -33,12 +33,14 @@ DIR_ENV = "FLEETBOX_PROGRESS_DIR"
 OWNER_ENV = "FLEETBOX_PROGRESS_PID"   # the rank's own process (sitecustomize sets it): its children inherit it
 EVERY_S = 1.0
 WINDOW = 20   # steps whose own time a rank's file gives the median of (a straggler "stays" slow over them)
+WARM_UP = 5   # steps whose own time is left out
 
 _lock = threading.Lock()          # the state
 _writing = threading.Lock()       # the file: the flusher and phase() may write at once
 _state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False,
           "own_s": None, "own_n": 0}
 _own = collections.deque(maxlen=WINDOW)   # this rank's own seconds of its last steps
+_warm = 0   # own times seen and left out
 _written = -1       # the seq last written
 _thread = None
 
@@ -115,11 +117,17 @@ def reporting() -> None:
 
 def step(n, own=None) -> None:
     """Step `n` is done; `own`: the seconds of it this rank spent on its own work, not waiting for its peers."""
+    global _warm
+    if path() is None:   # outside a job, or a rank's child (which may hold a copy of a lock taken when it forked)
+        return
     values = {"step": int(n), "reports": True}
     if own is not None and math.isfinite(own) and own >= 0:
         with _lock:
-            _own.append(float(own))
-            values.update(own_s=statistics.median(_own), own_n=len(_own))
+            if _warm < WARM_UP:   # the first steps compile and warm caches, unevenly across ranks
+                _warm += 1
+            else:
+                _own.append(float(own))
+                values.update(own_s=statistics.median(_own), own_n=len(_own))
     _changed(**values)
 
 

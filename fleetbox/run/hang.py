@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import signal
@@ -66,21 +67,28 @@ class Stall:
     since: dict[int, float]    # wall time of each rank's last progress (or of the start)
 
 
+def finite(v) -> bool:
+    """A number a float holds (10**400 does not: an OverflowError later), not NaN or infinite."""
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
 def clean(record) -> dict | None:
     """A progress record held to its shape (it comes from a file any script could write), else None."""
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    number = finite
     if not isinstance(record, dict) or not number(record.get("seq")):
         return None
     step, phase, limit = record.get("step"), record.get("phase"), record.get("phase_limit")
     if step is not None and not number(step) or phase is not None and not isinstance(phase, str):
         return None
-    if limit is not None and not (number(limit) and 0 < limit < float("inf")):
+    if limit is not None and not (number(limit) and limit > 0):
         return None
     own, own_n = record.get("own_s"), record.get("own_n")
     return {"seq": record["seq"], "step": step, "phase": phase, "phase_limit": limit,
             "reports": record.get("reports") is True, "done": record.get("done") is True,
-            "own_s": own if number(own) and 0 <= own < float("inf") else None,
+            "own_s": float(own) if number(own) and own >= 0 else None,
             "own_n": own_n if isinstance(own_n, int) and not isinstance(own_n, bool) else 0}
 
 

@@ -54,8 +54,11 @@ NUMBERS = ("loss", "samples_per_s", "comm_seconds", "own_seconds", "samples", "s
 def well_formed(rec) -> bool:
     """A metrics record the report can use: whole rank and step, a time, and numbers where it gives numbers (a
     script's malformed line is left out, never a traceback after the job)."""
-    def number(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    def number(x):   # NaN passes (a loss that went NaN is worth seeing); a number no float holds does not
+        try:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and (float(x) or True)
+        except OverflowError:
+            return False
     return isinstance(rec, dict) and all(isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool)
                                          for k in ("rank", "step")) \
         and number(rec.get("time")) and all(number(rec[k]) for k in NUMBERS if k in rec)

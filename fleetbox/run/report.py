@@ -7,6 +7,7 @@ with matplotlib; the images stay as they are."""
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -63,7 +64,7 @@ def straggling(recs: list[dict]) -> dict:
     rule as live, hang.stragglers: {rank: the other ranks' median})."""
     own = defaultdict(list)
     for r in recs:
-        if "own_seconds" in r:
+        if "own_seconds" in r and math.isfinite(r["own_seconds"]) and r["own_seconds"] >= 0:
             own[r["rank"]].append(r["own_seconds"])
     medians = {k: statistics.median(v) for k, v in sorted(own.items())}
     return {"own": medians, "stragglers": hang.stragglers(medians)}

@@ -56,3 +56,21 @@ def test_a_fit_job_stuck_in_its_data_loader_is_named_from_the_stacks(cpu_image):
         "rank 0 waiting in `backward`" in h["text"], h["text"]
     assert "in __getitem__" in (Path(h["dir"]) / "rank1.txt").read_text()
     assert job_containers(s["job_id"]) == []
+
+
+def test_a_fit_job_that_fails_once_fit_is_done_trains_nothing_again(cpu_image):
+    """Every epoch's last batch is also saved by the batch count (FLEETBOX_CHECKPOINT_EVERY, one epoch): that
+    checkpoint has its epoch done, so the restart after a failure past fit reads one batch, trains nothing and
+    goes on with what follows fit (the evaluation), from the weights fit ended with."""
+    proc = invoke("train", "--nodes", "2", "--script", "train/fit.py", "--max-restarts", "1",
+                  "--env", f"FLEETBOX_CHECKPOINT_EVERY={PER_EPOCH}", "--args",
+                  "--epochs 3 --kill-rank 1 --kill-epoch 3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s = summary_of(proc)
+    job = Path(s["dir"])
+    said = (job / "node0" / "workerlog.0").read_text()
+    assert f"fleetbox_fit: resumed at step {3 * PER_EPOCH} (3 of 3 epoch(s) done): nothing left to train" in said
+    recs = metrics.read(job)
+    assert [r for r in recs if r["attempt"] == 1] == []   # no batch trained again
+    assert {r["epoch"] for r in recs if r["attempt"] == 0} == {0, 1, 2}
+    assert json.loads(said.split("FLEETBOX-FIT ")[1].splitlines()[0])["accuracy"] > 0.85

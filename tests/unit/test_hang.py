@@ -268,8 +268,13 @@ def test_the_straggler_rule(own, slow):
 
 def test_progress_records_keep_a_ranks_own_time_only_when_it_is_a_number():
     assert hang.clean(_rec(1, 0.01, 20))["own_s"] == 0.01
-    for bad in ("0.01", -1, float("inf"), True):
+    for bad in ("0.01", -1, float("inf"), float("nan"), True, 10**400):   # 10**400: no float holds it
         assert hang.clean(_rec(1, bad, 20))["own_s"] is None
+    assert hang.clean({"seq": 1, "phase": "e", "phase_limit": 10**400}) is None
+    w = hang.Watch(world=2, hang_s=60, start_s=60)
+    w.see(0, _rec(1, 10**400, 20))
+    w.see(1, _rec(1, 0.01, 20))
+    assert w.new_stragglers(ppn=1) == [] and w.verdict() is None   # the watcher goes on
     assert hang.clean({"seq": 1})["own_n"] == 0
 
 
@@ -282,6 +287,7 @@ def test_the_helpers_window_is_the_one_the_watcher_waits_for(tmp_path, monkeypat
     monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
     monkeypatch.setenv(fleetbox_progress.OWNER_ENV, str(os.getpid()))
     monkeypatch.setattr(fleetbox_progress, "_own", type(fleetbox_progress._own)(maxlen=fleetbox_progress.WINDOW))
+    monkeypatch.setattr(fleetbox_progress, "_warm", fleetbox_progress.WARM_UP)   # past the warm-up
     meter = fleetbox_metrics.Meter()
     times = iter([0.0, 0.030, 0.060, 0.100] + [0.1 + 0.02 * i for i in range(1, 40)])
     monkeypatch.setattr(fleetbox_metrics.time, "perf_counter", lambda: next(times))

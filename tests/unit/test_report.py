@@ -145,3 +145,11 @@ def test_a_straggler_is_named_with_its_own_work_per_step_against_the_others(tmp_
     md = (job / "report.md").read_text()
     assert said in md, md
     assert sorted(done["stragglers"]) == named
+
+
+def test_own_times_no_float_holds_or_negative_are_left_out_of_the_straggler_figures(tmp_path):
+    from fleetbox.run import metrics
+    assert not metrics.well_formed({"rank": 0, "step": 1, "time": 1.0, "own_seconds": 10**400})
+    recs = [{"rank": 0, "step": s, "own_seconds": 0.002} for s in range(5)] + \
+        [{"rank": 1, "step": s, "own_seconds": v} for s, v in enumerate([float("nan"), -5.0, 0.003, 0.003, 0.003])]
+    assert report.straggling(recs) == {"own": {0: 0.002, 1: 0.003}, "stragglers": {}}
