@@ -29,6 +29,7 @@ from fleetbox.processes import signals_held, stops_as_interrupt
 DATA_DOCKERFILE = ROOT / "images" / "data.Dockerfile"
 
 UNKNOWN = "<unknown until the base exists>"
+PROFILE = "fleetbox-layer-profile"   # build.log's line per layer made: where its time went (bench/build.py)
 
 
 def short_id(image_id: str) -> str:
@@ -294,18 +295,30 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
     name = f"fleetbox-layer-{layer.name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
     try:
         # a bind mount in the host config only: `volumes=` would also declare a VOLUME that commit keeps
+        t0 = time.time()
         ct = c.containers.create(parent, ["sh", "-c", layer.script, "sh", layer.requirements], name=name,
                                  network_mode="none",
                                  mounts=[docker.types.Mount(layers.WHEELS, wheels, type="bind", read_only=True)])
         ct.start()
         code = ct.wait()["StatusCode"]
+        t_ran = time.time()
         logs = ct.logs().decode(errors="replace")
         out.write(logs)
         if code != 0:
             tail = (logs.strip().splitlines() or ["?"])[-1]
             raise UserError(f"layer {layer.name} failed (exit {code}): {tail[:300]}")
         repo, tag_name = tag.rsplit(":", 1)
-        return ct.commit(repository=repo, tag=tag_name, changes=change_list)
+        made = ct.commit(repository=repo, tag=tag_name, changes=change_list)
+        # where the layer's time went (bench/build.py reads it): the container's start (to its script's first
+        # line), each phase of the script, its end, the commit
+        phases = layers.profile(logs)
+        first = re.search(rf"^{layers.PHASE} start ([\d.]+)$", logs, re.M)
+        ran = t_ran - t0
+        start = float(first.group(1)) - t0 if first else 0.0
+        rec = {"layer": layer.name, "start": start, **phases, "end": max(0.0, ran - start - sum(phases.values())),
+               "commit": time.time() - t_ran}
+        out.write(f"{PROFILE} {json.dumps(rec)}\n")
+        return made
     except docker.errors.APIError as e:   # full disk, image gone (a concurrent clean), engine restarted
         raise UserError(f"layer {layer.name}: the engine refused: {(e.explanation or str(e)).strip()[:300]}") \
             from None

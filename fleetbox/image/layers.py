@@ -111,8 +111,16 @@ def _settle() -> str:
             f"-newermt \"@$t0\" -exec touch -h -d @{EPOCH} {{}} +")
 
 
-_START = "set -e; t0=$(date +%s.%N); sleep 0.05; "   # file times come from a coarser clock than date's: begin
-                                                     # one tick later, so nothing this layer makes is older than t0
+PHASE = "fleetbox-phase"   # a layer's output line: a phase of its script ended (name, time): the build's profile
+
+
+def _phase(name: str) -> str:
+    """Ours (raw): say that a phase ended, in the layer's output (build.log), not in the layer."""
+    return f'echo "{PHASE} {name} $(date +%s.%N)"'
+
+
+_START = f"set -e; t0=$(date +%s.%N); {_phase('start')}; sleep 0.05; "   # file times come from a coarser clock
+                                            # than date's: begin one tick later, so nothing made is older than t0
 
 
 def install_script(python: str, pip_wheel: str, first: bool) -> str:
@@ -125,15 +133,17 @@ def install_script(python: str, pip_wheel: str, first: bool) -> str:
     pip = shlex.quote(f"{WHEELS}/{pip_wheel}/pip")
     return (f"{_START}{venv}printf '%s' \"$1\" | {VENV}/bin/python {pip} install --no-index --no-cache-dir "
             f"--find-links {WHEELS} --require-hashes --only-binary :all: --no-deps --no-compile "
-            f"--disable-pip-version-check --quiet -r /dev/stdin; "
+            f"--disable-pip-version-check --quiet -r /dev/stdin; {_phase('pip')}; "
             f"find {VENV}/lib -newermt \"@$t0\" -name '*.py' -print0 > /dev/shm/fleetbox-new; {_settle()}; "
+            f"{_phase('fixed-times')}; "
             f"xargs -0 -r -P \"$(nproc)\" -n 200 env PYTHONHASHSEED=0 {VENV}/bin/python -m compileall -q "
-            f"< /dev/shm/fleetbox-new > /dev/null || [ $? -eq 123 ]; {_settle()}")
+            f"< /dev/shm/fleetbox-new > /dev/null || [ $? -eq 123 ]; {_phase('compileall')}; {_settle()}; "
+            f"{_phase('fixed-times-again')}")
 
 
 def last_script() -> str:
     return (f"{_START}{VENV}/bin/python -m pip freeze --all --disable-pip-version-check > {VENV}/fleetbox-freeze.txt; "
-            f"mkdir -p {' '.join(settings.BIND_TARGETS)}; {_settle()}")
+            f"mkdir -p {' '.join(settings.BIND_TARGETS)}; {_phase('freeze')}; {_settle()}; {_phase('fixed-times')}")
 
 
 def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id: str, python: str,
@@ -259,3 +269,9 @@ def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], fro
     tail = ["# the image's settings", "ENV " + " \\\n    ".join(env), f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]',
             "LABEL " + " \\\n      ".join(lbl)]
     return "\n".join(head + body + tail) + "\n"
+
+
+def profile(output: str) -> dict[str, float]:
+    """{phase: seconds} of one layer's run, from its output's phase lines (in the order they ended)."""
+    marks = re.findall(rf"^{PHASE} (\S+) ([\d.]+)$", output, re.M)
+    return {name: float(t) - float(before) for (_, before), (name, t) in zip(marks, marks[1:])}

@@ -179,3 +179,13 @@ def test_an_engine_error_in_a_layer_is_one_line_and_the_container_is_removed(tmp
     with pytest.raises(UserError, match=r"^layer paddle: the engine refused: write .*no space left on device$"):
         images._run_and_commit(engine, "sha256:p", layer, str(tmp_path), "fleetbox/layers:x", [], io.StringIO())
     assert engine.removed == [(engine.name, True)] and engine.name.startswith("fleetbox-layer-paddle-")
+
+
+def test_a_layers_profile_is_the_time_between_its_phase_lines():
+    out = "fleetbox-phase start 100.0\nCollecting x\nfleetbox-phase pip 112.5\nfleetbox-phase fixed-times 113.25\n" \
+          "fleetbox-phase compileall 120.0\n"
+    assert layers.profile(out) == {"pip": 12.5, "fixed-times": 0.75, "compileall": 6.75}
+    assert layers.profile("no phases") == {}
+    # every script says its phases (the build's profile reads them): as the shell would print them
+    for script in (layers.install_script("/usr/bin/python3", "pip-25.3-py3-none-any.whl", True), layers.last_script()):
+        assert script.count(layers.PHASE) >= 3
