@@ -116,6 +116,8 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets
     from fleetbox.image import images as images_mod
     v = _variant(variant)
     if dockerfile:
+        if datasets or force or wheelhouse:
+            raise UserError("--dockerfile renders the file only: --datasets, --force and --wheelhouse do not apply")
         images_mod.write_dockerfile(v, dry_run, log=_log)
         return
     data = ds.select(ds.load(), datasets) if datasets else []

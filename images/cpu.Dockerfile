@@ -1,23 +1,18 @@
-# syntax=docker/dockerfile:1.4
 # fleetbox cpu: CPU (Gloo for collectives)
 # Rendered from images/matrix.toml and images/locks/cpu.lock by `invoke build --variant cpu
 # --dockerfile`: render it again rather than edit it. The same layers as `invoke build` makes: each RUN
 # installs one layer's locked wheels with pip from its own locked wheel (no index, hashes required), the
 # wheelhouse bind-mounted read-only at /mnt (never copied into a layer), the network off; then every
 # path the layer added gets a fixed time and is byte-compiled, so a layer made again is the same bytes.
-# Build (the base image present; see README.md, "Building without fleetbox"):
-#   podman build --format docker --network none \
+# Build it (the base image present; README.md, "Building without fleetbox"), the context an empty folder:
+#   podman build --format docker --network none --pull=never \
 #     --build-context wheelhouse=wheelhouse/cpu --build-arg REVISION=$(git rev-parse HEAD) \
-#     -f images/cpu.Dockerfile -t fleetbox/paddle:cpu images
-#   docker buildx build --network none --build-context wheelhouse=... (the same arguments)
+#     -f images/cpu.Dockerfile -t fleetbox/paddle:cpu "$(mktemp -d)"
+#   docker buildx build (BuildKit, Docker 23 or later) takes the same arguments but --format and --pull
 ARG BASE_IMAGE=fleetbox/base:bookworm-965f49151f4a
 FROM ${BASE_IMAGE}
-ARG BASE_IMAGE
-ARG BASE_DIGEST=unknown
-ARG CONTENT_HASH=unknown
-ARG REVISION=unknown
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # layer paddle: 16 locked package(s)
+# hadolint ignore=DL3059,DL4006
 RUN --mount=type=bind,from=wheelhouse,target=/mnt \
     set -- "$(printf '%s\n' \
       'anyio==4.16.0 --hash=sha256:59bb03251907983d1603d27c3087ddb1e93299ea2163adcdba37899a4fb12ffb --hash=sha256:c66ae634e0b8228396b801741beb3294326d4b6102f7bba4041c0dfb58c29026' \
@@ -39,23 +34,27 @@ RUN --mount=type=bind,from=wheelhouse,target=/mnt \
     )"; \
     set -e; t0=$(date +%s.%N); echo "fleetbox-phase start $(date +%s.%N)"; sleep 0.05; /usr/bin/python3 -m venv --without-pip /opt/venv; printf '%s' "$1" | /opt/venv/bin/python /mnt/pip-25.3-py3-none-any.whl/pip install --no-index --no-cache-dir --find-links /mnt --require-hashes --only-binary :all: --no-deps --no-compile --disable-pip-version-check --quiet -r /dev/stdin; echo "fleetbox-phase pip $(date +%s.%N)"; find /opt/venv/lib -newermt "@$t0" -name '*.py' -print0 > /dev/shm/fleetbox-new; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; echo "fleetbox-phase fixed-times $(date +%s.%N)"; xargs -0 -r -P "$(nproc)" -n 200 env PYTHONHASHSEED=0 /opt/venv/bin/python -m compileall -q < /dev/shm/fleetbox-new > /dev/null || [ $? -eq 123 ]; echo "fleetbox-phase compileall $(date +%s.%N)"; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; echo "fleetbox-phase fixed-times-again $(date +%s.%N)"
 # layer scipy: 1 locked package(s)
-# hadolint ignore=DL3059
+# hadolint ignore=DL3059,DL4006
 RUN --mount=type=bind,from=wheelhouse,target=/mnt \
     set -- "$(printf '%s\n' \
       'scipy==1.17.1 --hash=sha256:010f4333c96c9bb1a4516269e33cb5917b08ef2166d5556ca2fd9f082a9e6ea0 --hash=sha256:02ae3b274fde71c5e92ac4d54bc06c42d80e399fec704383dcd99b301df37458 --hash=sha256:08b900519463543aa604a06bec02461558a6e1cef8fdbb8098f77a48a83c8118 --hash=sha256:131f5aaea57602008f9822e2115029b55d4b5f7c070287699fe45c661d051e39 --hash=sha256:158dd96d2207e21c966063e1635b1063cd7787b627b6f07305315dd73d9c679e --hash=sha256:1cc682cea2ae55524432f3cdff9e9a3be743d52a7443d0cba9017c23c87ae2f6 --hash=sha256:1f95b894f13729334fb990162e911c9e5dc1ab390c58aa6cbecb389c5b5e28ec --hash=sha256:200e1050faffacc162be6a486a984a0497866ec54149a01270adc8a59b7c7d21 --hash=sha256:2040ad4d1795a0ae89bfc7e8429677f365d45aa9fd5e4587cf1ea737f927b4a1 --hash=sha256:2b64ca7d4aee0102a97f3ba22124052b4bd2152522355073580bf4845e2550b6 --hash=sha256:2ceb2d3e01c5f1d83c4189737a42d9cb2fc38a6eeed225e7515eef71ad301dce --hash=sha256:35c3a56d2ef83efc372eaec584314bd0ef2e2f0d2adb21c55e6ad5b344c0dcb8 --hash=sha256:37425bc9175607b0268f493d79a292c39f9d001a357bebb6b88fdfaff13f6448 --hash=sha256:3877ac408e14da24a6196de0ddcace62092bfc12a83823e92e49e40747e52c19 --hash=sha256:3fd1fcdab3ea951b610dc4cef356d416d5802991e7e32b5254828d342f7b7e0b --hash=sha256:41b71f4a3a4cab9d366cd9065b288efc4d4f3c0b37a91a8e0947fb5bd7f31d87 --hash=sha256:43af8d1f3bea642559019edfe64e9b11192a8978efbd1539d7bc2aaa23d92de4 --hash=sha256:45abad819184f07240d8a696117a7aacd39787af9e0b719d00285549ed19a1e9 --hash=sha256:4b400bdc6f79fa02a4d86640310dde87a21fba0c979efff5248908c6f15fad1b --hash=sha256:4eb6c25dd62ee8d5edf68a8e1c171dd71c292fdae95d8aeb3dd7d7de4c364082 --hash=sha256:581b2264fc0aa555f3f435a5944da7504ea3a065d7029ad60e7c3d1ae09c5464 --hash=sha256:5cf36e801231b6a2059bf354720274b7558746f3b1a4efb43fcf557ccd484a87 --hash=sha256:5e3c5c011904115f88a39308379c17f91546f77c1667cea98739fe0fccea804c --hash=sha256:6609bc224e9568f65064cfa72edc0f24ee6655b47575954ec6339534b2798369 --hash=sha256:6e3dcd57ab780c741fde8dc68619de988b966db759a3c3152e8e9142c26295ad --hash=sha256:6fac755ca3d2c3edcb22f479fceaa241704111414831ddd3bc6056e18516892f --hash=sha256:744b2bf3640d907b79f3fd7874efe432d1cf171ee721243e350f55234b4cec4c --hash=sha256:74cbb80d93260fe2ffa334efa24cb8f2f0f622a9b9febf8b483c0b865bfb3475 --hash=sha256:766e0dc5a616d026a3a1cffa379af959671729083882f50307e18175797b3dfd --hash=sha256:7bdf2da170b67fdf10bca777614b1c7d96ae3ca5794fd9587dce41eb2966e866 --hash=sha256:7ff200bf9d24f2e4d5dc6ee8c3ac64d739d3a89e2326ba68aaf6c4a2b838fd7d --hash=sha256:844e165636711ef41f80b4103ed234181646b98a53c8f05da12ca5ca289134f6 --hash=sha256:8a604bae87c6195d8b1045eddece0514d041604b14f2727bbc2b3020172045eb --hash=sha256:94055a11dfebe37c656e70317e1996dc197e1a15bbcc351bcdd4610e128fe1ca --hash=sha256:95d8e012d8cb8816c226aef832200b1d45109ed4464303e997c5b13122b297c0 --hash=sha256:9cdc1a2fcfd5c52cfb3045feb399f7b3ce822abdde3a193a6b9a60b3cb5854ca --hash=sha256:9ecb4efb1cd6e8c4afea0daa91a87fbddbce1b99d2895d151596716c0b2e859d --hash=sha256:a3472cfbca0a54177d0faa68f697d8ba4c80bbdc19908c3465556d9f7efce9ee --hash=sha256:a4328d245944d09fd639771de275701ccadf5f781ba0ff092ad141e017eccda4 --hash=sha256:a48a72c77a310327f6a3a920092fa2b8fd03d7deaa60f093038f22d98e096717 --hash=sha256:a720477885a9d2411f94a93d16f9d89bad0f28ca23c3f8daa521e2dcc3f44d49 --hash=sha256:a77cbd07b940d326d39a1d1b37817e2ee4d79cb30e7338f3d0cddffae70fcaa2 --hash=sha256:a9956e4d4f4a301ebf6cde39850333a6b6110799d470dbbb1e25326ac447f52a --hash=sha256:adb2642e060a6549c343603a3851ba76ef0b74cc8c079a9a58121c7ec9fe2350 --hash=sha256:beeda3d4ae615106d7094f7e7cef6218392e4465cc95d25f900bebabfded0950 --hash=sha256:c80be5ede8f3f8eded4eff73cc99a25c388ce98e555b17d31da05287015ffa5b --hash=sha256:cc90d2e9c7e5c7f1a482c9875007c095c3194b1cfedca3c2f3291cdc2bc7c086 --hash=sha256:cd96a1898c0a47be4520327e01f874acfd61fb48a9420f8aa9f6483412ffa444 --hash=sha256:d2650c1fb97e184d12d8ba010493ee7b322864f7d3d00d3f9bb97d9c21de4068 --hash=sha256:d30e57c72013c2a4fe441c2fcb8e77b14e152ad48b5464858e07e2ad9fbfceff --hash=sha256:d59c30000a16d8edc7e64152e30220bfbd724c9bbb08368c054e24c651314f0a --hash=sha256:dbc12c9f3d185f5c737d801da555fb74b3dcfa1a50b66a1a93e09190f41fab50 --hash=sha256:e18f12c6b0bc5a592ed23d3f7b891f68fd7f8241d69b7883769eb5d5dfb52696 --hash=sha256:e19ebea31758fac5893a2ac360fedd00116cbb7628e650842a6691ba7ca28a21 --hash=sha256:e30bdeaa5deed6bc27b4cc490823cd0347d7dae09119b8803ae576ea0ce52e4c --hash=sha256:eb092099205ef62cd1782b006658db09e2fed75bffcae7cc0d44052d8aa0f484 --hash=sha256:eee2cfda04c00a857206a4330f0c5e3e56535494e30ca445eb19ec624ae75118 --hash=sha256:f4115102802df98b2b0db3cce5cb9b92572633a1197c77b7553e5203f284a5b3 --hash=sha256:f590cd684941912d10becc07325a3eeb77886fe981415660d9265c4c418d0bea --hash=sha256:f8885db0bc2bffa59d5c1b72fad7a6a92d3e80e7257f967dd81abb553a90d293 --hash=sha256:fcb310ddb270a06114bb64bbe53c94926b943f5b7f0842194d585c65eb4edd76' \
     )"; \
     set -e; t0=$(date +%s.%N); echo "fleetbox-phase start $(date +%s.%N)"; sleep 0.05; printf '%s' "$1" | /opt/venv/bin/python /mnt/pip-25.3-py3-none-any.whl/pip install --no-index --no-cache-dir --find-links /mnt --require-hashes --only-binary :all: --no-deps --no-compile --disable-pip-version-check --quiet -r /dev/stdin; echo "fleetbox-phase pip $(date +%s.%N)"; find /opt/venv/lib -newermt "@$t0" -name '*.py' -print0 > /dev/shm/fleetbox-new; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; echo "fleetbox-phase fixed-times $(date +%s.%N)"; xargs -0 -r -P "$(nproc)" -n 200 env PYTHONHASHSEED=0 /opt/venv/bin/python -m compileall -q < /dev/shm/fleetbox-new > /dev/null || [ $? -eq 123 ]; echo "fleetbox-phase compileall $(date +%s.%N)"; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; echo "fleetbox-phase fixed-times-again $(date +%s.%N)"
 # layer opencv-python-headless: 1 locked package(s)
-# hadolint ignore=DL3059
+# hadolint ignore=DL3059,DL4006
 RUN --mount=type=bind,from=wheelhouse,target=/mnt \
     set -- "$(printf '%s\n' \
       'opencv-python-headless==4.12.0.88 --hash=sha256:1e58d664809b3350c1123484dd441e1667cd7bed3086db1b9ea1b6f6cb20b50e --hash=sha256:236c8df54a90f4d02076e6f9c1cc763d794542e886c576a6fee46ec8ff75a7a9 --hash=sha256:365bb2e486b50feffc2d07a405b953a8f3e8eaa63865bc650034e5c71e7a5154 --hash=sha256:86b413bdd6c6bf497832e346cd5371995de148e579b9774f8eba686dee3f5528 --hash=sha256:aeb4b13ecb8b4a0beb2668ea07928160ea7c2cd2d9b5ef571bbee6bafe9cc8d0 --hash=sha256:cfdc017ddf2e59b6c2f53bc12d74b6b0be7ded4ec59083ea70763921af2b6c09 --hash=sha256:fde2cf5c51e4def5f2132d78e0c08f9c14783cd67356922182c6845b9af87dbd' \
     )"; \
     set -e; t0=$(date +%s.%N); echo "fleetbox-phase start $(date +%s.%N)"; sleep 0.05; printf '%s' "$1" | /opt/venv/bin/python /mnt/pip-25.3-py3-none-any.whl/pip install --no-index --no-cache-dir --find-links /mnt --require-hashes --only-binary :all: --no-deps --no-compile --disable-pip-version-check --quiet -r /dev/stdin; echo "fleetbox-phase pip $(date +%s.%N)"; find /opt/venv/lib -newermt "@$t0" -name '*.py' -print0 > /dev/shm/fleetbox-new; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; echo "fleetbox-phase fixed-times $(date +%s.%N)"; xargs -0 -r -P "$(nproc)" -n 200 env PYTHONHASHSEED=0 /opt/venv/bin/python -m compileall -q < /dev/shm/fleetbox-new > /dev/null || [ $? -eq 123 ]; echo "fleetbox-phase compileall $(date +%s.%N)"; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; echo "fleetbox-phase fixed-times-again $(date +%s.%N)"
 # layer last: pip's freeze of the environment, the folders fleetbox binds onto
-# hadolint ignore=DL3059
+# hadolint ignore=DL3059,DL4006
 RUN set -e; t0=$(date +%s.%N); echo "fleetbox-phase start $(date +%s.%N)"; sleep 0.05; /opt/venv/bin/python -m pip freeze --all --disable-pip-version-check > /opt/venv/fleetbox-freeze.txt; mkdir -p /workspace /fleetbox/logs /fleetbox/helpers /fleetbox/checkpoints /fleetbox/resume /root/.cache/paddle/dataset; echo "fleetbox-phase freeze $(date +%s.%N)"; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; echo "fleetbox-phase fixed-times $(date +%s.%N)"
-# the image's settings
+# the image's settings; what differs by machine or commit comes in as build arguments
+ARG BASE_IMAGE
+ARG BASE_DIGEST=unknown
+ARG CONTENT_HASH=unknown
+ARG REVISION=unknown
 ENV VIRTUAL_ENV="/opt/venv" \
     PATH="/opt/venv/bin:${PATH}" \
     PYTHONUNBUFFERED="1" \

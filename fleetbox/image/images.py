@@ -305,7 +305,7 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
         logs = ct.logs().decode(errors="replace")
         out.write(logs)
         if code != 0:
-            tail = (logs.strip().splitlines() or ["?"])[-1]
+            tail = ([ln for ln in logs.strip().splitlines() if not ln.startswith(layers.PHASE)] or ["?"])[-1]
             raise UserError(f"layer {layer.name} failed (exit {code}): {tail[:300]}")
         repo, tag_name = tag.rsplit(":", 1)
         made = ct.commit(repository=repo, tag=tag_name, changes=change_list)

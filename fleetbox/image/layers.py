@@ -223,36 +223,34 @@ def by_hand(variant: Variant, layers: list[Layer], base_id: str, wheelhouse: str
 def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], from_args: dict[str, str],
                lock_name: str) -> str:
     """The same build as a Dockerfile any OCI builder takes (BuildKit, buildah/podman): one RUN per layer, each
-    running the layer's own script with its requirements (pins and hashes) inline and the wheelhouse
-    bind-mounted from a build context named `wheelhouse`. `labels` are written as they are, but those in
-    `from_args` ({label: build arg}), which differ by machine or commit and come in as build arguments."""
+    running the layer's own script under /bin/sh, as `invoke build` does, with its requirements (pins and
+    hashes) inline and the wheelhouse bind-mounted from a build context named `wheelhouse`. `labels` are written
+    as they are, but those in `from_args` ({label: build arg}), which differ by machine or commit and come in as
+    build arguments, declared after the RUNs (an argument a RUN sees is part of that layer's cache key)."""
     q = shlex.quote
+    name = variant.name
     head = [
-        "# syntax=docker/dockerfile:1.4",
-        f"# fleetbox {variant.name}: {variant.description}",
-        f"# Rendered from images/matrix.toml and images/locks/{lock_name} by `invoke build --variant {variant.name}",
+        f"# fleetbox {name}: {' '.join(variant.description.split())}",
+        f"# Rendered from images/matrix.toml and images/locks/{lock_name} by `invoke build --variant {name}",
         "# --dockerfile`: render it again rather than edit it. The same layers as `invoke build` makes: each RUN",
         "# installs one layer's locked wheels with pip from its own locked wheel (no index, hashes required), the",
         f"# wheelhouse bind-mounted read-only at {WHEELS} (never copied into a layer), the network off; then every",
         "# path the layer added gets a fixed time and is byte-compiled, so a layer made again is the same bytes.",
-        "# Build (the base image present; see README.md, \"Building without fleetbox\"):",
-        "#   podman build --format docker --network none \\",
-        f"#     --build-context wheelhouse=wheelhouse/{variant.name} --build-arg REVISION=$(git rev-parse HEAD) \\",
-        f"#     -f images/{variant.name}.Dockerfile -t {variant.aliases[0]} images",
-        "#   docker buildx build --network none --build-context wheelhouse=... (the same arguments)",
+        "# Build it (the base image present; README.md, \"Building without fleetbox\"), the context an empty folder:",
+        "#   podman build --format docker --network none --pull=never \\",
+        f"#     --build-context wheelhouse=wheelhouse/{name} --build-arg REVISION=$(git rev-parse HEAD) \\",
+        f"#     -f images/{name}.Dockerfile -t {variant.aliases[0]} \"$(mktemp -d)\"",
+        "#   docker buildx build (BuildKit, Docker 23 or later) takes the same arguments but --format and --pull",
         f"ARG BASE_IMAGE={variant.base_ref}",
         "FROM ${BASE_IMAGE}",
-        "ARG BASE_IMAGE",
-        *[f"ARG {a}=unknown" for a in sorted(set(from_args.values()) - {"BASE_IMAGE"})],
-        'SHELL ["/bin/bash", "-o", "pipefail", "-c"]',
     ]
     body = []
-    for i, layer in enumerate(split):
+    for layer in split:
         what = f"{len(layer.entries)} locked package(s)" if layer.entries else \
             "pip's freeze of the environment, the folders fleetbox binds onto"
-        body += [f"# layer {layer.name}: {what}"]
-        if i:   # one RUN per layer on purpose: each is a layer of its own, shared with invoke build's
-            body.append("# hadolint ignore=DL3059")
+        # one RUN per layer on purpose (DL3059: each is a layer, shared with invoke build's); /bin/sh as invoke
+        # build runs it, no SHELL (DL4006): a SHELL would stay in the image's settings for every build FROM it
+        body += [f"# layer {layer.name}: {what}", "# hadolint ignore=DL3059,DL4006"]
         if layer.last:
             body.append(f"RUN {layer.script}")
             continue
@@ -266,7 +264,9 @@ def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], fro
            for k, v in image_env(variant, "${PATH}").items()]
     lbl = [f"{_quoted(k)}=" + (f'"${{{from_args[k]}}}"' if k in from_args else _quoted(v))
            for k, v in sorted(labels.items())]
-    tail = ["# the image's settings", "ENV " + " \\\n    ".join(env), f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]',
+    tail = ["# the image's settings; what differs by machine or commit comes in as build arguments",
+            "ARG BASE_IMAGE", *[f"ARG {a}=unknown" for a in sorted(set(from_args.values()) - {"BASE_IMAGE"})],
+            "ENV " + " \\\n    ".join(env), f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]',
             "LABEL " + " \\\n      ".join(lbl)]
     return "\n".join(head + body + tail) + "\n"
 

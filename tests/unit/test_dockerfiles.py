@@ -67,11 +67,11 @@ def test_the_image_has_every_mount_point_fleetbox_binds():
 
 # -- the variants' own Dockerfiles (invoke build --dockerfile) --
 
-def with_lock(variant: str) -> list[str]:
+def with_lock() -> list[str]:
     return [v for v in sorted(matrix.load().variants) if matrix.load().get(v).lock_path.exists()]
 
 
-@pytest.mark.parametrize("variant", with_lock("any") or ["cpu"])
+@pytest.mark.parametrize("variant", with_lock() or ["cpu"])
 def test_the_committed_dockerfile_of_a_variant_with_a_lock_is_current_and_passes_hadolint(variant, tmp_path):
     v = matrix.load().get(variant)
     path = images.dockerfile_path(v)
@@ -96,10 +96,13 @@ def test_a_variants_dockerfile_holds_one_run_per_layer_with_its_pins_and_what_va
         for e in layer.entries:
             assert f"'{e.name}=={e.version} " + " ".join(f"--hash=sha256:{h}" for h in e.hashes) + "'" in run
         assert ("from=wheelhouse,target=/mnt" in run) is not layer.last
-    assert "--no-index" in text and "--require-hashes" in text and "SHELL [\"/bin/bash\", \"-o\", \"pipefail\"" in text
-    for arg in ("REVISION", "BASE_DIGEST", "CONTENT_HASH"):   # what differs by machine or commit: never inline
-        assert f"ARG {arg}=unknown" in text and f'"${{{arg}}}"' in text
-    assert images.source_revision().split("-")[0] not in text   # the file is the same on every machine, any commit
+    assert "--no-index" in text and "--require-hashes" in text
+    # no SHELL: it would stay in the image's settings; the RUNs run under /bin/sh as invoke build's do
+    assert "SHELL" not in text
+    last_run = text.rindex("\nRUN ")
+    for arg in ("REVISION", "BASE_DIGEST", "CONTENT_HASH"):   # what differs by machine or commit: never inline,
+        assert f'"${{{arg}}}"' in text and text.index(f"\nARG {arg}=unknown") > last_run   # and after the RUNs
+    assert not re.search(r"\b[0-9a-f]{40}\b", text)   # no commit, image or base digest: the same on every machine
 
 
 def test_changing_one_pin_changes_that_layers_line_and_the_labels_that_name_the_lock_only():
