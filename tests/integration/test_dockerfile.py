@@ -22,6 +22,7 @@ BUILDER_OWN = {
                  # also one the base had (the image then has no /mnt; later RUNs make and remove it again)
 }
 BUILDER_LABELS = {"io.buildah.version"}
+BUILD_CONTAINER = {"Hostname", "Image", "AttachStdin", "AttachStdout", "AttachStderr", "Tty", "OpenStdin", "StdinOnce"}
 
 
 def saved_layers(archive: Path) -> tuple[dict, list[str], list[dict]]:
@@ -91,10 +92,10 @@ def test_podman_builds_the_dockerfile_into_the_same_files_and_settings_and_verif
         differ = [p for p in mine if mine[p] != other[p]]
         assert not differ, (k, [(p, mine[p], other[p]) for p in differ[:5]])
     # the whole of the settings, every field either builder writes: the environment as a mapping (its order is
-    # the builder's), an empty field as none, the builder's own label and the fields that name the build
-    # container (Hostname, Image) left out
+    # the builder's), an empty field as none; left out, the builder's own label and what describes the container
+    # the layer was made in rather than the image (docker commit keeps its Hostname, Image and Attach* fields)
     def settings_of(c):
-        c = {k: v for k, v in c.items() if v not in (None, "", [], {}, False) and k not in ("Hostname", "Image")}
+        c = {k: v for k, v in c.items() if v not in (None, "", [], {}, False) and k not in BUILD_CONTAINER}
         c["Env"] = dict(e.split("=", 1) for e in c.get("Env", []))
         c["Labels"] = {k: v for k, v in c.get("Labels", {}).items() if k not in BUILDER_LABELS}
         return c
