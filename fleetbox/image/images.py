@@ -176,10 +176,9 @@ def render_dockerfile(variant: Variant) -> str:
 
 
 def dockerfile_text(variant: Variant, lock_text: str, entries: list[locks.Locked]) -> str:
-    args = build_args(variant, entries)
-    split = layers.plan(variant, lock_text, entries, "", args["PYTHON"], args["PIP_WHEEL"])
+    split = plan(variant, None, (lock_text, entries)).layers   # the layers `invoke build` makes (no base yet)
     lbl = labels(variant, locks.lock_hash(lock_text), "", "", entries, "")
-    return layers.dockerfile(variant, split, lbl, DOCKERFILE_ARGS, variant.lock_path.name)
+    return layers.dockerfile(variant, list(split), lbl, DOCKERFILE_ARGS, variant.lock_path.name)
 
 
 def write_dockerfile(variant: Variant, dry_run: bool = False, log=print) -> Path | None:
@@ -311,10 +310,10 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
         made = ct.commit(repository=repo, tag=tag_name, changes=change_list)
         # where the layer's time went (bench/build.py reads it): the container's start (to its script's first
         # line), each phase of the script, its end, the commit
-        phases = layers.profile(logs)
-        first = re.search(rf"^{layers.PHASE} start ([\d.]+)$", logs, re.M)
+        marks = layers.phase_marks(logs)
+        phases = layers.profile(marks)
         ran = t_ran - t0
-        start = float(first.group(1)) - t0 if first else 0.0
+        start = marks[0][1] - t0 if marks else 0.0
         rec = {"layer": layer.name, "start": start, **phases, "end": max(0.0, ran - start - sum(phases.values())),
                "commit": time.time() - t_ran}
         out.write(f"{PROFILE} {json.dumps(rec)}\n")

@@ -271,7 +271,11 @@ def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], fro
     return "\n".join(head + body + tail) + "\n"
 
 
-def profile(output: str) -> dict[str, float]:
-    """{phase: seconds} of one layer's run, from its output's phase lines (in the order they ended)."""
-    marks = re.findall(rf"^{PHASE} (\S+) ([\d.]+)$", output, re.M)
-    return {name: float(t) - float(before) for (_, before), (name, t) in zip(marks, marks[1:])}
+def phase_marks(output: str) -> list[tuple[str, float]]:
+    """(phase, when it ended) of every phase line in a layer's output, in order (the first: its start)."""
+    return [(name, float(t)) for name, t in re.findall(rf"^{PHASE} (\S+) ([\d.]+)$", output, re.M)]
+
+
+def profile(marks: list[tuple[str, float]]) -> dict[str, float]:
+    """{phase: seconds} of one layer's run, from its phase marks."""
+    return {name: t - before for (_, before), (name, t) in zip(marks, marks[1:])}

@@ -37,9 +37,8 @@ WARM_UP = 5   # steps whose own time is left out
 
 _lock = threading.Lock()          # the state
 _writing = threading.Lock()       # the file: the flusher and phase() may write at once
-_state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False,
-          "own_s": None, "own_n": 0}
-_own = collections.deque(maxlen=WINDOW)   # this rank's own seconds of its last steps
+_state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False}
+_own = collections.deque(maxlen=WINDOW)   # this rank's own seconds of its last steps (their median is written)
 _warm = 0   # own times seen and left out
 _written = -1       # the seq last written
 _thread = None
@@ -65,7 +64,8 @@ def _write() -> None:
         with _lock:
             if p is None or _state["seq"] == _written:
                 return
-            rec = {**_state, "rank": rank(), "pid": os.getpid(), "time": time.time()}
+            rec = {**_state, "own_s": statistics.median(_own) if _own else None, "own_n": len(_own),
+                   "rank": rank(), "pid": os.getpid(), "time": time.time()}
             seq = _state["seq"]
         tmp = f"{p}.tmp"
         try:
@@ -120,15 +120,13 @@ def step(n, own=None) -> None:
     global _warm
     if path() is None:   # outside a job, or a rank's child (which may hold a copy of a lock taken when it forked)
         return
-    values = {"step": int(n), "reports": True}
     if own is not None and math.isfinite(own) and own >= 0:
-        with _lock:
+        with _lock:   # the median is taken when the file is written (at most once a second), not every step
             if _warm < WARM_UP:   # the first steps compile and warm caches, unevenly across ranks
                 _warm += 1
             else:
                 _own.append(float(own))
-                values.update(own_s=statistics.median(_own), own_n=len(_own))
-    _changed(**values)
+    _changed(step=int(n), reports=True)
 
 
 @contextlib.contextmanager

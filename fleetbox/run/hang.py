@@ -77,18 +77,17 @@ def finite(v) -> bool:
 
 def clean(record) -> dict | None:
     """A progress record held to its shape (it comes from a file any script could write), else None."""
-    number = finite
-    if not isinstance(record, dict) or not number(record.get("seq")):
+    if not isinstance(record, dict) or not finite(record.get("seq")):
         return None
     step, phase, limit = record.get("step"), record.get("phase"), record.get("phase_limit")
-    if step is not None and not number(step) or phase is not None and not isinstance(phase, str):
+    if step is not None and not finite(step) or phase is not None and not isinstance(phase, str):
         return None
-    if limit is not None and not (number(limit) and limit > 0):
+    if limit is not None and not (finite(limit) and limit > 0):
         return None
     own, own_n = record.get("own_s"), record.get("own_n")
     return {"seq": record["seq"], "step": step, "phase": phase, "phase_limit": limit,
             "reports": record.get("reports") is True, "done": record.get("done") is True,
-            "own_s": float(own) if number(own) and own >= 0 else None,
+            "own_s": float(own) if finite(own) and own >= 0 else None,
             "own_n": own_n if isinstance(own_n, int) and not isinstance(own_n, bool) else 0}
 
 

@@ -20,8 +20,8 @@ METRICS = re.compile(r"\[node\d+\] FLEETBOX-METRIC ")   # one per step per rank:
 LOGGED_INFO = r"LAUNCH INFO [\d-]+ [\d:,]+ "
 START, END = r"-+\s+Configuration\s+-+$", r"-+$"
 LAUNCH_INFO = r"\[(node\d+)\] " + LOGGED_INFO
-CONFIG_START = re.compile(LAUNCH_INFO + START)
-CONFIG_END = re.compile(LAUNCH_INFO + END)
+CONFIG_START, CONFIG_END = re.compile(LAUNCH_INFO + START), re.compile(LAUNCH_INFO + END)
+LOGGED_START, LOGGED_LINE, LOGGED_END = (re.compile(LOGGED_INFO + x) for x in (START, "", END))
 
 
 def quiet(log):
@@ -44,14 +44,13 @@ def quiet(log):
 def config_dump(lines: list[str]) -> list[str]:
     """The launcher's first configuration dump in a node's log lines, its settings without the time stamps
     ([] when there is none)."""
-    start = re.compile(LOGGED_INFO + START)
-    begun = next((i for i, ln in enumerate(lines) if start.match(ln)), None)
+    begun = next((i for i, ln in enumerate(lines) if LOGGED_START.match(ln)), None)
     if begun is None:
         return []
     out = []
     for ln in lines[begun + 1:]:
-        m = re.match(LOGGED_INFO, ln)
-        if not m or re.match(LOGGED_INFO + END, ln):
+        m = LOGGED_LINE.match(ln)
+        if not m or LOGGED_END.match(ln):
             break
         out.append(ln[m.end():])
     return out

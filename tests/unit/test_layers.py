@@ -184,11 +184,12 @@ def test_an_engine_error_in_a_layer_is_one_line_and_the_container_is_removed(tmp
 def test_a_layers_profile_is_the_time_between_its_phase_lines():
     out = "fleetbox-phase start 100.0\nCollecting x\nfleetbox-phase pip 112.5\nfleetbox-phase fixed-times 113.25\n" \
           "fleetbox-phase compileall 120.0\n"
-    assert layers.profile(out) == {"pip": 12.5, "fixed-times": 0.75, "compileall": 6.75}
-    assert layers.profile("no phases") == {}
+    assert layers.phase_marks(out)[0] == ("start", 100.0)
+    assert layers.profile(layers.phase_marks(out)) == {"pip": 12.5, "fixed-times": 0.75, "compileall": 6.75}
+    assert layers.profile(layers.phase_marks("no phases")) == {}
     # a phase line as the shell prints it reads back
     import subprocess
     said = subprocess.run(["sh", "-c", f"{layers._phase('start')}; {layers._phase('pip')}"],
                           capture_output=True, text=True, check=True).stdout
-    got = layers.profile(said)
+    got = layers.profile(layers.phase_marks(said))
     assert list(got) == ["pip"] and got["pip"] >= 0, said
