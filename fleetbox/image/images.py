@@ -6,6 +6,7 @@ Same inputs, same tag: when it exists, nothing is rebuilt (and nothing is sent t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +30,8 @@ from fleetbox.processes import signals_held, stops_as_interrupt
 DATA_DOCKERFILE = ROOT / "images" / "data.Dockerfile"
 
 UNKNOWN = "<unknown until the base exists>"
+BUILD_PREFIX = "fleetbox-layer-"   # a build's containers and scratch volume: what `clean --images` removes when
+                                  # a killed build left them
 PROFILE = "fleetbox-layer-profile"   # build.log's line per layer made: where its time went (bench/build.py)
 
 
@@ -93,8 +96,9 @@ class BuildPlan:
               + (", ".join(e.name for e in x.entries) or "the freeze file, bind-mount targets and settings")
               for x in self.layers],
             "command   per layer: docker run --network none --mount type=bind,dst=/mnt,readonly,src=WHEELHOUSE "
-            "<previous layer> sh -c <install> && docker commit (every build writes the exact commands to "
-            "runs/build-<variant>-*/by-hand.sh)",
+            "<previous layer> sh -c <install> && docker commit (every build writes these commands to "
+            "runs/build-<variant>-*/by-hand.sh; invoke build installs the layers after the first beside it and "
+            "copies them in: the same bytes)",
         ]
 
 
@@ -252,8 +256,10 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
 
 
 def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, force: bool, log) -> None:
-    """The environment in layers (image/layers.py): each layer run from the one before with the wheelhouse
-    mounted read-only and the network off, then committed; a layer whose inputs are unchanged is reused."""
+    """The environment in layers (image/layers.py): each layer a container of the one before with the
+    wheelhouse mounted read-only and the network off, then committed; a layer whose inputs are unchanged is
+    reused. The first layer made installs in its own container; the ones after it but the last are installed
+    beside it on a scratch volume (_staged) and copied in, in order, once it is committed."""
     variant, split, wheels = p.variant, p.layers, str(wheel_dir.resolve())
     wheelhouse.verify(variant, wheel_dir, lock_text, entries)
     for line in p.describe():
@@ -262,20 +268,33 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     base = c.images.get(p.base_id)   # by ID, as every layer after: the keys name IDs, and a tag can move
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
     files.write_atomic(rd / "by-hand.sh", layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
+    have = {x.name: None if force else image_or_none(c, layers.layer_tag(x)) for x in split if not x.last}
+    made_here = [x for x in split if x.last or have[x.name] is None]
+    staged = [x for x in made_here[1:] if not x.last]
     parent = base.id
-    with open(rd / "build.log", "a") as out, stops_as_interrupt():
+    for layer in split[:split.index(made_here[0])]:
+        parent = have[layer.name].id
+    with open(rd / "build.log", "a") as out, stops_as_interrupt(), \
+            _staged(c, parent, staged, wheels, p.build_args, out) as stage:
         for layer in split:
             tag = p.tag if layer.last else layers.layer_tag(layer)
-            have = image_or_none(c, tag)
-            if have is not None and not force and not layer.last:
+            if layer not in made_here:
                 log(f"layer {layer.name:<24} reused ({tag})")
-                parent = have.id
+                parent = have[layer.name].id
                 continue
             t0 = time.monotonic()
-            made = _run_and_commit(c, parent, layer, wheels, tag,
-                                   change_list if layer.last else ['CMD ["python"]'], out)
+            changes = change_list if layer.last else ['CMD ["python"]']
+            if layer in staged:
+                waited = stage.wait()
+                made = _run_and_commit(c, parent, layer.name, ["sh", "-c", layers.copy_script(), "sh",
+                                                               stage.number(layer)],
+                                       [stage.mount(read_only=True)], tag, changes, out, {"waited": waited})
+            else:
+                made = _run_and_commit(c, parent, layer.name, ["sh", "-c", layer.script, "sh", layer.requirements],
+                                       [_wheels_mount(wheels)], tag, changes, out)
             size = made.history()[0]["Size"]
-            log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s")
+            how = f" (installed beside {made_here[0].name})" if layer in staged else ""
+            log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s{how}")
             parent = made.id
     image = c.images.get(p.tag)
     _alias(image, p.aliases)
@@ -286,26 +305,108 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
         f"by hand: {rd / 'by-hand.sh'}")
 
 
-def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: list[str], out):
-    """One layer: a container of `parent` runs the layer's script, network off, wheelhouse read-only; its
-    changes become the layer, tagged only once whole. The container is removed on every way out (by its
-    name, so also when Ctrl-C lands inside create), with Ctrl-C and SIGTERM held while that runs."""
+def _wheels_mount(wheels: str):
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
-    name = f"fleetbox-layer-{layer.name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
-    try:
-        # a bind mount in the host config only: `volumes=` would also declare a VOLUME that commit keeps
+    # a bind mount in the host config only: `volumes=` would also declare a VOLUME that commit keeps
+    return docker.types.Mount(layers.WHEELS, wheels, type="bind", read_only=True)
+
+
+@dataclass
+class _Stage:
+    container: object
+    volume: str
+    numbers: dict[str, str]   # layer name -> its folder under layers.STAGE
+    out: object
+    started: float
+    done: bool = False
+
+    def number(self, layer) -> str:
+        return self.numbers[layer.name]
+
+    def mount(self, read_only: bool):
+        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
+        return docker.types.Mount(layers.STAGE, self.volume, type="volume", read_only=read_only, no_copy=True)
+
+    def wait(self) -> float:
+        """Wait until every staged layer is installed (seconds waited); a failure is one line."""
+        if self.done:
+            return 0.0
         t0 = time.time()
-        ct = c.containers.create(parent, ["sh", "-c", layer.script, "sh", layer.requirements], name=name,
-                                 network_mode="none",
-                                 mounts=[docker.types.Mount(layers.WHEELS, wheels, type="bind", read_only=True)])
+        code = self.container.wait()["StatusCode"]
+        waited = time.time() - t0
+        logs = self.container.logs().decode(errors="replace")
+        self.out.write(logs)
+        if code != 0:
+            raise UserError(f"installing {', '.join(self.numbers)} beside the first layer failed (exit {code}): "
+                            f"{_last_line(logs)}")
+        marks = layers.phase_marks(logs)
+        names = {v: k for k, v in self.numbers.items()}
+        phases = {(f"{names[n.split('-', 1)[0]]} {n.split('-', 1)[1]}" if "-" in n else n): t
+                  for n, t in layers.profile(marks).items()}
+        start = marks[0][1] - self.started if marks else 0.0
+        self.out.write(f"{PROFILE} {json.dumps({'layer': 'staged', 'start': start, **phases})}\n")
+        self.done = True
+        return waited
+
+
+@contextlib.contextmanager
+def _staged(c, image: str, staged: list, wheels: str, args: dict[str, str], out):
+    """A container of `image` installing the `staged` layers (layers.stage_script) onto a scratch volume while
+    the first layer is made; its CPU share the smallest, so it takes what that layer leaves. The container and
+    the volume are removed on every way out, with Ctrl-C and SIGTERM held while that runs."""
+    if not staged:
+        yield None
+        return
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
+    name = f"{BUILD_PREFIX}stage-{secrets.token_hex(4)}"   # the container's and the volume's
+    stage = _Stage(None, name, {x.name: str(i) for i, x in enumerate(staged, 1)}, out, time.time())
+    try:
+        try:
+            c.volumes.create(name)
+            stage.container = c.containers.create(
+                image, ["sh", "-c", layers.stage_script(args["PYTHON"], args["PIP_WHEEL"]), "sh",
+                        *[x.requirements for x in staged]],
+                name=name, network_mode="none", cpu_shares=2,
+                mounts=[_wheels_mount(wheels), stage.mount(read_only=False)])
+            stage.container.start()
+        except docker.errors.APIError as e:
+            raise UserError(f"installing {', '.join(stage.numbers)}: the engine refused: {_explain(e)}") from None
+        yield stage
+    finally:
+        with signals_held():
+            for remove in (lambda: c.api.remove_container(name, force=True),
+                           lambda: c.api.remove_volume(name, force=True)):
+                try:
+                    remove()
+                except docker.errors.APIError:   # never made (NotFound), or the engine is gone
+                    pass
+
+
+def _explain(e) -> str:
+    return (e.explanation or str(e)).strip()[:300]
+
+
+def _last_line(logs: str) -> str:
+    return ([ln for ln in logs.strip().splitlines() if not ln.startswith(layers.PHASE)] or ["?"])[-1][:300]
+
+
+def _run_and_commit(c, parent: str, name: str, command: list[str], mounts: list, tag: str, change_list: list[str],
+                    out, extra: dict | None = None):
+    """One layer: a container of `parent` runs `command`, network off, with `mounts`; its changes become the
+    layer, tagged only once whole. The container is removed on every way out (by its name, so also when
+    Ctrl-C lands inside create), with Ctrl-C and SIGTERM held while that runs."""
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
+    cname = f"{BUILD_PREFIX}{name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
+    try:
+        t0 = time.time()
+        ct = c.containers.create(parent, command, name=cname, network_mode="none", mounts=mounts)
         ct.start()
         code = ct.wait()["StatusCode"]
         t_ran = time.time()
         logs = ct.logs().decode(errors="replace")
         out.write(logs)
         if code != 0:
-            tail = ([ln for ln in logs.strip().splitlines() if not ln.startswith(layers.PHASE)] or ["?"])[-1]
-            raise UserError(f"layer {layer.name} failed (exit {code}): {tail[:300]}")
+            raise UserError(f"layer {name} failed (exit {code}): {_last_line(logs)}")
         repo, tag_name = tag.rsplit(":", 1)
         made = ct.commit(repository=repo, tag=tag_name, changes=change_list)
         # where the layer's time went (bench/build.py reads it): the container's start (to its script's first
@@ -314,17 +415,16 @@ def _run_and_commit(c, parent: str, layer, wheels: str, tag: str, change_list: l
         phases = layers.profile(marks)
         ran = t_ran - t0
         start = marks[0][1] - t0 if marks else 0.0
-        rec = {"layer": layer.name, "start": start, **phases, "end": max(0.0, ran - start - sum(phases.values())),
-               "commit": time.time() - t_ran}
+        rec = {"layer": name, **(extra or {}), "start": start, **phases,
+               "end": max(0.0, ran - start - sum(phases.values())), "commit": time.time() - t_ran}
         out.write(f"{PROFILE} {json.dumps(rec)}\n")
         return made
     except docker.errors.APIError as e:   # full disk, image gone (a concurrent clean), engine restarted
-        raise UserError(f"layer {layer.name}: the engine refused: {(e.explanation or str(e)).strip()[:300]}") \
-            from None
+        raise UserError(f"layer {name}: the engine refused: {_explain(e)}") from None
     finally:
         with signals_held():
             try:
-                c.api.remove_container(name, force=True)
+                c.api.remove_container(cname, force=True)
             except docker.errors.APIError:   # never made (NotFound), or the engine is gone
                 pass
 
@@ -368,7 +468,7 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     points to its image and no other image is built on it (a data image baked on an older build); a layer tag
     (image/layers.py) goes when no image with another tag is built on it. "Built on" is read from the layers
     (RootFS), which every image store keeps. An image a container uses is kept; so is a running build's
-    container, while the containers of builds that were killed go."""
+    container, while the containers and scratch volumes of builds that were killed go."""
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
 
     def snapshot() -> dict[str, tuple[list[str], list[str]]]:   # image ID -> (tags, layer digests)
@@ -399,12 +499,18 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     def layer(t: str) -> bool:
         return t.startswith(f"{layers.LAYERS_REPO}:")
 
-    stopped = [x for x in c.containers.list(all=True, filters={"name": "fleetbox-layer-"})
-               if x.name.startswith("fleetbox-layer-") and x.status != "running"]
+    stopped = [x for x in c.containers.list(all=True, filters={"name": BUILD_PREFIX})
+               if x.name.startswith(BUILD_PREFIX) and x.status != "running"]
     for x in stopped:
         try:
             x.remove(force=True)
         except docker.errors.APIError:   # being removed already
+            pass
+    for vol in c.volumes.list(filters={"name": BUILD_PREFIX}):   # a killed build's scratch volume
+        try:
+            if vol.name.startswith(BUILD_PREFIX):
+                vol.remove(force=True)
+        except docker.errors.APIError:   # a live build's, in use
             pass
     images = snapshot()
     old: dict[str, str] = {}

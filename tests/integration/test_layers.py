@@ -181,7 +181,8 @@ def test_settings_with_dollar_backslash_and_non_ascii_arrive_in_the_image_as_wri
 
 def test_sigterm_during_a_layer_stops_the_build_removes_its_container_and_tags_nothing(cpu_image):
     """A scheduler's SIGTERM mid-layer: the same way out as Ctrl-C (exit 130, one line), the layer's container
-    gone, and no tag moved: the image and every layer tag are what they were."""
+    and the container staging the later layers beside it gone with its volume, and no tag moved: the image and
+    every layer tag are what they were."""
     import os
     import signal
     import sys
@@ -194,9 +195,11 @@ def test_sigterm_during_a_layer_stops_the_build_removes_its_container_and_tags_n
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not docker("ps", "--filter", "name=fleetbox-layer-paddle-", "--format", "{{.Names}}").stdout.strip():
+        while len(docker("ps", "--filter", "name=fleetbox-layer-", "--format", "{{.Names}}").stdout.split()) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
+        live = docker("ps", "--filter", "name=fleetbox-layer-", "--format", "{{.Names}}").stdout.split()
+        assert sorted(n.rsplit("-", 1)[0] for n in live) == ["fleetbox-layer-paddle", "fleetbox-layer-stage"], live
         time.sleep(2)   # pip is installing
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
@@ -205,6 +208,7 @@ def test_sigterm_during_a_layer_stops_the_build_removes_its_container_and_tags_n
             os.kill(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and err.strip() == "fleetbox: interrupted", (proc.returncode, err[-2000:])
     assert docker("ps", "-a", "--filter", "name=fleetbox-layer-", "--format", "{{.Names}}").stdout.split() == []
+    assert docker("volume", "ls", "-q", "--filter", "name=fleetbox-layer-").stdout.split() == []
     after = {t: json.loads(docker("image", "inspect", t).stdout)[0]["Id"]
              for t in _all_tags() if t.startswith(("fleetbox/paddle:", "fleetbox/layers:"))}
     assert after == before

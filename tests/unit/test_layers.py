@@ -177,8 +177,83 @@ def test_an_engine_error_in_a_layer_is_one_line_and_the_container_is_removed(tmp
     from fleetbox.image import images
     engine, layer = _Engine(), split()[0]
     with pytest.raises(UserError, match=r"^layer paddle: the engine refused: write .*no space left on device$"):
-        images._run_and_commit(engine, "sha256:p", layer, str(tmp_path), "fleetbox/layers:x", [], io.StringIO())
+        images._run_and_commit(engine, "sha256:p", layer.name, ["sh", "-c", layer.script], [], "fleetbox/layers:x",
+                               [], io.StringIO())
     assert engine.removed == [(engine.name, True)] and engine.name.startswith("fleetbox-layer-paddle-")
+
+
+class _StageEngine(_Engine):
+    """The staging container: its volume is made, it starts, and pip fails in it (or the engine refuses the
+    volume)."""
+    def __init__(self, refuse_volume=False):
+        super().__init__()
+        self.refuse_volume, self.made, self.volumes_removed = refuse_volume, [], []
+
+    @property
+    def volumes(self):
+        return self
+
+    def remove_volume(self, name, force=False):
+        self.volumes_removed.append((name, force))
+
+    def create(self, *args, **kw):   # volumes.create(name) and containers.create(image, command, name=..., ...)
+        import types
+
+        import docker
+        if not kw:
+            if self.refuse_volume:
+                raise docker.errors.APIError("500", explanation="no space left on device")
+            self.made.append(args[0])
+            return None
+        self.name, self.kw = kw["name"], kw
+        logs = b"fleetbox-phase start 1.0\nERROR: No matching distribution found for scipy==1.17.1\n"
+        return types.SimpleNamespace(start=lambda: None, wait=lambda: {"StatusCode": 1}, logs=lambda: logs)
+
+
+def test_a_stage_that_fails_is_one_line_and_its_container_and_volume_are_removed(tmp_path):
+    import io
+
+    from fleetbox.image import images
+    engine, staged = _StageEngine(), split()[1:-1]
+    with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless beside the first layer failed "
+                                        r"\(exit 1\): ERROR: No matching distribution found for scipy==1.17.1$"):
+        with images._staged(engine, "sha256:p", staged, str(tmp_path),
+                            {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "pip-25.3-py3-none-any.whl"},
+                            io.StringIO()) as stage:
+            stage.wait()
+    name = engine.name
+    assert name.startswith("fleetbox-layer-stage-") and engine.made == [name]
+    assert engine.kw["network_mode"] == "none" and engine.kw["cpu_shares"] == 2
+    assert [m["Target"] for m in engine.kw["mounts"]] == [layers.WHEELS, layers.STAGE]
+    assert engine.removed == [(name, True)] and engine.volumes_removed == [(name, True)]
+
+
+def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp_path):
+    import io
+
+    from fleetbox.image import images
+    engine = _StageEngine(refuse_volume=True)
+    with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless: the engine refused: no space"):
+        with images._staged(engine, "sha256:p", split()[1:-1], str(tmp_path),
+                            {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "p.whl"}, io.StringIO()):
+            pass
+    assert len(engine.removed) == 1 and engine.removed[0][0].startswith("fleetbox-layer-stage-")
+    assert engine.volumes_removed == [(engine.removed[0][0], True)]
+
+
+def test_nothing_to_stage_makes_no_container():
+    from fleetbox.image import images
+    engine = _StageEngine()
+    with images._staged(engine, "sha256:p", [], "/w", {}, None) as stage:
+        assert stage is None
+    assert engine.made == [] and engine.removed == [] and engine.volumes_removed == []
+
+
+def test_a_hostile_pip_wheel_name_stays_one_word_when_staging():
+    import shlex
+    script = layers.stage_script("/usr/bin/python3", "pip-1$(touch x).whl")
+    assert "'/mnt/pip-1$(touch x).whl/pip'" in script
+    assert shlex.split(script)
 
 
 def test_a_layers_profile_is_the_time_between_its_phase_lines():
