@@ -25,7 +25,7 @@ from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
 from fleetbox.image import layers, locks, wheelhouse
 from fleetbox.image.matrix import Variant
-from fleetbox.processes import signals_held, stops_as_interrupt
+from fleetbox.processes import process_start, signals_held, stops_as_interrupt, this_host
 
 DATA_DOCKERFILE = ROOT / "images" / "data.Dockerfile"
 
@@ -269,33 +269,37 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
     files.write_atomic(rd / "by-hand.sh", layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
     have = {x.name: None if force else image_or_none(c, layers.layer_tag(x)) for x in split if not x.last}
-    made_here = [x for x in split if x.last or have[x.name] is None]
-    staged = [x for x in made_here[1:] if not x.last]
-    parent = base.id
-    for layer in split[:split.index(made_here[0])]:
-        parent = have[layer.name].id
-    with open(rd / "build.log", "a") as out, stops_as_interrupt(), \
-            _staged(c, parent, staged, wheels, p.build_args, out) as stage:
-        for layer in split:
-            tag = p.tag if layer.last else layers.layer_tag(layer)
-            if layer not in made_here:
-                log(f"layer {layer.name:<24} reused ({tag})")
-                parent = have[layer.name].id
-                continue
-            t0 = time.monotonic()
-            changes = change_list if layer.last else ['CMD ["python"]']
-            if layer in staged:
-                waited = stage.wait()
-                made = _run_and_commit(c, parent, layer.name, ["sh", "-c", layers.copy_script(), "sh",
-                                                               stage.number(layer)],
-                                       [stage.mount(read_only=True)], tag, changes, out, {"waited": waited})
-            else:
-                made = _run_and_commit(c, parent, layer.name, ["sh", "-c", layer.script, "sh", layer.requirements],
-                                       [_wheels_mount(wheels)], tag, changes, out)
-            size = made.history()[0]["Size"]
-            how = f" (installed beside {made_here[0].name})" if layer in staged else ""
-            log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s{how}")
-            parent = made.id
+    made_here, staged, parent = making(split, {k: v.id if v else None for k, v in have.items()}, base.id)
+    removals = _Removals(c)
+    try:
+        with open(rd / "build.log", "a") as out, stops_as_interrupt(), \
+                _staged(c, parent, staged, wheels, p.build_args, out, removals) as stage:
+            for layer in split:
+                tag = p.tag if layer.last else layers.layer_tag(layer)
+                if layer not in made_here:
+                    log(f"layer {layer.name:<24} reused ({tag})")
+                    parent = have[layer.name].id
+                    continue
+                t0 = time.monotonic()
+                changes = change_list if layer.last else ['CMD ["python"]']
+                if layer in staged:
+                    waited = stage.wait()
+                    made = _run_and_commit(c, parent, layer.name, ["sh", "-c", layers.copy_script(), "sh",
+                                                                   stage.number(layer)],
+                                           [stage.mount(read_only=True)], tag, changes, out, removals,
+                                           {"waited": waited})
+                    if layer is staged[-1]:
+                        stage.release()
+                else:
+                    made = _run_and_commit(c, parent, layer.name, ["sh", "-c", layer.script, "sh",
+                                                                   layer.requirements],
+                                           [_wheels_mount(wheels)], tag, changes, out, removals)
+                size = made.history()[0]["Size"]
+                how = f" (installed beside {made_here[0].name})" if layer in staged else ""
+                log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s{how}")
+                parent = made.id
+    finally:
+        removals.wait()
     image = c.images.get(p.tag)
     _alias(image, p.aliases)
     _tidy(c, existing, image)
@@ -303,6 +307,44 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                                         "layers": [(x.name, x.key) for x in split]})
     log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}; "
         f"by hand: {rd / 'by-hand.sh'}")
+
+
+def making(split: list, have: dict[str, str | None], base_id: str) -> tuple[list, list, str]:
+    """Pure: (the layers to make, those of them installed beside the first one made and copied in, the image
+    the first one made is a container of), from the layers whose image exists ({name: image ID or None})."""
+    made = [x for x in split if x.last or have[x.name] is None]
+    parent = base_id
+    for layer in split[:split.index(made[0])]:
+        parent = have[layer.name]
+    return made, [x for x in made[1:] if not x.last], parent
+
+
+class _Removals:
+    """Containers and volumes the build is done with, removed in order on a thread of their own, so the next
+    layer does not wait for it (removing Paddle's layer's container, every file it wrote, took 1.0 s); every
+    one is gone before the build returns or raises."""
+    def __init__(self, c):
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (only builds use it)
+        self.c, self.pool = c, ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleetbox-removals")
+
+    def container(self, name: str) -> None:
+        self.pool.submit(self._quietly, self.c.api.remove_container, name, force=True)
+
+    def volume(self, name: str) -> None:
+        self.pool.submit(self._quietly, self.c.api.remove_volume, name, force=True)
+
+    @staticmethod
+    def _quietly(remove, name: str, **kw) -> None:
+        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
+        import requests  # noqa: PLC0415
+        try:
+            remove(name, **kw)
+        except (docker.errors.DockerException, requests.exceptions.RequestException):
+            pass   # never made (NotFound), or the engine is gone: nothing more can be done
+
+    def wait(self) -> None:
+        with signals_held():
+            self.pool.shutdown(wait=True)
 
 
 def _wheels_mount(wheels: str):
@@ -318,6 +360,7 @@ class _Stage:
     numbers: dict[str, str]   # layer name -> its folder under layers.STAGE
     out: object
     started: float
+    removals: _Removals
     done: bool = False
 
     def number(self, layer) -> str:
@@ -327,14 +370,23 @@ class _Stage:
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
         return docker.types.Mount(layers.STAGE, self.volume, type="volume", read_only=read_only, no_copy=True)
 
+    def release(self) -> None:
+        """Every staged layer is copied in: the container and the volume can go."""
+        self.removals.container(self.volume)
+        self.removals.volume(self.volume)
+
     def wait(self) -> float:
         """Wait until every staged layer is installed (seconds waited); a failure is one line."""
+        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
         if self.done:
             return 0.0
         t0 = time.time()
-        code = self.container.wait()["StatusCode"]
+        try:
+            code = self.container.wait()["StatusCode"]
+            logs = self.container.logs().decode(errors="replace")
+        except docker.errors.APIError as e:   # removed behind our back, or the engine is gone
+            raise UserError(f"installing {', '.join(self.numbers)}: the engine refused: {_explain(e)}") from None
         waited = time.time() - t0
-        logs = self.container.logs().decode(errors="replace")
         self.out.write(logs)
         if code != 0:
             raise UserError(f"installing {', '.join(self.numbers)} beside the first layer failed (exit {code}): "
@@ -349,37 +401,48 @@ class _Stage:
         return waited
 
 
+BUILDER = "io.fleetbox.builder"   # the staging container's label: "<host> <pid> <its start>" of the build that
+                                  # made it, so `clean --images` leaves a live build's stage alone
+
+
 @contextlib.contextmanager
-def _staged(c, image: str, staged: list, wheels: str, args: dict[str, str], out):
+def _staged(c, image: str, staged: list, wheels: str, args: dict[str, str], out, removals: _Removals):
     """A container of `image` installing the `staged` layers (layers.stage_script) onto a scratch volume while
     the first layer is made; its CPU share the smallest, so it takes what that layer leaves. The container and
-    the volume are removed on every way out, with Ctrl-C and SIGTERM held while that runs."""
+    then the volume are removed on every way out (`removals`)."""
     if not staged:
         yield None
         return
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
     name = f"{BUILD_PREFIX}stage-{secrets.token_hex(4)}"   # the container's and the volume's
-    stage = _Stage(None, name, {x.name: str(i) for i, x in enumerate(staged, 1)}, out, time.time())
+    stage = _Stage(None, name, {x.name: str(i) for i, x in enumerate(staged, 1)}, out, time.time(), removals)
     try:
         try:
             c.volumes.create(name)
             stage.container = c.containers.create(
                 image, ["sh", "-c", layers.stage_script(args["PYTHON"], args["PIP_WHEEL"]), "sh",
                         *[x.requirements for x in staged]],
-                name=name, network_mode="none", cpu_shares=2,
+                name=name, network_mode="none", cpu_shares=2, labels={BUILDER: _builder()},
                 mounts=[_wheels_mount(wheels), stage.mount(read_only=False)])
             stage.container.start()
         except docker.errors.APIError as e:
             raise UserError(f"installing {', '.join(stage.numbers)}: the engine refused: {_explain(e)}") from None
         yield stage
     finally:
-        with signals_held():
-            for remove in (lambda: c.api.remove_container(name, force=True),
-                           lambda: c.api.remove_volume(name, force=True)):
-                try:
-                    remove()
-                except docker.errors.APIError:   # never made (NotFound), or the engine is gone
-                    pass
+        stage.release()
+
+
+def _builder() -> str:
+    return f"{this_host()} {os.getpid()} {process_start(os.getpid())}"
+
+
+def _building(labels: dict) -> bool:
+    """A staging container's build still runs: its process here, with the same start; one on another machine
+    cannot be asked, and is taken as running."""
+    host, pid, start = (labels.get(BUILDER) or "? 0 0").split(" ", 2)
+    if host != this_host():
+        return host != "?"
+    return pid.isdigit() and process_start(int(pid)) == int(start or 0) != 0
 
 
 def _explain(e) -> str:
@@ -391,10 +454,10 @@ def _last_line(logs: str) -> str:
 
 
 def _run_and_commit(c, parent: str, name: str, command: list[str], mounts: list, tag: str, change_list: list[str],
-                    out, extra: dict | None = None):
+                    out, removals: _Removals, extra: dict | None = None):
     """One layer: a container of `parent` runs `command`, network off, with `mounts`; its changes become the
     layer, tagged only once whole. The container is removed on every way out (by its name, so also when
-    Ctrl-C lands inside create), with Ctrl-C and SIGTERM held while that runs."""
+    Ctrl-C lands inside create; `removals`)."""
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
     cname = f"{BUILD_PREFIX}{name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
     try:
@@ -422,11 +485,7 @@ def _run_and_commit(c, parent: str, name: str, command: list[str], mounts: list,
     except docker.errors.APIError as e:   # full disk, image gone (a concurrent clean), engine restarted
         raise UserError(f"layer {name}: the engine refused: {_explain(e)}") from None
     finally:
-        with signals_held():
-            try:
-                c.api.remove_container(cname, force=True)
-            except docker.errors.APIError:   # never made (NotFound), or the engine is gone
-                pass
+        removals.container(cname)
 
 
 def _bake(c, p: BuildPlan, data_dir: Path, force: bool, log) -> None:
@@ -499,19 +558,20 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     def layer(t: str) -> bool:
         return t.startswith(f"{layers.LAYERS_REPO}:")
 
-    stopped = [x for x in c.containers.list(all=True, filters={"name": BUILD_PREFIX})
-               if x.name.startswith(BUILD_PREFIX) and x.status != "running"]
+    builds = [x for x in c.containers.list(all=True, filters={"name": BUILD_PREFIX}) if x.name.startswith(BUILD_PREFIX)]
+    live = {x.name for x in builds if x.status == "running" or _building(x.labels)}
+    stopped = [x for x in builds if x.name not in live]
     for x in stopped:
         try:
             x.remove(force=True)
         except docker.errors.APIError:   # being removed already
             pass
     for vol in c.volumes.list(filters={"name": BUILD_PREFIX}):   # a killed build's scratch volume
-        try:
-            if vol.name.startswith(BUILD_PREFIX):
-                vol.remove(force=True)
-        except docker.errors.APIError:   # a live build's, in use
-            pass
+        if vol.name.startswith(BUILD_PREFIX) and vol.name not in live:
+            try:
+                vol.remove()   # not forced: a volume in use stays
+            except docker.errors.APIError:
+                pass
     images = snapshot()
     old: dict[str, str] = {}
     for v in variants:

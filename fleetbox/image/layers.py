@@ -139,17 +139,18 @@ def _pip(pip_wheel: str, root: str = "") -> str:
             f"--no-compile --disable-pip-version-check --quiet -r /dev/stdin")
 
 
-def _compile(strip: str = "") -> str:
+def _compile(names: str = "") -> str:
     """Ours (raw): byte-compile the files listed in NEW on every core, after giving them the fixed time, which a
-    .pyc records (PYTHONHASHSEED fixed: before 3.11 a frozenset is written in hash order); `strip`: the folder
-    they were installed under, left out of the name a .pyc records. Four lists per core (not one Python per
-    200 files: each starts in about 50 ms). A file that does not compile (some wheels ship Python 2 examples)
-    is skipped, as pip skips it (compileall 1 -> xargs 123); any other failure stops the layer."""
-    names = f"-s {strip} -p / " if strip else ""
+    .pyc records (PYTHONHASHSEED fixed: before 3.11 a frozenset is written in hash order); `names`: compileall's
+    options for the name a .pyc records, when the files are not where they will be. -f: a file this layer
+    wrote over one an earlier layer compiled gets its own .pyc (its time is the same fixed one). Four lists per
+    core (not one Python per 200 files: each starts in about 50 ms). A file that does not compile (some wheels
+    ship Python 2 examples) is skipped, as pip skips it (compileall exits 1); any other failure of compileall
+    (255 stops xargs: 124) stops the layer."""
     return (f"xargs -0 -r touch -h -d @{EPOCH} < {NEW}; p=$(nproc); "
             f"n=$(( $(tr -cd '\\0' < {NEW} | wc -c) / (4 * p) + 1 )); "
-            f"xargs -0 -r -P \"$p\" -n \"$n\" env PYTHONHASHSEED=0 {VENV}/bin/python -m compileall -q {names}"
-            f"< {NEW} > /dev/null || [ $? -eq 123 ]")
+            f"xargs -0 -r -P \"$p\" -n \"$n\" sh -c 'PYTHONHASHSEED=0 {VENV}/bin/python -m compileall -q -f \"$@\" "
+            f"|| [ $? -eq 1 ] || exit 255' sh {names}< {NEW} > /dev/null || [ $? -eq 123 ]")
 
 
 def install_script(python: str, pip_wheel: str, first: bool) -> str:
@@ -173,15 +174,23 @@ def stage_script(python: str, pip_wheel: str) -> str:
     return (f"set -e; {_phase('start')}; [ -x {VENV}/bin/python ] || {shlex.quote(python)} -m venv --without-pip "
             f"{VENV}; i=0; for reqs in \"$@\"; do i=$((i + 1)); "
             f"printf '%s' \"$reqs\" | {_pip(pip_wheel, d)}; {_phase('$i-pip')}; "
-            f"find {d} -path \"{d}{VENV}/lib/*\" -name '*.py' -print0 > {NEW}; {_compile(d)}; "
+            f"find {d} -path \"{d}{VENV}/lib/*\" -name '*.py' -print0 > {NEW}; {_compile(f'-s {d} -p / ')}; "
             f"find {d} -exec touch -h -d @{EPOCH} {{}} +; {_phase('$i-compileall')}; done")
 
 
+ROOTS = "/dev/shm/fleetbox-roots"
+
+
 def copy_script() -> str:
-    """Ours (raw): copy staged layer number "$1" in. cp -a keeps every file's mode, owner and fixed time, and sets
-    each folder it copies into as the staged one has it, which is how installing there leaves it: nothing is
-    left for a settle to fix (the by-hand build, which installs in place, makes the very same layer)."""
-    return f"set -e; {_phase('start')}; cd \"{STAGE}/$1\"; cp -a -t / -- *; {_phase('copy')}"
+    """Ours (raw): copy staged layer number "$1" in as installing it there would have: what it adds (a path not
+    there yet, or a file), each copied whole with cp -a (its modes, owner and fixed times), into the folders
+    the image has, whose mode and owner stay theirs; a folder that gets a new entry gets the fixed time, as the
+    settle after installing gives it."""
+    return (f"set -e; {_phase('start')}; cd \"{STAGE}/$1\"; "
+            f"find . -mindepth 1 \\( -type d -exec test -d '/{{}}' \\; \\) -o -print0 -prune > {ROOTS}; "
+            f"xargs -0 -r -I{{}} cp -a {{}} '/{{}}' < {ROOTS}; "
+            f"sed -z 's|/[^/]*$||' {ROOTS} | sort -zu | xargs -0 -r -I{{}} touch -h -d @{EPOCH} '/{{}}'; "
+            f"{_phase('copy')}")
 
 
 def last_script() -> str:

@@ -123,6 +123,10 @@ def _all_tags() -> set[str]:
 
 
 def test_clean_images_untags_older_builds_and_unused_layers_and_keeps_what_is_used(cpu_image):
+    import os
+
+    from fleetbox.image.images import BUILDER
+    from fleetbox.processes import process_start, this_host
     v = matrix.load().get("cpu")
     old, held, child = "fleetbox/paddle:cpu-0123456789ab", "fleetbox/paddle:cpu-abcdefabcdef", "fleetbox-test/on-old:1"
     stale, under = "fleetbox/layers:test-000000000002", "fleetbox/layers:test-000000000001"
@@ -142,6 +146,13 @@ def test_clean_images_untags_older_builds_and_unused_layers_and_keeps_what_is_us
         # a killed build's layer container (stopped), and a running one (another build, live)
         docker("create", "--name", "fleetbox-layer-test-killed", "--network", "none", v.base_ref, "true")
         docker("run", "-d", "--name", "fleetbox-layer-test-live", "--network", "none", v.base_ref, "sleep", "300")
+        # staging containers, stopped, with their volumes: a killed build's, and a live build's (this process)
+        for name, builder in (("fleetbox-layer-stage-test-dead", f"{this_host()} 999999999 1"),
+                              ("fleetbox-layer-stage-test-busy",
+                               f"{this_host()} {os.getpid()} {process_start(os.getpid())}")):
+            docker("volume", "create", name)
+            docker("create", "--name", name, "--label", f"{BUILDER}={builder}", "--network", "none",
+                   "--mount", f"type=volume,src={name},dst=/dev/fleetbox-stage", v.base_ref, "true")
         before = _all_tags()
         proc = _ok(invoke("clean", "--images"))
         after = _all_tags()
@@ -151,12 +162,17 @@ def test_clean_images_untags_older_builds_and_unused_layers_and_keeps_what_is_us
         assert ours <= after   # the layers of the image we built stay
         layers_gone = len([t for t in gone if t.startswith("fleetbox/layers:")])
         assert f"untagged {len(gone) - layers_gone} older build(s) and {layers_gone} unused build layer(s); " \
-               "removed 1 container(s) of stopped builds" in proc.stdout, proc.stdout
+               "removed 2 container(s) of stopped builds" in proc.stdout, proc.stdout
         assert docker("image", "inspect", old, check=False).returncode != 0
         names = docker("ps", "-a", "--format", "{{.Names}}").stdout.split()
         assert "fleetbox-layer-test-live" in names and "fleetbox-layer-test-killed" not in names
+        assert "fleetbox-layer-stage-test-busy" in names and "fleetbox-layer-stage-test-dead" not in names
+        volumes = docker("volume", "ls", "-q", "--filter", "name=fleetbox-layer-stage-test-").stdout.split()
+        assert volumes == ["fleetbox-layer-stage-test-busy"]
     finally:
-        docker("rm", "-f", "fleetbox-layer-test-killed", "fleetbox-layer-test-live", check=False)
+        docker("rm", "-f", "fleetbox-layer-test-killed", "fleetbox-layer-test-live", "fleetbox-layer-stage-test-dead",
+               "fleetbox-layer-stage-test-busy", check=False)
+        docker("volume", "rm", "-f", "fleetbox-layer-stage-test-dead", "fleetbox-layer-stage-test-busy", check=False)
         left = [t for t in (old, held, child, stale, under) if t in _all_tags()]
         if left:
             docker("rmi", *left, check=False)
@@ -212,3 +228,45 @@ def test_sigterm_during_a_layer_stops_the_build_removes_its_container_and_tags_n
     after = {t: json.loads(docker("image", "inspect", t).stdout)[0]["Id"]
              for t in _all_tags() if t.startswith(("fleetbox/paddle:", "fleetbox/layers:"))}
     assert after == before
+
+
+def test_a_build_on_a_reused_paddle_layer_stages_the_later_layers_from_it_into_the_very_same_bytes(cpu_image,
+                                                                                                  tmp_path):
+    """scipy's and opencv's layers made again on Paddle's reused one (as after a change to scipy's pin): scipy
+    installs in place on Paddle's layer while opencv is installed beside it, from that same image (its venv
+    there already), then copied in; every layer has the digest the cold build gave it. Built in a copy of the
+    checkout whose images have another name (tests/checkout.py, no pin changed), so the checkout's image keeps
+    its tags; the two layer tags are made again, as they were."""
+    from fleetbox.image import wheelhouse
+    from tests.checkout import OPENCV_NOW, copy_with_pin, planned_layers, tags
+    from tests.conftest import ROOT
+    v = matrix.load().get("cpu")
+    env = copy_with_pin(ROOT, tmp_path, "fleetbox-test/restaged", wheelhouse.default_dir(v), OPENCV_NOW, OPENCV_NOW)
+    env["FLEETBOX_WHEELHOUSE"] = str(wheelhouse.default_dir(v).parent)   # the same lock: the checkout's wheels
+    mine = sorted(t for t in planned_layers(ROOT) if t.startswith(("fleetbox/layers:scipy-",
+                                                                    "fleetbox/layers:opencv-python-headless-")))
+    assert len(mine) == 2, mine
+    had = {t: _image_id(t) for t in mine if t in tags("fleetbox/layers")}   # the checkout image's parents
+    if had:
+        docker("rmi", "--no-prune", *had)   # untagged, kept (the checkout's image is built on them)
+    made = {}
+    try:
+        proc = _ok(invoke("build", "--variant", "cpu", env=env, cwd=tmp_path / "src"))
+        out = proc.stdout
+        assert re.findall(r"^layer (\S+)\s+reused", out, re.M) == ["paddle"], out
+        assert re.findall(r"^layer (\S+)\s+[\d.]+ MiB in\s+[\d.]+ s(.*)$", out, re.M) == [
+            ("scipy", ""), ("opencv-python-headless", " (installed beside scipy)"), ("last", "")], out
+        assert layer_digests("fleetbox-test/restaged:cpu") == layer_digests(cpu_image["image"].id)
+        made = {t: _image_id(t) for t in mine}
+        assert docker("volume", "ls", "-q", "--filter", "name=fleetbox-layer-").stdout.split() == []
+    finally:   # the tags back on the checkout image's parents, as the other tests expect them; ours removed
+        if tags("fleetbox-test/restaged"):
+            docker("rmi", *tags("fleetbox-test/restaged"), check=False)
+        for t, image_id in had.items():
+            docker("tag", image_id, t)
+        if made:
+            docker("rmi", *[i for t, i in made.items() if i != had.get(t)], check=False)
+
+
+def _image_id(ref: str) -> str:
+    return json.loads(docker("image", "inspect", ref).stdout)[0]["Id"]

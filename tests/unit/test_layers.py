@@ -93,10 +93,8 @@ def test_settings_reach_commit_as_written_no_variable_expanded_non_ascii_kept():
 
 
 def test_a_hostile_pip_wheel_name_stays_one_word():
-    import shlex
     script = layers.install_script("/usr/bin/python3", "pip-1$(touch x).whl", first=True)
-    assert "'/mnt/pip-1$(touch x).whl/pip'" in script
-    assert shlex.split(script)   # balanced
+    assert script.count("pip-1$(touch x).whl") == script.count("'/mnt/pip-1$(touch x).whl/pip'") == 1
 
 
 def test_the_last_layer_is_marked_not_named():
@@ -176,9 +174,13 @@ def test_an_engine_error_in_a_layer_is_one_line_and_the_container_is_removed(tmp
 
     from fleetbox.image import images
     engine, layer = _Engine(), split()[0]
+    removals = images._Removals(engine)
     with pytest.raises(UserError, match=r"^layer paddle: the engine refused: write .*no space left on device$"):
-        images._run_and_commit(engine, "sha256:p", layer.name, ["sh", "-c", layer.script], [], "fleetbox/layers:x",
-                               [], io.StringIO())
+        try:
+            images._run_and_commit(engine, "sha256:p", layer.name, ["sh", "-c", layer.script], [],
+                                   "fleetbox/layers:x", [], io.StringIO(), removals)
+        finally:
+            removals.wait()
     assert engine.removed == [(engine.name, True)] and engine.name.startswith("fleetbox-layer-paddle-")
 
 
@@ -215,15 +217,20 @@ def test_a_stage_that_fails_is_one_line_and_its_container_and_volume_are_removed
 
     from fleetbox.image import images
     engine, staged = _StageEngine(), split()[1:-1]
+    removals = images._Removals(engine)
     with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless beside the first layer failed "
                                         r"\(exit 1\): ERROR: No matching distribution found for scipy==1.17.1$"):
-        with images._staged(engine, "sha256:p", staged, str(tmp_path),
-                            {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "pip-25.3-py3-none-any.whl"},
-                            io.StringIO()) as stage:
-            stage.wait()
+        try:
+            with images._staged(engine, "sha256:p", staged, str(tmp_path),
+                                {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "pip-25.3-py3-none-any.whl"},
+                                io.StringIO(), removals) as stage:
+                stage.wait()
+        finally:
+            removals.wait()
     name = engine.name
     assert name.startswith("fleetbox-layer-stage-") and engine.made == [name]
     assert engine.kw["network_mode"] == "none" and engine.kw["cpu_shares"] == 2
+    assert images._building(engine.kw["labels"])   # this process: a clean --images now leaves it alone
     assert [m["Target"] for m in engine.kw["mounts"]] == [layers.WHEELS, layers.STAGE]
     assert engine.removed == [(name, True)] and engine.volumes_removed == [(name, True)]
 
@@ -233,10 +240,14 @@ def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp
 
     from fleetbox.image import images
     engine = _StageEngine(refuse_volume=True)
+    removals = images._Removals(engine)
     with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless: the engine refused: no space"):
-        with images._staged(engine, "sha256:p", split()[1:-1], str(tmp_path),
-                            {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "p.whl"}, io.StringIO()):
-            pass
+        try:
+            with images._staged(engine, "sha256:p", split()[1:-1], str(tmp_path),
+                                {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "p.whl"}, io.StringIO(), removals):
+                pass
+        finally:
+            removals.wait()
     assert len(engine.removed) == 1 and engine.removed[0][0].startswith("fleetbox-layer-stage-")
     assert engine.volumes_removed == [(engine.removed[0][0], True)]
 
@@ -244,16 +255,44 @@ def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp
 def test_nothing_to_stage_makes_no_container():
     from fleetbox.image import images
     engine = _StageEngine()
-    with images._staged(engine, "sha256:p", [], "/w", {}, None) as stage:
+    with images._staged(engine, "sha256:p", [], "/w", {}, None, images._Removals(engine)) as stage:
         assert stage is None
     assert engine.made == [] and engine.removed == [] and engine.volumes_removed == []
 
 
 def test_a_hostile_pip_wheel_name_stays_one_word_when_staging():
-    import shlex
     script = layers.stage_script("/usr/bin/python3", "pip-1$(touch x).whl")
-    assert "'/mnt/pip-1$(touch x).whl/pip'" in script
-    assert shlex.split(script)
+    assert script.count("pip-1$(touch x).whl") == script.count("'/mnt/pip-1$(touch x).whl/pip'") == 1
+
+
+def test_which_layers_are_made_staged_and_from_what():
+    from fleetbox.image import images
+    paddle, scipy, opencv, last = split()
+    every = {"paddle": "sha256:p", "scipy": "sha256:s", "opencv-python-headless": "sha256:o"}
+    # cold: Paddle's made in place from the base, the extras beside it
+    made, staged, parent = images.making(split(), dict.fromkeys(every), "sha256:base")
+    assert (made, staged, parent) == ([paddle, scipy, opencv, last], [scipy, opencv], "sha256:base")
+    # scipy's pin changed: scipy's made in place from Paddle's layer, opencv beside it
+    made, staged, parent = images.making(split(), {**every, "scipy": None, "opencv-python-headless": None}, "b")
+    assert (made, staged, parent) == ([scipy, opencv, last], [opencv], "sha256:p")
+    # opencv's pin changed: nothing to stage (the last layer is never staged)
+    assert images.making(split(), {**every, "opencv-python-headless": None}, "b") == ([opencv, last], [], "sha256:s")
+    assert images.making(split(), every, "b") == ([last], [], "sha256:o")
+
+
+def test_a_staging_container_is_live_while_its_build_runs_here():
+    import os
+    import subprocess
+
+    from fleetbox.image import images
+    from fleetbox.processes import process_start, this_host
+    assert images._building({images.BUILDER: f"{this_host()} {os.getpid()} {process_start(os.getpid())}"})
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert not images._building({images.BUILDER: f"{this_host()} {gone.pid} 12345"})
+    assert not images._building({images.BUILDER: f"{this_host()} {os.getpid()} 1"})   # the pid reused
+    assert images._building({images.BUILDER: "another-login-node 1 1"})   # cannot be asked: kept
+    assert not images._building({})   # not a staging container
 
 
 def test_a_layers_profile_is_the_time_between_its_phase_lines():
