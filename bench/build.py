@@ -17,8 +17,8 @@
    4.11.0.86, locked and its wheel fetched first (not timed), `invoke build --variant cpu` as a user runs it
    after the change (the copy's own opencv and last layers removed before each round). Targets: <= 0.3x the
    cold build; the bytes of the layers whose digest changed <= 1.1x what opencv occupies installed + 10 MB.
-Rounds alternate the order (A B, B A, ...); medians. Every cold round (section 2) starts with the page cache
-dropped (root only), so no round pays for what an earlier one left cached.
+Rounds alternate the order (A B, B A, ...); medians. Every round of sections 2 and 4 starts with the page
+cache dropped (root only), so no round pays for what an earlier one left cached.
 
 Needs the cpu image built (`invoke up`) and the Docker Engine to itself; section 2 replaces the cpu image
 with an identical rebuild. Run it as
@@ -138,7 +138,7 @@ def main():
     if not args.pin_repeat:
         print(json.dumps({"noop_s": m_noop, "cold_s": m_cold, "floor_s": m_pip, "cold_ratio": m_cold / m_pip,
                           "best_ratio": min(t2[COLD]) / min(t2[PIP]), "profile": profiles,
-                          "size_ratio": size / (base_size + venv_size)}))
+                          "size_ratio": size / (base_size + venv_size), "caches_dropped": all(DROPPED)}))
         return
     m_pin = bl.med(t4)
     print(f"\none changed pin (opencv-python-headless 4.12.0.88 -> 4.11.0.86), median of {args.pin_repeat}:")
@@ -151,20 +151,26 @@ def main():
                       "best_ratio": min(t2[COLD]) / min(t2[PIP]), "profile": profiles,
                       "size_ratio": size / (base_size + venv_size), "one_pin_s": m_pin,
                       "one_pin_ratio": m_pin / m_cold, "one_pin_changed_bytes": changed,
-                      "opencv_installed_bytes": installed}))
+                      "opencv_installed_bytes": installed, "caches_dropped": all(DROPPED)}))
 
 
 DROP = Path("/proc/sys/vm/drop_caches")
 
 
+DROPPED = []   # one bool per round that asked: were the caches dropped (the JSON line says whether all were)
+
+
 def cold_cache() -> None:
-    """Each cold round starts from the same state: nothing written left unflushed, nothing cached (measured on
-    these machines: a pip install of the lock took 5.5 s after the caches were dropped, 7 to 12 s with the
-    page cache that earlier rounds had filled, all of it in system time). Not possible without root: said."""
+    """Each timed build round starts from the same state: nothing written left unflushed, nothing cached
+    (measured on these machines: a pip install of the lock took 5.5 s after the caches were dropped, 7 to 12 s
+    with the page cache that earlier rounds had filled, all of it in system time). This machine's cache only:
+    an engine elsewhere (DOCKER_HOST) keeps its own. Not possible without root: said."""
     os.sync()
     try:
         DROP.write_text("3\n")
+        DROPPED.append(True)
     except OSError as e:
+        DROPPED.append(False)
         print(f"  (caches not dropped before the round: {e})", flush=True)
 
 
@@ -211,6 +217,7 @@ def one_pin(c, tmp: Path, wheel_dir: Path, repeat: int):
             made = made_since(before, "fleetbox-bench/paddle")
             if made:
                 subprocess.run(["docker", "rmi", *made], capture_output=True, check=True)
+            cold_cache()
             t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", "cpu"], cwd=src, env=env,
                        timeout=1800)
             assert "built " in t.proc.stdout, t.proc.stdout

@@ -260,8 +260,13 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     wheelhouse mounted read-only and the network off, then committed; a layer whose inputs are unchanged is
     reused. The first layer made installs in its own container; the ones after it but the last are installed
     beside it on a scratch volume (_staged) and copied in, in order, once it is committed."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (only builds use it)
     variant, split, wheels = p.variant, p.layers, str(wheel_dir.resolve())
-    wheelhouse.verify(variant, wheel_dir, lock_text, entries)
+    if not (wheel_dir / wheelhouse.MANIFEST).exists():   # the common mistake, said before anything starts
+        wheelhouse.verify(variant, wheel_dir, lock_text, entries)
+    # the wheels' hashes are checked while the first containers start; its answer is awaited before a
+    # layer's container is read (pip checks them again in there, less clearly)
+    checking = ThreadPoolExecutor(max_workers=1).submit(wheelhouse.verify, variant, wheel_dir, lock_text, entries)
     for line in p.describe():
         log(line)
     rd = run_dir(f"build-{variant.name}")
@@ -284,21 +289,21 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 changes = change_list if layer.last else ['CMD ["python"]']
                 if layer in staged:
                     waited = stage.wait()
-                    made = _run_and_commit(c, parent, layer.name, ["sh", "-c", layers.copy_script(), "sh",
-                                                                   stage.number(layer)],
+                    made = _run_and_commit(c, parent, layer.name, layers.copy_script(), [stage.number(layer)],
                                            [stage.mount(read_only=True)], tag, changes, out, removals,
                                            {"waited": waited})
                     if layer is staged[-1]:
                         stage.release()
                 else:
-                    made = _run_and_commit(c, parent, layer.name, ["sh", "-c", layer.script, "sh",
-                                                                   layer.requirements],
-                                           [_wheels_mount(wheels)], tag, changes, out, removals)
+                    made = _run_and_commit(c, parent, layer.name, layer.script, [layer.requirements],
+                                           [_wheels_mount(wheels)], tag, changes, out, removals,
+                                           started=checking.result)
                 size = made.history()[0]["Size"]
                 how = f" (installed beside {made_here[0].name})" if layer in staged else ""
                 log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s{how}")
                 parent = made.id
     finally:
+        checking.cancel()
         removals.wait()
     image = c.images.get(p.tag)
     _alias(image, p.aliases)
@@ -453,17 +458,21 @@ def _last_line(logs: str) -> str:
     return ([ln for ln in logs.strip().splitlines() if not ln.startswith(layers.PHASE)] or ["?"])[-1][:300]
 
 
-def _run_and_commit(c, parent: str, name: str, command: list[str], mounts: list, tag: str, change_list: list[str],
-                    out, removals: _Removals, extra: dict | None = None):
-    """One layer: a container of `parent` runs `command`, network off, with `mounts`; its changes become the
-    layer, tagged only once whole. The container is removed on every way out (by its name, so also when
-    Ctrl-C lands inside create; `removals`)."""
+def _run_and_commit(c, parent: str, name: str, script: str, args: list[str], mounts: list, tag: str,
+                    change_list: list[str], out, removals: _Removals, extra: dict | None = None, started=None):
+    """One layer: a container of `parent` runs `script` (sh -c, with `args`), network off, with `mounts`; its
+    changes become the layer, tagged only once whole. The container is removed on every way out (by its name,
+    so also when Ctrl-C lands inside create; `removals`). `started`: called once it runs (the wheelhouse's
+    check)."""
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
     cname = f"{BUILD_PREFIX}{name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
     try:
         t0 = time.time()
-        ct = c.containers.create(parent, command, name=cname, network_mode="none", mounts=mounts)
+        ct = c.containers.create(parent, ["sh", "-c", script, "sh", *args], name=cname, network_mode="none",
+                                 mounts=mounts)
         ct.start()
+        if started:
+            started()
         code = ct.wait()["StatusCode"]
         t_ran = time.time()
         logs = ct.logs().decode(errors="replace")

@@ -160,7 +160,8 @@ class _Engine:
 
     def create(self, image, command, name, **kw):
         import types
-        self.name = name
+        self.name, self.command = name, command
+
         return types.SimpleNamespace(start=lambda: None, wait=lambda: {"StatusCode": 0}, logs=lambda: b"ok\n",
                                      commit=self.commit)
 
@@ -177,11 +178,12 @@ def test_an_engine_error_in_a_layer_is_one_line_and_the_container_is_removed(tmp
     removals = images._Removals(engine)
     with pytest.raises(UserError, match=r"^layer paddle: the engine refused: write .*no space left on device$"):
         try:
-            images._run_and_commit(engine, "sha256:p", layer.name, ["sh", "-c", layer.script], [],
+            images._run_and_commit(engine, "sha256:p", layer.name, layer.script, [layer.requirements], [],
                                    "fleetbox/layers:x", [], io.StringIO(), removals)
         finally:
             removals.wait()
     assert engine.removed == [(engine.name, True)] and engine.name.startswith("fleetbox-layer-paddle-")
+    assert engine.command == ["sh", "-c", layer.script, "sh", layer.requirements]
 
 
 class _StageEngine(_Engine):
@@ -307,3 +309,4 @@ def test_a_layers_profile_is_the_time_between_its_phase_lines():
                           capture_output=True, text=True, check=True).stdout
     got = layers.profile(layers.phase_marks(said))
     assert list(got) == ["pip"] and got["pip"] >= 0, said
+
