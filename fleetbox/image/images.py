@@ -444,10 +444,13 @@ def _builder() -> str:
 def _building(labels: dict) -> bool:
     """A staging container's build still runs: its process here, with the same start; one on another machine
     cannot be asked, and is taken as running."""
-    host, pid, start = (labels.get(BUILDER) or "? 0 0").split(" ", 2)
+    said = (labels.get(BUILDER) or "").split(" ")
+    if len(said) != 3:   # not a staging container (or a label someone else wrote)
+        return False
+    host, pid, start = said
     if host != this_host():
-        return host != "?"
-    return pid.isdigit() and process_start(int(pid)) == int(start or 0) != 0
+        return True
+    return pid.isdigit() and start.isdigit() and process_start(int(pid)) == int(start) != 0
 
 
 def _explain(e) -> str:

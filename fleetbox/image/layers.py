@@ -169,12 +169,14 @@ def stage_script(python: str, pip_wheel: str) -> str:
     """Ours (raw): the layers to stage, each given as one argument (its requirements), installed as
     install_script would, each into STAGE/<its number> (1, 2, ...) rather than /: the same files, .pyc files
     naming where they will be, every path with the fixed time. A venv is made where the image has none (the
-    files do not depend on it, but pip runs in it)."""
+    files do not depend on it, but pip runs in it). Where a Python puts compiled modules under lib64 (venv's
+    lib64 is a link to lib, so in place they land in lib), the staged lib64 is compiled too."""
     d = f"{STAGE}/$i"
     return (f"set -e; {_phase('start')}; [ -x {VENV}/bin/python ] || {shlex.quote(python)} -m venv --without-pip "
             f"{VENV}; i=0; for reqs in \"$@\"; do i=$((i + 1)); "
             f"printf '%s' \"$reqs\" | {_pip(pip_wheel, d)}; {_phase('$i-pip')}; "
-            f"find {d} -path \"{d}{VENV}/lib/*\" -name '*.py' -print0 > {NEW}; {_compile(f'-s {d} -p / ')}; "
+            f"find {d} \\( -path \"{d}{VENV}/lib/*\" -o -path \"{d}{VENV}/lib64/*\" \\) -name '*.py' -print0 "
+            f"> {NEW}; {_compile(f'-s {d} -p / ')}; "
             f"find {d} -exec touch -h -d @{EPOCH} {{}} +; {_phase('$i-compileall')}; done")
 
 

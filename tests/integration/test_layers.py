@@ -270,3 +270,34 @@ def test_a_build_on_a_reused_paddle_layer_stages_the_later_layers_from_it_into_t
 
 def _image_id(ref: str) -> str:
     return json.loads(docker("image", "inspect", ref).stdout)[0]["Id"]
+
+
+def test_a_staged_layer_is_copied_in_as_installing_it_there_would(cpu_image):
+    """layers.copy_script on an image whose site-packages folder has its own mode and owner (as a vendor's base
+    may have a folder) and a file the layer writes over: the folder keeps its mode and owner and gets the fixed
+    time (it has a new entry, as pip adding there and the settle after leave it); what the layer adds arrives
+    whole with its own mode, owner and fixed time; the file written over holds the layer's bytes."""
+    from fleetbox.image import layers
+    v = matrix.load().get("cpu")
+    site, vol, img, ct = "/opt/venv/lib/python3.11/site-packages", "fleetbox-test-stage", "fleetbox-test/odd:1", \
+        "fleetbox-test-odd"
+    try:
+        docker("run", "--name", ct, "--network", "none", v.base_ref, "sh", "-c",
+               f"mkdir -p {site} && chmod 700 {site} && chown 1000:1000 {site} && echo old > {site}/shared.py")
+        docker("commit", ct, img)
+        docker("volume", "create", vol)
+        staged = f"{layers.STAGE}/1{site}"   # as stage_script leaves a layer: every path with the fixed time
+        docker("run", "--rm", "--network", "none", "--mount", f"type=volume,src={vol},dst={layers.STAGE}",
+               v.base_ref, "sh", "-c", f"mkdir -p {staged}/newpkg && echo new > {staged}/newpkg/__init__.py && "
+               f"echo mine > {staged}/shared.py && find {layers.STAGE}/1 -exec touch -h -d @{layers.EPOCH} {{}} +")
+        out = docker("run", "--rm", "--network", "none", "--mount",
+                     f"type=volume,src={vol},dst={layers.STAGE},readonly", img, "sh", "-c",
+                     f"{{ {layers.copy_script()}; }} > /dev/null; cd {site} && stat -c '%n %a %u %Y' . newpkg "
+                     "newpkg/__init__.py shared.py && cat shared.py", "sh", "1").stdout.splitlines()
+        e = layers.EPOCH
+        assert out == [f". 700 1000 {e}", f"newpkg 755 0 {e}", f"newpkg/__init__.py 644 0 {e}",
+                       f"shared.py 644 0 {e}", "mine"], out
+    finally:
+        docker("rm", "-f", ct, check=False)
+        docker("rmi", img, check=False)
+        docker("volume", "rm", "-f", vol, check=False)

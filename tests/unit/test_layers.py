@@ -295,6 +295,8 @@ def test_a_staging_container_is_live_while_its_build_runs_here():
     assert not images._building({images.BUILDER: f"{this_host()} {os.getpid()} 1"})   # the pid reused
     assert images._building({images.BUILDER: "another-login-node 1 1"})   # cannot be asked: kept
     assert not images._building({})   # not a staging container
+    for odd in ("", "x", f"{this_host()} 12", f"{this_host()} {os.getpid()} soon", f"{this_host()} -1 1 extra"):
+        assert not images._building({images.BUILDER: odd}), odd
 
 
 def test_a_layers_profile_is_the_time_between_its_phase_lines():
