@@ -666,7 +666,8 @@ def test_slurm_doctor_names_a_tiny_shm_from_site_runtime_args_and_preflight_refu
 
 
 def test_slurm_doctor_names_a_master_port_blocked_on_the_first_node(cluster, podman_image):
-    port = "43300"
+    from tests.integration.test_multihost import below_ephemeral
+    port = str(below_ephemeral(29300, 2))
     rule = ["INPUT", "-p", "tcp", "--dport", port, "-j", "DROP"]
     subprocess.run(["nsenter", "--net=/run/netns/fbn1", "iptables", "-I", *rule], check=True)
     try:

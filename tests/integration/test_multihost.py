@@ -123,7 +123,18 @@ def test_a_job_across_engines_restarts_from_each_engines_own_checkpoints(hosts):
 
 # -- invoke doctor on the rig: all ✓ when healthy, and each fault named by its own ✗ --
 
-DOCTOR_PORT = 43100   # fixed, so a test can block it in a host's firewall
+def below_ephemeral(port: int, nodes: int) -> int:
+    """A doctor's master port and every node's pinned ports, all below the kernel's ephemeral range: a port in
+    it may be held by any connection made there in the last minute (TIME_WAIT; slurmd and the engines make
+    many), and the doctor binds as Paddle does, without SO_REUSEADDR, so it would say "in use" (one CI run
+    failed so, on 43301). Fails loudly where the range starts lower."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    last = port + 8 * nodes   # room for 8 pinned ports per node, more than the tests' jobs use
+    assert last < low, f"ports {port}-{last} reach the ephemeral range (from {low}): pick lower ones"
+    return port
+
+
+DOCTOR_PORT = below_ephemeral(29100, 3)   # fixed, so a test can block it in a host's firewall
 
 
 def doctor_report(proc) -> dict:
