@@ -278,7 +278,14 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     removals = _Removals(c)
     try:
         with open(rd / "build.log", "a") as out, stops_as_interrupt(), \
-                _staged(c, parent, staged, wheels, p.build_args, out, removals) as stage:
+                _staged(c, staged, wheels, p.build_args, out, removals) as stage:
+            first_parent = parent
+
+            def started() -> None:   # a layer's own container runs; the first one's is the longer way: first
+                if stage:
+                    stage.start(first_parent)
+                checking.result()
+
             for layer in split:
                 tag = p.tag if layer.last else layers.layer_tag(layer)
                 if layer not in made_here:
@@ -297,7 +304,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 else:
                     made = _run_and_commit(c, parent, layer.name, layer.script, [layer.requirements],
                                            [_wheels_mount(wheels)], tag, changes, out, removals,
-                                           started=checking.result)
+                                           started=started)
                 size = made.history()[0]["Size"]
                 how = f" (installed beside {made_here[0].name})" if layer in staged else ""
                 log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s{how}")
@@ -318,9 +325,8 @@ def making(split: list, have: dict[str, str | None], base_id: str) -> tuple[list
     """Pure: (the layers to make, those of them installed beside the first one made and copied in, the image
     the first one made is a container of), from the layers whose image exists ({name: image ID or None})."""
     made = [x for x in split if x.last or have[x.name] is None]
-    parent = base_id
-    for layer in split[:split.index(made[0])]:
-        parent = have[layer.name]
+    first = split.index(made[0])
+    parent = have[split[first - 1].name] if first else base_id
     return made, [x for x in made[1:] if not x.last], parent
 
 
@@ -360,13 +366,21 @@ def _wheels_mount(wheels: str):
 
 @dataclass
 class _Stage:
-    container: object
+    """The container that installs the staged layers onto a scratch volume of the same name (_staged)."""
+    c: object
     volume: str
+    command: list[str]
+    wheels: str
     numbers: dict[str, str]   # layer name -> its folder under layers.STAGE
     out: object
-    started: float
     removals: _Removals
+    container: object = None
+    started: float = 0.0
     done: bool = False
+
+    @property
+    def what(self) -> str:
+        return f"installing {', '.join(self.numbers)}"
 
     def number(self, layer) -> str:
         return self.numbers[layer.name]
@@ -374,6 +388,21 @@ class _Stage:
     def mount(self, read_only: bool):
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
         return docker.types.Mount(layers.STAGE, self.volume, type="volume", read_only=read_only, no_copy=True)
+
+    def start(self, image: str) -> None:
+        """Run it, from `image` (once; called when the first layer's own container runs, which goes first)."""
+        import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
+        if self.started:
+            return
+        self.started = time.time()
+        try:
+            self.c.volumes.create(self.volume)
+            self.container = self.c.containers.create(
+                image, self.command, name=self.volume, network_mode="none", cpu_shares=2,
+                labels={BUILDER: _builder()}, mounts=[_wheels_mount(self.wheels), self.mount(read_only=False)])
+            self.container.start()
+        except docker.errors.APIError as e:
+            raise UserError(f"{self.what}: the engine refused: {_explain(e)}") from None
 
     def release(self) -> None:
         """Every staged layer is copied in: the container and the volume can go."""
@@ -390,16 +419,17 @@ class _Stage:
             code = self.container.wait()["StatusCode"]
             logs = self.container.logs().decode(errors="replace")
         except docker.errors.APIError as e:   # removed behind our back, or the engine is gone
-            raise UserError(f"installing {', '.join(self.numbers)}: the engine refused: {_explain(e)}") from None
+            raise UserError(f"{self.what}: the engine refused: {_explain(e)}") from None
         waited = time.time() - t0
         self.out.write(logs)
         if code != 0:
-            raise UserError(f"installing {', '.join(self.numbers)} beside the first layer failed (exit {code}): "
-                            f"{_last_line(logs)}")
+            raise UserError(f"{self.what} beside the first layer failed (exit {code}): {_last_line(logs)}")
         marks = layers.phase_marks(logs)
         names = {v: k for k, v in self.numbers.items()}
-        phases = {(f"{names[n.split('-', 1)[0]]} {n.split('-', 1)[1]}" if "-" in n else n): t
-                  for n, t in layers.profile(marks).items()}
+        phases = {}
+        for n, t in layers.profile(marks).items():
+            number, _, phase = n.partition("-")
+            phases[f"{names[number]} {phase}" if phase else n] = t
         start = marks[0][1] - self.started if marks else 0.0
         self.out.write(f"{PROFILE} {json.dumps({'layer': 'staged', 'start': start, **phases})}\n")
         self.done = True
@@ -411,27 +441,18 @@ BUILDER = "io.fleetbox.builder"   # the staging container's label: "<host> <pid>
 
 
 @contextlib.contextmanager
-def _staged(c, image: str, staged: list, wheels: str, args: dict[str, str], out, removals: _Removals):
-    """A container of `image` installing the `staged` layers (layers.stage_script) onto a scratch volume while
-    the first layer is made; its CPU share the smallest, so it takes what that layer leaves. The container and
-    then the volume are removed on every way out (`removals`)."""
+def _staged(c, staged: list, wheels: str, args: dict[str, str], out, removals: _Removals):
+    """The container that installs the `staged` layers (layers.stage_script) onto a scratch volume while the
+    first layer is made, not yet started; its CPU share the smallest, so it takes what that layer leaves. The
+    container and then the volume are removed on every way out (`removals`)."""
     if not staged:
         yield None
         return
-    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
-    name = f"{BUILD_PREFIX}stage-{secrets.token_hex(4)}"   # the container's and the volume's
-    stage = _Stage(None, name, {x.name: str(i) for i, x in enumerate(staged, 1)}, out, time.time(), removals)
+    stage = _Stage(c, f"{BUILD_PREFIX}stage-{secrets.token_hex(4)}",   # the container's and the volume's name
+                   ["sh", "-c", layers.stage_script(args["PYTHON"], args["PIP_WHEEL"]), "sh",
+                    *[x.requirements for x in staged]],
+                   wheels, {x.name: str(i) for i, x in enumerate(staged, 1)}, out, removals)
     try:
-        try:
-            c.volumes.create(name)
-            stage.container = c.containers.create(
-                image, ["sh", "-c", layers.stage_script(args["PYTHON"], args["PIP_WHEEL"]), "sh",
-                        *[x.requirements for x in staged]],
-                name=name, network_mode="none", cpu_shares=2, labels={BUILDER: _builder()},
-                mounts=[_wheels_mount(wheels), stage.mount(read_only=False)])
-            stage.container.start()
-        except docker.errors.APIError as e:
-            raise UserError(f"installing {', '.join(stage.numbers)}: the engine refused: {_explain(e)}") from None
         yield stage
     finally:
         stage.release()

@@ -223,9 +223,12 @@ def test_a_stage_that_fails_is_one_line_and_its_container_and_volume_are_removed
     with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless beside the first layer failed "
                                         r"\(exit 1\): ERROR: No matching distribution found for scipy==1.17.1$"):
         try:
-            with images._staged(engine, "sha256:p", staged, str(tmp_path),
+            with images._staged(engine, staged, str(tmp_path),
                                 {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "pip-25.3-py3-none-any.whl"},
                                 io.StringIO(), removals) as stage:
+                assert engine.made == []   # nothing runs until the first layer's own container does
+                stage.start("sha256:p")
+                stage.start("sha256:p")   # once: every layer made in place says it runs
                 stage.wait()
         finally:
             removals.wait()
@@ -245,9 +248,9 @@ def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp
     removals = images._Removals(engine)
     with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless: the engine refused: no space"):
         try:
-            with images._staged(engine, "sha256:p", split()[1:-1], str(tmp_path),
-                                {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "p.whl"}, io.StringIO(), removals):
-                pass
+            with images._staged(engine, split()[1:-1], str(tmp_path),
+                                {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "p.whl"}, io.StringIO(), removals) as stage:
+                stage.start("sha256:p")
         finally:
             removals.wait()
     assert len(engine.removed) == 1 and engine.removed[0][0].startswith("fleetbox-layer-stage-")
@@ -257,7 +260,7 @@ def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp
 def test_nothing_to_stage_makes_no_container():
     from fleetbox.image import images
     engine = _StageEngine()
-    with images._staged(engine, "sha256:p", [], "/w", {}, None, images._Removals(engine)) as stage:
+    with images._staged(engine, [], "/w", {}, None, images._Removals(engine)) as stage:
         assert stage is None
     assert engine.made == [] and engine.removed == [] and engine.volumes_removed == []
 
