@@ -92,9 +92,10 @@ class BuildPlan:
             "datasets  " + (f"{', '.join(d.name for d in self.data)} baked at {settings.CONTAINER_CACHE} in "
                              f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})"
                              if self.data else "none baked"),
-            *[f"layer     {x.name}: "
-              + (", ".join(e.name for e in x.entries) or "the freeze file, bind-mount targets and settings")
-              for x in self.layers],
+            *[f"layer     {x.name}: {', '.join(e.name for e in x.entries)}"
+              + ("; then the freeze file and bind-mount targets" if x.last else "") for x in self.layers],
+            "settings  the environment, working folder, command and labels, committed onto the last layer (no "
+            "layer of their own)",
             "command   per layer: docker run --network none --mount type=bind,dst=/mnt,readonly,src=WHEELHOUSE "
             "<previous layer> sh -c <install> && docker commit (every build writes these commands to "
             "runs/build-<variant>-*/by-hand.sh; invoke build installs the layers after the first beside it and "
@@ -258,8 +259,9 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
 def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, force: bool, log) -> None:
     """The environment in layers (image/layers.py): each layer a container of the one before with the
     wheelhouse mounted read-only and the network off, then committed; a layer whose inputs are unchanged is
-    reused. The first layer made installs in its own container; the ones after it but the last are installed
-    beside it on a scratch volume (_staged) and copied in, in order, once it is committed."""
+    reused. The first layer made installs in its own container; the ones after it are installed beside it on a
+    scratch volume (_staged) and copied in, in order, once it is committed. The image's settings are then
+    committed onto the last layer (_settings: no layer)."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (only builds use it)
     variant, split, wheels = p.variant, p.layers, str(wheel_dir.resolve())
     if not (wheel_dir / wheelhouse.MANIFEST).exists():   # the common mistake, said before anything starts
@@ -273,7 +275,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     base = c.images.get(p.base_id)   # by ID, as every layer after: the keys name IDs, and a tag can move
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
     files.write_atomic(rd / "by-hand.sh", layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
-    have = {x.name: None if force else image_or_none(c, layers.layer_tag(x)) for x in split if not x.last}
+    have = {x.name: None if force else image_or_none(c, layers.layer_tag(x)) for x in split}
     made_here, staged, parent = making(split, {k: v.id if v else None for k, v in have.items()}, base.id)
     removals = _Removals(c)
     try:
@@ -287,18 +289,18 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 checking.result()
 
             for layer in split:
-                tag = p.tag if layer.last else layers.layer_tag(layer)
+                tag = layers.layer_tag(layer)
                 if layer not in made_here:
                     log(f"layer {layer.name:<24} reused ({tag})")
                     parent = have[layer.name].id
                     continue
                 t0 = time.monotonic()
-                changes = change_list if layer.last else ['CMD ["python"]']
+                changes = ['CMD ["python"]']
                 if layer in staged:
                     waited = stage.wait()
-                    made = _run_and_commit(c, parent, layer.name, layers.copy_script(), [stage.number(layer)],
-                                           [stage.mount(read_only=True)], tag, changes, out, removals,
-                                           {"waited": waited})
+                    made = _run_and_commit(c, parent, layer.name, layers.copy_script(layer.last),
+                                           [stage.number(layer)], [stage.mount(read_only=True)], tag, changes, out,
+                                           removals, {"waited": waited})
                     if layer is staged[-1]:
                         stage.release()
                 else:
@@ -309,10 +311,11 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 how = f" (installed beside {made_here[0].name})" if layer in staged else ""
                 log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s{how}")
                 parent = made.id
+            checking.result()   # also where no layer was made: a tampered wheelhouse stops every build
+            image = _settings(c, parent, p.tag, change_list, out, removals)
     finally:
         checking.cancel()
         removals.wait()
-    image = c.images.get(p.tag)
     _alias(image, p.aliases)
     _tidy(c, existing, image)
     files.write_json(rd / "plan.json", {"tags": p.tags, "build_args": p.build_args, "labels": p.labels,
@@ -323,11 +326,12 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
 
 def making(split: list, have: dict[str, str | None], base_id: str) -> tuple[list, list, str]:
     """Pure: (the layers to make, those of them installed beside the first one made and copied in, the image
-    the first one made is a container of), from the layers whose image exists ({name: image ID or None})."""
-    made = [x for x in split if x.last or have[x.name] is None]
-    first = split.index(made[0])
+    the first one made is a container of: with none to make, the last layer's), from the layers whose image
+    exists ({name: image ID or None})."""
+    made = [x for x in split if have[x.name] is None]
+    first = split.index(made[0]) if made else len(split)
     parent = have[split[first - 1].name] if first else base_id
-    return made, [x for x in made[1:] if not x.last], parent
+    return made, made[1:], parent
 
 
 class _Removals:
@@ -517,6 +521,24 @@ def _run_and_commit(c, parent: str, name: str, script: str, args: list[str], mou
         return made
     except docker.errors.APIError as e:   # full disk, image gone (a concurrent clean), engine restarted
         raise UserError(f"layer {name}: the engine refused: {_explain(e)}") from None
+    finally:
+        removals.container(cname)
+
+
+def _settings(c, parent: str, tag: str, change_list: list[str], out, removals: _Removals):
+    """The image: the settings (`change_list`) committed onto `parent`, the last layer, from a container of it
+    that never runs, so no layer is added (a change of settings or labels alone makes no layer again)."""
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
+    cname = f"{BUILD_PREFIX}settings-{secrets.token_hex(4)}"
+    try:
+        t0 = time.time()
+        ct = c.containers.create(parent, name=cname, network_mode="none")
+        repo, tag_name = tag.rsplit(":", 1)
+        made = ct.commit(repository=repo, tag=tag_name, changes=change_list)
+        out.write(f"{PROFILE} {json.dumps({'layer': 'settings', 'commit': time.time() - t0})}\n")
+        return made
+    except docker.errors.APIError as e:   # the layer removed meanwhile (a concurrent clean), engine gone
+        raise UserError(f"the image's settings: the engine refused: {_explain(e)}") from None
     finally:
         removals.container(cname)
 

@@ -1,9 +1,10 @@
 """The image's environment in layers, by how often things change and by size (pure).
 
 Paddle and its dependency closure first (with the tools, pip and setuptools, which change as rarely), then
-each big extra (scipy, opencv) in a layer of its own, then the small rest, then a last small layer (the
-freeze file, the bind-mount targets, the image's settings). Changing one extra's pin changes its layer and
-the ones after it; the Paddle layer keeps its digest.
+each big extra (scipy, opencv) in a layer of its own, then the small rest. The last layer also writes pip's
+freeze of the environment and makes the folders fleetbox binds onto; the image's settings (environment,
+labels) are then committed onto it without a layer. Changing one extra's pin changes its layer and the ones
+after it; the Paddle layer keeps its digest.
 
 Each layer is made by running the previous one (the base, first) with the wheelhouse bind-mounted read-only
 at /mnt and the network off, installing that layer's locked wheels with pip (hashes required, no
@@ -44,7 +45,8 @@ class Layer:
     entries: tuple[locks.Locked, ...]
     script: str       # our own shell fragment (raw); the requirements arrive as "$1"
     key: str          # digest of everything the layer is made from, its parent's key included
-    last: bool = False   # the settings layer, which gets the image's tag (an extra may be called anything)
+    last: bool = False   # also writes the freeze file and the bind-mount targets (_finish); the image's settings
+                         # are committed onto it
 
     @property
     def requirements(self) -> str:
@@ -156,16 +158,32 @@ def _compile(names: str = "") -> str:
             f"|| [ $? -eq 1 ] || exit 255' sh {names}< {NEW} > /dev/null || [ $? -eq 123 ]")
 
 
-def install_script(python: str, pip_wheel: str, first: bool) -> str:
+FREEZE = f"{VENV}/fleetbox-freeze.txt"   # pip's freeze of the environment, written by the last layer
+
+
+def _finish() -> str:
+    """Ours (raw), the last layer's: pip's freeze of the environment, and the folders fleetbox binds onto."""
+    return (f"TMPDIR=/dev/shm {VENV}/bin/python -m pip freeze --all --disable-pip-version-check > {FREEZE}; "
+            f"mkdir -p {' '.join(settings.BIND_TARGETS)}; {_phase('freeze')}; ")
+
+
+def _finished() -> tuple[str, ...]:
+    """What _finish may change: its files and the folders above them (settled by name, not by a search)."""
+    return tuple(sorted({str(a) for p in map(PurePosixPath, (FREEZE, *settings.BIND_TARGETS))
+                         for a in (p, *p.parents)}))
+
+
+def install_script(python: str, pip_wheel: str, first: bool, last: bool = False) -> str:
     """The shell one layer runs (ours, raw): make the venv in the first, then pip from its own wheel; then
-    byte-compile the .py files this layer added; then every path it added or changed gets the fixed time.
+    byte-compile the .py files this layer added (then, in the last, _finish); then every path it added or
+    changed gets the fixed time.
     pip's files are written to disk while compileall runs (sync -f, in the background): the container's end
     (the engine unmounting it) syncs the whole file system, and waited for all of them (0.45 s of Paddle's
     layer; flushing during the engine's commit instead slowed it)."""
     venv = f"{shlex.quote(python)} -m venv --without-pip {VENV}; " if first else ""
     return (f"{_START}{venv}printf '%s' \"$1\" | {_pip(pip_wheel)}; {_phase('pip')}; sync -f / & "
             f"find {VENV}/lib -newermt \"@$t0\" -name '*.py' -print0 > {NEW}; {_compile()}; "
-            f"{_phase('compileall')}; {_settle()}; wait; {_phase('fixed-times')}")
+            f"{_phase('compileall')}; {_finish() if last else ''}{_settle()}; wait; {_phase('fixed-times')}")
 
 
 STAGE = "/dev/fleetbox-stage"   # the scratch volume's mount point: under /dev, which no layer records
@@ -189,42 +207,32 @@ def stage_script(python: str, pip_wheel: str) -> str:
 ROOTS = "/dev/shm/fleetbox-roots"
 
 
-def copy_script() -> str:
+def copy_script(last: bool) -> str:
     """Ours (raw): copy staged layer number "$1" in as installing it there would have: what it adds (a path not
     there yet, or a file), each copied whole with cp -a (its modes, owner and fixed times), into the folders
     the image has, whose mode and owner stay theirs; a folder that gets a new entry gets the fixed time, as the
-    settle after installing gives it."""
-    return (f"set -e; {_phase('start')}; cd \"{STAGE}/$1\"; "
+    settle after installing gives it. The last layer then runs _finish, as installing it would."""
+    finish = f"; {_finish()}{_settle(_finished())}; {_phase('fixed-times')}" if last else ""
+    return (f"{_START if last else 'set -e; ' + _phase('start') + '; '}cd \"{STAGE}/$1\"; "
             f"find . -mindepth 1 \\( -type d -exec test -d '/{{}}' \\; \\) -o -print0 -prune > {ROOTS}; "
             f"xargs -0 -r -I{{}} cp -a {{}} '/{{}}' < {ROOTS}; "
             f"sed -z 's|/[^/]*$||' {ROOTS} | sort -zu | xargs -0 -r -I{{}} touch -h -d @{EPOCH} '/{{}}'; "
-            f"{_phase('copy')}")
-
-
-def last_script() -> str:
-    """Ours (raw): pip's freeze of the environment and the folders fleetbox binds onto; only the paths it names
-    (and the folders above them) are settled, not the whole image (0.25 s)."""
-    freeze = f"{VENV}/fleetbox-freeze.txt"
-    named = sorted({str(a) for p in map(PurePosixPath, (freeze, *settings.BIND_TARGETS)) for a in (p, *p.parents)})
-    return (f"{_START}TMPDIR=/dev/shm {VENV}/bin/python -m pip freeze --all --disable-pip-version-check "
-            f"> {freeze}; mkdir -p {' '.join(settings.BIND_TARGETS)}; {_phase('freeze')}; {_settle(tuple(named))}; "
-            f"{_phase('fixed-times')}")
+            f"{_phase('copy')}{finish}")
 
 
 def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id: str, python: str,
          pip_wheel: str) -> list[Layer]:
     """Every layer with its key: a layer is reused when an image with its key exists."""
     by = {canonicalize_name(e.name): e for e in entries}
+    chosen = [(name, tuple(by[n] for n in sorted(names) if n in by)) for name, names in groups(variant, lock_text)]
+    chosen = [(name, pins) for name, pins in chosen if pins]   # a name the lock lacks: nothing to install
     parent, out = base_id, []
-    for name, names in groups(variant, lock_text):
-        chosen = tuple(by[n] for n in sorted(names) if n in by)   # a name the lock lacks: nothing to install
-        if not chosen:
-            continue
-        script = install_script(python, pip_wheel, first=not out)
-        key = _digest(parent, name, script, MOUNT, [(e.name, e.version, e.hashes) for e in chosen])
-        out.append(Layer(name, chosen, script, key))
+    for i, (name, pins) in enumerate(chosen):
+        last = i == len(chosen) - 1
+        script = install_script(python, pip_wheel, first=not out, last=last)
+        key = _digest(parent, name, script, MOUNT, [(e.name, e.version, e.hashes) for e in pins])
+        out.append(Layer(name, pins, script, key, last))
         parent = key
-    out.append(Layer("last", (), last_script(), _digest(parent, "last", last_script()), last=True))
     return out
 
 
@@ -264,7 +272,8 @@ def by_hand(variant: Variant, layers: list[Layer], base_id: str, wheelhouse: str
             change_list: list[str]) -> str:
     """The same build as a shell script a user can run (every value quoted). WHEELHOUSE, LAYERS (the layers'
     repository) and IMAGE (the final tag) may be set in the environment, to build beside ours. Each layer runs
-    from the image ID the one before gave, as `invoke build` does."""
+    from the image ID the one before gave, as `invoke build` does; the image's settings are committed onto the
+    last from a container that never runs (no layer)."""
     if any(ch in wheelhouse for ch in '"\n'):
         raise UserError(f"the wheelhouse path {wheelhouse!r} holds a double quote or a newline, which "
                         "docker's --mount cannot take; move it (FLEETBOX_WHEELHOUSE)")
@@ -273,15 +282,19 @@ def by_hand(variant: Variant, layers: list[Layer], base_id: str, wheelhouse: str
              "set -e", f"WHEELHOUSE=${{WHEELHOUSE:-{q(wheelhouse)}}}", f"LAYERS=${{LAYERS:-{q(LAYERS_REPO)}}}",
              f"IMAGE=${{IMAGE:-{q(final_tag)}}}", f"FROM={q(base_id)}   # the base, {variant.base_ref}",
              "CT=", "trap '[ -z \"$CT\" ] || docker rm -f \"$CT\" >/dev/null 2>&1' EXIT"]
+    cmd = q('CMD ["python"]')
     for layer in layers:
-        tag = '"$IMAGE"' if layer.last else f'"$LAYERS":{q(layer_tag(layer).split(":", 1)[1])}'
-        changes = change_list if layer.last else ['CMD ["python"]']
-        lines += [f"# layer {layer.name}: {', '.join(e.name for e in layer.entries) or 'settings and freeze'}",
+        then = "; then the freeze file and the bind-mount targets" if layer.last else ""
+        lines += [f"# layer {layer.name}: {', '.join(e.name for e in layer.entries)}{then}",
                   f"CT={q(f'fleetbox-layer-{layer.name}-')}$$",
                   f"docker run --name \"$CT\" --network none --mount \"{MOUNT},\\\"src=$WHEELHOUSE\\\"\" \"$FROM\" "
                   f"sh -c {q(layer.script)} sh {q(layer.requirements)}",
-                  "FROM=$(docker commit " + " ".join(f"--change {q(c)}" for c in changes) + f" \"$CT\" {tag})",
+                  f"FROM=$(docker commit --change {cmd} \"$CT\" \"$LAYERS\":{q(layer_tag(layer).split(':', 1)[1])})",
                   'docker rm "$CT" > /dev/null', "CT="]
+    lines += ["# the image's settings, committed onto the last layer from a container that never runs: no layer",
+              "CT=fleetbox-layer-settings-$$", 'docker create --name "$CT" --network none "$FROM" > /dev/null',
+              "docker commit " + " ".join(f"--change {q(c)}" for c in change_list) + ' "$CT" "$IMAGE" > /dev/null',
+              'docker rm "$CT" > /dev/null', "CT="]
     return "\n".join(lines) + "\n"
 
 
@@ -311,14 +324,11 @@ def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], fro
     ]
     body = []
     for layer in split:
-        what = f"{len(layer.entries)} locked package(s)" if layer.entries else \
-            "pip's freeze of the environment, the folders fleetbox binds onto"
+        what = f"{len(layer.entries)} locked package(s)" + \
+            ("; then pip's freeze of the environment, the folders fleetbox binds onto" if layer.last else "")
         # one RUN per layer on purpose (DL3059: each is a layer, shared with invoke build's); /bin/sh as invoke
         # build runs it, no SHELL (DL4006): a SHELL would stay in the image's settings for every build FROM it
         body += [f"# layer {layer.name}: {what}", "# hadolint ignore=DL3059,DL4006"]
-        if layer.last:
-            body.append(f"RUN {layer.script}")
-            continue
         reqs = [q(r) for r in layer.requirements.splitlines()]
         body += [f"RUN --mount=type=bind,from=wheelhouse,target={WHEELS} \\",
                  "    set -- \"$(printf '%s\\n' \\",

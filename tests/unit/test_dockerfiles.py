@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from fleetbox.image import bases, images, locks, matrix
+from fleetbox.image import bases, images, layers, locks, matrix
 from fleetbox.image.images import DATA_DOCKERFILE
 
 LOCK = "pip==25.3 \\\n    --hash=sha256:aa\n"
@@ -61,7 +61,8 @@ def test_the_image_has_every_mount_point_fleetbox_binds():
     wanted = {settings.WORKDIR, settings.LOG_DIR, settings.HELPERS_DIR, settings.CHECKPOINT_DIR, settings.RESUME_DIR,
               settings.CONTAINER_CACHE}
     assert wanted <= set(settings.BIND_TARGETS), sorted(wanted - set(settings.BIND_TARGETS))
-    made = re.search(r"mkdir -p ([^;]+);", layers.last_script()).group(1).split()
+    last = layers.plan(matrix.load().get("cpu"), *locks.read(matrix.load().get("cpu")), BASE_ID, "python3", "p.whl")[-1]
+    made = re.search(r"mkdir -p ([^;]+);", last.script).group(1).split()
     assert wanted <= set(made), sorted(wanted - set(made))
 
 
@@ -95,7 +96,8 @@ def test_a_variants_dockerfile_holds_one_run_per_layer_with_its_pins_and_what_va
         assert run.rstrip().endswith(layer.script)
         for e in layer.entries:
             assert f"'{e.name}=={e.version} " + " ".join(f"--hash=sha256:{h}" for h in e.hashes) + "'" in run
-        assert ("from=wheelhouse,target=/mnt" in run) is not layer.last
+        assert "from=wheelhouse,target=/mnt" in run
+        assert (layers.FREEZE in run) is layer.last   # the last layer also writes the freeze file
     assert "--no-index" in text and "--require-hashes" in text
     # no SHELL: it would stay in the image's settings; the RUNs run under /bin/sh as invoke build's do
     assert "SHELL" not in text

@@ -1,5 +1,5 @@
-"""The environment's layer split (pure): Paddle's closure first, each extra apart, the rest, then settings;
-keys that change with a layer's inputs and its parent's, and only then."""
+"""The environment's layer split (pure): Paddle's closure first, each extra apart, then the rest; keys that
+change with a layer's inputs and its parent's, and only then."""
 import pytest
 
 from fleetbox.errors import UserError
@@ -15,11 +15,11 @@ def split(lock=LOCK, base=BASE):
     return layers.plan(V, lock, locks.parse(lock), base, "/usr/bin/python3", "pip-25.3-py3-none-any.whl")
 
 
-def test_paddle_and_its_closure_come_first_then_each_extra_then_the_settings():
+def test_paddle_and_its_closure_come_first_then_each_extra():
     got = [(x.name, sorted(e.name for e in x.entries)) for x in split()]
-    assert [n for n, _ in got] == ["paddle", "scipy", "opencv-python-headless", "last"]
+    assert [n for n, _ in got] == ["paddle", "scipy", "opencv-python-headless"]
     assert "numpy" in got[0][1] and "paddlepaddle" in got[0][1] and "pip" in got[0][1]
-    assert got[1][1] == ["scipy"] and got[2][1] == ["opencv-python-headless"] and got[3][1] == []
+    assert got[1][1] == ["scipy"] and got[2][1] == ["opencv-python-headless"]
     every = sorted(e.name for x in split() for e in x.entries)
     assert every == sorted(e.name for e in ENTRIES)   # each locked package in exactly one layer
 
@@ -28,8 +28,8 @@ def test_changing_one_extras_pin_changes_its_layer_and_the_ones_after_only():
     opencv = next(e for e in ENTRIES if e.name == "opencv-python-headless")
     changed = LOCK.replace(opencv.hashes[0], "f" * 64)
     a, b = split(), split(changed)
-    assert [x.key == y.key for x, y in zip(a, b)] == [True, True, False, False]
-    assert [x.key == y.key for x, y in zip(split(base="sha256:" + "2" * 64), a)] == [False] * 4
+    assert [x.key == y.key for x, y in zip(a, b)] == [True, True, False]
+    assert [x.key == y.key for x, y in zip(split(base="sha256:" + "2" * 64), a)] == [False] * 3
 
 
 def test_the_requirements_of_a_layer_carry_every_hash_and_no_other_package():
@@ -68,20 +68,24 @@ def test_the_by_hand_script_passes_every_value_whole_and_takes_its_tags_from_the
                             layers.changes(V, ["PATH=/usr/bin"], {"a": "b c'd"}))
     calls = _calls(script, {"PATH": "/usr/bin:/bin"}, tmp_path)
     runs, commits = [c for c in calls if c[0] == "run"], [c for c in calls if c[0] == "commit"]
-    assert len(runs) == len(commits) == 4 and [c[0] for c in calls].count("rm") == 4
+    assert len(runs) == 3 and len(commits) == 4 and [c[0] for c in calls].count("rm") == 4
     for call, layer in zip(runs, layers_):
         # docker reads --mount as CSV: the quoted field keeps the comma in the path
         assert f'type=bind,dst=/mnt,readonly,"src={hostile}"' in call
         assert call[-5:] == ["sh", "-c", layer.script, "sh", layer.requirements]   # requirements arrive whole
-    assert [c[-1] for c in commits] == [layers.layer_tag(x) for x in layers_[:-1]] + ["fleetbox/paddle:cpu-1"]
+    assert [c[-1] for c in commits] == [layers.layer_tag(x) for x in layers_] + ["fleetbox/paddle:cpu-1"]
     assert 'LABEL "a"="b c\'d"' in commits[-1] and 'ENV PATH="/opt/venv/bin:/usr/bin"' in commits[-1]
-    assert [r[r.index("--network") + 1] for r in runs] == ["none"] * 4
+    assert [r[r.index("--network") + 1] for r in runs] == ["none"] * 3
     # each layer runs from the image ID the one before gave; the first from the base's ID
-    assert [r[-6] for r in runs] == [BASE_ID] + [f"id-of-{c[-1]}" for c in commits[:-1]]
+    assert [r[-6] for r in runs] == [BASE_ID] + [f"id-of-{c[-1]}" for c in commits[:-2]]
+    # the settings: committed from a container of the last layer that is created, never run
+    created = [c for c in calls if c[0] == "create"]
+    assert len(created) == 1 and created[0][-1] == f"id-of-{commits[-2][-1]}"
+    assert calls.index(created[0]) == calls.index(commits[-1]) - 1
     mine = _calls(script, {"PATH": "/usr/bin:/bin", "WHEELHOUSE": "/w", "LAYERS": "me/l", "IMAGE": "me/img:1"},
                   tmp_path)
     tags = [c[-1] for c in mine if c[0] == "commit"]
-    assert tags == [f"me/l:{layers.layer_tag(x).split(':', 1)[1]}" for x in layers_[:-1]] + ["me/img:1"]
+    assert tags == [f"me/l:{layers.layer_tag(x).split(':', 1)[1]}" for x in layers_] + ["me/img:1"]
     assert all('type=bind,dst=/mnt,readonly,"src=/w"' in c for c in mine if c[0] == "run")
     with pytest.raises(UserError, match="double quote"):
         layers.by_hand(V, layers_, BASE_ID, '/a"b', "x:1", [])
@@ -97,9 +101,11 @@ def test_a_hostile_pip_wheel_name_stays_one_word():
     assert script.count("pip-1$(touch x).whl") == script.count("'/mnt/pip-1$(touch x).whl/pip'") == 1
 
 
-def test_the_last_layer_is_marked_not_named():
+def test_the_last_layer_is_marked_not_named_and_finishes_the_environment():
     odd = split()
-    assert [x.last for x in odd] == [False, False, False, True]
+    assert [x.last for x in odd] == [False, False, True]
+    assert [layers.FREEZE in x.script for x in odd] == [False, False, True]
+    assert layers.FREEZE in layers.copy_script(last=True) and layers.FREEZE not in layers.copy_script(last=False)
 
 
 GPU_LOCK = """# fleetbox-lock: variant=cu126 inputs=x
@@ -218,7 +224,7 @@ def test_a_stage_that_fails_is_one_line_and_its_container_and_volume_are_removed
     import io
 
     from fleetbox.image import images
-    engine, staged = _StageEngine(), split()[1:-1]
+    engine, staged = _StageEngine(), split()[1:]
     removals = images._Removals(engine)
     with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless beside the first layer failed "
                                         r"\(exit 1\): ERROR: No matching distribution found for scipy==1.17.1$"):
@@ -248,7 +254,7 @@ def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp
     removals = images._Removals(engine)
     with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless: the engine refused: no space"):
         try:
-            with images._staged(engine, split()[1:-1], str(tmp_path),
+            with images._staged(engine, split()[1:], str(tmp_path),
                                 {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "p.whl"}, io.StringIO(), removals) as stage:
                 stage.start("sha256:p")
         finally:
@@ -272,17 +278,18 @@ def test_a_hostile_pip_wheel_name_stays_one_word_when_staging():
 
 def test_which_layers_are_made_staged_and_from_what():
     from fleetbox.image import images
-    paddle, scipy, opencv, last = split()
+    paddle, scipy, opencv = split()
     every = {"paddle": "sha256:p", "scipy": "sha256:s", "opencv-python-headless": "sha256:o"}
     # cold: Paddle's made in place from the base, the extras beside it
     made, staged, parent = images.making(split(), dict.fromkeys(every), "sha256:base")
-    assert (made, staged, parent) == ([paddle, scipy, opencv, last], [scipy, opencv], "sha256:base")
+    assert (made, staged, parent) == ([paddle, scipy, opencv], [scipy, opencv], "sha256:base")
     # scipy's pin changed: scipy's made in place from Paddle's layer, opencv beside it
     made, staged, parent = images.making(split(), {**every, "scipy": None, "opencv-python-headless": None}, "b")
-    assert (made, staged, parent) == ([scipy, opencv, last], [opencv], "sha256:p")
-    # opencv's pin changed: nothing to stage (the last layer is never staged)
-    assert images.making(split(), {**every, "opencv-python-headless": None}, "b") == ([opencv, last], [], "sha256:s")
-    assert images.making(split(), every, "b") == ([last], [], "sha256:o")
+    assert (made, staged, parent) == ([scipy, opencv], [opencv], "sha256:p")
+    # opencv's pin changed: nothing to stage
+    assert images.making(split(), {**every, "opencv-python-headless": None}, "b") == ([opencv], [], "sha256:s")
+    # nothing changed but the settings: no layer made, they go onto the last one
+    assert images.making(split(), every, "b") == ([], [], "sha256:o")
 
 
 def test_a_staging_container_is_live_while_its_build_runs_here():
@@ -315,3 +322,53 @@ def test_a_layers_profile_is_the_time_between_its_phase_lines():
     got = layers.profile(layers.phase_marks(said))
     assert list(got) == ["pip"] and got["pip"] >= 0, said
 
+
+
+class _SettingsEngine:
+    """Just enough of docker-py's client for the settings' commit: records what is created and started."""
+    def __init__(self, refuse=False):
+        self.refuse, self.api, self.calls, self.removed = refuse, self, [], []
+
+    @property
+    def containers(self):
+        return self
+
+    def create(self, image, name, **kw):
+        import types
+
+        import docker
+        self.calls.append(("create", image, name, kw))
+
+        def commit(**settings):
+            if self.refuse:
+                raise docker.errors.APIError("500", explanation="No such image: sha256:o")
+            self.calls.append(("commit", settings))
+            return "the image"
+        return types.SimpleNamespace(start=lambda: self.calls.append(("start",)), commit=commit)
+
+    def remove_container(self, name, force=False):
+        self.removed.append(name)
+
+
+def test_the_settings_are_committed_from_a_container_that_never_runs_and_a_refusal_is_one_line():
+    import io
+
+    from fleetbox.image import images
+    for refuse in (False, True):
+        engine, out = _SettingsEngine(refuse), io.StringIO()
+        removals = images._Removals(engine)
+        try:
+            if refuse:
+                with pytest.raises(UserError, match=r"^the image's settings: the engine refused: No such image"):
+                    images._settings(engine, "sha256:o", "fleetbox/paddle:cpu-1", ["LABEL a=b"], out, removals)
+            else:
+                assert images._settings(engine, "sha256:o", "fleetbox/paddle:cpu-1", ["LABEL a=b"], out,
+                                        removals) == "the image"
+        finally:
+            removals.wait()
+        (_, image, name, kw), *rest = engine.calls
+        assert image == "sha256:o" and kw == {"network_mode": "none"} and name.startswith("fleetbox-layer-settings-")
+        assert ("start",) not in rest   # never run: nothing it could write becomes a layer
+        assert rest == ([] if refuse else [("commit", {"repository": "fleetbox/paddle", "tag": "cpu-1",
+                                                       "changes": ["LABEL a=b"]})])
+        assert engine.removed == [name]
