@@ -535,7 +535,8 @@ def _settings(c, parent: str, tag: str, change_list: list[str], out, removals: _
         ct = c.containers.create(parent, name=cname, network_mode="none")
         repo, tag_name = tag.rsplit(":", 1)
         made = ct.commit(repository=repo, tag=tag_name, changes=change_list)
-        out.write(f"{PROFILE} {json.dumps({'layer': 'settings', 'commit': time.time() - t0})}\n")
+        # "image settings": no layer's name (a layer is named for a package)
+        out.write(f"{PROFILE} {json.dumps({'layer': 'image settings', 'commit': time.time() - t0})}\n")
         return made
     except docker.errors.APIError as e:   # the layer removed meanwhile (a concurrent clean), engine gone
         raise UserError(f"the image's settings: the engine refused: {_explain(e)}") from None

@@ -130,16 +130,19 @@ def _phase(name: str) -> str:
     return f'echo "{PHASE} {name} $(date +%s.%N)"'
 
 
-_START = f"set -e; t0=$(date +%s.%N); {_phase('start')}; sleep 0.05; "   # file times come from a coarser clock
-                                            # than date's: begin one tick later, so nothing made is older than t0
+# file times come from a coarser clock than date's: t0 is 50 ms before the start, so nothing the script makes is
+# older than t0 (and nothing the image had is that new: its files have the fixed time or older ones)
+_START = f"set -e; t0=$(date -d '-0.05 seconds' +%s.%N); {_phase('start')}; "
 NEW = "/dev/shm/fleetbox-new"   # the .py files a layer added (outside any layer)
 
 
 def _pip(pip_wheel: str, root: str = "") -> str:
     """Ours (raw): pip from its own locked wheel installs the requirements on stdin, into `root` if given. Its
-    temporary files go to /dev/shm: in /tmp they would put /tmp, with a new time, into the layer."""
+    temporary files go to /dev/shm: in /tmp they would put /tmp, with a new time, into the layer. -B (here, in
+    compileall and in pip freeze): Python writes no .pyc of what it imports, which a base without its standard
+    library's .pyc files would get in a layer installed in place and not in a staged one."""
     into = f"--root {root} " if root else ""
-    return (f"TMPDIR=/dev/shm {VENV}/bin/python {shlex.quote(f'{WHEELS}/{pip_wheel}/pip')} install {into}"
+    return (f"TMPDIR=/dev/shm {VENV}/bin/python -B {shlex.quote(f'{WHEELS}/{pip_wheel}/pip')} install {into}"
             f"--no-index --no-cache-dir --find-links {WHEELS} --require-hashes --only-binary :all: --no-deps "
             f"--no-compile --disable-pip-version-check --quiet -r /dev/stdin")
 
@@ -154,7 +157,7 @@ def _compile(names: str = "") -> str:
     (255 stops xargs: 124) stops the layer."""
     return (f"xargs -0 -r touch -h -d @{EPOCH} < {NEW}; p=$(nproc); "
             f"n=$(( $(tr -cd '\\0' < {NEW} | wc -c) / (4 * p) + 1 )); "
-            f"xargs -0 -r -P \"$p\" -n \"$n\" sh -c 'PYTHONHASHSEED=0 {VENV}/bin/python -m compileall -q -f \"$@\" "
+            f"xargs -0 -r -P \"$p\" -n \"$n\" sh -c 'PYTHONHASHSEED=0 {VENV}/bin/python -B -m compileall -q -f \"$@\" "
             f"|| [ $? -eq 1 ] || exit 255' sh {names}< {NEW} > /dev/null || [ $? -eq 123 ]")
 
 
@@ -162,9 +165,10 @@ FREEZE = f"{VENV}/fleetbox-freeze.txt"   # pip's freeze of the environment, writ
 
 
 def _finish() -> str:
-    """Ours (raw), the last layer's: pip's freeze of the environment, and the folders fleetbox binds onto."""
-    return (f"TMPDIR=/dev/shm {VENV}/bin/python -m pip freeze --all --disable-pip-version-check > {FREEZE}; "
-            f"mkdir -p {' '.join(settings.BIND_TARGETS)}; {_phase('freeze')}; ")
+    """Ours (raw), the last layer's: pip's freeze of the environment, and the folders fleetbox binds onto. It
+    writes nothing else (-B), so a staged last layer settles only those paths (_finished)."""
+    return (f"TMPDIR=/dev/shm {VENV}/bin/python -B -m pip freeze --all --disable-pip-version-check "
+            f"> {FREEZE}; mkdir -p {' '.join(settings.BIND_TARGETS)}; {_phase('freeze')}; ")
 
 
 def _finished() -> tuple[str, ...]:
@@ -212,7 +216,7 @@ def copy_script(last: bool) -> str:
     there yet, or a file), each copied whole with cp -a (its modes, owner and fixed times), into the folders
     the image has, whose mode and owner stay theirs; a folder that gets a new entry gets the fixed time, as the
     settle after installing gives it. The last layer then runs _finish, as installing it would."""
-    finish = f"; {_finish()}{_settle(_finished())}; {_phase('fixed-times')}" if last else ""
+    finish = f"; cd /; {_finish()}{_settle(_finished())}; {_phase('fixed-times')}" if last else ""
     return (f"{_START if last else 'set -e; ' + _phase('start') + '; '}cd \"{STAGE}/$1\"; "
             f"find . -mindepth 1 \\( -type d -exec test -d '/{{}}' \\; \\) -o -print0 -prune > {ROOTS}; "
             f"xargs -0 -r -I{{}} cp -a {{}} '/{{}}' < {ROOTS}; "

@@ -269,6 +269,33 @@ def test_a_build_on_a_reused_paddle_layer_stages_the_later_layers_from_it_into_t
             docker("rmi", *[i for t, i in made.items() if i != had.get(t)], check=False)
 
 
+def test_a_build_whose_layers_all_exist_commits_only_the_settings_onto_the_last_one(cpu_image, tmp_path):
+    """Only the image is missing (a copy of the checkout whose images have another name, as a change of labels
+    alone leaves it): every layer is reused and the settings are committed onto the last one, so the image has
+    the very same layers, its own settings, and nothing is left behind."""
+    from fleetbox import settings
+    from fleetbox.image import wheelhouse
+    from tests.checkout import OPENCV_NOW, copy_with_pin, tags
+    from tests.conftest import ROOT
+    v = matrix.load().get("cpu")
+    env = copy_with_pin(ROOT, tmp_path, "fleetbox-test/settings-only", wheelhouse.default_dir(v), OPENCV_NOW,
+                        OPENCV_NOW)
+    env["FLEETBOX_WHEELHOUSE"] = str(wheelhouse.default_dir(v).parent)   # the same lock: the checkout's wheels
+    try:
+        out = _ok(invoke("build", "--variant", "cpu", env=env, cwd=tmp_path / "src")).stdout
+        assert re.findall(r"^layer (\S+)\s+reused", out, re.M) == ["paddle", "scipy", "opencv-python-headless"], out
+        assert not re.findall(r"^layer \S+\s+[\d.]+ MiB in", out, re.M), out
+        assert layer_digests("fleetbox-test/settings-only:cpu") == layer_digests(cpu_image["image"].id)
+        mine = json.loads(docker("image", "inspect", "fleetbox-test/settings-only:cpu").stdout)[0]["Config"]
+        ours = cpu_image["image"].attrs["Config"]
+        assert mine["Env"] == ours["Env"] and mine["WorkingDir"] == ours["WorkingDir"] == settings.WORKDIR
+        assert mine["Labels"][settings.LABEL_FREEZE] == ours["Labels"][settings.LABEL_FREEZE]
+        assert docker("ps", "-a", "--filter", "name=fleetbox-layer-", "--format", "{{.Names}}").stdout.split() == []
+    finally:
+        if tags("fleetbox-test/settings-only"):
+            docker("rmi", *tags("fleetbox-test/settings-only"), check=False)
+
+
 def _image_id(ref: str) -> str:
     return json.loads(docker("image", "inspect", ref).stdout)[0]["Id"]
 

@@ -57,7 +57,6 @@ def test_rendering_fills_the_variants_values():
 def test_the_image_has_every_mount_point_fleetbox_binds():
     """Charliecloud (and Apptainer without overlay) cannot create a bind target: each must exist in the image."""
     from fleetbox import settings
-    from fleetbox.image import layers
     wanted = {settings.WORKDIR, settings.LOG_DIR, settings.HELPERS_DIR, settings.CHECKPOINT_DIR, settings.RESUME_DIR,
               settings.CONTAINER_CACHE}
     assert wanted <= set(settings.BIND_TARGETS), sorted(wanted - set(settings.BIND_TARGETS))

@@ -323,7 +323,6 @@ def test_a_layers_profile_is_the_time_between_its_phase_lines():
     assert list(got) == ["pip"] and got["pip"] >= 0, said
 
 
-
 class _SettingsEngine:
     """Just enough of docker-py's client for the settings' commit: records what is created and started."""
     def __init__(self, refuse=False):
