@@ -217,7 +217,7 @@ def copy_script(last: bool) -> str:
     the image has, whose mode and owner stay theirs; a folder that gets a new entry gets the fixed time, as the
     settle after installing gives it. The last layer then runs _finish, as installing it would."""
     finish = f"; cd /; {_finish()}{_settle(_finished())}; {_phase('fixed-times')}" if last else ""
-    return (f"{_START if last else 'set -e; ' + _phase('start') + '; '}cd \"{STAGE}/$1\"; "
+    return (f"{_START}cd \"{STAGE}/$1\"; "
             f"find . -mindepth 1 \\( -type d -exec test -d '/{{}}' \\; \\) -o -print0 -prune > {ROOTS}; "
             f"xargs -0 -r -I{{}} cp -a {{}} '/{{}}' < {ROOTS}; "
             f"sed -z 's|/[^/]*$||' {ROOTS} | sort -zu | xargs -0 -r -I{{}} touch -h -d @{EPOCH} '/{{}}'; "
