@@ -283,8 +283,8 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 _staged(c, staged, wheels, p.build_args, out, removals) as stage:
             first_parent = parent
 
-            def started() -> None:   # a layer's own container runs; the first one's is the longer way: first
-                if stage:
+            def started() -> None:   # a layer's own container runs: the staging container starts only after the
+                if stage:            # first one's (the build's longer path); then the wheelhouse's check is awaited
                     stage.start(first_parent)
                 checking.result()
 

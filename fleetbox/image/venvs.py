@@ -34,7 +34,7 @@ from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
 
 RECORD = settings.ENV_RECORD        # the Slurm runtime reads these names: keep them
-FREEZE = "fleetbox-freeze.txt"
+FREEZE = layers.FREEZE.rsplit("/", 1)[1]   # pip's freeze, named as in an image
 HELPERS = "fleetbox-helpers"        # the in-container helpers' copy, on the env's path through HELPERS.pth
 
 # The legacy manylinux names and the glibc each stands for (PEP 600).
