@@ -149,10 +149,17 @@ def test_tampered_wheelhouse_stops_the_build_and_builds_nothing(cpu_image, tmp_p
     pip = next(dest.glob("pip-*.whl"))
     pip.unlink()
     pip.write_bytes(b"not the locked pip")
-    images_before = docker("images", "-q").stdout
+    images_before = _images()
     proc = invoke("build", "--variant", "cpu", "--force", "--wheelhouse", str(dest))
     one_line_error(proc, pip.name, "which lock cpu.lock does not allow")
-    assert docker("images", "-q").stdout == images_before
+    assert _images() == images_before
+
+
+def _images() -> list[str]:
+    """Every image with each of its tags, sorted: `docker images` lists images made in the same second (a
+    layer and the image's settings committed onto it) in no fixed order."""
+    return sorted(docker("images", "-a", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}").stdout
+                  .splitlines())
 
 
 def test_verify_fails_on_a_broken_image(cpu_image, tmp_path):
