@@ -280,12 +280,11 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     removals = _Removals(c)
     try:
         with open(rd / "build.log", "a") as out, stops_as_interrupt(), \
-                _staged(c, staged, wheels, p.build_args, out, removals) as stage:
-            first_parent = parent
+                _staged(c, parent, staged, wheels, p.build_args, out, removals) as stage:
 
             def started() -> None:   # a layer's own container runs: the staging container starts only after the
                 if stage:            # first one's (the build's longer path); then the wheelhouse's check is awaited
-                    stage.start(first_parent)
+                    stage.start()
                 checking.result()
 
             for layer in split:
@@ -295,17 +294,16 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                     parent = have[layer.name].id
                     continue
                 t0 = time.monotonic()
-                changes = ['CMD ["python"]']
                 if layer in staged:
                     waited = stage.wait()
                     made = _run_and_commit(c, parent, layer.name, layers.copy_script(layer.last),
-                                           [stage.number(layer)], [stage.mount(read_only=True)], tag, changes, out,
+                                           [stage.number(layer)], [stage.mount(read_only=True)], tag, [layers.CMD], out,
                                            removals, {"waited": waited})
                     if layer is staged[-1]:
                         stage.release()
                 else:
                     made = _run_and_commit(c, parent, layer.name, layer.script, [layer.requirements],
-                                           [_wheels_mount(wheels)], tag, changes, out, removals,
+                                           [_wheels_mount(wheels)], tag, [layers.CMD], out, removals,
                                            started=started)
                 size = made.history()[0]["Size"]
                 how = f" (installed beside {made_here[0].name})" if layer in staged else ""
@@ -372,6 +370,7 @@ def _wheels_mount(wheels: str):
 class _Stage:
     """The container that installs the staged layers onto a scratch volume of the same name (_staged)."""
     c: object
+    image: str   # what it is a container of: the first layer made's parent
     volume: str
     command: list[str]
     wheels: str
@@ -393,8 +392,8 @@ class _Stage:
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
         return docker.types.Mount(layers.STAGE, self.volume, type="volume", read_only=read_only, no_copy=True)
 
-    def start(self, image: str) -> None:
-        """Run it, from `image` (once; called when the first layer's own container runs, which goes first)."""
+    def start(self) -> None:
+        """Run it (once; called when the first layer's own container runs, which goes first)."""
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
         if self.started:
             return
@@ -402,7 +401,7 @@ class _Stage:
         try:
             self.c.volumes.create(self.volume)
             self.container = self.c.containers.create(
-                image, self.command, name=self.volume, network_mode="none", cpu_shares=2,
+                self.image, self.command, name=self.volume, network_mode="none", cpu_shares=2,
                 labels={BUILDER: _builder()}, mounts=[_wheels_mount(self.wheels), self.mount(read_only=False)])
             self.container.start()
         except docker.errors.APIError as e:
@@ -445,14 +444,14 @@ BUILDER = "io.fleetbox.builder"   # the staging container's label: "<host> <pid>
 
 
 @contextlib.contextmanager
-def _staged(c, staged: list, wheels: str, args: dict[str, str], out, removals: _Removals):
-    """The container that installs the `staged` layers (layers.stage_script) onto a scratch volume while the
-    first layer is made, not yet started; its CPU share the smallest, so it takes what that layer leaves. The
+def _staged(c, image: str, staged: list, wheels: str, args: dict[str, str], out, removals: _Removals):
+    """The container of `image` that installs the `staged` layers (layers.stage_script) onto a scratch volume
+    while the first layer is made, not yet started; its CPU share the smallest, so it takes what that layer leaves. The
     container and then the volume are removed on every way out (`removals`)."""
     if not staged:
         yield None
         return
-    stage = _Stage(c, f"{BUILD_PREFIX}stage-{secrets.token_hex(4)}",   # the container's and the volume's name
+    stage = _Stage(c, image, f"{BUILD_PREFIX}stage-{secrets.token_hex(4)}",   # the container's and the volume's name
                    ["sh", "-c", layers.stage_script(args["PYTHON"], args["PIP_WHEEL"]), "sh",
                     *[x.requirements for x in staged]],
                    wheels, {x.name: str(i) for i, x in enumerate(staged, 1)}, out, removals)
@@ -486,15 +485,32 @@ def _last_line(logs: str) -> str:
     return ([ln for ln in logs.strip().splitlines() if not ln.startswith(layers.PHASE)] or ["?"])[-1][:300]
 
 
+@contextlib.contextmanager
+def _build_container(kind: str, what: str, removals: _Removals):
+    """A name for one of the build's containers (no labels: commit would keep them): an engine refusal inside is
+    one line that says `what`, and the container is removed on every way out, by its name, so also when Ctrl-C
+    lands inside create (`removals`)."""
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
+    name = f"{BUILD_PREFIX}{kind}-{secrets.token_hex(4)}"
+    try:
+        yield name
+    except docker.errors.APIError as e:   # full disk, image gone (a concurrent clean), engine restarted
+        raise UserError(f"{what}: the engine refused: {_explain(e)}") from None
+    finally:
+        removals.container(name)
+
+
+def _commit(ct, tag: str, change_list: list[str]):
+    repo, name = tag.rsplit(":", 1)
+    return ct.commit(repository=repo, tag=name, changes=change_list)
+
+
 def _run_and_commit(c, parent: str, name: str, script: str, args: list[str], mounts: list, tag: str,
                     change_list: list[str], out, removals: _Removals, extra: dict | None = None, started=None):
     """One layer: a container of `parent` runs `script` (sh -c, with `args`), network off, with `mounts`; its
-    changes become the layer, tagged only once whole. The container is removed on every way out (by its name,
-    so also when Ctrl-C lands inside create; `removals`). `started`: called once it runs (the wheelhouse's
-    check)."""
-    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
-    cname = f"{BUILD_PREFIX}{name}-{secrets.token_hex(4)}"   # no labels: commit would keep them
-    try:
+    changes become the layer, tagged only once whole. `started`: called once it runs (the staging container, the
+    wheelhouse's check)."""
+    with _build_container(name, f"layer {name}", removals) as cname:
         t0 = time.time()
         ct = c.containers.create(parent, ["sh", "-c", script, "sh", *args], name=cname, network_mode="none",
                                  mounts=mounts)
@@ -507,8 +523,7 @@ def _run_and_commit(c, parent: str, name: str, script: str, args: list[str], mou
         out.write(logs)
         if code != 0:
             raise UserError(f"layer {name} failed (exit {code}): {_last_line(logs)}")
-        repo, tag_name = tag.rsplit(":", 1)
-        made = ct.commit(repository=repo, tag=tag_name, changes=change_list)
+        made = _commit(ct, tag, change_list)
         # where the layer's time went (bench/build.py reads it): the container's start (to its script's first
         # line), each phase of the script, its end, the commit
         marks = layers.phase_marks(logs)
@@ -519,29 +534,17 @@ def _run_and_commit(c, parent: str, name: str, script: str, args: list[str], mou
                "end": max(0.0, ran - start - sum(phases.values())), "commit": time.time() - t_ran}
         out.write(f"{PROFILE} {json.dumps(rec)}\n")
         return made
-    except docker.errors.APIError as e:   # full disk, image gone (a concurrent clean), engine restarted
-        raise UserError(f"layer {name}: the engine refused: {_explain(e)}") from None
-    finally:
-        removals.container(cname)
 
 
 def _settings(c, parent: str, tag: str, change_list: list[str], out, removals: _Removals):
     """The image: the settings (`change_list`) committed onto `parent`, the last layer, from a container of it
     that never runs, so no layer is added (a change of settings or labels alone makes no layer again)."""
-    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
-    cname = f"{BUILD_PREFIX}settings-{secrets.token_hex(4)}"
-    try:
+    with _build_container("settings", "the image's settings", removals) as cname:
         t0 = time.time()
-        ct = c.containers.create(parent, name=cname, network_mode="none")
-        repo, tag_name = tag.rsplit(":", 1)
-        made = ct.commit(repository=repo, tag=tag_name, changes=change_list)
+        made = _commit(c.containers.create(parent, name=cname, network_mode="none"), tag, change_list)
         # "image settings": no layer's name (a layer is named for a package)
         out.write(f"{PROFILE} {json.dumps({'layer': 'image settings', 'commit': time.time() - t0})}\n")
         return made
-    except docker.errors.APIError as e:   # the layer removed meanwhile (a concurrent clean), engine gone
-        raise UserError(f"the image's settings: the engine refused: {_explain(e)}") from None
-    finally:
-        removals.container(cname)
 
 
 def _bake(c, p: BuildPlan, data_dir: Path, force: bool, log) -> None:

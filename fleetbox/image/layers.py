@@ -37,6 +37,7 @@ from fleetbox.image.matrix import Variant
 WHEELS = "/mnt"   # the wheelhouse's mount point: a folder every base has, so no layer records a new one
 MOUNT = f"type=bind,dst={WHEELS},readonly"   # how the wheelhouse reaches a layer's container (no VOLUME)
 VENV = "/opt/venv"
+CMD = 'CMD ["python"]'   # every layer's image's command and the image's, as commit and a Dockerfile take it
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,7 @@ def changes(variant: Variant, base_env: list[str], labels: dict[str, str]) -> li
     path = next((e.split("=", 1)[1] for e in base_env if e.startswith("PATH=")),
                 "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     return ([f"ENV {k}={_quoted(v)}" for k, v in image_env(variant, path).items()]
-            + [f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]']
+            + [f"WORKDIR {settings.WORKDIR}", CMD]
             + [f"LABEL {_quoted(k)}={_quoted(v)}" for k, v in sorted(labels.items())])
 
 
@@ -286,14 +287,13 @@ def by_hand(variant: Variant, layers: list[Layer], base_id: str, wheelhouse: str
              "set -e", f"WHEELHOUSE=${{WHEELHOUSE:-{q(wheelhouse)}}}", f"LAYERS=${{LAYERS:-{q(LAYERS_REPO)}}}",
              f"IMAGE=${{IMAGE:-{q(final_tag)}}}", f"FROM={q(base_id)}   # the base, {variant.base_ref}",
              "CT=", "trap '[ -z \"$CT\" ] || docker rm -f \"$CT\" >/dev/null 2>&1' EXIT"]
-    cmd = q('CMD ["python"]')
     for layer in layers:
         then = "; then the freeze file and the bind-mount targets" if layer.last else ""
         lines += [f"# layer {layer.name}: {', '.join(e.name for e in layer.entries)}{then}",
                   f"CT={q(f'fleetbox-layer-{layer.name}-')}$$",
                   f"docker run --name \"$CT\" --network none --mount \"{MOUNT},\\\"src=$WHEELHOUSE\\\"\" \"$FROM\" "
                   f"sh -c {q(layer.script)} sh {q(layer.requirements)}",
-                  f"FROM=$(docker commit --change {cmd} \"$CT\" \"$LAYERS\":{q(layer_tag(layer).split(':', 1)[1])})",
+                  f"FROM=$(docker commit --change {q(CMD)} \"$CT\" \"$LAYERS\":{q(layer_tag(layer).split(':', 1)[1])})",
                   'docker rm "$CT" > /dev/null', "CT="]
     lines += ["# the image's settings, committed onto the last layer from a container that never runs: no layer",
               "CT=fleetbox-layer-settings-$$", 'docker create --name "$CT" --network none "$FROM" > /dev/null',
@@ -345,7 +345,7 @@ def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], fro
            for k, v in sorted(labels.items())]
     tail = ["# the image's settings; what differs by machine or commit comes in as build arguments",
             "ARG BASE_IMAGE", *[f"ARG {a}=unknown" for a in sorted(set(from_args.values()) - {"BASE_IMAGE"})],
-            "ENV " + " \\\n    ".join(env), f"WORKDIR {settings.WORKDIR}", 'CMD ["python"]',
+            "ENV " + " \\\n    ".join(env), f"WORKDIR {settings.WORKDIR}", CMD,
             "LABEL " + " \\\n      ".join(lbl)]
     return "\n".join(head + body + tail) + "\n"
 

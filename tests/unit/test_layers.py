@@ -215,7 +215,7 @@ class _StageEngine(_Engine):
                 raise docker.errors.APIError("500", explanation="no space left on device")
             self.made.append(args[0])
             return None
-        self.name, self.kw = kw["name"], kw
+        self.name, self.kw, self.image = kw["name"], kw, args[0]
         logs = b"fleetbox-phase start 1.0\nERROR: No matching distribution found for scipy==1.17.1\n"
         return types.SimpleNamespace(start=lambda: None, wait=lambda: {"StatusCode": 1}, logs=lambda: logs)
 
@@ -229,18 +229,18 @@ def test_a_stage_that_fails_is_one_line_and_its_container_and_volume_are_removed
     with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless beside the first layer failed "
                                         r"\(exit 1\): ERROR: No matching distribution found for scipy==1.17.1$"):
         try:
-            with images._staged(engine, staged, str(tmp_path),
+            with images._staged(engine, "sha256:p", staged, str(tmp_path),
                                 {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "pip-25.3-py3-none-any.whl"},
                                 io.StringIO(), removals) as stage:
                 assert engine.made == []   # nothing runs until the first layer's own container does
-                stage.start("sha256:p")
-                stage.start("sha256:p")   # once: every layer made in place says it runs
+                stage.start()
+                stage.start()   # once: every layer made in place says it runs
                 stage.wait()
         finally:
             removals.wait()
     name = engine.name
     assert name.startswith("fleetbox-layer-stage-") and engine.made == [name]
-    assert engine.kw["network_mode"] == "none" and engine.kw["cpu_shares"] == 2
+    assert engine.kw["network_mode"] == "none" and engine.kw["cpu_shares"] == 2 and engine.image == "sha256:p"
     assert images._building(engine.kw["labels"])   # this process: a clean --images now leaves it alone
     assert [m["Target"] for m in engine.kw["mounts"]] == [layers.WHEELS, layers.STAGE]
     assert engine.removed == [(name, True)] and engine.volumes_removed == [(name, True)]
@@ -254,9 +254,9 @@ def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp
     removals = images._Removals(engine)
     with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless: the engine refused: no space"):
         try:
-            with images._staged(engine, split()[1:], str(tmp_path),
+            with images._staged(engine, "sha256:p", split()[1:], str(tmp_path),
                                 {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "p.whl"}, io.StringIO(), removals) as stage:
-                stage.start("sha256:p")
+                stage.start()
         finally:
             removals.wait()
     assert len(engine.removed) == 1 and engine.removed[0][0].startswith("fleetbox-layer-stage-")
@@ -266,7 +266,7 @@ def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp
 def test_nothing_to_stage_makes_no_container():
     from fleetbox.image import images
     engine = _StageEngine()
-    with images._staged(engine, [], "/w", {}, None, images._Removals(engine)) as stage:
+    with images._staged(engine, "sha256:p", [], "/w", {}, None, images._Removals(engine)) as stage:
         assert stage is None
     assert engine.made == [] and engine.removed == [] and engine.volumes_removed == []
 
