@@ -296,9 +296,10 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 t0 = time.monotonic()
                 if layer in staged:
                     waited = stage.wait()
+                    # the last copy empties the stage (copy_script), so that one mounts it writable
                     made = _run_and_commit(c, parent, layer.name, layers.copy_script(layer.last),
-                                           [stage.number(layer)], [stage.mount(read_only=True)], tag, [layers.CMD], out,
-                                           removals, {"waited": waited})
+                                           [stage.number(layer)], [stage.mount(read_only=not layer.last)], tag,
+                                           [layers.CMD], out, removals, {"waited": waited})
                     if layer is staged[-1]:
                         stage.release()
                 else:

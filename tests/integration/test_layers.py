@@ -300,6 +300,27 @@ def _image_id(ref: str) -> str:
     return json.loads(docker("image", "inspect", ref).stdout)[0]["Id"]
 
 
+def test_the_last_staged_layer_empties_the_stage_while_it_writes_the_freeze(cpu_image):
+    """layers.copy_script(last=True) with two layers staged: the last one arrives and the freeze names it, and the
+    stage is left empty (the earlier layer's folder too), so the build's removal of the volume has nothing to
+    delete."""
+    from fleetbox.image import layers
+    site, vol = "/opt/venv/lib/python3.11/site-packages", "fleetbox-test-stage-last"
+    try:
+        docker("volume", "create", vol)
+        mount = f"type=volume,src={vol},dst={layers.STAGE}"
+        docker("run", "--rm", "--network", "none", "--mount", mount, cpu_image["image"].id, "sh", "-c",
+               f"for i in 1 2; do d={layers.STAGE}/$i{site}; mkdir -p $d/pkg$i/sub $d/pkg$i-1.0.dist-info; "
+               f"echo x > $d/pkg$i/sub/m.py; printf 'Metadata-Version: 2.1\\nName: pkg%s\\nVersion: 1.0\\n' $i "
+               f"> $d/pkg$i-1.0.dist-info/METADATA; done")
+        out = docker("run", "--rm", "--network", "none", "--mount", mount, cpu_image["image"].id, "sh", "-c",
+                     f"{{ {layers.copy_script(last=True)}; }} > /dev/null; ls -A {layers.STAGE}; echo --; "
+                     f"cat {site}/pkg2/sub/m.py; grep -c '^pkg2==1.0$' {layers.FREEZE}", "sh", "2").stdout.split()
+        assert out == ["--", "x", "1"], out
+    finally:
+        docker("volume", "rm", "-f", vol, check=False)
+
+
 def test_a_staged_layer_is_copied_in_as_installing_it_there_would(cpu_image):
     """layers.copy_script on an image whose site-packages folder has its own mode and owner (as a vendor's base
     may have a folder) and a file the layer writes over: the folder keeps its mode and owner and gets the fixed
