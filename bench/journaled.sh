@@ -46,6 +46,6 @@ git clone -q "$ROOT" "$MNT/fleetbox"
 cp -a "$ROOT/wheelhouse" "$MNT/fleetbox/"
 cd "$MNT/fleetbox"
 export DOCKER_HOST=$SOCK
-echo "journal: $(ls /proc/fs/jbd2/ | tr '\n' ' ')"
+echo "journals: $(find /proc/fs/jbd2 -mindepth 1 -maxdepth 1 -printf '%f ')"
 python3 -m invoke build --variant cpu | tail -1   # the bench starts from a current image
 python3 bench/build.py "$@"
