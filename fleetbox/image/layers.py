@@ -217,10 +217,12 @@ def copy_script(last: bool) -> str:
     there yet, or a file), each copied whole with cp -a (its modes, owner and fixed times), into the folders
     the image has, whose mode and owner stay theirs; a folder that gets a new entry gets the fixed time, as the
     settle after installing gives it. The last layer then runs _finish, as installing it would, while the
-    stage is emptied (the volume mounted writable for it): removing the volume after the build was 0.3 s."""
-    finish = (f"; cd /; rm -rf \"{STAGE}/$1\" & {_finish()}{_settle(_finished())}; wait; {_phase('fixed-times')}"
-              if last else "")
-    empty = f"for d in {STAGE}/*; do [ \"$d\" = \"{STAGE}/$1\" ] || rm -rf \"$d\"; done & " if last else ""
+    stage is emptied (the volume mounted writable for it): removing the volume after the build was 0.3 s. A
+    removal that fails fails the layer (wait on each one's status), so a stage mounted read-only is noticed."""
+    finish = (f"; cd /; rm -rf \"{STAGE}/$1\" & own=$!; {_finish()}{_settle(_finished())}; wait $earlier; "
+              f"wait $own; {_phase('fixed-times')}" if last else "")
+    empty = (f"find {STAGE} -mindepth 1 -maxdepth 1 ! -name \"$1\" -exec rm -rf {{}} + & earlier=$!; "
+             if last else "")
     return (f"{_START}{empty}cd \"{STAGE}/$1\"; "
             f"find . -mindepth 1 \\( -type d -exec test -d '/{{}}' \\; \\) -o -print0 -prune > {ROOTS}; "
             f"xargs -0 -r -I{{}} cp -a {{}} '/{{}}' < {ROOTS}; "
