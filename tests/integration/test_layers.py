@@ -250,7 +250,6 @@ def test_a_build_on_a_reused_paddle_layer_stages_the_later_layers_from_it_into_t
     had = {t: _image_id(t) for t in mine if t in tags("fleetbox/layers")}   # the checkout image's parents
     if had:
         docker("rmi", "--no-prune", *had)   # untagged, kept (the checkout's image is built on them)
-    made = {}
     try:
         proc = _ok(invoke("build", "--variant", "cpu", env=env, cwd=tmp_path / "src"))
         out = proc.stdout
@@ -258,15 +257,17 @@ def test_a_build_on_a_reused_paddle_layer_stages_the_later_layers_from_it_into_t
         assert re.findall(r"^layer (\S+)\s+[\d.]+ MiB in\s+[\d.]+ s(.*)$", out, re.M) == [
             ("scipy", ""), ("opencv-python-headless", " (installed beside scipy)")], out
         assert layer_digests("fleetbox-test/restaged:cpu") == layer_digests(cpu_image["image"].id)
-        made = {t: _image_id(t) for t in mine}
         assert docker("volume", "ls", "-q", "--filter", "name=fleetbox-layer-").stdout.split() == []
-    finally:   # the tags back on the checkout image's parents, as the other tests expect them; ours removed
+    finally:   # the tags back on the checkout image's parents, as the other tests expect them; ours removed,
+        # also a layer made before a later one failed
         if tags("fleetbox-test/restaged"):
             docker("rmi", *tags("fleetbox-test/restaged"), check=False)
+        made = {t: _image_id(t) for t in mine if t in tags("fleetbox/layers")}
         for t, image_id in had.items():
             docker("tag", image_id, t)
-        if made:
-            docker("rmi", *[i for t, i in made.items() if i != had.get(t)], check=False)
+        ours = [i for t, i in made.items() if i != had.get(t)]
+        if ours:
+            docker("rmi", *ours, check=False)
 
 
 def test_a_build_whose_layers_all_exist_commits_only_the_settings_onto_the_last_one(cpu_image, tmp_path):
