@@ -9,7 +9,8 @@
    the build does (pip would compile on one): `PY -m venv --without-pip V && V/bin/python WHEELHOUSE/pip-<ver>.whl/pip
    install --no-index --find-links WHEELHOUSE --require-hashes --no-deps --no-compile -r images/locks/cpu.lock &&
    V/bin/python -m compileall -q -j 0 V/lib`, one process. Targets: median ratio <= 1.5x, and the best cold
-   build against the best floor of the interleaved rounds (the bar) <= 1.5x. Each forced build's
+   build against the best floor of the interleaved rounds (the bar) <= 1.5x. Each side's disk is named (its
+   file system, and for ext4 whether it has a journal: the ratio depends on it, README.md). Each forced build's
    per-layer profile (its build.log: container start, pip, fixed times, compileall, fixed times again, the
    script's end, commit) is printed as medians over the rounds.
 3. Final image size against its base plus the installed environment (target: <= 1.05x).
@@ -87,6 +88,10 @@ def main():
                      f"{host_version})")
         sides = {COLD: f"{pip_wheel.split('-py3')[0]} (the lock's wheel) in the image's Python {image_version}",
                  PIP: f"{pip_wheel.split('-py3')[0]} (the lock's wheel) in the host's Python {host_version}"}
+        # where each side writes: the engine's data root (on this machine only if its socket is) and the venv's
+        local = os.environ.get("DOCKER_HOST", "unix://").startswith("unix://")
+        disks = {COLD: bl.disk(c.info()["DockerRootDir"]) if local else "the engine's, not on this machine",
+                 PIP: bl.disk(tmp)}
         print(f"cold builds: {args.cold_repeat} round(s) of {COLD!r} and of {PIP!r}...", flush=True)
         t2 = {COLD: [], PIP: []}
         for i, arm in bl.rounds([COLD, PIP], args.cold_repeat):
@@ -128,6 +133,8 @@ def main():
           f"{min(t2[COLD]) / min(t2[PIP]):.2f}x (bar: <= 1.5x)")
     for arm, pip in sides.items():
         print(f"  pip of {arm!r}: {pip}")
+    for arm, where in disks.items():
+        print(f"  disk of {arm!r}: {where}")
     print("\ncold build per layer, medians of the forced builds (s):")
     print(profile_table(profiles))
     print("\nimage size:")
@@ -138,7 +145,8 @@ def main():
     if not args.pin_repeat:
         print(json.dumps({"noop_s": m_noop, "cold_s": m_cold, "floor_s": m_pip, "cold_ratio": m_cold / m_pip,
                           "best_ratio": min(t2[COLD]) / min(t2[PIP]), "profile": profiles,
-                          "size_ratio": size / (base_size + venv_size), "caches_dropped": all(DROPPED)}))
+                          "size_ratio": size / (base_size + venv_size), "caches_dropped": all(DROPPED),
+                          "disks": disks}))
         return
     m_pin = bl.med(t4)
     print(f"\none changed pin (opencv-python-headless 4.12.0.88 -> 4.11.0.86), median of {args.pin_repeat}:")
@@ -151,7 +159,7 @@ def main():
                       "best_ratio": min(t2[COLD]) / min(t2[PIP]), "profile": profiles,
                       "size_ratio": size / (base_size + venv_size), "one_pin_s": m_pin,
                       "one_pin_ratio": m_pin / m_cold, "one_pin_changed_bytes": changed,
-                      "opencv_installed_bytes": installed, "caches_dropped": all(DROPPED)}))
+                      "opencv_installed_bytes": installed, "caches_dropped": all(DROPPED), "disks": disks}))
 
 
 DROP = Path("/proc/sys/vm/drop_caches")
