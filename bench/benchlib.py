@@ -121,7 +121,7 @@ def private_runs_dir(tmp: Path) -> Path:
 def disk(path) -> str:
     """The file system `path` is on, and for ext4 whether it has a journal: without one, ext4 skips every inode
     freed in the last 60 s when it allocates one, so a run that makes and removes many files pays more there
-    (README.md, "Building": the same bench gives about 1.6x on such a disk and 1.5x on one with a journal)."""
+    (README.md, "Building", has the figures of both)."""
     found = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE", "-T", str(path)], capture_output=True,
                            text=True).stdout.split()
     if len(found) < 2:

@@ -219,10 +219,11 @@ def copy_script(last: bool) -> str:
     settle after installing gives it. The last layer then runs _finish, as installing it would, while the
     stage is emptied (the volume mounted writable for it): removing the volume after the build was 0.3 s. A
     removal that fails fails the layer (wait on each one's status), so a stage mounted read-only is noticed."""
-    finish = (f"; cd /; rm -rf \"{STAGE}/$1\" & own=$!; {_finish()}{_settle(_finished())}; wait $earlier; "
-              f"wait $own; {_phase('fixed-times')}" if last else "")
-    empty = (f"find {STAGE} -mindepth 1 -maxdepth 1 ! -name \"$1\" -exec rm -rf {{}} + & earlier=$!; "
-             if last else "")
+    empty = finish = ""
+    if last:
+        empty = f"find {STAGE} -mindepth 1 -maxdepth 1 ! -name \"$1\" -exec rm -rf {{}} + & earlier=$!; "
+        finish = (f"; cd /; rm -rf \"{STAGE}/$1\" & own=$!; {_finish()}{_settle(_finished())}; wait $earlier; "
+                  f"wait $own; {_phase('fixed-times')}")
     return (f"{_START}{empty}cd \"{STAGE}/$1\"; "
             f"find . -mindepth 1 \\( -type d -exec test -d '/{{}}' \\; \\) -o -print0 -prune > {ROOTS}; "
             f"xargs -0 -r -I{{}} cp -a {{}} '/{{}}' < {ROOTS}; "
