@@ -383,16 +383,17 @@ def clean(c, hosts=None, job=None, force=False, images=False):
 @task(help={"variant": VARIANT_HELP,
             "format": "docker-archive (with .sha256), charliecloud (ch-convert), sif (apptainer), sqsh (enroot)",
             "squash": "charliecloud: a squashfs file instead of a directory",
-            "dest": "output folder (default exports/)", "image": "image to export (default: the variant's)"})
+            "dest": "output folder (default exports/); `train` finds the export there too",
+            "image": "image to export (default: the variant's)"})
 @_fleetbox
 def export(c, variant=None, format="docker-archive", squash=False, dest=None, image=None):
-    """Export the image for HPC runtimes; where a converter is missing, print the command for the cluster."""
+    """Export the image for HPC runtimes, named for its content hash; a missing converter: the cluster's command."""
     from fleetbox import engine
-    from fleetbox.image import images as images_mod
+    from fleetbox.image import built
     from fleetbox.ship import exports as hpc
     v = _variant(variant)
     client = engine.client()
-    ref = image or images_mod.resolve(client, v).tags[0]
+    ref = image or built.resolve(client, v).tags[0]
     hpc.export(client, v, format, ref, squash, Path(dest) if dest else None, log=_log)
 
 
@@ -436,15 +437,8 @@ def kit(c, variant=None, out=None, datasets=None, data_dir=None, manifest=None, 
 def push(c, variant=None, registry=None):
     """Push the content tag and the aliases of the variant's image to a registry."""
     from fleetbox import engine
-    from fleetbox.image import images as images_mod
     from fleetbox.ship import exports as hpc
-    v = _variant(variant)
-    client = engine.client()
-    image = images_mod.resolve(client, v)
-    content = images_mod.content_tag(image, v)
-    if content is None:
-        raise UserError(f"image {v.aliases[0]} has no content tag; run `invoke build --variant {v.name}`")
-    for ref in hpc.push(client, image, hpc.registry_refs(v, registry or "", content), log=_log):
+    for ref in hpc.push_variant(engine.client(), _variant(variant), registry or "", log=_log):
         _log(f"pushed {ref}")
 
 
@@ -455,11 +449,11 @@ def push(c, variant=None, registry=None):
 def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False):
     """Print the pull/convert commands a cluster user runs for a runtime (immutable content tag first)."""
     from fleetbox import engine
-    from fleetbox.image import images as images_mod
+    from fleetbox.image import built
     from fleetbox.ship import exports as hpc
     v = _variant(variant)
     try:
-        content = images_mod.content_tag(images_mod.resolve(engine.client(), v), v)
+        content = built.content_tag(built.resolve(engine.client(), v), v)
     except UserError:
         content = None
     refs = hpc.registry_refs(v, registry or "", content)

@@ -39,7 +39,7 @@ from benchlib import ROOT
 
 sys.path.insert(0, str(ROOT))
 from fleetbox import engine  # noqa: E402
-from fleetbox.image import images, locks, matrix, wheelhouse  # noqa: E402
+from fleetbox.image import built, images, locks, matrix, wheelhouse  # noqa: E402
 from tests.checkout import copy_with_pin, made_since, tags  # noqa: E402
 
 NOOP = "invoke build --variant cpu"
@@ -56,7 +56,7 @@ def main():
 
     v = matrix.load().get("cpu")
     c = engine.client()
-    image = images.resolve(c, v)
+    image = built.resolve(c, v)
     lock_text, entries = locks.read(v)
     wheel_dir = wheelhouse.default_dir(v)   # what invoke build uses (FLEETBOX_WHEELHOUSE, else wheelhouse/)
     wheelhouse.verify(v, wheel_dir, lock_text, entries)   # the bench needs a complete wheelhouse
@@ -115,7 +115,7 @@ def main():
             print(f"one changed pin: {args.pin_repeat} round(s) of {ONEPIN!r}...", flush=True)
             t4, changed, installed, total = one_pin(c, tmp, wheel_dir, args.pin_repeat)
 
-    image = images.resolve(c, v)   # section 2 rebuilt it
+    image = built.resolve(c, v)   # section 2 rebuilt it
     base = c.images.get(v.base_ref)
     venv = subprocess.run(["docker", "run", "--rm", "--network", "none", image.id, "du", "-sb", "/opt/venv"],
                           capture_output=True, text=True, check=True).stdout.split()[0]
@@ -230,7 +230,7 @@ def one_pin(c, tmp: Path, wheel_dir: Path, repeat: int):
                        timeout=1800)
             assert "built " in t.proc.stdout, t.proc.stdout
             times.append(t.wall)
-        ours, mine = _digests(c, images.resolve(c, v).id), _digests(c, ref)
+        ours, mine = _digests(c, built.resolve(c, v).id), _digests(c, ref)
         # newest first: the settings (committed without a layer), then one entry per layer
         history = c.images.get(ref).history()
         n = sum(1 for a, b in zip(ours, mine) if a != b)

@@ -651,16 +651,3 @@ def _alias(image, aliases: list[str]) -> None:
     for alias in aliases:
         repo, tag = alias.rsplit(":", 1)
         image.tag(repo, tag)
-
-
-def content_tag(image, variant: Variant) -> str | None:
-    """The image's immutable content tag (<image>:<variant>-<hash>), among its tags."""
-    return next((t for t in image.tags if t.startswith(f"{variant.image}:{variant.name}-")), None)
-
-
-def resolve(c, variant: Variant):
-    """The built image for a variant (by alias), or a clear error saying how to build it."""
-    image = image_or_none(c, variant.aliases[0])
-    if image is None:
-        raise UserError(f"image {variant.aliases[0]} is not built; run `invoke build --variant {variant.name}`")
-    return image

@@ -11,20 +11,45 @@ import subprocess
 from pathlib import Path
 
 from fleetbox import files, settings
+from fleetbox.engine import image_or_none
 from fleetbox.errors import UserError
+from fleetbox.image import built
 from fleetbox.image.matrix import Variant
+from fleetbox.ship import shipped
 
 FORMATS = ("docker-archive", "charliecloud", "sif", "sqsh")
+# What an export is, as its record names it (ship/shipped.py): the format, and for Charliecloud whether squashed.
+KINDS = {"docker-archive": ("docker-archive", False), "sif": ("sif", False), "sqsh": ("sqsh", False),
+         "charliecloud": ("charliecloud", False), "charliecloud-squash": ("charliecloud", True)}
 
 
-def export_name(variant: Variant) -> str:
-    return f"fleetbox-paddle-{variant.name}"
+def export_kind(fmt: str, squash: bool = False) -> str:
+    return next(k for k, v in KINDS.items() if v == (fmt, squash and fmt == "charliecloud"))
 
 
-def export_path(variant: Variant, fmt: str, squash: bool = False, dest: Path | None = None) -> Path:
+def export_command(variant: Variant, kind: str) -> str:
+    """The command that makes an export of this kind of the variant's image."""
+    fmt, squash = KINDS[kind]
+    return f"invoke export --variant {variant.name} --format {fmt}" + " --squash" * squash
+
+
+def export_name(variant: Variant, image_tag: str = "") -> str:
+    """fleetbox-paddle-<variant>-<content hash>: the name says which build it holds (an export made before a
+    rebuild is never taken for the new image); without a content tag (an image not built by fleetbox for this
+    variant), `image_tag` is what stands in for it (e.g. id-<image id>)."""
+    return f"fleetbox-paddle-{variant.name}" + (f"-{image_tag}" if image_tag else "")
+
+
+def content_part(variant: Variant, content_tag: str) -> str:
+    """The hash part of a content tag (<image>:<variant>-<hash>)."""
+    return content_tag.rsplit(":", 1)[1].removeprefix(f"{variant.name}-")
+
+
+def export_path(variant: Variant, fmt: str, squash: bool = False, dest: Path | None = None,
+                image_tag: str = "") -> Path:
     suffix = {"docker-archive": ".tar", "charliecloud": ".sqfs" if squash else ".ch", "sif": ".sif",
               "sqsh": ".sqsh"}[fmt]
-    return (dest or settings.exports_dir()) / f"{export_name(variant)}{suffix}"
+    return (dest or settings.exports_dir()) / f"{export_name(variant, image_tag)}{suffix}"
 
 
 def export_argv(fmt: str, image: str, out: Path, archive: Path | None = None) -> list[str]:
@@ -39,30 +64,47 @@ def export_argv(fmt: str, image: str, out: Path, archive: Path | None = None) ->
     raise UserError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
 
 
-def _tool_missing(fmt: str, image: str, variant: Variant) -> str:
-    name = export_name(variant)
+def _tool_missing(fmt: str, image: str, name: str, variant: Variant) -> str:
+    made = {"charliecloud": f"{name}.sqfs", "sif": f"{name}.sif", "sqsh": f"{name}.sqsh"}[fmt]
     on_cluster = {
-        "charliecloud": f"ch-convert -i docker-archive {name}.tar {name}.sqfs",
-        "sif": f"apptainer build {name}.sif docker-archive://{name}.tar",
-        "sqsh": f"enroot import -o {name}.sqsh docker-archive://{name}.tar",
+        "charliecloud": f"ch-convert -i docker-archive {name}.tar {made}",
+        "sif": f"apptainer build {made} docker-archive://{name}.tar",
+        "sqsh": f"enroot import -o {made} docker-archive://{name}.tar",
     }[fmt]
     tool = export_argv(fmt, image, Path("x"))[0]
     return (f"{tool} is not installed here; run `invoke export --variant {variant.name} --format docker-archive`, "
-            f"copy {name}.tar to the cluster and run there: {on_cluster}")
+            f"copy {name}.tar to the cluster, run there: {on_cluster}, and give `invoke train` --image {made}")
 
 
 def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest: Path | None = None,
            log=print) -> Path:
-    """Write the image in `fmt`; temp name first, renamed once complete."""
+    """Write the image in `fmt` under a name that carries its content hash; temp name first, renamed once
+    complete; then record it (ship/shipped.py), so `train` finds it wherever it was written."""
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
-    out = export_path(variant, fmt, squash, dest)
+    img = image_or_none(c, image)
+    if img is None:
+        raise UserError(f"image {image} is not here; build it (invoke build --variant {variant.name}) or pull it")
+    content = built.content_tag(img, variant)
+    tag = content_part(variant, content) if content else f"id-{img.id.removeprefix('sha256:')[:12]}"
+    out = export_path(variant, fmt, squash, dest.resolve() if dest else None, tag)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "docker-archive":
-        return _docker_archive(c, image, out, log)
+        _docker_archive(img, content or image, out, log)
+    else:
+        _convert(fmt, image, out, export_name(variant, tag), variant, log)
+    if content:
+        shipped.record(variant, export_kind(fmt, squash), content, str(out))
+    else:
+        log(f"note: {image} is not the {variant.name} image built here (no content tag): `train` uses it only "
+            f"when given --image {out}")
+    return out
+
+
+def _convert(fmt: str, image: str, out: Path, name: str, variant: Variant, log) -> None:
     tool = export_argv(fmt, image, out)[0]
     if not shutil.which(tool):
-        raise UserError(_tool_missing(fmt, image, variant))
+        raise UserError(_tool_missing(fmt, image, name, variant))
     part = out.with_name(out.name + ".part")   # by hand: the converters may write a folder (Charliecloud)
     _remove(part)
     argv = export_argv(fmt, image, part)
@@ -76,7 +118,6 @@ def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest
     _remove(out)
     part.rename(out)
     log(f"exported {image} as {fmt}: {out}")
-    return out
 
 
 def _remove(p: Path) -> None:
@@ -86,13 +127,14 @@ def _remove(p: Path) -> None:
         p.unlink()
 
 
-def _docker_archive(c, image: str, out: Path, log) -> Path:
-    """`docker save` with a sha256 file beside it, for air-gapped transfer (sha256sum -c checks it)."""
+def _docker_archive(img, image: str, out: Path, log) -> Path:
+    """`docker save` with a sha256 file beside it, for air-gapped transfer (sha256sum -c checks it); the image is
+    named in it by `image` (its content tag, where it has one: what `docker load` on a node then holds)."""
     h = hashlib.sha256()
     log(f"saving {image} to {out}")
     try:
         with files.atomic(out) as part, open(part, "wb") as f:
-            for chunk in c.images.get(image).save(named=True):
+            for chunk in img.save(named=image if image in img.tags else True):
                 h.update(chunk)
                 f.write(chunk)
     except OSError as e:
@@ -112,6 +154,18 @@ def registry_refs(variant: Variant, registry: str, content_tag: str | None) -> l
     tags = [content_tag.split(":", 1)[1]] if content_tag else []
     tags += [a.split(":", 1)[1] for a in variant.aliases]
     return [f"{base}:{t}" for t in tags]
+
+
+def push_variant(c, variant: Variant, registry: str, log=print) -> list[str]:
+    """Push the variant's image built here (its content tag and aliases) and record the content tag's reference,
+    which `train` then runs on the nodes (ship/shipped.py)."""
+    image = built.resolve(c, variant)
+    content = built.content_tag(image, variant)
+    if content is None:
+        raise UserError(f"image {variant.aliases[0]} has no content tag; run `invoke build --variant {variant.name}`")
+    refs = push(c, image, registry_refs(variant, registry, content), log)
+    shipped.record(variant, shipped.REGISTRY, content, refs[0])
+    return refs
 
 
 def push(c, image, refs: list[str], log=print) -> list[str]:

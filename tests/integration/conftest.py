@@ -38,9 +38,9 @@ def cpu_image():
     rebuild = os.environ.get("FLEETBOX_TEST_REBUILD")
     build = _ok(invoke("build", "--variant", "cpu", *(["--force"] if rebuild else [])))
     from fleetbox import engine
-    from fleetbox.image import images, matrix
+    from fleetbox.image import built, matrix
     c = engine.client()
-    image = images.resolve(c, matrix.load().get("cpu"))
+    image = built.resolve(c, matrix.load().get("cpu"))
     return {"image": image, "build": build, "client": c}
 
 

@@ -55,3 +55,43 @@ def fake_env(folder, variant: str = "cpu", python=sys.executable):
     (folder / "bin" / "python").symlink_to(python)
     (folder / "fleetbox-env.json").write_text(json.dumps({"variant": variant}))
     return folder
+
+
+SHIPPED_HASH = "5417bed0c0de"   # the content hash of what the unit tests ship of every variant
+REGISTRY = "registry.example.org:5000/fleetbox"
+
+
+@pytest.fixture(autouse=True)
+def shipped_here(tmp_path_factory, monkeypatch):
+    """Unit tests plan against what they ship themselves, in an exports folder of their own: every variant exported
+    in each kind a runtime runs (empty stand-ins: a plan only names them) and pushed to REGISTRY, and no image built
+    here unless a test says which (`shipped_here.built = TAG`), whatever this machine's engine holds. A test that
+    needs nothing shipped clears it (`shipped_here.clear()`)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from fleetbox.image import matrix
+    from fleetbox.ship import exports, shipped
+    monkeypatch.setenv("FLEETBOX_EXPORTS", str(tmp_path_factory.mktemp("exports")))   # beside the test's tmp_path
+    state = SimpleNamespace(built=None, clear=lambda: shutil.rmtree(shipped.records_dir(), ignore_errors=True))
+    monkeypatch.setattr(shipped, "built_here", lambda variant: state.built)
+    for v in matrix.load().variants.values():
+        tag = f"{v.image}:{v.name}-{SHIPPED_HASH}"
+        for kind, (fmt, squash) in exports.KINDS.items():
+            path = exports.export_path(v, fmt, squash, image_tag=SHIPPED_HASH)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir() if kind == "charliecloud" else path.touch()
+            shipped.record(v, kind, tag, str(path))
+        shipped.record(v, shipped.REGISTRY, tag, f"{REGISTRY}/paddle:{v.name}-{SHIPPED_HASH}")
+    return state
+
+
+def given_image(runtime: str, folder) -> str:
+    """An --image as each runtime takes it: a name local to the engines' nodes, an image folder for Charliecloud, an
+    image file for the others (empty stand-ins made in `folder`: a plan only names them)."""
+    if runtime in ("docker", "podman"):
+        return "img:tag"
+    path = folder / "img:tag"
+    if not path.exists():
+        path.mkdir() if runtime == "charliecloud" else path.touch()
+    return str(path)

@@ -123,7 +123,8 @@ def test_a_checkpoint_folder_on_a_read_only_file_system_is_one_line(run_invoke, 
     ro.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
     try:
-        proc = run_invoke("train", "--backend", "slurm", "--dry-run", "--checkpoint-dir", str(ro / "ck"))
+        proc = run_invoke("train", "--backend", "slurm", "--image", "fleetbox/paddle:cpu", "--dry-run",
+                          "--checkpoint-dir", str(ro / "ck"))
         one_line_error(proc, f"checkpoint folder {ro / 'ck'} is not writable ({ro}: read-only file system)")
     finally:
         subprocess.run(["umount", str(ro)], check=True)

@@ -226,8 +226,9 @@ def test_with_both_deadlines_off_nothing_of_detection_runs_in_the_containers():
 ])
 @pytest.mark.parametrize("backend", ["docker", "slurm"])
 def test_dry_run_says_the_deadlines_before_the_backends_files(run_invoke, backend, given, said):
-    proc = run_invoke("train", "--backend", backend, *(["--runtime", "podman"] if backend == "slurm" else []),
-                      "--dry-run", *given)
+    # slurm: an image named, so whatever this machine's engine holds, the plan is the same
+    slurm = ["--runtime", "podman", "--image", "fleetbox/paddle:cpu"]
+    proc = run_invoke("train", "--backend", backend, *(slurm if backend == "slurm" else []), "--dry-run", *given)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("# " + said), lines[0]

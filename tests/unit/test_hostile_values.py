@@ -15,7 +15,7 @@ from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
 from fleetbox.run.spec import Mount
-from tests.unit.conftest import run_node
+from tests.unit.conftest import given_image, run_node
 
 PAYLOADS = ["$(touch {m})", "`touch {m}`", "a'b\"c", "two words", "new\nline", ";touch {m};", "$HOME", "{{x}}"]
 
@@ -64,7 +64,8 @@ def test_a_hostile_value_never_runs_and_arrives_unchanged(runtime, raw, stubs, t
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
     marker = tmp_path / "pwned"
     payload = raw.format(m=marker)
-    spec = hostile_spec(tmp_path, payload, iface="eth0", image="img:" + "tag")
+    image = given_image(runtime, tmp_path)
+    spec = hostile_spec(tmp_path, payload, iface="eth0", image=image)
     backend = slurm.SlurmBackend(runtime, runtime_args="--opt 'x y'")
     try:
         plan = backend.plan(spec)
@@ -83,7 +84,7 @@ def test_a_hostile_value_never_runs_and_arrives_unchanged(runtime, raw, stubs, t
         assert any(m.startswith(str(tmp_path / "data ")) for m in mounts)
     if runtime != "pyxis":
         argv = call["argv"]
-        assert argv[argv.index("img:tag") - 2:argv.index("img:tag")] == ["--opt", "x y"]   # --runtime-args words
+        assert argv[argv.index(image) - 2:argv.index(image)] == ["--opt", "x y"]   # --runtime-args words
     # the batch script: srun's own arguments (pyxis mounts) arrive whole, nothing runs
     plan.dir.mkdir(parents=True)   # submit makes it
     calls = run_node_script(files["job.sbatch"], stubs, tmp_path)

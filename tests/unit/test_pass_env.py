@@ -9,14 +9,14 @@ from fleetbox.image import matrix
 from fleetbox.run import records
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
-from tests.unit.conftest import fake_env, run_node
+from tests.unit.conftest import fake_env, given_image, run_node
 
 SECRET = "s3cret-$(touch /tmp/fleetbox-pwned)-'x'"
 
 
 def spec(**kw):
     return spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-secret-1", port=29555,
-                            pass_env=("HF_TOKEN",), **{"image": "img:tag", **kw})
+                            pass_env=("HF_TOKEN",), **kw)
 
 
 @pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
@@ -25,7 +25,7 @@ def test_a_passed_variable_reaches_each_runtime_by_name_and_no_script_holds_it(r
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("HF_TOKEN", SECRET)
     own = {"venv": str(fake_env(tmp_path / "env", python=stubs / "python"))} if runtime == "none" else {}
-    plan = slurm.SlurmBackend(runtime, **own).plan(spec(**({"image": ""} if own else {})))
+    plan = slurm.SlurmBackend(runtime, **own).plan(spec(image="" if own else given_image(runtime, tmp_path)))
     files = dict(plan.files)
     assert not any(SECRET in text or "s3cret" in text for text in files.values())
     proc, calls = run_node(files["node.sh"], stubs, tmp_path, {"HF_TOKEN": SECRET})   # as srun hands it on

@@ -9,7 +9,7 @@ from fleetbox import ROOT
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm
-from tests.unit.conftest import run_node
+from tests.unit.conftest import given_image, run_node
 
 TOPOLOGY = ROOT / "tests" / "probes" / "kfd-topology"   # GPUs 0..5 are renderD130, 128, 131, 129, 133, 132
 
@@ -22,7 +22,7 @@ TASK = {"SLURM_STEP_GPUS": "1,3", "SLURM_JOB_GPUS": "0,1", "CUDA_VISIBLE_DEVICES
 def node_script(variant, runtime, tmp_path, monkeypatch, procs=2):
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
     spec = spec_mod.JobSpec(variant=matrix.load().get(variant), nodes=2, procs_per_node=procs,
-                            job_id="train-gpu-0001", port=29555, image="img:tag")
+                            job_id="train-gpu-0001", port=29555, image=given_image(runtime, tmp_path))
     return dict(slurm.SlurmBackend(runtime).plan(spec).files)["node.sh"]
 
 
@@ -46,7 +46,7 @@ def test_cuda_runtimes_get_exactly_the_allocated_gpus(runtime, stubs, tmp_path, 
         "podman": lambda: values(argv, "--device") == ["nvidia.com/gpu=1", "nvidia.com/gpu=3"],
         # --cleanenv drops what is not passed by name; the task's cgroup holds the devices
         "apptainer": lambda: "--nv" in argv and env["APPTAINERENV_CUDA_VISIBLE_DEVICES"] == "0,1",
-        "charliecloud": lambda: "--set-env=CUDA_VISIBLE_DEVICES=0,1" in argv[:argv.index("img:tag")],
+        "charliecloud": lambda: "--set-env=CUDA_VISIBLE_DEVICES=0,1" in argv[:argv.index(str(tmp_path / "img:tag"))],
         "pyxis": lambda: env["CUDA_VISIBLE_DEVICES"] == "0,1" and "--gpus" not in argv,   # Slurm's own binding
     }[runtime]
     assert given(), argv

@@ -15,7 +15,7 @@ from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
 from fleetbox.ship import exports as hpc
-from tests.unit.conftest import fake_env
+from tests.unit.conftest import REGISTRY, SHIPPED_HASH, fake_env
 
 
 def job(variant="cpu", runtime="podman", runtime_args="", **kw):
@@ -107,7 +107,8 @@ def test_runtime_specifics():
     assert " --rocm " in dcu_app and "/opt/hyhal:/opt/hyhal:ro" in dcu_app
     pyxis_sj = job(runtime="pyxis")
     sb = sbatch(pyxis_sj)
-    assert "--container-image=fleetbox/paddle:cpu" in sb and "--container-mounts=" in sb
+    sqsh = hpc.export_path(matrix.load().get("cpu"), "sqsh", image_tag=SHIPPED_HASH)   # what the unit tests shipped
+    assert f"--container-image={sqsh}" in sb and "--container-mounts=" in sb
     assert "exec python -m paddle.distributed.launch" in node_script(pyxis_sj)
     assert "export GLOO_SOCKET_IFNAME=" in node_script(pyxis_sj)
 
@@ -130,8 +131,8 @@ def test_ib_and_iface_overrides_reach_the_node_script():
 
 
 def test_runtime_args_go_before_the_image():
-    node = node_script(job(runtime_args="--ulimit nproc=32768:32768"))
-    assert "--ulimit nproc=32768:32768 fleetbox/paddle:cpu python -m paddle" in node
+    node = node_script(job(runtime_args="--ulimit nproc=32768:32768"))   # podman: the push unit tests made
+    assert f"--ulimit nproc=32768:32768 {REGISTRY}/paddle:cpu-{SHIPPED_HASH} python -m paddle" in node
 
 
 def test_unknown_runtime():
@@ -221,8 +222,10 @@ def test_export_commands_and_paths(tmp_path):
         "ch-convert", "-i", "docker", "fleetbox/paddle:cpu", str(tmp_path / "x.ch")]
     assert hpc.export_argv("sif", "img", tmp_path / "x.sif")[:3] == ["apptainer", "build", str(tmp_path / "x.sif")]
     assert hpc.export_argv("sqsh", "img", tmp_path / "x")[-1] == "dockerd://img"
-    assert hpc.export_path(v, "charliecloud", squash=True, dest=tmp_path).name == "fleetbox-paddle-cpu.sqfs"
-    assert hpc.export_path(v, "docker-archive", dest=tmp_path).name == "fleetbox-paddle-cpu.tar"
+    assert hpc.export_path(v, "charliecloud", squash=True, dest=tmp_path, image_tag="0123456789ab").name == \
+        "fleetbox-paddle-cpu-0123456789ab.sqfs"
+    assert hpc.export_path(v, "docker-archive", dest=tmp_path, image_tag="0123456789ab").name == \
+        "fleetbox-paddle-cpu-0123456789ab.tar"
     with pytest.raises(UserError, match="unknown export format 'zip'"):
         hpc.export_argv("zip", "img", tmp_path)
 

@@ -22,7 +22,8 @@ from fleetbox.run import placeholders
 from fleetbox.run.plan import ALL_RENDER_NODES, HIP_VISIBLE, NodeRun
 from fleetbox.run.shell import Raw, line
 from fleetbox.settings import WORKDIR
-from fleetbox.ship.exports import export_path
+from fleetbox.ship import exports, shipped
+from fleetbox.ship.shipped import REGISTRY
 
 
 def template(name: str, **fields: str) -> Raw:
@@ -130,7 +131,7 @@ class Runtime:
         node script in the container, which has the task's environment."""
         return []
 
-    def identify(self) -> Raw:
+    def identify(self, image: str) -> Raw:
         """Node script lines that say which image this node has, as `fleetbox: image KIND VALUE [CONTENT-TAG]`
         (invoke doctor compares them across nodes), and end the script when the node has none. $IMAGE_REF is
         set, quoted, before them. An image file (SIF, squashfs) counts by its sha256; a folder (Charliecloud)
@@ -139,9 +140,16 @@ class Runtime:
 
     # -- getting the image --
 
-    def default_image(self, variant, image_ref: str) -> str:
-        """What the runtime is handed when no --image is given."""
-        return image_ref
+    kinds: tuple[str, ...] = ()   # what the runtime runs a variant's image from, preferred first: export kinds
+                                  # (ship/exports.py) or a registry push (shipped.REGISTRY)
+
+    def registry_form(self, ref: str) -> str:
+        """A pushed HOST[:PORT]/NS/NAME:TAG as this runtime names an image in a registry."""
+        return ref
+
+    def given_image(self, image: str) -> str:
+        """A user's --image as this runtime is handed it, or one line saying which form it needs."""
+        return image
 
     def pull_commands(self, ref: str, out_name: str, insecure: bool = False) -> list[list[str]]:
         raise NotImplementedError
@@ -174,13 +182,26 @@ class Engine(Runtime):
     def for_allocation(self, n):   # and every render node: the allocated ones come in $ACCEL
         return replace(super().for_allocation(n), devices=tuple(d for d in n.devices if d != ALL_RENDER_NODES))
 
-    def identify(self):
+    def identify(self, image):
         return template("identify_engine.sh", ENGINE=self.name, LABELS=self.inspect_labels,
-                        LABEL_INPUTS=settings.LABEL_INPUTS)
+                        LABEL_INPUTS=settings.LABEL_INPUTS, IN_REGISTRY="true" if registry_host(image) else "false")
 
     def remove_now(self, container: str) -> list[str]:
         """What removes the node's container when Slurm stops the task (a killed client leaves it running)."""
         return [self.name, "rm", "-f", container]
+
+    kinds = (REGISTRY,)
+
+    def given_image(self, image):
+        if "://" in image:
+            raise UserError(f"--image {image!r}: {self.name} takes an image reference (HOST[:PORT]/NAME:TAG for a "
+                            f"registry, or an image every node's {self.name} holds), not a URI")
+        return image
+
+    @staticmethod
+    def pull(image: str) -> list[str]:
+        """A name that names no registry is the node's own image, never one pulled from Docker Hub by accident."""
+        return [] if registry_host(image) else ["--pull=never"]
 
 
 class Docker(Engine):
@@ -190,7 +211,7 @@ class Docker(Engine):
     cuda_devices = 'ACCEL=(--gpus "\\"device=$GPUS\\"")'
 
     def launch(self, n, image, extra=()):
-        return ["docker", "run", "--rm", *n.run_flags(), *extra, image, *n.command]
+        return ["docker", "run", "--rm", *self.pull(image), *n.run_flags(), *extra, image, *n.command]
 
     def pull_commands(self, ref, out_name, insecure=False):
         return [["docker", "pull", ref]]
@@ -208,7 +229,8 @@ class Podman(Engine):
         return [Raw('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')]
 
     def launch(self, n, image, extra=()):
-        a = ["podman", "run", "--rm", "--name", n.name, "--network", "host", "--shm-size", n.shm_size,
+        a = ["podman", "run", "--rm", *self.pull(image), "--name", n.name, "--network", "host",
+             "--shm-size", n.shm_size,
              "--ulimit", Raw('"memlock=$(hard_limit l)"'),     # the node's own limit, as Slurm set it (NCCL/IB)
              "--add-host", Raw('"$(hostname):$NODE_IP"'),       # Gloo resolves the node's hostname
              "-w", WORKDIR, *n.cli_flags()]
@@ -248,9 +270,24 @@ class Apptainer(Runtime):
         return lines + [Raw(f'for v in {" ".join(self.VISIBLE)}; do [ -z "${{!v+x}}" ] || '
                             'export "APPTAINERENV_$v=${!v}"; done')], words
 
-    def default_image(self, variant, image_ref):
-        sif = export_path(variant, "sif")
-        return str(sif) if sif.exists() else f"docker://{image_ref}"
+    kinds = ("sif", REGISTRY)
+    URI = re.compile(r"(docker|oras|library|shub|https?)://(.+)|(docker-archive|docker-daemon|oci|oci-archive):(.+)")
+
+    def registry_form(self, ref):
+        return f"docker://{ref}"
+
+    def given_image(self, image):
+        if os.path.exists(image):   # a SIF file or a sandbox folder
+            return os.path.abspath(image)
+        m = self.URI.fullmatch(image)
+        if not m:
+            hint = f" (docker://{image} for a registry image)" if registry_host(image) else ""
+            raise UserError(f"--image {image!r}: apptainer runs an existing SIF file or sandbox folder, or a URI with "
+                            f"its transport{hint}; no such file here")
+        if m.group(1) in ("docker", "oras") and not registry_host(m.group(2)):
+            raise UserError(f"--image {image!r} names no registry, so apptainer would pull it from Docker Hub: "
+                            f"write {m.group(1)}://HOST[:PORT]/{m.group(2)} (docker.io for Docker Hub itself)")
+        return image
 
     def pull_commands(self, ref, out_name, insecure=False):
         return [[*(["env", "APPTAINER_NOHTTPS=1"] if insecure else []), "apptainer", "pull", f"{out_name}.sif",
@@ -287,9 +324,13 @@ class Charliecloud(Runtime):
         return lines + [Raw(f'VISIBLE=(); for v in {" ".join(self.VISIBLE)}; do [ -z "${{!v+x}}" ] || '
                             'VISIBLE+=("--set-env=$v=${!v}"); done')], [Raw('${VISIBLE[@]+"${VISIBLE[@]}"}')]
 
-    def default_image(self, variant, image_ref):
-        sq = export_path(variant, "charliecloud", squash=True)
-        return str(sq if sq.exists() else export_path(variant, "charliecloud"))
+    kinds = ("charliecloud-squash", "charliecloud")   # no registry: ch-run runs a folder or a squashfs file
+
+    def given_image(self, image):
+        if not os.path.exists(image):
+            raise UserError(f"--image {image!r}: charliecloud runs an image folder or a squashfs file (`invoke "
+                            f"export --format charliecloud [--squash]`); no such file or folder here")
+        return os.path.abspath(image)
 
     def pull_commands(self, ref, out_name, insecure=False):
         return [["ch-image", "pull", *(["--tls-no-verify"] if insecure else []), ref],
@@ -320,7 +361,7 @@ class Pyxis(Runtime):
         return replace(n, command=tuple(cmd), mounts=tuple(
             replace(m, src=job_dir, dst=self.JOB_MOUNT) if m is log else m for m in n.mounts))
 
-    def identify(self):   # node.sh runs inside the container already
+    def identify(self, image):   # node.sh runs inside the container already
         return Raw('echo "fleetbox: image ref $IMAGE_REF"')
 
     def launch(self, n, image, extra=()):
@@ -334,9 +375,22 @@ class Pyxis(Runtime):
         return [f"--container-image={image}", f"--container-mounts={mounts}", f"--container-workdir={WORKDIR}",
                 "--container-mount-home"]
 
-    def default_image(self, variant, image_ref):
-        sqsh = export_path(variant, "sqsh")
-        return str(sqsh) if sqsh.exists() else image_ref
+    kinds = ("sqsh", REGISTRY)
+
+    def registry_form(self, ref):   # enroot's [USER@][REGISTRY#]IMAGE: without '#', Docker Hub
+        host, _, path = ref.partition("/")
+        return f"{host}#{path}"
+
+    def given_image(self, image):
+        if os.path.isfile(image):   # pyxis reads a path (absolute) as a squashfs file
+            return os.path.abspath(image)
+        if "#" in image:
+            return image
+        if image.startswith(("/", "./", "../")) or image.endswith((".sqsh", ".sqfs", ".squashfs")):
+            raise UserError(f"--image {image!r}: no such squashfs file here")
+        form = f"{self.registry_form(image)}" if registry_host(image) else f"REGISTRY#{image}"
+        raise UserError(f"--image {image!r}: enroot reads an image without 'REGISTRY#' as one on Docker Hub; write "
+                        f"{form}, or give a squashfs file (`invoke export --format sqsh`)")
 
     def pull_commands(self, ref, out_name, insecure=False):
         host, _, path = ref.partition("/")
@@ -433,7 +487,7 @@ class Host(Runtime):
             out.append(["set", "--", *self.modules])   # the modules, as the template's "$@"
         return out + [template("host_env.sh", RECORD=ENV_RECORD), ["cd", work]]
 
-    def identify(self):
+    def identify(self, image):
         return template("identify_env.sh", RECORD=ENV_RECORD)
 
     def exports(self, n):
@@ -450,12 +504,40 @@ class Host(Runtime):
             cmd[0] = Raw('"$FLEETBOX_VENV/bin/python"')
         return cmd
 
-    def default_image(self, variant, image_ref):
-        return self.venv
-
     def pull_commands(self, ref, out_name, insecure=False):
         raise UserError("runtime none runs no image: make the env on the cluster with `invoke venv` (README: "
                         "sites without containers)")
+
+
+def registry_host(ref: str) -> str | None:
+    """The registry an image reference names, by Docker's rule: a first component with '.' or ':', or localhost;
+    None for a name that a pull would look up on Docker Hub (fleetbox/paddle:cpu, ubuntu) or an image id."""
+    first, sep, _ = ref.partition("/")
+    return first if sep and ("." in first or ":" in first or first == "localhost") else None
+
+
+def default_image(rt: Runtime, variant, built: str | None, records: list[shipped.Shipped]) -> tuple[str, str]:
+    """Pure: what runtime `rt` runs when no --image is given, and why: what was shipped (`records`, newest first)
+    of the build here (`built`, a content tag) in a kind the runtime runs, preferred kind first. Where no image is
+    built here (a login node), the newest shipped build. Else one line naming the commands that make one."""
+    usable = [r for r in records if r.kind in rt.kinds]
+    current = built or (usable[0].content_tag if usable else None)
+    mine = [r for r in usable if r.content_tag == current]
+    if mine:
+        best = min(mine, key=lambda r: (rt.kinds.index(r.kind), -r.made))
+        image = rt.registry_form(best.where) if best.kind == REGISTRY else best.where
+        why = f"{best.kind} of {current}" + ("" if built else
+                                             f" (no {variant.name} image is built here: the newest build shipped)")
+        return image, why
+    make = [f"`invoke push --variant {variant.name} --registry HOST[:PORT]/NS`" if k == REGISTRY else
+            f"`{exports.export_command(variant, k)}`" for k in rt.kinds]
+    older = sorted({r.content_tag for r in usable})
+    said = f"; {', '.join(older)}: shipped of another build" if older else ""
+    if not built:
+        raise UserError(f"{rt.name} has no {variant.name} image: none is built here and none was shipped for it; "
+                        f"run `invoke build --variant {variant.name}`, then {' or '.join(make)}; or give --image")
+    raise UserError(f"{rt.name} has no image of {built} (the {variant.name} image built here){said}: make one with "
+                    f"{' or '.join(make)}, or give --image")
 
 
 RUNTIMES = {r.name: r for r in (Apptainer(), Pyxis(), Charliecloud(), Podman(), Docker(), Host())}

@@ -32,6 +32,7 @@ from fleetbox.run.backends.runtimes import template
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, tail
 from fleetbox.run.shell import Raw, line
+from fleetbox.ship import shipped
 
 # The placeholders on a Slurm node: shell variables of the node script (the job id is known in advance).
 NODE_VARS = {"rank": Raw('"$SLURM_NODEID"'), "node": Raw('node"$SLURM_NODEID"'), "nnodes": Raw('"$SLURM_NNODES"'),
@@ -73,6 +74,7 @@ class SlurmPlan(Plan):
     image: str
     files: tuple[tuple[str, str], ...]    # (name in the job folder, text): job.sbatch, node.sh
     checkpoints: str = ""                 # the job's checkpoint folder (shared file system)
+    image_why: str = ""                   # how the image was chosen (--image, or which export or push)
 
 
 class SlurmBackend(Backend):
@@ -176,7 +178,7 @@ class SlurmBackend(Backend):
         port = spec.port or hostnet.random_port()
         hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
         self.runtime.refuse(spec, self.runtime_args)
-        image = spec.image or self.runtime.default_image(spec.variant, spec.image_ref)
+        image, image_why = self.image(spec)
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
         t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt)))
@@ -185,7 +187,17 @@ class SlurmBackend(Backend):
         self.runtime.check(t, image)
         files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
                  ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
-        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt))
+        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt), image_why)
+
+    def image(self, spec: spec_mod.JobSpec) -> tuple[str, str]:
+        """What the runtime runs on every node, and why: a user's --image in the runtime's form, or what was
+        shipped (exported, pushed) of the variant's build (runtimes.default_image)."""
+        rt = self.runtime
+        if not rt.has_image:
+            return rt.venv, "the env given with --venv"
+        if spec.image:
+            return rt.given_image(spec.image), "--image"
+        return runtimes.default_image(rt, spec.variant, shipped.built_here(spec.variant), shipped.load(spec.variant))
 
     def words(self, words, job_id: str) -> str:
         return line(placeholders.to_shell(w, {**NODE_VARS, "job_id": job_id}) for w in words)
@@ -213,7 +225,7 @@ class SlurmBackend(Backend):
                   '$IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
         lines += [w if isinstance(w, Raw) else self.words(w, job_id) for w in rt.setup(t)]
         if spec.image_identity:
-            lines += [f"IMAGE_REF={shlex.quote(image)}"] * rt.has_image + [rt.identify()]
+            lines += [f"IMAGE_REF={shlex.quote(image)}"] * rt.has_image + [rt.identify(image)]
         if not rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):   # else mounted before node.sh
             lines.append(self.words(["mkdir", "-p", home_cache], job_id))
         given = []   # the words that hand the runtime the allocated devices
@@ -294,7 +306,8 @@ class SlurmBackend(Backend):
         return "\n".join(head + body) + "\n"
 
     def describe(self, plan: SlurmPlan) -> str:
-        return "\n".join(f"# {plan.dir / name}\n{text}" for name, text in plan.files)
+        return "\n".join([f"# image: {plan.image} ({plan.image_why})"] +
+                         [f"# {plan.dir / name}\n{text}" for name, text in plan.files])
 
     # -- acting --
 

@@ -1,0 +1,87 @@
+"""What was shipped of each variant's image, and from which build: one record per export file (`invoke export`,
+any --dest) and per registry push (`invoke push`), each naming the image's content tag, so that `train` on a
+cluster runs exactly the image built here, or says which command makes it.
+
+Records live in exports/records/ (FLEETBOX_EXPORTS), one JSON file per destination: exporting or pushing to the
+same place again replaces its record. A record counts only while what it names is still there as it was made
+(an export file of the same size and modification time); a registry reference is trusted as pushed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fleetbox import engine, files, settings
+from fleetbox.errors import UserError
+from fleetbox.image import built
+from fleetbox.image.matrix import Variant
+
+REGISTRY = "registry"   # a record's kind for a pushed reference; the others are export kinds (export_kind)
+
+
+@dataclass(frozen=True)
+class Shipped:
+    variant: str
+    kind: str            # an export kind (sif, sqsh, charliecloud, charliecloud-squash, docker-archive) or registry
+    content_tag: str     # the image's content tag, <image>:<variant>-<hash>
+    where: str           # the export's absolute path, or HOST[:PORT]/NS/NAME:TAG in a registry
+    made: float          # when (epoch seconds)
+    size: int = -1       # an export file's size and mtime when it was made (-1: a folder, or a registry)
+    mtime_ns: int = -1
+
+    def present(self) -> bool:
+        """What the record names is still there, unchanged (a file replaced since is not this export)."""
+        if self.kind == REGISTRY:
+            return True
+        p = Path(self.where)
+        if self.size < 0:
+            return p.is_dir()
+        try:
+            st = p.stat()
+        except OSError:
+            return False
+        return p.is_file() and (st.st_size, st.st_mtime_ns) == (self.size, self.mtime_ns)
+
+
+def records_dir() -> Path:
+    return settings.exports_dir() / "records"
+
+
+def record(variant: Variant, kind: str, content_tag: str, where: str) -> Shipped:
+    """Write (or replace) the record of one export or push."""
+    size = mtime = -1
+    if kind != REGISTRY and Path(where).is_file():
+        st = Path(where).stat()
+        size, mtime = st.st_size, st.st_mtime_ns
+    s = Shipped(variant.name, kind, content_tag, where, time.time(), size, mtime)
+    name = f"{variant.name}-{kind}-{hashlib.sha256(where.encode()).hexdigest()[:16]}.json"
+    records_dir().mkdir(parents=True, exist_ok=True)
+    files.write_json(records_dir() / name, asdict(s))
+    return s
+
+
+def load(variant: Variant) -> list[Shipped]:
+    """The variant's records whose export or push is still there, newest first (damaged records are skipped:
+    they name nothing that can be trusted)."""
+    out = []
+    for p in sorted(records_dir().glob(f"{variant.name}-*.json")):
+        data = files.read_json(p)
+        try:
+            s = Shipped(**data)
+        except TypeError:
+            continue
+        if s.variant == variant.name and s.content_tag and s.present():
+            out.append(s)
+    return sorted(out, key=lambda s: -s.made)
+
+
+def built_here(variant: Variant) -> str | None:
+    """The content tag of the variant's image built on this machine, or None where no engine answers or none is
+    built (a login node that only holds exports)."""
+    try:
+        return built.content_tag(built.resolve(engine.client(), variant), variant)
+    except UserError:
+        return None
