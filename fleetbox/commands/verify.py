@@ -8,7 +8,7 @@ from pathlib import Path
 from fleetbox import engine, files, incontainer, settings
 from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
-from fleetbox.image.images import resolve
+from fleetbox.image.built import resolve
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
 from fleetbox.run import backends

@@ -29,6 +29,9 @@ pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),   # un
 
 # This machine refuses podman's default nofile/nproc limits: a site setting, passed as a cluster admin would.
 PODMAN_ARGS = "--ulimit nofile=20000:20000 --ulimit nproc=32768:32768"
+# The image the podman_image fixture loads into the nodes' (shared) Podman storage: a name the nodes hold, run with
+# --pull=never (the pushed-reference default is test_slurm_podman_runs_the_image_pushed_to_the_sites_registry's).
+LOCAL = ["--image", "fleetbox/paddle:cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +136,7 @@ def test_charliecloud_run_as_a_user_finds_the_seeded_cache_in_its_home(charliecl
 def test_slurm_scaling_study_with_podman_one_and_two_nodes(cluster, podman_image):
     """`invoke scale` on Slurm: a 1-node and a 2-node job, each row its own run's figures; the 2-node run is the
     cluster's 2-node training job, checked as such (node addresses, metrics, report)."""
-    proc = invoke("scale", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
+    proc = invoke("scale", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
                   "--nodes", "1,2", env=cluster, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     study, md = study_of(proc)
@@ -156,15 +159,19 @@ def test_slurm_scaling_study_with_podman_one_and_two_nodes(cluster, podman_image
         assert os.path.exists(os.path.join(job_dir, f"node{k}", "workerlog.0"))
 
 
-def test_slurm_two_nodes_with_charliecloud(cluster, charliecloud_image):
-    proc = slurm_train(cluster, "--runtime", "charliecloud", "--image", charliecloud_image)
+def test_slurm_two_nodes_with_charliecloud_run_the_export_of_the_build_here(cluster, cpu_image, charliecloud_image):
+    """No --image: the export `invoke export` made of this build, found by its record, its content hash in its name."""
+    content = next(t for t in cpu_image["image"].tags if t.startswith("fleetbox/paddle:cpu-"))
+    assert Path(charliecloud_image).name == f"fleetbox-paddle-{content.split(':')[1]}.ch"
+    proc = slurm_train(cluster, "--runtime", "charliecloud")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
-    s, _ = summary(proc)
+    s, job_dir = summary(proc)
     assert s["ok"] and '"world": 2' in proc.stdout
+    assert f"-c /workspace {charliecloud_image} -- python" in Path(job_dir, "node.sh").read_text()
 
 
 def test_slurm_failing_rank_names_the_node(cluster, podman_image):
-    proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
+    proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
                        "--args", "--fail-rank 1 --fail-step -1 --hang-rank 0")
     one_line_error(proc, "train failed: node1 (rank 1) on node2 exited with exit code 3", job_output=True)
     # node0 hung, wrote nothing since long before; srun stopped it (node.sh exits 143): never the culprit
@@ -178,12 +185,12 @@ def test_slurm_failing_rank_names_the_node(cluster, podman_image):
 
 
 def test_slurm_bad_partition_passes_slurms_message_on(cluster):
-    proc = slurm_train(cluster, "--runtime", "podman", "--partition", "nosuchpart")
+    proc = slurm_train(cluster, "--runtime", "podman", *LOCAL, "--partition", "nosuchpart")
     one_line_error(proc, "sbatch failed", "Invalid partition name specified")
 
 
 def test_sbatch_missing_is_one_clear_line(cpu_image):
-    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", env={"PATH": "/nonexistent"})
+    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", *LOCAL, env={"PATH": "/nonexistent"})
     one_line_error(proc, "sbatch not found: run on a Slurm login node")
 
 
@@ -202,6 +209,7 @@ def _manifest(ref: str) -> dict:
 
 
 def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, bumped, tmp_path):
+    own = {"FLEETBOX_EXPORTS": str(tmp_path / "exports")}   # the push's record: this test's (its registry stops)
     cfg = tmp_path / "registry.yml"
     cfg.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path}/data\n"
                    f"http:\n  addr: 127.0.0.1:5055\n")
@@ -213,9 +221,13 @@ def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, bu
             if subprocess.run(["curl", "-sf", "http://127.0.0.1:5055/v2/"], capture_output=True).returncode == 0:
                 break
             time.sleep(0.1)
-        proc = invoke("push", "--variant", "cpu", "--registry", "127.0.0.1:5055/fleetbox")
+        proc = invoke("push", "--variant", "cpu", "--registry", "127.0.0.1:5055/fleetbox", env=own)
         assert proc.returncode == 0, proc.stderr
         assert "pushed 127.0.0.1:5055/fleetbox/paddle:cpu-" in proc.stdout
+        (record,) = [json.loads(p.read_text()) for p in (tmp_path / "exports" / "records").iterdir()]
+        content = next(t for t in cpu_image["image"].tags if t.startswith("fleetbox/paddle:cpu-"))
+        assert (record["kind"], record["content_tag"], record["where"]) == (
+            "registry", content, f"127.0.0.1:5055/fleetbox/paddle:{content.split(':')[1]}")
         cmds = invoke("pull-cmd", "--variant", "cpu", "--runtime", "podman", "--registry", "127.0.0.1:5055/fleetbox",
                       "--insecure").stdout
         pull = next(ln for ln in cmds.splitlines() if ln.startswith("podman pull") and ln.endswith(":cpu"))
@@ -226,7 +238,7 @@ def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, bu
         save.wait()
         v = invoke("verify", "--variant", "cpu", "--image", pulled)
         assert v.returncode == 0 and "PASS  paddle.utils.run_check()" in v.stdout, v.stdout[-2000:]
-        refused = invoke("push", "--variant", "cpu", "--registry", "127.0.0.1:5099/fleetbox")
+        refused = invoke("push", "--variant", "cpu", "--registry", "127.0.0.1:5099/fleetbox", env=own)
         one_line_error(refused, "127.0.0.1:5099/fleetbox/paddle:cpu-")
         tags = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}"], capture_output=True,
                               text=True).stdout.split()
@@ -254,12 +266,67 @@ def test_push_to_a_local_registry_pull_back_with_podman_and_verify(cpu_image, bu
             subprocess.run(["docker", "rmi", *ours], capture_output=True)
 
 
-@pytest.mark.parametrize("fmt,cmd", [("sif", "apptainer build fleetbox-paddle-cpu.sif docker-archive://"),
-                                     ("sqsh", "enroot import -o fleetbox-paddle-cpu.sqsh docker-archive://")])
+def test_slurm_podman_runs_the_image_pushed_to_the_sites_registry(cluster, cpu_image, podman_image, tmp_path):
+    """As at a site: a registry with TLS that the nodes reach (here on the cluster's own bridge address, trusted by
+    Docker and Podman through certs.d, as a site's CA is); `invoke push` fills it, and `invoke train` with no --image
+    runs on every node the pushed content tag, pulled there by Podman."""
+    from tests import fabric
+    addr = f"{fabric.SUBNET}.1:5443"
+    own = {**cluster, "FLEETBOX_EXPORTS": str(tmp_path / "exports")}
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    f"/CN={fabric.SUBNET}.1", "-addext", f"subjectAltName=IP:{fabric.SUBNET}.1",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
+                   check=True, capture_output=True)
+    (tmp_path / "registry.yml").write_text(
+        f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path}/data\nhttp:\n  addr: {addr}\n"
+        f"  tls:\n    certificate: {tmp_path}/cert.pem\n    key: {tmp_path}/key.pem\n")
+    trusted = [Path(d) / addr for d in ("/etc/docker/certs.d", "/etc/containers/certs.d")]
+    for d in trusted:
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp_path / "cert.pem", d / "ca.crt")
+    reg = subprocess.Popen(["docker-registry", "serve", str(tmp_path / "registry.yml")], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    content = next(t for t in cpu_image["image"].tags if t.startswith("fleetbox/paddle:cpu-"))
+    ref = f"{addr}/fleetbox/paddle:{content.split(':')[1]}"
+    try:
+        for _ in range(100):
+            if subprocess.run(["curl", "-sf", "--cacert", str(tmp_path / "cert.pem"), f"https://{addr}/v2/"],
+                              capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        subprocess.run(["podman", "rmi", "-f", ref], capture_output=True)   # pulled by the job, not left from before
+        nothing = slurm_train(own, "--runtime", "podman", "--dry-run")
+        one_line_error(nothing, f"podman has no image of {content}", "invoke push --variant cpu --registry")
+        proc = invoke("push", "--variant", "cpu", "--registry", f"{addr}/fleetbox", env=own)
+        assert proc.returncode == 0, proc.stderr
+        proc = slurm_train(own, "--runtime", "podman", "--runtime-args", PODMAN_ARGS)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        s, job_dir = summary(proc)
+        assert s["ok"] and '"world": 2' in proc.stdout
+        node = Path(job_dir, "node.sh").read_text()
+        assert f" {ref} python -m paddle" in node and "--pull=never" not in node
+        pulled = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", ref], capture_output=True, text=True)
+        assert pulled.returncode == 0 and cpu_image["image"].id.endswith(pulled.stdout.strip()), pulled.stderr
+    finally:
+        reg.terminate()
+        reg.wait()
+        subprocess.run(["podman", "rmi", "-f", ref], capture_output=True)
+        tags = [content, *matrix.load().get("cpu").aliases]   # what invoke push tagged for the registry
+        subprocess.run(["docker", "rmi", *[f"{addr}/fleetbox/paddle:{t.split(':')[1]}" for t in tags]],
+                       capture_output=True)
+        for d in trusted:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fmt,cmd", [("sif", "apptainer build {name}.sif docker-archive://{name}.tar"),
+                                     ("sqsh", "enroot import -o {name}.sqsh docker-archive://{name}.tar")])
 def test_export_without_its_tool_says_what_to_run_on_the_cluster(cpu_image, fmt, cmd, tmp_path):
     tool = {"sif": "apptainer", "sqsh": "enroot"}[fmt]
     proc = invoke("export", "--variant", "cpu", "--format", fmt, env={"PATH": path_without(tool, tmp_path)})
-    one_line_error(proc, "is not installed here", "--format docker-archive", cmd)
+    content = next(t for t in cpu_image["image"].tags if t.startswith("fleetbox/paddle:cpu-"))
+    name = f"fleetbox-paddle-{content.split(':')[1]}"   # the name carries the build's content hash
+    one_line_error(proc, "is not installed here", "--format docker-archive", cmd.format(name=name),
+                   f"give `invoke train` --image {name}.{fmt}")
 
 
 def path_without(tool: str, tmp_path) -> str:
@@ -279,7 +346,7 @@ def test_ctrl_c_cancels_the_slurm_job_and_leaves_no_container(cluster, podman_im
     import signal
     import sys
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
-                          "--runtime-args", PODMAN_ARGS, "--args", "--hang-rank 0 --hang-seconds 600"],
+                          "--runtime-args", PODMAN_ARGS, *LOCAL, "--args", "--hang-rank 0 --hang-seconds 600"],
                          cwd=ROOT, env={**os.environ, **cluster}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     deadline = time.monotonic() + 120
@@ -316,7 +383,7 @@ def test_slurm_dry_run_is_what_slurm_got_and_hostile_values_arrive_unchanged(clu
     batch_script) and its node.sh the one the nodes ran; hostile values reach the script unchanged."""
     if runtime == "podman":
         request.getfixturevalue("podman_image")
-        extra = ["--runtime-args", PODMAN_ARGS]
+        extra = ["--runtime-args", PODMAN_ARGS, *LOCAL]
     else:
         extra = ["--image", request.getfixturevalue("charliecloud_image")]
     job = f"train-same-{runtime}-{int(time.time())}"
@@ -408,7 +475,7 @@ def test_slurm_a_real_failure_in_a_later_allocation_ends_the_chain_and_is_named(
     has a checkpoint), stops and continues; allocation 2 fails for real: the chain ends and names the node."""
     env = {**os.environ, **cluster}
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
-                          "--runtime-args", PODMAN_ARGS, "--time", "5", "--signal-grace", "60",
+                          "--runtime-args", PODMAN_ARGS, *LOCAL, "--time", "5", "--signal-grace", "60",
                           "--max-allocations", "4",
                           # rank 1 fails before joining, as in test_slurm_failing_rank_names_the_node: once the group
                           # has formed, rank 0's launcher can end first (250) and srun then stops rank 1's task (143)
@@ -447,7 +514,8 @@ def test_slurm_requeue_restarts_from_the_newest_checkpoint_as_an_attempt(cluster
     in the same job. It is a restart of that allocation (attempt 1, so --resume never does not apply again, one
     --max-restarts spent) from the newest checkpoint, never a fresh start, and the chain's record shows it."""
     env = {**os.environ, **cluster}
-    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--detach",
+    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
+                  "--detach",
                   "--max-restarts", "1", "--resume", "never",
                   "--args", "--steps 60 --step-sleep 0.5 --checkpoint-every 10", env=env)
     assert proc.returncode == 0, proc.stderr
@@ -481,7 +549,8 @@ def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_
     """Detached (the client is gone once it submitted): the batch script's watcher notices rank 1 stuck at step
     30, keeps every rank's stacks, stops the step; the chain restarts in a new allocation from step 30."""
     env = {**os.environ, **cluster}
-    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--detach",
+    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
+                  "--detach",
                   "--max-restarts", "1", "--hang-timeout", "20", "--args",
                   "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 --hang-attempt 0",
                   env=env)
@@ -514,7 +583,8 @@ def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_
 
 def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_image):
     env = {**os.environ, **cluster}
-    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, "--detach",
+    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
+                  "--detach",
                   "--max-allocations", "3", "--args", "--hang-rank 0 --hang-seconds 600", env=env)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.split("job ")[-1].split()[0]
@@ -623,7 +693,7 @@ def test_slurm_doctor_without_a_container_checks_the_env_on_every_node(cluster, 
 
 
 def test_slurm_doctor_with_podman_passes_every_check_and_sweeps(cluster, podman_image):
-    proc = invoke("doctor", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
+    proc = invoke("doctor", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
                   "--nodes", "2", env=cluster, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
     rep = doctor_report(proc)
@@ -648,7 +718,7 @@ def test_slurm_doctor_with_charliecloud_identifies_the_image_folder(cluster, cha
 
 
 def test_slurm_doctor_names_a_tiny_shm_from_site_runtime_args_and_preflight_refuses(cluster, podman_image):
-    args = ["--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS + " --shm-size 64m",
+    args = ["--backend", "slurm", "--runtime", "podman", *LOCAL, "--runtime-args", PODMAN_ARGS + " --shm-size 64m",
             "--nodes", "2"]
     proc = invoke("doctor", *args, "--quick", env=cluster, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
@@ -670,7 +740,7 @@ def test_slurm_doctor_names_a_master_port_blocked_on_the_first_node(cluster, pod
     rule = ["INPUT", "-p", "tcp", "--dport", port, "-j", "DROP"]
     subprocess.run(["nsenter", "--net=/run/netns/fbn1", "iptables", "-I", *rule], check=True)
     try:
-        proc = invoke("doctor", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS,
+        proc = invoke("doctor", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
                       "--nodes", "2", "--port", port, "--quick", "--wait", "8", env=cluster, timeout=900)
     finally:
         subprocess.run(["nsenter", "--net=/run/netns/fbn1", "iptables", "-D", *rule], check=True)
@@ -687,7 +757,7 @@ def test_each_runtime_says_which_image_a_node_has(cpu_image, podman_image, tmp_p
 
     def say(runtime, image):
         return subprocess.run(["bash", "-c", f"set -euo pipefail\nIMAGE_REF={shlex.quote(image)}\n"
-                               f"{runtimes.get(runtime).identify()}"], capture_output=True, text=True)
+                               f"{runtimes.get(runtime).identify(image)}"], capture_output=True, text=True)
     img = cpu_image["image"]
     tag = img.labels["io.fleetbox.inputs-sha256"]
     for runtime, ident in (("docker", img.id), ("podman", img.id.removeprefix("sha256:"))):
