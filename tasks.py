@@ -448,14 +448,10 @@ def push(c, variant=None, registry=None):
 @_fleetbox
 def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False):
     """Print the pull/convert commands a cluster user runs for a runtime (immutable content tag first)."""
-    from fleetbox import engine
-    from fleetbox.image import built
     from fleetbox.ship import exports as hpc
+    from fleetbox.ship import shipped
     v = _variant(variant)
-    try:
-        content = built.content_tag(built.resolve(engine.client(), v), v)
-    except UserError:
-        content = None
+    content = shipped.built_here(v)
     refs = hpc.registry_refs(v, registry or "", content)
     content_ref, alias_ref = (refs[0], refs[1]) if content else (None, refs[0])
     for line in backends.pull_commands(runtime, content_ref, alias_ref, hpc.export_name(v), insecure):

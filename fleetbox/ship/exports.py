@@ -21,6 +21,8 @@ FORMATS = ("docker-archive", "charliecloud", "sif", "sqsh")
 # What an export is, as its record names it (ship/shipped.py): the format, and for Charliecloud whether squashed.
 KINDS = {"docker-archive": ("docker-archive", False), "sif": ("sif", False), "sqsh": ("sqsh", False),
          "charliecloud": ("charliecloud", False), "charliecloud-squash": ("charliecloud", True)}
+SUFFIX = {"docker-archive": ".tar", "sif": ".sif", "sqsh": ".sqsh", "charliecloud": ".ch",
+          "charliecloud-squash": ".sqfs"}
 
 
 def export_kind(fmt: str, squash: bool = False) -> str:
@@ -47,8 +49,7 @@ def content_part(variant: Variant, content_tag: str) -> str:
 
 def export_path(variant: Variant, fmt: str, squash: bool = False, dest: Path | None = None,
                 image_tag: str = "") -> Path:
-    suffix = {"docker-archive": ".tar", "charliecloud": ".sqfs" if squash else ".ch", "sif": ".sif",
-              "sqsh": ".sqsh"}[fmt]
+    suffix = SUFFIX[export_kind(fmt, squash)]
     return (dest or settings.exports_dir()) / f"{export_name(variant, image_tag)}{suffix}"
 
 
@@ -65,7 +66,7 @@ def export_argv(fmt: str, image: str, out: Path, archive: Path | None = None) ->
 
 
 def _tool_missing(fmt: str, image: str, name: str, variant: Variant) -> str:
-    made = {"charliecloud": f"{name}.sqfs", "sif": f"{name}.sif", "sqsh": f"{name}.sqsh"}[fmt]
+    made = name + SUFFIX[export_kind(fmt, squash=True)]   # Charliecloud's: a squashfs file, one file to copy
     on_cluster = {
         "charliecloud": f"ch-convert -i docker-archive {name}.tar {made}",
         "sif": f"apptainer build {made} docker-archive://{name}.tar",

@@ -291,7 +291,7 @@ class Apptainer(Runtime):
 
     def pull_commands(self, ref, out_name, insecure=False):
         return [[*(["env", "APPTAINER_NOHTTPS=1"] if insecure else []), "apptainer", "pull", f"{out_name}.sif",
-                 f"docker://{ref}"]]
+                 self.registry_form(ref)]]
 
 
 class Charliecloud(Runtime):
@@ -393,8 +393,7 @@ class Pyxis(Runtime):
                         f"{form}, or give a squashfs file (`invoke export --format sqsh`)")
 
     def pull_commands(self, ref, out_name, insecure=False):
-        host, _, path = ref.partition("/")
-        return [["enroot", "import", "-o", f"{out_name}.sqsh", f"docker://{host}#{path}"],
+        return [["enroot", "import", "-o", f"{out_name}.sqsh", f"docker://{self.registry_form(ref)}"],
                 ["srun", f"--container-image={out_name}.sqsh", "..."]]
 
 
