@@ -281,6 +281,7 @@ def test_slurm_podman_runs_the_image_pushed_to_the_sites_registry(cluster, cpu_i
         f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path}/data\nhttp:\n  addr: {addr}\n"
         f"  tls:\n    certificate: {tmp_path}/cert.pem\n    key: {tmp_path}/key.pem\n")
     trusted = [Path(d) / addr for d in ("/etc/docker/certs.d", "/etc/containers/certs.d")]
+    made = [d.parent for d in trusted if not d.parent.exists()]   # removed again after, with what they hold
     for d in trusted:
         d.mkdir(parents=True, exist_ok=True)
         shutil.copy(tmp_path / "cert.pem", d / "ca.crt")
@@ -314,7 +315,7 @@ def test_slurm_podman_runs_the_image_pushed_to_the_sites_registry(cluster, cpu_i
         tags = [content, *matrix.load().get("cpu").aliases]   # what invoke push tagged for the registry
         subprocess.run(["docker", "rmi", *[f"{addr}/fleetbox/paddle:{t.split(':')[1]}" for t in tags]],
                        capture_output=True)
-        for d in trusted:
+        for d in trusted + made:
             shutil.rmtree(d, ignore_errors=True)
 
 
