@@ -3,6 +3,11 @@
 Nodes are the fabric's namespaces (fbn1, fbn2 with their own addresses). Each slurmd gets its own UTS
 namespace (hostname nodeN) and enters the node's network namespace with nsenter (not `ip netns exec`,
 which remounts /sys so slurmd finds no cgroup filesystem). Clients use SLURM_CONF.
+
+Like a site's, the cluster gives a job only what it asked for: CPUs and memory are consumable (select/cons_tres,
+CR_Core_Memory), each task is bound to its CPUs (task/affinity) and, where cgroup v1's cpuset and memory
+controllers are mounted (this machine's), confined to them and to its memory (task/cgroup: ConstrainCores,
+ConstrainRAMSpace).
 """
 import os
 import signal
@@ -23,10 +28,21 @@ def _munge(d: Path):
         (d / "started-munged").touch()
 
 
+CPUS, MEMORY_MB = os.cpu_count() or 1, 4000   # each node's: every CPU of this machine, a share of its memory
+CGROUP_V1 = Path("/sys/fs/cgroup/cpuset/cpuset.cpus"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def confines() -> bool:
+    """Slurm's task/cgroup can confine tasks here: cgroup v1 with the cpuset and memory controllers."""
+    return all(p.exists() for p in CGROUP_V1)
+
+
 def conf(d: Path, addrs: list[str]) -> str:
     host = socket.gethostname().split(".")[0]
-    nodes = "\n".join(f"NodeName=node{k} NodeAddr={ip} CPUs=2 RealMemory=2000 State=UNKNOWN"
+    nodes = "\n".join(f"NodeName=node{k} NodeAddr={ip} CPUs={CPUS} RealMemory={MEMORY_MB} State=UNKNOWN"
                       for k, ip in enumerate(addrs, 1))
+    tasks = "ProctrackType=proctrack/cgroup\nTaskPlugin=task/cgroup,task/affinity" if confines() else \
+        "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/affinity"
     return f"""ClusterName=fleetboxtest
 SlurmctldHost={host}({fabric.SUBNET}.1)
 SlurmUser=root
@@ -34,10 +50,10 @@ AuthType=auth/munge
 # a requeued job waits cred_expire before it starts again (default 120 s)
 AuthInfo=cred_expire=30
 JobRequeue=1
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+{tasks}
 SchedulerType=sched/backfill
-SelectType=select/linear
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
 ReturnToService=2
 MpiDefault=none
 AccountingStorageType=accounting_storage/none
@@ -80,6 +96,7 @@ def start(d: Path, n: int = 2) -> dict:
     for k in range(1, n + 1):
         (d / "spool" / f"node{k}").mkdir(parents=True, exist_ok=True)
     (d / "slurm.conf").write_text(conf(d, addrs))
+    (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nConstrainCores=yes\nConstrainRAMSpace=yes\n")
     env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
     subprocess.run(["slurmctld", "-f", str(d / "slurm.conf")], check=True, env=env)
     for k in range(1, n + 1):

@@ -664,6 +664,40 @@ def test_slurm_without_a_container_an_unknown_module_is_named_with_the_module_sy
         f"fbtest/9.9` failed: ERROR: Unable to locate a modulefile for 'fbtest/9.9' (exit 4) (logs: "), proc.stderr
 
 
+# What a rank was given: the CPUs it may run on, and its memory cgroup's limit (cgroup v1, as the cluster confines)
+RESOURCES_PY = """import json, os, sys
+path = next(ln.split(":", 2)[2] for ln in open("/proc/self/cgroup").read().splitlines() if ln.split(":")[1] == "memory")
+parts = path.strip("/").split("/")   # the limit that holds: the lowest of the cgroup's and its parents'
+limit = min(int(open("/".join(["/sys/fs/cgroup/memory", *parts[:n], "memory.limit_in_bytes"])).read())
+            for n in range(len(parts) + 1))
+print("FBRES " + json.dumps({"cpus": len(os.sched_getaffinity(0)), "mem_mb": limit >> 20}))
+"""
+
+
+def resources_seen(job_dir, nodes):
+    return [json.loads(Path(job_dir, f"node{k}", "workerlog.0").read_text().split("FBRES ")[1].splitlines()[0])
+            for k in range(nodes)]
+
+
+def test_slurm_gives_each_nodes_ranks_the_cpus_and_memory_asked_for(cluster, cpu_env, tmp_path):
+    """The cluster confines each task to what it asked for (task/cgroup, task/affinity), as a site does: by default
+    a node's rank gets 2 CPUs (not Slurm's one a task), --cpus-per-node and --mem set them, and `all` gives whole
+    nodes. Runtime none: the ranks run in the task's own cgroup."""
+    if not slurmcluster.confines():
+        pytest.fail("no cgroup v1 cpuset and memory controllers here: the cluster cannot confine tasks")
+    script = tmp_path / "resources.py"
+    script.write_text(RESOURCES_PY)
+    runs = [([], 2, [{"cpus": slurm_backend.CPUS_PER_RANK[False], "mem_mb": slurmcluster.MEMORY_MB}] * 2),
+            (["--cpus-per-node", "1", "--mem", "1500M"], 1, [{"cpus": 1, "mem_mb": 1500}]),
+            (["--cpus-per-node", "all"], 1, [{"cpus": slurmcluster.CPUS, "mem_mb": slurmcluster.MEMORY_MB}])]
+    for given, nodes, want in runs:
+        proc = slurm_train(cluster, "--runtime", "none", "--venv", str(cpu_env["path"]), "--script", str(script),
+                           "--nodes", str(nodes), *given)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        _, job_dir = summary(proc)
+        assert resources_seen(job_dir, nodes) == want, given
+
+
 def test_slurm_doctor_without_a_container_checks_the_env_on_every_node(cluster, cpu_env, tmp_path):
     """Passes with one env; fails naming node1 when node1's env was made from another lock (a copy of the env
     whose record says so: the test cluster's nodes share one file system, so {node} in --venv gives each its own)."""

@@ -131,6 +131,11 @@ def test_with_no_container_a_hostile_value_never_runs_and_arrives_unchanged(raw,
     ("partition", "gpu\nrm -rf ~", "--partition"), ("partition", "gpu;id", "--partition"),
     ("time", "1:00:00\n#SBATCH --uid=0", "--time"), ("time", "soon", "--time"),
     ("account", "proj 42", "--account"), ("account", "$(id)", "--account"),
+    ("qos", "high\n#SBATCH --uid=0", "--qos"), ("constraint", "a100 && id", "--constraint"),
+    ("reservation", "res;id", "--reservation"), ("mem", "64 G", "--mem"), ("mem", "lots", "--mem"),
+    ("cpus_per_node", "4;id", "--cpus-per-node takes a whole number"), ("cpus_per_node", "0", "at least 1"),
+    ("sbatch_args", "--comment=a\n#SBATCH --uid=0", "--sbatch-args"),
+    ("sbatch_args", "--comment='$(id)'", "--sbatch-args"), ("sbatch_args", "--mail-user=a`id`", "--sbatch-args"),
 ])
 def test_bad_sbatch_values_are_refused_in_one_line(field, value, needle):
     with pytest.raises(UserError, match=needle) as e:
@@ -144,6 +149,13 @@ def test_good_sbatch_values_pass(monkeypatch, tmp_path):
     spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555)
     text = dict(b.plan(spec).files)["job.sbatch"]
     assert "#SBATCH --partition=gpu,debug\n#SBATCH --time=2-00:30:00\n#SBATCH --account=proj_42.x\n" in text
+    b = slurm.SlurmBackend("podman", qos="high", constraint="[a100|h100]&ib", reservation="maint_1", mem="64G",
+                           sbatch_args="--mail-type=END,FAIL --mail-user=me@example.org --nodelist=gpu[01-04] "
+                                       "--hint=nomultithread")
+    text = dict(b.plan(spec).files)["job.sbatch"]
+    assert ("#SBATCH --qos=high\n#SBATCH --constraint=[a100|h100]&ib\n#SBATCH --reservation=maint_1\n"
+            "#SBATCH --mem=64G\n#SBATCH --cpus-per-task=2\n#SBATCH --mail-type=END,FAIL\n"
+            "#SBATCH --mail-user=me@example.org\n#SBATCH --nodelist=gpu[01-04]\n#SBATCH --hint=nomultithread\n") in text
 
 
 def test_a_runs_folder_that_cannot_be_an_sbatch_line_is_refused(monkeypatch, tmp_path):

@@ -645,3 +645,59 @@ def test_two_envs_from_one_lock_report_one_identity(tmp_path, stubs):
         said.append(out.stdout.strip())
     assert said == [f"fleetbox: image env-sha256 {'ab' * 32} {stubs / 'python'}"] * 2
 
+
+
+def cpus_asked(files) -> tuple[list[str], list[str]]:
+    """What job.sbatch asks for each node's task, and what its srun asks for the step."""
+    text = sbatch(files)
+    head = [ln for ln in text.splitlines() if ln.startswith(("#SBATCH --cpus", "#SBATCH --excl", "#SBATCH --mem"))]
+    srun = next(ln for ln in text.splitlines() if ln.startswith("srun --kill-on-bad-exit"))
+    return head, [w for w in srun.split() if w.startswith(("--cpus", "--excl", "--mem"))]
+
+
+@pytest.mark.parametrize("variant,procs,given,head,step", [
+    ("cpu", 1, {}, ["#SBATCH --cpus-per-task=2"], ["--cpus-per-task=2"]),   # 2 a rank
+    ("cpu", 3, {}, ["#SBATCH --cpus-per-task=6"], ["--cpus-per-task=6"]),
+    ("cu126", 2, {}, ["#SBATCH --cpus-per-task=8"], ["--cpus-per-task=8"]),   # 4 a rank with a GPU
+    ("dcu", 4, {"cpus_per_node": "6"}, ["#SBATCH --cpus-per-task=6"], ["--cpus-per-task=6"]),
+    ("cpu", 2, {"cpus_per_node": "all"}, ["#SBATCH --mem=0", "#SBATCH --exclusive"],
+     ['--cpus-per-task="$SLURM_CPUS_ON_NODE"']),
+    ("cpu", 2, {"cpus_per_node": "ALL", "mem": "64G"}, ["#SBATCH --mem=64G", "#SBATCH --exclusive"],
+     ['--cpus-per-task="$SLURM_CPUS_ON_NODE"']),
+    ("cpu", 1, {"mem": "0"}, ["#SBATCH --mem=0", "#SBATCH --cpus-per-task=2"], ["--cpus-per-task=2"]),
+])
+def test_each_nodes_task_asks_for_cpus_for_its_ranks_and_srun_asks_again(variant, procs, given, head, step, tmp_path,
+                                                                          monkeypatch):
+    """Slurm gives a task one CPU unless asked; srun of Slurm 22.05 to 23.02 does not take sbatch's
+    --cpus-per-task, and a step of an --exclusive job gets one CPU unless it asks for the node's."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    spec = spec_mod.JobSpec(variant=matrix.load().get(variant), nodes=2, procs_per_node=procs, job_id="train-t-0001",
+                            port=29555)
+    files = dict(slurm.SlurmBackend("apptainer", **given).plan(spec).files)
+    assert cpus_asked(files) == (head, step)
+    bash_ok(sbatch(files))
+
+
+def test_fewer_cpus_than_ranks_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), procs_per_node=4, job_id="train-t-0001", port=29555)
+    with pytest.raises(UserError, match=r"^--cpus-per-node 3 is fewer than the 4 ranks on each node"):
+        slurm.SlurmBackend("apptainer", cpus_per_node="3").plan(spec)
+
+
+@pytest.mark.parametrize("words,said", [
+    ("--exclusive", "--exclusive is set by fleetbox: give --cpus-per-node all instead"),
+    ("--excl", "--excl is set by fleetbox: give --cpus-per-node all instead"),   # sbatch reads it as --exclusive
+    ("--cpus-per-task=8", "give --cpus-per-node instead"), ("--mem=4G", "give --mem instead"),
+    ("--partition=gpu", "give --partition instead"), ("--gpus=4", "give --gpus-per-node instead"),
+    ("--requeue", "give --max-restarts instead"), ("--job-name=x", "give --job-id instead"),
+    ("--output=/tmp/x", "would change the job's shape or files"), ("--ntasks=8", "would change the job's shape"),
+    ("--array=1-4", "would change the job's shape"), ("--export=NONE", "would change the job's shape"),
+    ("-w node1", "'-w' is not an sbatch long option"), ("mail-type=END", "is not an sbatch long option"),
+    ("--mail-type END", "'END' is not an sbatch long option"), ("--comment=a b", "'b' is not"),
+    ("--begin=now+1hour --x='a\"b'", "is not an sbatch long option"), ("--a=\"unclosed", "cannot be split"),
+])
+def test_sbatch_args_are_long_options_that_fleetbox_does_not_set(words, said):
+    with pytest.raises(UserError, match=re.escape(said)) as e:
+        slurm.SlurmBackend("podman", sbatch_args=words)
+    assert "\n" not in str(e.value)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from fleetbox import files, incontainer, settings
+from fleetbox import options as parse
 from fleetbox.errors import UserError
 from fleetbox.run import checkpoints, hang, hostnet, output, placeholders, records
 from fleetbox.run import plan as planner
@@ -59,6 +60,10 @@ SBATCH_VALUES = {
     "partition": re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*"),
     "account": re.compile(r"[A-Za-z0-9_.-]+"),
     "time": re.compile(r"(\d+-)?\d+(:\d+){0,2}|(?i:unlimited|infinite)"),
+    "qos": re.compile(r"[A-Za-z0-9_.-]+"),
+    "reservation": re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*"),
+    "constraint": re.compile(r"[A-Za-z0-9_.&|,\[\]()*:-]+"),   # features: a&b, a|b, [a|b], a*2
+    "mem": re.compile(r"\d+[KMGT]?", re.I),   # per node; 0: all of each node's memory
 }
 SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+-]+")   # no '%': Slurm expands it in --output
 
@@ -66,6 +71,25 @@ SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+-]+")   # no '%': Slurm expands it in -
 # an allocation whose --time leaves less than this after the grace and that minute cannot start a job and save.
 EARLY_WARNING = 60
 MIN_WORK, SHORT_WORK = 60, 300   # seconds of work an allocation keeps at worst: refused below, warned below
+
+# The CPUs each rank gets by default (its data loader workers share them): SkyPilot's Slurm defaults, 2 CPUs and 4
+# with a GPU, given per rank, since one Slurm task per node holds all of that node's ranks. Without a request, a
+# site that confines tasks (task/cgroup, task/affinity) runs every rank of a node on one CPU.
+CPUS_PER_RANK = {False: 2, True: 4}   # key: the variant has an accelerator
+WHOLE_NODE = "all"   # --cpus-per-node all: the nodes to the job alone (--exclusive), every CPU to its task
+
+# What --sbatch-args may hold: sbatch long options, --name or --name=value, with values that cannot start another
+# line or word. The options fleetbox writes itself are asked for with its own options, or not at all.
+SBATCH_ARG = re.compile(r"--([a-z][a-z0-9-]*)(?:=([A-Za-z0-9_.,:@+/=\[\]&|()*-]*))?")
+OWN_SBATCH = {
+    "partition": "--partition", "time": "--time", "account": "--account",
+    "qos": "--qos", "constraint": "--constraint", "reservation": "--reservation", "mem": "--mem",
+    "cpus-per-task": "--cpus-per-node", "exclusive": "--cpus-per-node all", "gpus-per-node": "--gpus-per-node",
+    "gpus": "--gpus-per-node", "nodes": "--nodes", "job-name": "--job-id", "requeue": "--max-restarts",
+    "no-requeue": "--max-restarts",
+}
+FIXED_SBATCH = ("ntasks", "ntasks-per-node", "output", "error", "open-mode", "signal", "export", "wrap", "array",
+                "parsable", "wait", "hetjob", "het-job")   # the job's shape and files: fleetbox's own
 
 
 @dataclass(frozen=True)
@@ -99,6 +123,16 @@ class SlurmBackend(Backend):
         Option("account", "with --backend slurm: the account (-A)", ""),
         Option("runtime_args", "with --backend slurm: extra options for the runtime, e.g. "
                                "\"--ulimit nproc=32768:32768\"", ""),
+        Option("cpus_per_node", f"with --backend slurm: CPUs for each node's ranks and their data loaders (default "
+                                f"{CPUS_PER_RANK[False]} per rank, {CPUS_PER_RANK[True]} with GPUs), or "
+                                f"{WHOLE_NODE}: whole nodes (--exclusive)", ""),
+        Option("mem", "with --backend slurm: memory for each node's ranks, e.g. 64G (0: all of each node's; "
+                      "default: the partition's)", ""),
+        Option("qos", "with --backend slurm: the quality of service (--qos)", ""),
+        Option("constraint", "with --backend slurm: node features the nodes must have (--constraint), e.g. a100", ""),
+        Option("reservation", "with --backend slurm: the reservation to run in (--reservation)", ""),
+        Option("sbatch_args", "with --backend slurm: other sbatch options, each --name=value, e.g. "
+                              "\"--mail-type=END --mail-user=me@example.org\"", ""),
         Option("max_allocations", "with --backend slurm: a job that checkpointed and stopped at its --time limit "
                                   "goes on in a new allocation, up to N allocations in all (default 1)",
                1, int, low=1, train_only=True),
@@ -109,7 +143,8 @@ class SlurmBackend(Backend):
 
     def __init__(self, runtime: str = "docker", partition: str = "", time: str = "", account: str = "",
                  runtime_args: str = "", signal_grace: int = 120, max_allocations: int = 1, venv: str = "",
-                 modules: str = ""):
+                 modules: str = "", cpus_per_node: str = "", mem: str = "", qos: str = "", constraint: str = "",
+                 reservation: str = "", sbatch_args: str = ""):
         try:
             module_list = tuple(shlex.split(modules or ""))
         except ValueError as e:
@@ -123,10 +158,15 @@ class SlurmBackend(Backend):
         if max_allocations < 1:
             raise UserError(f"--max-allocations must be at least 1 (got {max_allocations})")
         self.signal_grace, self.max_allocations = signal_grace, max_allocations
-        self.sbatch = {"partition": partition or "", "time": time or "", "account": account or ""}
+        self.sbatch = {"partition": partition or "", "time": time or "", "account": account or "", "qos": qos or "",
+                       "constraint": constraint or "", "reservation": reservation or "", "mem": str(mem or "")}
         for key, value in self.sbatch.items():
             if value and not SBATCH_VALUES[key].fullmatch(value):
                 raise UserError(f"--{key} {value!r} is not a value Slurm accepts for --{key}")
+        self.cpus_per_node = cpus_per_node_option(cpus_per_node)
+        if self.cpus_per_node == WHOLE_NODE and not self.sbatch["mem"]:
+            self.sbatch["mem"] = "0"   # an exclusive job gets only the memory it asks for: all of it
+        self.sbatch_args = sbatch_args_option(sbatch_args)
         self.notes: tuple[str, ...] = ()
         limit = time_seconds(self.sbatch["time"])
         if limit is not None:
@@ -255,6 +295,8 @@ class SlurmBackend(Backend):
                 "#SBATCH --open-mode=append",   # a requeued run keeps the cut one's output (Slurm truncates)
                 f"#SBATCH --signal=B:USR1@{self.signal_grace}"]
         head += [f"#SBATCH --{k}={v}" for k, v in self.sbatch.items() if v]
+        cpus_lines, cpus_srun = resources(self.cpus_per_node, spec.procs_per_node, bool(t.accelerator))
+        head += cpus_lines + [f"#SBATCH {w}" for w in self.sbatch_args]
         # Slurm requeues a job on a node failure or preemption only where the job allows it: a restart
         head.append("#SBATCH --requeue" if spec.max_restarts else "#SBATCH --no-requeue")
         if spec.variant.device != "cpu":   # one per process; node.sh gives each runtime exactly these
@@ -279,6 +321,7 @@ class SlurmBackend(Backend):
         if rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):
             body.append(self.words(["mkdir", "-p", home_cache], job_id))   # the mount point, before srun mounts
         srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", Raw('--nodes="$SLURM_NNODES"'), "--ntasks-per-node=1",
+                *cpus_srun,
                 # each node's own log, fresh: the batch script's append (SLURM_OPEN_MODE) is for its own output
                 f"--output={job_dir}/node%n.log", "--open-mode=truncate",
                 *rt.srun_options(t, image), "bash", str(job_dir / "node.sh")]
@@ -572,6 +615,49 @@ def chain_end(rec: dict) -> str:
                     f"restarted in the same Slurm job {rec['slurm_job']}",
         "requeue-refused": "requeued by Slurm, but --max-restarts was spent: not run again",
     }.get(rec["ended"], rec["ended"])
+
+
+def cpus_per_node_option(value) -> int | str:
+    """--cpus-per-node: a number of CPUs, "all" (whole nodes), or 0 for the default (decided by the job)."""
+    value = str(value or "").strip()
+    if value.lower() == WHOLE_NODE:
+        return WHOLE_NODE
+    return parse.integer("--cpus-per-node", value, 1) if value else 0
+
+
+def sbatch_args_option(value: str) -> tuple[str, ...]:
+    """--sbatch-args as #SBATCH lines' words: each an sbatch long option with a value that stays one word on one
+    line; the options fleetbox sets itself are refused, naming the option of ours that asks for them."""
+    try:
+        words = shlex.split(value or "")
+    except ValueError as e:
+        raise UserError(f"--sbatch-args cannot be split into words: {e}") from None
+    for w in words:
+        m = SBATCH_ARG.fullmatch(w)
+        if not m:
+            raise UserError(f"--sbatch-args: {w!r} is not an sbatch long option written --name or --name=value "
+                            f"(letters, digits and .,:@+/=[]&|()*_- in the value)")
+        # sbatch takes an unambiguous start of a long option for the whole (--excl is --exclusive): a start of
+        # one of ours is ours, or refused by sbatch as ambiguous
+        ours = [name for name in (*OWN_SBATCH, *FIXED_SBATCH) if name.startswith(m.group(1))]
+        if ours and ours[0] in OWN_SBATCH:
+            raise UserError(f"--sbatch-args: {w} is set by fleetbox: give {OWN_SBATCH[ours[0]]} instead")
+        if ours:
+            raise UserError(f"--sbatch-args: {w} would change the job's shape or files, which fleetbox sets")
+    return tuple(words)
+
+
+def resources(cpus_per_node: int | str, procs_per_node: int, accelerator: bool) -> tuple[list[str], list]:
+    """The CPUs each node's task asks for: the #SBATCH lines, and srun's options, which must ask again (Slurm
+    22.05 to 23.02 do not pass --cpus-per-task from sbatch to srun, and a step of an --exclusive job gets one CPU
+    unless it asks for the node's)."""
+    if cpus_per_node == WHOLE_NODE:
+        return ["#SBATCH --exclusive"], [Raw('--cpus-per-task="$SLURM_CPUS_ON_NODE"')]
+    cpus = cpus_per_node or procs_per_node * CPUS_PER_RANK[accelerator]
+    if cpus < procs_per_node:
+        raise UserError(f"--cpus-per-node {cpus} is fewer than the {procs_per_node} ranks on each node: each rank "
+                        f"needs a CPU at least")
+    return [f"#SBATCH --cpus-per-task={cpus}"], [f"--cpus-per-task={cpus}"]
 
 
 def time_seconds(value: str) -> int | None:
