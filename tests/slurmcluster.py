@@ -8,6 +8,10 @@ Like a site's, the cluster gives a job only what it asked for: CPUs and memory a
 CR_Core_Memory), each task is bound to its CPUs (task/affinity) and, where cgroup v1's cpuset and memory
 controllers are mounted (this machine's), confined to them and to its memory (task/cgroup: ConstrainCores,
 ConstrainRAMSpace).
+
+Like a login node's own disk, login-only/ in the cluster's folder is seen here and by no node: a tmpfs here, and
+each slurmd runs in a mount namespace of its own (slave: later mounts here still reach it) with an empty tmpfs over
+that folder.
 """
 import os
 import signal
@@ -72,6 +76,11 @@ PartitionName=debug Nodes={','.join(f'node{k}' for k in range(1, len(addrs) + 1)
 """
 
 
+def login_only(d: Path) -> Path:
+    """The cluster's folder that only this machine sees (a tmpfs here; the nodes mount their own, empty)."""
+    return d / "login-only"
+
+
 HOSTS = Path("/etc/hosts")
 HOSTS_MARK = "# fleetbox test cluster"
 
@@ -98,11 +107,15 @@ def start(d: Path, n: int = 2) -> dict:
     (d / "slurm.conf").write_text(conf(d, addrs))
     (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nConstrainCores=yes\nConstrainRAMSpace=yes\n")
     env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
+    hidden = login_only(d)
+    hidden.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "fleetbox-login-only", str(hidden)], check=True)
     subprocess.run(["slurmctld", "-f", str(d / "slurm.conf")], check=True, env=env)
     for k in range(1, n + 1):
-        subprocess.run(["unshare", "--uts", "sh", "-c",
-                        f"hostname node{k}; exec nsenter --net=/run/netns/fbn{k} slurmd -N node{k} "
-                        f"-f {d / 'slurm.conf'}"], check=True, env=env)
+        subprocess.run(["unshare", "--uts", "--mount", "--propagation", "slave", "sh", "-c",
+                        f"hostname node{k}; mount -t tmpfs -o size=1m fleetbox-node-local {hidden} && "
+                        f"exec nsenter --net=/run/netns/fbn{k} slurmd -N node{k} -f {d / 'slurm.conf'}"],
+                       check=True, env=env)
     deadline = time.monotonic() + 60
     while True:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, env=env).stdout
@@ -139,6 +152,7 @@ def stop(d: Path, n: int = 2) -> None:
             os.kill(p, signal.SIGKILL)
         except OSError:
             pass
+    subprocess.run(["umount", "--lazy", str(login_only(d))], capture_output=True)
     if (d / "started-munged").exists():
         subprocess.run(["pkill", "-x", "munged"], capture_output=True)
     fabric.teardown(n)

@@ -698,6 +698,23 @@ def test_slurm_gives_each_nodes_ranks_the_cpus_and_memory_asked_for(cluster, cpu
         assert resources_seen(job_dir, nodes) == want, given
 
 
+def test_slurm_a_path_the_nodes_cannot_see_is_warned_about_and_stops_the_node_naming_it(cluster, cpu_env):
+    """The script is in the cluster's login-only folder: a tmpfs here that no node sees. Submit warns in one line;
+    the node stops before the training, in one line that names the script; the job fails saying so."""
+    hidden = slurmcluster.login_only(Path(cluster["SLURM_CONF"]).parent)
+    script = hidden / "resources.py"
+    script.write_text(RESOURCES_PY)
+    proc = slurm_train(cluster, "--runtime", "none", "--venv", str(cpu_env["path"]), "--script", str(script),
+                       "--nodes", "1")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    warned = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "warning: " in ln]
+    assert warned == [f"warning: the script {script} is on tmpfs ({hidden}): Slurm's nodes see only file "
+                      "systems they mount too (NFS, Lustre, GPFS, BeeGFS, CephFS, ...); a node that cannot see one "
+                      "stops, naming it"], proc.stdout[-3000:]
+    one_line_error(proc, f"train failed: node0 (rank 0) on node1 stopped before the training: {script} is not on "
+                         f"this node: it must be on a file system every node mounts (exit 3)", job_output=True)
+
+
 def test_slurm_doctor_without_a_container_checks_the_env_on_every_node(cluster, cpu_env, tmp_path):
     """Passes with one env; fails naming node1 when node1's env was made from another lock (a copy of the env
     whose record says so: the test cluster's nodes share one file system, so {node} in --venv gives each its own)."""

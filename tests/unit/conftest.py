@@ -30,9 +30,25 @@ def stubs(tmp_path):
     return d
 
 
+def made_by_the_job(text, node="1"):
+    """The folders of the job folder that submit and job.sbatch make before node.sh runs (its helpers, the nodes'
+    log folders, the checkpoint folder), among the paths node.sh checks: node.sh needs them on the node."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from fleetbox import settings
+    m = re.search(r"^for p in (.*); do \[ -e", text, re.M)
+    for p in shlex.split(m.group(1)) if m else []:
+        if p.startswith(str(settings.runs_root()) + "/"):
+            Path(p.replace("$SLURM_NODEID", node)).mkdir(parents=True, exist_ok=True)
+
+
 def run_node(text, stubs, tmp_path, env=None):
     """Run a rendered node script with the stub runtimes as node 1 of 2 (Slurm job 7), `env` added: (the finished
-    process, the calls the stubs recorded). It runs in an empty folder, tmp_path/cwd."""
+    process, the calls the stubs recorded). It runs in an empty folder, tmp_path/cwd, once the job has made its
+    folders."""
+    made_by_the_job(text, (env or {}).get("SLURM_NODEID", "1"))
     script = tmp_path / "node.sh"
     script.write_text(text)
     out = tmp_path / "calls.jsonl"

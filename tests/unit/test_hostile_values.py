@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
@@ -86,7 +85,7 @@ def test_a_hostile_value_never_runs_and_arrives_unchanged(runtime, raw, stubs, t
         argv = call["argv"]
         assert argv[argv.index(image) - 2:argv.index(image)] == ["--opt", "x y"]   # --runtime-args words
     # the batch script: srun's own arguments (pyxis mounts) arrive whole, nothing runs
-    plan.dir.mkdir(parents=True)   # submit makes it
+    plan.dir.mkdir(parents=True, exist_ok=True)   # submit makes it
     calls = run_node_script(files["job.sbatch"], stubs, tmp_path)
     assert not marker.exists()
     srun = calls[0]["argv"]
@@ -122,7 +121,7 @@ def test_with_no_container_a_hostile_value_never_runs_and_arrives_unchanged(raw,
     assert cmd[cmd.index("--rank") + 1] == "1" and cmd[cmd.index("--log_dir") + 1] == f"{plan.dir}/node1"
     assert cmd[-4] == str(spec.script_path)   # /workspace/<script> is the script's own path
     assert env["EVIL"] == payload and env["WHERE"] == "node1" and env["FLEETBOX_VENV"] == f"{envs}/node1"
-    assert env["PYTHONPATH"].split(":")[0] == str(settings.HELPERS)
+    assert env["PYTHONPATH"].split(":")[0] == f"{plan.dir}/{slurm.HELPERS}"   # the job folder's copy
     assert env["FLEETBOX_CHECKPOINT_DIR"] == plan.checkpoints and env["FLEETBOX_PROGRESS_DIR"] == f"{plan.dir}/node1"
     assert env["VIRTUAL_ENV"] == f"{envs}/node1" and env["PATH"].startswith(f"{envs}/node1/bin:")
 

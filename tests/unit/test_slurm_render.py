@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -15,7 +16,7 @@ from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
 from fleetbox.ship import exports as hpc
-from tests.unit.conftest import REGISTRY, SHIPPED_HASH, fake_env
+from tests.unit.conftest import REGISTRY, SHIPPED_HASH, fake_env, given_image
 
 
 def job(variant="cpu", runtime="podman", runtime_args="", **kw):
@@ -629,7 +630,7 @@ def test_with_no_container_a_module_that_did_not_load_stops_the_node_and_the_sit
     proc, calls = run_node(node, stubs, tmp_path, {"LOADEDMODULES": "gcc/12:dtk/24.04", "PYTHONPATH": "/site/py"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (launch,) = [c for c in calls if c["tool"] == "python"]
-    assert launch["env"]["PYTHONPATH"] == f"{settings.HELPERS}:/site/py"
+    assert launch["env"]["PYTHONPATH"] == f"{tmp_path}/runs/train-t-1/{slurm.HELPERS}:/site/py"
 
 
 def test_two_envs_from_one_lock_report_one_identity(tmp_path, stubs):
@@ -701,3 +702,55 @@ def test_sbatch_args_are_long_options_that_fleetbox_does_not_set(words, said):
     with pytest.raises(UserError, match=re.escape(said)) as e:
         slurm.SlurmBackend("podman", sbatch_args=words)
     assert "\n" not in str(e.value)
+
+
+def checked_paths(node: str) -> list[str]:
+    """The paths node.sh checks before the runtime starts."""
+    m = re.search(r"^for p in (.*); do \[ -e \"\$p\" \]", node, re.M)
+    return shlex.split(m.group(1)) if m else []
+
+
+@pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
+def test_each_node_checks_the_paths_it_needs_from_the_shared_file_system(runtime, tmp_path, monkeypatch):
+    """Every path the node takes from here (script, helpers, logs, checkpoints, dataset cache, a file image or
+    env), none of a device's own (/opt/hyhal), and none where node.sh runs inside the container (pyxis)."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    own = {"venv": str(fake_env(tmp_path / "env", "dcu"))} if runtime == runtimes.Host.name else {}
+    spec = spec_mod.JobSpec(variant=matrix.load().get("dcu"), job_id="train-t-0001", port=29555,
+                            data_dir="" if own else str(cache))
+    plan = slurm.SlurmBackend(runtime, **own).plan(spec)
+    paths = checked_paths(dict(plan.files)["node.sh"])
+    if runtime == "pyxis":
+        assert paths == []
+        return
+    assert {str(settings.ROOT / "train"), str(settings.ROOT / "train" / "smoke.py"), f"{plan.dir}/helpers",
+            f"{plan.dir}/node$SLURM_NODEID", f"{plan.dir}/checkpoints", *([] if own else [str(cache)])} <= set(paths)
+    assert "/opt/hyhal" not in paths and str(settings.HELPERS) not in paths
+    assert (plan.image in paths) == plan.image.startswith("/"), (plan.image, paths)   # a file image or an env
+
+
+def test_submit_warns_in_one_line_of_paths_the_nodes_may_not_see(tmp_path, monkeypatch, stubs):
+    """Read from the machine's mount table (here a recorded login node's, where /tmp is a tmpfs and /home NFS)."""
+    from tests.unit.test_filesystems import LOGIN_NODE
+    table = tmp_path / "mountinfo"
+    table.write_text(LOGIN_NODE.replace(" /tmp ", f" {tmp_path} "))   # this test's folder stands for /tmp
+    monkeypatch.setattr(slurm.filesystems, "MOUNTINFO", table)
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    (stubs / "sbatch").write_text("#!/bin/sh\necho 42\n")
+    (stubs / "sbatch").chmod(0o755)
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-0001", port=29555,
+                            image=given_image("podman", tmp_path))
+    b = slurm.SlurmBackend("podman")
+    said = []
+    b.submit(b.plan(spec), log=said.append)
+    warned = [s for s in said if s.startswith("warning: ")]
+    assert warned == [f"warning: the runs folder {tmp_path}/runs is on tmpfs ({tmp_path}); the script "
+                      f"{settings.ROOT}/train/smoke.py is on a local ext4 disk (/dev/sda2 at /), while /home is on "
+                      f"nfs4; the checkpoint folder {tmp_path}/runs/train-t-0001/checkpoints is on tmpfs ({tmp_path}): "
+                      "Slurm's nodes see only file systems they mount too (NFS, Lustre, GPFS, BeeGFS, CephFS, ...); "
+                      "a node that cannot see one stops, naming it"]
+    assert sorted(p.name for p in (tmp_path / "runs" / "train-t-0001" / slurm.HELPERS).iterdir()) == \
+        sorted(p.name for p in settings.HELPERS.glob("*.py"))   # the nodes get the helpers from the job folder

@@ -17,14 +17,14 @@ import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 from fleetbox import files, incontainer, settings
 from fleetbox import options as parse
 from fleetbox.errors import UserError
-from fleetbox.run import checkpoints, hang, hostnet, output, placeholders, records
+from fleetbox.run import checkpoints, filesystems, hang, hostnet, output, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Option, Plan
@@ -54,6 +54,9 @@ ROUTE_SH = template("route_to.sh")
 CHAIN_SH = template("chain.sh")
 STRAGGLER_NOTICE = "fleetbox: straggler: "   # run/hang.py's line in the batch output, shown live
 HANG_PY = "hang.py"   # run/hang.py, copied into the job folder at submit: every allocation of a chain runs the same
+# The in-container helpers, copied into the job folder at submit: a fleetbox installed where only the login node
+# sees it (a venv on its local disk) still gives every node the same helpers
+HELPERS = "helpers"
 
 # What Slurm accepts in the #SBATCH lines we write (they cannot be quoted): a newline would start a command.
 SBATCH_VALUES = {
@@ -222,6 +225,8 @@ class SlurmBackend(Backend):
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
         t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt)))
+        t = replace(t, mounts=tuple(spec_mod.Mount(str(job_dir / HELPERS), m.dst, m.ro)
+                                    if m.dst == settings.HELPERS_DIR else m for m in t.mounts))
         if t.accelerator:   # the node's devices are Slurm's allocation, read on the node
             t = self.runtime.for_allocation(t)
         self.runtime.check(t, image)
@@ -241,6 +246,20 @@ class SlurmBackend(Backend):
 
     def words(self, words, job_id: str) -> str:
         return line(placeholders.to_shell(w, {**NODE_VARS, "job_id": job_id}) for w in words)
+
+    def node_paths(self, spec, t: planner.NodeRun, image: str) -> list[str]:
+        """The paths a node needs from the shared file system, at the same place as here (placeholders kept): every
+        mount's source but the devices' own (a DCU node's /opt/hyhal), the script itself (its folder may be
+        there, empty: a mount point), and the image or env where it is a path."""
+        own = {m.src for m in planner.device_options(spec, True).get("mounts", ())}
+        return list(dict.fromkeys([m.src for m in t.mounts if m.src not in own] + [str(spec.script_path)] +
+                                  ([image] if image.startswith("/") else [])))
+
+    def paths_here(self, spec, t: planner.NodeRun, image: str, job_id: str) -> str:
+        """node.sh's check that the node sees every path the job needs: one that is missing stops the node, named."""
+        return (f"for p in {self.words(self.node_paths(spec, t, image), job_id)}; do "
+                '[ -e "$p" ] || { echo "fleetbox: node $SLURM_NODEID on $(hostname): $p is not on this node: it must '
+                'be on a file system every node mounts" >&2; exit 3; }; done')
 
     def render_node_script(self, spec, job_id: str, job_dir: Path, t: planner.NodeRun, image: str) -> str:
         """What every srun task runs on its node."""
@@ -274,6 +293,8 @@ class SlurmBackend(Backend):
             lines += shell
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
         lines += rt.prelude_for(t)
+        if not rt.node_script_inside:   # else node.sh runs in the container, which srun made with the mounts
+            lines.append(self.paths_here(spec, t, image, job_id))
         run = self.words([*rt.launch(t, image, [*given, *self.runtime_args])], job_id)
         if rt.kills_client_only:
             # A killed client leaves its container running: remove it when Slurm stops this task, at once (Slurm
@@ -363,6 +384,10 @@ class SlurmBackend(Backend):
         for name, text in plan.files:
             files.write_atomic(plan.dir / name, text)
         files.write_atomic(plan.dir / HANG_PY, Path(hang.__file__).read_text())
+        (plan.dir / HELPERS).mkdir(exist_ok=True)
+        for src in sorted(settings.HELPERS.glob("*.py")):
+            files.write_atomic(plan.dir / HELPERS / src.name, src.read_bytes())
+        self.warn_unshared(plan, log)
         # SLURM_RESTART_COUNT=0: a requeue count of the shell's own Slurm job is not this job's (chain.sh)
         out = _slurm("sbatch", "--parsable", "--export=ALL,SLURM_RESTART_COUNT=0",
                      str(plan.dir / "job.sbatch")).stdout.strip()
@@ -372,6 +397,20 @@ class SlurmBackend(Backend):
         log(f"submitted Slurm job {handle.scheduler_job} ({plan.spec.nodes} nodes, runtime {plan.runtime}); "
             f"logs in {plan.dir}")
         return handle
+
+    def warn_unshared(self, plan: SlurmPlan, log) -> None:
+        """One line when a path the nodes need is where they may not see it (run/filesystems.py has the rule)."""
+        spec = plan.spec
+        paths = {"the runs folder": str(plan.dir.parent), "the script": str(spec.script_path),
+                 "the checkpoint folder": plan.checkpoints}
+        if plan.image.startswith("/"):
+            paths["the env" if not self.runtime.has_image else "the image"] = plan.image
+        if spec.data_dir:
+            paths["the dataset cache"] = spec.data_dir
+        table = filesystems.parse(filesystems.MOUNTINFO.read_text()) if filesystems.MOUNTINFO.exists() else []
+        if said := filesystems.warning({k: filesystems.resolved(v) for k, v in paths.items() if "{" not in v},
+                                       table):
+            log(f"warning: {said}")
 
     def current(self, handle: Handle, recs: list[dict] | None = None) -> str:
         """The Slurm job of the chain's newest allocation: the next one once submitted, else the last one."""
