@@ -10,15 +10,20 @@ from pathlib import Path
 OPENCV_NOW, OPENCV_BUMPED = "opencv-python-headless==4.12.0.88", "opencv-python-headless==4.11.0.86"
 
 
-def copy_with_pin(root: Path, tmp: Path, image: str, wheel_dir: Path, old=OPENCV_NOW, new=OPENCV_BUMPED) -> dict:
-    """The copy at tmp/src, with `old` -> `new` in [variants.cpu] and images called `image`; its wheelhouse
-    at tmp/wheelhouse starts as hard links of `wheel_dir`'s wheels. Returns the environment to run it with."""
-    src = tmp / "src"
+def copy(root: Path, dest: Path) -> Path:
+    """The checkout's tracked files, as they are in the working tree, copied to `dest` (what a clone would hold)."""
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
     for name in filter(None, listed.decode().split("\0")):
         if (root / name).is_file():   # a file deleted in the working tree is not copied
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / name, src / name)
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, dest / name)
+    return dest
+
+
+def copy_with_pin(root: Path, tmp: Path, image: str, wheel_dir: Path, old=OPENCV_NOW, new=OPENCV_BUMPED) -> dict:
+    """The copy at tmp/src, with `old` -> `new` in [variants.cpu] and images called `image`; its wheelhouse
+    at tmp/wheelhouse starts as hard links of `wheel_dir`'s wheels. Returns the environment to run it with."""
+    src = copy(root, tmp / "src")
     m = src / "images" / "matrix.toml"
     text = m.read_text()
     at = text.index("[variants.cpu]")

@@ -22,7 +22,7 @@ LOCAL_DISK = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "
                         "exfat", "ntfs", "ntfs3"})
 SHARED = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "fhgfs", "ceph", "fuse.ceph-fuse", "cephfs",
                     "glusterfs", "fuse.glusterfs", "pvfs2", "orangefs", "wekafs", "panfs", "cifs", "smb3", "afs",
-                    "fuse.juicefs", "quobyte", "fuse.quobyte", "virtiofs", "9p", "nfsd", "dvs"})
+                    "fuse.juicefs", "quobyte", "fuse.quobyte", "virtiofs", "dvs"})
 MOUNTINFO = Path("/proc/self/mountinfo")
 
 
@@ -50,14 +50,18 @@ def parse(mountinfo: str) -> list[Mounted]:
     return out
 
 
+def under(path: str, target: str) -> bool:
+    return target == "/" or path == target or path.startswith(target + "/")
+
+
 def holder(path: str, table: list[Mounted]) -> Mounted | None:
-    """The mount that holds an absolute, resolved path: the last one on the longest mount point above it."""
-    best = None
+    """The mount that holds an absolute, resolved path: the one on the longest mount point above it among those
+    that no later mount hides (a mount on a point, or on a folder above it, hides what was mounted there before)."""
+    seen: list[Mounted] = []
     for m in table:
         t = m.target.rstrip("/") or "/"
-        if (path == t or path.startswith(t.rstrip("/") + "/")) and (best is None or len(t) >= len(best.target)):
-            best = Mounted(t, m.fstype, m.source)
-    return best
+        seen = [s for s in seen if not under(s.target, t)] + [Mounted(t, m.fstype, m.source)]
+    return max((m for m in seen if under(path, m.target)), key=lambda m: len(m.target), default=None)
 
 
 def why_not_shared(path: str, table: list[Mounted]) -> str:
@@ -75,6 +79,7 @@ def why_not_shared(path: str, table: list[Mounted]) -> str:
 
 def resolved(path: str) -> str:
     """The real path of `path`, or of its nearest existing folder (a checkpoint folder not made yet)."""
+    path = os.path.abspath(path)   # and normalised: /tmp/a/../../etc is /etc
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent

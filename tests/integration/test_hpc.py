@@ -118,6 +118,7 @@ def test_charliecloud_run_as_a_user_finds_the_seeded_cache_in_its_home(charliecl
         (shared / "node.sh").write_text(dict(plan.files)["node.sh"])
         (shared / "runs" / "train-user-0001" / "node0").mkdir(parents=True)   # the batch script makes it
         (shared / "runs" / "train-user-0001" / "checkpoints").mkdir()          # submit makes it
+        shutil.copytree(settings.HELPERS, shared / "runs" / "train-user-0001" / slurm_backend.HELPERS)   # and this
         subprocess.run(["chmod", "-R", "a+rwX", str(shared / "runs")], check=True)
         env = f"SLURM_NODEID=0 SLURM_NNODES=1 SLURM_JOB_ID=1 MASTER_IP=127.0.0.1 MASTER_PORT={plan.port}"
         proc = subprocess.run(["su", "-", user, "-c", f"{env} bash {shared / 'node.sh'}"], capture_output=True,
@@ -713,6 +714,42 @@ def test_slurm_a_path_the_nodes_cannot_see_is_warned_about_and_stops_the_node_na
                       "stops, naming it"], proc.stdout[-3000:]
     one_line_error(proc, f"train failed: node0 (rank 0) on node1 stopped before the training: {script} is not on "
                          f"this node: it must be on a file system every node mounts (exit 3)", job_output=True)
+
+
+def test_a_user_without_root_installs_fleetbox_in_a_venv_plans_and_submits_a_slurm_job(cluster, charliecloud_image):
+    """README's install on a login node: a user with no root copies the checkout to their home, makes a venv with
+    the system's Python and pip-installs fleetbox into it; that fleetbox dry-runs and submits a 2-node Charliecloud
+    job to the cluster, which runs as the user. pip's cache is kept between runs, never required."""
+    from tests import checkout
+    user, conf = "fleetbox-login", Path("/home/fleetbox-login/slurm.conf")
+    subprocess.run(["userdel", "-r", user], capture_output=True)   # left by an interrupted run
+    subprocess.run(["useradd", "-m", "-s", "/bin/bash", user], check=True)
+    cache = Path("/var/cache/fleetbox-tests/pip")
+    cache.mkdir(parents=True, exist_ok=True)
+    cache.chmod(0o1777)
+
+    def as_user(command: str, timeout=900):
+        env = f"SLURM_CONF={conf} PIP_CACHE_DIR={cache} PIP_DISABLE_PIP_VERSION_CHECK=1"
+        return subprocess.run(["su", "-", user, "-c", f"{env} {command}"], capture_output=True, text=True,
+                              timeout=timeout)
+    try:
+        checkout.copy(ROOT, Path(f"/home/{user}/fleetbox"))
+        shutil.copy(cluster["SLURM_CONF"], conf)   # the cluster's own folder is root's alone
+        subprocess.run(["chown", "-R", f"{user}:{user}", f"/home/{user}"], check=True)
+        proc = as_user("/usr/bin/python3 -m venv ~/venv && ~/venv/bin/pip install -q -e ~/fleetbox")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        train = ("cd ~/fleetbox && ~/venv/bin/invoke train --backend slurm --runtime charliecloud --nodes 2 "
+                 f"--image {charliecloud_image}")
+        proc = as_user(f"{train} --dry-run")
+        assert proc.returncode == 0 and "#SBATCH --nodes=2" in proc.stdout, proc.stdout[-3000:] + proc.stderr
+        proc = as_user(train)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        s, job_dir = summary(proc)
+        assert s["ok"] and '"world": 2' in proc.stdout and job_dir.startswith(f"/home/{user}/fleetbox/runs/")
+        uid = int(subprocess.run(["id", "-u", user], capture_output=True, text=True, check=True).stdout)
+        assert {Path(job_dir, f"node{k}.log").stat().st_uid for k in (0, 1)} == {uid}   # it ran as the user
+    finally:
+        subprocess.run(["userdel", "-r", user], capture_output=True)
 
 
 def test_slurm_doctor_without_a_container_checks_the_env_on_every_node(cluster, cpu_env, tmp_path):

@@ -69,3 +69,25 @@ def test_a_path_not_made_yet_is_judged_by_its_nearest_folder(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "real")
     assert filesystems.resolved(str(tmp_path / "link" / "ckpt" / "x")) == str(tmp_path / "real" / "ckpt" / "x")
     assert filesystems.resolved(str(tmp_path / "link")) == str(tmp_path / "real")
+
+
+def test_a_later_mount_on_a_folder_above_hides_what_was_mounted_below_it():
+    table = filesystems.parse("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                              "2 1 0:40 / /a/b rw - nfs4 nas:/b rw\n"
+                              "3 1 0:41 / /a rw - tmpfs tmpfs rw\n"
+                              "4 3 0:42 / /a/c rw - lustre l:/c rw\n")
+    assert filesystems.holder("/a/b/x", table).fstype == "tmpfs"   # /a/b's NFS is under the tmpfs now
+    assert filesystems.holder("/a/c/x", table).fstype == "lustre"   # mounted after the tmpfs
+    assert filesystems.holder("/ab", table).fstype == "ext4"
+
+
+def test_an_nfs_server_or_a_9p_share_does_not_make_a_local_disk_suspect():
+    """/proc/fs/nfsd (an NFS server's own) and 9p (WSL's drives) are not file systems compute nodes mount."""
+    table = filesystems.parse("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                              "2 1 0:40 / /proc/fs/nfsd rw - nfsd nfsd rw\n"
+                              "3 1 0:41 / /mnt/c rw - 9p drvfs rw\n")
+    assert filesystems.why_not_shared("/home/ada/runs", table) == ""
+
+
+def test_a_path_is_normalised_before_it_is_judged(tmp_path):
+    assert filesystems.resolved(str(tmp_path / "nope" / ".." / ".." / "x")) == str(tmp_path.parent / "x")

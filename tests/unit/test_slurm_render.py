@@ -692,10 +692,17 @@ def test_fewer_cpus_than_ranks_is_refused_in_one_line(tmp_path, monkeypatch):
     ("--cpus-per-task=8", "give --cpus-per-node instead"), ("--mem=4G", "give --mem instead"),
     ("--partition=gpu", "give --partition instead"), ("--gpus=4", "give --gpus-per-node instead"),
     ("--requeue", "give --max-restarts instead"), ("--job-name=x", "give --job-id instead"),
-    ("--output=/tmp/x", "would change the job's shape or files"), ("--ntasks=8", "would change the job's shape"),
-    ("--array=1-4", "would change the job's shape"), ("--export=NONE", "would change the job's shape"),
+    ("--output=/tmp/x", "--output is not among the sbatch options fleetbox passes on"),
+    ("--ntasks=8", "--ntasks is not among"), ("--array=1-4", "--array is not among"),
+    ("--export=NONE", "--export is not among"), ("--test-only", "--test-only is not among"),
+    ("--tasks-per-node=4", "--tasks-per-node is not among"),   # sbatch's alias of --ntasks-per-node
+    ("--mem-per-cpu=1G", "--mem-per-cpu is not among"), ("--gres=gpu:8", "--gres is not among"),
+    ("--clusters=other", "--clusters is not among"), ("--mail-t=END", "--mail-t is not among"),   # whole names
+    ("--comment", "--comment takes a value: write --comment=VALUE"),   # else it takes the next line's word
+    ("--comment=", "is not an sbatch long"),
+    ("--contiguous=yes", "--contiguous takes no value: write --contiguous"),
     ("-w node1", "'-w' is not an sbatch long option"), ("mail-type=END", "is not an sbatch long option"),
-    ("--mail-type END", "'END' is not an sbatch long option"), ("--comment=a b", "'b' is not"),
+    ("--mail-type END", "--mail-type takes a value: write --mail-type=VALUE"), ("--comment=a b", "'b' is not"),
     ("--begin=now+1hour --x='a\"b'", "is not an sbatch long option"), ("--a=\"unclosed", "cannot be split"),
 ])
 def test_sbatch_args_are_long_options_that_fleetbox_does_not_set(words, said):
@@ -754,3 +761,29 @@ def test_submit_warns_in_one_line_of_paths_the_nodes_may_not_see(tmp_path, monke
                       "a node that cannot see one stops, naming it"]
     assert sorted(p.name for p in (tmp_path / "runs" / "train-t-0001" / slurm.HELPERS).iterdir()) == \
         sorted(p.name for p in settings.HELPERS.glob("*.py"))   # the nodes get the helpers from the job folder
+
+
+@pytest.mark.parametrize("runtime", ["apptainer", "charliecloud", "podman", "none"])
+def test_a_node_that_cannot_see_the_script_stops_naming_it_before_its_runtime_starts(runtime, tmp_path, stubs,
+                                                                                     monkeypatch):
+    """node.sh run as node 1 after the script's folder went away (as on a node that does not mount it): exit 3,
+    one line naming the script, no runtime started (runtime none: before it changes into the script's folder).
+    A user's --mount is not checked: Docker and Podman make a node-local source."""
+    from tests.unit.conftest import run_node
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("")
+    own = {"venv": str(fake_env(tmp_path / "env", python=stubs / "python"))} if runtime == "none" else {}
+    mounts = () if own else (spec_mod.Mount(str(tmp_path / "scratch-on-each-node"), "/scratch", False),)
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555,
+                            script=str(ws / "train.py"), mounts=mounts,
+                            image="" if own else given_image(runtime, tmp_path))
+    node = dict(slurm.SlurmBackend(runtime, **own).plan(spec).files)["node.sh"]
+    (ws / "train.py").unlink()
+    ws.rmdir()
+    proc, calls = run_node(node, stubs, tmp_path)
+    assert proc.returncode == 3 and calls == [], proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-1] == (f"fleetbox: node 1 on {os.uname().nodename}: {ws} is not on this node: it "
+                                            "must be on a file system every node mounts")
+    assert str(tmp_path / "scratch-on-each-node") not in checked_paths(node)

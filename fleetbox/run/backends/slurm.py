@@ -81,18 +81,25 @@ MIN_WORK, SHORT_WORK = 60, 300   # seconds of work an allocation keeps at worst:
 CPUS_PER_RANK = {False: 2, True: 4}   # key: the variant has an accelerator
 WHOLE_NODE = "all"   # --cpus-per-node all: the nodes to the job alone (--exclusive), every CPU to its task
 
-# What --sbatch-args may hold: sbatch long options, --name or --name=value, with values that cannot start another
-# line or word. The options fleetbox writes itself are asked for with its own options, or not at all.
-SBATCH_ARG = re.compile(r"--([a-z][a-z0-9-]*)(?:=([A-Za-z0-9_.,:@+/=\[\]&|()*-]*))?")
-OWN_SBATCH = {
-    "partition": "--partition", "time": "--time", "account": "--account",
-    "qos": "--qos", "constraint": "--constraint", "reservation": "--reservation", "mem": "--mem",
-    "cpus-per-task": "--cpus-per-node", "exclusive": "--cpus-per-node all", "gpus-per-node": "--gpus-per-node",
-    "gpus": "--gpus-per-node", "nodes": "--nodes", "job-name": "--job-id", "requeue": "--max-restarts",
-    "no-requeue": "--max-restarts",
+# What --sbatch-args may pass on: sbatch long options that leave the job's shape, files and outcome to fleetbox,
+# by their whole names (sbatch reads an unambiguous start as the whole, and aliases such as --tasks-per-node
+# exist: an allowlist, not a denylist), those that take a value always with one (a bare --comment would take the
+# next #SBATCH word as its value), with values that cannot start another line or word.
+SBATCH_PASSED = {   # name: takes a value
+    "acctg-freq": True, "begin": True, "bb": True, "bbf": True, "comment": True, "contiguous": False,
+    "core-spec": True, "cpu-freq": True, "deadline": True, "delay-boot": True, "dependency": True, "exclude": True,
+    "gpu-freq": True, "gres-flags": True, "hint": True, "licenses": True, "mail-type": True, "mail-user": True,
+    "mcs-label": True, "mem-bind": True, "network": True, "nice": True, "nodelist": True, "power": True,
+    "prefer": True, "priority": True, "profile": True, "spread-job": False, "switches": True, "thread-spec": True,
+    "time-min": True, "tmp": True, "use-min-nodes": False, "wckey": True,
 }
-FIXED_SBATCH = ("ntasks", "ntasks-per-node", "output", "error", "open-mode", "signal", "export", "wrap", "array",
-                "parsable", "wait", "hetjob", "het-job")   # the job's shape and files: fleetbox's own
+SBATCH_ARG = re.compile(r"--([a-z][a-z0-9-]*)(?:=([A-Za-z0-9_.,:@+/=\[\]&|()*-]+))?")
+OWN_SBATCH = {   # what fleetbox writes itself, and the option of ours that asks for it
+    "partition": "--partition", "time": "--time", "account": "--account", "qos": "--qos",
+    "constraint": "--constraint", "reservation": "--reservation", "mem": "--mem", "cpus-per-task": "--cpus-per-node",
+    "exclusive": "--cpus-per-node all", "gpus-per-node": "--gpus-per-node", "gpus": "--gpus-per-node",
+    "nodes": "--nodes", "job-name": "--job-id", "requeue": "--max-restarts", "no-requeue": "--max-restarts",
+}
 
 
 @dataclass(frozen=True)
@@ -249,10 +256,13 @@ class SlurmBackend(Backend):
 
     def node_paths(self, spec, t: planner.NodeRun, image: str) -> list[str]:
         """The paths a node needs from the shared file system, at the same place as here (placeholders kept): every
-        mount's source but the devices' own (a DCU node's /opt/hyhal), the script itself (its folder may be
-        there, empty: a mount point), and the image or env where it is a path."""
-        own = {m.src for m in planner.device_options(spec, True).get("mounts", ())}
-        return list(dict.fromkeys([m.src for m in t.mounts if m.src not in own] + [str(spec.script_path)] +
+        mount's source but the devices' own (a DCU node's /opt/hyhal) and the user's --mount (node-local scratch
+        is fine there), the script itself (its folder may be there, empty: a mount point), and the image or env
+        where it is a path."""
+        devices = {m.src for m in planner.device_options(spec, True).get("mounts", ())}
+        users = {m.dst for m in spec.mounts}
+        return list(dict.fromkeys([m.src for m in t.mounts if m.src not in devices and m.dst not in users] +
+                                  [str(spec.script_path)] +
                                   ([image] if image.startswith("/") else [])))
 
     def paths_here(self, spec, t: planner.NodeRun, image: str, job_id: str) -> str:
@@ -282,6 +292,8 @@ class SlurmBackend(Backend):
                   '{ echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
                   'echo "fleetbox: node $SLURM_NODEID on $(hostname): '
                   '$IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
+        if not rt.node_script_inside:   # else node.sh runs in the container, which srun made with the mounts
+            lines.append(self.paths_here(spec, t, image, job_id))
         lines += [w if isinstance(w, Raw) else self.words(w, job_id) for w in rt.setup(t)]
         if spec.image_identity:
             lines += [f"IMAGE_REF={shlex.quote(image)}"] * rt.has_image + [rt.identify(image)]
@@ -293,8 +305,6 @@ class SlurmBackend(Backend):
             lines += shell
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
         lines += rt.prelude_for(t)
-        if not rt.node_script_inside:   # else node.sh runs in the container, which srun made with the mounts
-            lines.append(self.paths_here(spec, t, image, job_id))
         run = self.words([*rt.launch(t, image, [*given, *self.runtime_args])], job_id)
         if rt.kills_client_only:
             # A killed client leaves its container running: remove it when Slurm stops this task, at once (Slurm
@@ -676,13 +686,16 @@ def sbatch_args_option(value: str) -> tuple[str, ...]:
         if not m:
             raise UserError(f"--sbatch-args: {w!r} is not an sbatch long option written --name or --name=value "
                             f"(letters, digits and .,:@+/=[]&|()*_- in the value)")
-        # sbatch takes an unambiguous start of a long option for the whole (--excl is --exclusive): a start of
-        # one of ours is ours, or refused by sbatch as ambiguous
-        ours = [name for name in (*OWN_SBATCH, *FIXED_SBATCH) if name.startswith(m.group(1))]
-        if ours and ours[0] in OWN_SBATCH:
-            raise UserError(f"--sbatch-args: {w} is set by fleetbox: give {OWN_SBATCH[ours[0]]} instead")
+        name, value = m.group(1), m.group(2)
+        ours = [o for o in OWN_SBATCH if o.startswith(name)]   # sbatch would read a start of ours as ours
         if ours:
-            raise UserError(f"--sbatch-args: {w} would change the job's shape or files, which fleetbox sets")
+            raise UserError(f"--sbatch-args: {w} is set by fleetbox: give {OWN_SBATCH[ours[0]]} instead")
+        if name not in SBATCH_PASSED:
+            raise UserError(f"--sbatch-args: --{name} is not among the sbatch options fleetbox passes on (by their "
+                            f"whole names): {', '.join('--' + o for o in SBATCH_PASSED)}")
+        if SBATCH_PASSED[name] != (value is not None):
+            raise UserError(f"--sbatch-args: --{name} takes a value: write --{name}=VALUE" if SBATCH_PASSED[name]
+                            else f"--sbatch-args: --{name} takes no value: write --{name}")
     return tuple(words)
 
 
