@@ -9,11 +9,12 @@ CR_Core_Memory), each task is bound to its CPUs (task/affinity) and, where cgrou
 controllers are mounted (this machine's), confined to them and to its memory (task/cgroup: ConstrainCores,
 ConstrainRAMSpace).
 
-Like a login node's own disk, login-only/ in the cluster's folder is seen here and by no node: a tmpfs here, and
+Like a login node's own disk, LOGIN_ONLY is seen here and by no node: a tmpfs here, and
 each slurmd runs in a mount namespace of its own (slave: later mounts here still reach it) with an empty tmpfs over
 that folder.
 """
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +35,13 @@ def _munge(d: Path):
 
 CPUS, MEMORY_MB = os.cpu_count() or 1, 4000   # each node's: every CPU of this machine, a share of its memory
 CGROUP_V1 = Path("/sys/fs/cgroup/cpuset/cpuset.cpus"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+# What every user's jobs read, as on a site: the configuration (a job's SLURM_CONF is slurmd's) and slurmd's spool
+# (a batch script runs from there), outside the cluster's own folder (a test's temporary folder, root's alone)
+SITE = Path("/var/lib/fleetbox-test-slurm")
+SPOOL = SITE / "spool"
+LOGIN_ONLY = SITE / "login-only"   # only this machine sees it: a tmpfs here, each node's own empty one there
 
 
 def confines() -> bool:
@@ -66,7 +74,7 @@ JobCompType=jobcomp/none
 MinJobAge=600
 KillWait=5
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool/%n
+SlurmdSpoolDir={SPOOL}/%n
 SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
@@ -74,11 +82,6 @@ SlurmdLogFile={d}/slurmd-%n.log
 {nodes}
 PartitionName=debug Nodes={','.join(f'node{k}' for k in range(1, len(addrs) + 1))} Default=YES MaxTime=INFINITE State=UP
 """
-
-
-def login_only(d: Path) -> Path:
-    """The cluster's folder that only this machine sees (a tmpfs here; the nodes mount their own, empty)."""
-    return d / "login-only"
 
 
 HOSTS = Path("/etc/hosts")
@@ -100,27 +103,28 @@ def start(d: Path, n: int = 2) -> dict:
     addrs = fabric.network(n)
     _names(addrs)
     _munge(d)
-    for sub in ("state", "spool"):
-        (d / sub).mkdir(parents=True, exist_ok=True)
+    (d / "state").mkdir(parents=True, exist_ok=True)
+    subprocess.run(["umount", "--lazy", str(LOGIN_ONLY)], capture_output=True)   # an earlier cluster's
+    shutil.rmtree(SITE, ignore_errors=True)
     for k in range(1, n + 1):
-        (d / "spool" / f"node{k}").mkdir(parents=True, exist_ok=True)
-    (d / "slurm.conf").write_text(conf(d, addrs))
-    (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nConstrainCores=yes\nConstrainRAMSpace=yes\n")
-    env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
-    hidden = login_only(d)
-    hidden.mkdir(exist_ok=True)
+        (SPOOL / f"node{k}").mkdir(parents=True, exist_ok=True)
+    (SITE / "slurm.conf").write_text(conf(d, addrs))   # cgroup.conf is read from slurm.conf's folder
+    (SITE / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nConstrainCores=yes\nConstrainRAMSpace=yes\n")
+    env = {**os.environ, "SLURM_CONF": str(SITE / "slurm.conf")}
+    hidden = LOGIN_ONLY
+    hidden.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "fleetbox-login-only", str(hidden)], check=True)
-    subprocess.run(["slurmctld", "-f", str(d / "slurm.conf")], check=True, env=env)
+    subprocess.run(["slurmctld", "-f", str(SITE / "slurm.conf")], check=True, env=env)
     for k in range(1, n + 1):
         subprocess.run(["unshare", "--uts", "--mount", "--propagation", "slave", "sh", "-c",
                         f"hostname node{k}; mount -t tmpfs -o size=1m fleetbox-node-local {hidden} && "
-                        f"exec nsenter --net=/run/netns/fbn{k} slurmd -N node{k} -f {d / 'slurm.conf'}"],
+                        f"exec nsenter --net=/run/netns/fbn{k} slurmd -N node{k} -f {SITE / 'slurm.conf'}"],
                        check=True, env=env)
     deadline = time.monotonic() + 60
     while True:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, env=env).stdout
         if out.count("idle") == n:
-            return {"SLURM_CONF": str(d / "slurm.conf")}
+            return {"SLURM_CONF": str(SITE / "slurm.conf")}
         if time.monotonic() > deadline:
             raise RuntimeError(f"the test cluster did not come up: {out!r}; logs in {d}")
         time.sleep(0.5)
@@ -152,7 +156,8 @@ def stop(d: Path, n: int = 2) -> None:
             os.kill(p, signal.SIGKILL)
         except OSError:
             pass
-    subprocess.run(["umount", "--lazy", str(login_only(d))], capture_output=True)
+    subprocess.run(["umount", "--lazy", str(LOGIN_ONLY)], capture_output=True)
+    shutil.rmtree(SITE, ignore_errors=True)
     if (d / "started-munged").exists():
         subprocess.run(["pkill", "-x", "munged"], capture_output=True)
     fabric.teardown(n)

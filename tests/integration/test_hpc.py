@@ -702,7 +702,7 @@ def test_slurm_gives_each_nodes_ranks_the_cpus_and_memory_asked_for(cluster, cpu
 def test_slurm_a_path_the_nodes_cannot_see_is_warned_about_and_stops_the_node_naming_it(cluster, cpu_env):
     """The script is in the cluster's login-only folder: a tmpfs here that no node sees. Submit warns in one line;
     the node stops before the training, in one line that names the script; the job fails saying so."""
-    hidden = slurmcluster.login_only(Path(cluster["SLURM_CONF"]).parent)
+    hidden = slurmcluster.LOGIN_ONLY
     script = hidden / "resources.py"
     script.write_text(RESOURCES_PY)
     proc = slurm_train(cluster, "--runtime", "none", "--venv", str(cpu_env["path"]), "--script", str(script),
@@ -721,7 +721,7 @@ def test_a_user_without_root_installs_fleetbox_in_a_venv_plans_and_submits_a_slu
     the system's Python and pip-installs fleetbox into it; that fleetbox dry-runs and submits a 2-node Charliecloud
     job to the cluster, which runs as the user. pip's cache is kept between runs, never required."""
     from tests import checkout
-    user, conf = "fleetbox-login", Path("/home/fleetbox-login/slurm.conf")
+    user, conf = "fleetbox-login", cluster["SLURM_CONF"]   # readable by every user, as a site's
     subprocess.run(["userdel", "-r", user], capture_output=True)   # left by an interrupted run
     subprocess.run(["useradd", "-m", "-s", "/bin/bash", user], check=True)
     cache = Path("/var/cache/fleetbox-tests/pip")
@@ -730,11 +730,10 @@ def test_a_user_without_root_installs_fleetbox_in_a_venv_plans_and_submits_a_slu
 
     def as_user(command: str, timeout=900):
         env = f"SLURM_CONF={conf} PIP_CACHE_DIR={cache} PIP_DISABLE_PIP_VERSION_CHECK=1"
-        return subprocess.run(["su", "-", user, "-c", f"{env} {command}"], capture_output=True, text=True,
+        return subprocess.run(["su", "-", user, "-c", f"export {env}; {command}"], capture_output=True, text=True,
                               timeout=timeout)
     try:
         checkout.copy(ROOT, Path(f"/home/{user}/fleetbox"))
-        shutil.copy(cluster["SLURM_CONF"], conf)   # the cluster's own folder is root's alone
         subprocess.run(["chown", "-R", f"{user}:{user}", f"/home/{user}"], check=True)
         proc = as_user("/usr/bin/python3 -m venv ~/venv && ~/venv/bin/pip install -q -e ~/fleetbox")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -743,7 +742,8 @@ def test_a_user_without_root_installs_fleetbox_in_a_venv_plans_and_submits_a_slu
         proc = as_user(f"{train} --dry-run")
         assert proc.returncode == 0 and "#SBATCH --nodes=2" in proc.stdout, proc.stdout[-3000:] + proc.stderr
         proc = as_user(train)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        batch = "".join(p.read_text()[-3000:] for p in Path(f"/home/{user}/fleetbox/runs").glob("*/slurm-*.out"))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr + batch
         s, job_dir = summary(proc)
         assert s["ok"] and '"world": 2' in proc.stdout and job_dir.startswith(f"/home/{user}/fleetbox/runs/")
         uid = int(subprocess.run(["id", "-u", user], capture_output=True, text=True, check=True).stdout)
