@@ -44,6 +44,12 @@ SPOOL = SITE / "spool"
 LOGIN_ONLY = SITE / "login-only"   # only this machine sees it: a tmpfs here, each node's own empty one there
 
 
+def controller_pid() -> int:
+    """slurmctld's process id (its pid file, named in the cluster's slurm.conf)."""
+    conf = (SITE / "slurm.conf").read_text()
+    return int(Path(conf.split("SlurmctldPidFile=")[1].split()[0]).read_text())
+
+
 def confines() -> bool:
     """Slurm's task/cgroup can confine tasks here: cgroup v1 with the cpuset and memory controllers."""
     return all(p.exists() for p in CGROUP_V1)

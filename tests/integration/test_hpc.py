@@ -3,6 +3,7 @@ export for Charliecloud, and a registry on loopback (push, pull back with Podman
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -750,6 +751,38 @@ def test_a_user_without_root_installs_fleetbox_in_a_venv_plans_and_submits_a_slu
         assert {Path(job_dir, f"node{k}.log").stat().st_uid for k in (0, 1)} == {uid}   # it ran as the user
     finally:
         subprocess.run(["userdel", "-r", user], capture_output=True)
+
+
+def test_slurm_a_controller_that_stops_answering_mid_job_is_not_the_jobs_end(cluster, cpu_env):
+    """slurmctld stopped (SIGSTOP) for 25 s while a 2-node job trains, as a busy or restarting controller that
+    answers no query for a while ("Socket timed out on send/recv operation"): the attached run asks again until it
+    answers, and the job passes with its record right (it was read as ended, FAILED, at the first timed-out query)."""
+    env = {**os.environ, **cluster}
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "none",
+                             "--venv", str(cpu_env["path"]), "--args", "--steps 60 --step-sleep 0.5"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "RUNNING" not in subprocess.run(["squeue", "-h", "-o", "%T"], capture_output=True, text=True,
+                                              env=env).stdout:
+            assert time.monotonic() < deadline and proc.poll() is None, "the job did not start"
+            time.sleep(0.5)
+        time.sleep(5)   # into its training
+        pid = slurmcluster.controller_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(25)   # longer than scontrol's own timeout (MessageTimeout, 10 s) and many polls
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err
+    s, job_dir = summary(subprocess.CompletedProcess([], 0, out, err))
+    assert s["ok"] and s["scheduler_state"] == "COMPLETED" and s["smoke"]["steps"] == 60, s
+    from fleetbox.run.records import Handle, JobState
+    assert slurm_backend.SlurmBackend().job_state(Handle.load(Path(job_dir)))[0] == JobState.PASSED   # invoke jobs
 
 
 def test_slurm_doctor_without_a_container_checks_the_env_on_every_node(cluster, cpu_env, tmp_path):

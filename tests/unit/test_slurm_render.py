@@ -787,3 +787,23 @@ def test_a_node_that_cannot_see_the_script_stops_naming_it_before_its_runtime_st
     assert proc.stderr.splitlines()[-1] == (f"fleetbox: node 1 on {os.uname().nodename}: {ws} is not on this node: it "
                                             "must be on a file system every node mounts")
     assert str(tmp_path / "scratch-on-each-node") not in checked_paths(node)
+
+
+@pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
+def test_where_each_runtimes_ranks_write_progress_is_where_the_hang_watcher_reads(runtime, tmp_path, monkeypatch):
+    """run/hang.py reads the job folder's node<rank>/ on the batch node (progress files, stacks, the stack request);
+    the ranks write where FLEETBOX_PROGRESS_DIR and the launcher's --log_dir say, inside their container. Each
+    runtime's own mounts must take one to the other (Pyxis mounts the job folder elsewhere)."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    own = {"venv": str(fake_env(tmp_path / "env"))} if runtime == runtimes.Host.name else {}
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-0001", port=29555)
+    b = slurm.SlurmBackend(runtime, **own)
+    job_dir = tmp_path / "runs" / "train-t-0001"
+    t = b.node_run(spec, "train-t-0001", job_dir, job_dir / "checkpoints")
+    rt = b.runtime
+    rank_env = rt.exports(t) if runtime == runtimes.Host.name else t.env   # no container: node.sh exports them
+    command = [str(w) for w in rt.launch(t, "img")] if runtime == runtimes.Host.name else list(t.command)
+    watched = f"{job_dir}/{{node}}"   # hang.py's node<k>, before the placeholder is filled
+    assert rt.on_host(t, rank_env["FLEETBOX_PROGRESS_DIR"]) == watched
+    assert rt.on_host(t, command[command.index("--log_dir") + 1]) == watched
+    assert rt.on_host(t, rank_env["FLEETBOX_CHECKPOINT_DIR"]) == str(job_dir / "checkpoints")

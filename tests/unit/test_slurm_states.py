@@ -16,10 +16,29 @@ SCONTROL = r'''#!{py}
 import json, os, sys
 states = json.load(open(os.environ["STUB_DIR"] + "/states.json"))
 job = sys.argv[3]
+busy = os.environ["STUB_DIR"] + "/busy.json"   # {{job: how many queries more get no answer}}
+left = json.load(open(busy)) if os.path.exists(busy) else {{}}
+if left.get(job, 0) > 0:
+    left[job] -= 1
+    json.dump(left, open(busy, "w"))
+    print("slurm_load_jobs error: Socket timed out on send/recv operation", file=sys.stderr)
+    sys.exit(1)
 if job in states:
     print(f"JobId={{job}} JobName=fleetbox-x JobState={{states[job]}} Reason=None ExitCode=0:0")
 else:
     print(f"slurm_load_jobs error: Invalid job id specified", file=sys.stderr)
+    sys.exit(1)
+'''
+# sacct -j ID -X -n -P -o State,ExitCode: the accounting's record (accounted.json), or none kept here
+SACCT = r'''#!{py}
+import json, os, sys
+path = os.environ["STUB_DIR"] + "/accounted.json"
+if not os.path.exists(path):
+    print("sacct: error: Slurm accounting storage is disabled", file=sys.stderr)
+    sys.exit(1)
+row = json.load(open(path)).get(sys.argv[2])
+if row:
+    print(row)
 '''
 SCANCEL = r'''#!{py}
 import json, os, sys
@@ -38,7 +57,8 @@ if os.path.exists(d + "/fail.json"):
 def stub_slurm(tmp_path, monkeypatch):
     d = tmp_path / "bin"
     d.mkdir()
-    for name, text in (("scontrol", SCONTROL), ("scancel", SCANCEL), ("sbatch", "#!/bin/sh\necho 9\n")):
+    for name, text in (("scontrol", SCONTROL), ("scancel", SCANCEL), ("sacct", SACCT),
+                       ("sbatch", "#!/bin/sh\necho 9\n")):
         (d / name).write_text(text.format(py=sys.executable))
         (d / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{d}:/usr/bin:/bin")
@@ -209,3 +229,66 @@ def test_a_jobs_folder_holding_env_values_is_private(stub_slurm, tmp_path, monke
     assert ("secret" in (plan.dir / "node.sh").read_text()) == bool(env)
     got = plan.dir.stat().st_mode & 0o777
     assert got == mode if mode else got & 0o077, oct(got)
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """The waits between queries, recorded instead of slept."""
+    slept = []
+    monkeypatch.setattr(slurm.time, "sleep", slept.append)
+    return slept
+
+
+def busy(stub_dir, **by_job):
+    (stub_dir / "busy.json").write_text(json.dumps({k.lstrip("j"): v for k, v in by_job.items()}))
+
+
+def test_a_query_that_gets_no_answer_is_asked_again_and_never_read_as_the_jobs_end(stub_slurm, waits):
+    d, states = stub_slurm
+    states(j7="RUNNING")
+    busy(d, j7=2)
+    assert slurm.job_state("7") == ("RUNNING", "0:0") and waits == [1, 2]
+    busy(d, j7=100)
+    waits.clear()
+    with pytest.raises(slurm.SlurmUnanswered, match=r"^Slurm did not answer about job 7: slurm_load_jobs error: "
+                                                    r"Socket timed out on send/recv operation$"):
+        slurm.job_state("7")
+    assert waits == list(slurm.QUERY_WAITS)
+    assert slurm.alive_or_unanswered("7")   # cancel still asks scancel
+
+
+def test_only_slurms_own_answer_ends_a_job_and_the_accounting_says_how(stub_slurm, waits):
+    d, states = stub_slurm
+    states()   # scontrol: "Invalid job id specified"
+    assert slurm.job_state("7") == (slurm.FORGOTTEN, "") and waits == []   # no accounting here
+    (d / "accounted.json").write_text(json.dumps({"7": "CANCELLED by 1000|0:15", "8": "COMPLETED|0:0"}))
+    assert slurm.job_state("7") == ("CANCELLED", "0:15") and slurm.job_state("8") == ("COMPLETED", "0:0")
+    assert slurm.job_state("9") == (slurm.FORGOTTEN, "")   # the accounting does not hold it either
+
+
+def test_following_waits_through_an_outage_saying_so_once(stub_slurm, waits):
+    d, states = stub_slurm
+    states(j7="RUNNING")
+    busy(d, j7=len(slurm.QUERY_WAITS) + 3)   # longer than one query's waits
+    said = []
+    assert slurm.patient_state("7", said.append) == ("RUNNING", "0:0")
+    assert said == ["Slurm did not answer about job 7: slurm_load_jobs error: Socket timed out on send/recv "
+                    "operation; asking again (a busy or restarting controller is not the job's end)"]
+
+
+def test_while_slurm_does_not_answer_a_job_is_unknown_and_its_id_is_refused(stub_slurm, waits, tmp_path,
+                                                                            monkeypatch):
+    """`invoke jobs` shows Slurm's line, writes no result, and a second job with the same id is refused."""
+    from fleetbox.commands import train
+    d, states = stub_slurm
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    h = chain(tmp_path)
+    h.save()
+    states(j7="RUNNING")
+    busy(d, j7=100)
+    state, attempt, note = slurm.SlurmBackend().job_state(h)
+    assert (state, attempt) == (JobState.UNKNOWN, 1) and note.startswith("Slurm did not answer about job 7: ")
+    assert not (tmp_path / "train-x" / "summary.json").exists()
+    with pytest.raises(UserError, match=r"^job train-x is in a state that cannot be told \(slurm; Slurm did not "
+                                        r"answer about job 7: slurm_load_jobs error: Socket timed out"):
+        train.refuse_live("train-x")

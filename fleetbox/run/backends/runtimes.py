@@ -66,6 +66,13 @@ class Runtime:
         if "\n" in image or not image:
             raise UserError(f"image {image!r} is not a valid image reference for {self.name}")
 
+    def on_host(self, n: NodeRun, path: str) -> str | None:
+        """The node's own path of a path the ranks see, through the mounts (None: not a mounted path)."""
+        for m in sorted(n.mounts, key=lambda m: -len(m.dst)):
+            if path == m.dst or path.startswith(m.dst + "/"):
+                return m.src + path[len(m.dst):]
+        return None
+
     def as_user(self, n: NodeRun) -> NodeRun:
         """`n` with the dataset cache mounted where Paddle looks for it: a runtime that runs as the user has
         Paddle look under that user's home (~/.cache/paddle/dataset), never under /root."""
@@ -356,10 +363,11 @@ class Pyxis(Runtime):
         n = super().as_user(n)
         log = next(m for m in n.mounts if m.dst == settings.LOG_DIR)
         job_dir = log.src.rsplit("/", 1)[0]
+        own = f"{self.JOB_MOUNT}/{{node}}"   # the node's folder, where the ranks write logs and progress
         cmd = list(n.command)
-        cmd[cmd.index("--log_dir") + 1] = f"{self.JOB_MOUNT}/{{node}}"
-        return replace(n, command=tuple(cmd), mounts=tuple(
-            replace(m, src=job_dir, dst=self.JOB_MOUNT) if m is log else m for m in n.mounts))
+        cmd[cmd.index("--log_dir") + 1] = own
+        return replace(n, command=tuple(cmd), env={k: own if v == log.dst else v for k, v in n.env.items()},
+                       mounts=tuple(replace(m, src=job_dir, dst=self.JOB_MOUNT) if m is log else m for m in n.mounts))
 
     def identify(self, image):   # node.sh runs inside the container already
         return Raw('echo "fleetbox: image ref $IMAGE_REF"')
@@ -462,6 +470,9 @@ class Host(Runtime):
 
     def as_user(self, n):   # the dataset cache is the user's own: nothing is mounted over it
         return replace(n, mounts=tuple(m for m in n.mounts if m.dst != settings.CONTAINER_CACHE))
+
+    def on_host(self, n, path):   # no container: the ranks see the node's paths (exports gave them real ones)
+        return path
 
     def paths(self, n: NodeRun) -> list[tuple[str, str]]:
         """(container path, real path) for each of our mounts, longest first."""

@@ -231,15 +231,21 @@ class SlurmBackend(Backend):
         image, image_why = self.image(spec)
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
+        t = self.node_run(spec, job_id, job_dir, ckpt)
+        self.runtime.check(t, image)
+        files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
+                 ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
+        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt), image_why)
+
+    def node_run(self, spec: spec_mod.JobSpec, job_id: str, job_dir: Path, ckpt: Path) -> planner.NodeRun:
+        """Pure: the runtime's node, its logs in job_dir/node<rank> (where run/hang.py looks), the helpers from the
+        job folder's copy, the devices Slurm's allocation."""
         t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt)))
         t = replace(t, mounts=tuple(spec_mod.Mount(str(job_dir / HELPERS), m.dst, m.ro)
                                     if m.dst == settings.HELPERS_DIR else m for m in t.mounts))
         if t.accelerator:   # the node's devices are Slurm's allocation, read on the node
             t = self.runtime.for_allocation(t)
-        self.runtime.check(t, image)
-        files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
-                 ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
-        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt), image_why)
+        return t
 
     def image(self, spec: spec_mod.JobSpec) -> tuple[str, str]:
         """What the runtime runs on every node, and why: a user's --image in the runtime's form, or what was
@@ -445,13 +451,13 @@ class SlurmBackend(Backend):
         for _ in range(5):   # an allocation may submit the next one meanwhile: read the chain again
             recs = allocations(Path(handle.dir), handle.scheduler_job)
             ids = dict.fromkeys([handle.scheduler_job, *(j for r in recs for j in (r["slurm_job"], r["next"]) if j)])
-            live = [j for j in ids if j not in asked and alive(job_state(j)[0])]
+            live = [j for j in ids if j not in asked and alive_or_unanswered(j)]
             if not live:
                 break
             argv = ["scancel", f"--user={getpass.getuser()}", *live]
             log(line(argv))
             proc = _slurm(*argv, check=False)
-            if proc.returncode and (still := [j for j in live if alive(job_state(j)[0])]):   # else it ended meanwhile
+            if proc.returncode and (still := [j for j in live if alive_or_unanswered(j)]):   # else it ended meanwhile
                 msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
                 raise UserError(f"scancel could not cancel Slurm job(s) {', '.join(still)} of {handle.job_id}: "
                                 f"{msg[-1] if msg else f'exit {proc.returncode}'}")
@@ -471,7 +477,7 @@ class SlurmBackend(Backend):
         if not summary or chained:
             current = self.current(handle, recs)
             try:
-                state = job_state(current)[0]
+                state = job_state(current, QUERY_WAITS[:2])[0]   # `invoke jobs` lists many: it waits less
             except UserError as e:
                 return JobState.UNKNOWN, attempt, str(e)
             if alive(state):
@@ -493,7 +499,8 @@ class SlurmBackend(Backend):
 
     def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """The node's log file on the shared file system, followed across allocations."""
-        tail_file(Path(handle.dir) / f"node{node}.log", lambda: follow and alive(self.status(handle)), log, poll)
+        tail_file(Path(handle.dir) / f"node{node}.log",
+                  lambda: follow and alive(patient_state(self.current(handle), log)[0]), log, poll)
 
     def follow(self, handle: Handle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
         """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time),
@@ -512,7 +519,7 @@ class SlurmBackend(Backend):
                 if ln.startswith(STRAGGLER_NOTICE) and (current, ln) not in noticed:
                     noticed.add((current, ln))
                     log(ln.removeprefix("fleetbox: "))
-            return alive(job_state(current)[0])
+            return alive(patient_state(current, log)[0])
 
         while True:
             tail_file(job_dir / "node0.log", running, lambda ln: log(f"[node0] {ln}"), poll)
@@ -522,7 +529,7 @@ class SlurmBackend(Backend):
                 break
         running()   # the last allocation's line
         records = allocations(job_dir, chain)
-        return self.result(handle, job_state(current)[0], current, records)
+        return self.result(handle, patient_state(current, log)[0], current, records)
 
     def result(self, handle: Handle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
         job_dir, slurm_job, records = Path(handle.dir), slurm_job or handle.scheduler_job, records or []
@@ -760,12 +767,66 @@ def _slurm(*argv, check=True) -> subprocess.CompletedProcess:
     return proc
 
 
-def job_state(job_id: str) -> tuple[str, str]:
-    """(JobState, ExitCode) from scontrol; works without accounting while the job is remembered."""
-    out = _slurm("scontrol", "show", "job", job_id, "-o", check=False).stdout
-    state = re.search(r"JobState=(\S+)", out)
-    code = re.search(r"ExitCode=(\S+)", out)
-    return (state.group(1) if state else FORGOTTEN), (code.group(1) if code else "")
+# A busy or restarting slurmctld answers no query for a while ("Socket timed out on send/recv operation"): a query
+# that gets no answer is asked again after each of these waits (seconds), and is never read as the job's end.
+QUERY_WAITS = (1, 2, 4, 8, 15)
+NOT_KNOWN = "Invalid job id specified"   # scontrol's own answer for a job it does not (or no longer) know
+
+
+class SlurmUnanswered(UserError):
+    """Slurm gave no answer about a job (its controller busy or down): nothing is known of the job."""
+
+
+def job_state(job_id: str, waits=QUERY_WAITS) -> tuple[str, str]:
+    """(JobState, ExitCode) as Slurm answers: scontrol's while it remembers the job; once it says the id is invalid,
+    the accounting's where there is one (sacct), else FORGOTTEN. A query that gets no answer is asked again after
+    each of `waits`, then ends in SlurmUnanswered with Slurm's line."""
+    for wait in (*waits, None):
+        proc = _slurm("scontrol", "show", "job", job_id, "-o", check=False)
+        state, code = re.search(r"JobState=(\S+)", proc.stdout), re.search(r"ExitCode=(\S+)", proc.stdout)
+        if proc.returncode == 0 and state:
+            return state.group(1), code.group(1) if code else ""
+        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        if any(NOT_KNOWN in ln for ln in said):
+            return accounted(job_id)
+        if wait is None:
+            raise SlurmUnanswered(f"Slurm did not answer about job {job_id}: "
+                                  f"{said[-1] if said else f'scontrol exit {proc.returncode}'}")
+        time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def accounted(job_id: str) -> tuple[str, str]:
+    """(State, ExitCode) of a job scontrol no longer knows, from Slurm's accounting; FORGOTTEN where there is none
+    (no sacct, accounting disabled, or it does not hold the job either)."""
+    if not shutil.which("sacct"):
+        return FORGOTTEN, ""
+    proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"], capture_output=True,
+                          text=True)
+    rows = [ln.split("|") for ln in proc.stdout.splitlines() if ln.count("|") == 1] if proc.returncode == 0 else []
+    if not rows or not rows[0][0].split():
+        return FORGOTTEN, ""
+    return rows[0][0].split()[0], rows[0][1]   # "CANCELLED by 1000": the state is the first word
+
+
+def alive_or_unanswered(job_id: str, waits=QUERY_WAITS) -> bool:
+    """Slurm has not ended the job, or gave no answer about it (nothing known: not an end)."""
+    try:
+        return alive(job_state(job_id, waits)[0])
+    except SlurmUnanswered:
+        return True
+
+
+def patient_state(job_id: str, log) -> tuple[str, str]:
+    """job_state, asked until Slurm answers: while it does not, one line says so, once each time it stops."""
+    told = False
+    while True:
+        try:
+            return job_state(job_id)
+        except SlurmUnanswered as e:
+            if not told:
+                log(f"{e}; asking again (a busy or restarting controller is not the job's end)")
+                told = True
 
 
 # Every job state Slurm has (squeue(1), JOB STATE CODES), its meaning, and what `invoke jobs` calls it while it
