@@ -2,7 +2,9 @@
 `--start-timeout`) gets every rank's stacks taken and the job stopped (and restarted, with --max-restarts).
 
 fleetbox_metrics and fleetbox_checkpoint report every step for you (a checkpoint save is a phase). A script that
-uses neither reports its steps itself, and declares a long stretch that is not a step:
+uses neither gets its steps counted from the training itself (sitecustomize: an optimizer's step, a static
+program's Executor.run, paddle.Model's train_batch), or reports them itself, and declares a long stretch that is
+not a step:
 
     import fleetbox_progress                  # on PYTHONPATH in every fleetbox job container
     fleetbox_progress.step(n)                 # after each training step
@@ -37,7 +39,9 @@ WARM_UP = 5   # steps whose own time is left out
 
 _lock = threading.Lock()          # the state
 _writing = threading.Lock()       # the file: the flusher and phase() may write at once
-_state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False}
+_state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False,
+          "explicit": False}   # explicit: the script reports its own steps (step(), or the helpers imported)
+_auto = 0   # the steps sitecustomize saw in the training itself (auto_step)
 _own = collections.deque(maxlen=WINDOW)   # this rank's own seconds of its last steps (their median is written)
 _warm = 0   # own times seen and left out
 _written = -1       # the seq last written
@@ -110,8 +114,8 @@ def _finished() -> None:
 def reporting() -> None:
     """This script reports progress (fleetbox_metrics and fleetbox_checkpoint say so when imported): from then
     on, no step before --start-timeout is a hang at start."""
-    if not _state["reports"]:
-        _changed(reports=True)
+    if not _state["explicit"]:
+        _changed(reports=True, explicit=True)
         _write()
 
 
@@ -126,7 +130,18 @@ def step(n, own=None) -> None:
                 _warm += 1
             else:
                 _own.append(float(own))
-    _changed(step=int(n), reports=True)
+    _changed(step=int(n), reports=True, explicit=True)
+
+
+def auto_step() -> None:
+    """A step seen in the training itself (sitecustomize wraps an optimizer's step, Executor.run and
+    Model.train_batch), for a script that reports none: counted here. A script that reports its own steps (or
+    imports fleetbox_metrics or fleetbox_checkpoint) is left to them."""
+    global _auto
+    if _state["explicit"] or path() is None:
+        return
+    _auto += 1
+    _changed(step=_auto, reports=True)
 
 
 @contextlib.contextmanager

@@ -3,8 +3,9 @@ PYTHONPATH), for hang detection; it does nothing outside a job (no FLEETBOX_PROG
 
 - In a training rank (Paddle's launcher sets PADDLE_TRAINER_ID): faulthandler writes every thread's Python
   stack to <log folder>/stacks-rank<r>.txt on SIGUSR2 (a C-level handler: it works while the rank is stuck in
-  a collective or holds the GIL; SIGTERM and SIGUSR1 belong to fleetbox_checkpoint), and the rank's progress
-  file is started with its pid.
+  a collective or holds the GIL; SIGTERM and SIGUSR1 belong to fleetbox_checkpoint), the rank's progress
+  file is started with its pid, and once the script has imported Paddle, the calls that end a training step
+  report one (fleetbox_progress.auto_step): a script needs no line of ours for its hangs to be seen.
 - In Paddle's launcher: a thread waits for fleetbox's request (<log folder>/STACKS-REQUEST, written from
   outside the container on every runtime) and sends SIGUSR2 to the ranks of this node, which only this
   container's processes can signal.
@@ -30,6 +31,57 @@ def _rank_setup(d: str) -> None:
     out = open(os.path.join(d, f"stacks-rank{fleetbox_progress.rank()}.txt"), "a")   # open for the process's life
     faulthandler.register(STACKS_SIGNAL, file=out, all_threads=True)
     fleetbox_progress.started()
+    _hook_steps()
+
+
+WRAPPED = "_fleetbox_step"   # set on the wrappers: a class is wrapped once
+
+
+def _wrap(cls, name: str) -> None:
+    """cls.name, reporting a step each time it returns (only where cls defines it itself)."""
+    import functools
+
+    import fleetbox_progress
+    f = cls.__dict__.get(name)
+    if not callable(f) or getattr(f, WRAPPED, False):
+        return
+
+    @functools.wraps(f)
+    def stepped(*args, **kwargs):
+        out = f(*args, **kwargs)
+        fleetbox_progress.auto_step()
+        return out
+    setattr(stepped, WRAPPED, True)
+    setattr(cls, name, stepped)
+
+
+def _paddle_ready():
+    """Paddle, once the script's `import paddle` has finished (never imported here: a rank may not use it)."""
+    p = sys.modules.get("paddle")
+    done = p is not None and all(hasattr(p, a) for a in ("optimizer", "static", "Model"))
+    return p if done else None
+
+
+def _hook_steps() -> None:
+    """A thread waits for the script to import Paddle, then wraps what ends a training step: every optimizer
+    class's step and minimize (dynamic graph; Adam and others define their own step), Executor.run (static
+    graph), paddle.Model.train_batch (its fit calls it)."""
+    import threading
+    import time
+
+    def loop():
+        while (p := _paddle_ready()) is None:
+            time.sleep(0.2)
+        try:
+            base = p.optimizer.Optimizer
+            for c in {base, *(v for v in vars(p.optimizer).values() if isinstance(v, type) and issubclass(v, base))}:
+                _wrap(c, "step")
+                _wrap(c, "minimize")
+            _wrap(p.static.Executor, "run")
+            _wrap(p.Model, "train_batch")
+        except Exception as e:   # another Paddle's layout: the script's own reports still count
+            print(f"fleetbox: no steps seen in the training itself: {type(e).__name__}: {e}", file=sys.stderr)
+    threading.Thread(target=loop, name="fleetbox-step-hooks", daemon=True).start()
 
 
 def _parent(pid: int) -> int:

@@ -159,8 +159,13 @@ class Watch:
     def deadline(self) -> tuple[float, str] | None:
         """When the job counts as stuck (monotonic) and which deadline that is; None: none applies."""
         recs = self.records
-        phases = [self.changed[r] + (rec["phase_limit"] or self.start_s)
-                  for r, rec in recs.items() if rec["phase"] and not rec["done"]]
+        phases = []
+        for r, rec in recs.items():
+            if rec["phase"] and not rec["done"]:
+                limit = rec["phase_limit"] or self.start_s
+                if not limit:   # no limit of its own, and --start-timeout 0: no deadline while the phase lasts
+                    return None
+                phases.append(self.changed[r] + limit)
         if any(rec["step"] is not None for rec in recs.values()):   # it has made progress: the hang deadline
             if not self.hang_s:
                 return None

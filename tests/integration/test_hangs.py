@@ -50,6 +50,46 @@ def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_
     assert job_containers(s["job_id"]) == []
 
 
+# A script as Paddle's own collective training docs write one: no line of fleetbox's. Rank 1 sleeps at step 30 of
+# the first attempt, inside its loop (FLEETBOX_ATTEMPT: which attempt this is).
+PLAIN = """import os, time
+import paddle
+import paddle.distributed as dist
+
+def load_batch_that_never_returns():
+    time.sleep(600)
+
+dist.init_parallel_env()
+model = paddle.DataParallel(paddle.nn.Linear(8, 1))
+opt = paddle.optimizer.Adam(parameters=model.parameters())
+for step in range(60):
+    if dist.get_rank() == 1 and step == 30 and os.environ.get("FLEETBOX_ATTEMPT") == "0":
+        load_batch_that_never_returns()
+    loss = model(paddle.randn([16, 8])).mean()
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+    time.sleep(0.05)
+print("plain script done", flush=True)
+"""
+
+
+def test_a_plain_script_that_hangs_mid_run_is_noticed_named_and_restarted(cpu_image, tmp_path):
+    """No fleetbox helper in the script: its steps are seen in the training itself (the optimizer's step), so a rank
+    stuck mid-run is noticed at --hang-timeout, named from the stacks, and the job restarts and passes."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    proc = invoke("train", "--nodes", "2", "--hang-timeout", "20", "--max-restarts", "1", "--script", str(script))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s = summary_of(proc)
+    assert [a["state"] for a in s["attempts"]] == ["HUNG", "PASSED"], s["attempts"]
+    first = json.loads((ROOT / s["dir"] / "attempt0" / "summary.json").read_text())
+    h = first["hang"]
+    assert (h["kind"], h["ranks"], first["culprit"]) == ("hang", [1], 1), h
+    assert h["text"].startswith("node1 (rank 1) hung: no progress since step ") and \
+        "in `load_batch_that_never_returns` (plain.py:" in h["text"], h["text"]
+
+
 @pytest.mark.parametrize("how", ["attached", "detached"])
 def test_a_rank_that_never_reaches_its_first_step_is_named_at_the_start_deadline(cpu_image, how):
     """Detached, the supervisor watches the deadlines: the client is gone once it started the job."""

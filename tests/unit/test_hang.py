@@ -96,6 +96,17 @@ def test_a_phase_on_any_rank_holds_the_deadline_for_all_up_to_its_limit_or_the_s
     assert w.verdict(now=141) is None and w.verdict(now=142.5) is not None
 
 
+def test_with_no_start_deadline_a_phase_keeps_its_own_limit_or_holds_the_deadline_while_it_lasts():
+    """--start-timeout 0 turns off the start-up deadline, not the phases: a checkpoint save longer than
+    --hang-timeout is no hang (it was: its limit fell back to the start deadline, 0)."""
+    w = hang.Watch(2, hang_s=10, start_s=0, started=0)
+    w.see(0, rec(1, step=5), now=1)
+    w.see(1, rec(1, step=5, phase="checkpoint save"), now=1)   # no limit of its own
+    assert w.verdict(now=10 ** 6) is None
+    w.see(1, rec(2, step=6, phase="evaluation", limit=30), now=2)   # its own limit still holds
+    assert w.verdict(now=31.9) is None and w.verdict(now=32.5).kind == "hang"
+
+
 def test_zero_turns_each_deadline_off():
     w = hang.Watch(1, hang_s=0, start_s=0, started=0)
     w.see(0, rec(1, step=1), now=1)

@@ -102,3 +102,44 @@ def test_a_second_copy_of_the_helpers_on_the_path_runs_once_and_the_sites_own_si
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
     assert proc.stdout.splitlines() == [f"site ran {proc.stdout.split()[2]}", "ok"]   # once, then the script
     assert (logs / "progress-rank0.json").exists()
+
+
+# Paddle's layout as far as the step hooks read it (the real one is a 100 MB wheel; the integration tests train
+# with it): optimizer classes, Adam with its own step, a static Executor, paddle.Model
+FAKE_PADDLE = {
+    "paddle/__init__.py": "from paddle import optimizer, static\nfrom paddle.hapi import Model\n",
+    "paddle/optimizer/__init__.py": "from paddle.optimizer.optimizer import Optimizer\n"
+                                    "class Adam(Optimizer):\n    def step(self):\n        pass\n",
+    "paddle/optimizer/optimizer.py": "class Optimizer:\n    def step(self):\n        pass\n"
+                                     "    def minimize(self, loss):\n        pass\n",
+    "paddle/static/__init__.py": "class Executor:\n    def run(self, program=None):\n        return []\n",
+    "paddle/hapi/__init__.py": "class Model:\n    def train_batch(self, inputs, labels=None):\n        return [0.5]\n",
+}
+
+
+def plain_script(tmp_path, body: str) -> dict:
+    """Run `body` as a rank (a script with no line of ours) with the stand-in Paddle; its progress record."""
+    for name, text in FAKE_PADDLE.items():
+        (tmp_path / "lib" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "lib" / name).write_text(text)
+    code = "import time\nimport paddle\ntime.sleep(0.6)\n" + body   # the hooks' thread sees the import
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30,
+                   env={**os.environ, "PYTHONPATH": f"{settings.HELPERS}:{tmp_path / 'lib'}",
+                        "FLEETBOX_PROGRESS_DIR": str(tmp_path), "PADDLE_TRAINER_ID": "1"})
+    return json.loads((tmp_path / "progress-rank1.json").read_text())
+
+
+def test_a_script_with_no_line_of_ours_reports_each_step_from_the_training_itself(tmp_path):
+    """An optimizer's step (Adam's own too) and minimize, a static program's run and paddle.Model's train_batch
+    each report a step; their results are the originals'."""
+    rec = plain_script(tmp_path, "opt = paddle.optimizer.Adam()\nfor _ in range(3):\n    opt.step()\n"
+                                 "paddle.optimizer.Optimizer().minimize(1.0)\n"
+                                 "assert paddle.static.Executor().run() == []\n"
+                                 "assert paddle.Model().train_batch([1]) == [0.5]\n")
+    assert rec["step"] == 6 and rec["reports"] and rec["done"], rec
+
+
+def test_a_scripts_own_steps_win_over_those_seen_in_the_training(tmp_path):
+    rec = plain_script(tmp_path, "import fleetbox_progress\nopt = paddle.optimizer.Adam()\n"
+                                 "fleetbox_progress.step(100)\nfor _ in range(3):\n    opt.step()\n")
+    assert rec["step"] == 100, rec
