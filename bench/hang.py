@@ -10,8 +10,12 @@
    of it runs), interleaved whole `invoke train` processes; the median step time of rank 0's metrics and
    the process's wall time. This machine's noise is several per cent: compare medians, not single rounds.
 
+3. With --plain, the overhead for a script with no line of fleetbox's, whose steps hang detection sees in the
+   training itself (sitecustomize wraps the optimizer's step): the same plain script with detection on and off,
+   interleaved whole processes; the median of the step times the script measures itself, and the wall time.
+
 Needs the cpu image (`invoke up`) and the Docker Engine to itself:
-`flock /tmp/fleetbox-docker.lock python bench/hang.py [--repeat 3] [--steps 300] [--hang-timeout 10]`.
+`flock /tmp/fleetbox-docker.lock python bench/hang.py [--repeat 3] [--steps 300] [--hang-timeout 10] [--plain]`.
 """
 import argparse
 import datetime as dt
@@ -68,14 +72,64 @@ def overhead(arm: str, steps: int) -> dict:
     return {"step_ms": statistics.median(seconds) * 1000, "wall": t.wall}
 
 
+# No fleetbox helper: each step's own time, measured by the script, printed by rank 0
+PLAIN = """import sys, time
+import paddle
+import paddle.distributed as dist
+dist.init_parallel_env()
+net = paddle.nn.Sequential(paddle.nn.Linear(256, 256), paddle.nn.ReLU(), paddle.nn.Linear(256, 1))
+model = paddle.DataParallel(net)
+opt = paddle.optimizer.Adam(parameters=model.parameters())
+x = paddle.randn([64, 256])
+for step in range(int(sys.argv[1])):
+    t = time.perf_counter()
+    loss = model(x).mean()
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+    if dist.get_rank() == 0:
+        print(f"BENCH-STEP {time.perf_counter() - t:.6f}", flush=True)
+"""
+
+
+def plain(arm: str, steps: int, script: Path) -> dict:
+    off = ["--hang-timeout", "0", "--start-timeout", "0"] if arm == "plain-off" else []
+    t = bl.run([sys.executable, "-m", "invoke", "train", "--nodes", "2", *off, "--script", str(script),
+                "--args", str(steps)], cwd=ROOT)
+    d = job_dir(t.proc.stdout)
+    log = (d / "node0" / "workerlog.0").read_text(errors="replace")
+    seconds = [float(ln.split()[1]) for ln in log.splitlines() if ln.startswith("BENCH-STEP ")][5:]   # warm
+    rec = d / "node0" / "progress-rank0.json"
+    seen = json.loads(rec.read_text())["step"] if rec.exists() else None
+    if (arm == "plain-on") != (seen == steps):   # on: every step seen in the training itself; off: none
+        sys.exit(f"arm {arm}: progress file says step {seen} of {steps}")
+    return {"step_ms": statistics.median(seconds) * 1000, "wall": t.wall}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--hang-timeout", type=float, default=10)
+    ap.add_argument("--plain", action="store_true", help="only the overhead for a script with no line of ours")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fleetbox-bench-hang-") as tmp:
         bl.private_runs_dir(Path(tmp))
+        if args.plain:
+            script = Path(tmp) / "plain.py"
+            script.write_text(PLAIN)
+            res = {"plain-on": [], "plain-off": []}
+            for i, arm in bl.rounds(list(res), args.repeat):
+                res[arm].append(plain(arm, args.steps, script))
+                print(f"round {i} {arm}: " + ", ".join(f"{k} {v:.2f}" for k, v in res[arm][-1].items()), flush=True)
+            on, off = (bl.med([r["step_ms"] for r in res[a]]) for a in res)
+            won, woff = (bl.med([r["wall"] for r in res[a]]) for a in res)
+            print(f"\nplain script, step time, detection on {on:.3f} ms, off {off:.3f} ms: "
+                  f"{100 * (on / off - 1):+.1f}% "
+                  f"{bl.spread([r['step_ms'] for r in res['plain-on']])} / "
+                  f"{bl.spread([r['step_ms'] for r in res['plain-off']])}")
+            print(f"whole job ({args.steps} steps), on {won:.1f} s, off {woff:.1f} s: {100 * (won / woff - 1):+.1f}%")
+            return
         res = {"hang": [], "on": [], "off": []}
         for i, arm in bl.rounds(["on", "off", "hang"], args.repeat):
             r = latency(args.hang_timeout) if arm == "hang" else overhead(arm, args.steps)
