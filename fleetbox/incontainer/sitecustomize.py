@@ -37,35 +37,49 @@ def _rank_setup(d: str) -> None:
 WRAPPED = "_fleetbox_step"   # set on the wrappers: a class is wrapped once
 
 
-def _wrap(cls, name: str) -> None:
-    """cls.name, reporting a step each time it returns (only where cls defines it itself)."""
+def _wrap(owner, name: str, counts=None, phase: str = "") -> None:
+    """owner.name (a class's own method, or a module's function), reporting a step each time it returns (where
+    `counts()` says so, if given), or, with `phase`, run inside that declared phase."""
     import functools
 
     import fleetbox_progress
-    f = cls.__dict__.get(name)
+    f = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
     if not callable(f) or getattr(f, WRAPPED, False):
         return
 
     @functools.wraps(f)
     def stepped(*args, **kwargs):
+        if phase:
+            with fleetbox_progress.phase(phase):
+                return f(*args, **kwargs)
         out = f(*args, **kwargs)
-        fleetbox_progress.auto_step()
+        if counts is None or counts():
+            fleetbox_progress.auto_step()
         return out
     setattr(stepped, WRAPPED, True)
-    setattr(cls, name, stepped)
+    setattr(owner, name, stepped)
 
 
 def _paddle_ready():
     """Paddle, once the script's `import paddle` has finished (never imported here: a rank may not use it)."""
     p = sys.modules.get("paddle")
-    done = p is not None and all(hasattr(p, a) for a in ("optimizer", "static", "Model"))
+    done = p is not None and all(hasattr(p, a) for a in ("optimizer", "static", "io", "save", "load"))
     return p if done else None
 
 
+def _loader_iterators(p) -> list:
+    """The classes whose __next__ gives a DataLoader's batches (single- and multi-process)."""
+    module = sys.modules.get("paddle.io.dataloader.dataloader_iter")
+    return [v for k, v in vars(module).items() if isinstance(v, type) and k.startswith("_DataLoaderIter")] \
+        if module is not None else []
+
+
 def _hook_steps() -> None:
-    """A thread waits for the script to import Paddle, then wraps what ends a training step: every optimizer
-    class's step and minimize (dynamic graph; Adam and others define their own step), Executor.run (static
-    graph), paddle.Model.train_batch (its fit calls it)."""
+    """A thread waits for the script to import Paddle, then wraps what shows a rank going on: every optimizer
+    class's step, and minimize in dynamic mode (Adam and others define their own step; paddle.Model's
+    train_batch calls minimize; in static mode minimize builds the graph), Executor.run (static graph), a data
+    loader's next batch (an evaluation goes on without an optimizer); paddle.save and paddle.load run as declared
+    phases (a long save is no hang)."""
     import threading
     import time
 
@@ -76,9 +90,12 @@ def _hook_steps() -> None:
             base = p.optimizer.Optimizer
             for c in {base, *(v for v in vars(p.optimizer).values() if isinstance(v, type) and issubclass(v, base))}:
                 _wrap(c, "step")
-                _wrap(c, "minimize")
+                _wrap(c, "minimize", counts=p.in_dynamic_mode)
             _wrap(p.static.Executor, "run")
-            _wrap(p.Model, "train_batch")
+            for c in _loader_iterators(p):
+                _wrap(c, "__next__")
+            _wrap(p, "save", phase="paddle.save")
+            _wrap(p, "load", phase="paddle.load")
         except Exception as e:   # another Paddle's layout: the script's own reports still count
             print(f"fleetbox: no steps seen in the training itself: {type(e).__name__}: {e}", file=sys.stderr)
     threading.Thread(target=loop, name="fleetbox-step-hooks", daemon=True).start()

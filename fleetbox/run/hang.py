@@ -54,8 +54,9 @@ def describe_deadlines(hang_s: float, start_s: float) -> str:
     hang = f"no progress for {duration(hang_s)}" if hang_s else "no hang deadline (--hang-timeout 0)"
     start = f"no first progress within {duration(start_s)}" if start_s else "no start-up deadline (--start-timeout 0)"
     return (f"hang detection: {hang}; {start} -> every rank's stacks kept, the job stopped as after a failure. "
-            f"Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress steps; a script that reports "
-            f"none gets only the start-up deadline, for ranks that never start")
+            f"Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress steps, else the training's own "
+            f"(an optimizer's step, a static program's run, a data loader's batch); paddle.save and paddle.load "
+            f"are phases")
 
 
 @dataclass
@@ -162,9 +163,9 @@ class Watch:
         phases = []
         for r, rec in recs.items():
             if rec["phase"] and not rec["done"]:
-                limit = rec["phase_limit"] or self.start_s
-                if not limit:   # no limit of its own, and --start-timeout 0: no deadline while the phase lasts
-                    return None
+                # no limit of its own: the start-up deadline's, or its default where --start-timeout 0 turned
+                # that off (a phase is never unbounded: a rank stuck in a save is still found)
+                limit = rec["phase_limit"] or self.start_s or START_TIMEOUT_S
                 phases.append(self.changed[r] + limit)
         if any(rec["step"] is not None for rec in recs.values()):   # it has made progress: the hang deadline
             if not self.hang_s:

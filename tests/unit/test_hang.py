@@ -101,9 +101,10 @@ def test_with_no_start_deadline_a_phase_keeps_its_own_limit_or_holds_the_deadlin
     --hang-timeout is no hang (it was: its limit fell back to the start deadline, 0)."""
     w = hang.Watch(2, hang_s=10, start_s=0, started=0)
     w.see(0, rec(1, step=5), now=1)
-    w.see(1, rec(1, step=5, phase="checkpoint save"), now=1)   # no limit of its own
-    assert w.verdict(now=10 ** 6) is None
-    w.see(1, rec(2, step=6, phase="evaluation", limit=30), now=2)   # its own limit still holds
+    w.see(1, rec(1, step=5, phase="checkpoint save"), now=1)   # no limit of its own: the default start deadline's
+    assert w.verdict(now=1 + hang.START_TIMEOUT_S - 1) is None
+    assert w.verdict(now=1 + hang.START_TIMEOUT_S + 1).kind == "hang"   # a rank stuck in a save is still found
+    w.see(1, rec(2, step=6, phase="evaluation", limit=30), now=2)   # its own limit holds
     assert w.verdict(now=31.9) is None and w.verdict(now=32.5).kind == "hang"
 
 
@@ -229,7 +230,8 @@ def test_with_both_deadlines_off_nothing_of_detection_runs_in_the_containers():
 @pytest.mark.parametrize("given,said", [
     ([], "hang detection: no progress for 10 min; no first progress within 15 min -> every rank's stacks kept, "
          "the job stopped as after a failure. Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress "
-         "steps; a script that reports none gets only the start-up deadline, for ranks that never start"),
+         "steps, else the training's own (an optimizer's step, a static program's run, a data loader's batch); "
+         "paddle.save and paddle.load are phases"),
     (["--hang-timeout", "90s", "--start-timeout", "0"], "hang detection: no progress for 90 s; no start-up deadline "
                                                          "(--start-timeout 0) -> every rank's stacks kept"),
     (["--hang-timeout", "0", "--start-timeout", "0"],

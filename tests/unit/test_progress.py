@@ -105,41 +105,59 @@ def test_a_second_copy_of_the_helpers_on_the_path_runs_once_and_the_sites_own_si
 
 
 # Paddle's layout as far as the step hooks read it (the real one is a 100 MB wheel; the integration tests train
-# with it): optimizer classes, Adam with its own step, a static Executor, paddle.Model
+# with it): optimizer classes, Adam with its own step, a static Executor, a data loader's iterator, save and load
 FAKE_PADDLE = {
-    "paddle/__init__.py": "from paddle import optimizer, static\nfrom paddle.hapi import Model\n",
+    "paddle/__init__.py": "from paddle import io, optimizer, static\nDYNAMIC = [True]\n"
+                          "def in_dynamic_mode():\n    return DYNAMIC[0]\n"
+                          "def save(obj, path):\n    import fleetbox_progress\n"
+                          "    print('phase while saving:', fleetbox_progress._state['phase'])\n"
+                          "def load(path):\n    return {}\n",
     "paddle/optimizer/__init__.py": "from paddle.optimizer.optimizer import Optimizer\n"
                                     "class Adam(Optimizer):\n    def step(self):\n        pass\n",
     "paddle/optimizer/optimizer.py": "class Optimizer:\n    def step(self):\n        pass\n"
                                      "    def minimize(self, loss):\n        pass\n",
     "paddle/static/__init__.py": "class Executor:\n    def run(self, program=None):\n        return []\n",
-    "paddle/hapi/__init__.py": "class Model:\n    def train_batch(self, inputs, labels=None):\n        return [0.5]\n",
+    "paddle/io/__init__.py": "from paddle.io.dataloader import dataloader_iter\n",
+    "paddle/io/dataloader/__init__.py": "",
+    "paddle/io/dataloader/dataloader_iter.py": "class _DataLoaderIterSingleProcess:\n    def __init__(self):\n"
+                                              "        self.left = [1, 2]\n    def __iter__(self):\n"
+                                              "        return self\n    def __next__(self):\n"
+                                              "        if not self.left:\n            raise StopIteration\n"
+                                              "        return self.left.pop()\n",
 }
+HOOKED = ("import time\nimport paddle\nend = time.monotonic() + 20\n"   # the hooks' thread, not a fixed sleep
+          "while not getattr(paddle.save, '_fleetbox_step', False):\n    assert time.monotonic() < end\n"
+          "    time.sleep(0.01)\n")
 
 
-def plain_script(tmp_path, body: str) -> dict:
-    """Run `body` as a rank (a script with no line of ours) with the stand-in Paddle; its progress record."""
+def plain_script(tmp_path, body: str) -> tuple[dict, str]:
+    """Run `body` as a rank (a script with no line of ours) with the stand-in Paddle, once its hooks are in:
+    (its progress record, its output)."""
     for name, text in FAKE_PADDLE.items():
         (tmp_path / "lib" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "lib" / name).write_text(text)
-    code = "import time\nimport paddle\ntime.sleep(0.6)\n" + body   # the hooks' thread sees the import
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=30,
-                   env={**os.environ, "PYTHONPATH": f"{settings.HELPERS}:{tmp_path / 'lib'}",
-                        "FLEETBOX_PROGRESS_DIR": str(tmp_path), "PADDLE_TRAINER_ID": "1"})
-    return json.loads((tmp_path / "progress-rank1.json").read_text())
+    out = subprocess.run([sys.executable, "-c", HOOKED + body], check=True, timeout=60, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": f"{settings.HELPERS}:{tmp_path / 'lib'}",
+                                          "FLEETBOX_PROGRESS_DIR": str(tmp_path), "PADDLE_TRAINER_ID": "1"}).stdout
+    return json.loads((tmp_path / "progress-rank1.json").read_text()), out
 
 
 def test_a_script_with_no_line_of_ours_reports_each_step_from_the_training_itself(tmp_path):
-    """An optimizer's step (Adam's own too) and minimize, a static program's run and paddle.Model's train_batch
-    each report a step; their results are the originals'."""
-    rec = plain_script(tmp_path, "opt = paddle.optimizer.Adam()\nfor _ in range(3):\n    opt.step()\n"
-                                 "paddle.optimizer.Optimizer().minimize(1.0)\n"
-                                 "assert paddle.static.Executor().run() == []\n"
-                                 "assert paddle.Model().train_batch([1]) == [0.5]\n")
-    assert rec["step"] == 6 and rec["reports"] and rec["done"], rec
+    """An optimizer's step (Adam's own too), minimize in dynamic mode only (in static mode it builds the graph), a
+    static program's run and a data loader's batches each report a step, their results the originals'; paddle.save
+    runs inside a declared phase."""
+    rec, out = plain_script(tmp_path, "opt = paddle.optimizer.Adam()\nfor _ in range(3):\n    opt.step()\n"
+                                      "paddle.optimizer.Optimizer().minimize(1.0)\n"
+                                      "paddle.DYNAMIC[0] = False\npaddle.optimizer.Optimizer().minimize(1.0)\n"
+                                      "assert paddle.static.Executor().run() == []\n"
+                                      "from paddle.io.dataloader.dataloader_iter import _DataLoaderIterSingleProcess\n"
+                                      "assert list(_DataLoaderIterSingleProcess()) == [2, 1]\n"
+                                      "paddle.save({}, 'x')\n")
+    assert rec["step"] == 7 and rec["reports"] and rec["done"] and rec["phase"] is None, rec
+    assert "phase while saving: paddle.save" in out
 
 
 def test_a_scripts_own_steps_win_over_those_seen_in_the_training(tmp_path):
-    rec = plain_script(tmp_path, "import fleetbox_progress\nopt = paddle.optimizer.Adam()\n"
-                                 "fleetbox_progress.step(100)\nfor _ in range(3):\n    opt.step()\n")
+    rec, _ = plain_script(tmp_path, "import fleetbox_progress\nopt = paddle.optimizer.Adam()\n"
+                                    "fleetbox_progress.step(100)\nfor _ in range(3):\n    opt.step()\n")
     assert rec["step"] == 100, rec

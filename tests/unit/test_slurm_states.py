@@ -235,7 +235,7 @@ def test_a_jobs_folder_holding_env_values_is_private(stub_slurm, tmp_path, monke
 def waits(monkeypatch):
     """The waits between queries, recorded instead of slept."""
     slept = []
-    monkeypatch.setattr(slurm.time, "sleep", slept.append)
+    monkeypatch.setattr(slurm, "pause", slept.append)
     return slept
 
 
@@ -264,6 +264,21 @@ def test_only_slurms_own_answer_ends_a_job_and_the_accounting_says_how(stub_slur
     (d / "accounted.json").write_text(json.dumps({"7": "CANCELLED by 1000|0:15", "8": "COMPLETED|0:0"}))
     assert slurm.job_state("7") == ("CANCELLED", "0:15") and slurm.job_state("8") == ("COMPLETED", "0:0")
     assert slurm.job_state("9") == (slurm.FORGOTTEN, "")   # the accounting does not hold it either
+    (d / "accounted.json").write_text(json.dumps({"7": "RUNNING|0:0"}))   # a stale record of a job scontrol lost
+    assert slurm.job_state("7") == (slurm.FORGOTTEN, "")
+
+
+def test_cancel_while_slurm_does_not_answer_asks_scancel_at_once_for_the_chains_live_jobs(stub_slurm, waits,
+                                                                                          tmp_path):
+    """No waiting between queries (it runs while Ctrl-C is held), and not about an allocation the chain recorded as
+    ended: scancel is asked for the rest."""
+    d, states = stub_slurm
+    h = chain(tmp_path, {"allocation": 1, "slurm_job": "7", "ended": "continue", "next": "8"})
+    states(j7="COMPLETED", j8="RUNNING")
+    busy(d, j7=100, j8=100)
+    slurm.SlurmBackend().cancel(h, log=lambda m: None)
+    asked = [json.loads(ln) for ln in (d / "scancel.jsonl").read_text().splitlines()]
+    assert asked == [[f"--user={getpass.getuser()}", "8"]] and waits == []
 
 
 def test_following_waits_through_an_outage_saying_so_once(stub_slurm, waits):

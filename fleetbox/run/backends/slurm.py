@@ -451,13 +451,14 @@ class SlurmBackend(Backend):
         for _ in range(5):   # an allocation may submit the next one meanwhile: read the chain again
             recs = allocations(Path(handle.dir), handle.scheduler_job)
             ids = dict.fromkeys([handle.scheduler_job, *(j for r in recs for j in (r["slurm_job"], r["next"]) if j)])
-            live = [j for j in ids if j not in asked and alive_or_unanswered(j)]
+            ended = {r["slurm_job"] for r in recs if r["next"]}   # an allocation that submitted its next one
+            live = [j for j in ids if j not in asked and j not in ended and alive_or_unanswered(j, ())]   # ask once
             if not live:
                 break
             argv = ["scancel", f"--user={getpass.getuser()}", *live]
             log(line(argv))
             proc = _slurm(*argv, check=False)
-            if proc.returncode and (still := [j for j in live if alive_or_unanswered(j)]):   # else it ended meanwhile
+            if proc.returncode and (still := [j for j in live if alive_or_unanswered(j, ())]):   # else it ended
                 msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
                 raise UserError(f"scancel could not cancel Slurm job(s) {', '.join(still)} of {handle.job_id}: "
                                 f"{msg[-1] if msg else f'exit {proc.returncode}'}")
@@ -792,8 +793,13 @@ def job_state(job_id: str, waits=QUERY_WAITS) -> tuple[str, str]:
         if wait is None:
             raise SlurmUnanswered(f"Slurm did not answer about job {job_id}: "
                                   f"{said[-1] if said else f'scontrol exit {proc.returncode}'}")
-        time.sleep(wait)
+        pause(wait)
     raise AssertionError("unreachable")
+
+
+def pause(seconds: float) -> None:
+    """The wait between queries (a test records it instead)."""
+    time.sleep(seconds)
 
 
 def accounted(job_id: str) -> tuple[str, str]:
@@ -804,9 +810,10 @@ def accounted(job_id: str) -> tuple[str, str]:
     proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"], capture_output=True,
                           text=True)
     rows = [ln.split("|") for ln in proc.stdout.splitlines() if ln.count("|") == 1] if proc.returncode == 0 else []
-    if not rows or not rows[0][0].split():
+    state = rows[0][0].split()[0] if rows and rows[0][0].split() else ""   # "CANCELLED by 1000": the first word
+    if not state or alive(state):   # scontrol said it is gone: a live state in the accounting is a stale record
         return FORGOTTEN, ""
-    return rows[0][0].split()[0], rows[0][1]   # "CANCELLED by 1000": the state is the first word
+    return state, rows[0][1]
 
 
 def alive_or_unanswered(job_id: str, waits=QUERY_WAITS) -> bool:
