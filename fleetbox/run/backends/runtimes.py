@@ -66,12 +66,13 @@ class Runtime:
         if "\n" in image or not image:
             raise UserError(f"image {image!r} is not a valid image reference for {self.name}")
 
+    def paths(self, n: NodeRun) -> list[tuple[str, str]]:
+        """(container path, real path) for each of our mounts, longest first."""
+        return sorted(((m.dst, m.src) for m in n.mounts), key=lambda p: -len(p[0]))
+
     def on_host(self, n: NodeRun, path: str) -> str | None:
         """The node's own path of a path the ranks see, through the mounts (None: not a mounted path)."""
-        for m in sorted(n.mounts, key=lambda m: -len(m.dst)):
-            if path == m.dst or path.startswith(m.dst + "/"):
-                return m.src + path[len(m.dst):]
-        return None
+        return mounted(path, self.paths(n))
 
     def as_user(self, n: NodeRun) -> NodeRun:
         """`n` with the dataset cache mounted where Paddle looks for it: a runtime that runs as the user has
@@ -474,17 +475,11 @@ class Host(Runtime):
     def on_host(self, n, path):   # no container: the ranks see the node's paths (exports gave them real ones)
         return path
 
-    def paths(self, n: NodeRun) -> list[tuple[str, str]]:
-        """(container path, real path) for each of our mounts, longest first."""
-        return sorted(((m.dst, m.src) for m in n.mounts), key=lambda p: -len(p[0]))
-
     def real(self, word: str, paths, sep: str = ",") -> str:
         """A word with each `sep`-separated piece that is a container path given as its real path."""
         def one(piece: str) -> str:
-            for dst, src in paths:
-                if piece == dst or piece.startswith(dst + "/"):
-                    return src + piece[len(dst):]
-            return piece
+            real = mounted(piece, paths)
+            return piece if real is None else real
         return sep.join(one(p) for p in word.split(sep)) if isinstance(word, str) else word
 
     def check(self, n, image):
@@ -517,6 +512,15 @@ class Host(Runtime):
     def pull_commands(self, ref, out_name, insecure=False):
         raise UserError("runtime none runs no image: make the env on the cluster with `invoke venv` (README: "
                         "sites without containers)")
+
+
+def mounted(path: str, paths: list[tuple[str, str]]) -> str | None:
+    """The real path of a container path, through (container path, real path) pairs, longest first; None where
+    no mount holds it."""
+    for dst, src in paths:
+        if path == dst or path.startswith(dst + "/"):
+            return src + path[len(dst):]
+    return None
 
 
 def registry_host(ref: str) -> str | None:

@@ -452,13 +452,13 @@ class SlurmBackend(Backend):
             recs = allocations(Path(handle.dir), handle.scheduler_job)
             ids = dict.fromkeys([handle.scheduler_job, *(j for r in recs for j in (r["slurm_job"], r["next"]) if j)])
             ended = {r["slurm_job"] for r in recs if r["next"]}   # an allocation that submitted its next one
-            live = [j for j in ids if j not in asked and j not in ended and alive_or_unanswered(j, ())]   # ask once
+            live = [j for j in ids if j not in asked and j not in ended and alive_or_unanswered(j)]
             if not live:
                 break
             argv = ["scancel", f"--user={getpass.getuser()}", *live]
             log(line(argv))
             proc = _slurm(*argv, check=False)
-            if proc.returncode and (still := [j for j in live if alive_or_unanswered(j, ())]):   # else it ended
+            if proc.returncode and (still := [j for j in live if alive_or_unanswered(j)]):   # else it ended
                 msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
                 raise UserError(f"scancel could not cancel Slurm job(s) {', '.join(still)} of {handle.job_id}: "
                                 f"{msg[-1] if msg else f'exit {proc.returncode}'}")
@@ -816,10 +816,10 @@ def accounted(job_id: str) -> tuple[str, str]:
     return state, rows[0][1]
 
 
-def alive_or_unanswered(job_id: str, waits=QUERY_WAITS) -> bool:
-    """Slurm has not ended the job, or gave no answer about it (nothing known: not an end)."""
+def alive_or_unanswered(job_id: str) -> bool:
+    """Slurm has not ended the job, or gave no answer about it when asked once (nothing known: not an end)."""
     try:
-        return alive(job_state(job_id, waits)[0])
+        return alive(job_state(job_id, waits=())[0])
     except SlurmUnanswered:
         return True
 
