@@ -295,6 +295,14 @@ def check_disk(node: str, f: dict) -> list[Row]:
     return rows
 
 
+def busy_fix(node: str, busy: dict[str, str]) -> str:
+    ports = ", ".join(sorted(busy))
+    if all(why.endswith(": TIME-WAIT") for why in busy.values()):   # the probe names the sockets' states
+        return (f"port(s) {ports} on {node} are held by connections closed in the last minute (TIME-WAIT), "
+                f"which Paddle's launcher cannot bind over: run again in a minute, or pick another --port")
+    return f"port(s) {ports} already in use on {node}: another job? pick another --port"
+
+
 def check_ports(node: str, rank: int, f: dict, facts: dict[int, dict], e: Expect, master_ip: str) -> list[Row]:
     rows = []
     busy = f.get("ports", {}).get("busy", {})
@@ -302,8 +310,7 @@ def check_ports(node: str, rank: int, f: dict, facts: dict[int, dict], e: Expect
     mine = f"{e.port}, {first}-{last}" if rank == 0 else f"{first}-{last}"
     rows.append(Row(node, "ports free", not busy, "all bound" if not busy else
                     ", ".join(f"{p} ({why})" for p, why in sorted(busy.items())), f"{mine} free on the node",
-                    "" if not busy else f"port(s) {', '.join(sorted(busy))} already in use on {node}: another job? "
-                    f"pick another --port"))
+                    "" if not busy else busy_fix(node, busy)))
     if e.nodes < 2:
         return rows
     if rank != 0:

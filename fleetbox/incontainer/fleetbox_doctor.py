@@ -185,7 +185,8 @@ class Node:
                 s.bind(("", port))
                 s.listen(64)
             except (OSError, OverflowError) as e:
-                self.busy[str(port)] = getattr(e, "strerror", None) or str(e)
+                held = ", ".join(sorted(set(holders(port))))
+                self.busy[str(port)] = (getattr(e, "strerror", None) or str(e)) + (f": {held}" if held else "")
                 s.close()
                 continue
             self.bound.append(port)
@@ -223,6 +224,26 @@ class Node:
         except (OSError, ValueError, KeyError):
             f.close()
             conn.close()
+
+
+TCP_STATES = {1: "ESTABLISHED", 2: "SYN-SENT", 3: "SYN-RECV", 4: "FIN-WAIT-1", 5: "FIN-WAIT-2", 6: "TIME-WAIT",
+              7: "CLOSE", 8: "CLOSE-WAIT", 9: "LAST-ACK", 10: "LISTEN", 11: "CLOSING"}
+
+
+def holders(port, tables=("/proc/net/tcp", "/proc/net/tcp6")):
+    """The states of this network namespace's TCP sockets on local `port` (TIME-WAIT: a connection closed in
+    the last minute, which frees itself; LISTEN or ESTABLISHED: a process holds it)."""
+    states = []
+    for table in tables:
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                states.append(TCP_STATES.get(int(fields[3], 16), fields[3]))
+    return states
 
 
 def hang_up(f, conn, timeout=5.0):

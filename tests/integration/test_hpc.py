@@ -14,6 +14,7 @@ import pytest
 
 from fleetbox import settings
 from fleetbox.image import matrix
+from fleetbox.run import hostnet
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
@@ -390,7 +391,7 @@ def test_slurm_dry_run_is_what_slurm_got_and_hostile_values_arrive_unchanged(clu
     else:
         extra = ["--image", request.getfixturevalue("charliecloud_image")]
     job = f"train-same-{runtime}-{int(time.time())}"
-    common = ["--runtime", runtime, *extra, "--job-id", job, "--port", str(29000 + int(time.time()) % 20000),
+    common = ["--runtime", runtime, *extra, "--job-id", job, "--port", str(hostnet.random_port()),
               "--args", HOSTILE_ARGS, "--env", HOSTILE_ENV]
     dry = slurm_train(cluster, "--dry-run", *common)
     assert dry.returncode == 0, dry.stderr

@@ -134,7 +134,23 @@ def below_ephemeral(port: int, nodes: int) -> int:
     return port
 
 
-DOCTOR_PORT = below_ephemeral(29100, 3)   # fixed, so a test can block it in a host's firewall
+def held_ports(ns: str) -> set[int]:
+    """The local ports of every TCP socket in a node's namespace, whatever its state (a job's or a doctor's
+    port in TIME-WAIT for a minute after it closed, a leftover listener)."""
+    lines = fabric.sh("nsenter", f"--net=/run/netns/{ns}", "ss", "-Htan").stdout.splitlines()
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in lines if line.strip()}
+
+
+@pytest.fixture
+def doctor_port(hosts) -> int:
+    """A master port whose block no socket holds on either node now: known before the doctor runs, so a test
+    can block it in a node's firewall, and clear of whatever the tests before left in TIME-WAIT (one CI run
+    found 29101 so)."""
+    held = held_ports("fbn1") | held_ports("fbn2")
+    for port in range(below_ephemeral(29100, 3), 31000, 10):
+        if not held & set(range(port, port + 8 * 3)):
+            return port
+    raise AssertionError(f"no clear block of ports from 29100 on the nodes: {sorted(held)}")
 
 
 def doctor_report(proc) -> dict:
@@ -173,28 +189,30 @@ def _iptables(ns, *rule):
 FAULTS = {
     # name: (extra args, setup, undo, the ✗ rows it must produce: exactly these)
     "node without the image": (["--image", "fleetbox/paddle:doctor-only-one"],
-                               lambda h: fabric.sh("docker", "-H", h[0], "tag", "fleetbox/paddle:cpu",
-                                                   "fleetbox/paddle:doctor-only-one"),
-                               lambda h: fabric.sh("docker", "-H", h[0], "rmi", "fleetbox/paddle:doctor-only-one"),
+                               lambda h, port: fabric.sh("docker", "-H", h[0], "tag", "fleetbox/paddle:cpu",
+                                                         "fleetbox/paddle:doctor-only-one"),
+                               lambda h, port: fabric.sh("docker", "-H", h[0], "rmi",
+                                                         "fleetbox/paddle:doctor-only-one"),
                                {("node1", "image")}),
     "node with a different image": (["--image", "fleetbox/paddle:doctor-diff"],
-                                    lambda h: _different_image(h),
-                                    lambda h: [fabric.sh("docker", "-H", u, "rmi", "fleetbox/paddle:doctor-diff",
-                                                         check=False) for u in h],
+                                    lambda h, port: _different_image(h),
+                                    lambda h, port: [fabric.sh("docker", "-H", u, "rmi", "fleetbox/paddle:doctor-diff",
+                                                               check=False) for u in h],
                                     {("node1", "same image")}),
     "master port blocked": ([],
-                            lambda h: _iptables("fbn1", "-I", "INPUT", "-p", "tcp", "--dport", str(DOCTOR_PORT),
-                                                "-j", "DROP"),
-                            lambda h: _iptables("fbn1", "-D", "INPUT", "-p", "tcp", "--dport", str(DOCTOR_PORT),
-                                                "-j", "DROP"),
+                            lambda h, port: _iptables("fbn1", "-I", "INPUT", "-p", "tcp", "--dport", str(port),
+                                                            "-j", "DROP"),
+                            lambda h, port: _iptables("fbn1", "-D", "INPUT", "-p", "tcp", "--dport", str(port),
+                                                            "-j", "DROP"),
                             {("node1", "master port"), ("node0", "nodes joined")}),
     "trainer port blocked": ([],   # node0's first pinned port: its launcher's candidate, the trainers' TCP store
-                             lambda h: _iptables("fbn1", "-I", "INPUT", "-p", "tcp", "--dport", str(DOCTOR_PORT + 1),
-                                                 "-j", "DROP"),
-                             lambda h: _iptables("fbn1", "-D", "INPUT", "-p", "tcp", "--dport", str(DOCTOR_PORT + 1),
-                                                 "-j", "DROP"),
+                             lambda h, port: _iptables("fbn1", "-I", "INPUT", "-p", "tcp", "--dport", str(port + 1),
+                                                             "-j", "DROP"),
+                             lambda h, port: _iptables("fbn1", "-D", "INPUT", "-p", "tcp", "--dport", str(port + 1),
+                                                             "-j", "DROP"),
                              {("node1", "ports of node0")}),
-    "interface that does not route to the master": (["--iface", "lo"], lambda h: None, lambda h: None,
+    "interface that does not route to the master": (["--iface", "lo"], lambda h, port: None,
+                                                    lambda h, port: None,
                                                     {("node0", "route to master"), ("node1", "route to master")}),
 }
 
@@ -208,10 +226,10 @@ def _different_image(h):
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_doctor_names_each_fault_and_preflight_refuses_the_job(hosts, fault):
+def test_doctor_names_each_fault_and_preflight_refuses_the_job(hosts, doctor_port, fault):
     extra, setup, undo, want = FAULTS[fault]
-    args = ["--nodes", "2", "--hosts", ",".join(hosts), "--port", str(DOCTOR_PORT), *extra]
-    setup(hosts)
+    args = ["--nodes", "2", "--hosts", ",".join(hosts), "--port", str(doctor_port), *extra]
+    setup(hosts, doctor_port)
     try:
         proc = invoke("doctor", *args, "--quick", "--wait", "5")
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
@@ -227,7 +245,7 @@ def test_doctor_names_each_fault_and_preflight_refuses_the_job(hosts, fault):
         for url in hosts:
             assert fabric.sh("docker", "-H", url, "ps", "-aq", "--filter", "label=io.fleetbox.job").stdout == ""
     finally:
-        undo(hosts)
+        undo(hosts, doctor_port)
 
 
 def test_doctor_names_an_engine_it_cannot_reach(hosts):

@@ -111,7 +111,8 @@ def test_healthy_facts_pass_every_check():
     (1, ("master", "offset"), 2.5, "clock skew", "+2.5 s off node0"),
     (1, ("reach", "0", "ports", "41001"), {"ok": False, "error": "refused"}, "ports of node0", "41001"),
     (0, ("reach", "1", "ports", "41006"), {"ok": False, "error": "timed out"}, "ports of node1", "41006"),
-    (1, ("ports", "busy"), {"41005": "Address in use"}, "ports free", "already in use"),
+    (1, ("ports", "busy"), {"41005": "Address in use: LISTEN"}, "ports free", "already in use on node1: another job"),
+    (1, ("ports", "busy"), {"41005": "Address in use: TIME-WAIT"}, "ports free", "(TIME-WAIT), which Paddle's"),
     (1, ("disk", "/fleetbox/logs", "free"), 100 << 20, "free disk /fleetbox/logs", "only 100 MiB free"),
     (1, ("disk", "/fleetbox/logs"), {"error": "Read-only file system"}, "free disk /fleetbox/logs", "not usable"),
     (0, ("missing",), [1], "nodes joined", "missing nodes"),
@@ -379,6 +380,30 @@ def test_the_probe_names_a_port_taken_and_a_master_that_never_answers():
         {str(p): "refused" for p in block(port, 0)}
     rows = checks.evaluate({1: f1}, checks.Expect(2, "1m", "cpu", port=port), "127.0.0.1")
     assert {r.check for r in rows if not r.ok} >= {"ports free", "master port", "ports of node0"}
+
+
+def test_the_probe_tells_a_port_held_by_a_closed_connection_from_one_a_process_holds():
+    """Right after a job, its pinned ports sit in TIME-WAIT for a minute: Paddle's launcher cannot bind them
+    (no SO_REUSEADDR), but they free themselves, unlike a port another process listens on."""
+    port = free_block(planner.ports_needed(2, 1))
+    waiting, listening = block(port, 1)[:2]
+    with socket.socket() as server, socket.socket() as other:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", waiting))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", waiting)) as client:
+            conn, _ = server.accept()
+            conn.close()   # the server's side closes first: its port waits
+            client.recv(1)
+        other.bind(("", listening))
+        other.listen()
+        server.close()
+        f1 = checks.parse_probe(run_probe(1, port).communicate(timeout=30)[0])
+    assert f1["ports"]["busy"] == {str(waiting): "Address already in use: TIME-WAIT",
+                                   str(listening): "Address already in use: LISTEN"}
+    fix = next(r.fix for r in checks.evaluate({1: f1}, checks.Expect(2, "1m", "cpu", port=port), "127.0.0.1")
+               if r.check == "ports free")
+    assert fix == f"port(s) {waiting}, {listening} already in use on node1: another job? pick another --port"
 
 
 def test_sweep_table_is_nccl_tests_shaped():
