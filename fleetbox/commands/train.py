@@ -42,7 +42,7 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
         plan = b.plan(spec)
     if dry_run:
         if b.watches_hangs:   # first: what follows is the backend's files, each to its end
-            log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout))
+            log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout, spec.variant.device, spec.env))
         log(b.describe(plan))
         return None
     if detach:

@@ -32,10 +32,20 @@ from dataclasses import dataclass, field
 PROGRESS = "progress-rank{rank}.json"  # what fleetbox_progress writes in each node's log folder
 STACKS = "stacks-rank{rank}.txt"
 REQUEST = "STACKS-REQUEST"          # sitecustomize's relay in each node's launcher reads it
-LEFT_OVER = ("progress-rank*.json", "stacks-rank*.txt", REQUEST)   # an earlier run's: cleared before a start
 HANG_TIMEOUT_S = 600.0              # --hang-timeout default (JobSpec): well inside Paddle's 30 min collective timeout
 START_TIMEOUT_S = 900.0             # --start-timeout default (JobSpec): a slow image pull, a big model's load
 STACKS_WAIT_S = 8.0                 # for every rank's stacks, after asking
+# A collective's own deadline ended a rank: it waited there for a peer that is stuck. Gloo's is its built-in
+# 30 s (Paddle's Gloo process group passes it none); it aborts the waiting ranks long before any hang deadline,
+# with this in their logs. An extended regular expression: node.sh greps for it too.
+COLLECTIVE_TIMEOUT = r"gloo::TimeoutException|gloo/transport/tcp/[A-Za-z_]+\.cc:[0-9]+\].*(TIMEOUT|Timed out)"
+GLOO_TIMEOUT_S = 30.0
+TIMED_OUT = "COLLECTIVE-TIMEOUT"    # node.sh's mark in its log folder (Slurm): a rank there timed out so
+LEFT_OVER = ("progress-rank*.json", "stacks-rank*.txt", REQUEST, TIMED_OUT)   # an earlier run's: cleared first
+# NCCL's process-group timeout (Paddle's comm-task watchdog; PADDLE_PG_TIMEOUT, ms, 30 min unset) is set above
+# fleetbox's own deadlines: fleetbox's detection, with every rank's stacks, comes first
+PG_TIMEOUT_S = 1800.0
+PG_MARGIN_S = 300.0
 
 
 def duration(seconds: float) -> str:
@@ -47,22 +57,36 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def describe_deadlines(hang_s: float, start_s: float) -> str:
-    """What --dry-run says about hang detection."""
+def pg_timeout_ms(hang_s: float, start_s: float) -> int:
+    """PADDLE_PG_TIMEOUT for NCCL jobs: Paddle's own 30 min, or more, so that it stays above our deadlines."""
+    return int(max(PG_TIMEOUT_S, max(hang_s, start_s) + PG_MARGIN_S) * 1000)
+
+
+def describe_deadlines(hang_s: float, start_s: float, device: str = "cpu", env: dict | None = None) -> str:
+    """What --dry-run says about hang detection, and which collective timeout applies to the job."""
     if not hang_s and not start_s:
         return "hang detection: off (--hang-timeout 0 --start-timeout 0): nothing of it runs in the job"
     hang = f"no progress for {duration(hang_s)}" if hang_s else "no hang deadline (--hang-timeout 0)"
     start = f"no first progress within {duration(start_s)}" if start_s else "no start-up deadline (--start-timeout 0)"
-    return (f"hang detection: {hang}; {start} -> every rank's stacks kept, the job stopped as after a failure. "
-            f"Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress steps, else the training's own "
-            f"(an optimizer's step, a static program's run, a data loader's batch); paddle.save and paddle.load "
-            f"are phases")
+    if device == "cpu":
+        collective = (f"Gloo's own {GLOO_TIMEOUT_S:.0f} s collective timeout (Paddle sets no other) ends the ranks "
+                      f"that wait for a stuck one first: read as a hang, the stuck rank named from the others' stacks")
+    elif (env or {}).get("PADDLE_PG_TIMEOUT"):
+        collective = f"NCCL's process-group timeout: PADDLE_PG_TIMEOUT={env['PADDLE_PG_TIMEOUT']} ms (your --env)"
+    else:
+        collective = (f"NCCL's process-group timeout: PADDLE_PG_TIMEOUT={pg_timeout_ms(hang_s, start_s)} ms, "
+                      f"above these deadlines")
+    return (f"hang detection: {hang}; {start} -> every rank's stacks kept, the job stopped as after a failure; "
+            f"{collective}. Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress steps, else the "
+            f"training's own (an optimizer's step, a static program's run, a data loader's batch); paddle.save and "
+            f"paddle.load are phases")
 
 
 @dataclass
 class Stall:
-    kind: str                  # "hang": no progress for the hang deadline; "start": none before the start one
-    ranks: list[int]           # the ranks past their deadline
+    kind: str                  # "hang": no progress for the hang deadline; "start": none before the start one;
+    #                            "collective": a collective's own timeout ended ranks (they waited for a stuck one)
+    ranks: list[int]           # the ranks past their deadline (collective: those it ended)
     idle: dict[int, float]     # seconds since each rank's last progress (or since the start)
     steps: dict[int, int | None]   # each rank's last step
     since: dict[int, float]    # wall time of each rank's last progress (or of the start)
@@ -189,10 +213,37 @@ class Watch:
                 [r for r in range(self.world) if self.records[r]["step"] is None]
         else:
             late = [r for r in range(self.world) if idle[r] > self.hang_s]
+        return self.stall(d[1], late or list(range(self.world)), now)
+
+    def stall(self, kind: str, ranks: list[int], now: float | None = None) -> Stall:
+        """The job as stuck now, `ranks` the ones to name (verdict's, or those a collective's timeout ended)."""
+        now = time.monotonic() if now is None else now
         wall_now = time.time() - (time.monotonic() - now)
-        return Stall(d[1], late or list(range(self.world)), idle=idle,
+        return Stall(kind, ranks, idle={r: now - self.changed.get(r, self.started) for r in range(self.world)},
                      steps={r: (self.records.get(r) or {}).get("step") for r in range(self.world)},
                      since={r: self.wall.get(r, wall_now - (now - self.started)) for r in range(self.world)})
+
+
+def timed_out(read, ranks, ppn: int) -> dict[int, str]:
+    """The ranks among `ranks` whose log ends with a collective's own timeout, each with that line."""
+    out = {}
+    for r in ranks:
+        tail = (read(r // ppn, f"workerlog.{r % ppn}", last=64 << 10) or b"").decode(errors="replace")
+        hits = [ln.strip() for ln in tail.splitlines() if re.search(COLLECTIVE_TIMEOUT, ln)]
+        if hits:
+            out[r] = hits[-1][-300:]
+    return out
+
+
+def announce(stall: Stall) -> str:
+    """The line a backend says when it takes the stacks."""
+    ranks = ", ".join(f"rank {r}" for r in stall.ranks)
+    if stall.kind == "collective":
+        return (f"{ranks} timed out waiting in a collective (its own timeout): a peer is stuck; taking every rank's "
+                f"stacks, then stopping the job")
+    return (f"no progress for {duration(max(stall.idle[r] for r in stall.ranks))} ({ranks}, "
+            f"{'start-up deadline' if stall.kind == 'start' else 'hang deadline'}): taking every rank's stacks, "
+            f"then stopping the job")
 
 
 # -- the stacks --
@@ -292,17 +343,20 @@ class Blame:
     where: dict[int, str]      # every rank, where it is
 
 
-def blame(stacks: dict[int, list[Frame] | None], world: int) -> Blame:
+def blame(stacks: dict[int, list[Frame] | None], world: int, waited: dict[int, str] | None = None) -> Blame:
     """The rank that is not in a collective while its peers wait in one. The checkpoint helper's per-step
     agreement and DataParallel's all-reduce keep the ranks in lock step, so a healthy peer of a stuck rank
-    waits inside a collective; a stuck rank is elsewhere. A rank without a stack, where every other waits in
-    a collective, is not named: a stack can go missing for other reasons. Anything but one rank outside cannot
-    be decided from the stacks, and is said so."""
+    waits inside a collective; a stuck rank is elsewhere. A rank that a collective's own timeout ended
+    (`waited`: its log says so) waited inside one, with or without a stack. A rank without a stack, where every
+    other waits in a collective, is not named: a stack can go missing for other reasons. Anything but one rank
+    outside cannot be decided from the stacks, and is said so."""
+    waited = waited or {}
     stacks = {r: stacks.get(r) for r in range(world)}
-    places = {r: where(s) for r, s in stacks.items()}
-    outside = [r for r, s in stacks.items() if s is not None and collective(s) is None]
-    missing = [r for r, s in stacks.items() if s is None]
-    inside = [r for r, s in stacks.items() if s is not None and collective(s) is not None]
+    places = {r: "timed out waiting in a collective" if s is None and r in waited else where(s)
+              for r, s in stacks.items()}
+    outside = [r for r, s in stacks.items() if s is not None and collective(s) is None and r not in waited]
+    missing = [r for r, s in stacks.items() if s is None and r not in waited]
+    inside = [r for r in stacks if r not in outside and r not in missing]
     if world == 1 and outside:
         return Blame(outside, True, places)
     if len(outside) == 1 and not missing and inside:
@@ -324,6 +378,9 @@ def summary(stall: Stall, b: Blame, procs_per_node: int = 1) -> str:
         return (f"node{r // procs_per_node} (rank {r}) hung: {since(r)}; {b.where[r]}"
                 + (". " + "; ".join(others) if others else ""))
     first = stall.ranks[0]
+    if stall.kind == "collective":
+        return (f"the job hung: rank {first} timed out waiting in a collective; the stacks cannot tell which rank "
+                f"is stuck: " + "; ".join(f"rank {r} {b.where[r]}" for r in sorted(b.where)))
     return (f"the job hung: rank {first}: {since(first)}; the stacks cannot tell which rank is stuck: "
             + "; ".join(f"rank {r} {b.where[r]}" for r in sorted(b.where)))
 
@@ -336,9 +393,10 @@ def stacks_file(rank: int) -> str:
 
 
 def ask_for_stacks(read, write, nodes: int, ppn: int, attempt: int, wait: float = STACKS_WAIT_S,
-                   poll: float = 0.25) -> dict[int, int]:
+                   poll: float = 0.25, gone=()) -> dict[int, int]:
     """Ask every node's launcher for its ranks' stacks; wait until every rank's stacks file has grown (or
-    `wait` seconds). Returns each file's size before the request: the new part is this dump."""
+    `wait` seconds), but for the ranks `gone` (ended: none will come). Returns each file's size before the
+    request: the new part is this dump."""
     before = {r: len(read(r // ppn, stacks_file(r)) or b"") for r in range(nodes * ppn)}
     request = f"{attempt}-{time.time()}\n".encode()
     for k in range(nodes):
@@ -346,7 +404,7 @@ def ask_for_stacks(read, write, nodes: int, ppn: int, attempt: int, wait: float 
             write(k, REQUEST, request)
         except Exception:   # a node that is gone: the others still answer
             pass
-    end, waiting = time.monotonic() + wait, set(before)
+    end, waiting = time.monotonic() + wait, set(before) - set(gone)
     while waiting and time.monotonic() < end:
         time.sleep(poll)
         waiting = {r for r in waiting if len(read(r // ppn, stacks_file(r)) or b"") <= before[r]}
@@ -357,7 +415,8 @@ def ask_for_stacks(read, write, nodes: int, ppn: int, attempt: int, wait: float 
 def keep(out: str, read, nodes: int, ppn: int, attempt: int, before: dict[int, int], stall: Stall,
          **extra) -> dict:
     """Every rank's new stacks and last lines into `out` (rank<r>.txt), whom they blame (blame.txt), and the
-    record a job's summary carries (hang.json, with `extra`)."""
+    record a job's summary carries (hang.json, with `extra`). After a collective's timeout, every rank it
+    ended by now (its log says so) counts as waiting in it."""
     os.makedirs(out, exist_ok=True)
     stacks = {}
     for r in range(nodes * ppn):
@@ -368,11 +427,14 @@ def keep(out: str, read, nodes: int, ppn: int, attempt: int, before: dict[int, i
         _write_whole(os.path.join(out, f"rank{r}.txt"), (
             f"rank {r} (node{r // ppn}), attempt {attempt}\n\n== the last lines of its log ==\n" + "\n".join(last)
             + "\n\n== its Python stacks, every thread (faulthandler) ==\n" + (dump or "(none arrived)\n")).encode())
-    b = blame(stacks, len(stacks))
+    waited = timed_out(read, range(nodes * ppn), ppn) if stall.kind == "collective" else {}
+    b = blame(stacks, len(stacks), waited)
     text = summary(stall, b, ppn)
     _write_whole(os.path.join(out, "blame.txt"), (text + "\n").encode())
     record = {"kind": stall.kind, "ranks": b.ranks, "decided": b.decided, "where": {str(r): w for r, w in
-              b.where.items()}, "node": b.ranks[0] // ppn if b.decided else None, "text": text, "dir": out, **extra}
+              b.where.items()}, "node": b.ranks[0] // ppn if b.decided else None, "text": text, "dir": out,
+              "timed_out": {str(r): line for r, line in waited.items()},
+              "timed_out_nodes": sorted({r // ppn for r in waited}), **extra}
     _write_whole(os.path.join(out, "hang.json"), json.dumps(record, indent=1).encode())
     return record
 
@@ -430,14 +492,15 @@ def main(argv: list[str]) -> int:
         for line in w.new_stragglers(ppn):
             print(f"fleetbox: {line}", flush=True)
         stall = w.verdict()
+        if stall is None and any(os.path.exists(os.path.join(job_dir, f"node{k}", TIMED_OUT)) for k in range(nodes)):
+            # node.sh holds a node whose rank a collective's timeout ended, so that its peers live on for this
+            stall = w.stall(kind="collective", ranks=sorted(timed_out(read, range(w.world), ppn)))
         if stall is None:
             continue
         try:
-            late = ", ".join(f"rank {r}" for r in stall.ranks)
-            print(f"fleetbox: no progress for {duration(max(stall.idle[r] for r in stall.ranks))} ({late}, "
-                  f"{'start-up deadline' if stall.kind == 'start' else 'hang deadline'}): taking every rank's "
-                  f"stacks, then stopping the job", flush=True)
-            before = ask_for_stacks(read, write, nodes, ppn, attempt)
+            print(f"fleetbox: {announce(stall)}", flush=True)
+            before = ask_for_stacks(read, write, nodes, ppn, attempt,
+                                    gone=stall.ranks if stall.kind == "collective" else ())
             rec = keep(os.path.join(job_dir, f"hang-{attempt}"), read, nodes, ppn, attempt, before, stall,
                        slurm_job=os.environ.get("SLURM_JOB_ID", ""))
             print(f"fleetbox: {rec['text']}", flush=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleetbox import settings
-from fleetbox.run import placeholders, shell
+from fleetbox.run import hang, placeholders, shell
 from fleetbox.run.spec import JobSpec, Mount
 from fleetbox.settings import LABEL_JOB, LABEL_NODE, LABEL_RANK, LABEL_VARIANT, LOG_DIR, WORKDIR
 
@@ -221,7 +221,11 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     checkpoint folder on the node's host, or a volume name, mounted read-write at CHECKPOINT_DIR."""
     dev = device_options(spec, hyhal_present)
     user_path = spec.env.get("PYTHONPATH", "")
-    watched = {"FLEETBOX_PROGRESS_DIR": LOG_DIR} if spec.hang_timeout or spec.start_timeout else {}   # run/hang.py
+    watched = {}
+    if spec.hang_timeout or spec.start_timeout:   # run/hang.py reads the progress; NCCL's own timeout comes later
+        watched = {"FLEETBOX_PROGRESS_DIR": LOG_DIR}
+        if spec.variant.device != "cpu":
+            watched["PADDLE_PG_TIMEOUT"] = str(hang.pg_timeout_ms(spec.hang_timeout, spec.start_timeout))
     env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}", "PORT_RANGE": "{port_range}",
            **watched, **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
            **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}), **spec.env,

@@ -19,7 +19,7 @@ class NodeResult:
     rank: int
     host: str                    # engine URL, Slurm node name, or "local"
     exit_code: int | None        # None: never seen to end
-    state: str                   # ok | FAILED | stopped | aborted | gone | ?
+    state: str                   # ok | FAILED | hung | timed out | stopped | aborted | gone | ?
     logs: str                    # this node's log folder (or file)
     finished_at: str = ""
     oom_killed: bool = False

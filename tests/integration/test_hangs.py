@@ -90,6 +90,29 @@ def test_a_plain_script_that_hangs_mid_run_is_noticed_named_and_restarted(cpu_im
         "in `load_batch_that_never_returns` (plain.py:" in h["text"], h["text"]
 
 
+def test_gloos_own_timeout_is_read_as_the_hang_it_is_and_the_rank_that_waited_is_never_blamed(cpu_image):
+    """With the default deadlines (10 min), Gloo's own 30 s timeout ends rank 0, which waits for stuck rank 1 in
+    the gradients' all-reduce: the stacks are taken while rank 1 is still stuck, rank 1 is named, rank 0 timed
+    out, the attempt HUNG; the job restarts and passes."""
+    proc = invoke("train", "--nodes", "2", "--max-restarts", "1", "--args",
+                  "--steps 60 --checkpoint-every 10 --hang-rank 1 --hang-step 30 --hang-attempt 0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert "rank 0 timed out waiting in a collective (its own timeout): a peer is stuck; taking every rank's " \
+        "stacks" in proc.stdout
+    s = summary_of(proc)
+    assert [a["state"] for a in s["attempts"]] == ["HUNG", "PASSED"], s["attempts"]
+    first = json.loads((ROOT / s["dir"] / "attempt0" / "summary.json").read_text())
+    h = first["hang"]
+    assert (h["kind"], h["ranks"], first["culprit"], h["timed_out_nodes"]) == ("collective", [1], 1, [0]), h
+    assert [(n["state"], n["exit_code"]) for n in first["nodes"]] == [("timed out", 250), ("hung", 137)], \
+        first["nodes"]
+    assert h["text"].startswith("node1 (rank 1) hung: no progress since step 30 (") and \
+        "in `load_batch_that_never_returns` (smoke.py:" in h["text"] and \
+        h["text"].endswith("rank 0 timed out waiting in a collective"), h["text"]
+    assert "TIMEOUT" in h["timed_out"]["0"]
+    assert s["smoke"]["resumed_from"] == 30 and s["smoke"]["whole_run"], s["smoke"]
+
+
 @pytest.mark.parametrize("how", ["attached", "detached"])
 def test_a_rank_that_never_reaches_its_first_step_is_named_at_the_start_deadline(cpu_image, how):
     """Detached, the supervisor watches the deadlines: the client is gone once it started the job."""

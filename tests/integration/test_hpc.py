@@ -20,7 +20,7 @@ from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
 from tests.conftest import ROOT, invoke
 from tests.integration.test_datasets_in_image import READ_MNIST
-from tests.integration.test_hangs import last_metric_time
+from tests.integration.test_hangs import PLAIN, last_metric_time
 from tests.integration.test_train import assert_rows_are_the_runs_own_figures, study_of
 from tests.unit.test_cli import one_line_error
 
@@ -583,6 +583,32 @@ def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_
     assert 20 <= ended - last <= 30, ended - last
     assert not subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.fleetbox.job={job_id}"],
                               capture_output=True, text=True).stdout.split()
+
+
+def test_slurm_a_plain_script_stuck_past_gloos_timeout_is_a_hang_named_from_the_stacks(cluster, podman_image,
+                                                                                       tmp_path):
+    """A script with no fleetbox helper and the default deadlines (10 min): Gloo's own 30 s timeout ends rank 0,
+    waiting for stuck rank 1. node0's task holds (srun would stop node1 at once), the watcher takes the stacks
+    while rank 1 is still stuck and names it; the attempt is HUNG, the chain restarts and passes."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    env = {**os.environ, **cluster}
+    proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
+                  "--max-restarts", "1", "--script", str(script), env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s, job_dir = summary(proc)
+    hung, rerun = s["attempts"]
+    assert (hung["state"], rerun["state"]) == ("HUNG", "PASSED"), s["attempts"]
+    record = json.loads((Path(job_dir) / "hang-0" / "hang.json").read_text())
+    assert (record["kind"], record["ranks"], record["node"], record["timed_out_nodes"]) == \
+        ("collective", [1], 1, [0]), record
+    assert hung["ended"].startswith("node1 (rank 1) hung: no progress since step ") and \
+        "in `load_batch_that_never_returns` (plain.py:" in hung["ended"] and \
+        "rank 0 timed out waiting in a collective" in hung["ended"], hung["ended"]
+    out = (Path(job_dir) / f"slurm-{hung['slurm_job']}.out").read_text()
+    assert "rank 0 timed out waiting in a collective (its own timeout)" in out
+    node0 = (Path(job_dir) / "alloc1" / "node0.log").read_text()
+    assert "fleetbox: node 0: workerlog.0 timed out in a collective; holding the node" in node0, node0[-2000:]
 
 
 def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_image):

@@ -6,6 +6,7 @@ peer waiting in backward (backward-rank0), and a paddle.Model.fit job whose rank
 __getitem__, read by the DataLoader's own thread, while rank 0 waits in backward (fit-loader-*)."""
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -229,9 +230,10 @@ def test_with_both_deadlines_off_nothing_of_detection_runs_in_the_containers():
 
 @pytest.mark.parametrize("given,said", [
     ([], "hang detection: no progress for 10 min; no first progress within 15 min -> every rank's stacks kept, "
-         "the job stopped as after a failure. Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress "
-         "steps, else the training's own (an optimizer's step, a static program's run, a data loader's batch); "
-         "paddle.save and paddle.load are phases"),
+         "the job stopped as after a failure; Gloo's own 30 s collective timeout (Paddle sets no other) ends the "
+         "ranks that wait for a stuck one first: read as a hang, the stuck rank named from the others' stacks. "
+         "Progress: fleetbox_metrics, fleetbox_checkpoint or fleetbox_progress steps, else the training's own (an "
+         "optimizer's step, a static program's run, a data loader's batch); paddle.save and paddle.load are phases"),
     (["--hang-timeout", "90s", "--start-timeout", "0"], "hang detection: no progress for 90 s; no start-up deadline "
                                                          "(--start-timeout 0) -> every rank's stacks kept"),
     (["--hang-timeout", "0", "--start-timeout", "0"],
@@ -323,3 +325,133 @@ def test_a_rank_waiting_for_its_data_loaders_thread_is_where_that_thread_is():
     assert b.decided and b.ranks == [1]
     assert b.where == {0: "waiting in `backward` ← `main` (fit.py:78)",
                        1: "in `trouble` (fit.py:72) ← `__getitem__` (fit.py:35)"}
+
+
+# -- a collective's own timeout (Gloo's 30 s): the ranks it ends waited for a stuck one --
+
+TIMEOUTS = Path(__file__).parent.parent / "probes" / "collective-timeout"
+
+
+def folder(logs: dict[int, str]):
+    """read(node, name, last) over workerlog.0 texts, one rank per node."""
+    def read(k, name, last=None):
+        data = logs.get(k, "").encode() if name == "workerlog.0" else None
+        return data[-last:] if data is not None and last else data
+    return read
+
+
+def test_the_ranks_a_collective_timeout_ended_are_read_from_their_logs():
+    """Recorded in the fleetbox image: a plain script's rank (Gloo's exception ends the process) and smoke.py's,
+    which catches it and prints it; a peer that died instead (the connection closed) is not a timeout, nor is the
+    script's own."""
+    plain = (TIMEOUTS / "gloo-plain-rank0.log").read_text()
+    caught = (TIMEOUTS / "gloo-caught-rank0.log").read_text()
+    died = "W1127 backward.cc:697] gloo::IoException\n  what():  [/paddle/third_party/gloo/gloo/transport/tcp/" \
+           "pair.cc:534] Connection closed by peer [10.213.77.12]:29105\n"
+    own = "RuntimeError: TIMEOUT: the data server did not answer in 30 s\n"   # the script's own, not Gloo's
+    got = hang.timed_out(folder({0: plain, 1: "step 29\n", 2: caught, 3: died, 4: own}), range(5), 1)
+    assert sorted(got) == [0, 2]
+    assert got[0].startswith("what():  [/paddle/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:80] TIMEOUT")
+    assert got[2].startswith("gradient all-reduce failed: [/paddle/third_party/gloo/")
+
+
+def test_a_rank_a_collective_timeout_ended_waited_and_its_stuck_peer_is_named():
+    """The ended rank gives no stack (its process is gone); its log says it waited in a collective."""
+    stacks = {0: None, 1: stack("at-step-rank1")}
+    b = hang.blame(stacks, 2, {0: "TIMEOUT"})
+    assert (b.ranks, b.decided, b.where[0]) == ([1], True, "timed out waiting in a collective")
+    assert not hang.blame(stacks, 2).decided   # without its log's word, a missing stack is never a guess
+    # a stuck rank's peer that the timeout has not ended yet still waits in its collective
+    b = hang.blame({0: None, 1: stack("at-step-rank1"), 2: stack("at-step-rank0")}, 3, {0: "TIMEOUT"})
+    assert b.ranks == [1]
+
+
+def test_after_a_collective_timeout_the_record_names_the_stuck_rank_and_the_ranks_that_timed_out(tmp_path):
+    for k, text in ((0, (TIMEOUTS / "gloo-plain-rank0.log").read_text()), (1, "step 30\n")):
+        (tmp_path / f"node{k}").mkdir()
+        (tmp_path / f"node{k}" / "workerlog.0").write_text(text)
+    (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
+    w = hang.Watch(2, 600, 900)
+    w.see(0, rec(1, step=29))
+    w.see(1, rec(1, step=30))
+    rec_ = hang.keep(str(tmp_path / "hang-0"), hang.folder_reader(str(tmp_path)), 2, 1, 0, {},
+                     w.stall("collective", [0]))
+    assert (rec_["kind"], rec_["ranks"], rec_["node"], rec_["timed_out_nodes"]) == ("collective", [1], 1, [0])
+    assert rec_["text"].startswith("node1 (rank 1) hung: no progress since step 30 (") and \
+        rec_["text"].endswith("rank 0 timed out waiting in a collective"), rec_["text"]
+    assert "TIMEOUT" in rec_["timed_out"]["0"]
+
+
+def test_the_ranks_that_timed_out_are_not_waited_for_when_taking_stacks(tmp_path):
+    """Their processes are gone: asking them would cost the whole wait."""
+    import time
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").mkdir()
+    read = hang.folder_reader(str(tmp_path))
+
+    def write(k, name, data):   # node 1's relay answers at once; node 0 has none left
+        (tmp_path / f"node{k}" / name).write_bytes(data)
+        if k == 1:
+            (tmp_path / "node1" / "stacks-rank1.txt").write_text("dump")
+    t0 = time.monotonic()
+    hang.ask_for_stacks(read, write, 2, 1, 0, wait=5, poll=0.05, gone=[0])
+    assert time.monotonic() - t0 < 1
+
+
+@pytest.mark.parametrize("variant,given,want", [
+    ("cu126", [], "1800000"),                                  # Paddle's own 30 min is above our deadlines
+    ("cu126", ["--hang-timeout", "45m"], str((45 * 60 + 300) * 1000)),   # raised above ours
+    ("cu126", ["--env", "PADDLE_PG_TIMEOUT=60000"], "60000"),   # the user's own wins, and is said so
+    ("cpu", [], None),                                          # Gloo reads no such setting
+    ("cu126", ["--hang-timeout", "0", "--start-timeout", "0"], None),
+])
+def test_nccls_timeout_is_set_above_fleetboxs_deadlines_and_the_dry_run_says_which_applies(run_invoke, variant,
+                                                                                          given, want):
+    proc = run_invoke("train", "--backend", "slurm", "--runtime", "apptainer", "--image", "/dev/null",
+                      "--variant", variant, "--dry-run", *given)
+    assert proc.returncode == 0, proc.stderr
+    said = re.findall(r"PADDLE_PG_TIMEOUT=(\d+)", proc.stdout)
+    assert said == ([want] * 2 if want else []), said   # the first line, then the node's export
+    if variant == "cpu":
+        assert "Gloo's own 30 s collective timeout" in proc.stdout.splitlines()[0]
+    if "--env" in given:
+        assert "PADDLE_PG_TIMEOUT=60000 ms (your --env)" in proc.stdout.splitlines()[0]
+
+
+def test_the_slurm_watcher_takes_the_stacks_when_a_node_says_its_rank_timed_out_in_a_collective(tmp_path):
+    """run/hang.py as the batch script runs it: node.sh's mark in node0's folder, rank 1's relay answering the
+    request, a stand-in for srun. The watcher keeps the stacks naming rank 1, stops 'srun', exits 3, long before
+    any deadline."""
+    import subprocess
+    import sys
+    import threading
+    import time
+    for k in (0, 1):
+        (tmp_path / f"node{k}").mkdir()
+        (tmp_path / f"node{k}" / f"progress-rank{k}.json").write_text(json.dumps(rec(5, step=29 + k)))
+    (tmp_path / "node0" / "workerlog.0").write_text((TIMEOUTS / "gloo-plain-rank0.log").read_text())
+    (tmp_path / "node0" / hang.TIMED_OUT).touch()
+    srun = subprocess.Popen(["bash", "-c", "exec -a srun sleep 60"])
+    answered = threading.Event()
+
+    def relay():   # node 1's launcher: a stack dump once asked
+        while not (tmp_path / "node1" / hang.REQUEST).exists():
+            time.sleep(0.05)
+        (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
+        answered.set()
+    threading.Thread(target=relay, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-I", hang.__file__, str(tmp_path), "2", "1", "600", "900", "0",
+                               str(srun.pid)], capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+        assert proc.returncode == 3 and answered.is_set(), proc.stdout + proc.stderr
+        assert took < hang.STACKS_WAIT_S, took   # node 0's rank is not waited for: it is gone
+        assert srun.wait(timeout=15) is not None
+        record = json.loads((tmp_path / "hang-0" / "hang.json").read_text())
+        assert (record["kind"], record["node"], record["timed_out_nodes"]) == ("collective", 1, [0])
+        assert proc.stdout.splitlines()[0] == ("fleetbox: rank 0 timed out waiting in a collective (its own "
+                                               "timeout): a peer is stuck; taking every rank's stacks, then "
+                                               "stopping the job")
+    finally:
+        srun.kill()

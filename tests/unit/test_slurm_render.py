@@ -6,6 +6,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ def test_every_runtime_and_variant_renders_valid_bash(runtime, variant):
         assert piece in node, piece
     for piece in ("GLOO_SOCKET_IFNAME=$IFACE", "NCCL_SOCKET_IFNAME=$IFACE", "NCCL_IB_DISABLE=1"):
         assert piece in node.replace('"', ""), piece
-    assert "'" not in node.split("paddle.distributed.launch")[1]   # no literal text needed quoting
+    assert "'" not in node.split("paddle.distributed.launch")[1].splitlines()[0]   # the launch: nothing quoted
 
 
 def test_runtime_specifics():
@@ -92,16 +93,17 @@ def test_runtime_specifics():
     assert "\npodman run --rm" in podman and "--network host" in podman
     assert '--ulimit "memlock=$(hard_limit l)"' in podman and "hard_limit() {" in podman
     assert 'cleanup() { podman rm -f --time 0 fleetbox-train-t-0001-node"$SLURM_NODEID" ' in podman
-    assert "trap cleanup TERM INT" in podman and podman.endswith("wait $!\n")
+    assert "trap cleanup TERM INT" in podman and "\nrc=0; wait $! || rc=$?\n" in podman and \
+        podman.endswith('exit "$rc"\n')
     docker = node_script(job(runtime="docker"))
     assert "\ndocker run --rm" in docker and " -d " not in docker
     sb = sbatch(job(runtime="podman"))
     assert "podman ps -aq --filter label=io.fleetbox.job=train-t-0001 | xargs -r podman rm -f" in sb
     assert sb.rstrip().endswith('exit "$rc"')
     ch = node_script(job(runtime="charliecloud"))
-    assert "exec ch-run --env-no-expand --set-env" in ch and " -c /workspace " in ch and " -- python -m paddle" in ch
+    assert "\nch-run --env-no-expand --set-env" in ch and " -c /workspace " in ch and " -- python -m paddle" in ch
     app = node_script(job(runtime="apptainer"))
-    assert "exec apptainer exec --cleanenv" in app and "--bind /" in app
+    assert "\napptainer exec --cleanenv" in app and "--bind /" in app
     cuda_app = node_script(job("cu126", "apptainer"))
     assert " --nv " in cuda_app
     dcu_app = node_script(job("dcu", "apptainer"))
@@ -110,7 +112,7 @@ def test_runtime_specifics():
     sb = sbatch(pyxis_sj)
     sqsh = hpc.export_path(matrix.load().get("cpu"), "sqsh", image_tag=SHIPPED_HASH)   # what the unit tests shipped
     assert f"--container-image={sqsh}" in sb and "--container-mounts=" in sb
-    assert "exec python -m paddle.distributed.launch" in node_script(pyxis_sj)
+    assert "\npython -m paddle.distributed.launch" in node_script(pyxis_sj)
     assert "export GLOO_SOCKET_IFNAME=" in node_script(pyxis_sj)
 
 
@@ -807,3 +809,64 @@ def test_where_each_runtimes_ranks_write_progress_is_where_the_hang_watcher_read
     assert rt.on_host(t, rank_env["FLEETBOX_PROGRESS_DIR"]) == watched
     assert rt.on_host(t, command[command.index("--log_dir") + 1]) == watched
     assert rt.on_host(t, rank_env["FLEETBOX_CHECKPOINT_DIR"]) == str(job_dir / "checkpoints")
+
+
+@pytest.mark.parametrize("runtime", list(runtimes.RUNTIMES))
+def test_a_node_whose_rank_a_collective_timeout_ended_is_held_for_its_peers_stacks_and_marked(runtime, tmp_path,
+                                                                                             monkeypatch):
+    """srun --kill-on-bad-exit would stop the stuck rank's node at once: the ended rank's node.sh marks its log
+    folder (where run/hang.py looks) and waits; any other end is passed on at once. Run in bash as rendered, the
+    launcher's exit and the log folder standing in."""
+    monkeypatch.setattr(slurm, "HOLD_S", 3)
+    (tmp_path / "image.sqsh").touch()
+    image = {"pyxis": str(tmp_path / "image.sqsh"), runtimes.Host.name: None}.get(runtime, "/dev/null")
+    text = node_script(job(runtime=runtime, **({"image": image} if image else {})))
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("LOGS="))
+    job_dir = str(slurm.settings.runs_root() / "train-t-0001")
+    seen_at = "/fleetbox/job" if runtime == "pyxis" else job_dir   # where node.sh runs: in its container, or not
+    assert lines[start] == f'LOGS={seen_at}/node"$SLURM_NODEID"', lines[start]
+    assert lines[start + 2] == 'exit "$rc"' and lines[start - 1] == 'rc=0; wait $! || rc=$?'
+    assert not any(ln.startswith("exec ") for ln in lines)
+    hold = "\n".join([f"LOGS={tmp_path}/node0", *lines[start + 1:]])
+    gloo = (Path(__file__).parent.parent / "probes" / "collective-timeout" / "gloo-plain-rank0.log").read_text()
+
+    def run(rc, log):
+        (tmp_path / "node0").mkdir(exist_ok=True)
+        (tmp_path / "node0" / "workerlog.0").write_text(log)
+        (tmp_path / "node0" / "COLLECTIVE-TIMEOUT").unlink(missing_ok=True)
+        t0 = time.monotonic()
+        proc = subprocess.run(["bash", "-c", f"set -euo pipefail; SLURM_NODEID=0; rc={rc}\n{hold}"],
+                              capture_output=True, text=True, timeout=30)
+        return proc, time.monotonic() - t0, (tmp_path / "node0" / "COLLECTIVE-TIMEOUT").exists()
+    proc, took, marked = run(250, "x" * 100_000 + "\n" + gloo)   # the line in the log's last 64 KiB
+    assert (proc.returncode, marked) == (250, True) and 3 <= took < 10, (proc.stderr, took)
+    assert proc.stderr == "fleetbox: node 0: workerlog.0 timed out in a collective; holding the node for its " \
+                          "peers' stacks\n"
+    for rc, log in ((1, "Traceback: ValueError\n"), (0, gloo)):   # another failure, or none: not held
+        proc, took, marked = run(rc, log)
+        assert (proc.returncode, marked, proc.stderr) == (rc, False, "") and took < 2
+
+
+def test_without_hang_detection_node_sh_hands_the_node_to_the_launcher():
+    text = node_script(job(runtime="apptainer", image="/dev/null", hang_timeout=0.0, start_timeout=0.0))
+    assert "LOGS=" not in text and text.splitlines()[-1].startswith("exec apptainer exec ")
+
+
+@pytest.mark.parametrize("fails,want", [(0, "10.1.2.3"), (2, "10.1.2.3"), (9, "")])
+def test_the_batch_script_asks_a_busy_controller_again_for_the_masters_address(fails, want, tmp_path,
+                                                                              monkeypatch):
+    """Run as rendered with a stand-in scontrol that times out `fails` times: the address once it answers; with
+    no answer the script goes on with the host name (set -euo pipefail would have ended it at once)."""
+    monkeypatch.setattr(slurm, "START_WAITS", (0, 0, 0))
+    asked = next(ln for ln in sbatch(job()).splitlines() if ln.startswith("MASTER_ADDR="))
+    stub = tmp_path / "scontrol"
+    stub.write_text(f'#!/bin/bash\nn=$(cat {tmp_path}/n 2>/dev/null || echo 0); echo $((n + 1)) > {tmp_path}/n\n'
+                    f'if [ "$n" -lt {fails} ]; then echo "slurm_load_node error: Socket timed out on send/recv '
+                    f'operation" >&2; exit 1; fi\necho "NodeName=$3 Arch=x86_64 NodeAddr=10.1.2.3 NodeHostName=$3"\n')
+    stub.chmod(0o755)
+    proc = subprocess.run(["bash", "-c", f'set -euo pipefail; MASTER_HOST=n1\n{asked}\necho "addr=$MASTER_ADDR"'],
+                          capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"addr={want}\n", "")
+    assert int((tmp_path / "n").read_text()) == min(fails + 1, 3)

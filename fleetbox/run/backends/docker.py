@@ -572,6 +572,7 @@ class _Live:
         watched = bool(spec.hang_timeout or spec.start_timeout)
         look = time.monotonic()
         while True:
+            failing = first_fail is None
             for rank, c in self.containers.items():
                 if rank in dict(self.exits):
                     continue
@@ -589,6 +590,8 @@ class _Live:
                     if self.exits[-1][1] != 0 and first_fail is None:
                         first_fail = time.monotonic()
                         log(f"node{rank} (rank {rank}) exited with code {self.exits[-1][1]}; stopping the other nodes")
+            if failing and first_fail is not None and watched and self.collective_timeout(progress, log):
+                return
             if len(self.exits) == len(self.containers):
                 return
             if first_fail is not None and time.monotonic() - first_fail >= GRACE_S:
@@ -601,8 +604,7 @@ class _Live:
                 return
             if watched and first_fail is None and time.monotonic() >= look:   # progress files: once a second
                 look = time.monotonic() + 1.0
-                for r in range(progress.world):
-                    progress.see(r, _json(self.node_file(r // spec.procs_per_node, hang.PROGRESS.format(rank=r))))
+                self.see_progress(progress)
                 for line in progress.new_stragglers(spec.procs_per_node):   # slow, not stuck: named once
                     log(line)
                 if (stall := progress.verdict()) is not None:
@@ -610,6 +612,24 @@ class _Live:
                     self.stop_all(timeout=1)
                     return
             time.sleep(POLL_S)
+
+    def see_progress(self, progress: hang.Watch) -> None:
+        ppn = self.plan.spec.procs_per_node
+        for r in range(progress.world):
+            progress.see(r, _json(self.node_file(r // ppn, hang.PROGRESS.format(rank=r))))
+
+    def collective_timeout(self, progress: hang.Watch, log) -> bool:
+        """At the first failure: a rank that a collective's own timeout ended waited for a stuck peer. The stacks
+        are taken while that peer is still where it hung, and the job stopped, as after a hang (True)."""
+        ppn = self.plan.spec.procs_per_node
+        ended = [r for node, code in self.exits if code for r in range(node * ppn, (node + 1) * ppn)]
+        waited = hang.timed_out(self.node_file, ended, ppn)
+        if not waited:
+            return False
+        self.see_progress(progress)
+        self.stacks(progress.stall("collective", sorted(waited)), log)
+        self.stop_all(timeout=1)
+        return True
 
     def node_file(self, k: int, name: str, last: int | None = None) -> bytes | None:
         """A file of node k's log folder while the job runs (its `last` bytes): here, or (--hosts) the whole file
@@ -627,13 +647,11 @@ class _Live:
     def stacks(self, stall: hang.Stall, log) -> None:
         """Every rank's stacks, asked of each node's launcher (sitecustomize's relay) through a request file in
         its log folder; the job is stopped after this either way."""
-        late = ", ".join(f"rank {r}" for r in stall.ranks)
-        log(f"no progress for {hang.duration(max(stall.idle[r] for r in stall.ranks))} ({late}, "
-            f"{'start-up deadline' if stall.kind == 'start' else 'hang deadline'}): taking every rank's stacks, "
-            f"then stopping the job")
+        log(hang.announce(stall))
         self.stall = stall
         self.stacks_from = hang.ask_for_stacks(self.node_file, self.put_node_file, len(self.containers),
-                                               self.plan.spec.procs_per_node, self.plan.attempt)
+                                               self.plan.spec.procs_per_node, self.plan.attempt,
+                                               gone=stall.ranks if stall.kind == "collective" else ())
 
     def put_node_file(self, k: int, name: str, data: bytes) -> None:
         if not self.plan.nodes[k].host:
@@ -700,7 +718,8 @@ class _Live:
         nodes = []
         for k, n in enumerate(self.plan.nodes):
             code = exits.get(k)
-            state = ("hung" if hung and k == bad else "ok" if code == 0 else "FAILED" if k == bad
+            state = ("hung" if hung and k == bad else "timed out" if hung and k in hung.get("timed_out_nodes", ())
+                     else "ok" if code == 0 else "FAILED" if k == bad
                      else "stopped" if k in self.stopped
                      else "gone" if k in self.gone else "aborted" if k in exits else "?")
             nodes.append(NodeResult(f"node{k}", k, n.host or "local", code, state, str(d / f"node{k}"),

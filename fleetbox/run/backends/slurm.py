@@ -53,6 +53,7 @@ ROUTE_SH = template("route_to.sh")
 # last one's stay in the job folder.
 CHAIN_SH = template("chain.sh")
 STRAGGLER_NOTICE = "fleetbox: straggler: "   # run/hang.py's line in the batch output, shown live
+HOLD_S = hang.STACKS_WAIT_S + 12   # node.sh's hold after a collective's timeout: the watcher's look, then the stacks
 HANG_PY = "hang.py"   # run/hang.py, copied into the job folder at submit: every allocation of a chain runs the same
 # The in-container helpers, copied into the job folder at submit: a fleetbox installed where only the login node
 # sees it (a venv on its local disk) still gives every node the same helpers
@@ -312,15 +313,38 @@ class SlurmBackend(Backend):
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
         lines += rt.prelude_for(t)
         run = self.words([*rt.launch(t, image, [*given, *self.runtime_args])], job_id)
+        held = self.hold_after_timeout(spec, t, job_id)
         if rt.kills_client_only:
             # A killed client leaves its container running: remove it when Slurm stops this task, at once (Slurm
             # sends SIGKILL after KillWait, which may be shorter than podman's 10 s graceful stop).
             rm = rt.remove_now(t.name)
             lines += [f"cleanup() {{ {self.words(rm, job_id)} >/dev/null 2>&1; exit 143; }}", "trap cleanup TERM INT",
-                      f"{run} &", "wait $!"]
+                      f"{run} &", 'rc=0; wait $! || rc=$?', *held, 'exit "$rc"']
+        elif held:
+            lines += [f"{run} &", 'rc=0; wait $! || rc=$?', *held, 'exit "$rc"']
         else:
             lines.append("exec " + run)
         return "\n".join(lines) + "\n"
+
+    def hold_after_timeout(self, spec, t: planner.NodeRun, job_id: str) -> list[str]:
+        """node.sh's lines, after the launcher ended, that hold this node's task a while when one of its ranks
+        was ended by a collective's own timeout (Gloo's 30 s): srun --kill-on-bad-exit would stop the other
+        nodes at once, and the stuck rank among them with its stack. The mark tells run/hang.py to take every
+        rank's stacks now and stop the step (which ends the hold)."""
+        if not (spec.hang_timeout or spec.start_timeout) or "--log_dir" not in t.command:
+            return []
+        log_dir = t.command[t.command.index("--log_dir") + 1]   # where the launcher writes its ranks' logs
+        rt = self.runtime
+        logs = log_dir if rt.node_script_inside else runtimes.mounted(log_dir, rt.paths(t))
+        if logs is None:
+            return []
+        return [f"LOGS={self.words([logs], job_id)}",
+                # our own fragment (raw shell): each rank's log end, as run/hang.py's timed_out() reads it
+                Raw('if [ "$rc" -ne 0 ]; then for f in "$LOGS"/workerlog.*; do '
+                    f'if grep -qsE -- {shlex.quote(hang.COLLECTIVE_TIMEOUT)} <(tail -c 65536 -- "$f" 2>/dev/null); '
+                    'then echo "fleetbox: node $SLURM_NODEID: ${f##*/} timed out in a collective; holding the node '
+                    f'for its peers\' stacks" >&2; : > "$LOGS"/{hang.TIMED_OUT}; sleep {HOLD_S:g}; break; fi; '
+                    'done; fi')]
 
     def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str,
                       ckpt: Path) -> str:
@@ -346,7 +370,11 @@ class SlurmBackend(Backend):
             CHAIN_SH,
             "# the master: first host of the allocation, as a numeric IP (Paddle's master needs one)",
             'MASTER_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            "MASTER_ADDR=$(scontrol show node \"$MASTER_HOST\" -o | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+            # the node's address, asked of the controller, again while it is busy (the loop ends in a success, else
+            # in a sleep: never an error that ends the script), else the host name
+            "MASTER_ADDR=$(for wait in " + " ".join(str(w) for w in START_WAITS) + "; do "
+            "scontrol show node \"$MASTER_HOST\" -o 2>/dev/null && break; sleep \"$wait\"; done "
+            "| sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
             "MASTER_IP=$(getent ahostsv4 \"${MASTER_ADDR:-$MASTER_HOST}\" | awk 'NR == 1 {print $1}')",
             f"MASTER_PORT={port}",
             "export MASTER_IP MASTER_PORT",
@@ -554,7 +582,9 @@ class SlurmBackend(Backend):
         for k in range(handle.nodes):
             code, host, oom = by_rank.get(k, (0 if state == "COMPLETED" else None, "", False))
             nodes.append(NodeResult(f"node{k}", k, host or node_host(job_dir / f"node{k}.log"), code,
-                                    "hung" if hung and k == bad else "ok" if code == 0 else "FAILED" if k == bad
+                                    "hung" if hung and k == bad
+                                    else "timed out" if hung and k in hung.get("timed_out_nodes", ())
+                                    else "ok" if code == 0 else "FAILED" if k == bad
                                     else "stopped" if k in stopped
                                     else "aborted" if code else "?",
                                     str(job_dir / f"node{k}.log"), oom_killed=oom,
@@ -771,6 +801,7 @@ def _slurm(*argv, check=True) -> subprocess.CompletedProcess:
 # A busy or restarting slurmctld answers no query for a while ("Socket timed out on send/recv operation"): a query
 # that gets no answer is asked again after each of these waits (seconds), and is never read as the job's end.
 QUERY_WAITS = (1, 2, 4, 8, 15)
+START_WAITS = (1, 2, 4, 8)   # the batch script's own question at its start (the master's address), the same way
 NOT_KNOWN = "Invalid job id specified"   # scontrol's own answer for a job it does not (or no longer) know
 
 
