@@ -295,9 +295,13 @@ def check_disk(node: str, f: dict) -> list[Row]:
     return rows
 
 
+CLOSING = {"TIME-WAIT", "FIN-WAIT-1", "FIN-WAIT-2", "LAST-ACK", "CLOSING"}   # free themselves within a minute
+
+
 def busy_fix(node: str, busy: dict[str, str]) -> str:
     ports = ", ".join(sorted(busy))
-    if all(why.endswith(": TIME-WAIT") for why in busy.values()):   # the probe names the sockets' states
+    held = [set(why.partition(": ")[2].split(", ")) for why in busy.values()]   # the probe names the sockets' states
+    if all(states and states <= CLOSING for states in held):
         return (f"port(s) {ports} on {node} are held by connections closed in the last minute (TIME-WAIT), "
                 f"which Paddle's launcher cannot bind over: run again in a minute, or pick another --port")
     return f"port(s) {ports} already in use on {node}: another job? pick another --port"

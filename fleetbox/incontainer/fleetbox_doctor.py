@@ -231,8 +231,8 @@ TCP_STATES = {1: "ESTABLISHED", 2: "SYN-SENT", 3: "SYN-RECV", 4: "FIN-WAIT-1", 5
 
 
 def holders(port, tables=("/proc/net/tcp", "/proc/net/tcp6")):
-    """The states of this network namespace's TCP sockets on local `port` (TIME-WAIT: a connection closed in
-    the last minute, which frees itself; LISTEN or ESTABLISHED: a process holds it)."""
+    """The states of this network namespace's TCP sockets on local `port` (TIME-WAIT and the other closing
+    states: a connection closed lately, which frees itself; LISTEN or ESTABLISHED: a process holds it)."""
     states = []
     for table in tables:
         try:
@@ -241,8 +241,11 @@ def holders(port, tables=("/proc/net/tcp", "/proc/net/tcp6")):
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) > 3 and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                states.append(TCP_STATES.get(int(fields[3], 16), fields[3]))
+            try:
+                if len(fields) > 3 and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    states.append(TCP_STATES.get(int(fields[3], 16), fields[3]))
+            except (ValueError, IndexError):   # a line of another shape: not ours to read
+                continue
     return states
 
 

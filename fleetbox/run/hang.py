@@ -39,6 +39,10 @@ STACKS_WAIT_S = 8.0                 # for every rank's stacks, after asking
 # 30 s (Paddle's Gloo process group passes it none); it aborts the waiting ranks long before any hang deadline,
 # with this in their logs. An extended regular expression: node.sh greps for it too.
 COLLECTIVE_TIMEOUT = r"gloo::TimeoutException|gloo/transport/tcp/[A-Za-z_]+\.cc:[0-9]+\].*(TIMEOUT|Timed out)"
+# ... and a rank that waited in the same collective for a rank that timeout ended (three or more ranks): its
+# connection closes first. Alone, it is a peer's crash, not a hang.
+PEER_GONE = r"gloo/transport/tcp/[A-Za-z_]+\.cc:[0-9]+\].*Connection (closed|reset) by peer"
+WAITED = f"{COLLECTIVE_TIMEOUT}|{PEER_GONE}"
 GLOO_TIMEOUT_S = 30.0
 TIMED_OUT = "COLLECTIVE-TIMEOUT"    # node.sh's mark in its log folder (Slurm): a rank there timed out so
 LEFT_OVER = ("progress-rank*.json", "stacks-rank*.txt", REQUEST, TIMED_OUT)   # an earlier run's: cleared first
@@ -225,14 +229,16 @@ class Watch:
 
 
 def timed_out(read, ranks, ppn: int) -> dict[int, str]:
-    """The ranks among `ranks` whose log ends with a collective's own timeout, each with that line."""
-    out = {}
+    """The ranks among `ranks` that a collective's own timeout ended, each with its log's line: those whose log
+    ends with the timeout, and where there is one, those whose peer it ended first. None without a timeout."""
+    timeouts, gone = {}, {}
     for r in ranks:
         tail = (read(r // ppn, f"workerlog.{r % ppn}", last=64 << 10) or b"").decode(errors="replace")
-        hits = [ln.strip() for ln in tail.splitlines() if re.search(COLLECTIVE_TIMEOUT, ln)]
-        if hits:
-            out[r] = hits[-1][-300:]
-    return out
+        for pattern, found in ((COLLECTIVE_TIMEOUT, timeouts), (PEER_GONE, gone)):
+            hits = [ln.strip() for ln in tail.splitlines() if re.search(pattern, ln)]
+            if hits and r not in timeouts:
+                found[r] = hits[-1][-300:]
+    return {**gone, **timeouts} if timeouts else {}
 
 
 def announce(stall: Stall) -> str:
@@ -482,6 +488,7 @@ def main(argv: list[str]) -> int:
         _write_whole(os.path.join(job_dir, f"node{k}", name), data)
 
     w = Watch(nodes * ppn, float(hang_s), float(start_s))
+    marked: set[int] = set()   # nodes whose node.sh holds after a rank ended waiting in a collective
     while True:
         time.sleep(1.0)
         for r in range(w.world):
@@ -492,15 +499,18 @@ def main(argv: list[str]) -> int:
         for line in w.new_stragglers(ppn):
             print(f"fleetbox: {line}", flush=True)
         stall = w.verdict()
-        if stall is None and any(os.path.exists(os.path.join(job_dir, f"node{k}", TIMED_OUT)) for k in range(nodes)):
-            # node.sh holds a node whose rank a collective's timeout ended, so that its peers live on for this
-            stall = w.stall(kind="collective", ranks=sorted(timed_out(read, range(w.world), ppn)))
+        now = {k for k in range(nodes) if os.path.exists(os.path.join(job_dir, f"node{k}", TIMED_OUT))}
+        if stall is None and now - marked:
+            # node.sh holds such a node, so that its peers live on for this; a peer's crash alone is no hang
+            marked = now
+            if waited := timed_out(read, range(w.world), ppn):
+                stall = w.stall(kind="collective", ranks=sorted(waited))
         if stall is None:
             continue
         try:
             print(f"fleetbox: {announce(stall)}", flush=True)
-            before = ask_for_stacks(read, write, nodes, ppn, attempt,
-                                    gone=stall.ranks if stall.kind == "collective" else ())
+            before = ask_for_stacks(read, write, nodes, ppn, attempt,   # an ended node's ranks answer no more
+                                    gone=[r for r in range(w.world) if r // ppn in marked])
             rec = keep(os.path.join(job_dir, f"hang-{attempt}"), read, nodes, ppn, attempt, before, stall,
                        slurm_job=os.environ.get("SLURM_JOB_ID", ""))
             print(f"fleetbox: {rec['text']}", flush=True)

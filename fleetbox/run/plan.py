@@ -162,6 +162,7 @@ def launch_command(spec: JobSpec) -> tuple[str, ...]:
     return ("python", "-m", "paddle.distributed.launch", "--master", "{master_ip}:{master_port}",
             "--host", "{node_ip}", "--nnodes", "{nnodes}", "--rank", "{rank}",
             "--nproc_per_node", str(spec.procs_per_node), "--log_dir", LOG_DIR,
+            "--log_overwrite", "true",   # a job id used again: its ranks' logs are this run's, not appended to
             f"{WORKDIR}/{spec.script_path.name}", *spec.args)
 
 

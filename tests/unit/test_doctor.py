@@ -113,6 +113,9 @@ def test_healthy_facts_pass_every_check():
     (0, ("reach", "1", "ports", "41006"), {"ok": False, "error": "timed out"}, "ports of node1", "41006"),
     (1, ("ports", "busy"), {"41005": "Address in use: LISTEN"}, "ports free", "already in use on node1: another job"),
     (1, ("ports", "busy"), {"41005": "Address in use: TIME-WAIT"}, "ports free", "(TIME-WAIT), which Paddle's"),
+    (1, ("ports", "busy"), {"41005": "Address in use: FIN-WAIT-2, TIME-WAIT", "41006": "Address in use: LAST-ACK"},
+     "ports free", "(TIME-WAIT), which Paddle's"),
+    (1, ("ports", "busy"), {"41005": "Address in use"}, "ports free", "already in use on node1: another job"),
     (1, ("disk", "/fleetbox/logs", "free"), 100 << 20, "free disk /fleetbox/logs", "only 100 MiB free"),
     (1, ("disk", "/fleetbox/logs"), {"error": "Read-only file system"}, "free disk /fleetbox/logs", "not usable"),
     (0, ("missing",), [1], "nodes joined", "missing nodes"),
@@ -404,6 +407,8 @@ def test_the_probe_tells_a_port_held_by_a_closed_connection_from_one_a_process_h
     fix = next(r.fix for r in checks.evaluate({1: f1}, checks.Expect(2, "1m", "cpu", port=port), "127.0.0.1")
                if r.check == "ports free")
     assert fix == f"port(s) {waiting}, {listening} already in use on node1: another job? pick another --port"
+    assert checks.busy_fix("node1", {str(waiting): f1["ports"]["busy"][str(waiting)]}).startswith(
+        f"port(s) {waiting} on node1 are held by connections closed in the last minute (TIME-WAIT)")
 
 
 def test_sweep_table_is_nccl_tests_shaped():
@@ -491,3 +496,19 @@ def test_engine_rows_from_the_backends_facts():
         {**facts[0], "host": "ssh://c", "image": ("sha256:" + "b" * 64, "c1")}]
     assert [(r.node, r.ok) for r in checks.engine_rows(facts, spec) if r.check == "same image"] == [
         ("node0", True), ("node1", True), ("node2", False)]
+
+
+def test_the_sockets_on_a_port_are_read_from_the_kernels_tables_whatever_their_shape(tmp_path):
+    """/proc/net/tcp and tcp6 as the kernel writes them (hex addresses and ports, hex states); a line of another
+    shape is left aside, never the probe's end."""
+    from fleetbox.incontainer import fleetbox_doctor as probe
+    head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    (tmp_path / "tcp").write_text(head +
+        "   0: 0100007F:71AD 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 123 1\n"
+        "   1: 0B4DD50A:71AD 0C4DD50A:9C40 06 00000000:00000000 03:00000F9A 00000000     0        0 0 3\n"
+        "   2: local:zz remote:00 ?? 0\n")
+    (tmp_path / "tcp6").write_text(head +
+        "   0: 00000000000000000000000000000000:71AD 00000000000000000000000000000000:0000 05 0:0 00:0 0 0 0 0\n")
+    tables = (str(tmp_path / "tcp"), str(tmp_path / "tcp6"), str(tmp_path / "absent"))
+    assert probe.holders(0x71AD, tables) == ["LISTEN", "TIME-WAIT", "FIN-WAIT-2"]
+    assert probe.holders(0x71AE, tables) == []

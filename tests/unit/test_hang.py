@@ -349,10 +349,13 @@ def test_the_ranks_a_collective_timeout_ended_are_read_from_their_logs():
     died = "W1127 backward.cc:697] gloo::IoException\n  what():  [/paddle/third_party/gloo/gloo/transport/tcp/" \
            "pair.cc:534] Connection closed by peer [10.213.77.12]:29105\n"
     own = "RuntimeError: TIMEOUT: the data server did not answer in 30 s\n"   # the script's own, not Gloo's
-    got = hang.timed_out(folder({0: plain, 1: "step 29\n", 2: caught, 3: died, 4: own}), range(5), 1)
+    got = hang.timed_out(folder({0: plain, 1: "step 29\n", 2: caught, 4: own}), range(5), 1)
     assert sorted(got) == [0, 2]
     assert got[0].startswith("what():  [/paddle/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:80] TIMEOUT")
     assert got[2].startswith("gradient all-reduce failed: [/paddle/third_party/gloo/")
+    # a peer's end, where a timeout ended that peer: it waited in the same collective; alone: a crash's cascade
+    assert sorted(hang.timed_out(folder({0: plain, 3: died}), range(4), 1)) == [0, 3]
+    assert hang.timed_out(folder({3: died, 4: own}), range(5), 1) == {}
 
 
 def test_a_rank_a_collective_timeout_ended_waited_and_its_stuck_peer_is_named():
@@ -419,18 +422,20 @@ def test_nccls_timeout_is_set_above_fleetboxs_deadlines_and_the_dry_run_says_whi
 
 
 def test_the_slurm_watcher_takes_the_stacks_when_a_node_says_its_rank_timed_out_in_a_collective(tmp_path):
-    """run/hang.py as the batch script runs it: node.sh's mark in node0's folder, rank 1's relay answering the
-    request, a stand-in for srun. The watcher keeps the stacks naming rank 1, stops 'srun', exits 3, long before
-    any deadline."""
+    """run/hang.py as the batch script runs it, 3 nodes, rank 1 stuck: node.sh's marks, rank 1's relay answering
+    the request, a stand-in for srun. Node 2's mark alone (its peer closed the connection) is no hang; once node 0
+    says its rank timed out, the watcher keeps the stacks naming rank 1, stops 'srun' and exits 3, long before any
+    deadline, waiting for no rank of a marked node."""
     import subprocess
     import sys
     import threading
     import time
-    for k in (0, 1):
+    for k in (0, 1, 2):
         (tmp_path / f"node{k}").mkdir()
-        (tmp_path / f"node{k}" / f"progress-rank{k}.json").write_text(json.dumps(rec(5, step=29 + k)))
-    (tmp_path / "node0" / "workerlog.0").write_text((TIMEOUTS / "gloo-plain-rank0.log").read_text())
-    (tmp_path / "node0" / hang.TIMED_OUT).touch()
+        (tmp_path / f"node{k}" / f"progress-rank{k}.json").write_text(json.dumps(rec(5, step=29 + (k == 1))))
+    died = "what():  [/paddle/third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.1.1.1]:7"
+    (tmp_path / "node2" / "workerlog.0").write_text(died + "\n")
+    (tmp_path / "node2" / hang.TIMED_OUT).touch()
     srun = subprocess.Popen(["bash", "-c", "exec -a srun sleep 60"])
     answered = threading.Event()
 
@@ -440,18 +445,23 @@ def test_the_slurm_watcher_takes_the_stacks_when_a_node_says_its_rank_timed_out_
         (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
         answered.set()
     threading.Thread(target=relay, daemon=True).start()
+    watcher = subprocess.Popen([sys.executable, "-I", hang.__file__, str(tmp_path), "3", "1", "600", "900", "0",
+                                str(srun.pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        time.sleep(2.5)   # the watcher looks once a second: it has seen node 2's mark
+        assert watcher.poll() is None and not (tmp_path / "hang-0").exists()
+        (tmp_path / "node0" / "workerlog.0").write_text((TIMEOUTS / "gloo-plain-rank0.log").read_text())
+        (tmp_path / "node0" / hang.TIMED_OUT).touch()
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-I", hang.__file__, str(tmp_path), "2", "1", "600", "900", "0",
-                               str(srun.pid)], capture_output=True, text=True, timeout=60)
+        out, err = watcher.communicate(timeout=60)
         took = time.monotonic() - t0
-        assert proc.returncode == 3 and answered.is_set(), proc.stdout + proc.stderr
-        assert took < hang.STACKS_WAIT_S, took   # node 0's rank is not waited for: it is gone
+        assert watcher.returncode == 3 and answered.is_set(), out + err
+        assert took < hang.STACKS_WAIT_S, took   # nodes 0 and 2 are not waited for: their ranks are gone
         assert srun.wait(timeout=15) is not None
         record = json.loads((tmp_path / "hang-0" / "hang.json").read_text())
-        assert (record["kind"], record["node"], record["timed_out_nodes"]) == ("collective", 1, [0])
-        assert proc.stdout.splitlines()[0] == ("fleetbox: rank 0 timed out waiting in a collective (its own "
-                                               "timeout): a peer is stuck; taking every rank's stacks, then "
-                                               "stopping the job")
+        assert (record["kind"], record["node"], record["timed_out_nodes"]) == ("collective", 1, [0, 2])
+        assert out.splitlines()[0] == ("fleetbox: rank 0, rank 2 timed out waiting in a collective (its own "
+                                       "timeout): a peer is stuck; taking every rank's stacks, then stopping the job")
     finally:
         srun.kill()
+        watcher.kill()

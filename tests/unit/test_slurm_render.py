@@ -4,6 +4,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -93,7 +94,7 @@ def test_runtime_specifics():
     assert "\npodman run --rm" in podman and "--network host" in podman
     assert '--ulimit "memlock=$(hard_limit l)"' in podman and "hard_limit() {" in podman
     assert 'cleanup() { podman rm -f --time 0 fleetbox-train-t-0001-node"$SLURM_NODEID" ' in podman
-    assert "trap cleanup TERM INT" in podman and "\nrc=0; wait $! || rc=$?\n" in podman and \
+    assert "trap cleanup TERM INT" in podman and '\nrc=0; wait "$LAUNCHER" || rc=$?\n' in podman and \
         podman.endswith('exit "$rc"\n')
     docker = node_script(job(runtime="docker"))
     assert "\ndocker run --rm" in docker and " -d " not in docker
@@ -815,37 +816,51 @@ def test_where_each_runtimes_ranks_write_progress_is_where_the_hang_watcher_read
 def test_a_node_whose_rank_a_collective_timeout_ended_is_held_for_its_peers_stacks_and_marked(runtime, tmp_path,
                                                                                              monkeypatch):
     """srun --kill-on-bad-exit would stop the stuck rank's node at once: the ended rank's node.sh marks its log
-    folder (where run/hang.py looks) and waits; any other end is passed on at once. Run in bash as rendered, the
-    launcher's exit and the log folder standing in."""
+    folder (where run/hang.py looks) and waits; any other end is passed on at once, and a node being stopped is
+    never held. Run in bash as rendered from the launch on, a stand-in launcher and log folder in their place."""
     monkeypatch.setattr(slurm, "HOLD_S", 3)
     (tmp_path / "image.sqsh").touch()
     image = {"pyxis": str(tmp_path / "image.sqsh"), runtimes.Host.name: None}.get(runtime, "/dev/null")
     text = node_script(job(runtime=runtime, **({"image": image} if image else {})))
     lines = text.splitlines()
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("LOGS="))
+    launch = next(i for i, ln in enumerate(lines) if ln == "LAUNCHER=$!") - 1
+    logs = next(i for i, ln in enumerate(lines) if ln.startswith("LOGS="))
     job_dir = str(slurm.settings.runs_root() / "train-t-0001")
     seen_at = "/fleetbox/job" if runtime == "pyxis" else job_dir   # where node.sh runs: in its container, or not
-    assert lines[start] == f'LOGS={seen_at}/node"$SLURM_NODEID"', lines[start]
-    assert lines[start + 2] == 'exit "$rc"' and lines[start - 1] == 'rc=0; wait $! || rc=$?'
+    assert lines[logs] == f'LOGS={seen_at}/node"$SLURM_NODEID"', lines[logs]
+    assert lines[launch].endswith(" &") and lines[-1] == 'exit "$rc"'
     assert not any(ln.startswith("exec ") for ln in lines)
-    hold = "\n".join([f"LOGS={tmp_path}/node0", *lines[start + 1:]])
+    rest = [f"LOGS={tmp_path}/node0" if ln.startswith("LOGS=") else ln for ln in lines[launch + 1:]]
     gloo = (Path(__file__).parent.parent / "probes" / "collective-timeout" / "gloo-plain-rank0.log").read_text()
+    peer = "what():  [/paddle/third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.1.1.1]:7\n"
 
-    def run(rc, log):
+    def run(launcher, log, stop_after=None):
         (tmp_path / "node0").mkdir(exist_ok=True)
         (tmp_path / "node0" / "workerlog.0").write_text(log)
         (tmp_path / "node0" / "COLLECTIVE-TIMEOUT").unlink(missing_ok=True)
+        stand_in = f"bash -c {shlex.quote(launcher)} 2>/dev/null &"
+        script = "\n".join(["set -euo pipefail; SLURM_NODEID=0", stand_in, *rest])
         t0 = time.monotonic()
-        proc = subprocess.run(["bash", "-c", f"set -euo pipefail; SLURM_NODEID=0; rc={rc}\n{hold}"],
-                              capture_output=True, text=True, timeout=30)
-        return proc, time.monotonic() - t0, (tmp_path / "node0" / "COLLECTIVE-TIMEOUT").exists()
-    proc, took, marked = run(250, "x" * 100_000 + "\n" + gloo)   # the line in the log's last 64 KiB
-    assert (proc.returncode, marked) == (250, True) and 3 <= took < 10, (proc.stderr, took)
-    assert proc.stderr == "fleetbox: node 0: workerlog.0 timed out in a collective; holding the node for its " \
-                          "peers' stacks\n"
-    for rc, log in ((1, "Traceback: ValueError\n"), (0, gloo)):   # another failure, or none: not held
-        proc, took, marked = run(rc, log)
-        assert (proc.returncode, marked, proc.stderr) == (rc, False, "") and took < 2
+        proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        if stop_after is not None:   # Slurm signals every process of the step
+            time.sleep(stop_after)
+            os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        return proc.returncode, err, time.monotonic() - t0, (tmp_path / "node0" / "COLLECTIVE-TIMEOUT").exists()
+    for log in ("x" * 100_000 + "\n" + gloo, peer):   # the line in the log's last 64 KiB
+        rc, err, took, marked = run("exit 250", log)
+        assert (rc, marked) == (250, True) and 3 <= took < 10, (err, took)
+        assert err == "fleetbox: node 0: workerlog.0 ended waiting in a collective; holding the node for its " \
+                      "peers' stacks\n"
+    for code, log in ((1, "Traceback: ValueError\n"), (0, gloo)):   # another failure, or none: not held
+        rc, err, took, marked = run(f"exit {code}", log)
+        assert (rc, marked, err) == (code, False, "") and took < 2
+    if not runtimes.RUNTIMES[runtime].kills_client_only:   # (else its own trap removes its container at once)
+        saved = tmp_path / "saved"
+        rc, err, took, marked = run(f'trap "sleep 1; touch {saved}; exit 250" TERM; while :; do sleep 0.1; done',
+                                    gloo, stop_after=0.5)
+        assert (rc, marked, saved.exists(), err) == (250, False, True, "") and took < 3, (err, took)
 
 
 def test_without_hang_detection_node_sh_hands_the_node_to_the_launcher():

@@ -570,9 +570,8 @@ class _Live:
         spec = self.plan.spec
         progress = hang.Watch(len(self.containers) * spec.procs_per_node, spec.hang_timeout, spec.start_timeout)
         watched = bool(spec.hang_timeout or spec.start_timeout)
-        look = time.monotonic()
+        look, ended = time.monotonic(), 0
         while True:
-            failing = first_fail is None
             for rank, c in self.containers.items():
                 if rank in dict(self.exits):
                     continue
@@ -590,8 +589,10 @@ class _Live:
                     if self.exits[-1][1] != 0 and first_fail is None:
                         first_fail = time.monotonic()
                         log(f"node{rank} (rank {rank}) exited with code {self.exits[-1][1]}; stopping the other nodes")
-            if failing and first_fail is not None and watched and self.collective_timeout(progress, log):
-                return
+            if watched and first_fail is not None and len(self.exits) > ended:   # a timeout's cascade: each new end
+                ended = len(self.exits)
+                if self.collective_timeout(progress, log):
+                    return
             if len(self.exits) == len(self.containers):
                 return
             if first_fail is not None and time.monotonic() - first_fail >= GRACE_S:
@@ -627,7 +628,8 @@ class _Live:
         if not waited:
             return False
         self.see_progress(progress)
-        self.stacks(progress.stall("collective", sorted(waited)), log)
+        self.stacks(progress.stall("collective", sorted(waited)), log,
+                    gone=[r for node, _ in self.exits for r in range(node * ppn, (node + 1) * ppn)])
         self.stop_all(timeout=1)
         return True
 
@@ -640,18 +642,18 @@ class _Live:
             bits, _ = self.containers[k].get_archive(f"{settings.LOG_DIR}/{name}")
             with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
                 member = tar.next()
-                return tar.extractfile(member).read() if member is not None and member.isfile() else None
+                data = tar.extractfile(member).read() if member is not None and member.isfile() else None
+                return data[-last:] if data is not None and last else data
         except Exception:   # not there (yet), or the container went away
             return None
 
-    def stacks(self, stall: hang.Stall, log) -> None:
+    def stacks(self, stall: hang.Stall, log, gone=()) -> None:
         """Every rank's stacks, asked of each node's launcher (sitecustomize's relay) through a request file in
         its log folder; the job is stopped after this either way."""
         log(hang.announce(stall))
         self.stall = stall
         self.stacks_from = hang.ask_for_stacks(self.node_file, self.put_node_file, len(self.containers),
-                                               self.plan.spec.procs_per_node, self.plan.attempt,
-                                               gone=stall.ranks if stall.kind == "collective" else ())
+                                               self.plan.spec.procs_per_node, self.plan.attempt, gone=gone)
 
     def put_node_file(self, k: int, name: str, data: bytes) -> None:
         if not self.plan.nodes[k].host:

@@ -53,7 +53,12 @@ ROUTE_SH = template("route_to.sh")
 # last one's stay in the job folder.
 CHAIN_SH = template("chain.sh")
 STRAGGLER_NOTICE = "fleetbox: straggler: "   # run/hang.py's line in the batch output, shown live
-HOLD_S = hang.STACKS_WAIT_S + 12   # node.sh's hold after a collective's timeout: the watcher's look, then the stacks
+# node.sh's hold after a collective's timeout, ended by the watcher's stop once it has the stacks (its look, the
+# stacks' wait, a slow shared file system); the cap, where no watcher runs
+HOLD_S = 60
+# node.sh waits for its launcher until it has ended (a signal this shell took ends a wait, not the launcher)
+WAIT_LAUNCHER = ['rc=0; wait "$LAUNCHER" || rc=$?',
+                 'while kill -0 "$LAUNCHER" 2>/dev/null; do rc=0; wait "$LAUNCHER" || rc=$?; done']
 HANG_PY = "hang.py"   # run/hang.py, copied into the job folder at submit: every allocation of a chain runs the same
 # The in-container helpers, copied into the job folder at submit: a fleetbox installed where only the login node
 # sees it (a venv on its local disk) still gives every node the same helpers
@@ -319,18 +324,20 @@ class SlurmBackend(Backend):
             # sends SIGKILL after KillWait, which may be shorter than podman's 10 s graceful stop).
             rm = rt.remove_now(t.name)
             lines += [f"cleanup() {{ {self.words(rm, job_id)} >/dev/null 2>&1; exit 143; }}", "trap cleanup TERM INT",
-                      f"{run} &", 'rc=0; wait $! || rc=$?', *held, 'exit "$rc"']
+                      f"{run} &", "LAUNCHER=$!", *WAIT_LAUNCHER, *held, 'exit "$rc"']
         elif held:
-            lines += [f"{run} &", 'rc=0; wait $! || rc=$?', *held, 'exit "$rc"']
+            # Slurm signals every process of the step, the launcher too: this shell only waits for it to end (a
+            # checkpoint save on SIGTERM included), and then holds no node that is being stopped
+            lines += [f"{run} &", "LAUNCHER=$!", "trap 'STOPPING=1' TERM INT", *WAIT_LAUNCHER, *held, 'exit "$rc"']
         else:
             lines.append("exec " + run)
         return "\n".join(lines) + "\n"
 
     def hold_after_timeout(self, spec, t: planner.NodeRun, job_id: str) -> list[str]:
-        """node.sh's lines, after the launcher ended, that hold this node's task a while when one of its ranks
-        was ended by a collective's own timeout (Gloo's 30 s): srun --kill-on-bad-exit would stop the other
-        nodes at once, and the stuck rank among them with its stack. The mark tells run/hang.py to take every
-        rank's stacks now and stop the step (which ends the hold)."""
+        """node.sh's lines, after the launcher ended, that hold this node's task when one of its ranks was ended
+        by a collective's own timeout (Gloo's 30 s), or by a peer that timeout ended: srun --kill-on-bad-exit
+        would stop the other nodes at once, and the stuck rank among them with its stack. The mark tells
+        run/hang.py to take every rank's stacks now and stop the step, which ends the hold."""
         if not (spec.hang_timeout or spec.start_timeout) or "--log_dir" not in t.command:
             return []
         log_dir = t.command[t.command.index("--log_dir") + 1]   # where the launcher writes its ranks' logs
@@ -340,11 +347,11 @@ class SlurmBackend(Backend):
             return []
         return [f"LOGS={self.words([logs], job_id)}",
                 # our own fragment (raw shell): each rank's log end, as run/hang.py's timed_out() reads it
-                Raw('if [ "$rc" -ne 0 ]; then for f in "$LOGS"/workerlog.*; do '
-                    f'if grep -qsE -- {shlex.quote(hang.COLLECTIVE_TIMEOUT)} <(tail -c 65536 -- "$f" 2>/dev/null); '
-                    'then echo "fleetbox: node $SLURM_NODEID: ${f##*/} timed out in a collective; holding the node '
-                    f'for its peers\' stacks" >&2; : > "$LOGS"/{hang.TIMED_OUT}; sleep {HOLD_S:g}; break; fi; '
-                    'done; fi')]
+                Raw('if [ "$rc" -ne 0 ] && [ -z "${STOPPING:-}" ]; then for f in "$LOGS"/workerlog.*; do '
+                    f'if grep -qsE -- {shlex.quote(hang.WAITED)} <(tail -c 65536 -- "$f" 2>/dev/null); '
+                    'then echo "fleetbox: node $SLURM_NODEID: ${f##*/} ended waiting in a collective; holding the '
+                    f'node for its peers\' stacks" >&2; : > "$LOGS"/{hang.TIMED_OUT} || true; sleep {HOLD_S:g}; '
+                    'break; fi; done; fi')]
 
     def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str,
                       ckpt: Path) -> str:
@@ -375,7 +382,8 @@ class SlurmBackend(Backend):
             "MASTER_ADDR=$(for wait in " + " ".join(str(w) for w in START_WAITS) + "; do "
             "scontrol show node \"$MASTER_HOST\" -o 2>/dev/null && break; sleep \"$wait\"; done "
             "| sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
-            "MASTER_IP=$(getent ahostsv4 \"${MASTER_ADDR:-$MASTER_HOST}\" | awk 'NR == 1 {print $1}')",
+            "MASTER_IP=$(getent ahostsv4 \"${MASTER_ADDR:-$MASTER_HOST}\" | awk 'NR == 1 {print $1}') || true",
+            '[ -n "$MASTER_IP" ] || { echo "fleetbox: the master $MASTER_HOST has no IPv4 address here" >&2; exit 2; }',
             f"MASTER_PORT={port}",
             "export MASTER_IP MASTER_PORT",
             'echo "fleetbox: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_HOST = $MASTER_IP:$MASTER_PORT"',
