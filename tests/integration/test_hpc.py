@@ -18,7 +18,7 @@ from fleetbox.run import hostnet
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
-from tests.conftest import ROOT, invoke
+from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.integration.test_hangs import PLAIN, last_metric_time
 from tests.integration.test_train import assert_rows_are_the_runs_own_figures, study_of
@@ -352,7 +352,7 @@ def test_ctrl_c_cancels_the_slurm_job_and_leaves_no_container(cluster, podman_im
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
                           "--runtime-args", PODMAN_ARGS, *LOCAL, "--args", "--hang-rank 0 --hang-seconds 600"],
                          cwd=ROOT, env={**os.environ, **cluster}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=ctrl_c_reaches_it)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:   # wait until both nodes' containers run
         running = subprocess.run(["podman", "ps", "-q", "--filter", "label=io.fleetbox.job"], capture_output=True,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, invoke
+from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.unit.test_cli import one_line_error
 
 
@@ -167,7 +167,8 @@ def _start_job(*args):
     """`invoke train` in the background; returns the process and its job's containers once both run."""
     job_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--nodes", "2", "--job-id", job_id, *args],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=ctrl_c_reaches_it)
     deadline = time.monotonic() + 60
     names = []
     while len(names) < 2 and time.monotonic() < deadline:
@@ -449,7 +450,7 @@ def test_a_detached_job_outlives_its_client_restarts_after_a_failure_and_is_canc
     follow = subprocess.Popen([sys.executable, "-m", "invoke", "logs", job_id, "--follow"], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     glance = subprocess.Popen([sys.executable, "-m", "invoke", "logs", job_id, "--follow", "--node", "1"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it)
     time.sleep(3)
     glance.send_signal(signal.SIGINT)   # Ctrl-C in `logs --follow` stops following, never the job
     out, err = glance.communicate(timeout=30)

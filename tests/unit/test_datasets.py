@@ -20,7 +20,7 @@ from fleetbox.data import datasets as ds
 from fleetbox.data import fetch
 from fleetbox.errors import UserError
 from tests import mnistgen
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ctrl_c_reaches_it
 from tests.httpserver import Server
 from tests.unit.test_cli import one_line_error
 
@@ -227,7 +227,7 @@ def test_ctrl_c_stops_at_once_keeping_the_part_to_resume(site):
     part = dest / (name + ".part")
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "cache", "--datasets", "mnist", "--manifest",
                              str(manifest), "--dest", str(dest)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it)
     deadline = time.monotonic() + 30
     while not (part.exists() and part.stat().st_size) and time.monotonic() < deadline:
         time.sleep(0.05)

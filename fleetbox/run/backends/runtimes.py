@@ -322,7 +322,8 @@ class Charliecloud(Runtime):
         # --env-no-expand: `$` in a value is literal, as everywhere in fleetbox
         a = ["ch-run", "--env-no-expand", "--set-env", "--home"]
         a += [f"--set-env={k}={v}" for k, v in n.env.items()]
-        a += [Raw(f'"--set-env={k}=${{{k}}}"') for k in n.pass_env]   # by name, from the task's environment
+        # --pass-env: nothing here. ch-run passes the task's environment through, and a value on its command line
+        # would be readable by every user of the node (/proc/<pid>/cmdline)
         for m in n.mounts:
             a += ["-b", f"{m.src}:{m.dst}"]
         return a + ["-c", WORKDIR, *extra, image, "--", *n.command]
