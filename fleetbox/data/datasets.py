@@ -342,6 +342,7 @@ def pack(datasets: list[Dataset], dest: Path, out: Path) -> Path:
 
 
 PACK_RATIO, PACK_SLACK = 2, 4 << 20   # how much larger than its pack a pack's files may be
+PACK_INDEX_MAX = 1 << 20               # an index names each file once: a few KiB for every data set we know
 
 
 def restore(archive: Path, dest: Path, manifest: dict[str, Dataset] | None = None, log=print) -> list[dict]:
@@ -406,13 +407,16 @@ def _verified_copy(archive: Path, staging: Path, known: dict[str, DataFile]) -> 
         names = [safe_member(m) for m in members]
         if PACK_INDEX not in names:
             raise UserError(f"{archive} has no {PACK_INDEX}: not made by `invoke cache --pack`")
-        index = _index((tar.extractfile(members[names.index(PACK_INDEX)]) or io.BytesIO()).read(), archive)
-        # Before a byte is written: the data sets' files are compressed already, so their pack, gzipped or not,
-        # is about their size; a few KiB that unpack to GiBs (a bomb) are no pack of them.
+        # Before a byte is read or written: the data sets' files are compressed already, so their pack, gzipped or
+        # not, is about their size; a few KiB that unpack to GiBs (a bomb, its index too) are no pack of them.
         unpacked, packed = sum(m.size for m in members if m.isfile()), archive.stat().st_size
         if unpacked > PACK_RATIO * packed + PACK_SLACK:
             raise UserError(f"refusing archive: {archive.name} ({packed} bytes) would unpack to {unpacked} bytes; "
                             f"a pack of data set files, compressed already, is about their size")
+        held = members[names.index(PACK_INDEX)]
+        if held.size > PACK_INDEX_MAX:
+            raise UserError(f"refusing archive: its {PACK_INDEX} is {held.size} bytes; a cache index is a few KiB")
+        index = _index((tar.extractfile(held) or io.BytesIO()).read(), archive)
         rows = {}
         for m, name in zip(members, names):
             if m.isdir() or name == PACK_INDEX:

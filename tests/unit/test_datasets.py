@@ -531,6 +531,27 @@ def test_a_gzip_bomb_pack_is_refused_before_anything_is_written(site, monkeypatc
     assert written == [] and not list((tmp / "dest").rglob("*.gz"))
 
 
+@pytest.mark.parametrize("pad", [64 << 20, 2 << 20])
+def test_a_packs_index_is_bounded_before_it_is_read(site, pad):
+    """A gzipped pack of a few KiB whose index unpacks to 64 MiB (a bomb: refused on the pack's size), or to 2 MiB
+    (within the pack's bound, not an index's): refused with no more than a little memory taken."""
+    import tracemalloc
+    _, known, _, tmp = site
+    f = known["mnist"].files[0]
+    body = json.dumps({"format": 1, "files": {f.relpath: {"md5": f.md5, "bytes": 1, "sha256": "0" * 64}}})
+    archive = _pack(tmp / "index.tgz", {f.relpath: b"x"}, index=b" " * pad + body.encode(), gz=True)
+    assert archive.stat().st_size < 100_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match=r"refusing archive: (index.tgz \(\d+ bytes\) would unpack to|its "
+                                            r"fleetbox-cache.json is \d+ bytes)"):
+            ds.restore(archive, tmp / "dest", known)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
 def test_folder_mirror_with_hash_and_question_mark_in_its_name(site):
     _, known, _, tmp = site
     mirror = tmp / "mirror#1?x"
