@@ -608,7 +608,7 @@ def test_slurm_a_plain_script_stuck_past_gloos_timeout_is_a_hang_named_from_the_
     out = (Path(job_dir) / f"slurm-{hung['slurm_job']}.out").read_text()
     assert "rank 0 timed out waiting in a collective (its own timeout)" in out
     node0 = (Path(job_dir) / "alloc1" / "node0.log").read_text()
-    assert "fleetbox: node 0: workerlog.0 timed out in a collective; holding the node" in node0, node0[-2000:]
+    assert "fleetbox: node 0: workerlog.0 ended waiting in a collective; holding the node" in node0, node0[-2000:]
 
 
 def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_image):
