@@ -44,6 +44,9 @@ COLLECTIVE_TIMEOUT = r"gloo::TimeoutException|gloo/transport/tcp/[A-Za-z_]+\.cc:
 PEER_GONE = r"gloo/transport/tcp/[A-Za-z_]+\.cc:[0-9]+\].*Connection (closed|reset) by peer"
 WAITED = f"{COLLECTIVE_TIMEOUT}|{PEER_GONE}"
 GLOO_TIMEOUT_S = 30.0
+# A timeout is a hang's only where the job had made no progress for most of it: Gloo names a peer's death a
+# TIMEOUT too, at once, and a crash's peers must not make it a hang
+TIMEOUT_QUIET_S = 20.0
 TIMED_OUT = "COLLECTIVE-TIMEOUT"    # node.sh's mark in its log folder (Slurm): a rank there timed out so
 LEFT_OVER = ("progress-rank*.json", "stacks-rank*.txt", REQUEST, TIMED_OUT)   # an earlier run's: cleared first
 # NCCL's process-group timeout (Paddle's comm-task watchdog; PADDLE_PG_TIMEOUT, ms, 30 min unset) is set above
@@ -184,6 +187,11 @@ class Watch:
                  if r not in self.named]
         self.named.update(found)
         return lines
+
+    def quiet(self, now: float | None = None) -> float:
+        """Seconds since the job's last progress (any rank's), or since its start."""
+        now = time.monotonic() if now is None else now
+        return now - max(self.changed.values(), default=self.started)
 
     def deadline(self) -> tuple[float, str] | None:
         """When the job counts as stuck (monotonic) and which deadline that is; None: none applies."""
@@ -503,7 +511,7 @@ def main(argv: list[str]) -> int:
         if stall is None and now - marked:
             # node.sh holds such a node, so that its peers live on for this; a peer's crash alone is no hang
             marked = now
-            if waited := timed_out(read, range(w.world), ppn):
+            if (waited := timed_out(read, range(w.world), ppn)) and w.quiet() >= TIMEOUT_QUIET_S:
                 stall = w.stall(kind="collective", ranks=sorted(waited))
         if stall is None:
             continue

@@ -421,13 +421,47 @@ def test_nccls_timeout_is_set_above_fleetboxs_deadlines_and_the_dry_run_says_whi
         assert "PADDLE_PG_TIMEOUT=60000 ms (your --env)" in proc.stdout.splitlines()[0]
 
 
+def watch(job_dir, nodes, srun_pid, quiet):
+    """run/hang.py as the batch script runs it (a program, -I), its quiet time before a timeout counts as a hang
+    set to `quiet` seconds (20 in a job: a test cannot wait that long)."""
+    import subprocess
+    import sys
+    run = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('hang', {hang.__file__!r}); "
+           f"m = sys.modules['hang'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+           f"m.TIMEOUT_QUIET_S = {quiet}; "
+           f"sys.exit(m.main({[str(job_dir), str(nodes), '1', '600', '900', '0', str(srun_pid)]!r}))")
+    return subprocess.Popen([sys.executable, "-I", "-c", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_the_slurm_watcher_takes_no_timeout_for_a_hang_while_the_job_was_moving(tmp_path):
+    """Gloo names a peer's death a TIMEOUT too, at once: a rank that crashed leaves its peer's log with one. The
+    job had made progress within the quiet time: no stacks are taken, nothing is stopped."""
+    import subprocess
+    import time
+    for k in (0, 1):
+        (tmp_path / f"node{k}").mkdir()
+        (tmp_path / f"node{k}" / f"progress-rank{k}.json").write_text(json.dumps(rec(5, step=9)))
+    (tmp_path / "node0" / "workerlog.0").write_text((TIMEOUTS / "gloo-plain-rank0.log").read_text())
+    srun = subprocess.Popen(["bash", "-c", "exec -a srun sleep 60"])
+    watcher = watch(tmp_path, 2, srun.pid, quiet=30.0)
+    try:
+        time.sleep(1.5)   # it has seen the progress
+        (tmp_path / "node0" / hang.TIMED_OUT).touch()
+        time.sleep(2.5)
+        assert watcher.poll() is None and srun.poll() is None and not (tmp_path / "hang-0").exists()
+        assert not (tmp_path / "node1" / hang.REQUEST).exists()
+    finally:
+        srun.kill()
+        watcher.kill()
+
+
 def test_the_slurm_watcher_takes_the_stacks_when_a_node_says_its_rank_timed_out_in_a_collective(tmp_path):
     """run/hang.py as the batch script runs it, 3 nodes, rank 1 stuck: node.sh's marks, rank 1's relay answering
     the request, a stand-in for srun. Node 2's mark alone (its peer closed the connection) is no hang; once node 0
     says its rank timed out, the watcher keeps the stacks naming rank 1, stops 'srun' and exits 3, long before any
     deadline, waiting for no rank of a marked node."""
     import subprocess
-    import sys
     import threading
     import time
     for k in (0, 1, 2):
@@ -445,8 +479,7 @@ def test_the_slurm_watcher_takes_the_stacks_when_a_node_says_its_rank_timed_out_
         (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
         answered.set()
     threading.Thread(target=relay, daemon=True).start()
-    watcher = subprocess.Popen([sys.executable, "-I", hang.__file__, str(tmp_path), "3", "1", "600", "900", "0",
-                                str(srun.pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watcher = watch(tmp_path, 3, srun.pid, quiet=1.0)
     try:
         time.sleep(2.5)   # the watcher looks once a second: it has seen node 2's mark
         assert watcher.poll() is None and not (tmp_path / "hang-0").exists()

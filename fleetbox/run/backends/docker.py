@@ -628,6 +628,8 @@ class _Live:
         if not waited:
             return False
         self.see_progress(progress)
+        if progress.quiet() < hang.TIMEOUT_QUIET_S:   # the job was moving: a peer died, none is stuck
+            return False
         self.stacks(progress.stall("collective", sorted(waited)), log,
                     gone=[r for node, _ in self.exits for r in range(node * ppn, (node + 1) * ppn)])
         self.stop_all(timeout=1)
