@@ -10,7 +10,7 @@ from fleetbox import settings
 from fleetbox.commands import doctor, jobs
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import stops_as_interrupt
-from fleetbox.run import backends, hang, report
+from fleetbox.run import backends, checkpoints, hang, records, report
 from fleetbox.run.output import quiet
 from fleetbox.run.records import DamagedRecord, Handle, JobState
 from fleetbox.run.result import JobResult
@@ -31,6 +31,10 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
             f"effect")
     if spec.job_id and not dry_run:
         refuse_live(spec.job_id)
+        job_dir = settings.runs_root() / spec.job_id
+        earlier = records.set_aside(job_dir, checkpoints.folder(spec.checkpoint_dir, job_dir))
+        if earlier:
+            log(f"job {spec.job_id} ran before: its earlier run is now in {earlier}")
     if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
         log(f"preflight: checking {spec.nodes} node(s) before starting the job")
         checked = doctor.run(spec, backend, backend_options, quick=True, log=log)

@@ -4,6 +4,7 @@
     job.json      JobInfo: what ran (image, its id and content tag, the commands), for reports
     plan.json     the plan a detached job's supervisor carries out (save_plan / load_plan)
     summary.json  JobResult (run/result.py): how the job ended, every node's exit, the node to blame
+    run-<time>/   an earlier run of the same job id, set aside whole (set_aside)
 
 Every record is written whole or not at all (files.write_atomic). A record from an older fleetbox still reads:
 missing fields take their defaults, unknown ones are left aside; one that cannot be read is DamagedRecord,
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
+import time
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -197,3 +201,39 @@ def load_plan(job_dir: Path, plan_type_of) -> tuple[str, object]:
         return data["backend"], from_record(plan_type_of(data["backend"]), data["plan"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DamagedRecord(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+
+
+EARLIER_RUN = re.compile(r"run-\d{8}-\d{6}(-\d+)?")
+_ASIDE = ".run-aside.partial"   # an earlier run on its way to run-<time>/ (an interrupted move goes on from it)
+
+
+def set_aside(job_dir: Path, keep: Path | None = None) -> Path | None:
+    """A job id run again, after its earlier run ended: everything that run left in the job folder (records,
+    logs, metrics, reports, attempts) goes whole to run-<when its handle was written>/ before this run writes
+    anything, so the folder's top, which the report, `invoke logs` and `invoke jobs` read, holds this run only.
+    `keep` (the checkpoint folder, where it is in the job folder) stays for the resume, as do earlier run-*/.
+    Returns the folder the earlier run went to, or None when there was none."""
+    job_dir = Path(job_dir)
+    keep = Path(keep).resolve() if keep else None
+    partial = job_dir / _ASIDE
+    entries = [e for e in (job_dir.iterdir() if job_dir.is_dir() else ())
+               if e.name != _ASIDE and not EARLIER_RUN.fullmatch(e.name)
+               and not (keep and (e.resolve() == keep or e.resolve() in keep.parents))]
+    if not entries and not partial.exists():
+        return None
+    handle = job_dir / HANDLE
+    started = handle.stat().st_mtime if handle.exists() else time.time()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    final, n = job_dir / f"run-{stamp}", 1
+    while final.exists():   # two runs in one second
+        n += 1
+        final = job_dir / f"run-{stamp}-{n}"
+    try:
+        partial.mkdir(exist_ok=True)
+        for e in entries:
+            os.rename(e, partial / e.name)
+        os.rename(partial, final)   # complete or not there: a reader never sees half a run under its final name
+    except OSError as e:
+        raise UserError(f"cannot set the earlier run of {job_dir.name} aside in {job_dir}: {e.strerror or e}; "
+                        f"give another --job-id") from None
+    return final

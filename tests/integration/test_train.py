@@ -410,6 +410,23 @@ def test_a_killed_node_restarts_the_job_from_its_checkpoint_and_ends_bit_for_bit
         [(k, t) for k in (0, 1) for t in range(resumed, 60)]
     assert {r["step"] for r in recs if r["attempt"] == 0 and r["rank"] == 0} >= set(range(resumed))
 
+    # the same job id again, from scratch: the earlier run (both its attempts) goes aside whole first, so this
+    # run's logs, metrics and report are its own; the checkpoint folder stays where it is
+    again = invoke("train", "--nodes", "2", "--job-id", job_id, "--resume", "never")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr
+    job_dir = ROOT / "runs" / job_id
+    earlier = [d for d in job_dir.iterdir() if d.name.startswith("run-")]
+    assert len(earlier) == 1 and f"its earlier run is now in {earlier[0]}" in again.stdout
+    assert [a["ok"] for a in json.loads((earlier[0] / "summary.json").read_text())["attempts"]] == [False, True]
+    assert (earlier[0] / "attempt0" / "node1" / "workerlog.0").exists() and not (job_dir / "attempt0").exists()
+    s2 = json.loads((job_dir / "summary.json").read_text())
+    assert len(s2["attempts"]) == 1 and s2["smoke"]["resumed_from"] == 0
+    recs = [json.loads(ln) for ln in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["rank"], r["step"], r["attempt"]) for r in recs) == \
+        [(k, t, 0) for k in (0, 1) for t in range(60)]
+    aside = [d for d in job_dir.iterdir() if d.name.startswith("checkpoints.before-")]
+    assert ckpt.is_dir() and len(aside) == 1 and (aside[0] / "step-00000010" / "COMPLETE").exists()
+
 
 @pytest.fixture
 def request_cleanup():

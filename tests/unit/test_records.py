@@ -130,3 +130,55 @@ def test_a_record_that_is_written_is_whole(tmp_path, monkeypatch):
         Handle("docker", "train-1", str(tmp_path), 4).save()
     monkeypatch.undo()
     assert Handle.load(tmp_path).nodes == 2 and os.listdir(tmp_path) == ["handle.json"]
+
+
+def _earlier_run(job_dir: Path, alloc: str) -> None:
+    """What a finished run leaves: records, an earlier attempt's and the last one's logs with metrics lines, a
+    report, checkpoints."""
+    from fleetbox.run import metrics
+    for d in (job_dir / alloc / "node0", job_dir / "node0"):
+        d.mkdir(parents=True)
+        (d / "workerlog.0").write_text(metrics.PREFIX + json.dumps(
+            {"rank": 0, "step": 0, "time": 1.0, "loss": 1.0, "samples_per_s": 1.0}) + "\n")
+    for name in (records.HANDLE, records.SUMMARY, records.JOB, "report.md", "metrics.jsonl"):
+        (job_dir / name).write_text("{}")
+    (job_dir / "checkpoints" / "step-00000010").mkdir(parents=True)
+
+
+@pytest.mark.parametrize("alloc", ["attempt0", "alloc1"])   # Docker's restarts, Slurm's allocations
+def test_a_job_id_run_again_sets_its_earlier_run_aside_whole_and_keeps_its_checkpoints(tmp_path, alloc):
+    from fleetbox.run import metrics
+    job_dir = tmp_path / "job"
+    _earlier_run(job_dir, alloc)
+    assert len(metrics.read(job_dir)) == 2   # as the new run's report would join them
+    earlier = records.set_aside(job_dir, job_dir / "checkpoints")
+    assert earlier is not None and records.EARLIER_RUN.fullmatch(earlier.name)
+    assert sorted(p.name for p in job_dir.iterdir()) == sorted(["checkpoints", earlier.name])
+    assert (earlier / alloc / "node0" / "workerlog.0").exists() and (earlier / records.SUMMARY).exists()
+    assert (job_dir / "checkpoints" / "step-00000010").is_dir()
+    assert metrics.read(job_dir) == [] and len(metrics.read(earlier)) == 2   # each run reads its own
+    # a third run: the second's goes aside too, beside the first, which stays as it is
+    _earlier_run_again = job_dir / "node1"
+    _earlier_run_again.mkdir()
+    (job_dir / records.HANDLE).write_text("{}")
+    second = records.set_aside(job_dir, job_dir / "checkpoints")
+    assert second != earlier and sorted(p.name for p in second.iterdir()) == ["handle.json", "node1"]
+    assert records.set_aside(job_dir, job_dir / "checkpoints") is None   # nothing left to set aside
+
+
+def test_a_checkpoint_folder_elsewhere_is_not_kept_in_place_and_an_interrupted_move_goes_on(tmp_path):
+    job_dir = tmp_path / "job"
+    _earlier_run(job_dir, "attempt0")
+    (job_dir / ".run-aside.partial").mkdir()   # a move that Ctrl-C cut short: part of the run is in it
+    (job_dir / records.SUMMARY).rename(job_dir / ".run-aside.partial" / records.SUMMARY)
+    earlier = records.set_aside(job_dir, tmp_path / "elsewhere")
+    assert sorted(p.name for p in job_dir.iterdir()) == [earlier.name]
+    assert (earlier / records.SUMMARY).exists() and (earlier / "checkpoints").is_dir()
+
+
+def test_a_run_that_cannot_be_set_aside_is_one_line(tmp_path, monkeypatch):
+    job_dir = tmp_path / "job"
+    _earlier_run(job_dir, "attempt0")
+    monkeypatch.setattr(os, "rename", lambda a, b: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(records.UserError, match=r"cannot set the earlier run of job aside .*: Permission denied"):
+        records.set_aside(job_dir)
