@@ -45,7 +45,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import signal
 import socket
@@ -54,15 +53,18 @@ import time
 
 # in a container the helpers' folder is on PYTHONPATH; on the host this is fleetbox.incontainer.fleetbox_checkpoint
 try:
+    import fleetbox_checkpoint_folder as folder_layout
     import fleetbox_progress
 except ImportError:
+    from . import fleetbox_checkpoint_folder as folder_layout
     from . import fleetbox_progress
+
+COMPLETE, STATE, STOP, complete_steps = (folder_layout.COMPLETE, folder_layout.STATE, folder_layout.STOP,
+                                         folder_layout.complete_steps)
 
 fleetbox_progress.reporting()   # every step() is progress for hang detection, a save a declared phase
 
-STEP_DIR = re.compile(r"step-(\d{8})")
-MODEL, OPTIMIZER, COMPLETE, STATE = "model.pdparams", "optimizer.pdopt", "COMPLETE", "STATE"
-STOP = "STOP"   # written by fleetbox (Slurm's warning before the time limit): checkpoint now, then stop
+MODEL, OPTIMIZER = "model.pdparams", "optimizer.pdopt"
 
 
 def _say(msg: str) -> None:
@@ -119,17 +121,6 @@ def intact(step_dir: str, names=None) -> str:
         if os.path.getsize(p) != size or _sha256(p) != digest:
             return f"{name} is damaged (size or sha256 differs from {COMPLETE})"
     return ""
-
-
-def complete_steps(folder: str) -> list[int]:
-    """Steps with a COMPLETE marker, newest first."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    steps = [int(m.group(1)) for n in names if (m := STEP_DIR.fullmatch(n))
-             and os.path.exists(os.path.join(folder, n, COMPLETE))]
-    return sorted(steps, reverse=True)
 
 
 def _positive(name: str, default: int) -> int:

@@ -16,11 +16,12 @@ from pathlib import Path
 from fleetbox.errors import UserError
 from fleetbox.processes import never_failing, signals_held, stops_as_interrupt
 from fleetbox.run import metrics
-from fleetbox.run.records import Handle, JobState
+from fleetbox.run.records import DamagedRecord, Handle, JobState
 from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
 
 CANCELLED = "CANCELLED"   # in the job folder: `invoke cancel` asked (Slurm: CANCELLED.<first Slurm job>)
+BACKENDS: dict[str, type[Backend]] = {}   # by name; run/backends registers them
 
 
 @dataclass(frozen=True)
@@ -162,3 +163,22 @@ class Backend(ABC):
                     with signals_held():
                         self.cancel(handle, log)
                 raise
+
+
+def job_ended(job_dir: Path) -> tuple[bool, str]:
+    """Whether the job whose folder this is has ended, as its backend tells from here: (ended, its state in a few
+    words). A job whose record is gone has ended; one that cannot be asked has not."""
+    try:
+        h = Handle.load(job_dir)
+    except FileNotFoundError:
+        return True, "gone"
+    except DamagedRecord:
+        return False, "in a state that cannot be told (its handle.json cannot be read)"
+    cls = BACKENDS.get(h.backend)
+    if cls is None:
+        return False, f"run by a backend this fleetbox does not have ({h.backend})"
+    try:
+        state, _, note = cls(**{o.name: o.default for o in cls.options}).job_state(h)
+    except (UserError, OSError, ValueError, KeyError, TypeError) as e:
+        return False, f"in a state that cannot be told ({type(e).__name__}: {e})"[:200]
+    return state.is_terminal, state.value + (f" ({note})" if note else "")

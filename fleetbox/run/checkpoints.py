@@ -3,15 +3,17 @@ The containers' side (saving, loading) is fleetbox/incontainer/fleetbox_checkpoi
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import time
 from pathlib import Path
 
+from fleetbox import settings
 from fleetbox.errors import UserError
-from fleetbox.incontainer import (
-    fleetbox_checkpoint as layout,  # the folder's layout is the helper's (stdlib only at import)
-)
+from fleetbox.incontainer import fleetbox_checkpoint_folder as layout  # the folder's layout and owner (stdlib)
+from fleetbox.processes import this_host
+from fleetbox.run import backend
 
 
 def folder(checkpoint_dir: str, job_dir: Path) -> Path:
@@ -38,38 +40,69 @@ def _read_only(p: Path) -> bool:
         return False
 
 
-def prepare(path: Path, resume: str, log=print) -> None:
-    """Make the folder (as the user running fleetbox). `--resume never` with checkpoints already there (a job
-    id used again): they are moved aside, not deleted, so nothing older is resumed by a later restart."""
-    check_writable(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for marker in (layout.STOP, layout.STATE):   # an earlier run's: the script records its own state again
-        (path / marker).unlink(missing_ok=True)
-    if resume == "never" and steps(path):
-        stamp = time.strftime('%Y%m%d-%H%M%S')
-        aside = _unused(path.with_name(f"{path.name}.before-{stamp}"))
+def owner_record(job_id: str) -> dict:
+    """What a job writes into the checkpoint folder it holds (OWNER): the job is its id in its runs folder."""
+    return {"job": job_id, "runs": str(settings.runs_root().resolve()), "user": getpass.getuser(),
+            "host": this_host(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def may_take(folder: str, found: dict | None, me: dict, ended) -> dict | None:
+    """`found`, the folder's owner, when `me` may take the folder from it (it is `me`, no one, or a job that
+    has ended, as `ended(job folder)` -> (ended, state) tells); else one line naming the owner."""
+    if not found or layout.same_job(found, me):
+        return found
+    runs = Path(str(found.get("runs", "")))
+    who = f"job {found['job']} of {found.get('user', '?')} on {found.get('host', '?')} (runs folder {runs})"
+    if not runs.is_absolute() or not runs.is_dir():
+        raise UserError(f"checkpoint folder {folder} belongs to {who}, which cannot be asked from here: if that "
+                        f"job has ended, remove {Path(folder, layout.OWNER)}; else give another --checkpoint-dir")
+    done, state = ended(runs / found["job"])
+    if not done:
+        raise UserError(f"checkpoint folder {folder} belongs to {who}, which is {state}: wait for it, cancel it, "
+                        f"or give another --checkpoint-dir")
+    return found
+
+
+def prepare(path: Path, resume: str, job_id: str, log=print, helper=None) -> None:
+    """Take the folder for this job before anything in it is touched: it belongs to one live job at a time (a
+    second job gets one line naming the first). Then the earlier run's markers go, and for `--resume never` its
+    checkpoints are moved aside (never deleted), so nothing older is resumed by a later restart. `helper(*args)`
+    runs fleetbox_checkpoint_folder's main where the folder is and returns its answer (default: here)."""
+    me = owner_record(job_id)
+    if helper is None:
+        check_writable(path)
+        helper = _here
+    expected = may_take(str(path), helper("read", str(path)), me, backend.job_ended)
+    for _ in range(3):   # another job may take it between our look and our take: look again
         try:
-            try:
-                path.rename(aside)
-                path.mkdir()
-            except OSError:   # a mount point (EBUSY, EXDEV): its contents go aside inside it, out of the helper's view
-                aside = _unused(path / f"before-{stamp}")
-                aside.mkdir()
-                for entry in [e for e in path.iterdir() if e != aside and not e.name.startswith("before-")]:
-                    entry.rename(aside / entry.name)
+            got = helper("take", str(path), json.dumps({"me": me, "expected": expected, "resume": resume}))
         except OSError as e:
-            raise UserError(f"--resume never: cannot move the earlier checkpoints in {path} aside: "
-                            f"{e.strerror or e}") from None
-        log(f"--resume never: moved the earlier checkpoints to {aside}")
+            raise UserError(f"checkpoint folder {path}: {e.strerror or e}"
+                            + (" (setting the earlier checkpoints aside for --resume never)"
+                               if resume == "never" else "")) from None
+        if got.get("error"):
+            raise UserError(f"checkpoint folder {path}: {got['error']}")
+        if got["taken"]:
+            if got["aside"]:
+                log(f"--resume never: moved the earlier checkpoints to {got['aside']}")
+            return
+        expected = may_take(str(path), got["owner"], me, backend.job_ended)
+    raise UserError(f"checkpoint folder {path}: other jobs keep taking it; give another --checkpoint-dir")
 
 
-def _unused(path: Path) -> Path:
-    """`path`, or path-2, path-3, ... where it exists (two runs in one second)."""
-    n, p = 1, path
-    while p.exists():
-        n += 1
-        p = path.with_name(f"{path.name}-{n}")
-    return p
+def _here(*args: str):
+    """fleetbox_checkpoint_folder's main, in this process: its answer, or OSError as the helper meets it."""
+    if args[0] == "read":
+        return layout.owner(args[1])
+    req = json.loads(args[2])
+    return layout.take(args[1], req["me"], req["expected"], req["resume"])
+
+
+def release(path: Path, job_id: str) -> None:
+    """The job has ended: its OWNER goes, where it is still this job's (a folder another job took meanwhile is
+    that job's)."""
+    if layout.same_job(layout.owner(str(path)), owner_record(job_id)):
+        Path(path, layout.OWNER).unlink(missing_ok=True)
 
 
 def steps(path: Path) -> list[int]:

@@ -121,6 +121,43 @@ def test_a_job_across_engines_restarts_from_each_engines_own_checkpoints(hosts):
         assert fabric.sh("docker", "-H", url, "volume", "ls", "-q", "--filter", f"name=fleetbox-{job_id}").stdout == ""
 
 
+def test_a_checkpoint_folder_the_engines_share_is_taken_where_it_is_and_never_sets_earlier_steps_aside(
+        hosts, tmp_path):
+    """--hosts with a shared --checkpoint-dir: the folder is not read from here but in a container on the first
+    host. A live job's folder is refused before anything in it moves; an ended one's is taken, and --resume never
+    sets its steps aside there (before, nothing was moved, and the new run resumed the old run's newest step)."""
+    from fleetbox.processes import process_start, this_host
+    from fleetbox.run.records import Handle
+    from tests.conftest import ROOT
+    ck = tmp_path / "shared-ck"
+    (ck / "step-00000010").mkdir(parents=True)
+    (ck / "step-00000010" / "COMPLETE").write_text("{}")
+    live = ROOT / "runs" / f"live-owner-{os.getpid()}"   # a job whose supervisor (this process) runs
+    live.mkdir(parents=True)
+    Handle("docker", live.name, str(live), 1, [""], supervisor=os.getpid(), supervisor_start=process_start(os.getpid()),
+           supervisor_host=this_host()).save()
+    (ck / "OWNER").write_text(json.dumps({"job": live.name, "runs": str((ROOT / "runs").resolve()), "user": "ann",
+                                          "host": "login2"}))
+    args = ["train", "--nodes", "2", "--hosts", ",".join(hosts), "--checkpoint-dir", str(ck), "--resume", "never"]
+    try:
+        refused = invoke(*args)
+    finally:
+        for f in live.iterdir():
+            f.unlink()
+        live.rmdir()   # its record gone: the job has ended
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        f"fleetbox: error: checkpoint folder {ck} belongs to job {live.name} of ann on login2 "), refused.stderr
+    assert "which is STARTING" in refused.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["shared-ck"]
+    proc = invoke(*args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("shared-ck.before-")]
+    assert f"--resume never: moved the earlier checkpoints to {aside}" in proc.stdout
+    assert (aside / "step-00000010" / "COMPLETE").exists()
+    s = json.loads(open(os.path.join(proc.stdout.split("logs in ")[1].split()[0], "summary.json")).read())
+    assert s["ok"] and s["smoke"]["resumed_from"] == 0 and s["smoke"]["whole_run"], s["smoke"]
+    assert json.loads((ck / "OWNER").read_text())["job"] == s["job_id"]
+
+
 # -- invoke doctor on the rig: all ✓ when healthy, and each fault named by its own ✗ --
 
 def below_ephemeral(port: int, nodes: int) -> int:

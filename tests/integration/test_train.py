@@ -193,6 +193,27 @@ def test_a_killed_node_is_named_with_what_137_means(cpu_image):
     assert job_containers(job_id) == []
 
 
+def test_a_second_job_on_a_live_jobs_checkpoint_folder_is_refused_and_the_first_finishes_whole(cpu_image):
+    """Before, the second job's start deleted the first's STATE and, with --resume never, moved its folder away:
+    the first then read no state and passed with its training incomplete."""
+    p, names, job_id = _start_job("--args", "--checkpoint-every 5 --step-sleep 0.2")
+    ckpt = ROOT / "runs" / job_id / "checkpoints"
+    deadline = time.monotonic() + 60
+    while not (ckpt / "step-00000005" / "COMPLETE").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = invoke("train", "--nodes", "1", "--checkpoint-dir", str(ckpt), "--resume", "never")
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr
+    assert second.stderr.strip().splitlines()[-1].startswith(
+        f"fleetbox: error: checkpoint folder {ckpt} belongs to job {job_id} of "), second.stderr
+    assert "which is RUNNING" in second.stderr and (ckpt / "STATE").exists()
+    assert not [d for d in ckpt.parent.iterdir() if d.name.startswith("checkpoints.before-")]
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-3000:] + err
+    s = json.loads((ROOT / "runs" / job_id / "summary.json").read_text())
+    assert s["smoke"]["steps"] == 60 and s["smoke"]["resumed_from"] == 0 and s["smoke"]["whole_run"], s["smoke"]
+    assert not (ckpt / "OWNER").exists()   # given up when the job ended
+
+
 def test_a_container_removed_behind_our_back_ends_the_job_cleanly(cpu_image):
     p, names, job_id = _start_job("--args", "--step-sleep 1")
     time.sleep(3)
@@ -420,12 +441,12 @@ def test_a_killed_node_restarts_the_job_from_its_checkpoint_and_ends_bit_for_bit
     assert [a["ok"] for a in json.loads((earlier[0] / "summary.json").read_text())["attempts"]] == [False, True]
     assert (earlier[0] / "attempt0" / "node1" / "workerlog.0").exists() and not (job_dir / "attempt0").exists()
     s2 = json.loads((job_dir / "summary.json").read_text())
-    assert len(s2["attempts"]) == 1 and s2["smoke"]["resumed_from"] == 0
+    assert not s2["attempts"] and s2["smoke"]["resumed_from"] == 0   # one attempt, from scratch
     recs = [json.loads(ln) for ln in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted((r["rank"], r["step"], r["attempt"]) for r in recs) == \
         [(k, t, 0) for k in (0, 1) for t in range(60)]
     aside = [d for d in job_dir.iterdir() if d.name.startswith("checkpoints.before-")]
-    assert ckpt.is_dir() and len(aside) == 1 and (aside[0] / "step-00000010" / "COMPLETE").exists()
+    assert ckpt.is_dir() and len(aside) == 1 and (aside[0] / "step-00000060" / "COMPLETE").exists()
 
 
 @pytest.fixture

@@ -1,13 +1,21 @@
-"""The job's checkpoint folder on the host: `--resume never` moves earlier checkpoints aside, never deletes them,
-also twice in one second and when the folder is a mount point (which cannot be renamed)."""
+"""The job's checkpoint folder on the host: one live job holds it at a time (a second job gets one line naming the
+first, before anything in the folder is touched), an ended job's folder is taken over, and `--resume never`
+moves earlier checkpoints aside, never deletes them, also twice in one second and when the folder is a mount
+point (another file system: nothing in it can be renamed out of it)."""
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from fleetbox import files
 from fleetbox.errors import UserError
-from fleetbox.run import checkpoints
+from fleetbox.incontainer import fleetbox_checkpoint_folder as layout
+from fleetbox.processes import process_start, this_host
+from fleetbox.run import backends, checkpoints  # noqa: F401 (backends: registered, as where a job runs)
+from fleetbox.run.records import Handle
+from fleetbox.run.result import JobResult
 
 
 def with_step(path: Path, step: int) -> None:
@@ -16,45 +24,138 @@ def with_step(path: Path, step: int) -> None:
     (d / "COMPLETE").write_text(json.dumps({"step": step}))
 
 
+def quiet(m):
+    pass
+
+
 def test_never_twice_in_one_second_keeps_both_earlier_sets(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoints.time, "strftime", lambda fmt: "20261124-010203")
+    monkeypatch.setattr(layout.time, "strftime", lambda fmt: "20261124-010203")
     ck = tmp_path / "ck"
     for step in (10, 20):
         with_step(ck, step)
-        checkpoints.prepare(ck, "never", log=lambda m: None)
+        checkpoints.prepare(ck, "never", "job-a", log=quiet)
         assert checkpoints.steps(ck) == []
     asides = sorted(p.name for p in tmp_path.iterdir() if p.name != "ck")
     assert asides == ["ck.before-20261124-010203", "ck.before-20261124-010203-2"]
     assert checkpoints.steps(tmp_path / asides[1]) == [20]
+    assert layout.owner(str(ck))["job"] == "job-a" and not (tmp_path / asides[1] / layout.OWNER).exists()
 
 
 def test_never_on_a_mount_point_moves_the_checkpoints_aside_inside_it(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     with_step(ck, 10)
     (ck / "notes.txt").write_text("mine")
-    real = Path.rename
+    real = os.rename
 
-    def rename(self, target):
-        if self == ck:   # what renaming a mount point gives
-            raise OSError(errno.EBUSY, "Device or resource busy", str(self))
-        return real(self, target)
-    monkeypatch.setattr(Path, "rename", rename)
+    def rename(src, dst):
+        if Path(src).parent == ck and Path(dst).parent.parent != ck:   # out of the mount: another file system
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
+        return real(src, dst)
+    monkeypatch.setattr(layout.os, "rename", rename)
     said = []
-    checkpoints.prepare(ck, "never", log=said.append)
-    (aside,) = [p for p in ck.iterdir()]
-    assert aside.name.startswith("before-") and checkpoints.steps(ck) == [] and checkpoints.steps(aside) == [10]
+    checkpoints.prepare(ck, "never", "job-a", log=said.append)
+    (aside,) = [p for p in ck.iterdir() if p.name.startswith("before-")]
+    assert checkpoints.steps(ck) == [] and checkpoints.steps(aside) == [10]
     assert (aside / "notes.txt").read_text() == "mine" and said == [f"--resume never: moved the earlier "
                                                                      f"checkpoints to {aside}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]   # nothing left beside it
 
 
 def test_a_folder_whose_checkpoints_cannot_be_moved_is_one_line(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     with_step(ck, 10)
 
-    def rename(self, target):
-        raise OSError(errno.EACCES, "Permission denied", str(self))
-    monkeypatch.setattr(Path, "rename", rename)
-    with pytest.raises(UserError, match=r"--resume never: cannot move the earlier checkpoints in .* aside: "
-                                        r"Permission denied") as e:
-        checkpoints.prepare(ck, "never", log=lambda m: None)
-    assert "\n" not in str(e.value)
+    def rename(src, dst):
+        raise OSError(errno.EACCES, "Permission denied", str(src))
+    monkeypatch.setattr(layout.os, "rename", rename)
+    with pytest.raises(UserError, match=r"checkpoint folder .*ck: Permission denied \(setting the earlier "
+                                        r"checkpoints aside for --resume never\)") as e:
+        checkpoints.prepare(ck, "never", "job-a", log=quiet)
+    assert "\n" not in str(e.value) and checkpoints.steps(ck) == [10]
+
+
+def _job(runs: Path, job_id: str, ended: bool) -> None:
+    """A Docker job's record as `invoke jobs` reads it: starting (its supervisor, this test's process, runs; its
+    containers are not up) or ended (its supervisor gone, its summary written)."""
+    d = runs / job_id
+    d.mkdir(parents=True)
+    me = os.getpid()
+    Handle("docker", job_id, str(d), 1, [""], supervisor=0 if ended else me, supervisor_start=process_start(me),
+           supervisor_host=this_host()).save()
+    if ended:
+        JobResult(job_id, "docker", True, [], dir=str(d)).save()
+
+
+@pytest.fixture
+def runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    return tmp_path / "runs"
+
+
+@pytest.mark.parametrize("resume", ["auto", "never"])
+def test_a_folder_a_live_job_holds_is_refused_in_one_line_and_left_untouched(runs, tmp_path, resume):
+    ck = tmp_path / "ck"
+    _job(runs, "first", ended=False)
+    checkpoints.prepare(ck, "auto", "first", log=quiet)
+    with_step(ck, 10)
+    files.write_json(ck / layout.STATE, {"state": "running", "step": 10})
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "runs" not in p.parts)
+    with pytest.raises(UserError) as e:
+        checkpoints.prepare(ck, resume, "second", log=quiet)
+    assert str(e.value).startswith(f"checkpoint folder {ck} belongs to job first of ")
+    assert "which is STARTING" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "runs" not in p.parts) == before
+    assert checkpoints.state(ck) == {"state": "running", "step": 10} and checkpoints.steps(ck) == [10]
+    assert layout.owner(str(ck))["job"] == "first"
+
+
+def test_a_folder_whose_job_ended_or_whose_record_is_gone_is_taken_over(runs, tmp_path):
+    ck = tmp_path / "ck"
+    _job(runs, "first", ended=True)
+    checkpoints.prepare(ck, "auto", "first", log=quiet)
+    with_step(ck, 10)
+    checkpoints.prepare(ck, "auto", "second", log=quiet)
+    assert layout.owner(str(ck))["job"] == "second" and checkpoints.steps(ck) == [10]   # resumable
+    checkpoints.prepare(ck, "auto", "third", log=quiet)   # "second" has no record at all: it never ran here
+    assert layout.owner(str(ck))["job"] == "third"
+
+
+def test_a_folder_whose_owner_cannot_be_asked_from_here_names_the_file_to_remove(runs, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    files.write_json(ck / layout.OWNER, {"job": "theirs", "runs": "/nowhere/runs", "user": "ann", "host": "login2"})
+    with pytest.raises(UserError, match=r"belongs to job theirs of ann on login2 \(runs folder /nowhere/runs\), "
+                                        r"which cannot be asked from here: if that job has ended, remove "
+                                        rf"{ck}/OWNER"):
+        checkpoints.prepare(ck, "auto", "mine", log=quiet)
+
+
+def test_the_same_job_run_again_takes_its_own_folder_and_release_gives_it_up(runs, tmp_path):
+    ck = tmp_path / "ck"
+    _job(runs, "first", ended=False)   # refuse_live keeps a live id from running twice; the folder is its own
+    checkpoints.prepare(ck, "auto", "first", log=quiet)
+    checkpoints.prepare(ck, "auto", "first", log=quiet)
+    checkpoints.release(ck, "second")   # not its owner: nothing
+    assert layout.owner(str(ck))["job"] == "first"
+    checkpoints.release(ck, "first")
+    assert layout.owner(str(ck)) is None
+
+
+def test_a_job_that_took_the_folder_between_our_look_and_our_take_is_not_overwritten(runs, tmp_path):
+    ck = tmp_path / "ck"
+    _job(runs, "old", ended=True)
+    _job(runs, "quick", ended=False)
+    ck.mkdir()
+    files.write_json(ck / layout.OWNER, checkpoints.owner_record("old"))
+    looked = []
+
+    def helper(*args):
+        if args[0] == "read" and not looked:   # our look sees "old"; then "quick" takes the folder
+            looked.append(1)
+            answer = checkpoints._here(*args)
+            checkpoints.prepare(ck, "auto", "quick", log=quiet)
+            return answer
+        return checkpoints._here(*args)
+    with pytest.raises(UserError, match="belongs to job quick .* which is STARTING"):
+        checkpoints.prepare(ck, "auto", "mine", log=quiet, helper=helper)
+    assert layout.owner(str(ck))["job"] == "quick"

@@ -204,7 +204,7 @@ def said(tmp_path, name, rank) -> str:
 
 def steps_in(folder: Path) -> list[str]:
     """The step folders (not those moved aside)."""
-    return sorted(p.name for p in folder.iterdir() if fc.STEP_DIR.fullmatch(p.name))
+    return sorted(p.name for p in folder.iterdir() if fc.folder_layout.STEP_DIR.fullmatch(p.name))
 
 
 def reads_of(result: dict, when: str) -> Counter:

@@ -801,7 +801,8 @@ def test_resume_never_moves_older_checkpoints_aside(tmp_path):
     b, plan = job(FakeEngine(), checkpoint_dir=str(ckpt), resume="never")
     b.run(plan, log=lines.append)
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("ck.before-")]
-    assert len(aside) == 1 and (aside[0] / "step-00000040" / "COMPLETE").exists() and list(ckpt.iterdir()) == []
+    assert len(aside) == 1 and (aside[0] / "step-00000040" / "COMPLETE").exists()
+    assert [p.name for p in ckpt.iterdir()] == [".owner.lock"]   # and the job's OWNER is gone with the job
     assert any(f"moved the earlier checkpoints to {aside[0]}" in ln for ln in lines)
     b, plan = job(FakeEngine(), checkpoint_dir=str(aside[0]))   # auto: they stay where they are
     b.run(plan, log=lines.append)

@@ -12,14 +12,13 @@ from importlib import metadata
 
 from fleetbox import options as parse
 from fleetbox.errors import UserError
-from fleetbox.run.backend import Backend, Option
+from fleetbox.run.backend import BACKENDS, Backend, Option
 from fleetbox.run.backends.docker import DockerBackend
 from fleetbox.run.backends.runtimes import pull_commands  # noqa: F401 (`invoke pull-cmd`: the runtimes' commands)
 from fleetbox.run.backends.slurm import SlurmBackend
 
 ENTRY_POINTS = "fleetbox.backends"
 DEFAULT = DockerBackend.name   # containers through Docker Engines: this machine or --hosts
-BACKENDS: dict[str, type[Backend]] = {}
 UNLOADED: dict[str, str] = {}   # a plugin that could not be registered, and why (said when it is chosen)
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from fleetbox import ROOT, engine, files, incontainer, settings
 from fleetbox.archives import safe_extract
@@ -152,17 +152,10 @@ class DockerBackend(Backend):
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
         whether the port is free, and how much locked memory that engine's containers may get."""
-        probe = self.engine(host).containers.run(
-            spec.image_ref, ["python", "-c", incontainer.source("fleetbox_netinfo"), master_ip, str(port)],
-            network_mode="host", detach=True, labels={settings.LABEL_JOB: job_id})
-        try:   # removed on every way out (Ctrl-C while planning included), not only after a clean exit
-            code = probe.wait(timeout=120).get("StatusCode")
-            out = probe.logs(stdout=True, stderr=False)
-            if code != 0:
-                why = (probe.logs(stdout=False, stderr=True).decode(errors="replace").strip().splitlines() or ["?"])[-1]
-                raise UserError(f"the network probe failed on {host} (exit {code}): {why[:200]}")
-        finally:
-            _quietly(lambda: probe.remove(force=True))
+        code, out, why = self._throwaway(host, spec.image_ref, job_id, "fleetbox_netinfo", [master_ip, str(port)],
+                                         network_mode="host")
+        if code != 0:
+            raise UserError(f"the network probe failed on {host} (exit {code}): {why[:200]}")
         info = json.loads(out.decode().strip().splitlines()[-1])
         if spec.iface:
             if spec.iface not in info["names"]:
@@ -174,11 +167,50 @@ class DockerBackend(Backend):
             raise UserError(f"no interface on {host} routes to the master {master_ip}; pass --iface")
         return info
 
+    def _throwaway(self, host: str, image: str, job_id: str, helper: str, args: list[str], **kwargs):
+        """Run one of our in-container helpers (`python -c`) in a throwaway container of `image` on `host`:
+        (exit status, its stdout, the last line of its stderr). The container is removed on every way out
+        (Ctrl-C while planning included), not only after a clean exit."""
+        c = self.engine(host).containers.run(image, ["python", "-c", incontainer.source(helper), *args],
+                                             detach=True, labels={settings.LABEL_JOB: job_id}, **kwargs)
+        try:
+            code = c.wait(timeout=120).get("StatusCode")
+            err = c.logs(stdout=False, stderr=True).decode(errors="replace").strip().splitlines() or ["?"]
+            return code, c.logs(stdout=True, stderr=False), err[-1]
+        finally:
+            _quietly(lambda: c.remove(force=True))
+
+    def _checkpoint_helper(self, plan: DockerPlan):
+        """checkpoints.prepare's helper for a folder every --hosts engine shares: fleetbox_checkpoint_folder in a
+        container on the first host, with the folder's parent mounted (the folder itself is set aside from it)."""
+        folder, host = PurePosixPath(plan.checkpoints), plan.nodes[0].host
+        parent = PurePosixPath("/fleetbox/parent")
+
+        def helper(*args: str):
+            argv = [str(parent / folder.name) if a == str(folder) else a for a in args]
+            code, out, why = self._throwaway(host, plan.spec.image_ref, plan.job_id, "fleetbox_checkpoint_folder",
+                                             argv, volumes={str(folder.parent): {"bind": str(parent), "mode": "rw"}})
+            lines = out.decode(errors="replace").strip().splitlines()
+            if code not in (0, 1) or not lines:
+                raise UserError(f"checkpoint folder {folder} on {host}: the helper failed (exit {code}): {why[:200]}")
+            answer = json.loads(lines[-1])
+            if isinstance(answer, dict) and answer.get("aside"):   # as the hosts see it
+                answer["aside"] = str(folder.parent / PurePosixPath(answer["aside"]).relative_to(parent))
+            return answer
+        return helper
+
     def run(self, plan: DockerPlan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end; after a failure (a node's non-zero exit, a killed container, a lost
         engine), stop every node and start the whole job again from its newest checkpoint, with the same job id,
         up to spec.max_restarts times (torchrun's --max-restarts). Each attempt keeps its own logs: the last in
         the job folder, earlier ones under attempt<N>/."""
+        try:
+            return self._run(plan, log, timeout, on_submit)
+        finally:   # every way out: the job has ended (a restart goes on inside _run)
+            if not plan.spec.hosts:
+                _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id))
+
+    def _run(self, plan: DockerPlan, log, timeout: float | None, on_submit) -> JobResult:
         deadline = time.monotonic() + timeout if timeout else None
         restarts, attempts = plan.spec.max_restarts, []
         for attempt in range(restarts + 1):
@@ -237,7 +269,10 @@ class DockerBackend(Backend):
         if plan.attempt == 0:   # a restart goes on with the same folders
             (plan.dir / CANCELLED).unlink(missing_ok=True)
             if not spec.hosts:
-                checkpoints.prepare(Path(plan.checkpoints), spec.resume, log)
+                checkpoints.prepare(Path(plan.checkpoints), spec.resume, plan.job_id, log)
+            elif spec.checkpoint_dir:   # a folder every host shares: taken there (volumes are the job's own)
+                checkpoints.prepare(Path(plan.checkpoints), spec.resume, plan.job_id, log,
+                                    helper=self._checkpoint_helper(plan))
         JobInfo(plan.job_id, self.name, spec.variant.name, spec.nodes, spec.procs_per_node, spec.image_ref,
                 image_id=plan.image_id, content_tag=plan.content_tag, paddle=plan.paddle, started=time.time(),
                 commands=[n.shell() for n in plan.nodes]).save(plan.dir)

@@ -429,7 +429,7 @@ class SlurmBackend(Backend):
 
     def submit(self, plan: SlurmPlan, log=print) -> Handle:
         plan.make_dir()
-        checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, log)
+        checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, plan.job_id, log)
         (plan.dir / "summary.json").unlink(missing_ok=True)   # an earlier run's of the same job id
         JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
                 plan.image, runtime=plan.runtime, paddle=plan.spec.paddle_pin).save(plan.dir)
