@@ -359,13 +359,13 @@ def cancel(c, job):
 
 
 @task(help={"hosts": "comma-separated Docker Engine URLs to clean too (default: this machine)",
-            "job": "remove every container of this job, running or not",
-            "force": "also remove running containers of live jobs",
+            "job": "only this job's containers: running ones too, once the job has ended",
+            "force": "also remove the containers of jobs that have not ended",
             "images": "also untag older builds of every variant and build layers no image is built on (here)"})
 @_fleetbox
 def clean(c, hosts=None, job=None, force=False, images=False):
-    """Remove containers that earlier jobs left behind (found by their io.fleetbox.job label); running ones
-    belong to live jobs and are kept unless --job or --force."""
+    """Remove containers that earlier jobs left behind (found by their labels: this user's, of jobs in this runs
+    folder); those of jobs that have not ended, and running ones, are kept unless --force."""
     from fleetbox import engine, options
     from fleetbox.image import images as images_mod
     from fleetbox.image import matrix

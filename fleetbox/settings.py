@@ -58,6 +58,7 @@ BIND_TARGETS = (WORKDIR, LOG_DIR, HELPERS_DIR, CHECKPOINT_DIR, RESUME_DIR, CONTA
 # Labels: job containers carry the first four; the images fleetbox builds carry the variant and the rest.
 LABEL_JOB, LABEL_NODE, LABEL_RANK = "io.fleetbox.job", "io.fleetbox.node", "io.fleetbox.rank"
 LABEL_VARIANT = "io.fleetbox.variant"
+LABEL_OWNER = "io.fleetbox.owner"   # user@<runs folder id> (run/records.py owner): whose job a container is
 LABEL_INPUTS = "io.fleetbox.inputs-sha256"   # the digest of everything the image is made from (its content tag)
 LABEL_LOCK = "io.fleetbox.lock-sha256"
 LABEL_FREEZE = "io.fleetbox.pip-freeze"      # `pip freeze` of the image's environment

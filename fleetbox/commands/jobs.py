@@ -48,7 +48,7 @@ def damaged(job_dir: Path, why: str) -> dict:
 
 def _leftovers(job_id: str) -> str:
     """What stops a job whose record cannot be read (its backend unknown): every backend's own way."""
-    return (f"`invoke clean --job {job_id}` removes its containers "
+    return (f"`invoke clean --job {job_id} --force` removes its containers "
             f"(a Slurm job: `scancel --user=$USER --name=fleetbox-{job_id}`)")
 
 

@@ -29,12 +29,26 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     if asked and not b.watches_hangs:
         log(f"warning: the {b.name} backend does not detect hangs yet: --hang-timeout and --start-timeout have no "
             f"effect")
-    if spec.job_id and not dry_run:
-        refuse_live(spec.job_id)
+    if spec.job_id and not dry_run:   # a given id: one start at a time, and a run again starts clean
         job_dir = settings.runs_root() / spec.job_id
-        earlier = records.set_aside(job_dir, checkpoints.folder(spec.checkpoint_dir, job_dir))
-        if earlier:
-            log(f"job {spec.job_id} ran before: its earlier run is now in {earlier}")
+        with records.starting(job_dir):
+            refuse_live(spec.job_id)
+            ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir).resolve()
+            if ckpt == job_dir.resolve() or ckpt in job_dir.resolve().parents:
+                raise UserError(f"--checkpoint-dir {spec.checkpoint_dir} holds the job's own folder {job_dir}: "
+                                f"give the checkpoints a folder of their own")
+            used = [ckpt] + [Path(p) for p in (spec.data_dir, *(m.src for m in spec.mounts)) if p and p[0] != "{"] \
+                + ([Path(spec.resume)] if spec.resume not in ("auto", "never") else [])
+            earlier = records.set_aside(job_dir, used)
+            if earlier:
+                log(f"job {spec.job_id} ran before: its earlier run is now in {earlier}")
+            return _start(spec, b, backend, backend_options, dry_run, timeout, detach, log, preflight)
+    return _start(spec, b, backend, backend_options, dry_run, timeout, detach, log, preflight)
+
+
+def _start(spec: JobSpec, b, backend: str, backend_options: dict | None, dry_run: bool, timeout: float | None,
+           detach: bool, log, preflight: bool) -> JobResult | None:
+    """Plan once, then describe that plan, run it, or leave it running."""
     if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
         log(f"preflight: checking {spec.nodes} node(s) before starting the job")
         checked = doctor.run(spec, backend, backend_options, quick=True, log=log)

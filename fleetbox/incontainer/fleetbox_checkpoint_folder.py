@@ -2,13 +2,14 @@
 start. fleetbox runs this here (fleetbox/run/checkpoints.py imports it), or where the folder is on other machines
 (--hosts with a shared --checkpoint-dir) in a throwaway container on the first host:
 
-    python -c "$(this file)" read FOLDER               -> the owner record, or null
-    python -c "$(this file)" take FOLDER REQUEST_JSON  -> take()'s answer
+    python -c "$(this file)" read FOLDER                  -> the owner record, or null
+    python -c "$(this file)" take FOLDER REQUEST_JSON     -> take()'s answer
+    python -c "$(this file)" release FOLDER OWNER_JSON    -> whether its OWNER went
 
 Standard library only. A folder holds one live job at a time: OWNER names it ({"job", "runs", "user", "host",
 "since"}; a job is its id in its runs folder). A job takes a folder that is its own, no one's, or held by a job
 fleetbox has found ended: `expected`, the owner as it was read then, so one that took it meanwhile is not
-overwritten. The check and the write are one step under a lock (flock on .owner.lock, in the folder).
+overwritten. Each look-and-write is one step under a lock (flock on .owner.lock, in the folder).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ STEP_DIR = re.compile(r"step-(\d{8})")
 COMPLETE, STATE = "COMPLETE", "STATE"
 STOP = "STOP"   # written by fleetbox (Slurm's warning before the time limit): checkpoint now, then stop
 OWNER, LOCK = "OWNER", ".owner.lock"
-ASIDE = re.compile(r"before-\d{8}-\d{6}(-\d+)?")   # earlier checkpoints set aside inside a folder (a mount point)
+ASIDE = re.compile(r"before-\d{8}-\d{6}(-\d+)?(\.partial)?")   # earlier checkpoints set aside inside the folder
+PARTIAL = ".partial"
 
 
 def complete_steps(folder: str) -> list[int]:
@@ -51,18 +53,26 @@ def same_job(a: dict | None, b: dict | None) -> bool:
     return bool(a and b) and (a.get("job"), a.get("runs")) == (b.get("job"), b.get("runs"))
 
 
+def _locked(folder: str) -> int:
+    """The folder's lock, held until the descriptor is closed. Read-only: a lock file another user (a --hosts
+    helper runs as root) made is still ours to lock."""
+    fd = os.open(os.path.join(folder, LOCK), os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def take(folder: str, me: dict, expected: dict | None, resume: str) -> dict:
     """Make `me` the folder's owner when it is mine, no one's, or still `expected`; then clear the earlier run's
     markers and, for `resume == "never"`, set its checkpoints aside (moved, never deleted). Returns
     {"taken": bool, "owner": the owner found, "aside": where the checkpoints went, or ""}."""
     os.makedirs(folder, exist_ok=True)
-    fd = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _locked(folder)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         found = owner(folder)
         if found and not same_job(found, me) and found != expected:
             return {"taken": False, "owner": found, "aside": ""}
         _write_json(os.path.join(folder, OWNER), me)
+        _finish_aside(folder)
         for marker in (STOP, STATE):   # an earlier run's: the script records its own state again
             try:
                 os.unlink(os.path.join(folder, marker))
@@ -74,29 +84,64 @@ def take(folder: str, me: dict, expected: dict | None, resume: str) -> dict:
         os.close(fd)
 
 
+def release(folder: str, me: dict) -> bool:
+    """The job has ended: its OWNER goes, where it is still this job's (one another job took meanwhile is that
+    job's). True when it went."""
+    if not os.path.isdir(folder):
+        return False
+    fd = _locked(folder)
+    try:
+        if not same_job(owner(folder), me):
+            return False
+        os.unlink(os.path.join(folder, OWNER))
+        return True
+    finally:
+        os.close(fd)
+
+
+def _movable(folder: str) -> list[str]:
+    return [e for e in os.listdir(folder) if e not in (OWNER, LOCK) and not ASIDE.fullmatch(e)]
+
+
 def _set_aside(folder: str) -> str:
     """Everything but the owner and the lock goes to FOLDER.before-<time> beside it, or where the folder is a
     mount point (another file system there: EXDEV) to before-<time>/ inside it, out of the helper's view. The
-    folder itself stays (its lock and owner with it)."""
+    folder itself stays (its lock and owner with it). The moves go to <that>.partial, renamed once all are in:
+    nothing is half there under its final name, and an interrupted move is finished by the next take."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    entries = [e for e in os.listdir(folder) if e not in (OWNER, LOCK) and not ASIDE.fullmatch(e)]
-    aside = _unused(f"{folder.rstrip('/')}.before-{stamp}")
+    entries = _movable(folder)
+    final = _unused(f"{folder.rstrip('/')}.before-{stamp}")
     try:
-        os.mkdir(aside)
-        first = entries[0] if entries else None
-        if first is not None:
-            os.rename(os.path.join(folder, first), os.path.join(aside, first))
+        os.mkdir(final + PARTIAL)
+        os.rename(os.path.join(folder, entries[0]), os.path.join(final + PARTIAL, entries[0]))
     except OSError:   # the parent is another file system or cannot be written: inside the folder, then
         try:
-            os.rmdir(aside)
+            os.rmdir(final + PARTIAL)
         except OSError:
             pass
-        aside, first = _unused(os.path.join(folder, f"before-{stamp}")), None
-        os.mkdir(aside)
-    for e in entries:
-        if e != first:
-            os.rename(os.path.join(folder, e), os.path.join(aside, e))
-    return aside
+        final = _unused(os.path.join(folder, f"before-{stamp}"))
+        os.mkdir(final + PARTIAL)
+    return _move_all(folder, final + PARTIAL)
+
+
+def _move_all(folder: str, partial: str) -> str:
+    for e in _movable(folder):
+        if os.path.join(folder, e) != partial:
+            os.rename(os.path.join(folder, e), os.path.join(partial, e))
+    final = _unused(partial[:-len(PARTIAL)])
+    os.rename(partial, final)
+    return final
+
+
+def _finish_aside(folder: str) -> None:
+    """A setting aside that was cut short (Ctrl-C, a removed helper container): what it had not moved yet goes
+    where the rest went, so nothing of that run is resumed."""
+    parent, name = os.path.split(folder.rstrip("/"))
+    left = [os.path.join(parent, e) for e in os.listdir(parent or ".") if e.startswith(f"{name}.before-")
+            and e.endswith(PARTIAL)] if os.access(parent or ".", os.R_OK) else []
+    left += [os.path.join(folder, e) for e in os.listdir(folder) if e.startswith("before-") and e.endswith(PARTIAL)]
+    for partial in left:
+        _move_all(folder, partial)
 
 
 def _unused(path: str) -> str:
@@ -118,19 +163,23 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["read"] and len(argv) == 2:
-        print(json.dumps(owner(argv[1])))
-        return 0
-    if argv[:1] == ["take"] and len(argv) == 3:
-        try:
+    verbs = {"read": 2, "take": 3, "release": 3}
+    if not argv or verbs.get(argv[0]) != len(argv):
+        print("usage: read FOLDER | take FOLDER REQUEST_JSON | release FOLDER OWNER_JSON", file=sys.stderr)
+        return 2
+    try:
+        if argv[0] == "read":
+            answer = owner(argv[1])
+        elif argv[0] == "release":
+            answer = release(argv[1], json.loads(argv[2]))
+        else:
             req = json.loads(argv[2])
-            print(json.dumps(take(argv[1], req["me"], req["expected"], req["resume"])))
-        except OSError as e:
-            print(json.dumps({"error": f"{e.filename or argv[1]}: {e.strerror or e}"}))
-            return 1
-        return 0
-    print("usage: read FOLDER | take FOLDER REQUEST_JSON", file=sys.stderr)
-    return 2
+            answer = take(argv[1], req["me"], req["expected"], req["resume"])
+    except OSError as e:
+        print(json.dumps({"error": f"{e.filename or argv[1]}: {e.strerror or e}"}))
+        return 1
+    print(json.dumps(answer))
+    return 0
 
 
 if __name__ == "__main__":

@@ -165,9 +165,10 @@ class Backend(ABC):
                 raise
 
 
-def job_ended(job_dir: Path) -> tuple[bool, str]:
-    """Whether the job whose folder this is has ended, as its backend tells from here: (ended, its state in a few
-    words). A job whose record is gone has ended; one that cannot be asked has not."""
+def job_ended(job_dir: Path, asker: Backend | None = None) -> tuple[bool, str]:
+    """Whether the job whose folder this is has ended, as its backend tells from here (`asker` where it is that
+    backend, with its engines): (ended, its state in a few words). A job whose record is gone has ended; one
+    that cannot be asked has not."""
     try:
         h = Handle.load(job_dir)
     except FileNotFoundError:
@@ -178,7 +179,8 @@ def job_ended(job_dir: Path) -> tuple[bool, str]:
     if cls is None:
         return False, f"run by a backend this fleetbox does not have ({h.backend})"
     try:
-        state, _, note = cls(**{o.name: o.default for o in cls.options}).job_state(h)
+        b = asker if asker is not None and asker.name == h.backend else cls(**{o.name: o.default for o in cls.options})
+        state, _, note = b.job_state(h)
     except (UserError, OSError, ValueError, KeyError, TypeError) as e:
         return False, f"in a state that cannot be told ({type(e).__name__}: {e})"[:200]
     return state.is_terminal, state.value + (f" ({note})" if note else "")

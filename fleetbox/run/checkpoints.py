@@ -12,8 +12,9 @@ from pathlib import Path
 from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.incontainer import fleetbox_checkpoint_folder as layout  # the folder's layout and owner (stdlib)
-from fleetbox.processes import this_host
-from fleetbox.run import backend
+from fleetbox.processes import process_start, this_host
+from fleetbox.run import backend, records
+from fleetbox.run.spec import JOB_ID
 
 
 def folder(checkpoint_dir: str, job_dir: Path) -> Path:
@@ -41,25 +42,42 @@ def _read_only(p: Path) -> bool:
 
 
 def owner_record(job_id: str) -> dict:
-    """What a job writes into the checkpoint folder it holds (OWNER): the job is its id in its runs folder."""
+    """What a job writes into the checkpoint folder it holds (OWNER): the job is its id in its runs folder; the
+    process that took the folder (which may not have written the job's record yet) is its pid on its host."""
+    pid = os.getpid()
     return {"job": job_id, "runs": str(settings.runs_root().resolve()), "user": getpass.getuser(),
-            "host": this_host(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "host": this_host(), "pid": pid, "pid_start": process_start(pid),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _word(value) -> str:
+    """A value from an OWNER file, fit for one line: whatever is in the file (it may be anyone's)."""
+    return " ".join(str(value).split())[:80] or "?"
 
 
 def may_take(folder: str, found: dict | None, me: dict, ended) -> dict | None:
-    """`found`, the folder's owner, when `me` may take the folder from it (it is `me`, no one, or a job that
-    has ended, as `ended(job folder)` -> (ended, state) tells); else one line naming the owner."""
+    """`found`, the folder's owner, when `me` may take the folder from it: it is `me`, no one, or a job that has
+    ended (`ended(job folder)` -> (ended, state), asked of its backend); else one line naming the owner. A job
+    whose record cannot be seen from here, or whose taking process runs, has not ended."""
     if not found or layout.same_job(found, me):
         return found
-    runs = Path(str(found.get("runs", "")))
-    who = f"job {found['job']} of {found.get('user', '?')} on {found.get('host', '?')} (runs folder {runs})"
-    if not runs.is_absolute() or not runs.is_dir():
-        raise UserError(f"checkpoint folder {folder} belongs to {who}, which cannot be asked from here: if that "
-                        f"job has ended, remove {Path(folder, layout.OWNER)}; else give another --checkpoint-dir")
-    done, state = ended(runs / found["job"])
+    runs, job, host = Path(str(found.get("runs", ""))), str(found["job"]), str(found.get("host", ""))
+    who = f"job {_word(job)} of {_word(found.get('user'))} on {_word(host)} (runs folder {_word(runs)})"
+    here, pid = host == this_host(), found.get("pid")
+    recorded = JOB_ID.fullmatch(job) and runs.is_absolute() and (runs / job / records.HANDLE).exists()
+    if not recorded:   # the job's record is not written yet, or not seen from here
+        if here and isinstance(pid, int) and pid > 0 and process_start(pid) == found.get("pid_start"):
+            raise UserError(f"checkpoint folder {folder} belongs to {who}, which is starting (its fleetbox, pid "
+                            f"{pid}, runs): wait for it, cancel it, or give another --checkpoint-dir")
+        if not here:
+            raise UserError(f"checkpoint folder {folder} belongs to {who}, which cannot be asked from here: if "
+                            f"that job has ended, remove {Path(folder, layout.OWNER)}; else give another "
+                            f"--checkpoint-dir")
+        return found   # its fleetbox here ended before it wrote the job's record: the job never started
+    done, state = ended(runs / job)
     if not done:
-        raise UserError(f"checkpoint folder {folder} belongs to {who}, which is {state}: wait for it, cancel it, "
-                        f"or give another --checkpoint-dir")
+        raise UserError(f"checkpoint folder {folder} belongs to {who}, which is {_word(state)}: wait for it, cancel "
+                        f"it, or give another --checkpoint-dir")
     return found
 
 
@@ -94,15 +112,16 @@ def _here(*args: str):
     """fleetbox_checkpoint_folder's main, in this process: its answer, or OSError as the helper meets it."""
     if args[0] == "read":
         return layout.owner(args[1])
+    if args[0] == "release":
+        return layout.release(args[1], json.loads(args[2]))
     req = json.loads(args[2])
     return layout.take(args[1], req["me"], req["expected"], req["resume"])
 
 
-def release(path: Path, job_id: str) -> None:
+def release(path: Path, job_id: str, helper=None) -> None:
     """The job has ended: its OWNER goes, where it is still this job's (a folder another job took meanwhile is
-    that job's)."""
-    if layout.same_job(layout.owner(str(path)), owner_record(job_id)):
-        Path(path, layout.OWNER).unlink(missing_ok=True)
+    that job's). `helper` as in prepare."""
+    (helper or _here)("release", str(path), json.dumps(owner_record(job_id)))
 
 
 def steps(path: Path) -> list[int]:

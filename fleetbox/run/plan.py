@@ -11,7 +11,7 @@ from pathlib import Path
 from fleetbox import settings
 from fleetbox.run import hang, placeholders, shell
 from fleetbox.run.spec import JobSpec, Mount
-from fleetbox.settings import LABEL_JOB, LABEL_NODE, LABEL_RANK, LABEL_VARIANT, LOG_DIR, WORKDIR
+from fleetbox.settings import LABEL_JOB, LABEL_NODE, LABEL_OWNER, LABEL_RANK, LABEL_VARIANT, LOG_DIR, WORKDIR
 
 STACK_BYTES = 67108864
 HIP_VISIBLE = "HIP_VISIBLE_DEVICES"   # how a ROCm node that sees every GPU is told its own
@@ -215,11 +215,13 @@ def checkpoint_env(spec: JobSpec, shared: bool = True) -> dict:
 
 
 def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = True, hyhal_present: bool = True,
-             memlock: int = -1, host: str = "", checkpoints: str = "", shared_checkpoints: bool = True) -> NodeRun:
+             memlock: int = -1, host: str = "", checkpoints: str = "", shared_checkpoints: bool = True,
+             owner: str = "") -> NodeRun:
     """Pure: node {rank}'s container. `log_dir` is the folder (on the node's host) mounted at LOG_DIR, with
     placeholders (None: no mount, the logs stay in the container until it is removed); `workspace`: mount the
     script's folder and fleetbox's helpers (False where the backend copies them in); `checkpoints`: the job's
-    checkpoint folder on the node's host, or a volume name, mounted read-write at CHECKPOINT_DIR."""
+    checkpoint folder on the node's host, or a volume name, mounted read-write at CHECKPOINT_DIR; `owner`: whose
+    the container is (records.owner()), a label sweeps and cleans match."""
     dev = device_options(spec, hyhal_present)
     user_path = spec.env.get("PYTHONPATH", "")
     watched = {}
@@ -246,7 +248,8 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     return NodeRun(
         name=f"fleetbox-{job_id}-{{node}}", host=host, image=spec.image_ref,
         command=spec.command or launch_command(spec), env=env, mounts=tuple(mounts),
-        labels={LABEL_JOB: job_id, LABEL_NODE: "{node}", LABEL_RANK: "{rank}", LABEL_VARIANT: spec.variant.name},
+        labels={LABEL_JOB: job_id, LABEL_NODE: "{node}", LABEL_RANK: "{rank}", LABEL_VARIANT: spec.variant.name,
+                **({LABEL_OWNER: owner} if owner else {})},
         shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),
         security_opt=dev.get("security_opt", ()), gpus=dev.get("gpus", ""), memlock=memlock,
         accelerator="" if spec.variant.device == "cpu" else spec.variant.device, pass_env=spec.pass_env)

@@ -14,18 +14,23 @@ a UserError that says which file and what to do. States a job can be in are one 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import getpass
+import hashlib
 import json
 import os
 import re
 import time
 import types
 import typing
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from fleetbox import files
+from fleetbox import files, settings
 from fleetbox.errors import UserError
+from fleetbox.incontainer.fleetbox_checkpoint_folder import OWNER  # a checkpoint folder's mark
 from fleetbox.processes import process_start, this_host
 
 HANDLE, JOB, PLAN, SUMMARY = "handle.json", "job.json", "plan.json", "summary.json"
@@ -91,6 +96,7 @@ class Handle:
     supervisor_start: int = 0                         # ... and its start time (clock ticks): a reused pid is not it
     supervisor_host: str = ""                         # ... and the machine it runs on ("": before it was recorded)
     checkpoints: str = ""                             # the job's checkpoint folder (or --hosts volume)
+    owner: str = ""                                   # its containers' owner label (owner()); "": older fleetbox
 
     def save(self) -> None:
         files.write_json(Path(self.dir, HANDLE), asdict(self))
@@ -205,20 +211,42 @@ def load_plan(job_dir: Path, plan_type_of) -> tuple[str, object]:
 
 EARLIER_RUN = re.compile(r"run-\d{8}-\d{6}(-\d+)?")
 _ASIDE = ".run-aside.partial"   # an earlier run on its way to run-<time>/ (an interrupted move goes on from it)
+STARTING = ".starting.lock"     # held by the fleetbox that starts (and, attached, runs) a job of this id
 
 
-def set_aside(job_dir: Path, keep: Path | None = None) -> Path | None:
+@contextmanager
+def starting(job_dir: Path):
+    """One start of a job id at a time, from its refusal of a live job until the job is followed: a second
+    `invoke train --job-id` of the same id meanwhile gets one line (flock; on every way out it is let go)."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(job_dir / STARTING, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"job {job_dir.name} is being started or run by another fleetbox; wait for it, "
+                            f"`invoke cancel {job_dir.name}`, or give another --job-id") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def set_aside(job_dir: Path, keep: list[Path] = ()) -> Path | None:
     """A job id run again, after its earlier run ended: everything that run left in the job folder (records,
     logs, metrics, reports, attempts) goes whole to run-<when its handle was written>/ before this run writes
     anything, so the folder's top, which the report, `invoke logs` and `invoke jobs` read, holds this run only.
-    `keep` (the checkpoint folder, where it is in the job folder) stays for the resume, as do earlier run-*/.
+    What stays: the paths in `keep` (the checkpoint folder, a --resume folder, mounts) and what holds them,
+    any checkpoint folder (one with an OWNER: its job may be another, and live), and earlier run-*/.
     Returns the folder the earlier run went to, or None when there was none."""
     job_dir = Path(job_dir)
-    keep = Path(keep).resolve() if keep else None
+    keep = [Path(k).resolve() for k in keep]
     partial = job_dir / _ASIDE
-    entries = [e for e in (job_dir.iterdir() if job_dir.is_dir() else ())
-               if e.name != _ASIDE and not EARLIER_RUN.fullmatch(e.name)
-               and not (keep and (e.resolve() == keep or e.resolve() in keep.parents))]
+
+    def stays(e: Path) -> bool:
+        r = e.resolve()
+        return e.name in (_ASIDE, STARTING) or bool(EARLIER_RUN.fullmatch(e.name)) or (e / OWNER).exists() \
+            or any(r == k or r in k.parents for k in keep)
+    entries = [e for e in (job_dir.iterdir() if job_dir.is_dir() else ()) if not stays(e)]
     if not entries and not partial.exists():
         return None
     handle = job_dir / HANDLE
@@ -237,3 +265,12 @@ def set_aside(job_dir: Path, keep: Path | None = None) -> Path | None:
         raise UserError(f"cannot set the earlier run of {job_dir.name} aside in {job_dir}: {e.strerror or e}; "
                         f"give another --job-id") from None
     return final
+
+
+def owner() -> str:
+    """Whose a job's containers are, as their LABEL_OWNER says: `user@<12 hex digits of the runs folder's path's
+    sha256>`, the same wherever that folder has that path. On an engine several users share, sweeps, cancels
+    and cleans match it: another user's job of the same id, or this user's from another runs folder, is not
+    touched. Pure: planning writes nothing."""
+    digest = hashlib.sha256(str(settings.runs_root().resolve()).encode()).hexdigest()[:12]
+    return f"{getpass.getuser()}@{digest}"

@@ -167,6 +167,12 @@ def validate(spec: JobSpec) -> None:
     if spec.checkpoint_dir and not spec.hosts and Path(spec.checkpoint_dir).exists() \
             and not Path(spec.checkpoint_dir).is_dir():
         raise UserError(f"--checkpoint-dir {spec.checkpoint_dir} is not a folder")
+    if spec.checkpoint_dir and spec.hosts and (not spec.checkpoint_dir.startswith("/") or
+                                               ".." in spec.checkpoint_dir.split("/")):
+        raise UserError(f"--checkpoint-dir {spec.checkpoint_dir}: with --hosts, give the folder's absolute path "
+                        f"(the same on every host), without ..")
+    if spec.checkpoint_dir and os.path.normpath(os.path.abspath(spec.checkpoint_dir)) == "/":
+        raise UserError("--checkpoint-dir /: give the checkpoints a folder of their own")
     for name in spec.pass_env:
         if not ENV_NAME.fullmatch(name):
             raise UserError(f"--pass-env {name!r}: give variable names, e.g. HF_TOKEN,WANDB_API_KEY")

@@ -207,6 +207,8 @@ def test_a_second_job_on_a_live_jobs_checkpoint_folder_is_refused_and_the_first_
         f"fleetbox: error: checkpoint folder {ckpt} belongs to job {job_id} of "), second.stderr
     assert "which is RUNNING" in second.stderr and (ckpt / "STATE").exists()
     assert not [d for d in ckpt.parent.iterdir() if d.name.startswith("checkpoints.before-")]
+    cleaned = invoke("clean", "--job", job_id)   # a live job's containers stay, whatever their state
+    assert cleaned.returncode == 0 and cleaned.stdout.count(f"its job {job_id} is RUNNING") == 2, cleaned.stdout
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, out[-3000:] + err
     s = json.loads((ROOT / "runs" / job_id / "summary.json").read_text())
@@ -455,7 +457,7 @@ def request_cleanup():
     jobs = []
     yield jobs.append
     for job_id in jobs:
-        invoke("clean", "--job", job_id)
+        invoke("clean", "--job", job_id, "--force")
 
 
 def _jobs_row(job_id, env=None):
@@ -550,7 +552,7 @@ def test_a_dead_supervisor_shows_in_jobs_and_cancel_still_removes_the_job(cpu_im
         assert job_containers(job_id) == []
         assert (ROOT / "runs" / job_id / "node0" / "container.log").stat().st_size > 0   # what it said, kept
     finally:
-        invoke("clean", "--job", job_id)
+        invoke("clean", "--job", job_id, "--force")
 
 
 def test_a_job_seen_from_another_login_node_says_where_it_runs_and_is_not_cancelled_from_there(cpu_image):
@@ -581,7 +583,7 @@ def test_a_job_seen_from_another_login_node_says_where_it_runs_and_is_not_cancel
         assert invoke("cancel", job_id).returncode == 0 and job_containers(job_id) == []
     finally:
         invoke("cancel", job_id)
-        invoke("clean", "--job", job_id)
+        invoke("clean", "--job", job_id, "--force")
 
 
 def test_jobs_logs_cancel_bad_input_is_one_line(cpu_image):

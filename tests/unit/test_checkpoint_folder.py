@@ -48,7 +48,7 @@ def test_never_on_a_mount_point_moves_the_checkpoints_aside_inside_it(tmp_path, 
     real = os.rename
 
     def rename(src, dst):
-        if Path(src).parent == ck and Path(dst).parent.parent != ck:   # out of the mount: another file system
+        if ck in Path(src).parents and ck not in Path(dst).parents:   # out of the mount: another file system
             raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
         return real(src, dst)
     monkeypatch.setattr(layout.os, "rename", rename)
@@ -92,11 +92,28 @@ def runs(tmp_path, monkeypatch):
     return tmp_path / "runs"
 
 
+def _owned(ck: Path, job_id: str, host: str = "", taker_runs: bool = False) -> None:
+    """OWNER as a job's fleetbox wrote it when it took the folder: that process gone (it may have been a Slurm
+    submit, or a detach's parent), or still running (this test's)."""
+    ck.mkdir(exist_ok=True)
+    rec = checkpoints.owner_record(job_id)
+    if not taker_runs:
+        rec["pid"], rec["pid_start"] = _gone_pid(), 1
+    files.write_json(ck / layout.OWNER, rec | ({"host": host} if host else {}))
+
+
+def _gone_pid() -> int:
+    import subprocess
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 @pytest.mark.parametrize("resume", ["auto", "never"])
 def test_a_folder_a_live_job_holds_is_refused_in_one_line_and_left_untouched(runs, tmp_path, resume):
     ck = tmp_path / "ck"
     _job(runs, "first", ended=False)
-    checkpoints.prepare(ck, "auto", "first", log=quiet)
+    _owned(ck, "first")
     with_step(ck, 10)
     files.write_json(ck / layout.STATE, {"state": "running", "step": 10})
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "runs" not in p.parts)
@@ -109,30 +126,55 @@ def test_a_folder_a_live_job_holds_is_refused_in_one_line_and_left_untouched(run
     assert layout.owner(str(ck))["job"] == "first"
 
 
-def test_a_folder_whose_job_ended_or_whose_record_is_gone_is_taken_over(runs, tmp_path):
+def test_a_folder_taken_by_a_job_that_has_no_record_yet_is_refused_while_its_fleetbox_runs(runs, tmp_path):
+    """Between the taking and the job's handle.json (a Slurm submit takes seconds), the record is not there:
+    before, that read as a job that had ended."""
+    ck = tmp_path / "ck"
+    _owned(ck, "first", taker_runs=True)
+    with pytest.raises(UserError, match=rf"belongs to job first .* which is starting \(its fleetbox, pid "
+                                        rf"{os.getpid()}, runs\)"):
+        checkpoints.prepare(ck, "never", "second", log=quiet)
+    _owned(ck, "first")   # that fleetbox ended without a record: the job never started
+    checkpoints.prepare(ck, "auto", "second", log=quiet)
+    assert layout.owner(str(ck))["job"] == "second"
+
+
+def test_a_folder_whose_job_ended_is_taken_over(runs, tmp_path):
     ck = tmp_path / "ck"
     _job(runs, "first", ended=True)
-    checkpoints.prepare(ck, "auto", "first", log=quiet)
+    _owned(ck, "first")
     with_step(ck, 10)
     checkpoints.prepare(ck, "auto", "second", log=quiet)
     assert layout.owner(str(ck))["job"] == "second" and checkpoints.steps(ck) == [10]   # resumable
-    checkpoints.prepare(ck, "auto", "third", log=quiet)   # "second" has no record at all: it never ran here
-    assert layout.owner(str(ck))["job"] == "third"
 
 
-def test_a_folder_whose_owner_cannot_be_asked_from_here_names_the_file_to_remove(runs, tmp_path):
+@pytest.mark.parametrize("runs_here", [False, True])
+def test_a_folder_whose_owner_cannot_be_asked_from_here_names_the_file_to_remove(runs, tmp_path, runs_here):
+    """Another machine's job: its runs folder is not seen here, or a folder of that path is, but without the
+    job's record (login nodes with runs folders of their own): before, that read as a job that had ended."""
+    ck = tmp_path / "ck"
+    where = runs if runs_here else Path("/nowhere/runs")
+    runs.mkdir(exist_ok=True)
+    ck.mkdir()
+    files.write_json(ck / layout.OWNER, {"job": "theirs", "runs": str(where), "user": "ann", "host": "login2"})
+    with pytest.raises(UserError, match=rf"belongs to job theirs of ann on login2 \(runs folder {where}\), "
+                                        rf"which cannot be asked from here: if that job has ended, remove "
+                                        rf"{ck}/OWNER"):
+        checkpoints.prepare(ck, "never", "mine", log=quiet)
+
+
+def test_an_owner_file_of_many_lines_gives_one_line(runs, tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
-    files.write_json(ck / layout.OWNER, {"job": "theirs", "runs": "/nowhere/runs", "user": "ann", "host": "login2"})
-    with pytest.raises(UserError, match=r"belongs to job theirs of ann on login2 \(runs folder /nowhere/runs\), "
-                                        r"which cannot be asked from here: if that job has ended, remove "
-                                        rf"{ck}/OWNER"):
+    files.write_json(ck / layout.OWNER, {"job": "x", "runs": "/r\nfleetbox: error: forged", "user": "a\nb",
+                                          "host": "h\n"})
+    with pytest.raises(UserError) as e:
         checkpoints.prepare(ck, "auto", "mine", log=quiet)
+    assert "\n" not in str(e.value) and "of a b on h (runs folder /r fleetbox: error: forged)" in str(e.value)
 
 
 def test_the_same_job_run_again_takes_its_own_folder_and_release_gives_it_up(runs, tmp_path):
     ck = tmp_path / "ck"
-    _job(runs, "first", ended=False)   # refuse_live keeps a live id from running twice; the folder is its own
     checkpoints.prepare(ck, "auto", "first", log=quiet)
     checkpoints.prepare(ck, "auto", "first", log=quiet)
     checkpoints.release(ck, "second")   # not its owner: nothing
@@ -144,18 +186,49 @@ def test_the_same_job_run_again_takes_its_own_folder_and_release_gives_it_up(run
 def test_a_job_that_took_the_folder_between_our_look_and_our_take_is_not_overwritten(runs, tmp_path):
     ck = tmp_path / "ck"
     _job(runs, "old", ended=True)
-    _job(runs, "quick", ended=False)
-    ck.mkdir()
-    files.write_json(ck / layout.OWNER, checkpoints.owner_record("old"))
+    _owned(ck, "old")
     looked = []
 
     def helper(*args):
         if args[0] == "read" and not looked:   # our look sees "old"; then "quick" takes the folder
             looked.append(1)
             answer = checkpoints._here(*args)
-            checkpoints.prepare(ck, "auto", "quick", log=quiet)
+            _owned(ck, "quick", taker_runs=True)
             return answer
         return checkpoints._here(*args)
-    with pytest.raises(UserError, match="belongs to job quick .* which is STARTING"):
+    with pytest.raises(UserError, match="belongs to job quick .* which is starting"):
         checkpoints.prepare(ck, "auto", "mine", log=quiet, helper=helper)
     assert layout.owner(str(ck))["job"] == "quick"
+
+
+def test_a_setting_aside_cut_short_is_finished_by_the_next_take(runs, tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    for step in (10, 20, 30):
+        with_step(ck, step)
+    real, moved = os.rename, []
+
+    def rename(src, dst):   # Ctrl-C after the first step went
+        if moved:
+            raise KeyboardInterrupt
+        moved.append(src)
+        return real(src, dst)
+    monkeypatch.setattr(layout.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.prepare(ck, "never", "first", log=quiet)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("ck.before-") and not p.name.endswith(".partial")]
+    monkeypatch.setattr(layout.os, "rename", real)
+    checkpoints.prepare(ck, "auto", "first", log=quiet)   # nothing of that run is resumed
+    assert checkpoints.steps(ck) == []
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("ck.before-")]
+    assert not aside.name.endswith(".partial") and checkpoints.steps(aside) == [30, 20, 10]
+
+
+def test_a_lock_file_another_user_made_still_locks(runs, tmp_path, monkeypatch):
+    """A --hosts helper runs as root: its .owner.lock is root's, 0644; a user's later job opens it read-only
+    (root, running this test, could write it anyway: the flags are what is checked)."""
+    ck = tmp_path / "ck"
+    opened, real = [], os.open
+    monkeypatch.setattr(layout.os, "open", lambda path, flags, *a: opened.append(flags) or real(path, flags, *a))
+    checkpoints.prepare(ck, "auto", "mine", log=quiet)
+    checkpoints.release(ck, "mine")
+    assert len(opened) == 2 and all(f & (os.O_WRONLY | os.O_RDWR) == 0 for f in opened)

@@ -8,6 +8,7 @@ process. Every path must leave no container behind.
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import json
 import os
 import shlex
@@ -24,9 +25,10 @@ import docker
 import pytest
 import requests
 
-from fleetbox import settings
+from fleetbox import files, settings
 from fleetbox.errors import Failed, UserError
 from fleetbox.image import matrix
+from fleetbox.run import records
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import docker as docker_backend
 from fleetbox.run.backends.docker import DockerBackend
@@ -149,10 +151,10 @@ class _Containers:
         return c
 
     def list(self, all=False, filters=None, ignore_removed=False):
-        want = (filters or {}).get("label")
-        key, _, value = (want or "").partition("=")
+        want = (filters or {}).get("label") or []   # one label or a list, every one of them (Docker's AND)
+        pairs = [w.partition("=") for w in ([want] if isinstance(want, str) else want)]
         found = [c for c in self.engine.made.values() if not c.removed and (all or c.status == "running")
-                 and (not want or key in c.labels and (not value or c.labels[key] == value))]
+                 and not any(key not in c.labels or value and c.labels[key] != value for key, _, value in pairs)]
         # docker-py lists ids, then inspects each: one removed in between raises unless ignore_removed
         for c in self.engine.vanish_while_listing:
             c.removed = True
@@ -550,9 +552,13 @@ def test_status_logs_cancel_from_another_process():
         settings.LABEL_JOB: "train-other-0002", settings.LABEL_RANK: "0"}}, Life(code=None))
     foreign.start()
     engine.made[99] = foreign                             # another job's container on the same engine
+    twin = FakeContainer(IMAGE, ["sleep"], {"name": "fleetbox-twin-node0", "labels": {
+        settings.LABEL_JOB: JOB, settings.LABEL_RANK: "0", settings.LABEL_OWNER: "ann@0123456789ab"}}, Life(code=None))
+    twin.start()
+    engine.made[98] = twin                                # the same job id, another user's (a shared daemon)
     other.cancel(handle, log=lambda _: None)
     assert all(engine.made[k].removed and engine.made[k].removes == [True] for k in (0, 1))
-    assert not foreign.removed
+    assert not foreign.removed and not twin.removed
     assert other.status(handle) == "GONE"
 
 
@@ -575,13 +581,24 @@ def test_clean_keeps_live_jobs_unless_asked_and_tolerates_races():
         settings.LABEL_JOB: "train-gone-0005", settings.LABEL_RANK: "0"}}, Life(code=0))
     engine.made[96] = listed_then_gone
     engine.vanish_while_listing.append(listed_then_gone)  # removed while the engine is being asked
+    theirs = FakeContainer(IMAGE, ["true"], {"name": "fleetbox-theirs-node0", "labels": {
+        settings.LABEL_JOB: "train-theirs-0006", settings.LABEL_RANK: "0", settings.LABEL_OWNER: "ann@0123456789ab"}},
+        Life(code=0))
+    theirs.status = "exited"
+    engine.made[95] = theirs                              # another user's (or runs folder's) job, ended
     b = DockerBackend(connect=engine.connect)
-    assert b.clean([], log=lambda _: None) == (1, 2)      # node1 removed; node0 and the starting job kept
-    assert not starting.removes
-    assert engine.made[1].removed and not engine.made[0].removed
-    assert b.clean([], job=JOB, log=lambda _: None) == (1, 0)
-    assert engine.made[0].removed
+    said = []
+    # node1 ended, but its job runs (node0): kept, with what holds it; the starting job's too
+    assert b.clean([], log=said.append) == (0, 3)
+    assert f"kept fleetbox-{JOB}-node1: exited; its job {JOB} is RUNNING (`invoke cancel {JOB}` stops it; " \
+        "--force removes it)" in said
+    assert not starting.removes and not engine.made[1].removed and not engine.made[0].removed
+    assert b.clean([], job=JOB, log=lambda _: None) == (0, 2)   # naming the job does not make it ended
     engine.vanish_while_listing.clear()
+    assert b.clean([], job=JOB, force=True, log=lambda _: None) == (2, 0)
+    assert engine.made[0].removed and engine.made[1].removed
+    assert b.clean([], force=True, log=lambda _: None) == (1, 0) and starting.removed   # never theirs
+    assert not theirs.removes
 
 
 def test_clean_force_removes_running_containers():
@@ -988,3 +1005,33 @@ def test_a_jobs_folder_is_private_when_the_job_has_env_values():
     engine = FakeEngine({0: Life(code=0), 1: Life(code=0)})
     b, plan, r, lines = run(engine, spec_kw={"env": {"HF_TOKEN": "secret"}})
     assert r.ok and plan.dir.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_same_job_id_of_another_owner_does_not_stop_a_job_from_starting():
+    engine = FakeEngine({0: Life(code=0), 1: Life(code=0)})
+    twin = FakeContainer(IMAGE, ["sleep"], {"name": "fleetbox-twin-node0", "labels": {
+        settings.LABEL_JOB: JOB, settings.LABEL_RANK: "0", settings.LABEL_OWNER: "ann@0123456789ab"}}, Life(code=None))
+    twin.start()
+    engine.made[99] = twin
+    b, plan = job(engine)   # before, another user's live job of this id refused it
+    assert plan.nodes[0].labels[settings.LABEL_OWNER] == records.owner()
+
+
+def test_the_owner_is_the_user_and_the_runs_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "a"))
+    a = records.owner()
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "b"))
+    assert a != records.owner() and a.split("@")[0] == records.owner().split("@")[0] == getpass.getuser()
+    assert not (tmp_path / "a").exists()   # nothing written to tell it
+
+
+def test_a_job_cancelled_from_another_machine_has_not_ended_until_its_summary_is_written(tmp_path):
+    """Its supervisor there is still stopping it (the ranks may be saving a last checkpoint): before, it read as
+    CANCELLED, and its checkpoint folder could be taken meanwhile."""
+    (tmp_path / "CANCELLED").touch()
+    h = Handle("docker", JOB, str(tmp_path), 2, ["", ""], supervisor=4242, supervisor_start=1,
+               supervisor_host="fleetbox-login2")
+    state, _, note = DockerBackend(connect=FakeEngine().connect).job_state(h)
+    assert (state, note) == (JobState.UNKNOWN, "cancelling: its supervisor (pid 4242) runs on fleetbox-login2")
+    files.write_json(tmp_path / "summary.json", {"ok": False})
+    assert DockerBackend(connect=FakeEngine().connect).job_state(h)[0] == JobState.FAILED

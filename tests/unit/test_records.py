@@ -108,7 +108,7 @@ def test_a_truncated_handle_is_one_line_in_cancel_and_logs_and_a_row_in_jobs(run
     for task in ("cancel", "logs"):
         one_line_error(run_invoke(task, "train-20261123-000000-dead", env=env),
                        "handle.json is damaged: not JSON (truncated?)",
-                       "invoke clean --job train-20261123-000000-dead")
+                       "invoke clean --job train-20261123-000000-dead --force")
     proc = run_invoke("jobs", env=env)
     assert proc.returncode == 0, proc.stderr
     rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[1:]}
@@ -151,7 +151,7 @@ def test_a_job_id_run_again_sets_its_earlier_run_aside_whole_and_keeps_its_check
     job_dir = tmp_path / "job"
     _earlier_run(job_dir, alloc)
     assert len(metrics.read(job_dir)) == 2   # as the new run's report would join them
-    earlier = records.set_aside(job_dir, job_dir / "checkpoints")
+    earlier = records.set_aside(job_dir, [job_dir / "checkpoints"])
     assert earlier is not None and records.EARLIER_RUN.fullmatch(earlier.name)
     assert sorted(p.name for p in job_dir.iterdir()) == sorted(["checkpoints", earlier.name])
     assert (earlier / alloc / "node0" / "workerlog.0").exists() and (earlier / records.SUMMARY).exists()
@@ -161,9 +161,9 @@ def test_a_job_id_run_again_sets_its_earlier_run_aside_whole_and_keeps_its_check
     _earlier_run_again = job_dir / "node1"
     _earlier_run_again.mkdir()
     (job_dir / records.HANDLE).write_text("{}")
-    second = records.set_aside(job_dir, job_dir / "checkpoints")
+    second = records.set_aside(job_dir, [job_dir / "checkpoints"])
     assert second != earlier and sorted(p.name for p in second.iterdir()) == ["handle.json", "node1"]
-    assert records.set_aside(job_dir, job_dir / "checkpoints") is None   # nothing left to set aside
+    assert records.set_aside(job_dir, [job_dir / "checkpoints"]) is None   # nothing left to set aside
 
 
 def test_a_checkpoint_folder_elsewhere_is_not_kept_in_place_and_an_interrupted_move_goes_on(tmp_path):
@@ -171,7 +171,7 @@ def test_a_checkpoint_folder_elsewhere_is_not_kept_in_place_and_an_interrupted_m
     _earlier_run(job_dir, "attempt0")
     (job_dir / ".run-aside.partial").mkdir()   # a move that Ctrl-C cut short: part of the run is in it
     (job_dir / records.SUMMARY).rename(job_dir / ".run-aside.partial" / records.SUMMARY)
-    earlier = records.set_aside(job_dir, tmp_path / "elsewhere")
+    earlier = records.set_aside(job_dir, [tmp_path / "elsewhere"])
     assert sorted(p.name for p in job_dir.iterdir()) == [earlier.name]
     assert (earlier / records.SUMMARY).exists() and (earlier / "checkpoints").is_dir()
 
@@ -182,3 +182,45 @@ def test_a_run_that_cannot_be_set_aside_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "rename", lambda a, b: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     with pytest.raises(records.UserError, match=r"cannot set the earlier run of job aside .*: Permission denied"):
         records.set_aside(job_dir)
+
+
+def test_what_this_run_uses_and_any_checkpoint_folder_stay_in_place(tmp_path):
+    """A --resume folder from the earlier run's set-aside checkpoints (what `--resume never` names), a mount, and
+    another job's checkpoint folder (its OWNER: that job may be live) are not moved with the earlier run."""
+    job_dir = tmp_path / "job"
+    _earlier_run(job_dir, "attempt0")
+    (job_dir / "checkpoints.before-20261127-000000" / "step-00000040").mkdir(parents=True)
+    (job_dir / "data" / "mnist").mkdir(parents=True)
+    (job_dir / "zs-checkpoints").mkdir()
+    (job_dir / "zs-checkpoints" / "OWNER").write_text("{}")
+    earlier = records.set_aside(job_dir, [job_dir / "checkpoints",
+                                          job_dir / "checkpoints.before-20261127-000000" / "step-00000040",
+                                          job_dir / "data" / "mnist"])
+    assert sorted(p.name for p in job_dir.iterdir()) == sorted(
+        ["checkpoints", "checkpoints.before-20261127-000000", "data", "zs-checkpoints", earlier.name])
+
+
+def test_one_start_of_a_job_id_at_a_time(tmp_path):
+    job_dir = tmp_path / "job"
+    with records.starting(job_dir):
+        with pytest.raises(records.UserError, match=r"^job job is being started or run by another fleetbox; "):
+            with records.starting(job_dir):
+                pass
+    with records.starting(job_dir):   # let go on the way out
+        pass
+    assert records.set_aside(job_dir) is None   # its lock is no earlier run
+
+
+def test_a_checkpoint_folder_that_holds_the_job_folder_is_refused_before_anything_moves(tmp_path, monkeypatch):
+    from fleetbox.commands import train
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    job_dir = tmp_path / "runs" / "again"
+    _earlier_run(job_dir, "attempt0")
+    Handle("docker", "again", str(job_dir), 1, [""], supervisor=0).save()   # ended
+    files.write_json(job_dir / records.SUMMARY, {"ok": True})
+    for ckpt in (job_dir, tmp_path / "runs"):
+        spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=1, job_id="again", checkpoint_dir=str(ckpt))
+        with pytest.raises(records.UserError, match=r"holds the job's own folder .*: give the checkpoints a folder "
+                                                    r"of their own"):
+            train.train(spec, log=lambda m: None)
+        assert (job_dir / records.SUMMARY).exists() and not list(job_dir.glob("run-*"))

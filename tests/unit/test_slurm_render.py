@@ -99,7 +99,9 @@ def test_runtime_specifics():
     docker = node_script(job(runtime="docker"))
     assert "\ndocker run --rm" in docker and " -d " not in docker
     sb = sbatch(job(runtime="podman"))
-    assert "podman ps -aq --filter label=io.fleetbox.job=train-t-0001 | xargs -r podman rm -f" in sb
+    from fleetbox.run import records  # the sweep takes this job's containers only, not another user's
+    assert (f"podman ps -aq --filter label=io.fleetbox.job=train-t-0001 --filter label=io.fleetbox.owner="
+            f"{records.owner()} | xargs -r podman rm -f") in sb
     assert sb.rstrip().endswith('exit "$rc"')
     ch = node_script(job(runtime="charliecloud"))
     assert "\nch-run --env-no-expand --set-env" in ch and " -c /workspace " in ch and " -- python -m paddle" in ch

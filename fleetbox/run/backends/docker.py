@@ -33,7 +33,7 @@ from fleetbox.processes import process_start, this_host
 from fleetbox.run import checkpoints, hang, hostnet, metrics, output, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Backend, Plan
+from fleetbox.run.backend import CANCELLED, Backend, Plan, job_ended
 from fleetbox.run.backends import runtimes
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, tail
@@ -88,9 +88,10 @@ class DockerBackend(Backend):
         job_id = spec.job_id or spec_mod.new_job_id()
         hosts = list(spec.hosts) or [""] * spec.nodes
         image = None
+        owner = records.owner()
         for host in dict.fromkeys(hosts):
             if spec.job_id and self.engine(host).containers.list(
-                    filters={"label": f"{settings.LABEL_JOB}={spec.job_id}"}, ignore_removed=True):
+                    filters={"label": labelled(spec.job_id, owner)}, ignore_removed=True):
                 raise UserError(f"job {spec.job_id} is running (see `invoke jobs`); wait for it or "
                                 f"`invoke cancel {spec.job_id}` before running it again")
             found = engine.image_or_none(self.engine(host), spec.image_ref)
@@ -108,10 +109,12 @@ class DockerBackend(Backend):
             # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
             # one for --resume never), unless --checkpoint-dir names a folder every host shares
             shared = bool(spec.checkpoint_dir)
-            ckpt = spec.checkpoint_dir or f"fleetbox-{job_id}-{{node}}-checkpoints" + (   # one per node, even
-                f"-{secrets.token_hex(3)}" if spec.resume == "never" else "")               # on a shared engine
+            fresh = f"-{secrets.token_hex(3)}" if spec.resume == "never" else ""
+            ckpt = os.path.normpath(spec.checkpoint_dir) if spec.checkpoint_dir else \
+                f"fleetbox-{job_id}-{{node}}-checkpoints{fresh}"   # a volume per node, even on a shared engine
             t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
-                                 memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared)
+                                 memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared,
+                                 owner=owner)
             home, user = "", ""
             if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
                 raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
@@ -128,7 +131,7 @@ class DockerBackend(Backend):
             ckpt = checkpoints.folder(spec.checkpoint_dir, settings.runs_root() / job_id)
             t = planner.template(spec, job_id, str(settings.runs_root() / job_id / "{node}"),
                                  hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock(),
-                                 checkpoints=str(ckpt))
+                                 checkpoints=str(ckpt), owner=owner)
             home, user = str(Path.home()), getpass.getuser()
         runtimes.Docker().check(t, spec.image_ref)   # binds the engine would split: before anything is made
         if not spec.hosts:
@@ -171,8 +174,9 @@ class DockerBackend(Backend):
         """Run one of our in-container helpers (`python -c`) in a throwaway container of `image` on `host`:
         (exit status, its stdout, the last line of its stderr). The container is removed on every way out
         (Ctrl-C while planning included), not only after a clean exit."""
-        c = self.engine(host).containers.run(image, ["python", "-c", incontainer.source(helper), *args],
-                                             detach=True, labels={settings.LABEL_JOB: job_id}, **kwargs)
+        c = self.engine(host).containers.run(image, ["python", "-c", incontainer.source(helper), *args], detach=True,
+                                             labels={settings.LABEL_JOB: job_id, settings.LABEL_OWNER: records.owner()},
+                                             **kwargs)
         try:
             code = c.wait(timeout=120).get("StatusCode")
             err = c.logs(stdout=False, stderr=True).decode(errors="replace").strip().splitlines() or ["?"]
@@ -209,6 +213,9 @@ class DockerBackend(Backend):
         finally:   # every way out: the job has ended (a restart goes on inside _run)
             if not plan.spec.hosts:
                 _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id))
+            elif plan.spec.checkpoint_dir:
+                _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id,
+                                                     self._checkpoint_helper(plan)))
 
     def _run(self, plan: DockerPlan, log, timeout: float | None, on_submit) -> JobResult:
         deadline = time.monotonic() + timeout if timeout else None
@@ -279,7 +286,7 @@ class DockerBackend(Backend):
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
                         procs_per_node=spec.procs_per_node, supervisor=os.getpid(),
                         supervisor_start=process_start(os.getpid()), supervisor_host=this_host(),
-                        checkpoints=plan.checkpoints)
+                        checkpoints=plan.checkpoints, owner=plan.nodes[0].labels.get(settings.LABEL_OWNER, ""))
         handle.save()
         live = self.live[plan.job_id] = _Live(self, plan)
         try:
@@ -407,9 +414,9 @@ class DockerBackend(Backend):
         summary = files.read_json(d / records.SUMMARY)
         if summary:
             return ended_as(summary), attempt, ""
-        if (d / CANCELLED).exists():
-            return JobState.CANCELLED, attempt, ""
         who = f"its supervisor (pid {handle.supervisor}) runs on {where}"
+        if (d / CANCELLED).exists():   # asked to stop; its supervisor there is stopping it (no summary yet)
+            return JobState.UNKNOWN, attempt, f"cancelling: {who}"
         if all(handle.hosts):
             try:
                 if self.status(handle) == "RUNNING":
@@ -480,22 +487,36 @@ class DockerBackend(Backend):
         found = []
         for host in dict.fromkeys(handle.hosts or [""]):
             found += self.engine(host).containers.list(
-                all=True, ignore_removed=True, filters={"label": f"{settings.LABEL_JOB}={handle.job_id}"})
+                all=True, ignore_removed=True, filters={"label": labelled(handle.job_id, handle.owner)})
         return found
 
     def clean(self, hosts: list[str], job: str = "", force: bool = False, log=print) -> tuple[int, int]:
-        """Remove fleetbox job containers left on these engines (found by label): the finished ones, or every
-        one of `job`, or every one with `force`. A running container without either belongs to a live job
-        and is kept. Returns (removed, kept)."""
+        """Remove this user's fleetbox job containers left on these engines (found by label; another owner's are
+        not looked at): the finished ones, or every one of `job`, or every one with `force`. A container whose
+        job has not ended (its record in the runs folder says so) is kept whatever its state, unless `force`:
+        a --hosts node that finished while its peers run holds its logs until the job gathers them. A running
+        container is kept too unless `job` or `force`. Returns (removed, kept)."""
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
         label = f"{settings.LABEL_JOB}={job}" if job else settings.LABEL_JOB
+        mine, ended = records.owner(), {}
         removed = kept = 0
         for host in hosts or [""]:
             where = host or "this machine"
             for c in self.engine(host).containers.list(all=True, ignore_removed=True, filters={"label": label}):
+                if c.labels.get(settings.LABEL_OWNER, mine) != mine:   # none: an older fleetbox's, taken as ours
+                    continue
+                of = c.labels.get(settings.LABEL_JOB, "")
+                if of not in ended:   # a label that is no job id names no record: nothing to ask
+                    ended[of] = job_ended(settings.runs_root() / of, self) if spec_mod.JOB_ID.fullmatch(of) \
+                        else (True, "")
+                if not ended[of][0] and not force:
+                    log(f"kept {c.name}: {c.status}; its job {of} is {ended[of][1]} (`invoke cancel {of}` stops it; "
+                        f"--force removes it)")
+                    kept += 1
+                    continue
                 # "created": a job that is starting (a failed start removes its own)
                 if c.status in ("created", "running", "restarting", "paused") and not (job or force):
-                    log(f"kept {c.name}: {c.status} ({c.labels.get(settings.LABEL_JOB)}; --job or --force removes it)")
+                    log(f"kept {c.name}: {c.status} ({of}; --job or --force removes it)")
                     kept += 1
                     continue
                 try:
@@ -507,7 +528,7 @@ class DockerBackend(Backend):
                         continue
                     why = (e.explanation or str(e)).strip()[:200]
                     raise UserError(f"cannot remove {c.name} on {where}: {why}") from None
-                log(f"removed {c.name} ({c.labels.get(settings.LABEL_JOB)}) on {where}")
+                log(f"removed {c.name} ({of}) on {where}")
                 removed += 1
             if job:   # a --hosts job's checkpoint volumes (fleetbox-<job>-node<k>-checkpoints[-token])
                 for v in self.engine(host).volumes.list(filters={"name": f"fleetbox-{job}-node"}):
@@ -515,6 +536,11 @@ class DockerBackend(Backend):
                         _quietly(v.remove)
                         log(f"removed volume {v.name} on {where}")
         return removed, kept
+
+
+def labelled(job_id: str, owner: str) -> list[str]:
+    """The label filter of one job's containers: its id and its owner (a handle from an older fleetbox has none)."""
+    return [f"{settings.LABEL_JOB}={job_id}"] + ([f"{settings.LABEL_OWNER}={owner}"] if owner else [])
 
 
 def ended_as(summary: dict) -> JobState:

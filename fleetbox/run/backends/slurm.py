@@ -237,16 +237,18 @@ class SlurmBackend(Backend):
         image, image_why = self.image(spec)
         ckpt = checkpoints.folder(spec.checkpoint_dir, job_dir)   # on the shared file system, like job_dir
         checkpoints.check_writable(ckpt)
-        t = self.node_run(spec, job_id, job_dir, ckpt)
+        t = self.node_run(spec, job_id, job_dir, ckpt, records.owner())
         self.runtime.check(t, image)
         files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
                  ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
         return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt), image_why)
 
-    def node_run(self, spec: spec_mod.JobSpec, job_id: str, job_dir: Path, ckpt: Path) -> planner.NodeRun:
+    def node_run(self, spec: spec_mod.JobSpec, job_id: str, job_dir: Path, ckpt: Path,
+                 owner: str = "") -> planner.NodeRun:
         """Pure: the runtime's node, its logs in job_dir/node<rank> (where run/hang.py looks), the helpers from the
         job folder's copy, the devices Slurm's allocation."""
-        t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt)))
+        t = self.runtime.as_user(planner.template(spec, job_id, f"{job_dir}/{{node}}", checkpoints=str(ckpt),
+                                                  owner=owner))
         t = replace(t, mounts=tuple(spec_mod.Mount(str(job_dir / HELPERS), m.dst, m.ro)
                                     if m.dst == settings.HELPERS_DIR else m for m in t.mounts))
         if t.accelerator:   # the node's devices are Slurm's allocation, read on the node
@@ -414,8 +416,9 @@ class SlurmBackend(Backend):
                  'echo "fleetbox: the job step ended at $(date +%s.%N)"',   # every node's task: what hang tests time
                  '[ -z "$WATCH" ] || { kill "$WATCH" 2>/dev/null; wait "$WATCH" 2>/dev/null; }']
         if rt.kills_client_only:   # whatever a killed task left behind, on every node
-            sweep = line([rt.name, "ps", "-aq", "--filter", f"label={settings.LABEL_JOB}={job_id}"]) + \
-                f" | xargs -r {rt.name} rm -f"
+            mine = [a for k in (settings.LABEL_JOB, settings.LABEL_OWNER) if k in t.labels
+                    for a in ("--filter", f"label={k}={t.labels[k]}")]   # this job's, not another user's
+            sweep = line([rt.name, "ps", "-aq", *mine]) + f" | xargs -r {rt.name} rm -f"
             body.append('srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --output=/dev/null bash -c '
                         f"{shlex.quote(sweep)} || true")
         body += ["next_allocation", 'exit "$rc"']
@@ -444,7 +447,8 @@ class SlurmBackend(Backend):
         out = _slurm("sbatch", "--parsable", "--export=ALL,SLURM_RESTART_COUNT=0",
                      str(plan.dir / "job.sbatch")).stdout.strip()
         handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0],
-                        procs_per_node=plan.spec.procs_per_node, checkpoints=plan.checkpoints)
+                        procs_per_node=plan.spec.procs_per_node, checkpoints=plan.checkpoints,
+                        owner=records.owner())
         handle.save()
         log(f"submitted Slurm job {handle.scheduler_job} ({plan.spec.nodes} nodes, runtime {plan.runtime}); "
             f"logs in {plan.dir}")
