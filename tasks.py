@@ -331,8 +331,11 @@ def jobs_(c):
     jobs.listing(log=_log)
 
 
-@task(help={"node": "the node's rank (default 0)", "follow": "keep printing until the job ends (Ctrl-C stops "
-                                                           "following, never the job)"})
+JOB_HELP = "the job's id, as `invoke jobs` lists it"
+
+
+@task(help={"job": JOB_HELP, "node": "the node's rank (default 0)",
+            "follow": "keep printing until the job ends (Ctrl-C stops following, never the job)"})
 @_fleetbox
 def logs(c, job, node=0, follow=False):
     """Print a job's node output (Docker: the container; Slurm: the node's log), from any shell."""
@@ -341,7 +344,7 @@ def logs(c, job, node=0, follow=False):
     jobs.logs(job, options.integer("--node", node, 0), follow, log=_log)
 
 
-@task
+@task(help={"job": JOB_HELP})
 @_fleetbox
 def report(c, job):
     """Draw a run's report again, runs/<job>/report.png and report.md (also for a failed or cancelled run, from
@@ -350,7 +353,7 @@ def report(c, job):
     jobs.report(job, log=_log)
 
 
-@task
+@task(help={"job": JOB_HELP})
 @_fleetbox
 def cancel(c, job):
     """Stop a job from any shell: every node stopped, logs kept, containers removed (Slurm: the whole chain)."""
@@ -456,3 +459,32 @@ def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False
     content_ref, alias_ref = (refs[0], refs[1]) if content else (None, refs[0])
     for line in backends.pull_commands(runtime, content_ref, alias_ref, hpc.export_name(v), insecure):
         _log(line)
+
+
+def _task_facts():
+    """What invoke knows of every task here, for the reference pages (commands/docs.py). From a fresh load of
+    this file: invoke hands each option's help to its parser once, taking it out of the task."""
+    import importlib.util
+
+    from invoke import Collection
+
+    from fleetbox.commands import docs as docs_mod
+    spec = importlib.util.spec_from_file_location("fleetbox_front_door", __file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    out = []
+    for name, t in sorted(Collection.from_module(fresh).tasks.items()):
+        params = [p for p in list(inspect.signature(t.body).parameters.values())[1:] if p.kind is not p.VAR_KEYWORD]
+        out.append(docs_mod.Task(name, inspect.getdoc(t.body) or "", tuple(
+            docs_mod.Opt(p.name, None if p.default is p.empty else p.default, (t.help or {}).get(p.name, ""),
+                         positional=p.default is p.empty) for p in params)))
+    return out
+
+
+@task(help={"check": "say which reference page is stale instead of writing it (CI)"})
+@_fleetbox
+def docs(c, check=False):
+    """Generate the docs site's reference pages (docs/reference/) from the code: every task and option, every
+    environment variable. `python3 -m mkdocs serve` shows the site."""
+    from fleetbox.commands import docs as docs_mod
+    docs_mod.write(_task_facts(), check=check, log=_log)

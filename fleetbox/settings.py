@@ -66,3 +66,38 @@ LABEL_ROLE = "io.fleetbox.role"              # a container fleetbox runs that is
 
 # An env made by `invoke venv` (image/venvs.py): its record, written last; the Slurm runtime none reads it.
 ENV_RECORD = "fleetbox-env.json"
+
+# Every FLEETBOX_* variable fleetbox reads or sets: (who sets it, what it means). The docs' environment page is
+# made from this, and a test holds it to the names the code uses.
+ENVIRONMENT_KINDS = {
+    "you": "Set by you, read by fleetbox on this machine",
+    "job": "Set by fleetbox in every job's containers (your script may read them)",
+    "script": "Set by you with --env, read by the checkpoint helper in the containers",
+    "image": "Set in the images fleetbox builds",
+    "internal": "Between fleetbox's own parts (named here so none is a surprise)",
+}
+ENVIRONMENT = {
+    "FLEETBOX_RUNS": ("you", "where runs keep their logs, records and reports (default runs/)"),
+    "FLEETBOX_WHEELHOUSE": ("you", "where offline wheelhouses are kept, one folder per variant (default wheelhouse/)"),
+    "FLEETBOX_DATA": ("you", "the seeded dataset cache (default offline_cache/dataset/)"),
+    "FLEETBOX_DATASETS_MANIFEST": ("you", "the dataset manifest (default offline_cache/datasets.toml)"),
+    "FLEETBOX_EXPORTS": ("you", "where exports and their records go (default exports/)"),
+    "FLEETBOX_JOB": ("job", "the job's id"),
+    "FLEETBOX_NODE": ("job", "the node's rank (0 .. nodes - 1)"),
+    "FLEETBOX_ATTEMPT": ("job", "0, then one more per restart or Slurm allocation"),
+    "FLEETBOX_CHECKPOINT_DIR": ("job", "the job's checkpoint folder, read-write"),
+    "FLEETBOX_RESUME": ("job", "auto, never or the folder of --resume PATH (the checkpoint helper reads it)"),
+    "FLEETBOX_CHECKPOINT_SCOPE": ("job", "node where every node has its own checkpoint folder (--hosts volumes)"),
+    "FLEETBOX_PROGRESS_DIR": ("job", "where each rank's progress goes, for hang detection (set when it is on)"),
+    "FLEETBOX_CHECKPOINT_EVERY": ("script", "save every N steps, overriding the script's value"),
+    "FLEETBOX_CHECKPOINT_KEEP": ("script", "keep the newest N checkpoints, overriding the script's value"),
+    "FLEETBOX_VARIANT": ("image", "the image's matrix variant"),
+    "FLEETBOX_DEVICE": ("image", "the device the image's Paddle is compiled for (cpu, gpu, dcu); verify checks it"),
+    "FLEETBOX_VENV": ("internal", "the env a job without a container runs in (--runtime none)"),
+    "FLEETBOX_ALLOCATION": ("internal", "a Slurm chain's allocation number, for its next allocation"),
+    "FLEETBOX_RESTARTS": ("internal", "a Slurm chain's restarts so far, for its next allocation"),
+    "FLEETBOX_CHAIN": ("internal", "a Slurm chain's first Slurm job id, for its next allocation"),
+    "FLEETBOX_PROGRESS_PID": ("internal", "the rank's own process, so its children report no progress of their own"),
+    "FLEETBOX_EXPECT_FREEZE": ("internal", "the package list verify expects in the image"),
+    "FLEETBOX_KFD_TOPOLOGY": ("internal", "where a DCU node's devices are read from (a test points it at a recording)"),
+}
