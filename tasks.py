@@ -13,6 +13,7 @@ from pathlib import Path
 
 from invoke import Exit, task
 
+from fleetbox import errors
 from fleetbox.errors import Failed, UserError
 from fleetbox.run import backends
 
@@ -26,14 +27,14 @@ def _fleetbox(fn):
         try:
             return fn(c, *args, **kwargs)
         except UserError as e:
-            raise Exit(f"fleetbox: error: {e}", code=2) from None
+            raise Exit(f"fleetbox: error: {e}", code=errors.USER_ERROR) from None
         except Failed as e:
-            raise Exit(f"fleetbox: {e}", code=1) from None
+            raise Exit(f"fleetbox: {e}", code=errors.FAILED) from None
         except KeyboardInterrupt:
-            raise Exit("fleetbox: interrupted", code=130) from None
+            raise Exit("fleetbox: interrupted", code=errors.INTERRUPTED) from None
         except BrokenPipeError:   # the output was closed (`| head`): stop quietly, as other tools do
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise Exit(code=141) from None
+            raise Exit(code=errors.OUTPUT_CLOSED) from None
     return wrapper
 
 

@@ -7,3 +7,14 @@ class UserError(Exception):
 
 class Failed(Exception):
     """The work ran and did not pass (a job, a check): one line saying what failed and where the logs are."""
+
+
+# How a task ends, as its exit status says (tasks.py; the docs' reference is made from this).
+PASSED, FAILED, USER_ERROR, INTERRUPTED, OUTPUT_CLOSED = 0, 1, 2, 130, 141
+EXIT_CODES = {
+    PASSED: "done; a job or check passed",
+    FAILED: "the work ran and did not pass (a job, a check): the last line says what failed and where the logs are",
+    USER_ERROR: "nothing was done, or nothing more: an input or the environment needs fixing, as the last line says",
+    INTERRUPTED: "Ctrl-C (or SIGTERM): what was started was stopped and cleaned up",
+    OUTPUT_CLOSED: "the output was closed (`| head`): fleetbox stopped quietly",
+}
