@@ -54,9 +54,19 @@ def same_job(a: dict | None, b: dict | None) -> bool:
 
 
 def _locked(folder: str) -> int:
-    """The folder's lock, held until the descriptor is closed. Read-only: a lock file another user (a --hosts
-    helper runs as root) made is still ours to lock."""
-    fd = os.open(os.path.join(folder, LOCK), os.O_RDONLY | os.O_CREAT, 0o644)
+    """The folder's lock, held until the descriptor is closed. Opened for writing (NFS emulates flock with
+    byte-range locks, which need it), and made writable by all: a lock file another user made (a --hosts
+    helper runs as root) is then still ours to lock; read-only where it is not."""
+    path = os.path.join(folder, LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)
+    else:
+        try:
+            os.fchmod(fd, 0o666)   # umask took some bits; only its owner can give them back
+        except OSError:
+            pass
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
 
@@ -133,15 +143,24 @@ def _move_all(folder: str, partial: str) -> str:
     return final
 
 
+def partial_of(name: str) -> re.Pattern:
+    """A setting aside of the folder `name` that was cut short: the sibling it was going to."""
+    return re.compile(re.escape(name) + r"\.before-\d{8}-\d{6}(-\d+)?" + re.escape(PARTIAL))
+
+
 def _finish_aside(folder: str) -> None:
     """A setting aside that was cut short (Ctrl-C, a removed helper container): what it had not moved yet goes
-    where the rest went, so nothing of that run is resumed."""
+    where the rest went, so nothing of that run is resumed. Only folders named as fleetbox names them count."""
     parent, name = os.path.split(folder.rstrip("/"))
-    left = [os.path.join(parent, e) for e in os.listdir(parent or ".") if e.startswith(f"{name}.before-")
-            and e.endswith(PARTIAL)] if os.access(parent or ".", os.R_OK) else []
-    left += [os.path.join(folder, e) for e in os.listdir(folder) if e.startswith("before-") and e.endswith(PARTIAL)]
-    for partial in left:
-        _move_all(folder, partial)
+    parent = parent or "."
+    try:
+        beside = [os.path.join(parent, e) for e in os.listdir(parent) if partial_of(name).fullmatch(e)]
+    except OSError:   # a parent that cannot be listed: nothing of ours can be there
+        beside = []
+    inside = [os.path.join(folder, e) for e in os.listdir(folder) if ASIDE.fullmatch(e) and e.endswith(PARTIAL)]
+    for partial in beside + inside:
+        if os.path.isdir(partial) and not os.path.islink(partial):
+            _move_all(folder, partial)
 
 
 def _unused(path: str) -> str:

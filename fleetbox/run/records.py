@@ -30,7 +30,7 @@ from pathlib import Path
 
 from fleetbox import files, settings
 from fleetbox.errors import UserError
-from fleetbox.incontainer.fleetbox_checkpoint_folder import OWNER  # a checkpoint folder's mark
+from fleetbox.incontainer.fleetbox_checkpoint_folder import OWNER, partial_of  # a checkpoint folder's
 from fleetbox.processes import process_start, this_host
 
 HANDLE, JOB, PLAN, SUMMARY = "handle.json", "job.json", "plan.json", "summary.json"
@@ -218,14 +218,19 @@ STARTING = ".starting.lock"     # held by the fleetbox that starts (and, attache
 def starting(job_dir: Path):
     """One start of a job id at a time, from its refusal of a live job until the job is followed: a second
     `invoke train --job-id` of the same id meanwhile gets one line (flock; on every way out it is let go)."""
-    job_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(job_dir / STARTING, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(job_dir / STARTING, os.O_RDWR | os.O_CREAT, 0o644)   # for writing: NFS's flock needs it
+    except OSError as e:
+        raise UserError(f"cannot start job {job_dir.name} in {job_dir}: {e.strerror or e}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UserError(f"job {job_dir.name} is being started or run by another fleetbox; wait for it, "
                             f"`invoke cancel {job_dir.name}`, or give another --job-id") from None
+        except OSError as e:
+            raise UserError(f"cannot lock {job_dir / STARTING}: {e.strerror or e}") from None
         yield
     finally:
         os.close(fd)
@@ -242,10 +247,10 @@ def set_aside(job_dir: Path, keep: list[Path] = ()) -> Path | None:
     keep = [Path(k).resolve() for k in keep]
     partial = job_dir / _ASIDE
 
-    def stays(e: Path) -> bool:
+    def stays(e: Path) -> bool:   # (a checkpoint folder's aside cut short is finished there by the next take)
         r = e.resolve()
         return e.name in (_ASIDE, STARTING) or bool(EARLIER_RUN.fullmatch(e.name)) or (e / OWNER).exists() \
-            or any(r == k or r in k.parents for k in keep)
+            or any(r == k or r in k.parents or partial_of(k.name).fullmatch(e.name) for k in keep)
     entries = [e for e in (job_dir.iterdir() if job_dir.is_dir() else ()) if not stays(e)]
     if not entries and not partial.exists():
         return None

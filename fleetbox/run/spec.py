@@ -171,7 +171,7 @@ def validate(spec: JobSpec) -> None:
                                                ".." in spec.checkpoint_dir.split("/")):
         raise UserError(f"--checkpoint-dir {spec.checkpoint_dir}: with --hosts, give the folder's absolute path "
                         f"(the same on every host), without ..")
-    if spec.checkpoint_dir and os.path.normpath(os.path.abspath(spec.checkpoint_dir)) == "/":
+    if spec.checkpoint_dir and os.path.realpath(spec.checkpoint_dir) == "/":
         raise UserError("--checkpoint-dir /: give the checkpoints a folder of their own")
     for name in spec.pass_env:
         if not ENV_NAME.fullmatch(name):

@@ -9,6 +9,8 @@ import pytest
 
 from fleetbox import settings
 from fleetbox.run import plan as planner
+from fleetbox.run import records
+from fleetbox.run.backends.docker import checkpoint_volume
 from tests import fabric
 from tests.conftest import invoke
 
@@ -111,7 +113,7 @@ def test_a_job_across_engines_restarts_from_each_engines_own_checkpoints(hosts):
     assert s["smoke"]["resumed_from"] == 20 and s["smoke"]["whole_run"]
     assert s["smoke"]["params_sha256"] == reference["smoke"]["params_sha256"]
     for k, url in enumerate(hosts):   # each node's own copy: replicated state and that node's rank state
-        volume = f"fleetbox-{job_id}-node{k}-checkpoints"
+        volume = checkpoint_volume(job_id, records.owner()).replace("{node}", f"node{k}")
         ls = fabric.sh("docker", "-H", url, "run", "--rm", "--network", "none", "-v", f"{volume}:/c:ro",
                        "fleetbox/paddle:cpu", "ls", "/c/step-00000060").stdout.split()
         assert "model.pdparams" in ls and "COMPLETE" in ls and [f for f in ls if f.startswith("rank-")] == \

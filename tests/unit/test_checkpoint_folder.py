@@ -3,6 +3,7 @@ first, before anything in the folder is touched), an ended job's folder is taken
 moves earlier checkpoints aside, never deletes them, also twice in one second and when the folder is a mount
 point (another file system: nothing in it can be renamed out of it)."""
 import errno
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -223,12 +224,45 @@ def test_a_setting_aside_cut_short_is_finished_by_the_next_take(runs, tmp_path, 
     assert not aside.name.endswith(".partial") and checkpoints.steps(aside) == [30, 20, 10]
 
 
-def test_a_lock_file_another_user_made_still_locks(runs, tmp_path, monkeypatch):
-    """A --hosts helper runs as root: its .owner.lock is root's, 0644; a user's later job opens it read-only
-    (root, running this test, could write it anyway: the flags are what is checked)."""
+def test_the_lock_works_as_nfs_locks_it(runs, tmp_path, monkeypatch):
+    """NFS emulates flock with byte-range locks: an exclusive lock needs the file open for writing (flock(2)).
+    Before, the lock was opened read-only, and every take on an NFS home failed."""
+    real_flock = layout.fcntl.flock
+
+    def nfs_flock(fd, op):
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, op)
+    monkeypatch.setattr(layout.fcntl, "flock", nfs_flock)
     ck = tmp_path / "ck"
-    opened, real = [], os.open
-    monkeypatch.setattr(layout.os, "open", lambda path, flags, *a: opened.append(flags) or real(path, flags, *a))
     checkpoints.prepare(ck, "auto", "mine", log=quiet)
     checkpoints.release(ck, "mine")
-    assert len(opened) == 2 and all(f & (os.O_WRONLY | os.O_RDWR) == 0 for f in opened)
+    assert layout.owner(str(ck)) is None and (ck / layout.LOCK).stat().st_mode & 0o777 == 0o666   # open to all
+
+
+def test_a_lock_file_that_cannot_be_opened_for_writing_is_locked_read_only(runs, tmp_path, monkeypatch):
+    """Another user's lock file, not open to all (a root helper's, made before the lock was opened to all)."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / layout.LOCK).touch()
+    opened, real = [], os.open
+
+    def theirs(path, flags, *a):
+        opened.append(flags)
+        if flags & os.O_RDWR:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path, flags, *a)
+    monkeypatch.setattr(layout.os, "open", theirs)
+    checkpoints.prepare(ck, "auto", "mine", log=quiet)
+    assert opened == [os.O_RDWR | os.O_CREAT, os.O_RDONLY] and layout.owner(str(ck))["job"] == "mine"
+
+
+def test_a_folder_only_named_like_a_cut_short_aside_is_left_alone(runs, tmp_path):
+    ck = tmp_path / "ck"
+    with_step(ck, 10)
+    (tmp_path / "ck.before-20240101-000000.copy.partial").mkdir()   # an rsync of someone's, say
+    (ck / "before-upload.partial").write_text("a user's file")
+    checkpoints.prepare(ck, "auto", "mine", log=quiet)
+    assert checkpoints.steps(ck) == [10] and (ck / "before-upload.partial").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "runs") == \
+        ["ck", "ck.before-20240101-000000.copy.partial"]

@@ -1007,14 +1007,25 @@ def test_a_jobs_folder_is_private_when_the_job_has_env_values():
     assert r.ok and plan.dir.stat().st_mode & 0o777 == 0o700
 
 
-def test_the_same_job_id_of_another_owner_does_not_stop_a_job_from_starting():
+def test_a_job_id_another_owner_has_containers_of_is_refused_naming_them():
+    """Containers are named by job id, and an engine's names are unique: the start would fail half way (409)."""
     engine = FakeEngine({0: Life(code=0), 1: Life(code=0)})
-    twin = FakeContainer(IMAGE, ["sleep"], {"name": "fleetbox-twin-node0", "labels": {
-        settings.LABEL_JOB: JOB, settings.LABEL_RANK: "0", settings.LABEL_OWNER: "ann@0123456789ab"}}, Life(code=None))
-    twin.start()
+    twin = FakeContainer(IMAGE, ["sleep"], {"name": f"fleetbox-{JOB}-node0", "labels": {
+        settings.LABEL_JOB: JOB, settings.LABEL_RANK: "0", settings.LABEL_OWNER: "ann@0123456789ab"}}, Life(code=0))
+    twin.status = "exited"   # left behind, not running: it still holds the name
     engine.made[99] = twin
-    b, plan = job(engine)   # before, another user's live job of this id refused it
+    with pytest.raises(UserError, match=rf"^job id {JOB} is taken on this machine's engine by containers of "
+                                        r"ann@0123456789ab; give another --job-id$"):
+        job(engine)
+    twin.labels[settings.LABEL_OWNER] = records.owner()   # this user's own, ended: no refusal
+    b, plan = job(engine)
     assert plan.nodes[0].labels[settings.LABEL_OWNER] == records.owner()
+
+
+def test_hosts_checkpoint_volumes_are_named_for_their_owner():
+    a = docker_backend.checkpoint_volume(JOB, "ann@0123456789ab")
+    b = docker_backend.checkpoint_volume(JOB, "bob@0123456789ab")
+    assert a != b and a.startswith(f"fleetbox-{JOB}-") and a.endswith("-{node}-checkpoints")
 
 
 def test_the_owner_is_the_user_and_the_runs_folder(tmp_path, monkeypatch):
@@ -1025,13 +1036,26 @@ def test_the_owner_is_the_user_and_the_runs_folder(tmp_path, monkeypatch):
     assert not (tmp_path / "a").exists()   # nothing written to tell it
 
 
-def test_a_job_cancelled_from_another_machine_has_not_ended_until_its_summary_is_written(tmp_path):
+def test_a_job_cancelled_from_another_machine_has_ended_once_its_summary_or_its_removal_is_written(tmp_path):
     """Its supervisor there is still stopping it (the ranks may be saving a last checkpoint): before, it read as
-    CANCELLED, and its checkpoint folder could be taken meanwhile."""
+    CANCELLED, and its checkpoint folder could be taken meanwhile. It has ended once the supervisor wrote its
+    summary, or `invoke cancel` removed the containers itself (no summary ever comes then)."""
     (tmp_path / "CANCELLED").touch()
     h = Handle("docker", JOB, str(tmp_path), 2, ["", ""], supervisor=4242, supervisor_start=1,
                supervisor_host="fleetbox-login2")
     state, _, note = DockerBackend(connect=FakeEngine().connect).job_state(h)
     assert (state, note) == (JobState.UNKNOWN, "cancelling: its supervisor (pid 4242) runs on fleetbox-login2")
+    (tmp_path / "CANCELLED").write_text(docker_backend.REMOVED + "\n")
+    assert DockerBackend(connect=FakeEngine().connect).job_state(h)[0] == JobState.CANCELLED
     files.write_json(tmp_path / "summary.json", {"ok": False})
     assert DockerBackend(connect=FakeEngine().connect).job_state(h)[0] == JobState.FAILED
+
+
+def test_a_cancel_that_removes_the_containers_itself_says_so_for_other_machines():
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    starter, plan = job(engine)
+    starter.submit(plan, log=lambda _: None)
+    h = Handle.load(plan.dir)
+    h.supervisor = 0   # nothing follows it (a dead supervisor): cancel removes the containers itself
+    DockerBackend(connect=engine.connect).stop(h, log=lambda _: None)
+    assert (plan.dir / "CANCELLED").read_text().strip() == docker_backend.REMOVED

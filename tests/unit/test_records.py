@@ -224,3 +224,28 @@ def test_a_checkpoint_folder_that_holds_the_job_folder_is_refused_before_anythin
                                                     r"of their own"):
             train.train(spec, log=lambda m: None)
         assert (job_dir / records.SUMMARY).exists() and not list(job_dir.glob("run-*"))
+
+
+def test_a_checkpoint_folders_aside_cut_short_stays_to_be_finished(tmp_path):
+    """`--resume never` on the default folder, cut short: its .partial is beside the folder, in the job folder.
+    Moved away with the earlier run, the next take could not finish it and would resume what was left."""
+    job_dir = tmp_path / "job"
+    _earlier_run(job_dir, "attempt0")
+    (job_dir / "checkpoints.before-20261127-000000.partial" / "step-00000020").mkdir(parents=True)
+    earlier = records.set_aside(job_dir, [job_dir / "checkpoints"])
+    assert sorted(p.name for p in job_dir.iterdir()) == \
+        sorted(["checkpoints", "checkpoints.before-20261127-000000.partial", earlier.name])
+
+
+def test_the_start_lock_works_as_nfs_locks_it(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    real_flock = fcntl.flock
+
+    def nfs_flock(fd, op):   # an exclusive lock needs the file open for writing (flock(2), on NFS)
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, op)
+    monkeypatch.setattr(records.fcntl, "flock", nfs_flock)
+    with records.starting(tmp_path / "job"):
+        pass

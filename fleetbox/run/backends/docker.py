@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import getpass
+import hashlib
 import io
 import json
 import os
@@ -41,6 +42,7 @@ from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
 STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
 POLL_S = 0.25
+REMOVED = "containers removed"   # what CANCELLED says once `invoke cancel` removed them itself: the job has ended
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,8 @@ class DockerBackend(Backend):
         image = None
         owner = records.owner()
         for host in dict.fromkeys(hosts):
-            if spec.job_id and self.engine(host).containers.list(
-                    filters={"label": labelled(spec.job_id, owner)}, ignore_removed=True):
-                raise UserError(f"job {spec.job_id} is running (see `invoke jobs`); wait for it or "
-                                f"`invoke cancel {spec.job_id}` before running it again")
+            if spec.job_id:
+                self._refuse_taken(host, spec.job_id, owner)
             found = engine.image_or_none(self.engine(host), spec.image_ref)
             image = image or found
             if found is None:
@@ -111,7 +111,7 @@ class DockerBackend(Backend):
             shared = bool(spec.checkpoint_dir)
             fresh = f"-{secrets.token_hex(3)}" if spec.resume == "never" else ""
             ckpt = os.path.normpath(spec.checkpoint_dir) if spec.checkpoint_dir else \
-                f"fleetbox-{job_id}-{{node}}-checkpoints{fresh}"   # a volume per node, even on a shared engine
+                checkpoint_volume(job_id, owner) + fresh   # a volume per node, even on a shared engine
             t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
                                  memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared,
                                  owner=owner)
@@ -169,6 +169,21 @@ class DockerBackend(Backend):
         if not info["iface"]:
             raise UserError(f"no interface on {host} routes to the master {master_ip}; pass --iface")
         return info
+
+    def _refuse_taken(self, host: str, job_id: str, owner: str) -> None:
+        """A job id whose containers run here is refused. Containers are named by job id and an engine's names are
+        unique: another owner's of this id, running or left, would collide half way through the start, so it is
+        named now. (A container without an owner label is an older fleetbox's, taken as this user's.)"""
+        found = self.engine(host).containers.list(all=True, ignore_removed=True,
+                                                  filters={"label": labelled(job_id, "")})
+        theirs = sorted({c.labels[settings.LABEL_OWNER] for c in found
+                         if c.labels.get(settings.LABEL_OWNER, owner) != owner})
+        if theirs:
+            raise UserError(f"job id {job_id} is taken on {host or 'this machine'}'s engine by containers of "
+                            f"{', '.join(theirs)}; give another --job-id")
+        if any(c.status in ("created", "running", "restarting", "paused") for c in found):
+            raise UserError(f"job {job_id} is running (see `invoke jobs`); wait for it or "
+                            f"`invoke cancel {job_id}` before running it again")
 
     def _throwaway(self, host: str, image: str, job_id: str, helper: str, args: list[str], **kwargs):
         """Run one of our in-container helpers (`python -c`) in a throwaway container of `image` on `host`:
@@ -415,8 +430,10 @@ class DockerBackend(Backend):
         if summary:
             return ended_as(summary), attempt, ""
         who = f"its supervisor (pid {handle.supervisor}) runs on {where}"
-        if (d / CANCELLED).exists():   # asked to stop; its supervisor there is stopping it (no summary yet)
-            return JobState.UNKNOWN, attempt, f"cancelling: {who}"
+        if (d / CANCELLED).exists():   # asked to stop: done once the containers were removed (stop() says so)
+            if (d / CANCELLED).read_text(errors="replace").strip() == REMOVED:
+                return JobState.CANCELLED, attempt, ""
+            return JobState.UNKNOWN, attempt, f"cancelling: {who}"   # its supervisor there is stopping it
         if all(handle.hosts):
             try:
                 if self.status(handle) == "RUNNING":
@@ -465,7 +482,7 @@ class DockerBackend(Backend):
                 raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
             raise UserError(f"job {handle.job_id} is followed by its supervisor on {where} (pid {handle.supervisor}), "
                             f"not this machine: cancel it there; were {where} gone for good, `invoke clean --job "
-                            f"{handle.job_id}` on the machines that run its containers removes them")
+                            f"{handle.job_id} --force` on the machines that run its containers removes them")
         following = handle.followed() and handle.supervisor != os.getpid()
         if not following and self.status(handle) == "GONE":
             raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
@@ -481,6 +498,7 @@ class DockerBackend(Backend):
                 return
             log(f"the supervisor did not stop within {wait:g} s; removing the job's containers")
         self.cancel(handle, log)
+        files.write_atomic(Path(handle.dir) / CANCELLED, REMOVED + "\n")   # ended: no supervisor writes a summary
         log(f"job {handle.job_id}: containers removed; logs in {handle.dir}")
 
     def _containers(self, handle: Handle) -> list:
@@ -530,12 +548,20 @@ class DockerBackend(Backend):
                     raise UserError(f"cannot remove {c.name} on {where}: {why}") from None
                 log(f"removed {c.name} ({of}) on {where}")
                 removed += 1
-            if job:   # a --hosts job's checkpoint volumes (fleetbox-<job>-node<k>-checkpoints[-token])
-                for v in self.engine(host).volumes.list(filters={"name": f"fleetbox-{job}-node"}):
-                    if re.fullmatch(rf"fleetbox-{re.escape(job)}-node\d+-checkpoints(-[0-9a-f]+)?", v.name):
+            if job:   # a --hosts job's checkpoint volumes, this owner's (and an older fleetbox's, which had none)
+                ours = [re.escape(checkpoint_volume(job, mine)).replace(re.escape("{node}"), r"node\d+"),
+                        rf"fleetbox-{re.escape(job)}-node\d+-checkpoints"]
+                for v in self.engine(host).volumes.list(filters={"name": f"fleetbox-{job}-"}):
+                    if any(re.fullmatch(f"{pattern}(-[0-9a-f]+)?", v.name) for pattern in ours):
                         _quietly(v.remove)
                         log(f"removed volume {v.name} on {where}")
         return removed, kept
+
+
+def checkpoint_volume(job_id: str, owner: str) -> str:
+    """A --hosts node's checkpoint volume ({node} left to fill): named for the job and its owner, so a job of the
+    same id of another owner (or runs folder) on a shared engine neither resumes from nor writes into it."""
+    return f"fleetbox-{job_id}-{hashlib.sha256(owner.encode()).hexdigest()[:8]}-{{node}}-checkpoints"
 
 
 def labelled(job_id: str, owner: str) -> list[str]:
