@@ -279,3 +279,52 @@ def owner() -> str:
     touched. Pure: planning writes nothing."""
     digest = hashlib.sha256(str(settings.runs_root().resolve()).encode()).hexdigest()[:12]
     return f"{getpass.getuser()}@{digest}"
+
+
+# What a job's folder may hold, for the docs' page (commands/docs.py makes it from this); tests hold real jobs'
+# folders to it, so a file a job starts to leave gets its line here. <k>: a node's rank, <N>: a number, <time>:
+# YYYYmmdd-HHMMSS.
+JOB_FOLDER = {
+    HANDLE: "how to follow, ask and cancel the job from any shell (backend, nodes, hosts, Slurm job, supervisor)",
+    JOB: "what ran: the image, its id and content tag, Paddle's version, each node's command",
+    SUMMARY: "how the job ended: every node's exit, the node to blame, the smoke report, every attempt",
+    PLAN: "a detached Docker job's plan, as its supervisor carries it out",
+    SUPERVISOR_READY: "a detached Docker job's supervisor has started the job",
+    SUPERVISOR_LOG: "a detached Docker job's supervisor's own output",
+    "metrics.jsonl": "every rank's metrics lines, every attempt's, each with its node and attempt",
+    "report.md": "the run's report: nodes, image, throughput, time to first step, what failed",
+    "report.png": "the run's plot: loss, samples/s, each rank's step time; restarts marked",
+    "node<k>": "node k's logs: the launcher's workerlog.<rank>, the container's output (container.log), "
+               "each rank's progress and, after a hang, its stacks",
+    "node<k>.log": "Slurm: node k's task output",
+    "attempt<N>": "Docker: an earlier attempt's node folders and summary (the last attempt's are at the top)",
+    "alloc<N>": "Slurm: an earlier allocation's node logs",
+    "hang-<N>": "a hang in attempt N: every rank's stacks and the verdict",
+    "checkpoints": "the job's checkpoint folder, where no --checkpoint-dir is given",
+    "checkpoints.before-<time>": "checkpoints `--resume never` set aside",
+    "run-<time>": "an earlier run of the same job id, set aside whole when the id ran again",
+    "CANCELLED": "`invoke cancel` asked (Docker); `containers removed` once it removed them itself",
+    "CANCELLED.<N>": "`invoke cancel` asked (Slurm: the chain's first Slurm job)",
+    "doctor.json": "`invoke doctor`'s report, in its probe job's folder",
+    "job.sbatch": "Slurm: the batch script, as submitted",
+    "node.sh": "Slurm: what each node's task runs",
+    "hang.py": "Slurm: the hang watcher every allocation runs (a copy, so a chain runs one version)",
+    "helpers": "Slurm: fleetbox's in-container helpers (a copy, for the same reason)",
+    "slurm-<N>.out": "Slurm: the batch script's output, per allocation",
+    "allocations.jsonl": "Slurm: how each allocation ended",
+    "started.<N>": "Slurm: when an allocation's job step started",
+    STARTING: "held while a job of this id starts (and, attached, runs)",
+    _ASIDE: "an earlier run on its way to run-<time>/ (a move that was cut short)",
+}
+_PLACES = {"<k>": r"\d+", "<N>": r"\d+", "<time>": r"\d{8}-\d{6}(-\d+)?"}
+
+
+def undescribed(job_dir: Path) -> list[str]:
+    """What is in a job's folder that JOB_FOLDER does not describe."""
+    patterns = []
+    for name in JOB_FOLDER:
+        pattern = re.escape(name)
+        for place, rx in _PLACES.items():
+            pattern = pattern.replace(re.escape(place), rx)
+        patterns.append(re.compile(pattern))
+    return sorted(e.name for e in Path(job_dir).iterdir() if not any(p.fullmatch(e.name) for p in patterns))

@@ -461,6 +461,8 @@ def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_don
         assert (d / "node0.log").exists() and (d / "node1" / "workerlog.0").exists(), d
         assert "told to stop: saved step" in (d / "node0" / "workerlog.0").read_text()
         assert (job_dir / f"slurm-{a['slurm_job']}.out").exists()
+    from fleetbox.run import records  # every file a chain leaves is on the docs' job-folder page
+    assert records.undescribed(job_dir) == []
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
                           text=True).stdout.split()
     assert left == []

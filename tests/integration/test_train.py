@@ -58,6 +58,8 @@ def test_two_node_cpu_job_passes_the_smoke_checks(cpu_image):
     assert f"- throughput: {smoke['samples_per_s']:.1f} samples/s;" in md, md
     assert "- plotted: loss of rank 0, rank 1; samples/s of node0, node1" in md
     assert "# " + s["job_id"] + ": PASSED" in md and "time to first step: " in md
+    from fleetbox.run import records  # every file a job leaves is on the docs' job-folder page
+    assert records.undescribed(job_dir) == []
     assert_png(job_dir / "report.png")
 
 

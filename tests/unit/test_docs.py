@@ -56,3 +56,13 @@ def test_the_site_builds_strict_and_a_broken_link_or_a_page_left_out_fails_it(tm
         f.write("\nSee [nowhere](no-such-page.md).\n")
     proc = _build(tmp_path)
     assert proc.returncode != 0 and "no-such-page.md" in proc.stdout + proc.stderr
+
+
+def test_a_file_a_job_starts_to_leave_is_named_until_the_job_folder_page_has_it(tmp_path):
+    from fleetbox.run import records
+    for name in ("handle.json", "node0", "node12.log", "alloc2", "run-20261127-010203-2", "CANCELLED.41", "hang-0"):
+        (tmp_path / name).touch()
+    assert records.undescribed(tmp_path) == []
+    (tmp_path / "nodeX").touch()
+    (tmp_path / "traces.json").touch()
+    assert records.undescribed(tmp_path) == ["nodeX", "traces.json"]
