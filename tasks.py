@@ -11,13 +11,20 @@ import os
 import sys
 from pathlib import Path
 
-from invoke import Exit, task
+import invoke
+from invoke import Exit
 
 from fleetbox import errors
 from fleetbox.errors import Failed, UserError
 from fleetbox.run import backends
 
 VARIANT_HELP = "matrix variant (images/matrix.toml): cpu (default), cu118, cu126, cu129, dcu"
+
+
+def task(*args, **kwargs):
+    """invoke's @task, without one-letter flags: invoke made them from each task's own option names, so `-d` was
+    --dry-run for build and --debug for train, and `-p gpu` was --procs-per-node. Every option is spelled out."""
+    return invoke.task(*args, auto_shortflags=False, **kwargs)
 
 
 def _fleetbox(fn):
@@ -77,8 +84,9 @@ def wheels(c, variant=None, dest=None):
             "wheelhouse": "wheelhouse folder (default wheelhouse/<variant>/)"})
 @_fleetbox
 def venv(c, variant=None, dest=None, python=None, wheelhouse=None):
-    """The variant's locked environment as a venv, no container: offline from the verified wheelhouse; prints its
-    path last (no-op when up to date)."""
+    """Make the variant's locked environment as a venv, for sites without containers.
+
+    Offline, from the verified wheelhouse; prints its path last (no-op when up to date)."""
     from fleetbox.image import venvs
     if not dest:
         raise UserError("--dest is required: the folder the env goes in, e.g. on the cluster's shared file system")
@@ -200,7 +208,7 @@ TRAIN_HELP = {
     "mount": "extra bind mounts, comma-separated SRC:DST[:ro]",
     "data_dir": "seeded dataset cache to mount read-only at Paddle's cache path (default offline_cache/dataset)",
     "shm_size": "shared memory per container (default 8g; NCCL needs more than Docker's 64m)",
-    "timeout": "stop the job after this many seconds (default: none)",
+    "timeout": "stop the job after this long: 90, 90s, 20m, 1h (default: none)",
     "dry_run": "print the exact docker run command of every node (slurm: the sbatch script); start nothing",
     "backend": backends.choices(),
     "job_id": "the job's id (default: train-<time>-<random>); with --port, a dry-run can be replayed exactly; "
@@ -265,21 +273,23 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
                     options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight)
 
 
-@task(auto_shortflags=False, help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts",
+@task(help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts",
                                                                  "iface", "ib_hca", "gpus_per_node", "devices", "env",
                                                                  "mount", "data_dir", "shm_size", "backend")},
             **_backend_help(train=False),
             "port": "master port to check (the trainers' pinned ports follow it; default: as `invoke train` picks)",
             "quick": "everything but the all-reduce sweep and the TCP throughput (what train --preflight runs)",
-            "wait": "seconds each node waits for the others (default 30)",
+            "wait": "how long each node waits for the others: 90, 90s, 2m (default 30s)",
             "json_out": "also write the JSON report to this path"})
 @_backend_options(train=False)
 @_fleetbox
 def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=None, iface=None, ib_hca=None,
            gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None, shm_size=None,
            backend=backends.DEFAULT, quick=False, wait=None, json_out=None, **backend_options):
-    """Check that the nodes are ready for a job, in the job's own containers: image the same everywhere, shm,
-    limits, interface and route, devices, clocks, disk, every port the job uses, then an all-reduce sweep."""
+    """Check that the nodes are ready for a job, in the job's own containers.
+
+    The image the same everywhere, shm, limits, interface and route, devices, clocks, disk, every port the job
+    uses, then an all-reduce sweep."""
     from fleetbox import files, options
     from fleetbox.commands import doctor as doctor_mod
     from fleetbox.run import spec as spec_mod
@@ -295,7 +305,7 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
         raise Failed(f"doctor: {sum(not r['ok'] for r in report['rows'])} check(s) failed (report: {report['path']})")
 
 
-@task(auto_shortflags=False, help={
+@task(help={
     **{k: TRAIN_HELP[k] for k in ("variant", "script", "args", "hosts", "iface", "ib_hca", "gpus_per_node", "devices",
                                   "port", "env", "mount", "data_dir", "shm_size", "timeout", "backend")},
     **_backend_help(train=False),
@@ -308,8 +318,10 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
 def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=None, args=None, hosts=None,
           iface=None, ib_hca=None, gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None,
           shm_size=None, timeout=None, backend=backends.DEFAULT, **backend_options):
-    """A scaling study: the same job at each size and for each image, then a table and a plot of samples/s,
-    speed-up, parallel efficiency, time per step and communication share (runs/<study>/scale.md, scale.png)."""
+    """Run a scaling study: the same job at each size and for each image, then a table and a plot.
+
+    Samples/s, speed-up, parallel efficiency, time per step and communication share (runs/<study>/scale.md,
+    scale.png)."""
     from fleetbox import options
     from fleetbox.commands import scale as scale_mod
     from fleetbox.run import spec as spec_mod
@@ -326,8 +338,9 @@ def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=
 @task(name="jobs")
 @_fleetbox
 def jobs_(c):
-    """List fleetbox's jobs (runs/*/): backend, state, attempt or allocation, newest checkpoint step; a job whose
-    supervisor died is flagged."""
+    """List the jobs in runs/ with their state, attempt and newest checkpoint step.
+
+    Also the backend and the Slurm allocation; a job whose supervisor died is flagged."""
     from fleetbox.commands import jobs
     jobs.listing(log=_log)
 
@@ -348,8 +361,9 @@ def logs(c, job, node=0, follow=False):
 @task(help={"job": JOB_HELP})
 @_fleetbox
 def report(c, job):
-    """Draw a run's report again, runs/<job>/report.png and report.md (also for a failed or cancelled run, from
-    what exists; says what is missing)."""
+    """Draw a run's report again: runs/<job>/report.png and report.md.
+
+    Also for a failed or cancelled run, from what exists; says what is missing."""
     from fleetbox.commands import jobs
     jobs.report(job, log=_log)
 
@@ -368,8 +382,10 @@ def cancel(c, job):
             "images": "also untag older builds of every variant and build layers no image is built on (here)"})
 @_fleetbox
 def clean(c, hosts=None, job=None, force=False, images=False):
-    """Remove containers that earlier jobs left behind (found by their labels: this user's, of jobs in this runs
-    folder); those of jobs that have not ended, and running ones, are kept unless --force."""
+    """Remove the containers that earlier jobs left behind.
+
+    Found by their labels: this user's, of jobs in this runs folder. Those of jobs that have not ended, and
+    running ones, are kept unless --force."""
     from fleetbox import engine, options
     from fleetbox.image import images as images_mod
     from fleetbox.image import matrix
@@ -401,7 +417,7 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
     hpc.export(client, v, format, ref, squash, Path(dest) if dest else None, log=_log)
 
 
-@task(auto_shortflags=False, help={
+@task(help={
     "variant": VARIANT_HELP, "out": "the kit file to write (default kits/fleetbox-<variant>.kit)",
     "datasets": "comma-separated seeded data sets to pack into the kit, e.g. mnist,flowers",
     "data_dir": "the seeded dataset cache to pack from (default offline_cache/dataset)",
@@ -485,7 +501,9 @@ def _task_facts():
 @task(help={"check": "say which reference page is stale instead of writing it (CI)"})
 @_fleetbox
 def docs(c, check=False):
-    """Generate the docs site's reference pages (docs/reference/) from the code: every task and option, every
-    environment variable. `python3 -m mkdocs serve` shows the site."""
+    """Generate the docs site's reference pages (docs/reference/) from the code.
+
+    Every task and option, every environment variable, the exit codes, the matrix, a job's folder.
+    `python3 -m mkdocs serve` shows the site."""
     from fleetbox.commands import docs as docs_mod
     docs_mod.write(_task_facts(), check=check, log=_log)

@@ -22,27 +22,33 @@ def integer(option: str, value, minimum: int | None = None, maximum: int | None 
     return n
 
 
+DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*")
+DURATION_FORMS = "seconds, or minutes or hours like 90, 90s, 20m, 1h"
+
+
+def _duration(option: str, value, off: str = "") -> float:
+    m = DURATION.fullmatch(str(value))
+    s = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)] if m else math.nan
+    if not math.isfinite(s):
+        raise UserError(f"{option} takes {DURATION_FORMS}{off} (got {value!r})")
+    return s
+
+
 def seconds(option: str, value) -> float | None:
-    """A positive, finite number of seconds; None or '' for none."""
+    """A positive duration (every duration option takes one syntax: 90, 90s, 20m, 1h); None or '' for none."""
     if value in (None, ""):
         return None
-    try:
-        s = float(str(value).strip())
-    except ValueError:
-        raise UserError(f"{option} takes a number of seconds (got {value!r})") from None
-    if not math.isfinite(s) or s <= 0:
-        raise UserError(f"{option} must be a positive number of seconds (got {value!r})")
+    s = _duration(option, value)
+    if s <= 0:
+        raise UserError(f"{option} must be positive: {DURATION_FORMS} (got {value!r})")
     return s
 
 
 def duration(option: str, value, default: float) -> float:
-    """`90`, `90s`, `20m`, `1h` as seconds (default where not given); 0 turns off what it bounds."""
+    """A duration as seconds (default where not given); 0 turns off what it bounds."""
     if value in (None, ""):
         return default
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(value))
-    if not m:
-        raise UserError(f"{option} takes seconds, or minutes or hours like 20m, 1h; 0 turns it off (got {value!r})")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    return _duration(option, value, "; 0 turns it off")
 
 
 def items(value) -> list[str]:

@@ -3,6 +3,8 @@ import subprocess
 
 import pytest
 
+from fleetbox import ROOT
+
 
 def one_line_error(proc, *needles, job_output=False):
     """Non-zero exit, one `fleetbox: error:` line on stderr, no Python traceback of ours. With job_output,
@@ -50,10 +52,10 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["train", "--nodes", "abc"], "--nodes takes a whole number"),
-    (["train", "--timeout", "abc"], "--timeout takes a number of seconds"),
-    (["train", "--timeout", "nan"], "--timeout must be a positive number"),
-    (["train", "--timeout", "0"], "--timeout must be a positive number"),
-    (["train", "--timeout", "-5"], "--timeout must be a positive number"),
+    (["train", "--timeout", "abc"], "--timeout takes seconds, or minutes or hours like 90, 90s, 20m, 1h"),
+    (["train", "--timeout", "0"], "--timeout must be positive: seconds, or minutes or hours like"),
+    (["train", "--timeout", "nan"], "--timeout takes seconds, or minutes or hours like"),
+    (["train", "--timeout", "-5"], "--timeout takes seconds, or minutes or hours like"),
     (["train", "--variant", "", "--dry-run"], "--variant is empty"),
     (["train", "--data-dir", "/nonexistent/cache", "--dry-run"], "--data-dir /nonexistent/cache is not a folder"),
     (["train", "--mount", "/tmp:/x:rx"], "the mode must be ro or rw"),
@@ -128,3 +130,29 @@ def test_a_checkpoint_folder_on_a_read_only_file_system_is_one_line(run_invoke, 
         one_line_error(proc, f"checkpoint folder {ro / 'ck'} is not writable ({ro}: read-only file system)")
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_every_tasks_description_in_the_list_is_whole(run_invoke):
+    """`invoke --list` shows a docstring's first line: six of them stopped mid-sentence."""
+    proc = run_invoke("--list")
+    described, name = {}, None
+    for line in proc.stdout.splitlines()[1:]:
+        if line.startswith("  ") and not line.startswith("    "):
+            name, _, text = line.strip().partition(" ")
+            described[name] = text.strip()
+        elif name and line.strip():
+            described[name] += " " + line.strip()
+    assert len(described) >= 20 and [n for n, text in described.items() if not text.endswith(".")] == []
+
+
+def test_no_task_has_one_letter_flags():
+    """invoke made them from each task's own names: -d was --dry-run for build but --debug for train."""
+    import importlib.util
+
+    from invoke import Collection
+    spec = importlib.util.spec_from_file_location("front_door_flags", ROOT / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    short = [(name, n) for name, t in Collection.from_module(tasks).tasks.items() for a in t.get_arguments()
+             for n in a.names if len(n) == 1]
+    assert short == []

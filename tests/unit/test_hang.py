@@ -126,8 +126,15 @@ def test_durations(text, seconds):
 
 @pytest.mark.parametrize("text", ["-5", "5x", "m", "1e3", "ten"])
 def test_a_duration_that_is_not_one_is_one_line(text):
-    with pytest.raises(UserError, match=r"--hang-timeout takes seconds, or minutes or hours like 20m, 1h"):
+    with pytest.raises(UserError, match=r"--hang-timeout takes seconds, or minutes or hours like 90, 90s, 20m, "
+                                        r"1h; 0 turns it off"):
         options.duration("--hang-timeout", text, 600)
+
+
+@pytest.mark.parametrize("text,seconds", [("90", 90), ("90s", 90), ("5m", 300), ("1h", 3600), ("2.5", 2.5)])
+def test_every_duration_option_takes_the_same_forms(text, seconds):
+    """Before, --timeout took plain seconds only while --hang-timeout took 5m."""
+    assert options.seconds("--timeout", text) == options.duration("--hang-timeout", text, 0) == seconds
 
 
 # -- the stacks --
