@@ -195,12 +195,14 @@ TRAIN_HELP = {
     "script": "training script (default train/smoke.py); its folder is the workspace",
     "args": "arguments for the script, as one string (e.g. \"--epochs 2\")",
     "image": "image to run (default fleetbox/paddle:<variant>)",
-    "hosts": "comma-separated Docker Engine URLs, one per node (ssh://user@h1,ssh://user@h2); master = first",
+    "hosts": "docker backend: comma-separated Docker Engine URLs, one per node (ssh://user@h1,ssh://user@h2); "
+             "master = first",
     "iface": "network interface for NCCL/Gloo (default: the one that routes to the master)",
     "ib_hca": "InfiniBand HCA, e.g. mlx5_0 (sets NCCL_IB_HCA and NCCL_IB_DISABLE=0)",
     "debug": "NCCL_DEBUG=INFO, and the launcher's HTTP polling lines in the live output",
     "gpus_per_node": "GPUs per node (CUDA variants)",
-    "devices": "accelerator ids, e.g. 0,1",
+    "devices": "docker backend: the accelerator ids the job may use, e.g. 4,5,6,7, split among the nodes (Slurm "
+               "gives each node its own: --gpus-per-node)",
     "port": "master port (default: a free one here, a random one for Slurm)",
     "env": "extra environment, comma-separated KEY=VALUE pairs",
     "pass_env": "variables passed by name from your environment, e.g. HF_TOKEN,WANDB_API_KEY: for secrets, their "
@@ -208,8 +210,9 @@ TRAIN_HELP = {
     "mount": "extra bind mounts, comma-separated SRC:DST[:ro]",
     "data_dir": "seeded dataset cache to mount read-only at Paddle's cache path (default offline_cache/dataset)",
     "shm_size": "shared memory per container (default 8g; NCCL needs more than Docker's 64m)",
-    "timeout": "stop the job after this long: 90, 90s, 20m, 1h (default: none)",
-    "dry_run": "print the exact docker run command of every node (slurm: the sbatch script); start nothing",
+    "timeout": "docker backend: stop the job after this long: 90, 90s, 20m, 1h (default: none; Slurm: --time)",
+    "dry_run": "print the exact docker run command of every node (slurm: the sbatch script); start no job (with "
+               "--hosts, a throwaway probe container runs on each host to find its network)",
     "backend": backends.choices(),
     "job_id": "the job's id (default: train-<time>-<random>); with --port, a dry-run can be replayed exactly; "
               "the same id again resumes that job from its newest checkpoint",
@@ -228,7 +231,7 @@ TRAIN_HELP = {
 
 def _backend_options(train: bool = True):
     """Every registered backend's own options (Backend.options), added to a task's: a job's after --backend, the
-    long-run ones after --max-restarts (in that order invoke gives short flags). Their values reach the task in
+    long-run ones after --max-restarts (the order --help lists them in). Their values reach the task in
     `backend_options` (None where not given); their help is _backend_help's."""
     def add(fn):
         sig = inspect.signature(fn)

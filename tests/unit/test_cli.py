@@ -156,3 +156,15 @@ def test_no_task_has_one_letter_flags():
     short = [(name, n) for name, t in Collection.from_module(tasks).tasks.items() for a in t.get_arguments()
              for n in a.names if len(n) == 1]
     assert short == []
+
+
+@pytest.mark.parametrize("flag,value", [("--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.2:2375"), ("--devices", "0,1"),
+                                        ("--timeout", "5m")])
+def test_an_option_only_one_backend_takes_says_so_in_its_help(run_invoke, flag, value):
+    """`invoke --help train` was a flat list: nothing told --devices was Docker's alone until Slurm refused it."""
+    refused = run_invoke("train", "--backend", "slurm", "--runtime", "podman", "--variant", "cu126", flag, value,
+                         "--dry-run")
+    one_line_error(refused, f"{flag} is for the docker backend")
+    lines = run_invoke("--help", "train").stdout.splitlines()
+    (at,) = [i for i, ln in enumerate(lines) if ln.strip().startswith(f"{flag}=")]
+    assert lines[at].split("=STRING", 1)[1].strip().startswith("docker backend:"), lines[at]
