@@ -52,6 +52,17 @@ def _variant(name):
     return matrix.load().get(name)
 
 
+def _script_args(args):
+    """The script's own arguments: `--args "..."` (one string, split as a shell would), or everything after `--`,
+    word for word, so a script flag that is also one of ours (`-- --debug`) reaches the script."""
+    if "--" not in sys.argv:
+        return args
+    if args is not None:
+        raise UserError("give the script's arguments once: --args \"...\" or after --")
+    import shlex
+    return shlex.join(sys.argv[sys.argv.index("--") + 1:])
+
+
 def _log(msg):
     print(msg, flush=True)
 
@@ -193,7 +204,8 @@ TRAIN_HELP = {
     "procs_per_node": "training processes per node (default 1)",
     "variant": VARIANT_HELP,
     "script": "training script (default train/smoke.py); its folder is the workspace",
-    "args": "arguments for the script, as one string (e.g. \"--epochs 2\")",
+    "args": "arguments for the script, as one string (e.g. \"--epochs 2\"); or give them after --, word for word "
+            "(invoke train --nodes 2 -- --debug --epochs 2), also those that look like fleetbox's own",
     "image": "image to run (default fleetbox/paddle:<variant>)",
     "hosts": "docker backend: comma-separated Docker Engine URLs, one per node (ssh://user@h1,ssh://user@h2); "
              "master = first",
@@ -267,11 +279,11 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
     from fleetbox.commands import train as train_mod
     from fleetbox.run import spec as spec_mod
     spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, script=script,
-                                 args=args, image=image, hosts=hosts, iface=iface, ib_hca=ib_hca, debug=debug,
-                                 gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
-                                 data_dir=data_dir, shm_size=shm_size, job_id=job_id, checkpoint_dir=checkpoint_dir,
-                                 resume=resume, max_restarts=max_restarts, pass_env=pass_env,
-                                 hang_timeout=hang_timeout, start_timeout=start_timeout)
+                                 args=_script_args(args), image=image, hosts=hosts, iface=iface, ib_hca=ib_hca,
+                                 debug=debug, gpus_per_node=gpus_per_node, devices=devices, port=port, env=env,
+                                 mount=mount, data_dir=data_dir, shm_size=shm_size, job_id=job_id,
+                                 checkpoint_dir=checkpoint_dir, resume=resume, max_restarts=max_restarts,
+                                 pass_env=pass_env, hang_timeout=hang_timeout, start_timeout=start_timeout)
     train_mod.train(spec, backend, backends.configure(backend, backend_options), dry_run,
                     options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight)
 
@@ -331,7 +343,7 @@ def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=
     study_cells = scale_mod.cells(nodes, procs_per_node, image)
     host_count = len(options.items(hosts))
     spec = spec_mod.from_options(_variant(variant), nodes=host_count or max(x.nodes for x in study_cells),
-                                 script=script, args=args, hosts=hosts, iface=iface, ib_hca=ib_hca,
+                                 script=script, args=_script_args(args), hosts=hosts, iface=iface, ib_hca=ib_hca,
                                  gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
                                  data_dir=data_dir, shm_size=shm_size)
     scale_mod.run(spec, study_cells, backend, backends.configure(backend, backend_options),

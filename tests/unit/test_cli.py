@@ -168,3 +168,14 @@ def test_an_option_only_one_backend_takes_says_so_in_its_help(run_invoke, flag, 
     lines = run_invoke("--help", "train").stdout.splitlines()
     (at,) = [i for i, ln in enumerate(lines) if ln.strip().startswith(f"{flag}=")]
     assert lines[at].split("=STRING", 1)[1].strip().startswith("docker backend:"), lines[at]
+
+
+def test_a_scripts_own_flags_pass_after_a_double_dash_word_for_word(run_invoke):
+    """`--args "--debug"` fails in invoke's parser (its own --debug wants no value there)."""
+    import shlex
+    proc = run_invoke("train", "--nodes", "1", "--dry-run", "--", "--debug", "--steps", "5", "it's $HOME")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("docker run")]
+    assert shlex.split(line)[-5:] == ["/workspace/smoke.py", "--debug", "--steps", "5", "it's $HOME"]
+    one_line_error(run_invoke("train", "--dry-run", "--args", "--steps 5", "--", "--debug"),
+                   "give the script's arguments once")
