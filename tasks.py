@@ -27,11 +27,23 @@ def task(*args, **kwargs):
     return invoke.task(*args, auto_shortflags=False, **kwargs)
 
 
+def _refuse_invokes_own_letters(argv: list[str]) -> None:
+    """No fleetbox option has one letter, but invoke takes its own anywhere on the line: `invoke train -d` ran the
+    real job with invoke's --debug where --dry-run was meant. One after the task's name is refused."""
+    words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    named = next((i for i, w in enumerate(words) if not w.startswith("-")), len(words))
+    letters = [w for w in words[named + 1:] if len(w) == 2 and w[0] == "-" and w[1].isalpha() and w != "-h"]
+    if letters:
+        raise UserError(f"{letters[0]} is invoke's own option, not fleetbox's: fleetbox's options are spelled out "
+                        f"(`invoke --help TASK` lists them)")
+
+
 def _fleetbox(fn):
     """Turn a UserError (or Ctrl-C) into one clear line and a non-zero exit, never a traceback."""
     @functools.wraps(fn)
     def wrapper(c, *args, **kwargs):
         try:
+            _refuse_invokes_own_letters(sys.argv)
             return fn(c, *args, **kwargs)
         except UserError as e:
             raise Exit(f"fleetbox: error: {e}", code=errors.USER_ERROR) from None

@@ -179,3 +179,12 @@ def test_a_scripts_own_flags_pass_after_a_double_dash_word_for_word(run_invoke):
     assert shlex.split(line)[-5:] == ["/workspace/smoke.py", "--debug", "--steps", "5", "it's $HOME"]
     one_line_error(run_invoke("train", "--dry-run", "--args", "--steps 5", "--", "--debug"),
                    "give the script's arguments once")
+
+
+@pytest.mark.parametrize("letter", ["-d", "-e", "-p"])
+def test_one_of_invokes_own_letters_after_a_task_is_refused(run_invoke, letter):
+    """`invoke train -d` ran the real job, in invoke's --debug, where --dry-run was meant. (--dry-run here keeps a
+    regression from starting a job.)"""
+    one_line_error(run_invoke("train", "--dry-run", letter), f"{letter} is invoke's own option, not fleetbox's")
+    after = run_invoke("train", "--nodes", "1", "--dry-run", "--", letter)   # the script's: passed on
+    assert after.returncode == 0 and f"smoke.py {letter}\n" in after.stdout, after.stderr
