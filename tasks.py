@@ -8,6 +8,7 @@ which adds their options).
 import functools
 import inspect
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -71,7 +72,6 @@ def _script_args(args):
         return args
     if args is not None:
         raise UserError("give the script's arguments once: --args \"...\" or after --")
-    import shlex
     return shlex.join(sys.argv[sys.argv.index("--") + 1:])
 
 
@@ -297,7 +297,8 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
                                  checkpoint_dir=checkpoint_dir, resume=resume, max_restarts=max_restarts,
                                  pass_env=pass_env, hang_timeout=hang_timeout, start_timeout=start_timeout)
     train_mod.train(spec, backend, backends.configure(backend, backend_options), dry_run,
-                    options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight)
+                    options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight,
+                    command="invoke " + shlex.join(sys.argv[1:]))
 
 
 @task(help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from fleetbox.run.spec import JobSpec
 
 
 def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, dry_run: bool = False,
-          timeout: float | None = None, detach: bool = False, log=print, preflight: bool = False) -> JobResult | None:
+          timeout: float | None = None, detach: bool = False, log=print, preflight: bool = False,
+          command: str = "") -> JobResult | None:
     backends.check_timeout(backend, timeout)
     if timeout and detach:
         raise UserError("--timeout needs an attached job; a detached one ends with `invoke cancel`")
@@ -42,12 +44,12 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
             earlier = records.set_aside(job_dir, used)
             if earlier:
                 log(f"job {spec.job_id} ran before: its earlier run is now in {earlier}")
-            return _start(spec, b, backend, backend_options, dry_run, timeout, detach, log, preflight)
-    return _start(spec, b, backend, backend_options, dry_run, timeout, detach, log, preflight)
+            return _start(spec, b, backend, backend_options, dry_run, timeout, detach, log, preflight, command)
+    return _start(spec, b, backend, backend_options, dry_run, timeout, detach, log, preflight, command)
 
 
 def _start(spec: JobSpec, b, backend: str, backend_options: dict | None, dry_run: bool, timeout: float | None,
-           detach: bool, log, preflight: bool) -> JobResult | None:
+           detach: bool, log, preflight: bool, command: str) -> JobResult | None:
     """Plan once, then describe that plan, run it, or leave it running."""
     if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
         log(f"preflight: checking {spec.nodes} node(s) before starting the job")
@@ -69,12 +71,38 @@ def _start(spec: JobSpec, b, backend: str, backend_options: dict | None, dry_run
             + f"; see it with `invoke jobs`, `invoke logs {plan.job_id} --follow`; stop it with "
               f"`invoke cancel {plan.job_id}`")
         return None
-    result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
+    try:
+        result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
+    except KeyboardInterrupt:
+        if command:
+            log(f"to go on from its newest checkpoint: {resume_command(command, plan.job_id)}")
+        raise
     log(result.table())
     draw_report(Path(result.dir), log)
     if not result.ok:
+        if command:
+            log(f"to go on from its newest checkpoint: {resume_command(command, plan.job_id)}")
         raise Failed(f"train failed: {result.failure()}")
     return result
+
+
+def resume_command(command: str, job_id: str) -> str:
+    """The train command as given, with the job's id (and no --resume, --dry-run or --detach of its own): run
+    again, it goes on from the job's newest checkpoint."""
+    words, out, i = shlex.split(command), [], 0
+    while i < len(words):
+        w = words[i]
+        if w == "--":
+            out += words[i:]
+            break
+        if w in ("--job-id", "--resume"):
+            i += 2
+            continue
+        if not w.startswith(("--job-id=", "--resume=")) and w not in ("--dry-run", "--detach"):
+            out.append(w)
+        i += 1
+    at = out.index("train") + 1 if "train" in out else len(out)
+    return shlex.join(out[:at] + ["--job-id", job_id] + out[at:])
 
 
 def refuse_live(job_id: str) -> None:

@@ -159,6 +159,9 @@ class Backend(ABC):
                 if handle is not None:
                     log = never_failing(log)   # the terminal may be gone (a closed pipe): clean up all the same
                     why = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped by an error"
+                    if isinstance(e, KeyboardInterrupt):   # Ctrl-C, SIGTERM, a hang-up: stopped, not failed
+                        with signals_held():
+                            Path(handle.dir, CANCELLED).touch()
                     log(f"{why}: cancelling {plan.job_id} (another Ctrl-C will not stop the cleanup)")
                     with signals_held():
                         self.cancel(handle, log)

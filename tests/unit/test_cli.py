@@ -188,3 +188,16 @@ def test_one_of_invokes_own_letters_after_a_task_is_refused(run_invoke, letter):
     one_line_error(run_invoke("train", "--dry-run", letter), f"{letter} is invoke's own option, not fleetbox's")
     after = run_invoke("train", "--nodes", "1", "--dry-run", "--", letter)   # the script's: passed on
     assert after.returncode == 0 and f"smoke.py {letter}\n" in after.stdout, after.stderr
+
+
+
+@pytest.mark.parametrize("given,want", [
+    ("invoke train --nodes 2", "invoke train --job-id J --nodes 2"),
+    ("invoke train --job-id old --resume never --nodes 2", "invoke train --job-id J --nodes 2"),
+    ("invoke train --resume=never --job-id=old --detach --backend slurm --time 1:00:00",
+     "invoke train --job-id J --backend slurm --time 1:00:00"),
+    ("invoke train --args '--lr 0.1' -- --resume never", "invoke train --job-id J --args '--lr 0.1' -- --resume never"),
+])
+def test_a_stopped_job_says_the_command_that_goes_on_from_its_checkpoint(given, want):
+    from fleetbox.commands.train import resume_command
+    assert resume_command(given, "J") == want

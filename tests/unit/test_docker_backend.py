@@ -423,6 +423,9 @@ def test_ctrl_c_stops_and_removes_every_container():
     assert engine.all_removed()
     assert f"interrupted: cancelling {JOB} (another Ctrl-C will not stop the cleanup)" in lines
     assert (plan.dir / "summary.json").exists()   # what happened is kept
+    h = Handle.load(plan.dir)
+    h.supervisor = 0   # the process that ran it has ended (here: the test's own goes on)
+    assert b.job_state(h)[0] == JobState.CANCELLED   # stopped, not FAILED
 
 
 class _NotMapped(BaseException):
