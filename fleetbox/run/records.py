@@ -132,6 +132,7 @@ class JobInfo:
     content_tag: str = ""            # ... and our content tag, when it is one of our images
     paddle: str = ""                 # the image's Paddle version, where it says (our images' label, or the pin)
     started: float = 0.0             # Docker: when this attempt's containers were started (time.time())
+    first_started: float = 0.0       # Docker: ... and the first attempt's (a report's time runs from it)
     commands: list[str] = field(default_factory=list)   # Docker: each node's `docker run`
 
     def save(self, job_dir: Path) -> None:

@@ -20,6 +20,30 @@ from fleetbox.run import backends, hang, metrics, records
 from fleetbox.run.result import JobResult, NodeResult
 
 
+def first_start(job_dir: Path, job: dict) -> float | None:
+    """When the job's first attempt began (Docker: job.json; Slurm: the first allocation's batch output)."""
+    if job.get("first_started") or job.get("started"):
+        return float(job.get("first_started") or job["started"])
+    starts = []
+    for out in job_dir.glob("slurm-*.out"):
+        starts += [float(t) for t in re.findall(r"^fleetbox: allocation \d+ started at ([\d.]+)$",
+                                                out.read_text(errors="replace"), re.M)]
+    return min(starts) if starts else None
+
+
+def rate_lines(recs: list[dict], t0: float) -> dict[int, list[list[tuple[float, float]]]]:
+    """Each node's samples/s against seconds since t0: one line per attempt (none drawn across the gap between
+    a failure and its restart), each point the node's ranks added up at a step."""
+    by = defaultdict(lambda: defaultdict(list))
+    for r in recs:
+        if "samples_per_s" in r:
+            by[(r["node"], r["attempt"])][r["step"]].append((r["time"], r["samples_per_s"]))
+    out = defaultdict(list)
+    for (node, _), steps in sorted(by.items()):
+        out[node].append(sorted((max(t for t, _ in v) - t0, sum(x for _, x in v)) for v in steps.values()))
+    return dict(out)
+
+
 def job_start(job_dir: Path, job: dict) -> float | None:
     """When the last attempt's containers were started (Docker: job.json) or its allocation began (Slurm: the
     batch output's `allocation N started at` line)."""
@@ -113,15 +137,15 @@ def draw(job_dir: Path) -> dict:
     for k, pts in sorted(by_rank.items()):
         ax_loss.plot([s for s, _ in pts], [v for _, v in pts], ".-", ms=2, lw=1, label=f"rank {k}")
     ax_loss.set(xlabel="step", ylabel="loss", title=f"{job_dir.name}: loss by rank")
-    t0 = min((r["time"] for r in recs), default=0.0) if start is None else start
-    by_node = defaultdict(lambda: defaultdict(list))
-    for r in recs:
-        if "samples_per_s" in r:
-            by_node[r["node"]][(r["attempt"], r["step"])].append((r["time"], r["samples_per_s"]))
-    for node, steps in sorted(by_node.items()):
-        pts = sorted((max(t for t, _ in v), sum(x for _, x in v)) for v in steps.values())   # the node's ranks
-        ax_rate.plot([t - t0 for t, _ in pts], [x for _, x in pts], lw=1, label=f"node{node}")
-    ax_rate.set(xlabel="seconds since the job started" if start is not None else "seconds since the first step",
+    began = first_start(job_dir, job)   # the plot's time runs from the job's first start, over every attempt
+    t0 = min([r["time"] for r in recs] + ([began] if began is not None else []), default=0.0)
+    for node, lines in sorted(rate_lines(recs, t0).items()):
+        color = None   # the node's one color, over each attempt's own line
+        for pts in lines:
+            (drawn,) = ax_rate.plot([t for t, _ in pts], [x for _, x in pts], lw=1, color=color,
+                                    label=None if color else f"node{node}")
+            color = drawn.get_color()
+    ax_rate.set(xlabel="seconds since the job started" if began is not None else "seconds since the first step",
                 ylabel="samples/s", title="throughput by node")
     lines_last = [r for r in recs if r["attempt"] == last]
     slow = straggling(lines_last)
@@ -196,8 +220,8 @@ def draw(job_dir: Path) -> dict:
         md += ["", "## Missing", ""] + [f"- {m}" for m in missing]
     md += ["", "![report](report.png)", ""]
     files.write_atomic(job_dir / "report.md", "\n".join(md))
-    return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "missing": missing,
-            "throughput": rate, "stragglers": slow["stragglers"], **times}
+    return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "node_legend": node_legend,
+            "missing": missing, "throughput": rate, "stragglers": slow["stragglers"], **times}
 
 
 def _paddle(job: dict) -> str:

@@ -776,6 +776,8 @@ def test_a_failed_node_restarts_the_whole_job_from_its_checkpoints():
     assert (plan.dir / "attempt0" / "node1" / "container.log").exists()
     assert (plan.dir / "node1" / "container.log").exists()
     assert json.loads((plan.dir / "summary.json").read_text())["attempts"] == r.attempts
+    info = json.loads((plan.dir / "job.json").read_text())   # the report's time runs from the first attempt
+    assert 0 < info["first_started"] < info["started"]
     assert any(ln.startswith("attempt 0 failed: node1 (rank 1) exited with exit code 3; restarting the whole job")
                for ln in lines)
     assert "attempt 0: node1 (rank 1) exited with exit code 3" in r.table()

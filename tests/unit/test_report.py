@@ -153,3 +153,19 @@ def test_own_times_no_float_holds_or_negative_are_left_out_of_the_straggler_figu
     recs = [{"rank": 0, "step": s, "own_seconds": 0.002} for s in range(5)] + \
         [{"rank": 1, "step": s, "own_seconds": v} for s, v in enumerate([float("nan"), -5.0, 0.003, 0.003, 0.003])]
     assert report.straggling(recs) == {"own": {0: 0.002, 1: 0.003}, "stragglers": {}}
+
+
+def test_the_throughput_plot_runs_from_the_jobs_first_start_with_a_line_per_attempt(tmp_path):
+    """After a restart, time ran from the last attempt's start: the earlier attempt sat at negative seconds, and
+    one line crossed the gap between the failure and the restart."""
+    from fleetbox.run import metrics
+    job = tmp_path / "train-r"
+    write_job(job, attempts=((0, 20), (15, 60)))   # attempt 0's lines at 1002 s on, attempt 1's at 1013.5 s on
+    info = json.loads((job / "job.json").read_text()) | {"started": 1012.0, "first_started": 1000.0}
+    (job / "job.json").write_text(json.dumps(info))
+    t0 = report.first_start(job, info)
+    lines = report.rate_lines(metrics.read(job), t0)
+    assert t0 == 1000.0 and sorted(lines) == [0, 1] and all(len(v) == 2 for v in lines.values())
+    assert [round(seg[0][0], 1) for seg in lines[0]] == [2.0, 13.5]   # from the first start, each attempt apart
+    drawn = report.draw(job)
+    assert drawn["node_legend"] == ["node0", "node1"]   # one entry a node, not one an attempt

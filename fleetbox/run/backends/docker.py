@@ -295,8 +295,11 @@ class DockerBackend(Backend):
             elif spec.checkpoint_dir:   # a folder every host shares: taken there (volumes are the job's own)
                 checkpoints.prepare(Path(plan.checkpoints), spec.resume, plan.job_id, log,
                                     helper=self._checkpoint_helper(plan))
+        now = time.time()
+        first = files.read_json(plan.dir / records.JOB).get("first_started") if plan.attempt else None
         JobInfo(plan.job_id, self.name, spec.variant.name, spec.nodes, spec.procs_per_node, spec.image_ref,
-                image_id=plan.image_id, content_tag=plan.content_tag, paddle=plan.paddle, started=time.time(),
+                image_id=plan.image_id, content_tag=plan.content_tag, paddle=plan.paddle, started=now,
+                first_started=first if isinstance(first, (int, float)) and first else now,
                 commands=[n.shell() for n in plan.nodes]).save(plan.dir)
         handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
                         procs_per_node=spec.procs_per_node, supervisor=os.getpid(),
