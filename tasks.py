@@ -308,12 +308,14 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
             "port": "master port to check (the trainers' pinned ports follow it; default: as `invoke train` picks)",
             "quick": "everything but the all-reduce sweep and the TCP throughput (what train --preflight runs)",
             "wait": "how long each node waits for the others: 90, 90s, 2m (default 30s)",
-            "json_out": "also write the JSON report to this path"})
+            "json_out": "also write the JSON report to this path",
+            "dry_run": "print the probe's job (and the sweep's) as the backend would run it; start nothing (with "
+                       "--hosts, a throwaway probe container runs on each host to find its network)"})
 @_backend_options(train=False)
 @_fleetbox
 def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=None, iface=None, ib_hca=None,
            gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None, shm_size=None,
-           backend=backends.DEFAULT, quick=False, wait=None, json_out=None, **backend_options):
+           backend=backends.DEFAULT, quick=False, wait=None, json_out=None, dry_run=False, **backend_options):
     """Check that the nodes are ready for a job, in the job's own containers.
 
     The image the same everywhere, shm, limits, interface and route, devices, clocks, disk, every port the job
@@ -326,7 +328,11 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
                                  devices=devices, port=port, env=env, mount=mount, data_dir=data_dir,
                                  shm_size=shm_size)
     report = doctor_mod.run(spec, backend, backends.configure(backend, backend_options), quick=quick,
-                            wait=options.seconds("--wait", wait) or 30.0, log=_log)
+                            wait=options.seconds("--wait", wait) or 30.0, log=_log, dry_run=dry_run)
+    if report.get("dry_run"):
+        if not report["ok"]:
+            raise Failed(f"doctor: {sum(not r['ok'] for r in report['rows'])} check(s) failed before the probe")
+        return
     if json_out:
         files.write_json(Path(json_out), report)
     if not report["ok"]:
@@ -340,12 +346,13 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
     "nodes": "comma-separated node counts to run at, e.g. 1,2,4 (default 1,2); with --hosts, N nodes use the "
              "first N hosts",
     "procs_per_node": "comma-separated processes per node, e.g. 1,2 (default 1)",
-    "image": "comma-separated images to compare, each run at every size (default fleetbox/paddle:<variant>)"})
+    "image": "comma-separated images to compare, each run at every size (default fleetbox/paddle:<variant>)",
+    "dry_run": "print every run's job as `invoke train --dry-run` would; start nothing"})
 @_backend_options(train=False)
 @_fleetbox
 def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=None, args=None, hosts=None,
           iface=None, ib_hca=None, gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None,
-          shm_size=None, timeout=None, backend=backends.DEFAULT, **backend_options):
+          shm_size=None, timeout=None, backend=backends.DEFAULT, dry_run=False, **backend_options):
     """Run a scaling study: the same job at each size and for each image, then a table and a plot.
 
     Samples/s, speed-up, parallel efficiency, time per step and communication share (runs/<study>/scale.md,
@@ -360,7 +367,7 @@ def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=
                                  gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
                                  data_dir=data_dir, shm_size=shm_size)
     scale_mod.run(spec, study_cells, backend, backends.configure(backend, backend_options),
-                  options.seconds("--timeout", timeout), log=_log)
+                  options.seconds("--timeout", timeout), log=_log, dry_run=dry_run)
 
 
 @task(name="jobs")

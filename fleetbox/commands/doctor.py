@@ -53,8 +53,9 @@ def _output(path: str) -> str:
 
 
 def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, quick: bool = False,
-        wait: float = 30.0, log=print) -> dict:
-    """Check every node for `spec` (the job as `invoke train` would run it); returns the report."""
+        wait: float = 30.0, log=print, dry_run: bool = False) -> dict:
+    """Check every node for `spec` (the job as `invoke train` would run it); returns the report. `dry_run`: print
+    the probe's job (and the sweep's) as the backend would run it, and start nothing."""
     b = backends.get(backend, **(backend_options or {}))
     job_id = new_job_id("doctor")
     facts_here = b.engine_facts(spec)   # what the backend can see from here, before anything starts
@@ -62,11 +63,16 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
     rows += confinement_rows(spec.variant.device, b.unconfined)
     base = replace(spec, job_id=job_id, max_restarts=0, resume="auto", checkpoint_dir="")
     facts, master_ip, sweep, job_dir, port = {}, "", None, settings.runs_root() / job_id, None
+    if dry_run and not all(r.ok for r in rows):   # what would stop the doctor before its probe
+        log(table(rows))
+        return {"dry_run": True, "ok": False, "rows": [asdict(r) for r in rows]}
     if all(r.ok for r in rows):
         probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait, not b.runs_in_image),
                         image_identity=b.reports_image)
         with stops_as_interrupt():
             plan = b.plan(probe)
+        if dry_run:
+            return describe(b, plan, base, quick, log)
         log(f"doctor {job_id}: probing {spec.nodes} node(s) in the job's own container ({b.label}), "
             f"master port {plan.port}")
         port = plan.port
@@ -104,10 +110,27 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
     return report
 
 
+def describe(b, plan, base: JobSpec, quick: bool, log) -> dict:
+    """--dry-run: the probe job, and (without --quick) the sweep's, as the backend would run them."""
+    log(f"# doctor: the probe job ({plan.job_id}), one container per node")
+    log(b.describe(plan))
+    if not quick:
+        sweep = sweep_spec(base)
+        with stops_as_interrupt():
+            swept = b.plan(sweep)
+        log(f"# doctor: then, when every check passes, the all-reduce sweep ({sweep.job_id})")
+        log(b.describe(swept))
+    return {"dry_run": True, "ok": True, "rows": []}
+
+
+def sweep_spec(base: JobSpec) -> JobSpec:
+    return replace(base, job_id=new_job_id("doctor-sweep"), script=str(settings.HELPERS / "fleetbox_collective.py"),
+                   args=("--max-bytes", str(BLAST_BYTES)), command=())
+
+
 def run_sweep(b, base: JobSpec, log) -> dict:
     """The all-reduce sweep as a real Paddle job (its launcher, pinned ports, Gloo or NCCL)."""
-    spec = replace(base, job_id=new_job_id("doctor-sweep"), script=str(settings.HELPERS / "fleetbox_collective.py"),
-                   args=("--max-bytes", str(BLAST_BYTES)), command=())
+    spec = sweep_spec(base)
     with stops_as_interrupt():
         plan = b.plan(spec)
     log(f"doctor: all-reduce sweep ({spec.job_id}) across {spec.nodes} node(s)")

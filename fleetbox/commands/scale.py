@@ -185,9 +185,10 @@ def write(out: Path, study: str, spec: JobSpec, backend: str, rows: list[dict]) 
 
 
 def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend_options: dict | None = None,
-        timeout: float | None = None, log=print, study: str = "") -> dict:
+        timeout: float | None = None, log=print, study: str = "", dry_run: bool = False) -> dict | None:
     """Run every cell as its own job, then write the study's table and plot (also when a run failed, or after
-    Ctrl-C: the runs that ended are in it, the others marked). Raises Failed when any run failed."""
+    Ctrl-C: the runs that ended are in it, the others marked). Raises Failed when any run failed. `dry_run`:
+    print every run's job as `invoke train --dry-run` would, and start nothing."""
     if spec.job_id:
         raise UserError("--job-id names one job; a study names its runs <study>-i<image>-n<nodes>p<procs>")
     if spec.hosts and len(spec.hosts) < max(c.nodes for c in study_cells):
@@ -209,6 +210,12 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
              "state": "not run", "samples_per_s": None, "step_seconds": None, "comm_share": None, "steps": 0,
              "ranks_reporting": 0, "failure": ""} for c, (jid, s) in zip(study_cells, plan)]
     out = settings.runs_root() / study
+    if dry_run:
+        for i, (jid, s) in enumerate(plan):
+            log(f"# scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
+                f"process(es) (job {jid})")
+            train_cmd.train(s, backend, dict(backend_options or {}), dry_run=True, log=log)
+        return None
     log(f"scale: study {study}: {len(plan)} run(s), {backend} backend; table in {out}/scale.md")
     done = None
     try:

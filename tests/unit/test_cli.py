@@ -201,3 +201,19 @@ def test_one_of_invokes_own_letters_after_a_task_is_refused(run_invoke, letter):
 def test_a_stopped_job_says_the_command_that_goes_on_from_its_checkpoint(given, want):
     from fleetbox.commands.train import resume_command
     assert resume_command(given, "J") == want
+
+
+def test_doctor_and_scale_show_their_jobs_and_start_nothing_with_dry_run(run_invoke, tmp_path):
+    """Both submit jobs (doctor --backend slurm to the queue); neither had a --dry-run."""
+    runs = tmp_path / "runs"
+    doc = run_invoke("doctor", "--backend", "slurm", "--runtime", "podman", "--image", "fleetbox/paddle:cpu",
+                     "--nodes", "2", "--dry-run", env={"FLEETBOX_RUNS": str(runs)})
+    assert doc.returncode == 0, doc.stderr
+    assert "# doctor: the probe job (doctor-" in doc.stdout and "#SBATCH --job-name=fleetbox-doctor-" in doc.stdout
+    assert "# doctor: then, when every check passes, the all-reduce sweep (doctor-sweep-" in doc.stdout
+    study = run_invoke("scale", "--nodes", "1,2", "--dry-run", env={"FLEETBOX_RUNS": str(runs)})
+    assert study.returncode == 0, study.stderr
+    assert [ln.split(" (job ")[0] for ln in study.stdout.splitlines() if ln.startswith("# scale: run")] == [
+        "# scale: run 1/2: fleetbox/paddle:cpu, 1 node(s) x 1 process(es)",
+        "# scale: run 2/2: fleetbox/paddle:cpu, 2 node(s) x 1 process(es)"]
+    assert study.stdout.count("\ndocker run ") == 3 and not runs.exists()   # nothing made, nothing submitted
