@@ -55,6 +55,8 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--timeout", "abc"], "--timeout takes seconds, or minutes or hours like 90, 90s, 20m, 1h"),
     (["train", "--timeout", "0"], "--timeout must be positive: seconds, or minutes or hours like"),
     (["train", "--timeout", "nan"], "--timeout takes seconds, or minutes or hours like"),
+    (["train", "--backend", "slurm", "--runtime", "podman", "--image", "fleetbox/paddle:cpu", "--time", "5m",
+      "--dry-run"], "is not a value Slurm accepts for --time (MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"),
     (["train", "--timeout", "-5"], "--timeout takes seconds, or minutes or hours like"),
     (["train", "--variant", "", "--dry-run"], "--variant is empty"),
     (["train", "--data-dir", "/nonexistent/cache", "--dry-run"], "--data-dir /nonexistent/cache is not a folder"),

@@ -77,6 +77,7 @@ SBATCH_VALUES = {
 SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+-]+")   # no '%': Slurm expands it in --output
 
 # Slurm may send the warning up to a minute before the grace it was asked for (its event loop's resolution):
+TIME_FORMS = "MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 90, 4:00:00, 2-12"
 # an allocation whose --time leaves less than this after the grace and that minute cannot start a job and save.
 EARLY_WARNING = 60
 MIN_WORK, SHORT_WORK = 60, 300   # seconds of work an allocation keeps at worst: refused below, warned below
@@ -135,7 +136,7 @@ class SlurmBackend(Backend):
         Option("modules", "with --runtime none: environment modules each node loads first (Lmod or Environment "
                           "Modules), e.g. \"compiler/dtk/24.04.1\"", ""),
         Option("partition", "with --backend slurm: the partition (-p)", ""),
-        Option("time", "with --backend slurm: the time limit (e.g. 01:00:00)", ""),
+        Option("time", f"with --backend slurm: the time limit, in Slurm's own forms: {TIME_FORMS}", ""),
         Option("account", "with --backend slurm: the account (-A)", ""),
         Option("runtime_args", "with --backend slurm: extra options for the runtime, e.g. "
                                "\"--ulimit nproc=32768:32768\"", ""),
@@ -178,7 +179,8 @@ class SlurmBackend(Backend):
                        "constraint": constraint or "", "reservation": reservation or "", "mem": str(mem or "")}
         for key, value in self.sbatch.items():
             if value and not SBATCH_VALUES[key].fullmatch(value):
-                raise UserError(f"--{key} {value!r} is not a value Slurm accepts for --{key}")
+                raise UserError(f"--{key} {value!r} is not a value Slurm accepts for --{key}"
+                                + (f" ({TIME_FORMS})" if key == "time" else ""))
         self.cpus_per_node = cpus_per_node_option(cpus_per_node)
         if self.cpus_per_node == WHOLE_NODE and not self.sbatch["mem"]:
             self.sbatch["mem"] = "0"   # an exclusive job gets only the memory it asks for: all of it
