@@ -8,6 +8,7 @@ which adds their options).
 import functools
 import inspect
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -28,23 +29,31 @@ def task(*args, **kwargs):
     return invoke.task(*args, auto_shortflags=False, **kwargs)
 
 
-def _refuse_invokes_own_letters(argv: list[str]) -> None:
-    """No fleetbox option has one letter, but invoke takes its own anywhere on the line: `invoke train -d` ran the
-    real job with invoke's --debug where --dry-run was meant. One after the task's name is refused."""
+def _refuse_invokes_own(argv: list[str], fn) -> None:
+    """No fleetbox option has one letter, but invoke takes its own options anywhere on the line: `invoke train -d`
+    or `--dry` ran the real job (invoke's --debug, or its --dry, which only its own `run` heeds), where --dry-run
+    was meant. One of them after the task's name is refused; a value given to one of ours is passed over."""
+    import invoke
     words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
     named = next((i for i, w in enumerate(words) if not w.startswith("-")), len(words))
-    letters = [w for w in words[named + 1:] if len(w) == 2 and w[0] == "-" and w[1].isalpha() and w != "-h"]
-    if letters:
-        raise UserError(f"{letters[0]} is invoke's own option, not fleetbox's: fleetbox's options are spelled out "
-                        f"(`invoke --help TASK` lists them)")
-
-
+    params = {n.rstrip("_").replace("_", "-"): p for n, p in list(inspect.signature(fn).parameters.items())[1:]}
+    params |= {o.name.replace("_", "-"): None for _, o in backends.all_options()}
+    invokes = {n for a in invoke.Program().core_args() for n in a.names} - set(params)
+    rest, i = words[named + 1:], 0
+    while i < len(rest):
+        w = rest[i]
+        name = w[2:].split("=", 1)[0] if w.startswith("--") else ""
+        if re.fullmatch(r"-[A-Za-z]+", w) or name in invokes:
+            raise UserError(f"{w} is invoke's own option, not fleetbox's: fleetbox's options are spelled out "
+                            f"(`invoke --help TASK` lists them)")
+        takes = name in params and (params[name] is None or not isinstance(params[name].default, bool))
+        i += 2 if takes and "=" not in w else 1   # the value of one of ours is passed over, whatever it looks like
 def _fleetbox(fn):
     """Turn a UserError (or Ctrl-C) into one clear line and a non-zero exit, never a traceback."""
     @functools.wraps(fn)
     def wrapper(c, *args, **kwargs):
         try:
-            _refuse_invokes_own_letters(sys.argv)
+            _refuse_invokes_own(sys.argv, fn)
             return fn(c, *args, **kwargs)
         except UserError as e:
             raise Exit(f"fleetbox: error: {e}", code=errors.USER_ERROR) from None
@@ -73,6 +82,17 @@ def _script_args(args):
     if args is not None:
         raise UserError("give the script's arguments once: --args \"...\" or after --")
     return shlex.join(sys.argv[sys.argv.index("--") + 1:])
+
+
+def _as_typed() -> str:
+    """This command line as the user would type it again: `python3 -m invoke ...` or `invoke ...` (a venv's
+    interpreter where it was one), with invoke's own options and this task's words (not another task's)."""
+    orig = list(getattr(sys, "orig_argv", sys.argv))
+    head = orig[:orig.index("-m") + 2] if "-m" in orig[:3] else ["invoke"]
+    words = sys.argv[1:]
+    core = [w for w in words[:next((i for i, w in enumerate(words) if not w.startswith("-")), len(words))]]
+    start = words.index("train") if "train" in words else len(core)
+    return shlex.join(head + core + words[start:])
 
 
 def _log(msg):
@@ -298,7 +318,7 @@ def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=No
                                  pass_env=pass_env, hang_timeout=hang_timeout, start_timeout=start_timeout)
     train_mod.train(spec, backend, backends.configure(backend, backend_options), dry_run,
                     options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight,
-                    command="invoke " + shlex.join(sys.argv[1:]))
+                    command=_as_typed())
 
 
 @task(help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts",

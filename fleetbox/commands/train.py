@@ -10,7 +10,7 @@ from pathlib import Path
 from fleetbox import settings
 from fleetbox.commands import doctor, jobs
 from fleetbox.errors import Failed, UserError
-from fleetbox.processes import stops_as_interrupt
+from fleetbox.processes import never_failing, stops_as_interrupt
 from fleetbox.run import backends, checkpoints, hang, records, report
 from fleetbox.run.output import quiet
 from fleetbox.run.records import DamagedRecord, Handle, JobState
@@ -73,32 +73,46 @@ def _start(spec: JobSpec, b, backend: str, backend_options: dict | None, dry_run
         return None
     try:
         result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
-    except KeyboardInterrupt:
-        if command:
-            log(f"to go on from its newest checkpoint: {resume_command(command, plan.job_id)}")
+    except (KeyboardInterrupt, Failed):   # stopped, or the engine failed under it
+        say_how_to_resume(spec, plan.job_id, command, never_failing(log))
         raise
     log(result.table())
     draw_report(Path(result.dir), log)
     if not result.ok:
-        if command:
-            log(f"to go on from its newest checkpoint: {resume_command(command, plan.job_id)}")
+        say_how_to_resume(spec, plan.job_id, command, log)
         raise Failed(f"train failed: {result.failure()}")
     return result
 
 
+def say_how_to_resume(spec: JobSpec, job_id: str, command: str, log) -> None:
+    """The one command that goes on from the job's newest checkpoint. Where that cannot be said in a command
+    (--hosts volumes made fresh for --resume never), where its checkpoints are."""
+    if not command:
+        return
+    if spec.hosts and not spec.checkpoint_dir and spec.resume == "never":
+        log(f"its checkpoints are in a fresh volume per node (fleetbox-{job_id}-*-checkpoints-*) on each host; a run "
+            f"of the same id without --resume never reads the job's first ones, not these")
+        return
+    log(f"to go on from its newest checkpoint: {resume_command(command, job_id)}")
+
+
 def resume_command(command: str, job_id: str) -> str:
-    """The train command as given, with the job's id (and no --resume, --dry-run or --detach of its own): run
-    again, it goes on from the job's newest checkpoint."""
+    """The train command as given, with the job's id, without --dry-run, --detach or --resume never (a --resume
+    PATH stays: the job's own checkpoints, once it has some, come first): run again, it goes on from the job's
+    newest checkpoint."""
     words, out, i = shlex.split(command), [], 0
     while i < len(words):
         w = words[i]
         if w == "--":
             out += words[i:]
             break
-        if w in ("--job-id", "--resume"):
-            i += 2
+        value = words[i + 1] if w in ("--job-id", "--resume") and i + 1 < len(words) else w.partition("=")[2]
+        if w in ("--job-id", "--resume") or w.startswith(("--job-id=", "--resume=")):
+            if w.startswith("--resume") and value not in ("never", "auto"):
+                out += [w] if "=" in w else [w, value]
+            i += 1 if "=" in w else 2
             continue
-        if not w.startswith(("--job-id=", "--resume=")) and w not in ("--dry-run", "--detach"):
+        if w not in ("--dry-run", "--detach"):
             out.append(w)
         i += 1
     at = out.index("train") + 1 if "train" in out else len(out)

@@ -123,6 +123,14 @@ class Backend(ABC):
         """`invoke cancel`: stop the job from any shell, every node, logs kept."""
         self.cancel(handle, log)
 
+    def mark_cancelled(self, handle: Handle) -> None:
+        """The job was stopped (Ctrl-C, SIGTERM, a hang-up), not failed: `invoke jobs` says CANCELLED. Never in
+        the way of the cancel itself (a folder that cannot be written)."""
+        try:
+            Path(handle.dir, CANCELLED).touch()
+        except OSError:
+            pass
+
     def detach(self, plan: Plan, log=print) -> Handle:
         """`--detach`: start the job and return; by default the backend's own scheduler carries it."""
         return self.submit(plan, log)
@@ -161,7 +169,7 @@ class Backend(ABC):
                     why = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped by an error"
                     if isinstance(e, KeyboardInterrupt):   # Ctrl-C, SIGTERM, a hang-up: stopped, not failed
                         with signals_held():
-                            Path(handle.dir, CANCELLED).touch()
+                            self.mark_cancelled(handle)
                     log(f"{why}: cancelling {plan.job_id} (another Ctrl-C will not stop the cleanup)")
                     with signals_held():
                         self.cancel(handle, log)

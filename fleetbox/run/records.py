@@ -304,7 +304,8 @@ JOB_FOLDER = {
     "checkpoints": "the job's checkpoint folder, where no --checkpoint-dir is given",
     "checkpoints.before-<time>": "checkpoints `--resume never` set aside",
     "run-<time>": "an earlier run of the same job id, set aside whole when the id ran again",
-    "CANCELLED": "`invoke cancel` asked (Docker); `containers removed` once it removed them itself",
+    "CANCELLED": "Docker: stopped by `invoke cancel`, Ctrl-C, SIGTERM or a hang-up; `containers removed` once "
+                 "`invoke cancel` removed them itself",
     "CANCELLED.<N>": "`invoke cancel` asked (Slurm: the chain's first Slurm job)",
     "doctor.json": "`invoke doctor`'s report, in its probe job's folder",
     "job.sbatch": "Slurm: the batch script, as submitted",

@@ -2,6 +2,7 @@
 import datetime as dt
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -192,7 +193,8 @@ def test_a_killed_node_is_named_with_what_137_means(cpu_image):
     assert p.returncode == 1, out[-2000:] + err
     assert err.strip().splitlines()[-1].startswith(
         "fleetbox: train failed: node1 (rank 1) exited with exit code 137 (killed by SIGKILL) (logs: ")
-    assert f"to go on from its newest checkpoint: invoke train --job-id {job_id} --nodes 2 " in out
+    assert f"to go on from its newest checkpoint: {shlex.join([sys.executable, '-m', 'invoke', 'train'])} " \
+           f"--job-id {job_id} --nodes 2 " in out
     assert job_containers(job_id) == []
 
 
@@ -273,8 +275,9 @@ def test_interrupt_stops_and_removes_every_container(cpu_image, sig):
     assert p.returncode == 130 and "Traceback" not in err, out[-2000:] + err
     assert "interrupted: cancelling" in out and err.strip().splitlines()[-1] == "fleetbox: interrupted"
     assert job_containers(job_id) == []
-    assert f"to go on from its newest checkpoint: invoke train --job-id {job_id} --nodes 2 --args " \
-           f"'--step-sleep 1'\n" in out
+    again = shlex.join([sys.executable, "-m", "invoke", "train", "--job-id", job_id, "--nodes", "2", "--args",
+                        "--step-sleep 1"])   # as it was typed: python -m invoke
+    assert f"to go on from its newest checkpoint: {again}\n" in out
     assert _jobs_row(job_id)["state"] == "CANCELLED"   # stopped, not FAILED
     job_dir = ROOT / out.split("logs in ")[1].split()[0]
     s = json.loads((job_dir / "summary.json").read_text())   # what happened is kept

@@ -1,5 +1,6 @@
 """The front door as a user meets it: `invoke ...` in a subprocess."""
 import subprocess
+import types
 
 import pytest
 
@@ -183,13 +184,18 @@ def test_a_scripts_own_flags_pass_after_a_double_dash_word_for_word(run_invoke):
                    "give the script's arguments once")
 
 
-@pytest.mark.parametrize("letter", ["-d", "-e", "-p"])
-def test_one_of_invokes_own_letters_after_a_task_is_refused(run_invoke, letter):
-    """`invoke train -d` ran the real job, in invoke's --debug, where --dry-run was meant. (--dry-run here keeps a
-    regression from starting a job.)"""
+@pytest.mark.parametrize("letter", ["-d", "-e", "-p", "-ed", "--dry", "--echo"])
+def test_one_of_invokes_own_options_after_a_task_is_refused(run_invoke, letter):
+    """`invoke train -d` (or --dry) ran the real job, in invoke's --debug (or its --dry, which only its own `run`
+    heeds), where --dry-run was meant. (--dry-run here keeps a regression from starting a job.)"""
     one_line_error(run_invoke("train", "--dry-run", letter), f"{letter} is invoke's own option, not fleetbox's")
     after = run_invoke("train", "--nodes", "1", "--dry-run", "--", letter)   # the script's: passed on
     assert after.returncode == 0 and f"smoke.py {letter}\n" in after.stdout, after.stderr
+
+
+def test_a_value_of_ours_that_looks_like_a_letter_is_a_value(run_invoke):
+    proc = run_invoke("train", "--nodes", "1", "--dry-run", "--env", "-x", "--debug")   # train's own --debug
+    assert "is invoke's own option" not in proc.stderr
 
 
 
@@ -199,10 +205,43 @@ def test_one_of_invokes_own_letters_after_a_task_is_refused(run_invoke, letter):
     ("invoke train --resume=never --job-id=old --detach --backend slurm --time 1:00:00",
      "invoke train --job-id J --backend slurm --time 1:00:00"),
     ("invoke train --args '--lr 0.1' -- --resume never", "invoke train --job-id J --args '--lr 0.1' -- --resume never"),
+    # a checkpoint to start from stays: until the job saved its own, it is where the job goes on from
+    ("python3 -m invoke train --resume /ck/step-00000100 --nodes 2",
+     "python3 -m invoke train --job-id J --resume /ck/step-00000100 --nodes 2"),
+    ("invoke train --resume=/ck --dry-run", "invoke train --job-id J --resume=/ck"),
 ])
 def test_a_stopped_job_says_the_command_that_goes_on_from_its_checkpoint(given, want):
     from fleetbox.commands.train import resume_command
     assert resume_command(given, "J") == want
+
+
+def test_an_engine_failure_or_fresh_hosts_volumes_say_how_to_go_on(monkeypatch, tmp_path):
+    """An engine lost under the job raises Failed from the backend: it said nothing of a resume. With --hosts and
+    --resume never, the job's checkpoints are in fresh volumes a rerun does not read: said so, not a command."""
+    from fleetbox.commands import train
+    from fleetbox.errors import Failed
+    from fleetbox.image import matrix
+    from fleetbox.run import backends
+    from fleetbox.run.spec import JobSpec
+
+    class Lost:
+        name, notes, watches_hangs = "docker", (), True
+
+        def plan(self, spec):
+            return types.SimpleNamespace(job_id="J", dir=tmp_path)
+
+        def run(self, plan, log, timeout):
+            raise Failed("train failed: the Docker Engine at tcp://h1:2375 failed")
+    monkeypatch.setattr(backends, "get", lambda name, **kw: Lost())
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    for hosts, resume, said in ((("",), "auto", "to go on from its newest checkpoint: invoke train --job-id J"),
+                                (("tcp://h1:2375",), "never", "its checkpoints are in a fresh volume per node")):
+        lines = []
+        spec = JobSpec(variant=matrix.load().get("cpu"), nodes=1, hosts=hosts if hosts != ("",) else (),
+                       resume=resume)
+        with pytest.raises(Failed):
+            train.train(spec, log=lines.append, command="invoke train --resume never")
+        assert any(ln.startswith(said) for ln in lines), lines
 
 
 def test_doctor_and_scale_show_their_jobs_and_start_nothing_with_dry_run(run_invoke, tmp_path):
@@ -219,3 +258,22 @@ def test_doctor_and_scale_show_their_jobs_and_start_nothing_with_dry_run(run_inv
         "# scale: run 1/2: fleetbox/paddle:cpu, 1 node(s) x 1 process(es)",
         "# scale: run 2/2: fleetbox/paddle:cpu, 2 node(s) x 1 process(es)"]
     assert study.stdout.count("\ndocker run ") == 3 and not runs.exists()   # nothing made, nothing submitted
+
+
+
+@pytest.mark.parametrize("orig,argv,want", [
+    (["python3", "-m", "invoke", "train", "--nodes", "2"], ["m", "train", "--nodes", "2"],
+     "python3 -m invoke train --nodes 2"),
+    (["/opt/venv/bin/python", "/opt/venv/bin/invoke", "-e", "build", "--dry-run", "train", "--nodes", "2"],
+     ["invoke", "-e", "build", "--dry-run", "train", "--nodes", "2"], "invoke -e train --nodes 2"),
+])
+def test_the_command_to_go_on_is_as_it_was_typed_and_this_tasks_only(monkeypatch, orig, argv, want):
+    """Not `invoke` where `python3 -m invoke` (a venv's) was typed; not another task of the same line (a real
+    build, its --dry-run dropped)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("front_door_typed", ROOT / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    monkeypatch.setattr(tasks.sys, "orig_argv", orig)
+    monkeypatch.setattr(tasks.sys, "argv", argv)
+    assert tasks._as_typed() == want

@@ -1052,8 +1052,23 @@ def test_a_job_cancelled_from_another_machine_has_ended_once_its_summary_or_its_
     assert (state, note) == (JobState.UNKNOWN, "cancelling: its supervisor (pid 4242) runs on fleetbox-login2")
     (tmp_path / "CANCELLED").write_text(docker_backend.REMOVED + "\n")
     assert DockerBackend(connect=FakeEngine().connect).job_state(h)[0] == JobState.CANCELLED
-    files.write_json(tmp_path / "summary.json", {"ok": False})
+    files.write_json(tmp_path / "summary.json", {"ok": False})   # a stopped job's summary: still CANCELLED
+    assert DockerBackend(connect=FakeEngine().connect).job_state(h)[0] == JobState.CANCELLED
+    (tmp_path / "CANCELLED").unlink()
     assert DockerBackend(connect=FakeEngine().connect).job_state(h)[0] == JobState.FAILED
+
+
+def test_a_stop_marked_where_the_folder_cannot_be_written_still_cancels(monkeypatch):
+    """Touching CANCELLED failed (a stale NFS handle, a removed folder): the error replaced the Ctrl-C, and the
+    job's containers were never stopped."""
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None, error=KeyboardInterrupt(), errors=1)})
+    b, plan = job(engine)
+    real = Path.touch
+    monkeypatch.setattr(Path, "touch", lambda self, *a, **k: (_ for _ in ()).throw(OSError(116, "Stale file "
+                        "handle")) if self.name == "CANCELLED" else real(self, *a, **k))
+    with pytest.raises(KeyboardInterrupt):
+        b.run(plan, log=lambda _: None)
+    assert engine.all_removed()
 
 
 def test_a_cancel_that_removes_the_containers_itself_says_so_for_other_machines():

@@ -430,8 +430,8 @@ class DockerBackend(Backend):
         can be asked from here (this machine's own engine is not the one its containers run on)."""
         d = Path(handle.dir)
         summary = files.read_json(d / records.SUMMARY)
-        if summary:
-            return ended_as(summary), attempt, ""
+        if summary:   # a stopped job has a summary too
+            return (JobState.CANCELLED if (d / CANCELLED).exists() else ended_as(summary)), attempt, ""
         who = f"its supervisor (pid {handle.supervisor}) runs on {where}"
         if (d / CANCELLED).exists():   # asked to stop: done once the containers were removed (stop() says so)
             if (d / CANCELLED).read_text(errors="replace").strip() == REMOVED:

@@ -484,6 +484,9 @@ class SlurmBackend(Backend):
         p = Path(handle.dir) / f"node{node}.log"
         return p.read_text(errors="replace") if p.exists() else ""
 
+    def mark_cancelled(self, handle: Handle) -> None:
+        pass   # cancel() marks the chain itself (CANCELLED.<first Slurm job>), which job_state reads
+
     def cancel(self, handle: Handle, log=print) -> None:
         """The marker first (an allocation about to submit the next one reads it, and a next one that was
         already submitted ends at once), then the chain's own Slurm jobs that are still alive, as this user:
