@@ -367,7 +367,8 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
              "first N hosts",
     "procs_per_node": "comma-separated processes per node, e.g. 1,2 (default 1)",
     "image": "comma-separated images to compare, each run at every size (default fleetbox/paddle:<variant>)",
-    "dry_run": "print every run's job as `invoke train --dry-run` would; start nothing"})
+    "dry_run": "print every run's job as `invoke train --dry-run` would; start nothing (with --hosts, a throwaway "
+               "probe container runs on each host to find its network)"})
 @_backend_options(train=False)
 @_fleetbox
 def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=None, args=None, hosts=None,
