@@ -234,6 +234,12 @@ def starting(job_dir: Path):
             raise UserError(f"cannot lock {job_dir / STARTING}: {e.strerror or e}") from None
         yield
     finally:
+        try:   # nothing started (a refusal, a failed preflight): no folder is left for a job that never was
+            if [e.name for e in job_dir.iterdir()] == [STARTING]:
+                (job_dir / STARTING).unlink()
+                job_dir.rmdir()
+        except OSError:
+            pass
         os.close(fd)
 
 

@@ -207,8 +207,13 @@ def test_one_start_of_a_job_id_at_a_time(tmp_path):
             with records.starting(job_dir):
                 pass
     with records.starting(job_dir):   # let go on the way out
-        pass
-    assert records.set_aside(job_dir) is None   # its lock is no earlier run
+        (job_dir / "handle.json").write_text("{}")
+    assert records.set_aside(job_dir) is not None   # its lock is no earlier run: only the handle went
+    assert [p.name for p in job_dir.iterdir() if not p.name.startswith("run-")] == [records.STARTING]
+    with pytest.raises(records.UserError):
+        with records.starting(tmp_path / "refused"):   # a start refused: no folder left for it
+            raise records.UserError("refused")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_checkpoint_folder_that_holds_the_job_folder_is_refused_before_anything_moves(tmp_path, monkeypatch):
