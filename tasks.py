@@ -90,7 +90,7 @@ def _as_typed() -> str:
     orig = list(getattr(sys, "orig_argv", sys.argv))
     head = orig[:orig.index("-m") + 2] if "-m" in orig[:3] else ["invoke"]
     words = sys.argv[1:]
-    core = [w for w in words[:next((i for i, w in enumerate(words) if not w.startswith("-")), len(words))]]
+    core = words[:next((i for i, w in enumerate(words) if not w.startswith("-")), len(words))]
     start = words.index("train") if "train" in words else len(core)
     return shlex.join(head + core + words[start:])
 

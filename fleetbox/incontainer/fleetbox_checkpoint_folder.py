@@ -181,23 +181,28 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def answer(argv: list[str]):
+    """What a verb gives: read FOLDER, take FOLDER REQUEST_JSON, release FOLDER OWNER_JSON. Raises OSError as the
+    folder does (main reports it; fleetbox, calling this in its own process, says it)."""
+    if argv[0] == "read":
+        return owner(argv[1])
+    if argv[0] == "release":
+        return release(argv[1], json.loads(argv[2]))
+    req = json.loads(argv[2])
+    return take(argv[1], req["me"], req["expected"], req["resume"])
+
+
 def main(argv: list[str]) -> int:
     verbs = {"read": 2, "take": 3, "release": 3}
     if not argv or verbs.get(argv[0]) != len(argv):
         print("usage: read FOLDER | take FOLDER REQUEST_JSON | release FOLDER OWNER_JSON", file=sys.stderr)
         return 2
     try:
-        if argv[0] == "read":
-            answer = owner(argv[1])
-        elif argv[0] == "release":
-            answer = release(argv[1], json.loads(argv[2]))
-        else:
-            req = json.loads(argv[2])
-            answer = take(argv[1], req["me"], req["expected"], req["resume"])
+        said = answer(argv)
     except OSError as e:
         print(json.dumps({"error": f"{e.filename or argv[1]}: {e.strerror or e}"}))
         return 1
-    print(json.dumps(answer))
+    print(json.dumps(said))
     return 0
 
 
