@@ -244,7 +244,7 @@ TRAIN_HELP = {
     "iface": "network interface for NCCL/Gloo (default: the one that routes to the master)",
     "ib_hca": "InfiniBand HCA, e.g. mlx5_0 (sets NCCL_IB_HCA and NCCL_IB_DISABLE=0)",
     "debug": "NCCL_DEBUG=INFO, and the launcher's HTTP polling lines in the live output",
-    "gpus_per_node": "GPUs per node (CUDA variants)",
+    "gpus_per_node": "GPUs per node (CUDA variants); 0: a GPU image's ranks run on CPU, collectives on Gloo",
     "devices": "docker backend: the accelerator ids the job may use, e.g. 4,5,6,7, split among the nodes (Slurm "
                "gives each node its own: --gpus-per-node)",
     "port": "master port (default: a free one here, a random one for Slurm)",

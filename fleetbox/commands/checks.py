@@ -63,7 +63,7 @@ def probe_command(spec: JobSpec, blast: int, wait: float, import_paddle: bool = 
     return ("python", "-m", "fleetbox_doctor", "--rank", "{rank}", "--nnodes", "{nnodes}",
             "--width", str(planner.block_width(spec.procs_per_node)), "--master", "{master_ip}:{master_port}",
             "--node-ip", "{node_ip}",
-            "--iface", "{iface}", "--ib-hca", spec.ib_hca, "--device", spec.variant.device,
+            "--iface", "{iface}", "--ib-hca", spec.ib_hca, "--device", spec.device,
             "--paths", ",".join(paths), "--wait", f"{wait:g}", "--blast", str(blast),
             *(["--import-paddle"] if import_paddle else []))
 

@@ -103,9 +103,16 @@ def matrix_page() -> str:
         lock = "yes" if v.lock_path.exists() else "no: `invoke lock` where the index is reachable"
         driver = f"{v.min_driver} or newer" if v.min_driver else "–"
         out.append(f"| `{v.name}` | {_cell(v.description)} | `{v.paddle}` | {_cell(where)} | "
-                   f"{_cell(v.base.description)} | {v.python_version} | {_cell(', '.join(v.extras + v.tools))} | "
+                   f"{_cell(v.base.description)} | {v.python_version} | {_cell(_installed(v))} | "
                    f"{driver} | {lock} |")
     return "\n".join(out) + "\n"
+
+
+def _installed(v) -> str:
+    """What the image holds besides Paddle and its dependencies."""
+    libraries = [f"{len(v.libraries)} GPU library wheels ({', '.join(v.libraries)}), in a layer below Paddle's"] \
+        if v.libraries else []
+    return ", ".join([*v.extras, *v.tools, *libraries])
 
 
 def job_folder_page() -> str:

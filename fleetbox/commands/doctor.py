@@ -40,7 +40,7 @@ from fleetbox.run.spec import JobSpec, new_job_id
 def expect(spec: JobSpec, port: int, b) -> Expect:
     """What the job needs of every node, with what the backend says of how it starts containers."""
     v = spec.variant
-    return Expect(spec.nodes, spec.shm_size, v.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
+    return Expect(spec.nodes, spec.shm_size, spec.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
                   spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, b.shm_settable,
                   check_paddle=not b.runs_in_image)
 
@@ -60,7 +60,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
     job_id = new_job_id("doctor")
     facts_here = b.engine_facts(spec)   # what the backend can see from here, before anything starts
     rows = engine_rows(facts_here, spec) if facts_here is not None else []
-    rows += confinement_rows(spec.variant.device, b.unconfined)
+    rows += confinement_rows(spec.device, b.unconfined)
     base = replace(spec, job_id=job_id, max_restarts=0, resume="auto", checkpoint_dir="")
     facts, master_ip, sweep, job_dir, port = {}, "", None, settings.runs_root() / job_id, None
     if dry_run and not all(r.ok for r in rows):   # what would stop the doctor before its probe

@@ -62,7 +62,7 @@ def _start(spec: JobSpec, b, backend: str, backend_options: dict | None, dry_run
         plan = b.plan(spec)
     if dry_run:
         if b.watches_hangs:   # first: what follows is the backend's files, each to its end
-            log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout, spec.variant.device, spec.env))
+            log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout, spec.device, spec.env))
         log(b.describe(plan))
         return None
     if detach:

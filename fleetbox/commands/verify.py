@@ -5,27 +5,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fleetbox import engine, files, incontainer, settings
+from fleetbox import files, incontainer, settings
 from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
 from fleetbox.image.built import resolve
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
-from fleetbox.run import backends
 from fleetbox.run.plan import device_kwargs, device_options
-from fleetbox.run.result import smoke_line
 from fleetbox.run.spec import JobSpec
 from fleetbox.settings import CONTAINER_CACHE
 
 MARK = "FLEETBOX-REPORT "
 
 
-def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None) -> dict:
-    """Pure: how the verify container is run: no network; the variant's devices, every GPU of the machine;
-    the seeded dataset cache mounted read-only at Paddle's cache path when there is one."""
-    dev = device_options(JobSpec(variant=variant))
+def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None, no_gpu: str = "") -> dict:
+    """Pure: how the verify container is run: no network; the variant's devices, every GPU of the machine (none
+    where `no_gpu` says why the engine cannot give one); the seeded dataset cache mounted read-only at Paddle's
+    cache path when there is one."""
+    dev = device_options(JobSpec(variant=variant, on_cpu=bool(no_gpu)))
     kw = {"network_mode": "none", "environment": {
-        "FLEETBOX_DEVICE": variant.device,
+        "FLEETBOX_DEVICE": variant.device, "FLEETBOX_NO_GPU": no_gpu,
         "FLEETBOX_EXPECT_FREEZE": image_labels.get(settings.LABEL_FREEZE, "")},
           **device_kwargs(dev.get("devices", ()), dev.get("group_add", ()), dev.get("security_opt", ()),
                           "all" if dev.get("gpus") else "")}
@@ -41,12 +40,36 @@ def parse_report(output: str) -> dict:
     raise UserError("the verify probe printed no report; the image's Python may be broken")
 
 
+# Docker's answer where it has no GPU to give: no NVIDIA runtime or hook; a hook that finds no driver; no CDI spec.
+# Any other refusal (a driver error on a GPU machine) is the error it is.
+NO_GPU_ANSWERS = ("could not select device driver", "nvml error: driver not loaded", "unresolvable CDI devices")
+
+
+def no_gpu_reason(error: str) -> str:
+    """Pure: why the engine gave no GPU, from its refusal of a GPU request; "" for any other error."""
+    if not any(a in error for a in NO_GPU_ANSWERS):
+        return ""
+    return "the engine has no GPU to give (" + " ".join(error.split())[:160] + ")"
+
+
+def status(check: dict) -> str:
+    return "FAIL" if not check["ok"] else "NO GPU" if check.get("no_gpu") else "PASS"
+
+
 def table(variant: str, image: str, checks: list[dict]) -> str:
     width = max(len(c["check"]) for c in checks)
     rows = [f"verify {variant} ({image})"]
     for c in checks:
-        rows.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['check']:<{width}}  {c['detail']}")
+        rows.append(f"  {status(c):<6}  {c['check']:<{width}}  {c['detail']}")
     return "\n".join(rows)
+
+
+def verdict(report: dict) -> str:
+    """PASSED, FAILED, or PASSED as far as a machine without a GPU can check (saying which checks)."""
+    if not report["ok"]:
+        return "FAILED"
+    rendered = [c["check"] for c in report["checks"] if c.get("no_gpu")]
+    return f"PASSED without a GPU (not run on one: {', '.join(rendered)})" if rendered else "PASSED"
 
 
 def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: Path | None = None) -> dict:
@@ -65,56 +88,42 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     if mount:
         log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
     with stops_as_interrupt():   # a `kill` or a hang-up removes the probe container as Ctrl-C does
-        container = c.containers.run(image.id, ["python", "-c", incontainer.source("fleetbox_verify_image")],
-                                     detach=True, labels={settings.LABEL_ROLE: "verify"},
-                                     **container_kwargs(variant, labels, mount))
+        container, no_gpu = _start(c, image.id, variant, labels, mount, log)
         try:
-            status = container.wait(timeout=600)
+            ended = container.wait(timeout=600)
             output = container.logs().decode(errors="replace")
         finally:
             with signals_held():
                 container.remove(force=True)
     files.write_atomic(rd / "verify.log", output)
     report = parse_report(output)
-    report.update(variant=variant.name, image=image.id, tags=image.tags, exit_code=status.get("StatusCode"),
-                  lock_sha256=labels.get(settings.LABEL_LOCK, ""), path=str(rd / "report.json"))
-    report["ok"] = report["ok"] and status.get("StatusCode") == 0
+    report.update(variant=variant.name, image=image.id, tags=image.tags, exit_code=ended.get("StatusCode"),
+                  lock_sha256=labels.get(settings.LABEL_LOCK, ""), path=str(rd / "report.json"), no_gpu=no_gpu)
+    report["ok"] = report["ok"] and ended.get("StatusCode") == 0
     files.write_json(rd / "report.json", report)
     log(table(variant.name, image.tags[0] if image.tags else image.id, report["checks"]))
-    log(f"{'PASSED' if report['ok'] else 'FAILED'}; report: {rd / 'report.json'}")
+    log(f"{verdict(report)}; report: {rd / 'report.json'}")
     return report
 
 
-def run_nodes(spec, log=print) -> dict:
-    """`verify --nodes N`: the image checks (run_check() included) in every node's container, then the
-    smoke job across all nodes; one table, one JSON report."""
-    hosts = list(spec.hosts) or [""] * spec.nodes
-    rows = []
-    for k, host in enumerate(hosts):
-        c = engine.client(host or None)
-        rep = run(c, spec.variant, spec.image or None, log=lambda m: None,
-                  data_dir=Path(spec.data_dir) if spec.data_dir and not host else None)
-        passed = sum(ch["ok"] for ch in rep["checks"])
-        failed = [ch["check"] for ch in rep["checks"] if not ch["ok"]]
-        found = {ch["check"]: ch["detail"] for ch in rep["checks"]}
-        rows.append({"what": f"node{k}", "host": host or "local", "ok": rep["ok"],
-                     "detail": f"{passed}/{len(rep['checks'])} image checks pass; {found.get('import paddle', '?')}, "
-                               f"device {found.get('compiled device', '?')}"
-                               + (f"; failed: {', '.join(failed)}" if failed else ""), "report": rep["path"]})
-        log(f"node{k} ({host or 'local'}): {'PASS' if rep['ok'] else 'FAIL'}")
-    log(f"running the smoke job across {spec.nodes} nodes")
-    backend = backends.get(backends.DEFAULT)   # the nodes are Docker Engines: this machine or --hosts
-    job = backend.run(backend.plan(spec), log=lambda m: None)
-    smoke = job.smoke or {}
-    detail = smoke_line(smoke) if smoke else job.failure()
-    rows.append({"what": "smoke", "host": f"{spec.nodes} nodes", "ok": job.ok, "detail": detail,
-                 "report": str(Path(job.dir) / "summary.json")})
-    rd = run_dir(f"verify-{spec.variant.name}-{spec.nodes}nodes")
-    report = {"variant": spec.variant.name, "nodes": spec.nodes, "rows": rows, "ok": all(r["ok"] for r in rows),
-              "path": str(rd / "report.json")}
-    files.write_json(rd / "report.json", report)
-    log(f"verify {spec.variant.name} across {spec.nodes} nodes")
-    for r in rows:
-        log(f"  {'PASS' if r['ok'] else 'FAIL'}  {r['what']:<6} {r['host']:<24} {r['detail']}")
-    log(f"{'PASSED' if report['ok'] else 'FAILED'}; report: {report['path']}")
-    return report
+def _start(c, image_id: str, variant: Variant, labels: dict, mount, log):
+    """The probe container, given every GPU; where the engine has none to give, without: (container, why not).
+    A container the engine made but could not start is removed."""
+    import docker.errors  # noqa: PLC0415 (deferred, as in run.plan.device_kwargs)
+    source = ["python", "-c", incontainer.source("fleetbox_verify_image")]
+    no_gpu = ""
+    while True:
+        container = c.containers.create(image_id, source, labels={settings.LABEL_ROLE: "verify"},
+                                        **container_kwargs(variant, labels, mount, no_gpu))
+        try:
+            container.start()
+            return container, no_gpu
+        except BaseException as e:
+            with signals_held():
+                container.remove(force=True)
+            if not isinstance(e, docker.errors.APIError) or no_gpu or variant.device != "cuda":
+                raise
+            no_gpu = no_gpu_reason(str(e.explanation or e))
+            if not no_gpu:
+                raise
+        log(f"{no_gpu}: checking the image without one")

@@ -97,11 +97,16 @@ def requirement_name(spec: str) -> str:
     return canonicalize_name(re.split(r"[=<>!~\[; ]", spec, maxsplit=1)[0])
 
 
+LIBRARIES = "libraries"   # the layer of the GPU libraries Paddle opens by name (variant.libraries), below Paddle's:
+                         # a Paddle bump reuses it
+
+
 def groups(variant: Variant, lock_text: str) -> list[tuple[str, set[str]]]:
     """(layer name, package names) in order; empty groups left out."""
     deps = needs(lock_text)
-    first = closure(variant.paddle_name, deps) | {requirement_name(t) for t in variant.tools}
-    out, taken = [("paddle", first)], set(first)
+    libraries = set().union(*(closure(requirement_name(x), deps) for x in variant.libraries))
+    first = closure(variant.paddle_name, deps) - libraries | {requirement_name(t) for t in variant.tools}
+    out, taken = [(LIBRARIES, libraries), ("paddle", first)], libraries | first
     for extra in variant.extras:
         mine = closure(requirement_name(extra), deps) - taken
         out.append((requirement_name(extra), mine))
@@ -178,7 +183,21 @@ def _finished() -> tuple[str, ...]:
                          for a in (p, *p.parents)}))
 
 
-def install_script(python: str, pip_wheel: str, first: bool, last: bool = False) -> str:
+LIBRARY_NAMES = "/etc/ld.so.conf.d/fleetbox-gpu-libraries.conf"   # the folders of variant.libraries, one a line
+
+
+def _name_libraries() -> str:
+    """Ours (raw), the libraries layer's: Paddle opens its GPU libraries by unversioned name (libcudnn.so), which
+    NVIDIA's wheels do not ship (libcudnn.so.8). Each library file gets that name beside it, every folder is
+    named to the dynamic loader, and its cache is made again (it holds the unversioned names too), so a name
+    loads in any runtime, whatever environment it passes. The loader's auxiliary cache records inodes and
+    times: it goes, or the layer would differ from build to build (the loader makes it again as needed)."""
+    return (f"for d in {VENV}/lib/python3*/site-packages/nvidia/*/lib; do echo \"$d\"; "
+            f"for f in \"$d\"/lib*.so.*; do n=\"${{f%%.so.*}}.so\"; [ -e \"$n\" ] || ln -s \"${{f##*/}}\" \"$n\"; "
+            f"done; done > {LIBRARY_NAMES}; ldconfig; rm -f /var/cache/ldconfig/aux-cache; {_phase('names')}; ")
+
+
+def install_script(python: str, pip_wheel: str, first: bool, last: bool = False, libraries: bool = False) -> str:
     """The shell one layer runs (ours, raw): make the venv in the first, then pip from its own wheel; then
     byte-compile the .py files this layer added (then, in the last, _finish); then every path it added or
     changed gets the fixed time.
@@ -188,7 +207,8 @@ def install_script(python: str, pip_wheel: str, first: bool, last: bool = False)
     venv = f"{shlex.quote(python)} -m venv --without-pip {VENV}; " if first else ""
     return (f"{_START}{venv}printf '%s' \"$1\" | {_pip(pip_wheel)}; {_phase('pip')}; sync -f / & "
             f"find {VENV}/lib -newermt \"@$t0\" -name '*.py' -print0 > {NEW}; {_compile()}; "
-            f"{_phase('compileall')}; {_finish() if last else ''}{_settle()}; wait; {_phase('fixed-times')}")
+            f"{_phase('compileall')}; {_name_libraries() if libraries else ''}{_finish() if last else ''}{_settle()}; "
+            f"wait; {_phase('fixed-times')}")
 
 
 STAGE = "/dev/fleetbox-stage"   # the scratch volume's mount point: under /dev, which no layer records
@@ -240,7 +260,7 @@ def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id:
     parent, out = base_id, []
     for i, (name, pins) in enumerate(chosen):
         last = i == len(chosen) - 1
-        script = install_script(python, pip_wheel, first=not out, last=last)
+        script = install_script(python, pip_wheel, first=not out, last=last, libraries=name == LIBRARIES)
         key = _digest(parent, name, script, MOUNT, [(e.name, e.version, e.hashes) for e in pins])
         out.append(Layer(name, pins, script, key, last))
         parent = key

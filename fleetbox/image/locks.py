@@ -30,8 +30,11 @@ class Locked:
 
 def inputs(variant: Variant) -> dict:
     """Everything the lock's content depends on; a change in any of it makes the lock stale."""
-    return {"requirements": variant.requirements, "python_version": variant.python_version,
-            "platform": variant.platform, "pypi": variant.pypi, "paddle_index": variant.paddle_index}
+    out = {"requirements": variant.requirements, "python_version": variant.python_version,
+           "platform": variant.platform, "pypi": variant.pypi, "paddle_index": variant.paddle_index}
+    if variant.constraints:   # only where there are any: the other variants' locks stay current
+        out["constraints"] = list(variant.constraints)
+    return out
 
 
 def inputs_hash(variant: Variant) -> str:
@@ -58,11 +61,12 @@ def project_file(variant: Variant) -> str:
     return text
 
 
-def compile_argv(variant: Variant, project: Path, out: Path) -> list[str]:
+def compile_argv(variant: Variant, project: Path, out: Path, constraints: Path | None = None) -> list[str]:
+    """`constraints`: a file holding variant.constraints (uv's --constraint), where it has any."""
     return ["uv", "pip", "compile", str(project), "--output-file", str(out), "--generate-hashes",
             "--emit-index-annotation", "--only-binary", ":all:", "--no-header", "--quiet",
             "--python-version", variant.python_version, "--python-platform", uv_platform(variant.platform),
-            "--default-index", variant.pypi]
+            "--default-index", variant.pypi, *(["--constraint", str(constraints)] if constraints else [])]
 
 
 def parse(text: str) -> list[Locked]:
@@ -135,9 +139,13 @@ def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Pa
     with tempfile.TemporaryDirectory(prefix="fleetbox-lock-") as tmp:
         project, compiled = Path(tmp) / "pyproject.toml", Path(tmp) / "out.lock"
         project.write_text(project_file(variant))
+        constraints = None
+        if variant.constraints:
+            constraints = Path(tmp) / "constraints.txt"
+            constraints.write_text("".join(c + "\n" for c in variant.constraints))
         if path.exists() and not upgrade:
             compiled.write_text(path.read_text())
-        argv = [_uv_binary(), *compile_argv(variant, project, compiled)[1:]]
+        argv = [_uv_binary(), *compile_argv(variant, project, compiled, constraints)[1:]]
         proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp,
                               env={**os.environ, "UV_NO_CONFIG": "1"})
         if proc.returncode != 0:

@@ -52,6 +52,8 @@ class Variant:
     paddle: str                     # "paddlepaddle==3.3.1"
     extras: tuple[str, ...]
     tools: tuple[str, ...]
+    libraries: tuple[str, ...] = ()    # the GPU libraries Paddle opens at run time: one layer below Paddle's
+    constraints: tuple[str, ...] = ()  # versions the lock must choose, installed only where something needs them
     paddle_index: str = ""          # Paddle's own index, for GPU/DCU wheels
     pypi: str = "https://pypi.org/simple"
     image: str = "fleetbox/paddle"
@@ -75,7 +77,7 @@ class Variant:
 
     @property
     def requirements(self) -> list[str]:
-        return [self.paddle, *self.extras, *self.tools]
+        return [*self.libraries, self.paddle, *self.extras, *self.tools]
 
     @property
     def lock_path(self) -> Path:
@@ -135,6 +137,7 @@ def parse(data: dict) -> Matrix:
             name=name, description=v.get("description", ""), device=v["device"], base=bases[v["base"]],
             python_version=v["python_version"], platform=v["platform"], paddle=v["paddle"],
             extras=tuple(v.get("extras", [])), tools=tuple(v.get("tools", [])),
+            libraries=tuple(v.get("libraries", [])), constraints=tuple(v.get("constraints", [])),
             paddle_index=v.get("paddle_index", ""), pypi=data.get("pypi", "https://pypi.org/simple"),
             image=data.get("image", "fleetbox/paddle"), base_repo=data.get("base_image", "fleetbox/base"),
             accel=accel, runtime=v.get("runtime", {}), min_driver=v.get("min_driver", ""),

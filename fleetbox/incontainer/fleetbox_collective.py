@@ -25,7 +25,8 @@ def main():
     a = p.parse_args()
     dist.init_parallel_env()
     world, rank = dist.get_world_size(), dist.get_rank()
-    backend = "gloo" if not paddle.is_compiled_with_cuda() else "nccl"
+    # from the devices this rank sees, not from how Paddle was built: a GPU build given no GPU runs on Gloo
+    backend = "nccl" if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "gloo"
     if backend != "gloo":
         paddle.set_device(f"gpu:{dist.ParallelEnv().device_id}")
     rows, size = [], a.min_bytes

@@ -12,7 +12,17 @@ import traceback
 
 EXPECT_DEVICE = os.environ.get("FLEETBOX_DEVICE", "cpu")
 EXPECT_FREEZE = os.environ.get("FLEETBOX_EXPECT_FREEZE", "")
+NO_GPU = os.environ.get("FLEETBOX_NO_GPU", "")   # why the engine gave this container no GPU; "": it gave them all
 checks = []
+# The libraries Paddle opens by name at run time on CUDA (paddle/phi/backends/dynload/dynamic_loader.cc); the
+# driver's libcuda.so is the host's, which the GPU runtime gives the container.
+OPENS = {"cuda": ("libcublas.so", "libcublasLt.so", "libcudnn.so", "libcufft.so", "libcurand.so", "libcusolver.so",
+                  "libcusparse.so", "libnvrtc.so", "libnccl.so", "libcupti.so", "libnvToolsExt.so")}
+DRIVER = {"cuda": "libcuda.so"}
+
+
+class NoGpu(Exception):
+    """A check that passed as far as it can without a GPU: its detail says what it did."""
 
 
 def check(name):
@@ -22,6 +32,8 @@ def check(name):
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                 detail = fn()
             checks.append({"check": name, "ok": True, "detail": detail or ""})
+        except NoGpu as e:
+            checks.append({"check": name, "ok": True, "no_gpu": True, "detail": str(e)})
         except Exception as e:   # every failure becomes a row, not a crash
             tail = (out.getvalue().strip().splitlines() or [""])[-1]
             checks.append({"check": name, "ok": False, "detail": f"{type(e).__name__}: {e}"[:300],
@@ -60,9 +72,51 @@ def _count():
     if EXPECT_DEVICE == "cpu":
         return f"cpu ({os.cpu_count()} cores visible)"
     n = paddle.device.cuda.device_count()
+    if n < 1 and NO_GPU:
+        raise NoGpu(f"no GPU visible here: {NO_GPU}")
     if n < 1:
         raise RuntimeError(f"no {EXPECT_DEVICE} device visible in the container")
     return f"{n} {EXPECT_DEVICE} device(s)"
+
+
+@check("GPU libraries")
+def _libraries():
+    """Every library Paddle's own libraries need (their ELF dependency closure, as the loader resolves it here) and
+    every one Paddle opens by name at run time loads in this image; the driver's is the host's."""
+    if EXPECT_DEVICE not in OPENS:
+        return f"none to check for {EXPECT_DEVICE}"
+    import ctypes
+    import glob
+    import subprocess
+    import sysconfig
+    site = sysconfig.get_paths()["platlib"]
+    elves = sorted({*glob.glob(f"{site}/paddle/base/*.so"), *glob.glob(f"{site}/paddle/libs/*.so*"),
+                    *glob.glob(f"{site}/nvidia/*/lib/*.so*")})
+    missing = {}
+    for path in elves:   # a library beside it counts as found: Paddle loads its own (libmklml_intel.so needs
+                         # libiomp5.so, with no RUNPATH) after libphi.so has loaded their dependencies
+        out = subprocess.run(["ldd", path], capture_output=True, text=True,
+                             env={**os.environ, "LD_LIBRARY_PATH": os.path.dirname(path)}).stdout
+        for line in out.splitlines():
+            if "=> not found" in line:
+                missing.setdefault(line.split()[0], []).append(os.path.basename(path))
+    problems = [f"{lib} (needed by {', '.join(by)}) is not in the image" for lib, by in sorted(missing.items())]
+    for name in OPENS[EXPECT_DEVICE]:
+        try:
+            ctypes.CDLL(name)
+        except OSError as e:
+            problems.append(f"{name}, which Paddle opens by name, does not load: {e}")
+    if problems:
+        raise RuntimeError("; ".join(problems))
+    done = f"{len(elves)} libraries' dependencies found, {len(OPENS[EXPECT_DEVICE])} opened by name"
+    driver = DRIVER[EXPECT_DEVICE]
+    try:
+        ctypes.CDLL(driver)
+    except OSError as e:
+        if NO_GPU:
+            raise NoGpu(f"{done}; {driver} is the host driver's: no GPU visible here") from None
+        raise RuntimeError(f"{done}; but the host driver's {driver} does not load: {e}") from None
+    return f"{done}, and the host driver's {driver}"
 
 
 @check("paddle.utils.run_check()")
@@ -74,7 +128,10 @@ def _run_check():
     text = buf.getvalue()
     if "installed successfully" not in text:
         raise RuntimeError(f"run_check did not report success: {text.strip()[-200:]}")
-    return [ln for ln in text.splitlines() if ln.strip()][-1]
+    works = [ln for ln in text.splitlines() if "works well on" in ln] or [ln for ln in text.splitlines() if ln.strip()]
+    if EXPECT_DEVICE != "cpu" and NO_GPU:
+        raise NoGpu(f"no GPU visible here: {works[-1].strip()}")
+    return works[-1].strip()
 
 
 @check("import scipy")

@@ -170,7 +170,7 @@ def node_gpus(spec: JobSpec, rank: int) -> str:
     """The accelerator ids node `rank` gets where fleetbox, not a scheduler, chooses them (Docker): each node
     one per process, or --gpus-per-node. On one machine the nodes share its GPUs, so node k takes the k-th
     block: of --devices in order, else GPUs kM .. kM+M-1; with --hosts each node has its own machine's."""
-    if spec.variant.device == "cpu":
+    if spec.device == "cpu":
         return ""
     per = spec.gpus_each
     ids = spec.devices.split(",") if spec.devices else [str(i) for i in range(per * spec.sharing)]
@@ -182,9 +182,9 @@ def device_options(spec: JobSpec, hyhal_present: bool = True) -> dict:
     """Devices by variant: CUDA -> GPU requests; DCU/ROCm -> /dev/kfd, /dev/dri, video, /opt/hyhal; CPU -> none.
     Which GPUs each node gets is filled per node ({gpus}: node_gpus); a scheduler's allocation replaces it."""
     v = spec.variant
-    if v.device == "cuda":
+    if spec.device == "cuda":
         return {"gpus": "device={gpus}"}
-    if v.device == "rocm":
+    if spec.device == "rocm":
         rt = v.runtime
         mounts = []
         for m in rt.get("mounts", []):
@@ -227,7 +227,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     watched = {}
     if spec.hang_timeout or spec.start_timeout:   # run/hang.py reads the progress; NCCL's own timeout comes later
         watched = {"FLEETBOX_PROGRESS_DIR": LOG_DIR}
-        if spec.variant.device != "cpu":
+        if spec.device != "cpu":
             watched["PADDLE_PG_TIMEOUT"] = str(hang.pg_timeout_ms(spec.hang_timeout, spec.start_timeout))
     env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}", "PORT_RANGE": "{port_range}",
            **watched, **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
@@ -252,7 +252,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
                 **({LABEL_OWNER: owner} if owner else {})},
         shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),
         security_opt=dev.get("security_opt", ()), gpus=dev.get("gpus", ""), memlock=memlock,
-        accelerator="" if spec.variant.device == "cpu" else spec.variant.device, pass_env=spec.pass_env)
+        accelerator="" if spec.device == "cpu" else spec.device, pass_env=spec.pass_env)
 
 
 def node_values(rank: int, nnodes: int, job_id: str, master_ip: str, port: int, node_ip: str, iface: str,

@@ -44,6 +44,8 @@ class JobSpec:
     debug: bool = False
     gpus_per_node: int = 0
     devices: str = ""                    # accelerator ids, e.g. "0,1"
+    on_cpu: bool = False                 # a GPU variant's image given no device (--gpus-per-node 0): its ranks run
+                                         # on CPU, collectives on Gloo (a GPU build tested on a machine without one)
     port: int = 0                        # master port; 0: the plan picks one
     shm_size: str = "8g"                 # NCCL needs more than Docker's 64 MB default ("NCCL error 2")
     data_dir: str = ""                   # seeded dataset cache, mounted read-only at Paddle's cache path
@@ -64,6 +66,11 @@ class JobSpec:
     def paddle_pin(self) -> str:
         """The variant's Paddle version when the job runs the variant's own image; "" for any other image."""
         return self.variant.paddle_version if self.image in ("", *self.variant.aliases) else ""
+
+    @property
+    def device(self) -> str:
+        """What the ranks run on: the variant's device, or cpu."""
+        return "cpu" if self.on_cpu else self.variant.device
 
     @property
     def gpus_each(self) -> int:
@@ -116,6 +123,8 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
         script=script or str(settings.DEFAULT_SCRIPT), args=argv, image=image or "", hosts=host_list,
         iface=iface or "", ib_hca=ib_hca or "", debug=bool(debug),
         gpus_per_node=options.integer("--gpus-per-node", gpus_per_node or 0, 0), devices=devices or "",
+        on_cpu=variant.device != "cpu" and gpus_per_node is not None and not options.integer(
+            "--gpus-per-node", gpus_per_node, 0),
         port=options.integer("--port", port, 1024, 65535) if port else 0, env=options.pairs("--env", env),
         mounts=tuple(parse_mount(m) for m in options.items(mount)), data_dir=data_dir,
         shm_size=shm_size or "8g", job_id=job_id or "", checkpoint_dir=checkpoint_dir or "",
@@ -144,7 +153,9 @@ def validate(spec: JobSpec) -> None:
     if spec.variant.device == "cpu" and (spec.gpus_per_node or spec.devices):
         raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
                         f"or choose a GPU variant (cu118, cu126, cu129, dcu)")
-    if spec.variant.device != "cpu":
+    if spec.on_cpu and spec.devices:
+        raise UserError("--gpus-per-node 0 runs on CPU: drop --devices, or give as many GPUs as processes")
+    if spec.device != "cpu":
         validate_devices(spec)
     if spec.hosts and len(spec.hosts) != spec.nodes:
         raise UserError(f"--hosts names {len(spec.hosts)} hosts for {spec.nodes} nodes: give one per node")

@@ -371,3 +371,49 @@ def test_the_settings_are_committed_from_a_container_that_never_runs_and_a_refus
         assert rest == ([] if refuse else [("commit", {"repository": "fleetbox/paddle", "tag": "cpu-1",
                                                        "changes": ["LABEL a=b"]})])
         assert engine.removed == [name]
+
+
+PYPI_GPU = matrix.load().get("cu118-pypi")
+PYPI_GPU_LOCK = PYPI_GPU.lock_path.read_text()
+
+
+def test_the_gpu_libraries_are_a_layer_of_their_own_below_paddles_and_a_paddle_bump_keeps_it():
+    got = dict(layers.groups(PYPI_GPU, PYPI_GPU_LOCK))
+    assert [name for name, _ in layers.groups(PYPI_GPU, PYPI_GPU_LOCK)][:2] == ["libraries", "paddle"]
+    assert got["libraries"] == {layers.requirement_name(x) for x in PYPI_GPU.libraries}
+    assert "paddlepaddle-gpu" in got["paddle"] and not any(n.startswith("nvidia-") for n in got["paddle"])
+    entries = locks.parse(PYPI_GPU_LOCK)
+    before = layers.plan(PYPI_GPU, PYPI_GPU_LOCK, entries, BASE, "/usr/bin/python3", "pip-25.3-py3-none-any.whl")
+    bumped = [e if e.name != "paddlepaddle-gpu" else locks.Locked(e.name, "2.6.3", ("f" * 64,), e.index)
+              for e in entries]
+    after = layers.plan(PYPI_GPU, PYPI_GPU_LOCK, bumped, BASE, "/usr/bin/python3", "pip-25.3-py3-none-any.whl")
+    assert before[0].key == after[0].key and before[1].key != after[1].key
+
+
+def test_only_the_libraries_layer_names_them_for_the_loader_and_only_the_first_makes_the_venv():
+    entries = locks.parse(PYPI_GPU_LOCK)
+    planned = layers.plan(PYPI_GPU, PYPI_GPU_LOCK, entries, BASE, "/usr/bin/python3", "pip-25.3-py3-none-any.whl")
+    named = [layer.name for layer in planned if "ldconfig" in layer.script]
+    assert named == ["libraries"]
+    assert layers.LIBRARY_NAMES in planned[0].script and "-m venv" in planned[0].script
+    assert not any("-m venv" in layer.script for layer in planned[1:])
+
+
+def test_the_naming_step_gives_each_library_its_unversioned_name_once_and_lists_every_folder(tmp_path):
+    """The libraries layer's own shell, run on a copy of NVIDIA's layout (ldconfig left out: it needs root)."""
+    import subprocess
+    site = tmp_path / "opt/venv/lib/python3.11/site-packages/nvidia"
+    for rel in ("cudnn/lib/libcudnn.so.8", "cudnn/lib/libcudnn_ops_infer.so.8", "cuda_cupti/lib/libcupti.so.11.8",
+                "cuda_cupti/lib/libcheckpoint.so", "nccl/lib/libnccl.so.2", "nccl/lib/libnccl.so"):
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(rel)
+    step = layers._name_libraries().replace(layers.VENV, str(tmp_path / "opt/venv")).replace(
+        layers.LIBRARY_NAMES, str(tmp_path / "names.conf"))
+    step = step.split("; ldconfig;")[0]
+    subprocess.run(["sh", "-c", step], check=True)
+    assert (site / "cudnn/lib/libcudnn.so").resolve() == site / "cudnn/lib/libcudnn.so.8"
+    assert (site / "cudnn/lib/libcudnn_ops_infer.so").resolve() == site / "cudnn/lib/libcudnn_ops_infer.so.8"
+    assert (site / "cuda_cupti/lib/libcupti.so").resolve() == site / "cuda_cupti/lib/libcupti.so.11.8"
+    assert not (site / "nccl/lib/libnccl.so").is_symlink()   # a name the wheel has is left alone
+    assert (tmp_path / "names.conf").read_text().split() == [str(site / d / "lib") for d in
+                                                            ("cuda_cupti", "cudnn", "nccl")]

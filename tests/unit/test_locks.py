@@ -170,3 +170,15 @@ def test_relocking_keeps_the_pins_it_can_and_upgrade_moves_them(tmp_path, monkey
         assert pins(out.read_text()) == {"paddlepaddle": "3.3.1", "helper": "1.0", "extra": "1.1"}
         locks.make(replace(base, extras=("extra==1.1",)), out=out, upgrade=True)
         assert pins(out.read_text()) == {"paddlepaddle": "3.3.1", "helper": "2.0", "extra": "1.1"}
+
+
+def test_constraints_reach_uv_and_the_lock_inputs_only_where_a_variant_has_them():
+    from pathlib import Path
+    m = matrix.load()
+    gpu, cpu = m.get("cu118-pypi"), m.get("cpu")
+    assert locks.inputs(gpu)["constraints"] == ["numpy==1.26.4"] and "constraints" not in locks.inputs(cpu)
+    argv = locks.compile_argv(gpu, Path("p"), Path("o"), Path("c.txt"))
+    assert argv[argv.index("--constraint") + 1] == "c.txt"
+    assert "--constraint" not in locks.compile_argv(cpu, Path("p"), Path("o"))
+    assert locks.parse(gpu.lock_path.read_text())[0].name   # the committed lock is current for these inputs
+    locks.read(gpu)

@@ -272,3 +272,17 @@ def test_remote_engines_keep_checkpoints_per_node_unless_a_shared_folder_is_give
     assert t.env["FLEETBOX_CHECKPOINT_SCOPE"] == "node"
     assert Mount("fleetbox-j-checkpoints", settings.CHECKPOINT_DIR, ro=False) in t.mounts
     assert not any(m.dst == settings.HELPERS_DIR for m in t.mounts)   # copied in with the workspace
+
+
+def test_a_gpu_variant_given_no_gpu_runs_its_ranks_on_cpu_and_asks_for_no_device():
+    v = matrix.load().get("cu118-pypi")
+    s = spec_mod.from_options(v, nodes=2, gpus_per_node=0)
+    assert s.on_cpu and s.device == "cpu" and s.procs_per_node == 1
+    for n in plan(s):
+        assert n.gpus == "" and n.accelerator == "" and "device_requests" not in n.sdk_kwargs()
+        assert "--gpus" not in n.argv() and "PADDLE_PG_TIMEOUT" not in n.env
+    given = spec_mod.from_options(v, nodes=2)   # not given: one GPU per process, as every GPU variant
+    assert not given.on_cpu and [n.gpus for n in plan(given)] == ["device=0", "device=1"]
+    assert not spec_mod.from_options(matrix.load().get("cpu"), nodes=2, gpus_per_node=0).on_cpu
+    with pytest.raises(UserError, match="--gpus-per-node 0 runs on CPU: drop --devices"):
+        spec_mod.from_options(v, nodes=1, gpus_per_node=0, devices="0")

@@ -371,7 +371,7 @@ class SlurmBackend(Backend):
         head += cpus_lines + [f"#SBATCH {w}" for w in self.sbatch_args]
         # Slurm requeues a job on a node failure or preemption only where the job allows it: a restart
         head.append("#SBATCH --requeue" if spec.max_restarts else "#SBATCH --no-requeue")
-        if spec.variant.device != "cpu":   # one per process; node.sh gives each runtime exactly these
+        if spec.device != "cpu":   # one per process; node.sh gives each runtime exactly these
             head.append(f"#SBATCH --gpus-per-node={spec.gpus_each}")
         body = [
             "set -euo pipefail",
