@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
-from fleetbox import files, incontainer, settings
+from fleetbox import engine, files, incontainer, settings
 from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
 from fleetbox.image.built import resolve
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
+from fleetbox.run import backends
 from fleetbox.run.plan import device_kwargs, device_options
+from fleetbox.run.result import smoke_line
 from fleetbox.run.spec import JobSpec
 from fleetbox.settings import CONTAINER_CACHE
 
@@ -57,10 +60,10 @@ def status(check: dict) -> str:
 
 
 def table(variant: str, image: str, checks: list[dict]) -> str:
-    width = max(len(c["check"]) for c in checks)
+    width, says = max(len(c["check"]) for c in checks), max(len(status(c)) for c in checks)
     rows = [f"verify {variant} ({image})"]
     for c in checks:
-        rows.append(f"  {status(c):<6}  {c['check']:<{width}}  {c['detail']}")
+        rows.append(f"  {status(c):<{says}}  {c['check']:<{width}}  {c['detail']}")
     return "\n".join(rows)
 
 
@@ -113,17 +116,66 @@ def _start(c, image_id: str, variant: Variant, labels: dict, mount, log):
     source = ["python", "-c", incontainer.source("fleetbox_verify_image")]
     no_gpu = ""
     while True:
-        container = c.containers.create(image_id, source, labels={settings.LABEL_ROLE: "verify"},
-                                        **container_kwargs(variant, labels, mount, no_gpu))
+        with signals_held():   # made and known, or not made: a Ctrl-C now comes once `container` is set
+            container = c.containers.create(image_id, source, labels={settings.LABEL_ROLE: "verify"},
+                                            **container_kwargs(variant, labels, mount, no_gpu))
         try:
             container.start()
             return container, no_gpu
         except BaseException as e:
-            with signals_held():
+            with signals_held(), contextlib.suppress(docker.errors.DockerException):   # never hides why
                 container.remove(force=True)
             if not isinstance(e, docker.errors.APIError) or no_gpu or variant.device != "cuda":
                 raise
-            no_gpu = no_gpu_reason(str(e.explanation or e))
+            answer = " ".join(str(e.explanation or e).split())
+            no_gpu = no_gpu_reason(answer)
             if not no_gpu:
                 raise
+            if nvidia_gpus_here(c):
+                raise UserError(f"this machine has NVIDIA GPUs, but its engine cannot give them to a container "
+                                f"({answer[:200]}): install the NVIDIA container toolkit, run `nvidia-ctk runtime "
+                                f"configure --runtime=docker` and restart dockerd") from None
         log(f"{no_gpu}: checking the image without one")
+
+
+def nvidia_gpus_here(c, root: Path = Path("/")) -> bool:
+    """Whether the engine's machine, where it is this one, has NVIDIA GPUs (the driver's device files or its
+    /proc entries): there an engine that gives none is misconfigured, not a machine without a GPU."""
+    if not str(c.api.base_url).startswith(("http+docker://localhost", "http+docker://localunixsocket")):
+        return False   # another machine's engine: its answer is all we have
+    return any(root.glob("dev/nvidia[0-9]*")) or any(root.glob("proc/driver/nvidia/gpus/*"))
+
+
+def run_nodes(spec, log=print) -> dict:
+    """`verify --nodes N`: the image checks (run_check() included) in every node's container, then the
+    smoke job across all nodes; one table, one JSON report."""
+    hosts = list(spec.hosts) or [""] * spec.nodes
+    rows = []
+    for k, host in enumerate(hosts):
+        c = engine.client(host or None)
+        rep = run(c, spec.variant, spec.image or None, log=lambda m: None,
+                  data_dir=Path(spec.data_dir) if spec.data_dir and not host else None)
+        passed = sum(ch["ok"] for ch in rep["checks"])
+        failed = [ch["check"] for ch in rep["checks"] if not ch["ok"]]
+        found = {ch["check"]: ch["detail"] for ch in rep["checks"]}
+        rows.append({"what": f"node{k}", "host": host or "local", "ok": rep["ok"],
+                     "detail": f"{passed}/{len(rep['checks'])} image checks pass; {found.get('import paddle', '?')}, "
+                               f"device {found.get('compiled device', '?')}"
+                               + (f"; failed: {', '.join(failed)}" if failed else ""), "report": rep["path"]})
+        log(f"node{k} ({host or 'local'}): {'PASS' if rep['ok'] else 'FAIL'}")
+    log(f"running the smoke job across {spec.nodes} nodes")
+    backend = backends.get(backends.DEFAULT)   # the nodes are Docker Engines: this machine or --hosts
+    job = backend.run(backend.plan(spec), log=lambda m: None)
+    smoke = job.smoke or {}
+    detail = smoke_line(smoke) if smoke else job.failure()
+    rows.append({"what": "smoke", "host": f"{spec.nodes} nodes", "ok": job.ok, "detail": detail,
+                 "report": str(Path(job.dir) / "summary.json")})
+    rd = run_dir(f"verify-{spec.variant.name}-{spec.nodes}nodes")
+    report = {"variant": spec.variant.name, "nodes": spec.nodes, "rows": rows, "ok": all(r["ok"] for r in rows),
+              "path": str(rd / "report.json")}
+    files.write_json(rd / "report.json", report)
+    log(f"verify {spec.variant.name} across {spec.nodes} nodes")
+    for r in rows:
+        log(f"  {'PASS' if r['ok'] else 'FAIL'}  {r['what']:<6} {r['host']:<24} {r['detail']}")
+    log(f"{'PASSED' if report['ok'] else 'FAILED'}; report: {report['path']}")
+    return report

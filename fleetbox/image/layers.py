@@ -190,11 +190,16 @@ def _name_libraries() -> str:
     """Ours (raw), the libraries layer's: Paddle opens its GPU libraries by unversioned name (libcudnn.so), which
     NVIDIA's wheels do not ship (libcudnn.so.8). Each library file gets that name beside it, every folder is
     named to the dynamic loader, and its cache is made again (it holds the unversioned names too), so a name
-    loads in any runtime, whatever environment it passes. The loader's auxiliary cache records inodes and
-    times: it goes, or the layer would differ from build to build (the loader makes it again as needed)."""
-    return (f"for d in {VENV}/lib/python3*/site-packages/nvidia/*/lib; do echo \"$d\"; "
-            f"for f in \"$d\"/lib*.so.*; do n=\"${{f%%.so.*}}.so\"; [ -e \"$n\" ] || ln -s \"${{f##*/}}\" \"$n\"; "
-            f"done; done > {LIBRARY_NAMES}; ldconfig; rm -f /var/cache/ldconfig/aux-cache; {_phase('names')}; ")
+    loads in any runtime, whatever environment it passes. The loader's auxiliary cache (inodes and times) is
+    put back as the base had it, or the layer would differ from build to build; none is kept where it had none.
+    No library folder at all stops the layer."""
+    aux = "/var/cache/ldconfig/aux-cache"
+    return (f"for d in {VENV}/lib/python3*/site-packages/nvidia/*/lib; do [ -d \"$d\" ] || continue; echo \"$d\"; "
+            f"for f in \"$d\"/lib*.so.*; do [ -e \"$f\" ] || continue; n=\"${{f%%.so.*}}.so\"; "
+            f"[ -e \"$n\" ] || ln -s \"${{f##*/}}\" \"$n\"; done; done > {LIBRARY_NAMES}; "
+            f"[ -s {LIBRARY_NAMES} ] || {{ echo 'fleetbox: no nvidia/*/lib folder in the libraries layer' >&2; "
+            f"exit 1; }}; if [ -e {aux} ]; then cp -p {aux} /dev/shm/fleetbox-aux; ldconfig; "
+            f"cp -p /dev/shm/fleetbox-aux {aux}; else ldconfig; rm -f {aux}; fi; {_phase('names')}; ")
 
 
 def install_script(python: str, pip_wheel: str, first: bool, last: bool = False, libraries: bool = False) -> str:

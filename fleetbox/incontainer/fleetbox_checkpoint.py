@@ -76,6 +76,36 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
+_PICKLES = []   # whether Paddle's RNG state survives pickling here, once asked
+
+
+def _rng_pickles() -> bool:
+    """Whether Paddle's own RNG state survives pickling here. Paddle 2.6's CPU generator pickles its seed and
+    offset only, not its engine's state: one restored from a pickle starts its stream over. Asked without moving
+    the stream: the state object itself restores whole."""
+    import numpy as np
+    import paddle
+    if not _PICKLES:
+        state = paddle.get_rng_state()
+        want = paddle.rand([4]).numpy()
+        paddle.set_rng_state(pickle.loads(pickle.dumps(state)))
+        got = paddle.rand([4]).numpy()
+        paddle.set_rng_state(state)
+        _PICKLES.append(bool(np.array_equal(want, got)))
+    return _PICKLES[0]
+
+
+def _reseed(step: int) -> int:
+    """Where the RNG state does not pickle: a seed for Paddle's generator from its seed so far and the step, set
+    at each save and again at a resume from it, so a resumed run draws what an uninterrupted one does (from the
+    first save on, the stream is not the one an unsaved run draws)."""
+    import paddle
+    base = paddle.framework.core.default_cpu_generator().initial_seed()
+    seed = int.from_bytes(hashlib.sha256(f"{base}:{step}".encode()).digest()[:4], "big")
+    paddle.seed(seed)
+    return seed
+
+
 def _write(path: str, data: bytes | memoryview) -> tuple[int, str]:
     """Complete or absent: written to a temporary name, flushed to disk, then renamed. Returns the size and
     sha256 of what was written, taken from the bytes themselves (never read back from a shared file system)."""
@@ -272,7 +302,10 @@ class Checkpoint:
                 saved = pickle.load(f)
             random.setstate(saved["python_rng"])
             np.random.set_state(saved["numpy_rng"])
-            paddle.set_rng_state(saved["paddle_rng"])
+            if "paddle_seed" in saved:   # saved where the state does not pickle (_reseed)
+                paddle.seed(saved["paddle_seed"])
+            else:
+                paddle.set_rng_state(saved["paddle_rng"])
             for n, b in model.named_buffers():
                 if n in saved.get("buffers", {}):
                     b.set_value(saved["buffers"][n])
@@ -319,8 +352,8 @@ class Checkpoint:
         part = os.path.join(self.folder, f".step-{step:08d}.partial")
         os.makedirs(part, exist_ok=True)
         state = rank_state() if callable(rank_state) else rank_state
-        mine = {"python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
-                "paddle_rng": paddle.get_rng_state(), "rank_state": state,
+        paddle_rng = {"paddle_rng": paddle.get_rng_state()} if _rng_pickles() else {"paddle_seed": _reseed(step)}
+        mine = {"python_rng": random.getstate(), "numpy_rng": np.random.get_state(), **paddle_rng, "rank_state": state,
                 # buffers are each rank's own (BatchNorm statistics are not all-reduced by DataParallel)
                 "buffers": {n: b.numpy() for n, b in model.named_buffers()}}
         written = {f"rank-{self.rank}.pkl": _write(os.path.join(part, f"rank-{self.rank}.pkl"), pickle.dumps(mine))}

@@ -14,11 +14,13 @@ EXPECT_DEVICE = os.environ.get("FLEETBOX_DEVICE", "cpu")
 EXPECT_FREEZE = os.environ.get("FLEETBOX_EXPECT_FREEZE", "")
 NO_GPU = os.environ.get("FLEETBOX_NO_GPU", "")   # why the engine gave this container no GPU; "": it gave them all
 checks = []
-# The libraries Paddle opens by name at run time on CUDA (paddle/phi/backends/dynload/dynamic_loader.cc); the
-# driver's libcuda.so is the host's, which the GPU runtime gives the container.
+# The libraries Paddle 2.6 opens by unversioned name at run time on CUDA (paddle/phi/backends/dynload/
+# dynamic_loader.cc), in an image whose libraries layer named them (NAMED); Paddle 3's GPU wheels open versioned
+# names from their own nvidia-* folders instead. The driver's libcuda.so is the host's, given by the GPU runtime.
 OPENS = {"cuda": ("libcublas.so", "libcublasLt.so", "libcudnn.so", "libcufft.so", "libcurand.so", "libcusolver.so",
                   "libcusparse.so", "libnvrtc.so", "libnccl.so", "libcupti.so", "libnvToolsExt.so")}
 DRIVER = {"cuda": "libcuda.so"}
+NAMED = "/etc/ld.so.conf.d/fleetbox-gpu-libraries.conf"   # layers.LIBRARY_NAMES
 
 
 class NoGpu(Exception):
@@ -79,6 +81,10 @@ def _count():
     return f"{n} {EXPECT_DEVICE} device(s)"
 
 
+def _some(names: list) -> str:
+    return ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+
+
 @check("GPU libraries")
 def _libraries():
     """Every library Paddle's own libraries need (their ELF dependency closure, as the loader resolves it here) and
@@ -90,8 +96,9 @@ def _libraries():
     import subprocess
     import sysconfig
     site = sysconfig.get_paths()["platlib"]
-    elves = sorted({*glob.glob(f"{site}/paddle/base/*.so"), *glob.glob(f"{site}/paddle/libs/*.so*"),
-                    *glob.glob(f"{site}/nvidia/*/lib/*.so*")})
+    elves = sorted({os.path.realpath(p) for p in (*glob.glob(f"{site}/paddle/base/*.so"),   # each file once, not
+                                                   *glob.glob(f"{site}/paddle/libs/*.so*"),   # again by a link
+                                                   *glob.glob(f"{site}/nvidia/*/lib/*.so*"))})
     missing = {}
     for path in elves:   # a library beside it counts as found: Paddle loads its own (libmklml_intel.so needs
                          # libiomp5.so, with no RUNPATH) after libphi.so has loaded their dependencies
@@ -99,16 +106,17 @@ def _libraries():
                              env={**os.environ, "LD_LIBRARY_PATH": os.path.dirname(path)}).stdout
         for line in out.splitlines():
             if "=> not found" in line:
-                missing.setdefault(line.split()[0], []).append(os.path.basename(path))
-    problems = [f"{lib} (needed by {', '.join(by)}) is not in the image" for lib, by in sorted(missing.items())]
-    for name in OPENS[EXPECT_DEVICE]:
+                missing.setdefault(line.split()[0], set()).add(os.path.basename(path))
+    problems = [f"{lib} (needed by {_some(sorted(by))}) is not in the image" for lib, by in sorted(missing.items())]
+    names = OPENS[EXPECT_DEVICE] if os.path.exists(NAMED) else ()
+    for name in names:
         try:
             ctypes.CDLL(name)
         except OSError as e:
             problems.append(f"{name}, which Paddle opens by name, does not load: {e}")
     if problems:
         raise RuntimeError("; ".join(problems))
-    done = f"{len(elves)} libraries' dependencies found, {len(OPENS[EXPECT_DEVICE])} opened by name"
+    done = f"{len(elves)} libraries' dependencies found, {len(names)} opened by name"
     driver = DRIVER[EXPECT_DEVICE]
     try:
         ctypes.CDLL(driver)
@@ -128,10 +136,10 @@ def _run_check():
     text = buf.getvalue()
     if "installed successfully" not in text:
         raise RuntimeError(f"run_check did not report success: {text.strip()[-200:]}")
-    works = [ln for ln in text.splitlines() if "works well on" in ln] or [ln for ln in text.splitlines() if ln.strip()]
-    if EXPECT_DEVICE != "cpu" and NO_GPU:
-        raise NoGpu(f"no GPU visible here: {works[-1].strip()}")
-    return works[-1].strip()
+    said = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if EXPECT_DEVICE != "cpu" and NO_GPU:   # says where it ran: "PaddlePaddle works well on 1 CPU."
+        raise NoGpu(f"no GPU visible here: {next((ln for ln in said if 'works well on' in ln), said[-1])}")
+    return said[-1]
 
 
 @check("import scipy")

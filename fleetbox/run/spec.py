@@ -153,6 +153,9 @@ def validate(spec: JobSpec) -> None:
     if spec.variant.device == "cpu" and (spec.gpus_per_node or spec.devices):
         raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
                         f"or choose a GPU variant (cu118, cu126, cu129, dcu)")
+    if spec.on_cpu and spec.variant.device != "cuda":
+        raise UserError(f"--gpus-per-node 0 runs a CUDA image on CPU; variant {spec.variant.name}'s containers need "
+                        f"their devices: give --gpus-per-node 1 or more")
     if spec.on_cpu and spec.devices:
         raise UserError("--gpus-per-node 0 runs on CPU: drop --devices, or give as many GPUs as processes")
     if spec.device != "cpu":

@@ -44,6 +44,29 @@ def cpu_image():
     return {"image": image, "build": build, "client": c}
 
 
+GPU_VARIANT = "cu118-pypi"   # the GPU image built here (PyPI's paddlepaddle-gpu); its ranks run on CPU here
+ON_CPU = ("--variant", GPU_VARIANT, "--gpus-per-node", "0")
+
+
+@pytest.fixture(scope="session")
+def cuda_image(cpu_image):
+    """The GPU image, built as cpu_image is (after it: the same base)."""
+    _ok(invoke("wheels", "--variant", GPU_VARIANT))
+    rebuild = os.environ.get("FLEETBOX_TEST_REBUILD")
+    build = _ok(invoke("build", "--variant", GPU_VARIANT, *(["--force"] if rebuild else [])))
+    from fleetbox import engine
+    from fleetbox.image import built, matrix
+    c = engine.client()
+    return {"image": built.resolve(c, matrix.load().get(GPU_VARIANT)), "build": build, "client": c}
+
+
+@pytest.fixture(params=["cpu", GPU_VARIANT])
+def image_args(request):
+    """A test that runs on both images: the train options that choose the image (the GPU one's ranks on CPU)."""
+    request.getfixturevalue("cpu_image" if request.param == "cpu" else "cuda_image")
+    return () if request.param == "cpu" else ON_CPU
+
+
 def layer_digests(ref: str) -> list[str]:
     out = subprocess.run(["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", ref],
                          capture_output=True, text=True, check=True).stdout

@@ -13,8 +13,8 @@ from tests.integration.test_train import job_containers, summary_of
 PER_EPOCH = 4096 // 2 // 64   # train/fit.py's defaults on 2 ranks: batches per epoch
 
 
-def test_a_fit_job_whose_rank_is_killed_resumes_with_the_epochs_left(cpu_image):
-    proc = invoke("train", "--nodes", "2", "--script", "train/fit.py", "--max-restarts", "1", "--args",
+def test_a_fit_job_whose_rank_is_killed_resumes_with_the_epochs_left(image_args):
+    proc = invoke("train", *image_args, "--nodes", "2", "--script", "train/fit.py", "--max-restarts", "1", "--args",
                   "--epochs 5 --kill-rank 1 --kill-epoch 2 --kill-batch 10")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     s = summary_of(proc)

@@ -22,8 +22,8 @@ def last_metric_time(workerlog) -> float:
     return max(metric_times(workerlog).values())
 
 
-def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_passes(cpu_image):
-    proc = invoke("train", "--nodes", "2", "--hang-timeout", "20", "--max-restarts", "1", "--args",
+def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_passes(image_args):
+    proc = invoke("train", *image_args, "--nodes", "2", "--hang-timeout", "20", "--max-restarts", "1", "--args",
                   "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 --hang-attempt 0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     s = summary_of(proc)

@@ -19,6 +19,7 @@ from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
+from tests.integration.conftest import GPU_VARIANT, ON_CPU
 from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.integration.test_hangs import PLAIN, last_metric_time
 from tests.integration.test_train import assert_rows_are_the_runs_own_figures, study_of
@@ -43,17 +44,21 @@ def charliecloud_image(cpu_image):
     return proc.stdout.strip().splitlines()[-1].split(": ")[-1]
 
 
-@pytest.fixture(scope="module")
-def podman_image(cpu_image):
-    want = cpu_image["image"].id.split(":")[1][:12]
-    have = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", "fleetbox/paddle:cpu"],
-                          capture_output=True, text=True).stdout
+def _into_podman(image, tag: str) -> None:
+    """The engine's image into the nodes' (shared) Podman storage under `tag`, unless it is there already."""
+    want = image.id.split(":")[1][:12]
+    have = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", tag], capture_output=True, text=True).stdout
     if not have.startswith(want):   # same image ID: podman load keeps it
-        save = subprocess.Popen(["docker", "save", "fleetbox/paddle:cpu"], stdout=subprocess.PIPE)
+        save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE)
         subprocess.run(["podman", "load", "-q"], stdin=save.stdout, check=True, capture_output=True)
         save.wait()
-        if have.strip():   # the image this replaced is untagged now: 1.3 GB a run on a developer's machine
+        if have.strip():   # the image this replaced is untagged now: GBs a run on a developer's machine
             subprocess.run(["podman", "rmi", have.strip()], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def podman_image(cpu_image):
+    _into_podman(cpu_image["image"], "fleetbox/paddle:cpu")
     # podman's storage outlives a run: one killed mid-test left its job containers, which the tests count
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
                           text=True).stdout.split()
@@ -185,6 +190,22 @@ def test_slurm_failing_rank_names_the_node(cluster, podman_image):
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
                           text=True).stdout.split()
     assert left == []
+
+
+def test_slurm_two_nodes_with_podman_run_the_gpu_image_on_cpu(cluster, podman_image, cuda_image):
+    """The GPU image built here (cu118-pypi), on the Slurm test cluster, its ranks on CPU: no GPU asked of Slurm,
+    collectives on Gloo, the smoke job whole."""
+    _into_podman(cuda_image["image"], f"fleetbox/paddle:{GPU_VARIANT}")
+    proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *ON_CPU,
+                       "--image", f"fleetbox/paddle:{GPU_VARIANT}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    s, job_dir = summary(proc)
+    assert s["ok"] and s["scheduler_state"] == "COMPLETED"
+    assert s["smoke"]["world"] == 2 and s["smoke"]["params_identical"] and s["smoke"]["loss_falls"]
+    batch = open(os.path.join(job_dir, "job.sbatch")).read()
+    assert "#SBATCH --gpus" not in batch and "#SBATCH --gres" not in batch   # nothing this cluster lacks
+    log = open(os.path.join(job_dir, "node0", "workerlog.0")).read()
+    assert "You are using GPU version Paddle" in log   # the GPU build, on CPU
 
 
 def test_slurm_bad_partition_passes_slurms_message_on(cluster):

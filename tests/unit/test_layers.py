@@ -1,5 +1,7 @@
 """The environment's layer split (pure): Paddle's closure first, each extra apart, then the rest; keys that
 change with a layer's inputs and its parent's, and only then."""
+import os
+
 import pytest
 
 from fleetbox.errors import UserError
@@ -400,20 +402,36 @@ def test_only_the_libraries_layer_names_them_for_the_loader_and_only_the_first_m
 
 
 def test_the_naming_step_gives_each_library_its_unversioned_name_once_and_lists_every_folder(tmp_path):
-    """The libraries layer's own shell, run on a copy of NVIDIA's layout (ldconfig left out: it needs root)."""
+    """The libraries layer's own shell, run on a copy of NVIDIA's layout; ldconfig (this machine's cache) stands
+    in as a command that rewrites the auxiliary cache, which must come back as it was."""
     import subprocess
     site = tmp_path / "opt/venv/lib/python3.11/site-packages/nvidia"
     for rel in ("cudnn/lib/libcudnn.so.8", "cudnn/lib/libcudnn_ops_infer.so.8", "cuda_cupti/lib/libcupti.so.11.8",
                 "cuda_cupti/lib/libcheckpoint.so", "nccl/lib/libnccl.so.2", "nccl/lib/libnccl.so"):
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_text(rel)
+    aux = tmp_path / "aux-cache"
+    aux.write_text("the base's")
+    os.utime(aux, (315532800, 315532800))
     step = layers._name_libraries().replace(layers.VENV, str(tmp_path / "opt/venv")).replace(
-        layers.LIBRARY_NAMES, str(tmp_path / "names.conf"))
-    step = step.split("; ldconfig;")[0]
+        layers.LIBRARY_NAMES, str(tmp_path / "names.conf")).replace("/var/cache/ldconfig/aux-cache", str(aux))
+    step = step.replace("ldconfig;", f"echo rewritten > {aux};").replace("fleetbox-phase", "phase")
     subprocess.run(["sh", "-c", step], check=True)
+    assert aux.read_text() == "the base's" and aux.stat().st_mtime == 315532800   # the layer records it unchanged
     assert (site / "cudnn/lib/libcudnn.so").resolve() == site / "cudnn/lib/libcudnn.so.8"
     assert (site / "cudnn/lib/libcudnn_ops_infer.so").resolve() == site / "cudnn/lib/libcudnn_ops_infer.so.8"
     assert (site / "cuda_cupti/lib/libcupti.so").resolve() == site / "cuda_cupti/lib/libcupti.so.11.8"
     assert not (site / "nccl/lib/libnccl.so").is_symlink()   # a name the wheel has is left alone
     assert (tmp_path / "names.conf").read_text().split() == [str(site / d / "lib") for d in
                                                             ("cuda_cupti", "cudnn", "nccl")]
+    (site / "nvtx/lib").mkdir(parents=True)   # a folder with no library: no link named for a pattern
+    subprocess.run(["sh", "-c", step], check=True)
+    assert sorted(p.name for p in (site / "nvtx/lib").iterdir()) == []
+
+
+def test_the_naming_step_stops_the_layer_where_there_is_no_library_folder(tmp_path):
+    import subprocess
+    step = layers._name_libraries().replace(layers.VENV, str(tmp_path / "opt/venv")).replace(
+        layers.LIBRARY_NAMES, str(tmp_path / "names.conf")).replace("ldconfig;", "true;")
+    proc = subprocess.run(["sh", "-c", step], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr == "fleetbox: no nvidia/*/lib folder in the libraries layer\n"

@@ -2,6 +2,7 @@
 for cpu / CUDA / DCU, 1 and several nodes; spec validation; network facts."""
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -276,13 +277,26 @@ def test_remote_engines_keep_checkpoints_per_node_unless_a_shared_folder_is_give
 
 def test_a_gpu_variant_given_no_gpu_runs_its_ranks_on_cpu_and_asks_for_no_device():
     v = matrix.load().get("cu118-pypi")
-    s = spec_mod.from_options(v, nodes=2, gpus_per_node=0)
+    s = spec_mod.from_options(v, nodes=2, gpus_per_node="0")   # as the command line gives it
     assert s.on_cpu and s.device == "cpu" and s.procs_per_node == 1
     for n in plan(s):
         assert n.gpus == "" and n.accelerator == "" and "device_requests" not in n.sdk_kwargs()
         assert "--gpus" not in n.argv() and "PADDLE_PG_TIMEOUT" not in n.env
+        assert n.env["CUDA_VISIBLE_DEVICES"] == ""   # GPUs a node does not confine stay unseen
     given = spec_mod.from_options(v, nodes=2)   # not given: one GPU per process, as every GPU variant
     assert not given.on_cpu and [n.gpus for n in plan(given)] == ["device=0", "device=1"]
     assert not spec_mod.from_options(matrix.load().get("cpu"), nodes=2, gpus_per_node=0).on_cpu
+    assert "CUDA_VISIBLE_DEVICES" not in plan(given)[0].env
     with pytest.raises(UserError, match="--gpus-per-node 0 runs on CPU: drop --devices"):
         spec_mod.from_options(v, nodes=1, gpus_per_node=0, devices="0")
+    with pytest.raises(UserError, match="--gpus-per-node 0 runs a CUDA image on CPU; variant dcu's containers"):
+        spec_mod.from_options(matrix.load().get("dcu"), nodes=1, gpus_per_node="0")
+
+
+def test_a_gpu_image_run_on_cpu_asks_slurm_for_no_gpu():
+    from fleetbox.run.backends import slurm
+    v = matrix.load().get("cu118-pypi")
+    for gpus, want in (("0", False), (None, True)):
+        s = spec_mod.from_options(v, nodes=2, gpus_per_node=gpus, job_id="train-test-0001")
+        batch = dict(slurm.SlurmBackend("podman").plan(replace(s, image="fleetbox/paddle:cu118-pypi")).files)
+        assert ("#SBATCH --gpus-per-node=1" in batch["job.sbatch"]) is want
