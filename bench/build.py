@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Build benchmarks for the cpu variant: whole process against whole process, interleaved (not a test).
+"""Build benchmarks for a variant (--variant, default cpu): whole process against whole process, interleaved (not a
+test). cu118-pypi's one changed pin is Paddle's (2.6.2 -> 2.6.1): its libraries layer, below Paddle's, is kept.
 
 1. A no-op `invoke build --variant cpu` (target: <= 0.6 s).
 2. A cold hermetic build, `invoke build --variant cpu --force` (network off, every layer made again: verify
@@ -21,9 +22,11 @@
 Rounds alternate the order (A B, B A, ...); medians. Every round of sections 2 and 4 starts with the page
 cache dropped (root only), so no round pays for what an earlier one left cached.
 
-Needs the cpu image built (`invoke up`) and the Docker Engine to itself; section 2 replaces the cpu image
-with an identical rebuild. Run it as
-`flock /tmp/fleetbox-docker.lock python bench/build.py [--repeat 5] [--cold-repeat 2]`.
+The sections name the cpu variant's pin and targets; `--variant cu118-pypi` runs the same on the GPU image, whose
+one changed pin is Paddle (2.6.2 -> 2.6.1: its libraries layer is kept, and the layers after Paddle's keep their
+digests where their files are the same). Needs the variant's image built (`invoke up`) and the Docker Engine to
+itself; section 2 replaces the image with an identical rebuild. Run it as
+`flock /tmp/fleetbox-docker.lock python bench/build.py [--variant V] [--repeat 5] [--cold-repeat 2]`.
 """
 import argparse
 import json
@@ -40,11 +43,12 @@ from benchlib import ROOT
 sys.path.insert(0, str(ROOT))
 from fleetbox import engine  # noqa: E402
 from fleetbox.image import built, images, locks, matrix, wheelhouse  # noqa: E402
-from tests.checkout import copy_with_pin, made_since, tags  # noqa: E402
+from tests.checkout import OPENCV_BUMPED, OPENCV_NOW, copy_with_pin, made_since, tags  # noqa: E402
 
-NOOP = "invoke build --variant cpu"
-COLD, PIP = "invoke build --variant cpu --force", "venv + the lock's pip + compileall (host)"
-ONEPIN = "invoke build --variant cpu after one pin changed"
+# each variant's one changed pin (old, new) and what the changed package occupies installed (site-packages globs)
+PINS = {"cpu": (OPENCV_NOW, OPENCV_BUMPED, "cv2 opencv_python_headless*"),
+        "cu118-pypi": ("paddlepaddle-gpu==2.6.2", "paddlepaddle-gpu==2.6.1", "paddle paddlepaddle_gpu*")}
+PIP = "venv + the lock's pip + compileall (host)"
 
 
 def main():
@@ -52,9 +56,12 @@ def main():
     ap.add_argument("--repeat", type=int, default=5, help="rounds of section 1")
     ap.add_argument("--cold-repeat", type=int, default=2, help="rounds of section 2 (about 1.5 min each)")
     ap.add_argument("--pin-repeat", type=int, default=3, help="rounds of section 4")
+    ap.add_argument("--variant", default="cpu", choices=sorted(PINS))
     args = ap.parse_args()
+    NOOP = f"invoke build --variant {args.variant}"
+    COLD, ONEPIN = f"{NOOP} --force", f"{NOOP} after one pin changed"
 
-    v = matrix.load().get("cpu")
+    v = matrix.load().get(args.variant)
     c = engine.client()
     image = built.resolve(c, v)
     lock_text, entries = locks.read(v)
@@ -62,14 +69,14 @@ def main():
     wheelhouse.verify(v, wheel_dir, lock_text, entries)   # the bench needs a complete wheelhouse
     p = images.plan(v, c.images.get(v.base_ref).id, (lock_text, entries))
     if image.id != c.images.get(p.tag).id:
-        sys.exit("the cpu image is not current: run `invoke build --variant cpu` first")
+        sys.exit(f"the {v.name} image is not current: run `invoke build --variant {v.name}` first")
 
     with tempfile.TemporaryDirectory(prefix="bench-build-", dir=ROOT) as tmp:
         tmp = Path(tmp)
         bl.private_runs_dir(tmp)   # build logs of the forced builds go here, not under runs/
         t1 = {NOOP: []}
         for _, arm in bl.rounds([NOOP], args.repeat):
-            t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", "cpu"], cwd=ROOT)
+            t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", v.name], cwd=ROOT)
             assert "up to date" in t.proc.stdout, t.proc.stdout
             t1[arm].append(t.wall)
 
@@ -97,7 +104,7 @@ def main():
         for i, arm in bl.rounds([COLD, PIP], args.cold_repeat):
             cold_cache()
             if arm == COLD:
-                t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", "cpu", "--force"], cwd=ROOT,
+                t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", v.name, "--force"], cwd=ROOT,
                            timeout=1800)
                 assert "built " in t.proc.stdout, t.proc.stdout
             else:
@@ -110,10 +117,10 @@ def main():
             t2[arm].append(t.wall)
             print(f"  round {i + 1} {arm:<{len(COLD)}} {t.wall:6.1f} s", flush=True)
 
-        profiles = read_profiles(tmp / "runs")
+        profiles = read_profiles(tmp / "runs", v.name)
         if args.pin_repeat:
             print(f"one changed pin: {args.pin_repeat} round(s) of {ONEPIN!r}...", flush=True)
-            t4, changed, installed, total = one_pin(c, tmp, wheel_dir, args.pin_repeat)
+            t4, changed, installed, total = one_pin(c, tmp, wheel_dir, args.pin_repeat, v.name)
 
     image = built.resolve(c, v)   # section 2 rebuilt it
     base = c.images.get(v.base_ref)
@@ -149,17 +156,19 @@ def main():
                           "disks": disks}))
         return
     m_pin = bl.med(t4)
-    print(f"\none changed pin (opencv-python-headless 4.12.0.88 -> 4.11.0.86), median of {args.pin_repeat}:")
+    old, new, _ = PINS[v.name]
+    print(f"\none changed pin ({old} -> {new.split('==')[1]}), median of {args.pin_repeat}:")
     print(f"  {ONEPIN:<{w}} {m_pin:6.1f} s   ({m_pin / m_cold:.2f}x the cold build; target <= 0.3x) "
           f"{bl.spread(t4, '.1f')}")
     print(f"  layers whose digest changed     {changed / 1e6:7.1f} MB of {total / 1e6:.0f} MB "
-          f"({changed / total:.1%}); opencv installed {installed / 1e6:.1f} MB "
-          f"(target <= {(1.1 * installed + 10e6) / 1e6:.1f} MB)")
+          f"({changed / total:.1%}); {old.split('==')[0]} installed {installed / 1e6:.1f} MB "
+          f"(target <= {(1.1 * installed + 10e6) / 1e6:.1f} MB, where the pin's layer is the last)")
     print(json.dumps({"noop_s": m_noop, "cold_s": m_cold, "floor_s": m_pip, "cold_ratio": m_cold / m_pip,
                       "best_ratio": min(t2[COLD]) / min(t2[PIP]), "profile": profiles,
                       "size_ratio": size / (base_size + venv_size), "one_pin_s": m_pin,
                       "one_pin_ratio": m_pin / m_cold, "one_pin_changed_bytes": changed,
-                      "opencv_installed_bytes": installed, "caches_dropped": all(DROPPED), "disks": disks}))
+                      "variant": v.name, "pin_installed_bytes": installed, "caches_dropped": all(DROPPED),
+                      "disks": disks}))
 
 
 DROP = Path("/proc/sys/vm/drop_caches")
@@ -182,10 +191,10 @@ def cold_cache() -> None:
         print(f"  (caches not dropped before the round: {e})", flush=True)
 
 
-def read_profiles(runs: Path) -> dict[str, dict[str, float]]:
+def read_profiles(runs: Path, variant: str) -> dict[str, dict[str, float]]:
     """{layer: {phase: median seconds}} over the forced builds' build.log files (images.PROFILE lines)."""
     seen: dict[str, dict[str, list[float]]] = {}
-    for log in sorted(runs.glob("build-cpu-*/build.log")):
+    for log in sorted(runs.glob(f"build-{variant}-*/build.log")):
         for line in log.read_text(errors="replace").splitlines():
             if line.startswith(images.PROFILE + " "):
                 rec = json.loads(line.split(" ", 1)[1])
@@ -211,13 +220,15 @@ def _digests(c, ref: str) -> list[str]:
     return c.images.get(ref).attrs["RootFS"]["Layers"]
 
 
-def one_pin(c, tmp: Path, wheel_dir: Path, repeat: int):
-    """Section 4: rebuild times, then the changed layers' bytes, opencv's installed size, the image's size."""
-    v = matrix.load().get("cpu")
-    env = {**os.environ, **copy_with_pin(ROOT, tmp, "fleetbox-bench/paddle", wheel_dir)}
-    src, ref = tmp / "src", "fleetbox-bench/paddle:cpu"
+def one_pin(c, tmp: Path, wheel_dir: Path, repeat: int, variant: str):
+    """Section 4: rebuild times, then the changed layers' bytes, the changed package's installed size, the
+    image's size."""
+    v = matrix.load().get(variant)
+    old, new, installed_as = PINS[variant]
+    env = {**os.environ, **copy_with_pin(ROOT, tmp, "fleetbox-bench/paddle", wheel_dir, old, new, variant)}
+    src, ref = tmp / "src", f"fleetbox-bench/paddle:{variant}"
     for step in (["lock"], ["wheels"]):
-        bl.run([sys.executable, "-m", "invoke", *step, "--variant", "cpu"], cwd=src, env=env, timeout=1800)
+        bl.run([sys.executable, "-m", "invoke", *step, "--variant", variant], cwd=src, env=env, timeout=1800)
     before = set(tags("fleetbox/layers"))
     times = []
     try:
@@ -226,18 +237,19 @@ def one_pin(c, tmp: Path, wheel_dir: Path, repeat: int):
             if made:
                 subprocess.run(["docker", "rmi", *made], capture_output=True, check=True)
             cold_cache()
-            t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", "cpu"], cwd=src, env=env,
+            t = bl.run([sys.executable, "-m", "invoke", "build", "--variant", variant], cwd=src, env=env,
                        timeout=1800)
             assert "built " in t.proc.stdout, t.proc.stdout
             times.append(t.wall)
         ours, mine = _digests(c, built.resolve(c, v).id), _digests(c, ref)
-        # newest first: the settings (committed without a layer), then one entry per layer
+        # newest first: the settings (committed without a layer), then one entry per layer, so layer i is entry
+        # len - i. A layer after a changed one keeps its digest where its files are the same (a staged layer
+        # holds only its own files): the changed ones are not always the last.
         history = c.images.get(ref).history()
-        n = sum(1 for a, b in zip(ours, mine) if a != b)
-        changed = sum(h["Size"] for h in history[1:n + 1])
+        changed = sum(history[len(mine) - i]["Size"] for i, (a, b) in enumerate(zip(ours, mine)) if a != b)
         du = subprocess.run(["docker", "run", "--rm", "--network", "none", ref, "sh", "-c",
-                             "cd /opt/venv/lib/python3.11/site-packages && du -scb cv2 opencv_python_headless* "
-                             "| tail -1"], capture_output=True, text=True, check=True).stdout
+                             f"cd /opt/venv/lib/python3.11/site-packages && du -scb {installed_as} | tail -1"],
+                            capture_output=True, text=True, check=True).stdout
         return times, changed, int(du.split()[0]), c.images.get(ref).attrs["Size"]
     finally:
         made = made_since(before, "fleetbox-bench/paddle")

@@ -1,4 +1,4 @@
-"""A copy of this checkout (its tracked files, as they are in the working tree) with one pin of the cpu
+"""A copy of this checkout (its tracked files, as they are in the working tree) with one pin of a
 variant changed and its images renamed, so builds in the copy leave the checkout's aliases alone while
 sharing its layers (tagged by content). Used by the layer tests and bench/build.py."""
 import os
@@ -20,18 +20,20 @@ def copy(root: Path, dest: Path) -> Path:
     return dest
 
 
-def copy_with_pin(root: Path, tmp: Path, image: str, wheel_dir: Path, old=OPENCV_NOW, new=OPENCV_BUMPED) -> dict:
-    """The copy at tmp/src, with `old` -> `new` in [variants.cpu] and images called `image`; its wheelhouse
+def copy_with_pin(root: Path, tmp: Path, image: str, wheel_dir: Path, old=OPENCV_NOW, new=OPENCV_BUMPED,
+                  variant: str = "cpu") -> dict:
+    """The copy at tmp/src, with `old` -> `new` in [variants.<variant>] and images called `image`; its wheelhouse
     at tmp/wheelhouse starts as hard links of `wheel_dir`'s wheels. Returns the environment to run it with."""
     src = copy(root, tmp / "src")
     m = src / "images" / "matrix.toml"
     text = m.read_text()
-    at = text.index("[variants.cpu]")
-    head, cpu = text[:at], text[at:]
-    if head.count('image = "fleetbox/paddle"') != 1 or old not in cpu.split("[variants.", 2)[1]:
-        raise RuntimeError(f"images/matrix.toml no longer has {old} in [variants.cpu]: update tests/checkout.py")
-    m.write_text(head.replace('image = "fleetbox/paddle"', f'image = "{image}"') + cpu.replace(old, new, 1))
-    mine = tmp / "wheelhouse" / "cpu"
+    at = text.index(f"[variants.{variant}]")
+    head, mine = text[:at], text[at:]
+    if head.count('image = "fleetbox/paddle"') != 1 or old not in mine.split("[variants.", 2)[1]:
+        raise RuntimeError(f"images/matrix.toml no longer has {old} in [variants.{variant}]: update "
+                           f"tests/checkout.py")
+    m.write_text(head.replace('image = "fleetbox/paddle"', f'image = "{image}"') + mine.replace(old, new, 1))
+    mine = tmp / "wheelhouse" / variant
     mine.mkdir(parents=True)
     for w in wheel_dir.glob("*.whl"):
         os.link(w, mine / w.name)

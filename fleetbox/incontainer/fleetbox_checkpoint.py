@@ -81,24 +81,30 @@ _PICKLES = []   # whether Paddle's RNG state survives pickling here, once asked
 
 def _rng_pickles() -> bool:
     """Whether Paddle's own RNG state survives pickling here. Paddle 2.6's CPU generator pickles its seed and
-    offset only, not its engine's state: one restored from a pickle starts its stream over. Asked without moving
-    the stream: the state object itself restores whole."""
+    offset only, not its engine's state: one restored from a pickle starts its stream over (and a CPU-only 2.x
+    build cannot pickle it at all). Asked one draw past where the stream is, so that a stream just seeded (which a
+    seed alone replays) does not pass; without moving the stream: the state object itself restores whole."""
     import numpy as np
     import paddle
     if not _PICKLES:
-        state = paddle.get_rng_state()
-        want = paddle.rand([4]).numpy()
-        paddle.set_rng_state(pickle.loads(pickle.dumps(state)))
-        got = paddle.rand([4]).numpy()
-        paddle.set_rng_state(state)
-        _PICKLES.append(bool(np.array_equal(want, got)))
+        outer = paddle.get_rng_state()
+        try:
+            paddle.rand([1], dtype="float32")
+            state = paddle.get_rng_state()
+            want = paddle.rand([4], dtype="float32").numpy()
+            paddle.set_rng_state(pickle.loads(pickle.dumps(state)))
+            _PICKLES.append(bool(np.array_equal(want, paddle.rand([4], dtype="float32").numpy())))
+        except (TypeError, pickle.PicklingError):
+            _PICKLES.append(False)
+        finally:
+            paddle.set_rng_state(outer)
     return _PICKLES[0]
 
 
 def _reseed(step: int) -> int:
     """Where the RNG state does not pickle: a seed for Paddle's generator from its seed so far and the step, set
-    at each save and again at a resume from it, so a resumed run draws what an uninterrupted one does (from the
-    first save on, the stream is not the one an unsaved run draws)."""
+    after every step and again at a resume from one, so a run resumed from any step (a stop, a signal, a save of
+    the script's own) draws what an uninterrupted one does; the stream is not the one Paddle draws unseeded."""
     import paddle
     base = paddle.framework.core.default_cpu_generator().initial_seed()
     seed = int.from_bytes(hashlib.sha256(f"{base}:{step}".encode()).digest()[:4], "big")
@@ -183,6 +189,7 @@ class Checkpoint:
         self.total = total   # the script's last step, where given: told to stop there, it finishes instead
         self.saved_step = self.last_step = 0
         self._stop = False
+        self._seed = (None, 0)   # (step, seed) step() last set, where the RNG state does not pickle (_reseed)
         self._looked = 0.0
         if not self.folder:
             _say("FLEETBOX_CHECKPOINT_DIR is not set: no checkpoints")
@@ -323,6 +330,8 @@ class Checkpoint:
         if not self.folder:
             return
         self.last_step = step
+        if not _rng_pickles():
+            self._seed = (step, _reseed(step))
         now = time.monotonic()
         if now - self._looked >= 1.0:   # a stat a second, not one per step, on a shared file system
             self._looked = now
@@ -352,7 +361,11 @@ class Checkpoint:
         part = os.path.join(self.folder, f".step-{step:08d}.partial")
         os.makedirs(part, exist_ok=True)
         state = rank_state() if callable(rank_state) else rank_state
-        paddle_rng = {"paddle_rng": paddle.get_rng_state()} if _rng_pickles() else {"paddle_seed": _reseed(step)}
+        if _rng_pickles():
+            paddle_rng = {"paddle_rng": paddle.get_rng_state()}
+        else:   # the seed step() set after this step, or one set now for a save of the script's own
+            seen, seed = self._seed
+            paddle_rng = {"paddle_seed": seed if seen == step else _reseed(step)}
         mine = {"python_rng": random.getstate(), "numpy_rng": np.random.get_state(), **paddle_rng, "rank_state": state,
                 # buffers are each rank's own (BatchNorm statistics are not all-reduced by DataParallel)
                 "buffers": {n: b.numpy() for n, b in model.named_buffers()}}

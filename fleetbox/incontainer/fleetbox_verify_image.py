@@ -4,6 +4,7 @@ Prints one line `FLEETBOX-REPORT <json>` at the end; the host turns it into a ta
 Standard library plus the image's own packages only.
 """
 import contextlib
+import glob
 import io
 import json
 import os
@@ -21,6 +22,7 @@ OPENS = {"cuda": ("libcublas.so", "libcublasLt.so", "libcudnn.so", "libcufft.so"
                   "libcusparse.so", "libnvrtc.so", "libnccl.so", "libcupti.so", "libnvToolsExt.so")}
 DRIVER = {"cuda": "libcuda.so"}
 NAMED = "/etc/ld.so.conf.d/fleetbox-gpu-libraries.conf"   # layers.LIBRARY_NAMES
+DRIVER_GPUS = "/proc/driver/nvidia/gpus"   # one entry per GPU where the host's NVIDIA driver is loaded
 
 
 class NoGpu(Exception):
@@ -74,6 +76,9 @@ def _count():
     if EXPECT_DEVICE == "cpu":
         return f"cpu ({os.cpu_count()} cores visible)"
     n = paddle.device.cuda.device_count()
+    if n < 1 and NO_GPU and glob.glob(f"{DRIVER_GPUS}/*"):   # the host's driver, seen from in here
+        raise RuntimeError(f"this machine has NVIDIA GPUs ({DRIVER_GPUS}), but its engine gave the "
+                           f"container none: {NO_GPU}; set the NVIDIA container toolkit up for this engine")
     if n < 1 and NO_GPU:
         raise NoGpu(f"no GPU visible here: {NO_GPU}")
     if n < 1:
@@ -89,7 +94,6 @@ def _libraries():
     """Every library Paddle's own libraries need (their ELF dependency closure, as the loader resolves it here) and
     every one Paddle opens by name at run time loads in this image; the driver's is the host's."""
     import ctypes
-    import glob
     import subprocess
     import sysconfig
     site = sysconfig.get_paths()["platlib"]
@@ -102,7 +106,8 @@ def _libraries():
         out = subprocess.run(["ldd", path], capture_output=True, text=True,
                              env={**os.environ, "LD_LIBRARY_PATH": os.path.dirname(path)}).stdout
         for line in out.splitlines():
-            if "=> not found" in line:
+            if "=> not found" in line and not line.split()[0].startswith(("libcuda.so", "libnvidia-")):
+                # (the driver's: the host's, checked below)
                 missing.setdefault(line.split()[0], set()).add(os.path.basename(path))
     problems = [f"{lib} (needed by {_some(sorted(by))}) is not in the image" for lib, by in sorted(missing.items())]
     names = OPENS[EXPECT_DEVICE] if os.path.exists(NAMED) else ()

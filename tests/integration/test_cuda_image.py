@@ -56,11 +56,12 @@ def test_verify_without_a_gpu_says_what_it_checked_and_what_only_a_gpu_can(cuda_
     assert left == []   # the container the engine could not start with a GPU is gone too
 
 
-def _probe(image_id: str, before: str) -> dict:
-    """The verify probe in a container of the image that first runs `before` (ours)."""
+def _probe(image_id: str, before: str, source: str = "") -> dict:
+    """The verify probe (or `source`) in a container of the image that first runs `before` (ours)."""
     proc = subprocess.run(["docker", "run", "--rm", "--network", "none", "-e", "FLEETBOX_DEVICE=cuda",
                            "-e", "FLEETBOX_NO_GPU=none here", image_id, "sh", "-c", f'{before}; exec python -c "$0"',
-                           incontainer.source("fleetbox_verify_image")], capture_output=True, text=True, timeout=300)
+                           source or incontainer.source("fleetbox_verify_image")], capture_output=True, text=True,
+                          timeout=300)
     return {c["check"]: c for c in verify.parse_report(proc.stdout)["checks"]}
 
 
@@ -72,10 +73,21 @@ def test_a_library_missing_from_the_image_is_named_in_one_line(cuda_image):
     needed = _probe(image, f"rm {SITE}/nvidia/cublas/lib/libcublasLt.so.11 && ldconfig")["GPU libraries"]
     assert not needed["ok"] and needed["detail"].startswith(
         "RuntimeError: libcublasLt.so.11 (needed by libcublas.so.11, libcudnn_adv_infer.so.8 and "), needed
-    assert "\n" not in needed["detail"]
+
+
+def test_a_machine_whose_driver_has_gpus_the_engine_did_not_give_fails_the_device_count(cuda_image):
+    """The host's driver lists its GPUs under /proc/driver/nvidia/gpus, which a container sees; a runtime cannot
+    mount there, so the probe reads a folder of the container's in its stead."""
+    source = incontainer.source("fleetbox_verify_image").replace('"/proc/driver/nvidia/gpus"', '"/tmp/gpus"')
+    count = _probe(cuda_image["image"].id, "mkdir -p /tmp/gpus/0000:3b:00.0", source)["device count"]
+    assert not count["ok"] and count["detail"] == (
+        "RuntimeError: this machine has NVIDIA GPUs (/tmp/gpus), but its engine gave the container none: none here; "
+        "set the NVIDIA container toolkit up for this engine"), count
 
 
 def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does_on_paddle_2_6(cuda_image, tmp_path):
+    """Paddle 2.6's CPU generator state does not pickle whole: fleetbox_checkpoint reseeds it after each step,
+    so a run resumed from a save (every 2 steps here) draws what an uninterrupted one does."""
     image = cuda_image["image"].id
     proc, whole = steps(image, tmp_path / "whole", "--steps", "10")
     assert whole and whole["first"] == 0 and whole["draws"] == 10, proc.stdout + proc.stderr
@@ -84,6 +96,29 @@ def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does_on_paddl
     proc, rest = steps(image, tmp_path / "resumed", "--steps", "10")
     assert rest["first"] == 6 and rest["sha256"] == whole["sha256"], proc.stdout
     assert names(tmp_path / "resumed") == ["STATE", "step-00000006", "step-00000008", "step-00000010"]
+
+
+def test_on_paddle_2_6_a_stop_between_saves_and_a_stream_untouched_until_late_resume_bit_for_bit(cuda_image,
+                                                                                                   tmp_path):
+    """A stop (Slurm's time-limit warning: a STOP file) saves off the schedule, at step 1; a script that draws
+    from Paddle's generator only from step 9 on resumes, from step 4, with nothing drawn since its seed."""
+    image = cuda_image["image"].id
+    proc, whole = steps(image, tmp_path / "whole", "--steps", "10")
+    assert whole and whole["draws"] == 10, proc.stdout + proc.stderr
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "STOP").touch()
+    proc, r = steps(image, stopped, "--steps", "10")
+    assert r is None and json.loads((stopped / "STATE").read_text())["step"] == 1, proc.stdout + proc.stderr
+    (stopped / "STOP").unlink()
+    proc, rest = steps(image, stopped, "--steps", "10")
+    assert rest["first"] == 1 and rest["sha256"] == whole["sha256"], proc.stdout
+    late = ("--steps", "12", "--every", "4", "--draw-from", "9")
+    proc, whole = steps(image, tmp_path / "late-whole", *late)
+    assert whole and whole["draws"] == 3, proc.stdout + proc.stderr
+    proc, part = steps(image, tmp_path / "late", "--steps", "6", "--every", "4", "--draw-from", "9")
+    proc, rest = steps(image, tmp_path / "late", *late)
+    assert rest["first"] == 4 and rest["sha256"] == whole["sha256"], proc.stdout
 
 
 def test_the_libraries_layer_made_again_from_the_base_is_the_same_bytes(cuda_image):

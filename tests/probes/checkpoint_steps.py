@@ -14,6 +14,7 @@ ap.add_argument("--steps", type=int, default=10)
 ap.add_argument("--every", type=int, default=2)
 ap.add_argument("--keep", type=int, default=3)
 ap.add_argument("--total", type=int, default=None)
+ap.add_argument("--draw-from", type=int, default=0, help="Paddle's RNG drawn from this step on (dropout after warm-up)")
 args = ap.parse_args()
 
 paddle.seed(7)
@@ -25,7 +26,8 @@ first = ckpt.restore(model, opt)
 draws = (ckpt.rank_state or {}).get("draws", [])
 for step in range(first, args.steps):
     x = paddle.to_tensor(np.random.normal(size=(8, 4)).astype("float32"))
-    draws.append(float(paddle.rand([1])))   # Paddle's own RNG: restored too
+    if step >= args.draw_from:
+        draws.append(float(paddle.rand([1])))   # Paddle's own RNG: restored too
     loss = (model(x) ** 2).mean()
     loss.backward()
     opt.step()

@@ -74,7 +74,7 @@ def fake_paddle(world: int, rank: int, barrier, box) -> None:
     paddle.distributed, paddle.to_tensor = dist, (lambda values, dtype=None: Tensor(values))
     paddle.save, paddle.load = save, load
     paddle.get_rng_state, paddle.set_rng_state = (lambda: [rank]), (lambda state: None)
-    paddle.rand = lambda shape: Tensor([0.5] * shape[0])   # a state that pickles whole: the same draws after
+    paddle.rand = lambda shape, dtype=None: Tensor([0.5] * shape[0])   # as if its state pickled whole
     sys.modules["paddle"], sys.modules["paddle.distributed"] = paddle, dist
 
 
