@@ -229,9 +229,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
         watched = {"FLEETBOX_PROGRESS_DIR": LOG_DIR}
         if spec.device != "cpu":
             watched["PADDLE_PG_TIMEOUT"] = str(hang.pg_timeout_ms(spec.hang_timeout, spec.start_timeout))
-    # a GPU image run on CPU sees no GPU, even where the node's are not confined (Slurm without ConstrainDevices)
-    hidden = {"CUDA_VISIBLE_DEVICES": ""} if spec.on_cpu else {}
-    env = {"PYTHONUNBUFFERED": "1", **hidden, "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}",
+    env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}",
            "PORT_RANGE": "{port_range}",
            **watched, **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
            **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}), **spec.env,

@@ -9,7 +9,7 @@ from fleetbox import incontainer
 from fleetbox.commands import verify
 from fleetbox.image import images, layers, locks, matrix, wheelhouse
 from tests.conftest import invoke
-from tests.integration.conftest import GPU_VARIANT, layer_digests
+from tests.integration.conftest import GPU_VARIANT, ON_CPU, layer_digests
 from tests.integration.test_checkpoints import names, steps
 
 VARIANT = matrix.load().get(GPU_VARIANT)
@@ -142,3 +142,14 @@ def test_the_libraries_layer_made_again_from_the_base_is_the_same_bytes(cuda_ima
             subprocess.run(["docker", "rmi", again], capture_output=True)
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def test_doctor_checks_two_nodes_of_the_gpu_image_and_its_all_reduce_sweep_runs_on_gloo(cuda_image):
+    """The collective benchmark chooses its backend from the devices a rank sees, not from how Paddle was built."""
+    proc = invoke("doctor", *ON_CPU, "--nodes", "2", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    path = (proc.stdout + proc.stderr).split("report: ")[-1].split()[0].rstrip(")")
+    rep = json.loads(open(path).read())
+    assert rep["ok"] and all(r["ok"] for r in rep["rows"])
+    assert (rep["sweep"]["backend"], rep["sweep"]["world"]) == ("gloo", 2)
+    assert rep["sweep"]["rows"] and all(r["wrong"] == 0 for r in rep["sweep"]["rows"])
