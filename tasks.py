@@ -20,7 +20,19 @@ from fleetbox import errors
 from fleetbox.errors import Failed, UserError
 from fleetbox.run import backends
 
-VARIANT_HELP = "matrix variant (images/matrix.toml): cpu (default), cu118, cu126, cu129, dcu"
+
+def _variant_help() -> str:
+    """The matrix's variants, as its file names them (a broken file is said where a task reads it)."""
+    from fleetbox.image import matrix  # a small TOML file, read for the help text
+    try:
+        m = matrix.load()
+    except UserError:
+        return "matrix variant (images/matrix.toml)"
+    return "matrix variant (images/matrix.toml): " + ", ".join(
+        name + (" (default)" if name == m.default else "") for name in m.variants)
+
+
+VARIANT_HELP = _variant_help()
 
 
 def task(*args, **kwargs):

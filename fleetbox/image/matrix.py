@@ -155,3 +155,8 @@ def load(path: Path = MATRIX_PATH) -> Matrix:
         raise UserError(f"matrix not found: {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"matrix {path}: {e}") from None
+
+
+def gpu_variants(path: Path = MATRIX_PATH) -> list[str]:
+    """The names of the variants that run on an accelerator, in the matrix's order."""
+    return [name for name, v in load(path).variants.items() if v.device != "cpu"]

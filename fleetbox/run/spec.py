@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fleetbox import options, settings
 from fleetbox.errors import UserError
+from fleetbox.image import matrix
 from fleetbox.image.matrix import Variant
 from fleetbox.run import hang, placeholders
 
@@ -152,7 +153,7 @@ def validate(spec: JobSpec) -> None:
         raise UserError(f"training script not found: {spec.script}")
     if spec.variant.device == "cpu" and (spec.gpus_per_node or spec.devices):
         raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
-                        f"or choose a GPU variant (cu118, cu126, cu129, dcu)")
+                        f"or choose a GPU variant ({', '.join(matrix.gpu_variants())})")
     if spec.on_cpu and spec.variant.device != "cuda":
         raise UserError(f"--gpus-per-node 0 runs a CUDA image on CPU; variant {spec.variant.name}'s containers need "
                         f"their devices: give --gpus-per-node 1 or more")

@@ -65,3 +65,16 @@ def test_base_tag_depends_on_packages_not_mirror():
     assert replace(b, mirror="http://mirrors.example/debian").tag == b.tag
     assert replace(b, packages=b.packages + ("curl",)).tag != b.tag
     assert b.tag.startswith("bookworm-")
+
+
+def test_the_variant_help_and_the_cpu_only_error_name_every_variant_the_matrix_has():
+    import tasks
+    from fleetbox.run import spec as spec_mod
+    m = matrix.load()
+    assert tasks.VARIANT_HELP == "matrix variant (images/matrix.toml): cpu (default), " + ", ".join(
+        name for name in m.variants if name != "cpu")
+    assert "cu118-pypi" in tasks.VARIANT_HELP
+    with pytest.raises(UserError) as e:
+        spec_mod.from_options(m.get("cpu"), nodes=1, gpus_per_node=1)
+    assert str(e.value).endswith(f"or choose a GPU variant ({', '.join(matrix.gpu_variants())})")
+    assert "cu118-pypi" in str(e.value) and "cpu," not in str(e.value)
