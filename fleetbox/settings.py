@@ -66,6 +66,9 @@ LABEL_ROLE = "io.fleetbox.role"              # a container fleetbox runs that is
 
 # An env made by `invoke venv` (image/venvs.py): its record, written last; the Slurm runtime none reads it.
 ENV_RECORD = "fleetbox-env.json"
+# An env of a variant with GPU libraries: the sh that puts their folders first on LD_LIBRARY_PATH (VIRTUAL_ENV set
+# to the env); its activate and the Slurm runtime none source it.
+ENV_LIBRARIES = "fleetbox-libraries.sh"
 
 # Every FLEETBOX_* variable fleetbox reads or sets: (who sets it, what it means). The docs' environment page is
 # made from this, and a test holds it to the names the code uses.

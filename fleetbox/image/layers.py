@@ -186,17 +186,24 @@ def _finished() -> tuple[str, ...]:
 LIBRARY_NAMES = "/etc/ld.so.conf.d/fleetbox-gpu-libraries.conf"   # the folders of variant.libraries, one a line
 
 
-def _name_libraries() -> str:
-    """Ours (raw), the libraries layer's: Paddle opens its GPU libraries by unversioned name (libcudnn.so), which
-    NVIDIA's wheels do not ship (libcudnn.so.8). Each library file gets that name beside it, every folder is
-    named to the dynamic loader, and its cache is made again (it holds the unversioned names too), so a name
-    loads in any runtime, whatever environment it passes. The loader's auxiliary cache (inodes and times) is
-    put back as the base had it, or the layer would differ from build to build; none is kept where it had none.
-    No library folder at all stops the layer."""
-    aux = "/var/cache/ldconfig/aux-cache"
-    return (f"for d in {VENV}/lib/python3*/site-packages/nvidia/*/lib; do [ -d \"$d\" ] || continue; echo \"$d\"; "
+def link_library_names(venv: str, listing: str) -> str:
+    """Ours (raw), `venv` and `listing` shell words: Paddle opens its GPU libraries by unversioned name
+    (libcudnn.so), which NVIDIA's wheels do not ship (libcudnn.so.8). Each library file in the venv's nvidia/*/lib
+    folders gets that name beside it (a name already there is kept); the folders are written to `listing`, one a
+    line. The image's libraries layer and `invoke venv` both name them so."""
+    return (f"for d in {venv}/lib/python3*/site-packages/nvidia/*/lib; do [ -d \"$d\" ] || continue; echo \"$d\"; "
             f"for f in \"$d\"/lib*.so.*; do [ -e \"$f\" ] || continue; n=\"${{f%%.so.*}}.so\"; "
-            f"[ -e \"$n\" ] || ln -s \"${{f##*/}}\" \"$n\"; done; done > {LIBRARY_NAMES}; "
+            f"[ -e \"$n\" ] || ln -s \"${{f##*/}}\" \"$n\"; done; done > {listing}; ")
+
+
+def _name_libraries() -> str:
+    """Ours (raw), the libraries layer's: the unversioned names (link_library_names), every folder named to the
+    dynamic loader, and its cache made again (it holds the unversioned names too), so a name loads in any
+    runtime, whatever environment it passes. The loader's auxiliary cache (inodes and times) is put back as the
+    base had it, or the layer would differ from build to build; none is kept where it had none. No library
+    folder at all stops the layer."""
+    aux = "/var/cache/ldconfig/aux-cache"
+    return (f"{link_library_names(VENV, LIBRARY_NAMES)}"
             f"[ -s {LIBRARY_NAMES} ] || {{ echo 'fleetbox: no nvidia/*/lib folder in the libraries layer' >&2; "
             f"exit 1; }}; if [ -e {aux} ]; then cp -p {aux} /dev/shm/fleetbox-aux; ldconfig; "
             f"cp -p /dev/shm/fleetbox-aux {aux}; else ldconfig; rm -f {aux}; fi; {_phase('names')}; ")

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
 
 RECORD = settings.ENV_RECORD        # the Slurm runtime reads these names: keep them
+LIBRARIES = settings.ENV_LIBRARIES
 FREEZE = layers.FREEZE.rsplit("/", 1)[1]   # pip's freeze, named as in an image
 HELPERS = "fleetbox-helpers"        # the in-container helpers' copy, on the env's path through HELPERS.pth
 
@@ -281,6 +283,53 @@ def _retarget(tmp: Path, final: Path) -> None:
             p.write_bytes(data.replace(old, new))   # in place: the mode stays
 
 
+def library_path_script(folders: list[str]) -> str:
+    """The env's LIBRARIES file (ours; `folders` relative to the env, quoted): its GPU libraries' folders first on
+    the dynamic loader's path, for the loader to find the names Paddle opens (an image lists them in
+    ld.so.conf.d instead, which needs root)."""
+    path = ":".join(f'"$VIRTUAL_ENV"/{shlex.quote(f)}' for f in folders)
+    return ("# fleetbox: this env's GPU libraries' folders first on the loader's path (Paddle opens them by name)\n"
+            f'LD_LIBRARY_PATH={path}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"\nexport LD_LIBRARY_PATH\n')
+
+
+# What the env's bin/activate gains (ours): the LIBRARIES file sourced, and deactivate putting LD_LIBRARY_PATH back
+# as it was (unset where it was unset).
+ACTIVATE_RESTORE = """    if [ -n "${_FLEETBOX_LD_SET:-}" ] ; then   # fleetbox: the loader's path as before activate
+        if [ -n "${_FLEETBOX_OLD_LD_LIBRARY_PATH+set}" ] ; then
+            LD_LIBRARY_PATH="$_FLEETBOX_OLD_LD_LIBRARY_PATH"
+            export LD_LIBRARY_PATH
+        else
+            unset LD_LIBRARY_PATH
+        fi
+        unset _FLEETBOX_LD_SET _FLEETBOX_OLD_LD_LIBRARY_PATH
+    fi
+"""
+ACTIVATE_SET = f"""
+_FLEETBOX_LD_SET=1
+if [ -n "${{LD_LIBRARY_PATH+set}}" ] ; then _FLEETBOX_OLD_LD_LIBRARY_PATH="$LD_LIBRARY_PATH" ; fi
+. "$VIRTUAL_ENV/{LIBRARIES}"
+"""
+
+
+def name_libraries(tmp: Path, final: Path) -> None:
+    """The env's GPU libraries under the names Paddle opens (layers.link_library_names), their folders in its
+    LIBRARIES file, which its bin/activate sources (bash and zsh; deactivate undoes it)."""
+    listing = tmp / f"{LIBRARIES}.folders"
+    _run(["sh", "-c", layers.link_library_names('"$1"', '"$2"'), "sh", tmp, listing], "naming the GPU libraries")
+    folders = [str(Path(line).relative_to(tmp)) for line in listing.read_text().splitlines()]
+    listing.unlink()
+    if not folders:
+        raise UserError(f"the lock's GPU libraries installed no nvidia/*/lib folder into {final}")
+    (tmp / LIBRARIES).write_text(library_path_script(folders))
+    activate = tmp / "bin" / "activate"
+    text = activate.read_text()
+    head = "deactivate () {\n"
+    if text.count(head) != 1:
+        raise UserError(f"{activate.name} of this Python has no deactivate function as venv writes it: "
+                        "cannot add the GPU libraries' folders to it")
+    activate.write_text(text.replace(head, head + ACTIVATE_RESTORE) + ACTIVATE_SET)
+
+
 def _build(variant: Variant, it: Interpreter, libc, wheel_dir: Path, entries, lock_sha: str, tmp: Path,
            final: Path, log) -> None:
     """Make the whole env in `tmp`, naming `final` wherever a path is kept."""
@@ -295,6 +344,8 @@ def _build(variant: Variant, it: Interpreter, libc, wheel_dir: Path, entries, lo
           "--find-links", wheel_dir, "--require-hashes", "--only-binary", ":all:", "--no-deps", "--no-compile",
           "--disable-pip-version-check", "--quiet", "-r", "/dev/stdin"], "pip install",
          stdin_text=layers.requirements(entries), env=env)
+    if variant.libraries:
+        name_libraries(tmp, final)
     helpers = tmp / HELPERS
     helpers.mkdir()
     for src in sorted(settings.HELPERS.glob("*.py")):

@@ -157,3 +157,19 @@ def cpu_env(tmp_path_factory):
     dest = tmp_path_factory.mktemp("envs")
     proc = _ok(invoke("venv", "--variant", "cpu", "--dest", str(dest)))
     return {"path": Path(proc.stdout.strip().splitlines()[-1]), "dest": dest, "proc": proc}
+
+
+@pytest.fixture(scope="session")
+def cuda_env(tmp_path_factory):
+    """The GPU variant's env, made as cpu_env is: its NVIDIA libraries, no container, no GPU."""
+    _ok(invoke("wheels", "--variant", GPU_VARIANT))
+    proc = _ok(invoke("venv", "--variant", GPU_VARIANT, "--dest", str(tmp_path_factory.mktemp("envs"))))
+    return {"path": Path(proc.stdout.strip().splitlines()[-1]), "proc": proc}
+
+
+def paddle_opens() -> list[str]:
+    """The libraries Paddle 2.6 opens by name on CUDA, as verify's probe lists them (importing it runs it)."""
+    import ast
+    source = (ROOT / "fleetbox" / "incontainer" / "fleetbox_verify_image.py").read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.Assign) and n.targets[0].id == "OPENS")
+    return list(ast.literal_eval(node.value)["cuda"])

@@ -19,7 +19,7 @@ from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
-from tests.integration.conftest import GPU_VARIANT, ON_CPU
+from tests.integration.conftest import GPU_VARIANT, ON_CPU, paddle_opens
 from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.integration.test_hangs import PLAIN, last_metric_time
 from tests.integration.test_train import assert_rows_are_the_runs_own_figures, study_of
@@ -80,10 +80,11 @@ def cluster(tmp_path_factory, cpu_image):
 @pytest.fixture(scope="module")
 def modulefiles(tmp_path_factory):
     """A site's module of our own (Environment Modules, installed by setup-host.sh): it sets a variable the
-    training script needs (smoke.py --require-env)."""
+    training script needs (smoke.py --require-env), and puts a folder on the loader's path, as a CUDA module does."""
     d = tmp_path_factory.mktemp("modulefiles")
     (d / "fbtest").mkdir()
-    (d / "fbtest" / "1.0").write_text("#%Module1.0\nsetenv FBTEST_LOADED 1.0\n")
+    (d / "fbtest" / "1.0").write_text("#%Module1.0\nsetenv FBTEST_LOADED 1.0\n"
+                                          "prepend-path LD_LIBRARY_PATH /opt/fbtest/lib\n")
     return str(d)
 
 
@@ -715,6 +716,25 @@ def test_slurm_without_a_container_an_unknown_module_is_named_with_the_module_sy
         f"fleetbox: train failed: node{k} (rank {k}) on node{k + 1} stopped before the training: `module load "
         f"fbtest/9.9` failed: ERROR: Unable to locate a modulefile for 'fbtest/9.9' (exit 4) (logs: "), proc.stderr
 
+
+def test_slurm_without_a_container_the_gpu_envs_ranks_open_the_libraries_paddle_opens_by_name(cluster, cuda_env,
+                                                                                                modulefiles):
+    """Runtime none with the GPU variant's env, its ranks on CPU: each node puts the env's GPU libraries ahead of
+    what a module set, so every name Paddle opens loads in every rank (no activate, no root)."""
+    names = paddle_opens()
+    proc = slurm_train({**cluster, "MODULEPATH": modulefiles}, "--runtime", "none", "--venv", str(cuda_env["path"]),
+                       *ON_CPU, "--modules", "fbtest/1.0", "--script", str(ROOT / "tests" / "probes" / "gpu_names.py"),
+                       "--args", " ".join(names))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    _, job_dir = summary(proc)
+    for k in (0, 1):
+        worker = Path(job_dir, f"node{k}", "workerlog.0").read_text()
+        said = json.loads(worker.split("FLEETBOX-NAMES ")[1].splitlines()[0])
+        assert said["names"] == {n: "loaded" for n in names} and said["prefix"] == str(cuda_env["path"]), said
+        path = said["ld_library_path"].split(":")   # (opencv's import put its own folder first, in the rank)
+        ours = [k for k, p in enumerate(path) if p.startswith(f"{cuda_env['path']}/lib/python3.11/site-packages/"
+                                                                  "nvidia/")]
+        assert len(ours) == 11 and max(ours) < path.index("/opt/fbtest/lib"), said   # ahead of the module's
 
 # What a rank was given: the CPUs it may run on, and its memory cgroup's limit (cgroup v1, as the cluster confines)
 RESOURCES_PY = """import json, os, sys

@@ -11,8 +11,8 @@ import pytest
 from packaging.utils import canonicalize_name
 
 from fleetbox.image import locks, matrix
-from tests.conftest import invoke
-from tests.integration.conftest import _ok
+from tests.conftest import ROOT, invoke
+from tests.integration.conftest import GPU_VARIANT, _ok, paddle_opens
 from tests.unit.test_cli import one_line_error
 
 pytestmark = pytest.mark.no_docker
@@ -126,3 +126,22 @@ def test_another_python_version_is_one_line_and_makes_nothing(env, tmp_path):
     one_line_error(proc, f"{exe} is Python {version}; the cpu lock is for 3.11: give --python a 3.11 interpreter")
     assert proc.returncode == 2 and not dest.exists()
     print(f"checked with {exe} (Python {version})", file=sys.stderr)
+
+
+def test_the_gpu_variants_env_opens_every_library_paddle_opens_by_name_once_activated(cuda_env):
+    """The cu118-pypi env: NVIDIA's wheels ship versioned names only; activated, each name Paddle opens loads (no
+    root, no ldconfig), and Paddle is the GPU build. Not activated, the names do not load: what activate adds."""
+    names = paddle_opens()
+    probe = str(ROOT / "tests" / "probes" / "gpu_names.py")
+    env = cuda_env["path"]
+    bare = subprocess.run([env / "bin" / "python", probe, *names], capture_output=True, text=True, env=CLEAN)
+    said = json.loads(bare.stdout.split("FLEETBOX-NAMES ")[1])
+    assert "cannot open shared object file" in said["names"]["libcudnn.so"], said
+    proc = subprocess.run(["bash", "-euc", '. "$1/bin/activate"; shift; python "$@"; python -c "import paddle; '
+                           'print(paddle.__version__, paddle.is_compiled_with_cuda(), paddle.version.cuda())"',
+                           "bash", env, probe, *names], capture_output=True, text=True, env=CLEAN, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.split("FLEETBOX-NAMES ")[1].splitlines()[0])
+    assert said["names"] == {n: "loaded" for n in names} and len(names) == 11, said
+    assert said["prefix"] == str(env)
+    assert proc.stdout.strip().splitlines()[-1] == f"{matrix.load().get(GPU_VARIANT).paddle_version} True 11.8"

@@ -380,3 +380,54 @@ def test_bad_input_is_one_line_and_makes_nothing(run_invoke, tmp_path, args, nee
     proc = run_invoke("venv", *[a.format(tmp=tmp_path) for a in args])
     one_line_error(proc, needle.format(tmp=tmp_path))
     assert not (tmp_path / "envs").exists()
+
+
+def _lib_env(tmp_path):
+    """A venv with an nvidia/*/lib folder as a GPU wheel leaves it (a real library, under its versioned name only),
+    one folder with no library, and one with its unversioned name already there."""
+    env = tmp_path / "env"
+    venvs._run([sys.executable, "-m", "venv", "--without-pip", env], "venv")
+    site = env / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "nvidia"
+    real = next(p for p in ("/lib/x86_64-linux-gnu/libz.so.1", "/usr/lib/x86_64-linux-gnu/libz.so.1",
+                            "/lib64/libz.so.1") if os.path.exists(p))
+    for name in ("fbtest", "empty", "kept"):
+        (site / name / "lib").mkdir(parents=True)
+    (site / "fbtest" / "lib" / "libfbtest.so.8").write_bytes(open(real, "rb").read())
+    (site / "kept" / "lib" / "libkept.so.2").write_bytes(b"")
+    (site / "kept" / "lib" / "libkept.so").write_text("its own")
+    return env, site
+
+
+LOADS = "import ctypes, sys; ctypes.CDLL('libfbtest.so'); print('loaded')"
+
+
+def test_an_activated_env_loads_its_gpu_libraries_by_the_names_paddle_opens_and_deactivate_restores_the_path(
+        tmp_path):
+    env, site = _lib_env(tmp_path)
+    bare = subprocess.run([env / "bin" / "python", "-c", LOADS], capture_output=True, text=True)
+    assert bare.returncode != 0 and "libfbtest.so: cannot open shared object file" in bare.stderr
+    venvs.name_libraries(env, env)
+    assert os.readlink(site / "fbtest" / "lib" / "libfbtest.so") == "libfbtest.so.8"
+    assert (site / "kept" / "lib" / "libkept.so").read_text() == "its own"   # a name already there is kept
+    assert sorted(p.name for p in (site / "empty" / "lib").iterdir()) == []
+    assert not (env / f"{venvs.LIBRARIES}.folders").exists()
+    folders = [f"{site}/{n}/lib" for n in ("empty", "fbtest", "kept")]
+    for before, after in (("export LD_LIBRARY_PATH=/site/cuda", "/site/cuda"), ("unset LD_LIBRARY_PATH", "unset"),
+                          ("export LD_LIBRARY_PATH=", "")):
+        proc = subprocess.run(["bash", "-euc", f'{before}; . "$1/bin/activate"; echo "$LD_LIBRARY_PATH"; python -c '
+                               f'"{LOADS}"; deactivate; echo "${{LD_LIBRARY_PATH-unset}}"', "bash", env],
+                              capture_output=True, text=True, env={**os.environ, "PATH": "/usr/bin:/bin"})
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0].split(":")[:3] == folders and lines[0].split(":")[3:] == ([after] if after not in
+                                                                                  ("unset", "") else []), lines
+        assert lines[1:] == ["loaded", after], lines
+
+
+def test_an_env_whose_gpu_libraries_left_no_folder_is_refused(tmp_path):
+    env = tmp_path / "env"
+    venvs._run([sys.executable, "-m", "venv", "--without-pip", env], "venv")
+    with pytest.raises(UserError, match=f"^the lock's GPU libraries installed no nvidia/\\*/lib folder into "
+                                        f"{tmp_path}/final$"):
+        venvs.name_libraries(env, tmp_path / "final")
+    assert not (env / venvs.LIBRARIES).exists()

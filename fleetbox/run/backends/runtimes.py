@@ -491,7 +491,7 @@ class Host(Runtime):
         out = [["export", f"FLEETBOX_VENV={self.venv}"]]
         if self.modules:
             out.append(["set", "--", *self.modules])   # the modules, as the template's "$@"
-        return out + [template("host_env.sh", RECORD=ENV_RECORD), ["cd", work]]
+        return out + [template("host_env.sh", RECORD=ENV_RECORD, LIBRARIES=settings.ENV_LIBRARIES), ["cd", work]]
 
     def identify(self, image):
         return template("identify_env.sh", RECORD=ENV_RECORD)

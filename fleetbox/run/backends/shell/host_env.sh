@@ -38,3 +38,6 @@ if [ "${#MODULES[@]}" -gt 0 ]; then
 fi
 SITE_PYTHONPATH="${PYTHONPATH:-}"   # a module's (or the caller's): kept after the helpers
 export VIRTUAL_ENV="$FLEETBOX_VENV" PATH="$FLEETBOX_VENV/bin:$PATH"   # as the images have their venv
+# the env's GPU libraries (a variant with them): ahead of a module's, under the names Paddle opens
+# shellcheck source=/dev/null
+if [ -f "$FLEETBOX_VENV/@LIBRARIES@" ]; then . "$FLEETBOX_VENV/@LIBRARIES@"; fi
