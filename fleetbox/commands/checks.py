@@ -97,6 +97,8 @@ class Expect:
     forced_iface: str = ""
     shm_settable: bool = True       # --shm-size reaches the container (Backend.shm_settable)
     check_paddle: bool = False      # no image (an env on the nodes): `import paddle` is checked on every node
+    variant: str = ""
+    compute_capabilities: tuple = ()  # CUDA variants: the GPU architectures its wheel has kernels for
 
 
 def check_shm(node: str, f: dict, e: Expect) -> Row:
@@ -191,14 +193,49 @@ def check_ib(node: str, f: dict, e: Expect) -> list[Row]:
                 f"{e.ib_hca} has no ACTIVE port: check the cable and the subnet manager (ibstat)")]
 
 
-def gpus_from_nvidia_smi(out: str) -> list[dict]:
-    """`nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader` lines."""
+OLD_GPU_FIELDS = ("index", "name", "driver_version", "memory.total")   # what a probe before uuid and compute_cap asked
+
+
+def gpus_from_nvidia_smi(out: str, fields=OLD_GPU_FIELDS) -> list[dict]:
+    """`nvidia-smi --query-gpu=FIELDS --format=csv,noheader` lines, each GPU's fields by name ("index": int)."""
     gpus = []
     for line in out.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 4 and parts[0].isdigit():
-            gpus.append({"index": int(parts[0]), "name": parts[1], "driver": parts[2], "memory": parts[3]})
+        parts = [p.strip() for p in line.split(", ")]
+        if len(parts) == len(fields) and parts[0].isdigit():
+            gpu = dict(zip(fields, parts))
+            gpus.append({**gpu, "index": int(gpu["index"])})
     return gpus
+
+
+def capability(text: str) -> tuple[int, int] | None:
+    """"8.6" -> (8, 6); None for what is not one ("[N/A]")."""
+    m = re.fullmatch(r"(\d+)\.(\d+)", text.strip())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def runs_on(cap: tuple[int, int], built: tuple[str, ...]) -> bool:
+    """Whether a GPU of compute capability `cap` runs kernels built (SASS) for one of `built`: CUDA's binary
+    compatibility, the same major version and a minor no newer than the GPU's (sm_80 runs on 8.6, not on 9.0)."""
+    return any(b and b[0] == cap[0] and b[1] <= cap[1] for b in map(capability, built))
+
+
+def check_capability(node: str, gpus: list[dict], e: Expect) -> list[Row]:
+    """Each GPU's compute capability against the architectures the variant's wheel has kernels for."""
+    if not gpus:
+        return []
+    want = ", ".join(e.compute_capabilities) + " (the wheel's kernels)" if e.compute_capabilities else \
+        "the variant's kernels (not listed for it)"
+    caps = {(g["index"], g["name"], g.get("compute_cap", "")) for g in gpus}
+    if not all(capability(c) for _, _, c in caps):
+        return [Row(node, "compute capability", True, "not reported (this driver's nvidia-smi has no compute_cap)",
+                    want)]
+    seen = ", ".join(sorted({f"{c} ({n})" for _, n, c in caps}))
+    bad = sorted((i, n, c) for i, n, c in caps if e.compute_capabilities and not runs_on(capability(c),
+                                                                                      e.compute_capabilities))
+    return [Row(node, "compute capability", not bad, seen, want, "" if not bad else
+                f"GPU {', '.join(str(i) for i, _, _ in bad)} ({bad[0][1]}, compute capability {bad[0][2]}): the "
+                f"{e.variant} wheel has no kernels for it (built for {', '.join(e.compute_capabilities)}); Paddle "
+                f"stops at its first GPU kernel: use a variant built for {bad[0][2]}")]
 
 
 def confinement_rows(device: str, unconfined: str) -> list[Row]:
@@ -219,8 +256,8 @@ def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
         return [Row(node, "GPU driver", False, why[:120], f">= {e.min_driver}",
                     "the container sees no NVIDIA driver: install the NVIDIA Container Toolkit on the node and run "
                     "with GPUs (--gpus; Apptainer --nv; Podman CDI)")]
-    gpus = gpus_from_nvidia_smi(g.get("out", ""))
-    drivers = sorted({x["driver"] for x in gpus})
+    gpus = gpus_from_nvidia_smi(g.get("out", ""), tuple(g.get("fields", OLD_GPU_FIELDS)))
+    drivers = sorted({x["driver_version"] for x in gpus})
     driver = drivers[0] if drivers else "?"
     ok = bool(gpus) and (not e.min_driver or version_tuple(driver) >= version_tuple(e.min_driver))
     compat = ok and e.toolkit_driver and version_tuple(driver) < version_tuple(e.toolkit_driver)
@@ -233,7 +270,7 @@ def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
     rows.append(Row(node, "GPUs", count_ok, f"{len(gpus)}" + (f" x {gpus[0]['name']}" if gpus else ""),
                     f">= {e.gpus}", "" if count_ok else f"the container sees {len(gpus)} GPU(s), the job needs "
                     f"{e.gpus}: check --devices/--gpus-per-node and CUDA_VISIBLE_DEVICES"))
-    return rows
+    return rows + check_capability(node, gpus, e)
 
 
 SMI_DEVICE = re.compile(r"^\s*(?:GPU|DCU|HCU)\[?(\d+)\]?\s*[:|]?", re.M)

@@ -42,7 +42,7 @@ def expect(spec: JobSpec, port: int, b) -> Expect:
     v = spec.variant
     return Expect(spec.nodes, spec.shm_size, spec.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
                   spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, b.shm_settable,
-                  check_paddle=not b.runs_in_image)
+                  check_paddle=not b.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities)
 
 
 def _output(path: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,8 @@ class Variant:
     runtime: dict = field(default_factory=dict)  # devices, groups, mounts a container needs
     min_driver: str = ""            # CUDA variants: the oldest host driver that runs it (minor-version compatibility)
     toolkit_driver: str = ""        # ... and the driver of its own CUDA release (PTX JIT needs it); invoke doctor
+    compute_capabilities: tuple[str, ...] = ()   # CUDA variants: the GPU architectures Paddle's kernels are built
+                                                 # for ("8.0"); invoke doctor holds each node's GPUs to them
 
     @property
     def paddle_name(self) -> str:
@@ -141,11 +144,19 @@ def parse(data: dict) -> Matrix:
             paddle_index=v.get("paddle_index", ""), pypi=data.get("pypi", "https://pypi.org/simple"),
             image=data.get("image", "fleetbox/paddle"), base_repo=data.get("base_image", "fleetbox/base"),
             accel=accel, runtime=v.get("runtime", {}), min_driver=v.get("min_driver", ""),
-            toolkit_driver=v.get("toolkit_driver", ""))
+            toolkit_driver=v.get("toolkit_driver", ""), compute_capabilities=_capabilities(name, v))
     default = data.get("default_variant", next(iter(variants), ""))
     if default not in variants:
         raise UserError(f"matrix: default_variant {default!r} is not a variant")
     return Matrix(variants=variants, default=default)
+
+
+def _capabilities(name: str, v: dict) -> tuple[str, ...]:
+    caps = tuple(v.get("compute_capabilities", []))
+    bad = [c for c in caps if not re.fullmatch(r"\d+\.\d+", str(c))]
+    if bad:
+        raise UserError(f"matrix: variant {name!r}: compute capability {bad[0]!r} is not MAJOR.MINOR (e.g. 8.0)")
+    return caps
 
 
 def load(path: Path = MATRIX_PATH) -> Matrix:

@@ -108,6 +108,18 @@ def _limit(kind):
     return -1 if soft == resource.RLIM_INFINITY else soft
 
 
+# What nvidia-smi is asked of each GPU; a driver older than compute_cap (R510) is asked the rest
+GPU_FIELDS = ("index", "uuid", "name", "driver_version", "memory.total", "compute_cap")
+
+
+def gpu_facts():
+    for fields in (GPU_FIELDS, GPU_FIELDS[:-1]):
+        got = _run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"])
+        if fields[-1] not in got.get("out", "") + got.get("err", ""):   # "compute_cap" is not a valid field
+            return {**got, "fields": list(fields)}
+    return {**got, "fields": list(fields)}
+
+
 def local_facts(a):
     f = {"rank": a.rank, "hostname": socket.gethostname(), "time": time.time(), "master_ip": a.master_ip}
     try:
@@ -133,8 +145,7 @@ def local_facts(a):
             p: {k: _read(f"{base}/ports/{p}/{k}") for k in ("state", "phys_state", "rate", "link_layer")}
             for p in ports}}
     if a.device == "cuda":
-        f["gpu"] = _run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
-                         "--format=csv,noheader"])
+        f["gpu"] = gpu_facts()
     if a.device == "rocm":
         try:
             video = grp.getgrnam("video").gr_gid

@@ -11,6 +11,7 @@ import pytest
 from packaging.utils import canonicalize_name
 
 from fleetbox.image import locks, matrix
+from tests import cubins
 from tests.conftest import ROOT, invoke
 from tests.integration.conftest import GPU_VARIANT, _ok, paddle_opens
 from tests.unit.test_cli import one_line_error
@@ -145,3 +146,12 @@ def test_the_gpu_variants_env_opens_every_library_paddle_opens_by_name_once_acti
     assert said["names"] == {n: "loaded" for n in names} and len(names) == 11, said
     assert said["prefix"] == str(env)
     assert proc.stdout.strip().splitlines()[-1] == f"{matrix.load().get(GPU_VARIANT).paddle_version} True 11.8"
+
+
+def test_the_gpu_variants_compute_capabilities_are_those_its_wheels_kernels_are_built_for(cuda_env):
+    """What `invoke doctor` holds a node's GPUs to (the matrix's compute_capabilities) is read from the wheel
+    itself: the architectures every kernel in libpaddle.so has a SASS image for (no PTX to fall back on)."""
+    lib = cuda_env["path"] / "lib" / "python3.11" / "site-packages" / "paddle" / "base" / "libpaddle.so"
+    found = cubins.fatbins(lib)
+    assert len(found) > 100 and not any(kind == "ptx" for images in found for kind, _ in images)
+    assert cubins.built_for(lib) == list(matrix.load().get(GPU_VARIANT).compute_capabilities)

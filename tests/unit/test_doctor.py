@@ -5,12 +5,14 @@ import copy
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from fleetbox import settings
 from fleetbox.commands import checks, doctor
 from fleetbox.image import matrix
+from fleetbox.incontainer import fleetbox_doctor
 from fleetbox.run import backends
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
@@ -215,6 +217,79 @@ def test_gpu_without_a_driver_or_tool_in_the_container():
         assert failing(rows) == [("node0", "GPU driver"), ("node1", "GPU driver")]
         assert "NVIDIA Container Toolkit" in next(r.fix for r in rows if not r.ok)
 
+
+
+# Recorded: `nvidia-smi --query-gpu=<every field> --format=csv` on real machines (tests/recorded/nvidia-smi/README.md)
+RECORDED = Path(__file__).parents[1] / "recorded" / "nvidia-smi"
+# Recorded: nvidia-smi of driver 470.182.03, asked for compute_cap (tests/recorded/nvidia-smi/README.md)
+NO_COMPUTE_CAP = RECORDED.joinpath("compute-cap-not-valid__470.182.03.txt").read_text()
+
+
+def as_queried(card: str, fields) -> str:
+    """What `nvidia-smi --query-gpu=FIELDS --format=csv,noheader` prints for the recorded card: its answer to
+    every field, reduced to FIELDS by the header's names (units dropped: "memory.total [MiB]")."""
+    header, *rows = RECORDED.joinpath(f"query-gpu-all__{card}.csv").read_text().splitlines()
+    names = [h.split(" [")[0] for h in header.split(", ")]
+    return "".join(", ".join(row.split(", ")[names.index(f)] for f in fields) + "\n" for row in rows)
+
+
+def card_facts(card):
+    fields = fleetbox_doctor.GPU_FIELDS
+    return gpu_facts({"rc": 0, "out": as_queried(card, fields), "err": "", "fields": list(fields)})
+
+
+CU118_PYPI = matrix.load().get("cu118-pypi")
+
+
+@pytest.mark.parametrize("card,ok", [("nvidia-h200__590.48.01", False), ("nvidia-h100-80gb-hbm3__590.48.01", False),
+                                     ("nvidia-l40s__595.80", True), ("nvidia-geforce-rtx-2080-super__595.71.05", True)])
+def test_each_gpus_compute_capability_against_the_architectures_the_wheel_is_built_for(card, ok):
+    """cu118-pypi's kernels are sm_61 to sm_86: an L40S (8.9) runs the sm_86 ones, an RTX 2080 SUPER (7.5) its own;
+    Hopper (9.0) runs none, and doctor says so for the node before a rank starts."""
+    v = CU118_PYPI
+    rows = rows_of(card_facts(card), device="cuda", min_driver=v.min_driver, toolkit_driver=v.toolkit_driver,
+                   variant=v.name, compute_capabilities=v.compute_capabilities)
+    row = next(r for r in rows if r.node == "node0" and r.check == "compute capability")
+    name, cap = as_queried(card, ("name", "compute_cap")).strip().split(", ")
+    assert (row.ok, row.value, row.threshold) == (ok, f"{cap} ({name})",
+                                                  "6.1, 7.0, 7.5, 8.0, 8.6 (the wheel's kernels)")
+    assert failing(rows) == ([] if ok else [("node0", "compute capability"), ("node1", "compute capability")])
+    if not ok:
+        assert row.fix == (f"GPU 0 ({name}, compute capability 9.0): the cu118-pypi wheel has no kernels for it (built "
+                           f"for 6.1, 7.0, 7.5, 8.0, 8.6); Paddle stops at its first GPU kernel: use a variant built "
+                           f"for 9.0")
+    # a variant whose architectures the matrix does not list: said, not failed
+    cu126 = matrix.load().get("cu126")
+    rows = rows_of(card_facts(card), device="cuda", min_driver=cu126.min_driver, variant=cu126.name)
+    row = next(r for r in rows if r.node == "node0" and r.check == "compute capability")
+    assert row.ok and row.threshold == "the variant's kernels (not listed for it)"
+
+
+def test_binary_compatibility_is_the_same_major_version_and_no_newer_minor():
+    built = ("6.1", "7.0", "7.5", "8.0", "8.6")
+    assert [checks.runs_on(c, built) for c in [(6, 0), (6, 1), (6, 2), (7, 2), (8, 7), (8, 9), (9, 0), (10, 0),
+                                               (12, 0), (5, 2)]] == \
+        [False, True, True, True, True, True, False, False, False, False]
+
+
+def test_a_driver_whose_nvidia_smi_has_no_compute_cap_is_asked_the_rest_and_the_row_says_so(tmp_path, monkeypatch):
+    """The probe for real, against an nvidia-smi that answers as driver 470's does (recorded): the query with
+    compute_cap fails, the one without it is asked; the row says the capability is not reported."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    old = as_queried("nvidia-h100-80gb-hbm3__590.48.01", fleetbox_doctor.GPU_FIELDS[:-1])   # (590's values)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncase \"$1\" in *compute_cap*) printf '%s' '{NO_COMPUTE_CAP}'; exit 2;; esac\n"
+                   f"printf '%s' '{old}'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    got = fleetbox_doctor.gpu_facts()
+    assert got == {"rc": 0, "out": old, "err": "", "fields": list(fleetbox_doctor.GPU_FIELDS[:-1])}
+    rows = rows_of(gpu_facts(got), device="cuda", min_driver="450.80.02", variant="cu118-pypi",
+                   compute_capabilities=CU118_PYPI.compute_capabilities)
+    assert failing(rows) == []
+    row = next(r for r in rows if r.check == "compute capability")
+    assert row.value == "not reported (this driver's nvidia-smi has no compute_cap)"
 
 def dcu_facts(**kw):
     facts = copy.deepcopy(HEALTHY)

@@ -54,6 +54,11 @@ def test_bad_matrix_is_a_user_error(tmp_path):
     p.write_text("[variants.v]\nbase='nope'\n")
     with pytest.raises(UserError, match="lacks device"):
         matrix.load(p)
+    p.write_text("[bases.b]\npython='x'\n[variants.v]\nbase='b'\ndevice='cuda'\npython_version='3.11'\n"
+                 "platform='manylinux_2_36_x86_64'\npaddle='paddlepaddle-gpu==2.6.2'\n"
+                 "compute_capabilities=['8.0', 'sm_90']\n")
+    with pytest.raises(UserError, match=r"^matrix: variant 'v': compute capability 'sm_90' is not MAJOR.MINOR"):
+        matrix.load(p)
     p.write_text("not toml [")
     with pytest.raises(UserError):
         matrix.load(p)
