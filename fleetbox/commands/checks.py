@@ -584,6 +584,22 @@ def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[R
     return rows + same_image(ids, nodes, ref)
 
 
+
+GPU_PREREQUISITE = re.compile(r"^fleetbox: node \d+ on [^:\s]+: GPU prerequisite( missing)?: (.+)$", re.M)
+
+
+def prerequisite_rows(outputs: dict[int, str], nodes: int) -> list[Row]:
+    """What each node's script found of its runtime's GPU prerequisite (runtimes.Runtime.gpu_prerequisite), where
+    it checked one."""
+    rows = []
+    for k in range(nodes):
+        m = GPU_PREREQUISITE.search(outputs.get(k, ""))
+        if m:
+            missing = bool(m.group(1))
+            rows.append(Row(f"node{k}", "GPU prerequisite", not missing, "missing" if missing else m.group(2)[:120],
+                            "what the runtime needs to give GPUs", m.group(2) if missing else ""))
+    return rows
+
 # -- throughput and the sweep --
 
 def tcp_gbps(facts: dict[int, dict]) -> float | None:

@@ -24,6 +24,7 @@ from fleetbox.commands.checks import (
     evaluate,
     parse_probe,
     parse_sweep,
+    prerequisite_rows,
     probe_command,
     reported_image_rows,
     sweep_row,
@@ -81,6 +82,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
         outputs = {n.rank: _output(n.logs) for n in result.nodes}
         if b.reports_image:
             rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref))
+            rows += prerequisite_rows(outputs, spec.nodes)
         for k in range(spec.nodes):
             f = parse_probe(outputs.get(k, ""))
             if f is None:

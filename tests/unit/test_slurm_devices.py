@@ -3,6 +3,8 @@ environments with stub runtimes that record their argv and environment. Each run
 allocation (SLURM_STEP_GPUS, else SLURM_JOB_GPUS; ROCm render nodes through a recorded KFD topology), and a
 task whose allocation does not match the plan's process count stops in one line before any container starts."""
 
+import os
+
 import pytest
 
 from fleetbox import ROOT
@@ -26,6 +28,41 @@ def node_script(variant, runtime, tmp_path, monkeypatch, procs=2):
     return dict(slurm.SlurmBackend(runtime).plan(spec).files)["node.sh"]
 
 
+# Recorded (tests/recorded/gpu-node/README.md): what a GPU node's tools answer
+RECORDED = ROOT / "tests" / "recorded" / "gpu-node"
+DRIVER = "575.51.03"   # the driver of the recorded ldconfig line
+
+
+def gpu_node(stubs, cdi="nvidia-ctk-cdi-list__1.17.8.txt", hook=True, libcuda=True):
+    """The node's NVIDIA tools as stubs answering what real ones answered: nvidia-ctk's CDI list (its count on
+    stderr, the names on stdout, as list.go prints them), the toolkit's hook, the loader's cache, the driver."""
+    def tool(name, text):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    if cdi:
+        said = RECORDED.joinpath(cdi).read_text().splitlines()
+        tool("nvidia-ctk", "#!/bin/sh\n" + f"echo '{said[0].rstrip()}' >&2\n" +
+             "".join(f"echo '{ln}'\n" for ln in said[1:]))
+    if hook:
+        tool("nvidia-container-runtime-hook", "#!/bin/sh\nexit 0\n")
+    lines = RECORDED.joinpath("ldconfig-p-libcuda__575.51.03.txt").read_text() if libcuda else ""
+    tool("ldconfig", f"#!/bin/sh\nprintf '%s' '{lines}'\n")
+    tool("nvidia-smi", f"#!/bin/sh\necho {DRIVER}\n")
+
+
+def prerequisite_said(proc) -> str:
+    return next(ln.split(": ", 2)[2] for ln in (proc.stdout + proc.stderr).splitlines()
+                if "GPU prerequisite" in ln)
+
+
+
+def image_with_driver_libraries(tmp_path, runtime, driver=DRIVER, lib="usr/lib/x86_64-linux-gnu"):
+    """A Charliecloud image folder as `ch-fromhost --nvidia` leaves it: the driver's libraries in its library folder
+    (/usr/lib/x86_64-linux-gnu on Debian; the folder its ldconfig names)."""
+    if runtime == "charliecloud":
+        (tmp_path / "img:tag" / lib).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "img:tag" / lib / f"libcuda.so.{driver}").write_bytes(b"")
+
 def the_call(calls, runtime):
     tool = {"charliecloud": "ch-run", "pyxis": "python"}.get(runtime, runtime)
     (call,) = [c for c in calls if c["tool"] == tool]
@@ -38,7 +75,10 @@ def values(argv, flag):
 
 @pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer", "charliecloud", "pyxis"])
 def test_cuda_runtimes_get_exactly_the_allocated_gpus(runtime, stubs, tmp_path, monkeypatch):
-    proc, calls = run_node(node_script("cu126", runtime, tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    gpu_node(stubs)
+    node = node_script("cu126", runtime, tmp_path, monkeypatch)
+    image_with_driver_libraries(tmp_path, runtime)
+    proc, calls = run_node(node, stubs, tmp_path, TASK)
     assert proc.returncode == 0, proc.stderr
     argv, env = the_call(calls, runtime)
     given = {
@@ -126,3 +166,79 @@ def test_doctor_says_which_runtimes_slurm_cannot_confine(runtime, confined):
     if rows:
         assert rows[0].ok and rows[0].value.startswith(f"none: {runtime} starts the container outside the Slurm task")
     assert confinement_rows("cpu", slurm.SlurmBackend(runtime).unconfined) == []
+
+
+@pytest.mark.parametrize("runtime,said", [
+    ("docker", "GPU prerequisite: the NVIDIA Container Toolkit (docker --gpus)"),
+    ("podman", "GPU prerequisite: a CDI spec names nvidia.com/gpu=1, nvidia.com/gpu=3 (nvidia-ctk cdi list)"),
+    ("apptainer", "GPU prerequisite: the node's driver libraries (apptainer --nv)"),
+    ("charliecloud", f"GPU prerequisite: the image holds the libraries of driver {DRIVER}, which this node runs "
+                     "(ch-fromhost --nvidia)"),
+])
+def test_each_cuda_runtimes_prerequisite_is_checked_on_the_node_before_its_container_starts(runtime, said, stubs,
+                                                                                          tmp_path, monkeypatch):
+    gpu_node(stubs)
+    node = node_script("cu126", runtime, tmp_path, monkeypatch)
+    image_with_driver_libraries(tmp_path, runtime)
+    proc, calls = run_node(node, stubs, tmp_path, TASK)
+    assert proc.returncode == 0, proc.stderr
+    assert prerequisite_said(proc) == said
+    the_call(calls, runtime)   # and the container started
+
+
+@pytest.mark.parametrize("runtime,setup,said", [
+    ("docker", dict(hook=False), "GPU prerequisite missing: Docker here cannot give a container GPUs (no NVIDIA "
+     "Container Toolkit: no nvidia-container-runtime-hook on PATH, no nvidia runtime): the admins install it and "
+     "run `nvidia-ctk runtime configure --runtime=docker`"),
+    ("podman", dict(cdi="nvidia-ctk-cdi-list-empty.txt"), "GPU prerequisite missing: no CDI spec here names "
+     "nvidia.com/gpu=1 nvidia.com/gpu=3 (nvidia-ctk cdi list: 0 device(s)): the admins make one with `nvidia-ctk "
+     "cdi generate --output=/etc/cdi/nvidia.yaml` (again after each driver update)"),
+    ("apptainer", dict(libcuda=False), "GPU prerequisite missing: the node's loader knows no libcuda.so.1 "
+     "(ldconfig -p), so apptainer --nv gives the container no NVIDIA driver: check the driver install on this node"),
+    ("charliecloud", {}, "GPU prerequisite missing: the image {image} holds no NVIDIA driver libraries (libcuda.so): "
+     "run `ch-fromhost --nvidia {image}` on a GPU node (an image folder: a squashfs image cannot take them)"),
+    ("charliecloud", dict(image_driver="535.104.05"), "GPU prerequisite missing: the image {image} holds the "
+     f"libraries of driver 535.104.05, this node runs driver {DRIVER}: run `ch-fromhost --nvidia {{image}}` on a "
+     "node with that driver"),
+])
+def test_a_missing_prerequisite_stops_the_node_in_one_line_before_its_container_starts(runtime, setup, said, stubs,
+                                                                                     tmp_path, monkeypatch):
+    setup = dict(setup)
+    image_driver = setup.pop("image_driver", None)
+    gpu_node(stubs, **setup)
+    node = node_script("cu126", runtime, tmp_path, monkeypatch)
+    if image_driver:
+        image_with_driver_libraries(tmp_path, runtime, image_driver, "usr/lib64")
+    proc, calls = run_node(node, stubs, tmp_path, TASK)
+    assert proc.returncode == 5 and [c for c in calls if c["tool"] != "docker" or c["argv"][:1] == ["run"]] == []
+    assert prerequisite_said(proc) == said.format(image=tmp_path / "img:tag")
+    assert proc.stderr.strip().splitlines()[-1] == f"fleetbox: node 1 on {os.uname().nodename}: " + \
+        said.format(image=tmp_path / "img:tag")   # the line the job's summary shows (slurm.node_said)
+    assert slurm.NODE_SAID.match(proc.stderr.strip().splitlines()[-1]) and 5 in slurm.NODE_EXITS
+
+
+def test_runtimes_without_a_node_side_prerequisite_check_none(stubs, tmp_path, monkeypatch):
+    """Pyxis runs node.sh in the container (enroot's hooks are the node's: doctor sees what they gave); runtime
+    none starts no container; a CPU job needs no GPU."""
+    assert "GPU prerequisite" not in node_script("cu126", "pyxis", tmp_path, monkeypatch)
+    assert "GPU prerequisite" not in node_script("cpu", "podman", tmp_path, monkeypatch)
+    assert "GPU prerequisite" not in node_script("dcu", "podman", tmp_path, monkeypatch)
+
+
+def test_doctor_makes_a_row_per_node_of_what_each_nodes_script_found(stubs, tmp_path, monkeypatch):
+    """node0 has a CDI spec naming its GPUs, node1 none (recorded nvidia-ctk answers): node1's row fails, naming the
+    command that makes one; the other is said."""
+    from fleetbox.commands import checks
+    node = node_script("cu126", "podman", tmp_path, monkeypatch)
+    outputs = {}
+    for k, cdi in ((0, "nvidia-ctk-cdi-list__1.17.8.txt"), (1, "nvidia-ctk-cdi-list-empty.txt")):
+        gpu_node(stubs, cdi=cdi)
+        proc, _ = run_node(node, stubs, tmp_path, TASK)
+        outputs[k] = proc.stdout + proc.stderr
+    rows = checks.prerequisite_rows(outputs, 2)
+    assert [(r.node, r.check, r.ok) for r in rows] == [("node0", "GPU prerequisite", True),
+                                                      ("node1", "GPU prerequisite", False)]
+    assert rows[0].value == "a CDI spec names nvidia.com/gpu=1, nvidia.com/gpu=3 (nvidia-ctk cdi list)"
+    assert rows[1].fix.startswith("no CDI spec here names nvidia.com/gpu=1 nvidia.com/gpu=3 (nvidia-ctk cdi list: 0 "
+                                  "device(s)): the admins make one with `nvidia-ctk cdi generate")
+    assert checks.prerequisite_rows({0: "fleetbox: node 0 on n1: eth0 10.0.0.1 -> master"}, 1) == []   # none checked

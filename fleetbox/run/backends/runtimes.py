@@ -12,6 +12,7 @@ import getpass
 import json
 import os
 import re
+import shlex
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -110,6 +111,13 @@ class Runtime:
         process count) and hand it to the runtime, and the words `launch` gets before the image. This default:
         the container runs in the task's cgroup and sees the visibility variables Slurm set."""
         return [template("allocated.sh", PROCS=str(procs))], []
+
+    def gpu_prerequisite(self, accelerator: str, image: str) -> list:
+        """Node-script lines (ours), after the allocation ($GPUS), that check what this runtime needs on the node
+        to give a container its NVIDIA GPUs: a line `GPU prerequisite: ...` where it is there, else one line naming
+        the node and what to do, and exit 5 (invoke doctor makes a row of either). This default: nothing to check
+        (the node script runs in the container, or there is none)."""
+        return []
 
     def for_allocation(self, n: NodeRun) -> NodeRun:
         """The node without the ids fleetbox would choose ({gpus}): the allocation's are given instead."""
@@ -218,6 +226,9 @@ class Docker(Engine):
     # --gpus reads its value as CSV: a list of ids is one quoted field
     cuda_devices = 'ACCEL=(--gpus "\\"device=$GPUS\\"")'
 
+    def gpu_prerequisite(self, accelerator, image):
+        return [template("gpu_toolkit.sh")] if accelerator == "cuda" else []
+
     def launch(self, n, image, extra=()):
         return ["docker", "run", "--rm", *self.pull(image), *n.run_flags(), *extra, image, *n.command]
 
@@ -235,6 +246,9 @@ class Podman(Engine):
 
     def prelude(self):
         return [Raw('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')]
+
+    def gpu_prerequisite(self, accelerator, image):
+        return [template("gpu_cdi.sh")] if accelerator == "cuda" else []
 
     def launch(self, n, image, extra=()):
         a = ["podman", "run", "--rm", *self.pull(image), "--name", n.name, "--network", "host",
@@ -259,6 +273,9 @@ class Apptainer(Runtime):
     # Environment goes in as APPTAINERENV_<NAME> (--env splits on commas); whether Apptainer then expands
     # `$` or drops quotes we could not run here to see, so such values are refused rather than guessed.
     unverified_env = "$`\\\"'\n"
+
+    def gpu_prerequisite(self, accelerator, image):
+        return [template("gpu_driver_libraries.sh")] if accelerator == "cuda" else []
 
     def launch(self, n, image, extra=()):
         a = ["apptainer", "exec", "--cleanenv", "--pwd", WORKDIR]
@@ -316,6 +333,9 @@ class Charliecloud(Runtime):
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
                 raise UserError(f"--env {key}: charliecloud strips the quotes around {value!r}; "
                                 f"drop them or set it in the script instead")
+
+    def gpu_prerequisite(self, accelerator, image):
+        return [Raw(f"GPU_IMAGE={shlex.quote(image)}"), template("gpu_fromhost.sh")] if accelerator == "cuda" else []
 
     def launch(self, n, image, extra=()):
         # --set-env: the image's own environment (PATH to the venv); --home: the user's home, for the cache;

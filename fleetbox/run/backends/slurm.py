@@ -318,7 +318,7 @@ class SlurmBackend(Backend):
         given = []   # the words that hand the runtime the allocated devices
         if t.accelerator:
             shell, given = rt.allocation(t.accelerator, spec.procs_per_node)
-            lines += shell
+            lines += shell + rt.gpu_prerequisite(t.accelerator, image)
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
         lines += rt.prelude_for(t)
         run = self.words([*rt.launch(t, image, [*given, *self.runtime_args])], job_id)
@@ -786,7 +786,7 @@ def time_seconds(value: str) -> int | None:
     return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
 
 
-NODE_EXITS = (2, 3, 4)   # node.sh's own: no route or allocation, no image or env, modules
+NODE_EXITS = (2, 3, 4, 5)   # node.sh's own: no route or allocation, no image or env, modules, GPU prerequisite
 NODE_SAID = re.compile(r"^fleetbox: (?:node \d+ on [^:\s]+: (.+)|(image missing .+))$")
 
 
