@@ -65,7 +65,8 @@ def probe_command(spec: JobSpec, blast: int, wait: float, import_paddle: bool = 
             "--node-ip", "{node_ip}",
             "--iface", "{iface}", "--ib-hca", spec.ib_hca, "--device", spec.device,
             "--paths", ",".join(paths), "--wait", f"{wait:g}", "--blast", str(blast),
-            *(["--import-paddle"] if import_paddle else []))
+            # a DCU node: Paddle's import says whether the image's DTK and the node's driver go together
+            *(["--import-paddle"] if import_paddle or spec.device == "rocm" else []))
 
 
 def parse_probe(output: str) -> dict | None:
@@ -285,6 +286,36 @@ def dcus_from_smi(out: str) -> int:
     return len(re.findall(r"^\s*(\d+)\s+\d+(?:\.\d+)?°?C\b", out, re.M | re.I))   # a table row: "0   45.0C ..."
 
 
+
+# What Paddle's import prints on a DCU node whose image cannot use the DCUs there, first match wins: (what it
+# prints, what it means, what to do). Recorded: tests/recorded/dcu/README.md.
+DCU_IMPORT_RULES = (
+    (re.compile(r"\[ROCT-Thunk-Interface/src/hymgr\.c:\d+, WARNING\]: Version mismatch"), "ROCT version mismatch",
+     "the image's DTK (its ROCT thunk library) does not match the node's DCU driver (hydcu): use the image built "
+     "for the DTK the node's driver pairs with (Paddle #73087)"),
+    (re.compile(r"get hyhal driver version error"), "the DCU driver's version is unreadable",
+     "the container cannot read /sys/module/hydcu/version: the DCU driver is not loaded on the node, or the "
+     "container does not see the host's /sys"),
+    (re.compile(r"no ROCm-capable device is detected|Compiled with WITH_GPU, but no GPU found in runtime"),
+     "Paddle sees no DCU", "Paddle found no device: check /dev/kfd and the render nodes (rows above) and hy-smi"),
+)
+
+
+def check_dtk(node: str, got: dict) -> Row:
+    """The image's DTK against the node's DCU driver, from what `import paddle` printed there."""
+    said = got.get("err", "") + got.get("out", "")
+    for pattern, what, fix in DCU_IMPORT_RULES:
+        m = pattern.search(said)
+        if m:
+            return Row(node, "DTK and driver", False, f"{what}: {m.group(0)}"[:120], "Paddle imports and sees the DCUs",
+                       fix)
+    if got.get("rc") != 0:
+        lines = [ln for ln in said.splitlines() if ln.strip()] or [got.get("error") or got.get("missing") or "?"]
+        return Row(node, "DTK and driver", False, f"import paddle failed: {lines[-1]}"[:120],
+                   "Paddle imports and sees the DCUs", f"`import paddle` fails on {node}: {lines[-1]}")
+    return Row(node, "DTK and driver", True, f"Paddle {said.strip().splitlines()[-1][:40]} imports",
+               "Paddle imports and sees the DCUs")
+
 def check_dcu(node: str, f: dict, e: Expect) -> list[Row]:
     if e.device != "rocm":
         return []
@@ -307,6 +338,8 @@ def check_dcu(node: str, f: dict, e: Expect) -> list[Row]:
             "/dev/kfd and renderD* read-write", "" if not denied else f"no read-write access to {' '.join(denied)}: "
             "add the group that owns them (often render) with --group-add, or ask the admins"),
     ]
+    if "paddle" in f:
+        rows.append(check_dtk(node, f["paddle"]))
     smi = d.get("smi", {})
     n = dcus_from_smi(smi.get("out", "")) if smi.get("rc") == 0 else 0
     ok = n >= e.gpus

@@ -291,6 +291,41 @@ def test_a_driver_whose_nvidia_smi_has_no_compute_cap_is_asked_the_rest_and_the_
     row = next(r for r in rows if r.check == "compute capability")
     assert row.value == "not reported (this driver's nvidia-smi has no compute_cap)"
 
+
+DCU_RECORDED = Path(__file__).parents[1] / "recorded" / "dcu"
+
+
+@pytest.mark.parametrize("recorded,value", [
+    ("paddle-73087-version-show.txt", "ROCT version mismatch: [ROCT-Thunk-Interface/src/hymgr.c:344, WARNING]: "
+                                      "Version mismatch"),
+    ("paddle-78071-import.txt", "ROCT version mismatch: [ROCT-Thunk-Interface/src/hymgr.c:435, WARNING]: Version "
+                                "mismatch"),
+    ("paddle-71646-import.txt", "Paddle sees no DCU: Compiled with WITH_GPU, but no GPU found in runtime"),
+])
+def test_what_paddles_import_prints_on_a_dcu_node_names_what_stops_the_image_there(recorded, value):
+    said = DCU_RECORDED.joinpath(recorded).read_text()
+    facts = dcu_facts()
+    for f in facts.values():
+        f["paddle"] = {"rc": 0, "out": "", "err": said}   # each import went on (warnings), as in the issues
+    rows = rows_of(facts, device="rocm")
+    assert failing(rows) == [("node0", "DTK and driver"), ("node1", "DTK and driver")]
+    row = next(r for r in rows if r.check == "DTK and driver")
+    assert row.value == value[:120]
+    assert row.fix.startswith({"ROCT ": "the image's DTK (its ROCT thunk library) does not match the node's DCU",
+                               "Paddl": "Paddle found no device"}[value[:5]])
+
+
+def test_a_dcu_node_where_paddle_imports_quietly_passes_and_the_probe_is_asked_to_import_it():
+    facts = dcu_facts()
+    for f in facts.values():
+        f["paddle"] = {"rc": 0, "out": "3.0.0\n", "err": ""}
+    rows = rows_of(facts, device="rocm")
+    assert failing(rows) == []
+    assert next(r.value for r in rows if r.check == "DTK and driver") == "Paddle 3.0.0 imports"
+    dcu = spec_mod.JobSpec(variant=matrix.load().get("dcu"))
+    assert "--import-paddle" in checks.probe_command(dcu, 0, 30)
+    assert "--import-paddle" not in checks.probe_command(spec_mod.JobSpec(variant=matrix.load().get("cu126")), 0, 30)
+
 def dcu_facts(**kw):
     facts = copy.deepcopy(HEALTHY)
     d = {"kfd": True, "dri": ["card0", "card1", "renderD128", "renderD129"], "hyhal": True, "groups": [44],
