@@ -218,6 +218,16 @@ def test_gpu_without_a_driver_or_tool_in_the_container():
         assert "NVIDIA Container Toolkit" in next(r.fix for r in rows if not r.ok)
 
 
+@pytest.mark.parametrize("runtime,names", [
+    ("docker", "nvidia-ctk runtime configure --runtime=docker"), ("podman", "nvidia-ctk cdi generate"),
+    ("charliecloud", "ch-fromhost --nvidia"), ("pyxis", "/etc/enroot/hooks.d/98-nvidia.sh"),
+    ("apptainer", "apptainer --nv")])
+def test_a_container_without_the_driver_is_told_what_its_runtime_needs(runtime, names):
+    """Pyxis's prerequisite (enroot's hook) is only seen from inside: the container has no driver without it."""
+    rows = rows_of(gpu_facts({"missing": "nvidia-smi"}), device="cuda", min_driver="520.61.05", runtime=runtime)
+    assert names in next(r.fix for r in rows if r.node == "node0" and not r.ok)
+
+
 
 # Recorded: `nvidia-smi --query-gpu=<every field> --format=csv` on real machines (tests/recorded/nvidia-smi/README.md)
 RECORDED = Path(__file__).parents[1] / "recorded" / "nvidia-smi"
