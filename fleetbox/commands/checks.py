@@ -643,6 +643,34 @@ def prerequisite_rows(outputs: dict[int, str], nodes: int) -> list[Row]:
                             "what the runtime needs to give GPUs", m.group(2) if missing else ""))
     return rows
 
+
+TASK_GPUS = re.compile(r"^fleetbox: node \d+ on [^:\s]+: GPUs the task sees: (.*)$", re.M)
+
+
+def allocated_gpu_rows(outputs: dict[int, str], facts: dict[int, dict], e: Expect) -> list[Row]:
+    """The GPUs each node's container got against those its Slurm task may use (what the task's nvidia-smi lists
+    in its cgroup), by UUID; where the task sees more than it was allocated (no ConstrainDevices), not checked."""
+    rows = []
+    for k in sorted(facts):
+        m = TASK_GPUS.search(outputs.get(k, ""))
+        g = facts[k].get("gpu", {})
+        if not m or e.device != "cuda" or "uuid" not in g.get("fields", ()):
+            continue
+        task = [u for u in m.group(1).split(",") if u]
+        got = [x["uuid"] for x in gpus_from_nvidia_smi(g.get("out", ""), tuple(g["fields"]))]
+        node = f"node{k}"
+        if len(task) != e.gpus:
+            rows.append(Row(node, "allocated GPUs", True, f"not checked: the task sees {len(task)} GPU(s), it was "
+                            f"allocated {e.gpus} (the node does not confine devices)", "the container's = Slurm's"))
+            continue
+        ok = sorted(got) == sorted(task)
+        rows.append(Row(node, "allocated GPUs", ok, ", ".join(u[:12] for u in got) or "none",
+                        "the container's = Slurm's", "" if ok else
+                        f"the container got {', '.join(got) or 'no GPU'}, Slurm allocated {', '.join(task)}: the "
+                        f"engine took Slurm's GPU ids as the driver's indices, which this node's gres.conf numbers "
+                        f"otherwise: set AutoDetect=nvml there, or list its File= lines in nvidia-smi's order"))
+    return rows
+
 # -- throughput and the sweep --
 
 def tcp_gbps(facts: dict[int, dict]) -> float | None:

@@ -19,6 +19,7 @@ from fleetbox.commands.checks import (
     BLAST_BYTES,
     Expect,
     Row,
+    allocated_gpu_rows,
     confinement_rows,
     engine_rows,
     evaluate,
@@ -93,6 +94,8 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
                 facts[k] = f
                 master_ip = master_ip or f.get("master_ip", "")
         rows += evaluate(facts, expect(spec, plan.port, b), master_ip)
+        if b.reports_image:
+            rows += allocated_gpu_rows(outputs, facts, expect(spec, plan.port, b))
         if not quick:
             rows += throughput_rows(facts)
             if facts and all(r.ok for r in rows):

@@ -33,7 +33,7 @@ RECORDED = ROOT / "tests" / "recorded" / "gpu-node"
 DRIVER = "575.51.03"   # the driver of the recorded ldconfig line
 
 
-def gpu_node(stubs, cdi="nvidia-ctk-cdi-list__1.17.8.txt", hook=True, libcuda=True):
+def gpu_node(stubs, cdi="nvidia-ctk-cdi-list__1.17.8.txt", hook=True, libcuda=True, task_uuids=()):
     """The node's NVIDIA tools as stubs answering what real ones answered: nvidia-ctk's CDI list (its count on
     stderr, the names on stdout, as list.go prints them), the toolkit's hook, the loader's cache, the driver."""
     def tool(name, text):
@@ -47,7 +47,8 @@ def gpu_node(stubs, cdi="nvidia-ctk-cdi-list__1.17.8.txt", hook=True, libcuda=Tr
         tool("nvidia-container-runtime-hook", "#!/bin/sh\nexit 0\n")
     lines = RECORDED.joinpath("ldconfig-p-libcuda__575.51.03.txt").read_text() if libcuda else ""
     tool("ldconfig", f"#!/bin/sh\nprintf '%s' '{lines}'\n")
-    tool("nvidia-smi", f"#!/bin/sh\necho {DRIVER}\n")
+    uuids = "".join(f"echo {u}\n" for u in task_uuids)
+    tool("nvidia-smi", f"#!/bin/sh\ncase \"$*\" in *uuid*) {uuids};; *) echo {DRIVER};; esac\n")
 
 
 def prerequisite_said(proc) -> str:
@@ -242,3 +243,35 @@ def test_doctor_makes_a_row_per_node_of_what_each_nodes_script_found(stubs, tmp_
     assert rows[1].fix.startswith("no CDI spec here names nvidia.com/gpu=1 nvidia.com/gpu=3 (nvidia-ctk cdi list: 0 "
                                   "device(s)): the admins make one with `nvidia-ctk cdi generate")
     assert checks.prerequisite_rows({0: "fleetbox: node 0 on n1: eth0 10.0.0.1 -> master"}, 1) == []   # none checked
+
+
+
+# Recorded: the two tasks' `nvidia-smi -L` in DeepOps #1102, each task confined to its own GPU
+TASK_UUIDS = [ln.split("UUID: ")[1].rstrip(")") for ln in
+              RECORDED.joinpath("srun-nvidia-smi-L__deepops-1102.txt").read_text().splitlines() if "UUID: " in ln]
+
+
+@pytest.mark.parametrize("task,container,ok,value", [
+    (TASK_UUIDS[:1], TASK_UUIDS[:1], True, TASK_UUIDS[0][:12]),
+    (TASK_UUIDS[:1], TASK_UUIDS[1:], False, TASK_UUIDS[1][:12]),   # the engine gave the other GPU
+    (TASK_UUIDS, TASK_UUIDS[:1], True, "not checked: the task sees 2 GPU(s), it was allocated 1 (the node does not "
+                                       "confine devices)"),
+])
+def test_doctor_holds_the_containers_gpus_to_those_the_slurm_task_may_use(task, container, ok, value, stubs, tmp_path,
+                                                                         monkeypatch):
+    from fleetbox.commands import checks
+    from fleetbox.incontainer import fleetbox_doctor
+    gpu_node(stubs, task_uuids=task)
+    proc, _ = run_node(node_script("cu126", "podman", tmp_path, monkeypatch, procs=1), stubs, tmp_path,
+                       {**TASK, "SLURM_STEP_GPUS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    fields = fleetbox_doctor.GPU_FIELDS
+    out = "".join(f"{i}, {u}, Tesla P100-SXM2-16GB, {DRIVER}, 16384 MiB, 6.0\n" for i, u in enumerate(container))
+    facts = {0: {"gpu": {"rc": 0, "out": out, "err": "", "fields": list(fields)}}}
+    e = checks.Expect(nodes=1, shm="1g", device="cuda", gpus=1)
+    (row,) = checks.allocated_gpu_rows({0: proc.stdout}, facts, e)
+    assert (row.node, row.check, row.ok, row.value) == ("node0", "allocated GPUs", ok, value)
+    if not ok:
+        assert row.fix.startswith(f"the container got {TASK_UUIDS[1]}, Slurm allocated {TASK_UUIDS[0]}: the engine "
+                                  "took Slurm's GPU ids as the driver's indices")
+    assert checks.allocated_gpu_rows({0: ""}, facts, e) == []   # no line: a runtime that checks none (pyxis)

@@ -319,6 +319,8 @@ class SlurmBackend(Backend):
         if t.accelerator:
             shell, given = rt.allocation(t.accelerator, spec.procs_per_node)
             lines += shell + rt.gpu_prerequisite(t.accelerator, image)
+            if t.accelerator == "cuda" and not rt.node_script_inside:
+                lines.append(runtimes.template("gpu_uuids.sh"))
         lines += [f"export {k}={self.words([v], job_id)}" for k, v in rt.exports(t).items()]
         lines += rt.prelude_for(t)
         run = self.words([*rt.launch(t, image, [*given, *self.runtime_args])], job_id)
