@@ -59,10 +59,11 @@ def prerequisite_said(proc) -> str:
 
 def image_with_driver_libraries(tmp_path, runtime, driver=DRIVER, lib="usr/lib/x86_64-linux-gnu"):
     """A Charliecloud image folder as `ch-fromhost --nvidia` leaves it: the driver's libraries in its library folder
-    (/usr/lib/x86_64-linux-gnu on Debian; the folder its ldconfig names)."""
+    (/usr/lib/x86_64-linux-gnu on Debian; the folder its ldconfig names), libcuda.so.1 linked to them by ldconfig."""
     if runtime == "charliecloud":
         (tmp_path / "img:tag" / lib).mkdir(parents=True, exist_ok=True)
         (tmp_path / "img:tag" / lib / f"libcuda.so.{driver}").write_bytes(b"")
+        (tmp_path / "img:tag" / lib / "libcuda.so.1").symlink_to(f"libcuda.so.{driver}")
 
 def the_call(calls, runtime):
     tool = {"charliecloud": "ch-run", "pyxis": "python"}.get(runtime, runtime)
@@ -173,7 +174,7 @@ def test_doctor_says_which_runtimes_slurm_cannot_confine(runtime, confined):
     ("docker", "GPU prerequisite: the NVIDIA Container Toolkit (docker --gpus)"),
     ("podman", "GPU prerequisite: a CDI spec names nvidia.com/gpu=1, nvidia.com/gpu=3 (nvidia-ctk cdi list)"),
     ("apptainer", "GPU prerequisite: the node's driver libraries (apptainer --nv)"),
-    ("charliecloud", f"GPU prerequisite: the image holds the libraries of driver {DRIVER}, which this node runs "
+    ("charliecloud", f"GPU prerequisite: the image's libcuda.so.1 is driver {DRIVER}'s, which this node runs "
                      "(ch-fromhost --nvidia)"),
 ])
 def test_each_cuda_runtimes_prerequisite_is_checked_on_the_node_before_its_container_starts(runtime, said, stubs,
@@ -196,7 +197,7 @@ def test_each_cuda_runtimes_prerequisite_is_checked_on_the_node_before_its_conta
      "cdi generate --output=/etc/cdi/nvidia.yaml` (again after each driver update)"),
     ("apptainer", dict(libcuda=False), "GPU prerequisite missing: the node's loader knows no libcuda.so.1 "
      "(ldconfig -p), so apptainer --nv gives the container no NVIDIA driver: check the driver install on this node"),
-    ("charliecloud", {}, "GPU prerequisite missing: the image {image} holds no NVIDIA driver libraries (libcuda.so): "
+    ("charliecloud", {}, "GPU prerequisite missing: the image {image} holds no NVIDIA driver libraries (libcuda.so.1): "
      "run `ch-fromhost --nvidia {image}` on a GPU node (an image folder: a squashfs image cannot take them)"),
     ("charliecloud", dict(image_driver="535.104.05"), "GPU prerequisite missing: the image {image} holds the "
      f"libraries of driver 535.104.05, this node runs driver {DRIVER}: run `ch-fromhost --nvidia {{image}}` on a "
@@ -275,3 +276,28 @@ def test_doctor_holds_the_containers_gpus_to_those_the_slurm_task_may_use(task, 
         assert row.fix.startswith(f"the container got {TASK_UUIDS[1]}, Slurm allocated {TASK_UUIDS[0]}: the engine "
                                   "took Slurm's GPU ids as the driver's indices")
     assert checks.allocated_gpu_rows({0: ""}, facts, e) == []   # no line: a runtime that checks none (pyxis)
+
+
+
+def test_a_long_loader_cache_with_libcuda_first_passes_under_pipefail(stubs, tmp_path, monkeypatch):
+    """A node's `ldconfig -p` lists thousands of libraries: a check that stopped reading at the first match would
+    cut ldconfig off (SIGPIPE), which pipefail reads as failure, and stop a healthy node."""
+    gpu_node(stubs)
+    line = RECORDED.joinpath("ldconfig-p-libcuda__575.51.03.txt").read_text()
+    (stubs / "ldconfig").write_text(f"#!/bin/sh\nprintf '%s' '{line}'\n"
+                                    "i=0; while [ $i -lt 20000 ]; do echo \"\tlibx$i.so (libc6,x86-64) => /x\"; "
+                                    "i=$((i+1)); done\n")
+    proc, calls = run_node(node_script("cu126", "apptainer", tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    assert proc.returncode == 0, proc.stderr
+    assert prerequisite_said(proc) == "GPU prerequisite: the node's driver libraries (apptainer --nv)"
+
+
+def test_podman_on_a_node_whose_containers_conf_names_its_own_cdi_folders_is_not_second_guessed(stubs, tmp_path,
+                                                                                               monkeypatch):
+    gpu_node(stubs, cdi="nvidia-ctk-cdi-list-empty.txt")   # nvidia-ctk looks in the usual folders only
+    conf = tmp_path / "containers.conf"
+    conf.write_text('[engine]\ncdi_spec_dirs = ["/opt/site/cdi"]\n')
+    proc, calls = run_node(node_script("cu126", "podman", tmp_path, monkeypatch), stubs, tmp_path,
+                           {**TASK, "CONTAINERS_CONF": str(conf)})
+    assert proc.returncode == 0, proc.stderr
+    assert prerequisite_said(proc) == f"GPU prerequisite: not checked ({conf} names its own CDI spec folders)"

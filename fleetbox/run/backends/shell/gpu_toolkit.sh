@@ -1,6 +1,8 @@
 # Docker gives GPUs (--gpus) through the NVIDIA Container Toolkit's hook, which it looks for on the node's PATH
-# (else: "could not select device driver"), or through a runtime named nvidia.
-if command -v nvidia-container-runtime-hook >/dev/null 2>&1 || docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"nvidia"'; then
+# (else: "could not select device driver"), or through a runtime named nvidia. (`docker info` is read whole, never
+# piped to `grep -q`: under pipefail a writer cut off early fails the test.)
+if command -v nvidia-container-runtime-hook >/dev/null 2>&1 ||
+    grep '"nvidia"' <<<"$(docker info --format '{{json .Runtimes}}' 2>/dev/null || true)" >/dev/null; then
   echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: the NVIDIA Container Toolkit (docker --gpus)"
 else
   echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite missing: Docker here cannot give a container GPUs (no NVIDIA Container Toolkit: no nvidia-container-runtime-hook on PATH, no nvidia runtime): the admins install it and run \`nvidia-ctk runtime configure --runtime=docker\`" >&2
