@@ -198,10 +198,10 @@ def test_each_cuda_runtimes_prerequisite_is_checked_on_the_node_before_its_conta
     ("apptainer", dict(libcuda=False), "GPU prerequisite missing: the node's loader knows no libcuda.so.1 "
      "(ldconfig -p), so apptainer --nv gives the container no NVIDIA driver: check the driver install on this node"),
     ("charliecloud", {}, "GPU prerequisite missing: the image {image} holds no NVIDIA driver libraries (libcuda.so.1): "
-     "run `ch-fromhost --nvidia {image}` on a GPU node (an image folder: a squashfs image cannot take them)"),
+     "run `ch-fromhost --nvidia {image}` on a GPU node"),
     ("charliecloud", dict(image_driver="535.104.05"), "GPU prerequisite missing: the image {image} holds the "
-     f"libraries of driver 535.104.05, this node runs driver {DRIVER}: run `ch-fromhost --nvidia {{image}}` on a "
-     "node with that driver"),
+     f"libraries of driver 535.104.05, this node runs driver {DRIVER}, and they must match: run `ch-fromhost "
+     "--nvidia {image}` on a GPU node"),
 ])
 def test_a_missing_prerequisite_stops_the_node_in_one_line_before_its_container_starts(runtime, setup, said, stubs,
                                                                                      tmp_path, monkeypatch):
@@ -301,3 +301,27 @@ def test_podman_on_a_node_whose_containers_conf_names_its_own_cdi_folders_is_not
                            {**TASK, "CONTAINERS_CONF": str(conf)})
     assert proc.returncode == 0, proc.stderr
     assert prerequisite_said(proc) == f"GPU prerequisite: not checked ({conf} names its own CDI spec folders)"
+
+
+
+@pytest.mark.parametrize("driver,code", [(DRIVER, 0), ("535.104.05", 5)])
+def test_a_charliecloud_squashfs_image_is_listed_for_the_driver_its_libcuda_points_to(driver, code, stubs, tmp_path,
+                                                                                    monkeypatch):
+    """A squashfs image is not mounted to be checked: unsquashfs lists where its libcuda.so.1 points."""
+    import subprocess
+    gpu_node(stubs)
+    folder = tmp_path / "made"
+    image_with_driver_libraries(folder, "charliecloud", driver)
+    sqfs = tmp_path / "img.sqfs"
+    subprocess.run(["mksquashfs", folder / "img:tag", sqfs, "-quiet", "-noappend"], check=True, capture_output=True)
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cu126"), nodes=2, procs_per_node=2, job_id="train-gpu-0001",
+                            port=29555, image=str(sqfs))
+    node = dict(slurm.SlurmBackend("charliecloud").plan(spec).files)["node.sh"]
+    proc, calls = run_node(node, stubs, tmp_path, TASK)
+    assert proc.returncode == code, proc.stderr
+    assert prerequisite_said(proc) == (
+        f"GPU prerequisite: the image's libcuda.so.1 is driver {DRIVER}'s, which this node runs (ch-fromhost --nvidia)"
+        if code == 0 else f"GPU prerequisite missing: the image {sqfs} holds the libraries of driver {driver}, this "
+        f"node runs driver {DRIVER}, and they must match: a squashfs image cannot take them: unpack it to a folder "
+        f"(ch-convert), run `ch-fromhost --nvidia` on that folder on a GPU node and give the folder as --image")
