@@ -29,8 +29,10 @@ def fatbins(path) -> list[set[tuple[str, str]]]:
     return out
 
 
-def built_for(path) -> list[str]:
-    """The architectures every fat binary in the file has a SASS image for, lowest first."""
+def built_for(path, share: float = 1.0) -> list[str]:
+    """The architectures with a SASS image in at least `share` of the file's fat binaries (1.0: in every one),
+    lowest first."""
     found = [{a for k, a in images if k == "sass"} for images in fatbins(path)]
-    common = set.intersection(*found) if found else set()
+    archs = {a for f in found for a in f}
+    common = {a for a in archs if sum(a in f for f in found) >= share * len(found)} if found else set()
     return sorted(common, key=lambda a: tuple(map(int, a.split("."))))

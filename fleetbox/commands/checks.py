@@ -227,12 +227,12 @@ def check_capability(node: str, gpus: list[dict], e: Expect) -> list[Row]:
     want = ", ".join(e.compute_capabilities) + " (the wheel's kernels)" if e.compute_capabilities else \
         "the variant's kernels (not listed for it)"
     caps = {(g["index"], g["name"], g.get("compute_cap", "")) for g in gpus}
-    if not all(capability(c) for _, _, c in caps):
+    if not any(capability(c) for _, _, c in caps):
         return [Row(node, "compute capability", True, "not reported (this driver's nvidia-smi has no compute_cap)",
                     want)]
-    seen = ", ".join(sorted({f"{c} ({n})" for _, n, c in caps}))
-    bad = sorted((i, n, c) for i, n, c in caps if e.compute_capabilities and not runs_on(capability(c),
-                                                                                      e.compute_capabilities))
+    seen = ", ".join(sorted({f"{c if capability(c) else 'not reported'} ({n})" for _, n, c in caps}))
+    bad = sorted((i, n, c) for i, n, c in caps if e.compute_capabilities and capability(c)
+                 and not runs_on(capability(c), e.compute_capabilities))
     return [Row(node, "compute capability", not bad, seen, want, "" if not bad else
                 f"GPU {', '.join(str(i) for i, _, _ in bad)} ({bad[0][1]}, compute capability {bad[0][2]}): the "
                 f"{e.variant} wheel has no kernels for it (built for {', '.join(e.compute_capabilities)}); Paddle "
@@ -255,6 +255,7 @@ NO_DRIVER_FIX = {
     "charliecloud": "run `ch-fromhost --nvidia IMAGE_DIR` on a GPU node to put the driver's libraries in the image",
     "pyxis": "enroot's NVIDIA hook must run: /etc/enroot/hooks.d/98-nvidia.sh and libnvidia-container "
              "(nvidia-container-cli) on the node",
+    "none": "no container: the node's own driver is used; check `nvidia-smi` on the node and the modules loaded",
 }
 
 def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
@@ -300,12 +301,12 @@ def dcus_from_smi(out: str) -> int:
 # What Paddle's import prints on a DCU node whose image cannot use the DCUs there, first match wins: (what it
 # prints, what it means, what to do). Recorded: tests/recorded/dcu/README.md.
 DCU_IMPORT_RULES = (
-    (re.compile(r"\[ROCT-Thunk-Interface/src/hymgr\.c:\d+, WARNING\]: Version mismatch"), "ROCT version mismatch",
-     "the image's DTK (its ROCT thunk library) does not match the node's DCU driver (hydcu): use the image built "
-     "for the DTK the node's driver pairs with (Paddle #73087)"),
     (re.compile(r"get hyhal driver version error"), "the DCU driver's version is unreadable",
      "the container cannot read /sys/module/hydcu/version: the DCU driver is not loaded on the node, or the "
      "container does not see the host's /sys"),
+    (re.compile(r"\[ROCT-Thunk-Interface/src/hymgr\.c:\d+, WARNING\]: Version mismatch"), "ROCT version mismatch",
+     "the image's DTK (its ROCT thunk library) does not match the node's DCU driver (hydcu): use the image built "
+     "for the DTK the node's driver pairs with (Paddle #73087)"),
     (re.compile(r"no ROCm-capable device is detected|Compiled with WITH_GPU, but no GPU found in runtime"),
      "Paddle sees no DCU", "Paddle found no device: check /dev/kfd and the render nodes (rows above) and hy-smi"),
 )
@@ -323,8 +324,8 @@ def check_dtk(node: str, got: dict) -> Row:
         lines = [ln for ln in said.splitlines() if ln.strip()] or [got.get("error") or got.get("missing") or "?"]
         return Row(node, "DTK and driver", False, f"import paddle failed: {lines[-1]}"[:120],
                    "Paddle imports and sees the DCUs", f"`import paddle` fails on {node}: {lines[-1]}")
-    return Row(node, "DTK and driver", True, f"Paddle {said.strip().splitlines()[-1][:40]} imports",
-               "Paddle imports and sees the DCUs")
+    version = (got.get("out", "").strip().splitlines() or ["?"])[-1]
+    return Row(node, "DTK and driver", True, f"Paddle {version[:40]} imports", "Paddle imports and sees the DCUs")
 
 def check_dcu(node: str, f: dict, e: Expect) -> list[Row]:
     if e.device != "rocm":

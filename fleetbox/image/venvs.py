@@ -372,7 +372,13 @@ def make(variant: Variant, dest: Path, python: str | None = None, wheel_dir: Pat
     lock_sha = locks.lock_hash(lock_text)
     dest = Path(os.path.abspath(dest))   # the path as given, not through symlinks: the one other nodes see too
     final = dest / env_name(variant.name, lock_sha)
+    if variant.libraries and ":" in str(final):   # LD_LIBRARY_PATH separates its folders with ':'
+        raise UserError(f"--dest {dest}: a GPU variant's env cannot be where the path has ':' (the loader's path "
+                        f"would split it): give another --dest")
     if up_to_date(final, lock_sha):
+        if variant.libraries and not (final / LIBRARIES).exists():
+            raise UserError(f"{final} was made by an older fleetbox, without {LIBRARIES} (the names Paddle opens "
+                            f"its GPU libraries by): move it away and make it again")
         log(f"{final} is up to date (lock sha256 {lock_sha[:12]}); nothing to make")
         log(str(final))
         return final

@@ -86,12 +86,15 @@ def _read(path):
         return None
 
 
-def _run(argv, timeout=30):
+def _run(argv, timeout=30, head=False):
+    """`head`: keep the start of stderr too (what Paddle's import warns of first), not only its end."""
     if not shutil.which(argv[0]):
         return {"missing": argv[0]}
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        return {"rc": p.returncode, "out": p.stdout[-20000:], "err": p.stderr[-2000:]}
+        err = p.stderr[-2000:] if not head or len(p.stderr) <= 4000 else \
+            p.stderr[:2000] + "\n...\n" + p.stderr[-2000:]
+        return {"rc": p.returncode, "out": p.stdout[-20000:], "err": err}
     except (OSError, subprocess.SubprocessError) as e:
         return {"error": str(e)}
 
@@ -456,7 +459,8 @@ def main(argv=None):
     for s in node.listeners:
         s.close()
     if a.import_paddle:   # last: it takes seconds, which the nodes' meeting above must not wait for
-        facts["paddle"] = _run([sys.executable, "-c", "import paddle; print(paddle.__version__)"], timeout=300)
+        facts["paddle"] = _run([sys.executable, "-c", "import paddle; print(paddle.__version__)"], timeout=300,
+                               head=True)
     print(MARK + json.dumps(facts), flush=True)
 
 

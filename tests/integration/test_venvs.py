@@ -150,8 +150,14 @@ def test_the_gpu_variants_env_opens_every_library_paddle_opens_by_name_once_acti
 
 def test_the_gpu_variants_compute_capabilities_are_those_its_wheels_kernels_are_built_for(cuda_env):
     """What `invoke doctor` holds a node's GPUs to (the matrix's compute_capabilities) is read from the wheel
-    itself: the architectures every kernel in libpaddle.so has a SASS image for (no PTX to fall back on)."""
-    lib = cuda_env["path"] / "lib" / "python3.11" / "site-packages" / "paddle" / "base" / "libpaddle.so"
-    found = cubins.fatbins(lib)
+    itself: the architectures every kernel in libpaddle.so has a SASS image for (no PTX to fall back on), and
+    libphi.so's kernels but a few."""
+    paddle = cuda_env["path"] / "lib" / "python3.11" / "site-packages" / "paddle"
+    want = list(matrix.load().get(GPU_VARIANT).compute_capabilities)
+    found = cubins.fatbins(paddle / "base" / "libpaddle.so")
     assert len(found) > 100 and not any(kind == "ptx" for images in found for kind, _ in images)
-    assert cubins.built_for(lib) == list(matrix.load().get(GPU_VARIANT).compute_capabilities)
+    assert cubins.built_for(paddle / "base" / "libpaddle.so") == want
+    # libphi.so, most of the kernels: the same, but for 8 of its 673 fat binaries (a library of its own, which also
+    # holds 3.5 to 9.0); its few PTX images (7.0 to 8.0) are no JIT path to 9.0 for the rest
+    assert len(cubins.fatbins(paddle / "libs" / "libphi.so")) > 600
+    assert cubins.built_for(paddle / "libs" / "libphi.so", share=0.98) == want

@@ -221,7 +221,7 @@ def test_gpu_without_a_driver_or_tool_in_the_container():
 @pytest.mark.parametrize("runtime,names", [
     ("docker", "nvidia-ctk runtime configure --runtime=docker"), ("podman", "nvidia-ctk cdi generate"),
     ("charliecloud", "ch-fromhost --nvidia"), ("pyxis", "/etc/enroot/hooks.d/98-nvidia.sh"),
-    ("apptainer", "apptainer --nv")])
+    ("apptainer", "apptainer --nv"), ("none", "check `nvidia-smi` on the node")])
 def test_a_container_without_the_driver_is_told_what_its_runtime_needs(runtime, names):
     """Pyxis's prerequisite (enroot's hook) is only seen from inside: the container has no driver without it."""
     rows = rows_of(gpu_facts({"missing": "nvidia-smi"}), device="cuda", min_driver="520.61.05", runtime=runtime)
@@ -275,6 +275,18 @@ def test_each_gpus_compute_capability_against_the_architectures_the_wheel_is_bui
     assert row.ok and row.threshold == "the variant's kernels (not listed for it)"
 
 
+def test_a_gpu_that_reports_no_compute_capability_leaves_the_others_checked():
+    v = CU118_PYPI
+    out = ("0, GPU-0, NVIDIA H200, 590.48.01, 143771 MiB, [N/A]\n"
+           "1, GPU-1, NVIDIA H200, 590.48.01, 143771 MiB, 9.0\n")
+    facts = gpu_facts({"rc": 0, "out": out, "err": "", "fields": list(fleetbox_doctor.GPU_FIELDS)})
+    rows = rows_of(facts, device="cuda", min_driver=v.min_driver, gpus=2, variant=v.name,
+                   compute_capabilities=v.compute_capabilities)
+    row = next(r for r in rows if r.node == "node0" and r.check == "compute capability")
+    assert not row.ok and row.value == "9.0 (NVIDIA H200), not reported (NVIDIA H200)"
+    assert row.fix.startswith("GPU 1 (NVIDIA H200, compute capability 9.0)")
+
+
 def test_binary_compatibility_is_the_same_major_version_and_no_newer_minor():
     built = ("6.1", "7.0", "7.5", "8.0", "8.6")
     assert [checks.runs_on(c, built) for c in [(6, 0), (6, 1), (6, 2), (7, 2), (8, 7), (8, 9), (9, 0), (10, 0),
@@ -308,8 +320,8 @@ DCU_RECORDED = Path(__file__).parents[1] / "recorded" / "dcu"
 @pytest.mark.parametrize("recorded,value", [
     ("paddle-73087-version-show.txt", "ROCT version mismatch: [ROCT-Thunk-Interface/src/hymgr.c:344, WARNING]: "
                                       "Version mismatch"),
-    ("paddle-78071-import.txt", "ROCT version mismatch: [ROCT-Thunk-Interface/src/hymgr.c:435, WARNING]: Version "
-                                "mismatch"),
+    # the driver's version unreadable comes first there, and is the cause: the mismatch follows from it
+    ("paddle-78071-import.txt", "the DCU driver's version is unreadable: get hyhal driver version error"),
     ("paddle-71646-import.txt", "Paddle sees no DCU: Compiled with WITH_GPU, but no GPU found in runtime"),
 ])
 def test_what_paddles_import_prints_on_a_dcu_node_names_what_stops_the_image_there(recorded, value):
@@ -322,7 +334,35 @@ def test_what_paddles_import_prints_on_a_dcu_node_names_what_stops_the_image_the
     row = next(r for r in rows if r.check == "DTK and driver")
     assert row.value == value[:120]
     assert row.fix.startswith({"ROCT ": "the image's DTK (its ROCT thunk library) does not match the node's DCU",
-                               "Paddl": "Paddle found no device"}[value[:5]])
+                               "Paddl": "Paddle found no device",
+                               "the D": "the container cannot read /sys/module/hydcu/version"}[value[:5]])
+
+
+def test_the_probe_keeps_what_paddles_import_warns_of_first_however_much_follows(tmp_path):
+    """The import's first warning (ROCT's mismatch) is followed by pages of glog lines: the probe keeps the head
+    of stderr as well as its end, and the row still names the mismatch."""
+    said = DCU_RECORDED.joinpath("paddle-73087-version-show.txt").read_text().splitlines()[0]
+    script = tmp_path / "noisy.py"
+    script.write_text(f"import sys\nprint({said!r}, file=sys.stderr)\n"
+                      "for i in range(200):\n"
+                      "    print(f'W0604 13:57:12.876377    71 init.cc:{i}] a warning', file=sys.stderr)\n"
+                      "print('3.0.0')\n")
+    got = fleetbox_doctor._run([sys.executable, str(script)], head=True)
+    assert got["rc"] == 0 and len(got["err"]) <= 4005 and said in got["err"]
+    facts = dcu_facts()
+    for f in facts.values():
+        f["paddle"] = got
+    row = next(r for r in rows_of(facts, device="rocm") if r.check == "DTK and driver")
+    assert not row.ok and row.value.startswith("ROCT version mismatch")
+    assert said not in fleetbox_doctor._run([sys.executable, str(script)])["err"]   # what the tail alone kept
+
+
+def test_an_import_that_prints_nothing_is_said_not_crashed_on():
+    facts = dcu_facts()
+    for f in facts.values():
+        f["paddle"] = {"rc": 0, "out": "", "err": ""}
+    row = next(r for r in rows_of(facts, device="rocm") if r.check == "DTK and driver")
+    assert row.ok and row.value == "Paddle ? imports"
 
 
 def test_a_dcu_node_where_paddle_imports_quietly_passes_and_the_probe_is_asked_to_import_it():

@@ -190,13 +190,14 @@ def test_each_cuda_runtimes_prerequisite_is_checked_on_the_node_before_its_conta
 
 @pytest.mark.parametrize("runtime,setup,said", [
     ("docker", dict(hook=False), "GPU prerequisite missing: Docker here cannot give a container GPUs (no NVIDIA "
-     "Container Toolkit: no nvidia-container-runtime-hook on PATH, no nvidia runtime): the admins install it and "
-     "run `nvidia-ctk runtime configure --runtime=docker`"),
+     "Container Toolkit: no nvidia-container-runtime-hook or nvidia-cdi-hook on PATH, no nvidia runtime): the admins "
+     "install it and run `nvidia-ctk runtime configure --runtime=docker`"),
     ("podman", dict(cdi="nvidia-ctk-cdi-list-empty.txt"), "GPU prerequisite missing: no CDI spec here names "
      "nvidia.com/gpu=1 nvidia.com/gpu=3 (nvidia-ctk cdi list: 0 device(s)): the admins make one with `nvidia-ctk "
      "cdi generate --output=/etc/cdi/nvidia.yaml` (again after each driver update)"),
     ("apptainer", dict(libcuda=False), "GPU prerequisite missing: the node's loader knows no libcuda.so.1 "
-     "(ldconfig -p), so apptainer --nv gives the container no NVIDIA driver: check the driver install on this node"),
+     "({stubs}/ldconfig -p), so apptainer --nv gives the container no NVIDIA driver: check the driver install on this "
+     "node"),
     ("charliecloud", {}, "GPU prerequisite missing: the image {image} holds no NVIDIA driver libraries (libcuda.so.1): "
      "run `ch-fromhost --nvidia {image}` on a GPU node"),
     ("charliecloud", dict(image_driver="535.104.05"), "GPU prerequisite missing: the image {image} holds the "
@@ -213,9 +214,10 @@ def test_a_missing_prerequisite_stops_the_node_in_one_line_before_its_container_
         image_with_driver_libraries(tmp_path, runtime, image_driver, "usr/lib64")
     proc, calls = run_node(node, stubs, tmp_path, TASK)
     assert proc.returncode == 5 and [c for c in calls if c["tool"] != "docker" or c["argv"][:1] == ["run"]] == []
-    assert prerequisite_said(proc) == said.format(image=tmp_path / "img:tag")
+    said = said.format(image=tmp_path / "img:tag", stubs=stubs)
+    assert prerequisite_said(proc) == said
     assert proc.stderr.strip().splitlines()[-1] == f"fleetbox: node 1 on {os.uname().nodename}: " + \
-        said.format(image=tmp_path / "img:tag")   # the line the job's summary shows (slurm.node_said)
+        said   # the line the job's summary shows (slurm.node_said)
     assert slurm.NODE_SAID.match(proc.stderr.strip().splitlines()[-1]) and 5 in slurm.NODE_EXITS
 
 
@@ -325,3 +327,78 @@ def test_a_charliecloud_squashfs_image_is_listed_for_the_driver_its_libcuda_poin
         if code == 0 else f"GPU prerequisite missing: the image {sqfs} holds the libraries of driver {driver}, this "
         f"node runs driver {DRIVER}, and they must match: a squashfs image cannot take them: unpack it to a folder "
         f"(ch-convert), run `ch-fromhost --nvidia` on that folder on a GPU node and give the folder as --image")
+
+
+
+def test_where_a_nodes_tools_cannot_tell_the_prerequisite_is_not_checked_rather_than_failed(stubs, tmp_path,
+                                                                                          monkeypatch):
+    """A check that cannot ask must not stop a node that works: nvidia-ctk older than `cdi list` (1.14), a squashfs
+    image where no unsquashfs is installed (Charliecloud needs squashfuse only)."""
+    gpu_node(stubs)
+    (stubs / "nvidia-ctk").write_text("#!/bin/sh\necho 'Incorrect Usage: flag provided but not defined' >&2; exit 1\n")
+    proc, _ = run_node(node_script("cu126", "podman", tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    assert proc.returncode == 0 and prerequisite_said(proc) == \
+        "GPU prerequisite: not checked (no nvidia-ctk here that lists the CDI specs)"
+    sqfs = tmp_path / "img.sqfs"
+    sqfs.write_bytes(b"hsqs")
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cu126"), nodes=2, procs_per_node=2, job_id="train-gpu-0001",
+                            port=29555, image=str(sqfs))
+    node = dict(slurm.SlurmBackend("charliecloud").plan(spec).files)["node.sh"]
+    bare = tmp_path / "bare"   # PATH without /usr/bin's unsquashfs: the tools node.sh needs, linked one by one
+    bare.mkdir()
+    for tool in ("bash", "cat", "sed", "grep", "hostname", "awk", "mkdir", "xargs", "find", "readlink", "paste", "ip",
+                 "id", "sort", "head", "tail", "tr", "wc", "dirname", "basename", "date", "sleep", "env", "true"):
+        for d in ("/usr/bin", "/bin", "/usr/sbin", "/sbin"):
+            if os.path.exists(f"{d}/{tool}") and not (bare / tool).exists():
+                (bare / tool).symlink_to(f"{d}/{tool}")
+    proc, _ = run_node(node, stubs, tmp_path, {**TASK, "PATH": f"{stubs}:{bare}"})
+    assert proc.returncode == 0, proc.stderr
+    assert prerequisite_said(proc) == "GPU prerequisite: not checked (no unsquashfs here to list the squashfs image)"
+
+
+def test_apptainers_check_finds_ldconfig_in_sbin_when_the_users_path_lacks_it(stubs, tmp_path, monkeypatch):
+    """A user's PATH on Debian has no /sbin: the check asks /sbin/ldconfig, as Apptainer does, and that machine's
+    real answer (this one has no NVIDIA driver) is what it says."""
+    gpu_node(stubs)
+    (stubs / "ldconfig").unlink()
+    proc, _ = run_node(node_script("cu126", "apptainer", tmp_path, monkeypatch), stubs, tmp_path,
+                       {**TASK, "PATH": f"{stubs}:/usr/bin:/bin"})
+    assert proc.returncode == 5
+    assert prerequisite_said(proc).startswith("GPU prerequisite missing: the node's loader knows no libcuda.so.1 "
+                                              "(/sbin/ldconfig -p)")
+
+
+@pytest.mark.parametrize("tool,answer", [
+    ("nvidia-cdi-hook", ""),   # the toolkit's CDI hook alone (Docker 28's nvidia.cdi driver)
+    # `docker info --format '{{json .Runtimes}}'` where `nvidia-ctk runtime configure` named the nvidia runtime
+    ("docker", '{"io.containerd.runc.v2":{"path":"runc"},"nvidia":{"path":"nvidia-container-runtime"},'
+               '"runc":{"path":"runc"}}'),
+])
+def test_docker_gives_gpus_through_the_cdi_hook_or_an_nvidia_runtime_too(tool, answer, stubs, tmp_path, monkeypatch):
+    gpu_node(stubs, hook=False)
+    if tool == "docker":   # answers `docker info`, and records the run as the stub does
+        real = (stubs / "docker").read_text()
+        (stubs / "docker-run").write_text(real)
+        (stubs / "docker-run").chmod(0o755)
+        (stubs / "docker").write_text(f"#!/bin/sh\nif [ \"$1\" = info ]; then echo '{answer}'; exit 0; fi\n"
+                                      f"exec {stubs}/docker-run \"$@\"\n")
+    else:
+        (stubs / tool).write_text("#!/bin/sh\nexit 0\n")
+    (stubs / tool).chmod(0o755)
+    proc, calls = run_node(node_script("cu126", "docker", tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    assert proc.returncode == 0, proc.stderr
+    assert prerequisite_said(proc) == "GPU prerequisite: the NVIDIA Container Toolkit (docker --gpus)"
+
+
+def test_charliecloud_finds_the_libraries_where_ch_fromhost_put_them_in_a_gpu_image(stubs, tmp_path, monkeypatch):
+    """In cu118-pypi the image's ldconfig names its own library folders first, so ch-fromhost puts the driver's
+    libraries deep in the venv; a CUDA image's compat copy elsewhere is not the driver's."""
+    gpu_node(stubs)
+    node = node_script("cu126", "charliecloud", tmp_path, monkeypatch)
+    image_with_driver_libraries(tmp_path, "charliecloud", "525.60.13", "usr/local/cuda/compat")
+    image_with_driver_libraries(tmp_path, "charliecloud", DRIVER,
+                                "opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib")
+    proc, _ = run_node(node, stubs, tmp_path, TASK)
+    assert proc.returncode == 0, proc.stderr
+    assert prerequisite_said(proc).startswith(f"GPU prerequisite: the image's libcuda.so.1 is driver {DRIVER}'s")

@@ -431,3 +431,25 @@ def test_an_env_whose_gpu_libraries_left_no_folder_is_refused(tmp_path):
                                         f"{tmp_path}/final$"):
         venvs.name_libraries(env, tmp_path / "final")
     assert not (env / venvs.LIBRARIES).exists()
+
+
+GPU = matrix.load().get("cu118-pypi")
+
+
+def test_a_gpu_env_made_without_the_library_names_is_not_taken_for_up_to_date(tmp_path):
+    """An env an older fleetbox made from this lock lacks fleetbox-libraries.sh: Paddle would fail at its first
+    cuDNN call, so it is named rather than used."""
+    lock_sha = locks.lock_hash(locks.read(GPU)[0])
+    final = tmp_path / "envs" / venvs.env_name(GPU.name, lock_sha)
+    final.mkdir(parents=True)
+    (final / venvs.RECORD).write_text(json.dumps({"lock_sha256": lock_sha}))
+    with pytest.raises(UserError, match=f"^{final} was made by an older fleetbox, without fleetbox-libraries.sh"):
+        venvs.make(GPU, tmp_path / "envs", log=lambda line: None)
+    (final / venvs.LIBRARIES).write_text("")
+    assert venvs.make(GPU, tmp_path / "envs", log=lambda line: None) == final
+
+
+def test_a_gpu_env_is_not_made_where_its_path_would_split_the_loaders(tmp_path):
+    with pytest.raises(UserError, match="a GPU variant's env cannot be where the path has ':'"):
+        venvs.make(GPU, tmp_path / "a:b", log=lambda line: None)
+    assert not (tmp_path / "a:b").exists()
