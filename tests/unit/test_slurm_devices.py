@@ -402,3 +402,17 @@ def test_charliecloud_finds_the_libraries_where_ch_fromhost_put_them_in_a_gpu_im
     proc, _ = run_node(node, stubs, tmp_path, TASK)
     assert proc.returncode == 0, proc.stderr
     assert prerequisite_said(proc).startswith(f"GPU prerequisite: the image's libcuda.so.1 is driver {DRIVER}'s")
+
+
+def test_a_task_whose_nvidia_smi_fails_reports_no_gpus_rather_than_its_error_words(stubs, tmp_path, monkeypatch):
+    """nvidia-smi says its errors on stdout (recorded: tests/unit/test_doctor.py NVIDIA_SMI_NO_DRIVER): they are no
+    UUIDs, and no row is made of them."""
+    from tests.unit.test_doctor import NVIDIA_SMI_NO_DRIVER
+    gpu_node(stubs)
+    (stubs / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '%s' \"{NVIDIA_SMI_NO_DRIVER}\"\nexit 9\n")
+    proc, _ = run_node(node_script("cu126", "podman", tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    assert proc.returncode == 0, proc.stderr
+    assert "GPUs the task sees" not in proc.stdout and "unmatched" not in proc.stderr
+    gpu_node(stubs, task_uuids=("NVIDIA-SMI has failed", *TASK_UUIDS))   # a stray line among the UUIDs
+    proc, _ = run_node(node_script("cu126", "podman", tmp_path, monkeypatch), stubs, tmp_path, TASK)
+    assert f"GPUs the task sees: {','.join(TASK_UUIDS)}\n" in proc.stdout
