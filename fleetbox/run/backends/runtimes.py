@@ -112,12 +112,17 @@ class Runtime:
         the container runs in the task's cgroup and sees the visibility variables Slurm set."""
         return [template("allocated.sh", PROCS=str(procs))], []
 
+    gpu_check = ""   # the shell template (shell/gpu_*.sh) that checks this runtime's NVIDIA prerequisite; "": none
+                     # (the node script runs in the container, or there is none)
+
     def gpu_prerequisite(self, accelerator: str, image: str) -> list:
         """Node-script lines (ours), after the allocation ($GPUS), that check what this runtime needs on the node
-        to give a container its NVIDIA GPUs: a line `GPU prerequisite: ...` where it is there, else one line naming
-        the node and what to do, and exit 5 (invoke doctor makes a row of either). This default: nothing to check
-        (the node script runs in the container, or there is none)."""
-        return []
+        to give a container its NVIDIA GPUs ($GPU_IMAGE: the image): a line `GPU prerequisite: ...` where it is
+        there, else one line naming the node and what to do, and exit 5 (invoke doctor makes a row of either)."""
+        if accelerator != "cuda" or not self.gpu_check:
+            return []
+        check = template(self.gpu_check)
+        return [Raw(f"GPU_IMAGE={shlex.quote(image)}")] * ("$GPU_IMAGE" in check) + [check]   # where it reads it
 
     def for_allocation(self, n: NodeRun) -> NodeRun:
         """The node without the ids fleetbox would choose ({gpus}): the allocation's are given instead."""
@@ -225,9 +230,7 @@ class Docker(Engine):
     inspect_labels = ".Config.Labels"
     # --gpus reads its value as CSV: a list of ids is one quoted field
     cuda_devices = 'ACCEL=(--gpus "\\"device=$GPUS\\"")'
-
-    def gpu_prerequisite(self, accelerator, image):
-        return [template("gpu_toolkit.sh")] if accelerator == "cuda" else []
+    gpu_check = "gpu_toolkit.sh"
 
     def launch(self, n, image, extra=()):
         return ["docker", "run", "--rm", *self.pull(image), *n.run_flags(), *extra, image, *n.command]
@@ -240,15 +243,13 @@ class Podman(Engine):
     name = "podman"
     inspect_labels = ".Labels"
     cuda_devices = 'ACCEL=(); for g in ${GPUS//,/ }; do ACCEL+=(--device "nvidia.com/gpu=$g"); done'   # CDI, by index
+    gpu_check = "gpu_cdi.sh"
 
     def remove_now(self, container: str) -> list[str]:   # at once: Slurm's SIGKILL may come before the 10 s default
         return [self.name, "rm", "-f", "--time", "0", container]
 
     def prelude(self):
         return [Raw('hard_limit() { local v; v=$(ulimit -H"$1"); [ "$v" = unlimited ] && v=-1; echo "$v:$v"; }')]
-
-    def gpu_prerequisite(self, accelerator, image):
-        return [template("gpu_cdi.sh")] if accelerator == "cuda" else []
 
     def launch(self, n, image, extra=()):
         a = ["podman", "run", "--rm", *self.pull(image), "--name", n.name, "--network", "host",
@@ -273,9 +274,7 @@ class Apptainer(Runtime):
     # Environment goes in as APPTAINERENV_<NAME> (--env splits on commas); whether Apptainer then expands
     # `$` or drops quotes we could not run here to see, so such values are refused rather than guessed.
     unverified_env = "$`\\\"'\n"
-
-    def gpu_prerequisite(self, accelerator, image):
-        return [template("gpu_driver_libraries.sh")] if accelerator == "cuda" else []
+    gpu_check = "gpu_driver_libraries.sh"
 
     def launch(self, n, image, extra=()):
         a = ["apptainer", "exec", "--cleanenv", "--pwd", WORKDIR]
@@ -326,6 +325,7 @@ class Charliecloud(Runtime):
     # ch-run --set-env=NAME=VALUE strips one pair of quotes around a value and a newline ends a value
     # (measured with ch-run 0.31); `$` is kept by --env-no-expand.
     unverified_env = "\n"
+    gpu_check = "gpu_fromhost.sh"
 
     def check(self, n, image):
         super().check(n, image)
@@ -333,9 +333,6 @@ class Charliecloud(Runtime):
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
                 raise UserError(f"--env {key}: charliecloud strips the quotes around {value!r}; "
                                 f"drop them or set it in the script instead")
-
-    def gpu_prerequisite(self, accelerator, image):
-        return [Raw(f"GPU_IMAGE={shlex.quote(image)}"), template("gpu_fromhost.sh")] if accelerator == "cuda" else []
 
     def launch(self, n, image, extra=()):
         # --set-env: the image's own environment (PATH to the venv); --home: the user's home, for the cache;
