@@ -246,7 +246,6 @@ def confinement_rows(device: str, unconfined: str) -> list[Row]:
     return [Row("cluster", "device confinement", True, f"none: {unconfined}", "the task's cgroup")]
 
 
-
 # What gives a container the node's NVIDIA driver, by runtime (Backend.runtime_name): said where it has none
 NO_DRIVER_FIX = {
     "docker": "install the NVIDIA Container Toolkit on the node (`nvidia-ctk runtime configure --runtime=docker`)",
@@ -257,6 +256,7 @@ NO_DRIVER_FIX = {
              "(nvidia-container-cli) on the node",
     "none": "no container: the node's own driver is used; check `nvidia-smi` on the node and the modules loaded",
 }
+
 
 def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
     if e.device != "cuda":
@@ -297,7 +297,6 @@ def dcus_from_smi(out: str) -> int:
     return len(re.findall(r"^\s*(\d+)\s+\d+(?:\.\d+)?°?C\b", out, re.M | re.I))   # a table row: "0   45.0C ..."
 
 
-
 # What Paddle's import prints on a DCU node whose image cannot use the DCUs there, first match wins: (what it
 # prints, what it means, what to do). Recorded: tests/recorded/dcu/README.md.
 DCU_IMPORT_RULES = (
@@ -326,6 +325,7 @@ def check_dtk(node: str, got: dict) -> Row:
                    "Paddle imports and sees the DCUs", f"`import paddle` fails on {node}: {lines[-1]}")
     version = (got.get("out", "").strip().splitlines() or ["?"])[-1]
     return Row(node, "DTK and driver", True, f"Paddle {version[:40]} imports", "Paddle imports and sees the DCUs")
+
 
 def check_dcu(node: str, f: dict, e: Expect) -> list[Row]:
     if e.device != "rocm":
@@ -628,7 +628,6 @@ def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[R
     return rows + same_image(ids, nodes, ref)
 
 
-
 GPU_PREREQUISITE = re.compile(r"^fleetbox: node \d+ on [^:\s]+: GPU prerequisite( missing)?: (.+)$", re.M)
 
 
@@ -671,6 +670,7 @@ def allocated_gpu_rows(outputs: dict[int, str], facts: dict[int, dict], e: Expec
                         f"engine took Slurm's GPU ids as the driver's indices, which this node's gres.conf numbers "
                         f"otherwise: set AutoDetect=nvml there, or list its File= lines in nvidia-smi's order"))
     return rows
+
 
 # -- throughput and the sweep --
 

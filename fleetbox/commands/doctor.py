@@ -93,9 +93,10 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
             else:
                 facts[k] = f
                 master_ip = master_ip or f.get("master_ip", "")
-        rows += evaluate(facts, expect(spec, plan.port, b), master_ip)
+        needs = expect(spec, plan.port, b)
+        rows += evaluate(facts, needs, master_ip)
         if b.reports_image:
-            rows += allocated_gpu_rows(outputs, facts, expect(spec, plan.port, b))
+            rows += allocated_gpu_rows(outputs, facts, needs)
         if not quick:
             rows += throughput_rows(facts)
             if facts and all(r.ok for r in rows):
