@@ -92,6 +92,10 @@ ENVIRONMENT = {
     "FLEETBOX_RESUME": ("job", "auto, never or the folder of --resume PATH (the checkpoint helper reads it)"),
     "FLEETBOX_CHECKPOINT_SCOPE": ("job", "node where every node has its own checkpoint folder (--hosts volumes)"),
     "FLEETBOX_PROGRESS_DIR": ("job", "where each rank's progress goes, for hang detection (set when it is on)"),
+    "FLEETBOX_STYLE": ("job", "spawn where the script starts its own ranks (paddle.distributed.spawn); unset "
+                              "where Paddle's launcher starts them"),
+    "FLEETBOX_LOG_DIR": ("job", "where a script's spawned ranks write their logs (workerlog.<rank>), as the "
+                                "launcher's do (set with FLEETBOX_STYLE)"),
     "FLEETBOX_CHECKPOINT_EVERY": ("script", "save every N steps, overriding the script's value"),
     "FLEETBOX_CHECKPOINT_KEEP": ("script", "keep the newest N checkpoints, overriding the script's value"),
     "FLEETBOX_VARIANT": ("image", "the image's matrix variant"),

@@ -9,6 +9,12 @@ PYTHONPATH), for hang detection; it does nothing outside a job (no FLEETBOX_PROG
 - In Paddle's launcher: a thread waits for fleetbox's request (<log folder>/STACKS-REQUEST, written from
   outside the container on every runtime) and sends SIGUSR2 to the ranks of this node, which only this
   container's processes can signal.
+- In a script that starts its own ranks (paddle.distributed.spawn; fleetbox runs it without the launcher and
+  sets FLEETBOX_STYLE=spawn): a spawned process becomes a rank only when Paddle's spawn has given it its rank
+  variables, so Paddle's `_set_trainer_env` is wrapped as its module loads; then the rank's output goes to
+  <log folder>/workerlog.<rank>, as the launcher's ranks' does, and it is set up as above. The script's own
+  process relays requests for stacks, as the launcher does, and once it calls spawn passes SIGTERM and SIGUSR1
+  ("save and stop") on to its ranks, as the launcher does.
 
 Then the next sitecustomize on the path, if any (Debian's), runs as it would have.
 """
@@ -178,16 +184,126 @@ def _next_sitecustomize() -> None:
             pass
 
 
-def _main() -> None:
+SPAWN_MODULE = "paddle.distributed.spawn"
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1)   # fleetbox_checkpoint's "save and stop"
+
+
+def _spawned_rank() -> None:
+    """In a spawned process, just after Paddle's spawn set its rank variables: its log, then as a rank."""
+    r = os.environ.get("PADDLE_TRAINER_ID")
+    if r is None:
+        return
+    os.environ.setdefault("PADDLE_LOCAL_RANK", r)   # one node: the rank is the rank in the node
+    logs = os.environ.get("FLEETBOX_LOG_DIR")
+    if logs:
+        os.makedirs(logs, exist_ok=True)
+        fd = os.open(os.path.join(logs, f"workerlog.{int(r)}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     d = os.environ.get("FLEETBOX_PROGRESS_DIR")
     if d and os.path.isdir(d):
+        _rank_setup(d)
+
+
+def _wrap_spawn_module(module) -> None:
+    """Paddle's spawn module, as it loads (before `paddle.distributed` binds its `spawn`): in a spawned process,
+    setting the rank variables makes it a rank; in the script's process, calling spawn passes the "save and
+    stop" signals on (Paddle's import replaced any handler set earlier with its own, which exits at once)."""
+    import functools
+    trainer_env, spawn = getattr(module, "_set_trainer_env", None), getattr(module, "spawn", None)
+    if not callable(trainer_env) or not callable(spawn):   # another Paddle's layout: the ranks still run
+        print("fleetbox: Paddle's spawn is not as expected: its ranks' output stays in the script's, unwatched",
+              file=sys.stderr)
+        return
+
+    @functools.wraps(trainer_env)
+    def set_then_become_a_rank(*args, **kwargs):
+        trainer_env(*args, **kwargs)
         try:
-            if os.environ.get("PADDLE_TRAINER_ID") is not None:
+            _spawned_rank()
+        except Exception as e:   # a help, never a reason for a rank not to run
+            print(f"fleetbox: this spawned rank has no log or hang detection of its own: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+
+    @functools.wraps(spawn)
+    def spawn_passing_signals_on(*args, **kwargs):
+        try:
+            for sig in FORWARDED:
+                signal.signal(sig, _forward)
+        except ValueError:   # spawn called from another thread than the main one: signals stay Paddle's
+            pass
+        return spawn(*args, **kwargs)
+    module._set_trainer_env = set_then_become_a_rank
+    module.spawn = spawn_passing_signals_on
+
+
+class _WhenSpawnLoads:
+    """A finder that loads Paddle's spawn module as usual, then wraps its _set_trainer_env (once)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != SPAWN_MODULE:
+            return None
+        import importlib.machinery
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _wrap_spawn_module(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _children() -> list[int]:
+    """This process's children but multiprocessing's resource tracker: the ranks it spawned."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit() and _parent(int(p)) == os.getpid():
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if b"resource_tracker" not in f.read():
+                        out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
+def _forward(signum, frame) -> None:
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+
+def _spawn_setup() -> None:
+    """Every process of a script that starts its own ranks, before the rank variables are set."""
+    sys.meta_path.insert(0, _WhenSpawnLoads())
+    if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()):   # a spawned process: a rank once told
+        return
+    d = os.environ.get("FLEETBOX_PROGRESS_DIR")
+    if d and os.path.isdir(d):
+        _relay(d)
+
+
+def _main() -> None:
+    d = os.environ.get("FLEETBOX_PROGRESS_DIR")
+    try:
+        if os.environ.get("PADDLE_TRAINER_ID") is not None:
+            if d and os.path.isdir(d):
                 _rank_setup(d)
-            elif "paddle.distributed.launch" in getattr(sys, "orig_argv", ()):
-                _relay(d)
-        except Exception as e:   # detection is a help, never a reason for a rank not to start
-            print(f"fleetbox: no hang detection in this process: {type(e).__name__}: {e}", file=sys.stderr)
+        elif os.environ.get("FLEETBOX_STYLE") == "spawn":
+            _spawn_setup()
+        elif d and os.path.isdir(d) and "paddle.distributed.launch" in getattr(sys, "orig_argv", ()):
+            _relay(d)
+    except Exception as e:   # detection is a help, never a reason for a rank not to start
+        print(f"fleetbox: no hang detection in this process: {type(e).__name__}: {e}", file=sys.stderr)
     _next_sitecustomize()
 
 

@@ -166,6 +166,25 @@ def launch_command(spec: JobSpec) -> tuple[str, ...]:
             f"{WORKDIR}/{spec.script_path.name}", *spec.args)
 
 
+SPAWN_ENV = {"FLEETBOX_STYLE": "spawn", "FLEETBOX_LOG_DIR": LOG_DIR}   # what sitecustomize's spawn path reads
+
+
+def rank_command(spec: JobSpec) -> tuple[str, ...]:
+    """What a node runs: Paddle's launcher, which starts the script once per rank, or, for a script that starts
+    its own ranks (spec.spawns), the script itself: inside the launcher, Paddle's spawn refuses to run."""
+    if spec.spawns:
+        return ("python", f"{WORKDIR}/{spec.script_path.name}", *spec.args)
+    return launch_command(spec)
+
+
+def ranks_log_dir(n: NodeRun) -> str | None:
+    """Where node `n`'s ranks write their logs (workerlog.<local rank>): the launcher's --log_dir, or the folder
+    sitecustomize's spawn path writes to; None for a command of another kind (invoke doctor's)."""
+    if "--log_dir" in n.command:
+        return n.command[n.command.index("--log_dir") + 1]
+    return n.env.get("FLEETBOX_LOG_DIR")
+
+
 def node_gpus(spec: JobSpec, rank: int) -> str:
     """The accelerator ids node `rank` gets where fleetbox, not a scheduler, chooses them (Docker): each node
     one per process, or --gpus-per-node. On one machine the nodes share its GPUs, so node k takes the k-th
@@ -232,7 +251,8 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}",
            "PORT_RANGE": "{port_range}",
            **watched, **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
-           **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}), **spec.env,
+           **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}),
+           **(SPAWN_ENV if spec.spawns and not spec.command else {}), **spec.env,
            "PYTHONPATH": settings.HELPERS_DIR + (f":{user_path}" if user_path else "")}
     mounts = [Mount(str(spec.script_path.parent), WORKDIR, ro=True),
               Mount(str(settings.HELPERS), settings.HELPERS_DIR, ro=True)] if workspace else []
@@ -248,7 +268,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
     mounts += [Mount(_abs(m.src), m.dst, m.ro) for m in spec.mounts]
     return NodeRun(
         name=f"fleetbox-{job_id}-{{node}}", host=host, image=spec.image_ref,
-        command=spec.command or launch_command(spec), env=env, mounts=tuple(mounts),
+        command=spec.command or rank_command(spec), env=env, mounts=tuple(mounts),
         labels={LABEL_JOB: job_id, LABEL_NODE: "{node}", LABEL_RANK: "{rank}", LABEL_VARIANT: spec.variant.name,
                 **({LABEL_OWNER: owner} if owner else {})},
         shm_size=spec.shm_size, devices=dev.get("devices", ()), group_add=dev.get("group_add", ()),

@@ -150,6 +150,22 @@ def last_words(node_dir: Path, launcher_log: Path | None = None) -> float | None
     return logs[0].stat().st_mtime_ns / 1e9
 
 
+# how Paddle's spawn ends the script that spawned its ranks when one of them fails (2.6 and 3.x alike)
+SPAWNED_END = re.compile(r"Process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+)|the following error)")
+
+
+def spawned_end(node_log: Path) -> str:
+    """Which of the node's spawned ranks ended it and how, from the node's own output ("" where no rank did):
+    the script exits 1 whatever its rank's exit, so the exit code alone cannot say."""
+    found = SPAWNED_END.search(node_log.read_text(errors="replace")) if node_log.exists() else None
+    if found is None:
+        return ""
+    rank, code, sig = found.groups()
+    how = (f"exited with {exit_meaning(int(code))}" if code is not None else f"was killed by {sig}" if sig
+           else "raised an error")
+    return f"ended: its spawned rank {rank} {how} (log: workerlog.{rank})"
+
+
 def smoke_report(node0_log: Path) -> dict | None:
     """The smoke job's FLEETBOX-SMOKE line, from rank 0's log."""
     for line in (node0_log.read_text(errors="replace").splitlines() if node0_log.exists() else []):

@@ -15,7 +15,7 @@ from fleetbox import options, settings
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.image.matrix import Variant
-from fleetbox.run import hang, placeholders
+from fleetbox.run import hang, placeholders, styles
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")   # a container name, a label, a folder, a Slurm job name
 
@@ -58,6 +58,8 @@ class JobSpec:
     start_timeout: float = hang.START_TIMEOUT_S  # seconds from the start to the first progress (0: off)
     command: tuple[str, ...] = ()        # the containers' command instead of Paddle's launcher (invoke doctor)
     image_identity: bool = False         # Slurm: node.sh first says which image the node has (invoke doctor)
+    spawns: bool = False                 # the script starts its own ranks (paddle.distributed.spawn): run without
+                                         # Paddle's launcher, on one node (run/styles.py tells, not an option)
 
     @property
     def image_ref(self) -> str:
@@ -136,11 +138,34 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
     if procs_per_node is None and spec.variant.device != "cpu" and (spec.gpus_per_node or spec.devices):
         # Paddle runs one process per device: as many as each node is given
         spec = replace(spec, procs_per_node=spec.gpus_per_node or max(1, len(spec.devices.split(",")) // spec.sharing))
+    style = styles.of_script(spec.script_path)
+    if style.spawns:
+        spec = spawning(spec, style, nodes_given=nodes is not None,
+                        procs_given=procs_per_node is not None or bool(spec.gpus_per_node or spec.devices))
     validate(spec)
     for name in spec.pass_env:   # its value is read where a container is made: it must be there now
         if name not in os.environ:
             raise UserError(f"--pass-env {name}: it is not set in your environment")
     return spec
+
+
+def spawning(spec: JobSpec, style: styles.Style, nodes_given: bool, procs_given: bool) -> JobSpec:
+    """The spec of a script that starts its own ranks: one node (Paddle's spawn starts them on the machine it
+    runs on), as many ranks as its call says. Where the call does not say it as a number, --procs-per-node (or
+    the GPUs given) must: fleetbox watches every rank, so it must know how many there are."""
+    where = f"{spec.script}:{style.line} starts its own ranks (paddle.distributed.spawn)"
+    if nodes_given and spec.nodes != 1:
+        raise UserError(f"{where}, on the machine it runs on: run it with --nodes 1, or start its ranks with "
+                        f"Paddle's launcher (call the training function once, without spawn) to use {spec.nodes} nodes")
+    if style.nprocs:
+        if procs_given and spec.procs_per_node != style.nprocs:
+            raise UserError(f"{where} with nprocs={style.nprocs}, not --procs-per-node {spec.procs_per_node}: "
+                            f"drop the option, or give {style.nprocs}")
+        return replace(spec, nodes=1, procs_per_node=style.nprocs, spawns=True)
+    if not procs_given:
+        said = f"nprocs={style.text}" if style.text else "no nprocs (one rank per CPU or GPU it sees)"
+        raise UserError(f"{where} with {said}: give --procs-per-node N, N the number of ranks it starts")
+    return replace(spec, nodes=1, spawns=True)
 
 
 def validate(spec: JobSpec) -> None:

@@ -193,6 +193,26 @@ def test_slurm_failing_rank_names_the_node(cluster, podman_image):
     assert left == []
 
 
+def test_slurm_a_script_that_spawns_its_ranks_runs_them_on_one_node_and_a_failed_rank_is_named(cluster,
+                                                                                                 podman_image):
+    ok = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
+                     "--cpus-per-node", "2", "--script", "train/spawn_smoke.py", "--args",
+                     "--steps 20 --checkpoint-every 10")
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr
+    s, job_dir = summary(ok)
+    assert [n["node"] for n in s["nodes"]] == ["node0"] and s["smoke"]["world"] == 2 and s["smoke"]["whole_run"]
+    for r in (0, 1):   # each spawned rank's own log, in the node's folder as a launched rank's
+        assert f'FLEETBOX-METRIC {{"rank": {r}, ' in Path(job_dir, "node0", f"workerlog.{r}").read_text()
+    assert (Path(job_dir) / "checkpoints" / "step-00000020" / "COMPLETE").exists()
+    bad = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
+                      "--cpus-per-node", "2", "--script", "train/spawn_smoke.py", "--args",
+                      "--fail-rank 1 --fail-step -1")
+    one_line_error(bad, "train failed: node0 (rank 0) on ", " ended: its spawned rank 1 exited with exit code 3 "
+                                                           "(log: workerlog.1)", job_output=True)
+    assert not subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
+                              text=True).stdout.split()
+
+
 def test_slurm_two_nodes_with_podman_run_the_gpu_image_on_cpu(cluster, podman_image, cuda_image):
     """The GPU image built here (cu118-pypi), on the Slurm test cluster, its ranks on CPU: no GPU asked of Slurm,
     collectives on Gloo, the smoke job whole."""

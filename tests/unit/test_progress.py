@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from fleetbox import settings
 from fleetbox.incontainer import fleetbox_progress
 from fleetbox.incontainer import sitecustomize as site
@@ -161,3 +163,70 @@ def test_a_scripts_own_steps_win_over_those_seen_in_the_training(tmp_path):
     rec, _ = plain_script(tmp_path, "import fleetbox_progress\nopt = paddle.optimizer.Adam()\n"
                                     "fleetbox_progress.step(100)\nfor _ in range(3):\n    opt.step()\n")
     assert rec["step"] == 100, rec
+
+
+# Paddle's spawn module as far as sitecustomize relies on it (3.3.1 and 2.6.2 alike): the children get their rank
+# variables from _set_trainer_env, called through the module's global by _func_wrapper, then run the function
+STAND_IN_SPAWN = '''import multiprocessing, os
+def _set_trainer_env(env_dict, backend):
+    for k, v in env_dict.items():
+        os.environ[k] = v
+def _func_wrapper(func, args, env_dict, backend):
+    _set_trainer_env(env_dict, backend)
+    func(*args)
+def spawn(func, args=(), nprocs=-1, join=True, daemon=False, **options):
+    mp = multiprocessing.get_context(options.get("start_method", "spawn"))
+    ps = [mp.Process(target=_func_wrapper, args=(func, args, {"PADDLE_TRAINER_ID": str(i)}, "gloo"))
+          for i in range(nprocs)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join()
+    return [p.exitcode for p in ps]
+'''
+SPAWNING_SCRIPT = '''import os, signal, sys, time
+import paddle.distributed as dist
+def train():
+    r = os.environ["PADDLE_TRAINER_ID"]
+    signal.signal(signal.SIGTERM, lambda *a: (print(f"rank {r} asked to stop", flush=True), sys.exit(0)))
+    print(f"hello from rank {r}", flush=True)
+    open(os.path.join(os.environ["READY"], r), "w").close()
+    time.sleep(60)
+if __name__ == "__main__":
+    print("the script's own line", flush=True)
+    print("exits", dist.spawn(train, nprocs=2, start_method=sys.argv[1]), flush=True)
+'''
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_a_scripts_spawned_processes_become_ranks_with_their_own_logs_and_take_the_stop_signal(tmp_path,
+                                                                                               start_method):
+    """FLEETBOX_STYLE=spawn: each process Paddle's spawn starts writes its own workerlog.<rank> and progress file
+    once its rank is set, and SIGTERM to the script (a container's first process) reaches every rank."""
+    pkg = tmp_path / "site" / "paddle" / "distributed"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from .spawn import spawn\n")
+    (pkg / "spawn.py").write_text(STAND_IN_SPAWN)
+    (tmp_path / "job.py").write_text(SPAWNING_SCRIPT)
+    logs, ready = tmp_path / "logs", tmp_path / "ready"
+    logs.mkdir()
+    ready.mkdir()
+    p = subprocess.Popen([sys.executable, str(tmp_path / "job.py"), start_method], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": f"{settings.HELPERS}:{tmp_path / 'site'}",
+                              "FLEETBOX_STYLE": "spawn", "FLEETBOX_LOG_DIR": str(logs),
+                              "FLEETBOX_PROGRESS_DIR": str(logs), "READY": str(ready)})
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(ready.iterdir())) < 2:
+            assert time.monotonic() < deadline and p.poll() is None, "the ranks did not start"
+            time.sleep(0.05)
+        pids = {json.loads((logs / f"progress-rank{r}.json").read_text())["pid"] for r in (0, 1)}
+        assert len(pids) == 2 and p.pid not in pids   # each spawned process is its rank, the script none
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and "exits [0, 0]" in out and "hello" not in out, out
+    for r in (0, 1):
+        assert (logs / f"workerlog.{r}").read_text() == f"hello from rank {r}\nrank {r} asked to stop\n"

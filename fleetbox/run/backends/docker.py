@@ -37,7 +37,7 @@ from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Plan, job_ended
 from fleetbox.run.backends import runtimes
 from fleetbox.run.records import Handle, JobInfo, JobState
-from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, tail
+from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
 
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
 STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
@@ -578,8 +578,9 @@ def ended_as(summary: dict) -> JobState:
 
 
 def master_of(plan: DockerPlan) -> str:
+    """The launcher's master (a script that spawns its own ranks has none: they meet on its own machine)."""
     cmd = plan.nodes[0].command
-    return cmd[cmd.index("--master") + 1]
+    return cmd[cmd.index("--master") + 1] if "--master" in cmd else "none (the script spawns its ranks)"
 
 
 class _Live:
@@ -818,7 +819,8 @@ class _Live:
                      else "gone" if k in self.gone else "aborted" if k in exits else "?")
             nodes.append(NodeResult(f"node{k}", k, n.host or "local", code, state, str(d / f"node{k}"),
                                     self.finished.get(k, ""), self.oom.get(k, False),
-                                    "lost its container (removed while the job ran)" if k in self.gone else ""))
+                                    "lost its container (removed while the job ran)" if k in self.gone
+                                    else spawned_end(d / f"node{k}" / "container.log") if k == bad else ""))
         ok = not self.timed_out and hung is None and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
         ended = ""
         said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.spec.hosts else {}

@@ -384,7 +384,8 @@ class Pyxis(Runtime):
         job_dir = log.src.rsplit("/", 1)[0]
         own = f"{self.JOB_MOUNT}/{{node}}"   # the node's folder, where the ranks write logs and progress
         cmd = list(n.command)
-        cmd[cmd.index("--log_dir") + 1] = own
+        if "--log_dir" in cmd:   # else the ranks' folder is in the environment (a script that spawns its ranks)
+            cmd[cmd.index("--log_dir") + 1] = own
         return replace(n, command=tuple(cmd), env={k: own if v == log.dst else v for k, v in n.env.items()},
                        mounts=tuple(replace(m, src=job_dir, dst=self.JOB_MOUNT) if m is log else m for m in n.mounts))
 
@@ -456,7 +457,8 @@ class Host(Runtime):
     name = "none"
     runs_as_user = True
     has_image = False
-    OURS = ("FLEETBOX_CHECKPOINT_DIR", "FLEETBOX_PROGRESS_DIR", "FLEETBOX_RESUME", "PYTHONPATH")   # path values
+    OURS = ("FLEETBOX_CHECKPOINT_DIR", "FLEETBOX_PROGRESS_DIR", "FLEETBOX_LOG_DIR", "FLEETBOX_RESUME",
+            "PYTHONPATH")   # path values
 
     def __init__(self, venv: str = "", modules: tuple[str, ...] = ()):
         # absolute: node.sh runs from the script's folder (a path starting with a placeholder is the node's)

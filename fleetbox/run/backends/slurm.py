@@ -31,7 +31,7 @@ from fleetbox.run.backend import CANCELLED, Backend, Option, Plan
 from fleetbox.run.backends import runtimes
 from fleetbox.run.backends.runtimes import template
 from fleetbox.run.records import Handle, JobInfo, JobState
-from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, tail
+from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
 from fleetbox.run.shell import Raw, line
 from fleetbox.ship import shipped
 
@@ -344,9 +344,9 @@ class SlurmBackend(Backend):
         by a collective's own timeout (Gloo's 30 s), or by a peer that timeout ended: srun --kill-on-bad-exit
         would stop the other nodes at once, and the stuck rank among them with its stack. The mark tells
         run/hang.py to take every rank's stacks now and stop the step, which ends the hold."""
-        if not (spec.hang_timeout or spec.start_timeout) or "--log_dir" not in t.command:
+        log_dir = planner.ranks_log_dir(t)
+        if not (spec.hang_timeout or spec.start_timeout) or log_dir is None:
             return []
-        log_dir = t.command[t.command.index("--log_dir") + 1]   # where the launcher writes its ranks' logs
         rt = self.runtime
         logs = log_dir if rt.node_script_inside else runtimes.mounted(log_dir, rt.paths(t))
         if logs is None:
@@ -608,7 +608,8 @@ class SlurmBackend(Backend):
                                     else "aborted" if code else "?",
                                     str(job_dir / f"node{k}.log"), oom_killed=oom,
                                     why=f"stopped before the training: {said} (exit {code})"
-                                    if said and k == bad and code in NODE_EXITS else ""))
+                                    if said and k == bad and code in NODE_EXITS
+                                    else spawned_end(job_dir / f"node{k}.log") if k == bad else ""))
         ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
         r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=self.attempts_are,
                       name_host=self.names_hosts,

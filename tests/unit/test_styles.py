@@ -1,0 +1,100 @@
+"""How fleetbox tells a script that starts its own ranks (paddle.distributed.spawn) from one Paddle's launcher
+starts once per rank, from its source, and what it does with each: the command, one node, how many ranks."""
+
+import textwrap
+
+import pytest
+
+from fleetbox import ROOT
+from fleetbox.errors import UserError
+from fleetbox.image import matrix
+from fleetbox.run import plan as planner
+from fleetbox.run import result, styles
+from fleetbox.run import spec as spec_mod
+from fleetbox.settings import WORKDIR
+
+
+@pytest.mark.parametrize("source,nprocs,line", [
+    ("import paddle.distributed as dist\ndist.spawn(train, nprocs=2)", 2, 2),
+    ("import paddle\n\npaddle.distributed.spawn(train, (), 4)", 4, 3),
+    ("from paddle import distributed as d\nd.spawn(train)", 0, 2),
+    ("from paddle.distributed import spawn\nspawn(train, nprocs=n)", 0, 2),
+    ("from paddle.distributed import spawn as sp\nif __name__ == '__main__':\n    sp(main, args=(1,), nprocs=3)", 3, 3),
+    ("from paddle.distributed.spawn import spawn\nspawn(train, nprocs=2)", 2, 2),
+])
+def test_a_spawn_call_is_seen_however_it_is_imported_with_its_nprocs(source, nprocs, line):
+    s = styles.of_source(source)
+    assert (s.spawns, s.nprocs, s.line) == (True, nprocs, line)
+
+
+@pytest.mark.parametrize("source", [
+    "import paddle.distributed as dist\ndist.init_parallel_env()",
+    "import multiprocessing as mp\nmp.get_context('spawn').Process(target=f).spawn()",   # another spawn
+    "from os import spawn\nspawn(1)",
+    "def spawn(f, nprocs): pass\nspawn(train, nprocs=2)",   # the script's own function
+    "this is not python (",
+])
+def test_a_script_without_paddles_spawn_is_launched(source):
+    assert styles.of_source(source) == styles.LAUNCHED
+
+
+def test_the_examples_are_told_apart():
+    assert styles.of_script(ROOT / "train" / "spawn_smoke.py") == styles.Style(True, 2, 9, "2")
+    for name in ("smoke.py", "lenet_mnist.py", "resnet_flowers.py", "fit.py"):
+        assert not styles.of_script(ROOT / "train" / name).spawns, name
+
+
+def spec_of(tmp_path, source, **kw):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(source))
+    return spec_mod.from_options(matrix.load().get("cpu"), script=str(script), **kw)
+
+
+SPAWN2 = "import paddle.distributed as dist\ndist.spawn(main, nprocs=2)\n"
+
+
+def test_a_spawning_script_runs_by_itself_on_one_node_with_its_own_ranks(tmp_path):
+    s = spec_of(tmp_path, SPAWN2, args="--steps 5")
+    assert (s.spawns, s.nodes, s.procs_per_node) == (True, 1, 2)
+    t = planner.template(s, "train-x", "/logs/{node}")
+    assert t.command == ("python", f"{WORKDIR}/job.py", "--steps", "5")   # no launcher
+    assert t.env["FLEETBOX_STYLE"] == "spawn" and planner.ranks_log_dir(t) == t.env["FLEETBOX_LOG_DIR"]
+    launched = planner.template(spec_of(tmp_path, "print(1)\n"), "train-x", "/logs/{node}")
+    assert launched.command[:3] == ("python", "-m", "paddle.distributed.launch")
+    assert "FLEETBOX_STYLE" not in launched.env and planner.ranks_log_dir(launched) == launched.env[
+        "FLEETBOX_PROGRESS_DIR"]
+    assert spec_of(tmp_path, SPAWN2, nodes="1", procs_per_node="2").procs_per_node == 2
+
+
+@pytest.mark.parametrize("source,kw,needle", [
+    (SPAWN2, {"nodes": "2"}, "job.py:2 starts its own ranks (paddle.distributed.spawn), on the machine it runs on: "
+                             "run it with --nodes 1"),
+    (SPAWN2, {"procs_per_node": "3"}, "with nprocs=2, not --procs-per-node 3"),
+    ("import paddle.distributed as dist\ndist.spawn(main, nprocs=args.n)\n", {}, "with nprocs=args.n: give "
+                                                                                "--procs-per-node N"),
+    ("import paddle.distributed as dist\ndist.spawn(main)\n", {}, "with no nprocs (one rank per CPU or GPU it sees)"),
+])
+def test_a_spawning_script_fleetbox_cannot_place_is_one_line(tmp_path, source, kw, needle):
+    with pytest.raises(UserError, match=".*") as e:
+        spec_of(tmp_path, source, **kw)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_spawning_script_whose_count_is_not_a_number_runs_with_the_count_given(tmp_path):
+    s = spec_of(tmp_path, "import paddle.distributed as dist\ndist.spawn(main, nprocs=args.n)\n", procs_per_node="3")
+    assert (s.spawns, s.nodes, s.procs_per_node) == (True, 1, 3)
+
+
+@pytest.mark.parametrize("said,why", [
+    ("Exception: Process 1 terminated with exit code 3.", "its spawned rank 1 exited with exit code 3 (log: "
+                                                           "workerlog.1)"),
+    ("Exception: Process 0 terminated with signal SIGKILL.", "its spawned rank 0 was killed by SIGKILL"),
+    ("Exception: \n\n----\nProcess 2 terminated with the following error:\nTraceback", "its spawned rank 2 raised "
+                                                                                        "an error"),
+    ("LAUNCH INFO 2024 status failed cmd python x log workerlog.1", ""),
+])
+def test_the_spawned_rank_that_ended_the_script_is_named_from_paddles_words(tmp_path, said, why):
+    log = tmp_path / "container.log"
+    log.write_text("step 9\n" + said + "\n")
+    assert why in result.spawned_end(log) and bool(why) == bool(result.spawned_end(log))
+    assert result.spawned_end(tmp_path / "absent.log") == ""
