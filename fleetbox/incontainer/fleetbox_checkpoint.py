@@ -12,11 +12,26 @@ from where it was.
         ckpt.step(step + 1, model, opt, rank_state={"losses": losses})   # saves every `every` steps, and
     ckpt.done()                                                   # when the job is told to stop (then exits)
 
+A static-graph script passes its main program where a dynamic one passes its Layer, after running the startup
+program (restore sets the values the startup program gave); everything else is as above:
+
+    exe.run(startup)
+    start = ckpt.restore(main, opt)                               # main: the paddle.static.Program it trains
+    for step in range(start, total_steps):
+        exe.run(main, feed=..., fetch_list=[loss])
+        ckpt.step(step + 1, main, opt)
+
+A program's state is its persistable variables' values in paddle.static.global_scope(): its parameters (BatchNorm's
+statistics among them) and the rest (the optimizer's accumulators, the learning rate, AMP's loss scaling), the
+same on every rank, so replicated. `opt` (None works too) lends its LRScheduler, if it has one.
+
 Layout of FLEETBOX_CHECKPOINT_DIR (the job's checkpoint folder, the same for every attempt):
-    step-00000120/  model.pdparams, optimizer.pdopt (the replicated state, written once), rank-<r>.pkl (each
-                    rank's own: Python/NumPy/Paddle RNG states, the model's buffers such as BatchNorm
-                    statistics, and the script's rank_state), COMPLETE (sizes
-                    and sha256 of every file; a folder without it is never loaded)
+    step-00000120/  model.pdparams (the model: a Layer's state_dict, or a program's parameters by name),
+                    optimizer.pdopt (the optimizer: its state_dict, or a program's other persistables by name and
+                    "LR_Scheduler"), both replicated and written once; rank-<r>.pkl (each rank's own:
+                    Python/NumPy/Paddle RNG states, a Layer's buffers such as BatchNorm statistics, and the
+                    script's rank_state), COMPLETE (sizes and sha256 of every file; a folder without it is never
+                    loaded)
     STATE           {"state": "running" | "continue" | "done", "step": N}: what fleetbox reads to decide
                     whether a job that stopped should go on in a new allocation
     STOP            written by fleetbox when Slurm warns that the time limit is near: save and stop now
@@ -38,6 +53,7 @@ FLEETBOX_CHECKPOINT_EVERY / FLEETBOX_CHECKPOINT_KEEP (override the script's valu
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import itertools
@@ -76,6 +92,13 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
+def _eager():
+    """Where the script builds a static graph, the helper's own tensors (its collectives, the RNG check) are made
+    in dynamic mode for the while: in static mode they would be ops added to the script's default program."""
+    import paddle
+    return contextlib.nullcontext() if paddle.in_dynamic_mode() else paddle.base.dygraph.guard()
+
+
 _PICKLES = []   # whether Paddle's RNG state survives pickling here, once asked
 
 
@@ -87,17 +110,18 @@ def _rng_pickles() -> bool:
     import numpy as np
     import paddle
     if not _PICKLES:
-        outer = paddle.get_rng_state()
-        try:
-            paddle.rand([1], dtype="float32")
-            state = paddle.get_rng_state()
-            want = paddle.rand([4], dtype="float32").numpy()
-            paddle.set_rng_state(pickle.loads(pickle.dumps(state)))
-            _PICKLES.append(bool(np.array_equal(want, paddle.rand([4], dtype="float32").numpy())))
-        except (TypeError, pickle.PicklingError):
-            _PICKLES.append(False)
-        finally:
-            paddle.set_rng_state(outer)
+        with _eager():   # the generators are the same in both modes
+            outer = paddle.get_rng_state()
+            try:
+                paddle.rand([1], dtype="float32")
+                state = paddle.get_rng_state()
+                want = paddle.rand([4], dtype="float32").numpy()
+                paddle.set_rng_state(pickle.loads(pickle.dumps(state)))
+                _PICKLES.append(bool(np.array_equal(want, paddle.rand([4], dtype="float32").numpy())))
+            except (TypeError, pickle.PicklingError):
+                _PICKLES.append(False)
+            finally:
+                paddle.set_rng_state(outer)
     return _PICKLES[0]
 
 
@@ -110,6 +134,87 @@ def _reseed(step: int) -> int:
     seed = int.from_bytes(hashlib.sha256(f"{base}:{step}".encode()).digest()[:4], "big")
     paddle.seed(seed)
     return seed
+
+
+def _static(model) -> bool:
+    """A static-graph program (PIR's or the older paddle.static.Program), not a Layer."""
+    return callable(getattr(model, "list_vars", None)) and callable(getattr(model, "global_block", None))
+
+
+def _persistables(program) -> dict:
+    """{name: (tensor, is a parameter)} of the program's persistable variables that hold an initialized dense
+    tensor in the global scope. A PIR value has a name only where it is persistable: asked in that order."""
+    import paddle
+    scope = paddle.static.global_scope()
+    found = {}
+    for v in program.list_vars():
+        if not v.persistable:
+            continue
+        var = scope.find_var(v.name)
+        try:
+            tensor = var.get_tensor() if var is not None else None
+        except ValueError:   # not a dense tensor: a feed or fetch list, SelectedRows
+            continue
+        if tensor is not None and tensor._is_initialized():
+            found[v.name] = (tensor, bool(getattr(v, "is_parameter", False)))
+    return found
+
+
+def _lr_scheduler(program, optimizer):
+    """The LRScheduler the optimizer was given, if any (the program names it too once minimize() ran): in static
+    mode the executor sets the learning rate from it before every run, so it is what a resume must restore."""
+    lr = getattr(optimizer, "_learning_rate", None) if optimizer is not None else None
+    lr = lr if lr is not None else getattr(program, "lr_scheduler", None)
+    return lr if callable(getattr(lr, "state_dict", None)) else None
+
+
+def _program_state(program, optimizer) -> tuple[dict, dict]:
+    """(parameters, everything else) as NumPy arrays by name; the LRScheduler's state goes with the rest."""
+    import numpy as np
+    params, rest = {}, {}
+    for name, (tensor, is_param) in _persistables(program).items():
+        (params if is_param else rest)[name] = np.array(tensor)
+    lr = _lr_scheduler(program, optimizer)
+    if lr is not None:
+        rest["LR_Scheduler"] = lr.state_dict()
+    return params, rest
+
+
+def _place(tensor):
+    """The tensor's own place as the type DenseTensor.set() takes (it refuses the generic Place _place() gives):
+    a parameter stays on its device, a CPU-kept one (a learning rate, a beta power) on the CPU."""
+    import paddle
+    core, at = paddle.base.core, tensor._place()
+    if at.is_gpu_place():
+        return core.CUDAPlace(at.gpu_device_id())
+    if at.is_cuda_pinned_place():
+        return core.CUDAPinnedPlace()
+    if at.is_xpu_place():
+        return core.XPUPlace(at.xpu_device_id())
+    if at.is_custom_place():
+        return core.CustomPlace(at.custom_device_type(), at.custom_device_id())
+    return core.CPUPlace()
+
+
+def _set_program_state(program, saved: dict) -> list[str]:
+    """Each saved value into the program's variable of that name, where it has it (the startup program made
+    them); returns the names of those it lacks and of its own the checkpoint lacks (left as they are)."""
+    import numpy as np
+    have = _persistables(program)
+    if not have:
+        _fail("restore(program): no variable of the program has a value yet: run its startup program first "
+              "(exe.run(startup)), then restore")
+    if saved and not set(saved) & set(have):
+        _fail(f"restore(program): none of the checkpoint's {len(saved)} variables is in the program (saved from "
+              f"another network, or from a Layer?)")
+    for name, value in saved.items():
+        if name in have:
+            tensor, value = have[name][0], np.array(value)   # paddle.load gives a DenseTensor in static mode
+            if tuple(value.shape) != tuple(tensor.shape()):
+                _fail(f"restore(program): {name} is {list(value.shape)} in the checkpoint, "
+                      f"{list(tensor.shape())} in the program: is it the same network?")
+            tensor.set(value, _place(tensor))
+    return sorted(set(saved) ^ set(have))
 
 
 def _write(path: str, data: bytes | memoryview) -> tuple[int, str]:
@@ -191,6 +296,7 @@ class Checkpoint:
         self._stop = False
         self._seed = (None, 0)   # (step, seed) step() last set, where the RNG state does not pickle (_reseed)
         self._looked = 0.0
+        self._group = False   # whether the collectives' process group is known to be there
         if not self.folder:
             _say("FLEETBOX_CHECKPOINT_DIR is not set: no checkpoints")
             return
@@ -209,17 +315,31 @@ class Checkpoint:
 
     # -- collectives (none with one rank) --
 
+    @contextlib.contextmanager
+    def _eagerly(self):
+        """Collectives in dynamic mode, also in a static-graph script. There fleet.init(is_collective=True) makes
+        no process group for them (the program's communicators are ops of its own): the first makes one."""
+        import paddle
+        static = not paddle.in_dynamic_mode()
+        with _eager():
+            if static and not self._group and not self.dist.is_initialized():
+                self.dist.init_parallel_env()
+            self._group = True
+            yield
+
     def _barrier(self):
         if self.world > 1:
-            self.dist.barrier()
+            with self._eagerly():
+                self.dist.barrier()
 
     def _all(self, flag: bool, op) -> bool:
         if self.world == 1:
             return flag
         import paddle
-        t = paddle.to_tensor([1 if flag else 0], dtype="int32")
-        self.dist.all_reduce(t, op=op)
-        return bool(int(t.numpy()[0]))
+        with self._eagerly():
+            t = paddle.to_tensor([1 if flag else 0], dtype="int32")
+            self.dist.all_reduce(t, op=op)
+            return bool(int(t.numpy()[0]))
 
     def _any_rank(self, flag: bool) -> bool:
         return self._all(flag, self.dist.ReduceOp.MAX)
@@ -228,7 +348,8 @@ class Checkpoint:
         if self.world == 1:
             return [obj]
         out = []
-        self.dist.all_gather_object(out, obj)
+        with self._eagerly():
+            self.dist.all_gather_object(out, obj)
         return out
 
     # -- restore --
@@ -300,9 +421,20 @@ class Checkpoint:
         import paddle
         with open(os.path.join(d, COMPLETE)) as f:
             meta = json.load(f)
-        model.set_state_dict(paddle.load(os.path.join(d, MODEL)))
-        if optimizer is not None and os.path.exists(os.path.join(d, OPTIMIZER)):
-            optimizer.set_state_dict(paddle.load(os.path.join(d, OPTIMIZER)))
+        if _static(model):
+            saved = {**paddle.load(os.path.join(d, MODEL)),
+                     **(paddle.load(os.path.join(d, OPTIMIZER)) if os.path.exists(os.path.join(d, OPTIMIZER)) else {})}
+            lr, lr_state = _lr_scheduler(model, optimizer), saved.pop("LR_Scheduler", None)
+            if lr is not None and lr_state is not None:
+                lr.set_state_dict(lr_state)
+            odd = _set_program_state(model, saved)
+            if odd and self.rank == 0:
+                _say(f"{len(odd)} variables the program or the checkpoint lacks, left as they are: "
+                     f"{', '.join(odd[:8])}{', ...' if len(odd) > 8 else ''}")
+        else:
+            model.set_state_dict(paddle.load(os.path.join(d, MODEL)))
+            if optimizer is not None and os.path.exists(os.path.join(d, OPTIMIZER)):
+                optimizer.set_state_dict(paddle.load(os.path.join(d, OPTIMIZER)))
         mine = os.path.join(d, f"rank-{self.rank}.pkl")
         if os.path.exists(mine):
             with open(mine, "rb") as f:
@@ -313,7 +445,7 @@ class Checkpoint:
                 paddle.seed(saved["paddle_seed"])
             else:
                 paddle.set_rng_state(saved["paddle_rng"])
-            for n, b in model.named_buffers():
+            for n, b in ([] if _static(model) else model.named_buffers()):
                 if n in saved.get("buffers", {}):
                     b.set_value(saved["buffers"][n])
             self.rank_state = saved["rank_state"]
@@ -367,11 +499,15 @@ class Checkpoint:
             seen, seed = self._seed
             paddle_rng = {"paddle_seed": seed if seen == step else _reseed(step)}
         mine = {"python_rng": random.getstate(), "numpy_rng": np.random.get_state(), **paddle_rng, "rank_state": state,
-                # buffers are each rank's own (BatchNorm statistics are not all-reduced by DataParallel)
-                "buffers": {n: b.numpy() for n, b in model.named_buffers()}}
+                # a Layer's buffers are each rank's own (DataParallel does not all-reduce BatchNorm statistics); a
+                # program's are persistables, saved with the rest of its state
+                "buffers": {} if _static(model) else {n: b.numpy() for n, b in model.named_buffers()}}
         written = {f"rank-{self.rank}.pkl": _write(os.path.join(part, f"rank-{self.rank}.pkl"), pickle.dumps(mine))}
         if self.writer:
-            for name, obj in ((MODEL, model.state_dict()), (OPTIMIZER, optimizer.state_dict() if optimizer else None)):
+            # a program's optimizer state is its persistables (optimizer.state_dict() is for dynamic mode only)
+            replicated = zip((MODEL, OPTIMIZER), _program_state(model, optimizer)) if _static(model) else (
+                (MODEL, model.state_dict()), (OPTIMIZER, optimizer.state_dict() if optimizer else None))
+            for name, obj in replicated:
                 if obj is not None:
                     # paddle.save takes a path or an io.BytesIO (it checks isinstance), no other file object: to
                     # hash what is written without reading the file back, it is serialized in memory, then

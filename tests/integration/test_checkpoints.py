@@ -9,8 +9,9 @@ import pytest
 from tests.conftest import ROOT
 
 
-def steps(image, ckdir, *args, env=(), mounts=()):
-    argv = ["docker", "run", "--rm", "--network", "none", "-v", f"{ROOT / 'fleetbox/incontainer'}:/fleetbox/helpers:ro",
+def steps(image, ckdir, *args, env=(), mounts=(), probe="checkpoint_steps.py", init=False):
+    argv = ["docker", "run", "--rm", *(["--init"] if init else []), "--network", "none",
+            "-v", f"{ROOT / 'fleetbox/incontainer'}:/fleetbox/helpers:ro",
             "-v", f"{ROOT / 'tests/probes'}:/probes:ro", "-e", "PYTHONPATH=/fleetbox/helpers",
             "-e", "FLEETBOX_CHECKPOINT_DIR=/ck"]
     if ckdir is not None:
@@ -19,7 +20,7 @@ def steps(image, ckdir, *args, env=(), mounts=()):
         argv += ["-e", e]
     for m in mounts:
         argv += ["-v", m]
-    proc = subprocess.run([*argv, image, "python", "/probes/checkpoint_steps.py", *args], capture_output=True,
+    proc = subprocess.run([*argv, image, "python", f"/probes/{probe}", *args], capture_output=True,
                           text=True, timeout=120)
     result = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return proc, (result[0] if result else None)
@@ -114,3 +115,21 @@ def test_told_to_stop_at_its_last_step_a_script_finishes_instead_of_asking_for_a
     assert r and r["draws"] == 1, proc.stdout + proc.stderr
     assert json.loads((done / "STATE").read_text())["state"] == "done"
     assert "told to stop at the last step (1): saved it; finishing" in proc.stdout
+
+
+@pytest.mark.parametrize("optimizer,more", [("adam", ["--dropout", "0.3"]), ("momentum", [])])
+def test_a_static_program_killed_mid_run_resumes_its_accumulators_and_ends_bit_for_bit(image, tmp_path, optimizer,
+                                                                                      more):
+    """A static-graph program's state is its persistables: the parameters, Adam's moments and beta powers or
+    Momentum's velocities, the learning rate its scheduler sets (StepDecay: it changes mid-run), Paddle's
+    generator for dropout. Killed (SIGKILL, after step 6, saved at 4) and run again, it ends as one that never
+    stopped."""
+    args = ["--steps", "10", "--every", "4", "--optimizer", optimizer, *more]
+    _, want = steps(image, tmp_path / "ref", *args, probe="checkpoint_static.py")
+    assert want and want["first"] == 0 and want["losses"] == 10, want
+    ck = tmp_path / "ck"
+    killed, none = steps(image, ck, *args, "--kill-at", "6", probe="checkpoint_static.py", init=True)
+    assert killed.returncode == 137 and none is None, killed.stdout + killed.stderr   # --init: PID 1 passes it on
+    assert names(ck) == ["STATE", "step-00000004"]
+    proc, got = steps(image, ck, *args, probe="checkpoint_static.py")
+    assert got and got["first"] == 4 and got["sha256"] == want["sha256"], proc.stdout + proc.stderr

@@ -22,6 +22,7 @@ from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.integration.conftest import GPU_VARIANT, ON_CPU, paddle_opens
 from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.integration.test_hangs import PLAIN, last_metric_time
+from tests.integration.test_job_styles import STATIC, STATIC_ARGS
 from tests.integration.test_train import assert_rows_are_the_runs_own_figures, study_of
 from tests.unit.test_cli import one_line_error
 
@@ -211,6 +212,26 @@ def test_slurm_a_script_that_spawns_its_ranks_runs_them_on_one_node_and_a_failed
                                                            "(log: workerlog.1)", job_output=True)
     assert not subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
                               text=True).stdout.split()
+
+
+def test_slurm_a_static_program_on_two_nodes_killed_and_restarted_ends_bit_for_bit(cluster, podman_image):
+    """tests/integration/test_job_styles.py's static job on the Slurm cluster: rank 1 is killed after step 6
+    (saved at 4); the restart goes on from step 4 and every rank ends as in a run that never stopped."""
+    def run(*more):
+        proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL, *STATIC, *more)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        s, job_dir = summary(proc)
+        results = [json.loads(ln[7:]) for k in (0, 1) for ln in
+                   Path(job_dir, f"node{k}", "workerlog.0").read_text().splitlines() if ln.startswith("RESULT ")]
+        return s, {r["rank"]: r for r in results}
+
+    _, want = run("--args", STATIC_ARGS)
+    s, got = run("--max-restarts", "1", "--args", f"{STATIC_ARGS} --kill-rank 1 --kill-at 6")
+    assert [a["ok"] for a in s["attempts"]] == [False, True], s["attempts"]
+    ended = s["attempts"][0]["ended"]   # the launcher exits 247 or srun reports the kill (137): either is a failure
+    assert ended.startswith("failed (exit ") and "); restarted from step 4 in Slurm job " in ended, s["attempts"]
+    for r in (0, 1):
+        assert got[r]["first"] == 4 and got[r]["sha256"] == want[r]["sha256"], (got, want)
 
 
 def test_slurm_two_nodes_with_podman_run_the_gpu_image_on_cpu(cluster, podman_image, cuda_image):

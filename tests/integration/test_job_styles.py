@@ -2,6 +2,8 @@
 (paddle.distributed.spawn), told apart by fleetbox from its source and run without Paddle's launcher, gets what a
 launched script gets: each rank's log, metrics, checkpoints, hang detection, a failed rank named, restarts."""
 import json
+import os
+import time
 from pathlib import Path
 
 from tests.conftest import invoke
@@ -63,3 +65,65 @@ def test_a_spawning_script_asked_for_two_nodes_is_one_line_and_starts_nothing(cp
     one_line_error(proc, "train/spawn_smoke.py:9 starts its own ranks (paddle.distributed.spawn), on the machine it "
                          "runs on: run it with --nodes 1")
     assert job_containers() == []
+
+
+# Static-graph programs. Paddle's own static collective (fleet's minimize) cannot make its communicator on CPU
+# ("comm_id must be generated in paddlepaddle-xpu or paddlepaddle-gpu"), so two static ranks here average their
+# parameters after every step themselves (checkpoint_static.py --average: plain SGD, so data parallelism); the
+# checkpoints, the ranks' agreement and the restart are fleetbox's, as they would be under fleet on GPUs.
+STATIC = ["--script", "tests/probes/checkpoint_static.py"]
+STATIC_ARGS = "--steps 12 --every 4 --optimizer sgd --average"
+
+
+def static_results(proc) -> dict:
+    d = job_dir_of(proc)
+    out = {}
+    for k in (0, 1):
+        line = next(ln for ln in (d / f"node{k}" / "workerlog.0").read_text().splitlines() if ln.startswith("RESULT "))
+        r = json.loads(line[7:])
+        out[r["rank"]] = r
+    return out
+
+
+def test_a_static_program_on_two_nodes_killed_and_restarted_ends_bit_for_bit(cpu_image):
+    ref = invoke("train", "--nodes", "2", *STATIC, "--args", STATIC_ARGS)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr
+    want = static_results(ref)
+    assert want[0]["params"] == want[1]["params"] and want[0]["losses"] == 12   # one model, two ranks' data
+    again = invoke("train", "--nodes", "2", *STATIC, "--max-restarts", "1", "--args",
+                   f"{STATIC_ARGS} --kill-rank 1 --kill-at 6")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr
+    s = summary_of(again)
+    assert [(a["attempt"], a["ok"]) for a in s["attempts"]] == [(0, False), (1, True)]
+    assert s["attempts"][0]["ended"].startswith("node1 (rank 1) exited with "), s["attempts"]
+    got = static_results(again)
+    for r in (0, 1):   # every persistable and the whole run's losses, bit for bit
+        assert got[r]["first"] == 4 and got[r]["sha256"] == want[r]["sha256"], (got, want)
+    assert "fleetbox-checkpoint: resumed from step 4" in (job_dir_of(again) / "node0" / "workerlog.0").read_text()
+    assert job_containers() == []
+
+
+def test_the_static_example_run_again_with_its_id_resumes_mid_epoch_and_ends_as_an_uninterrupted_run(
+        cpu_image, seeded_flowers):
+    """train/resnet_static_flowers.py, Paddle's documented static style (fleet's minimize, an Executor): one epoch
+    of 6 steps, saved every 4, then run again with the same job id for two: it goes on from step 4, and ends
+    where two epochs in one run end."""
+    f = "/root/.cache/paddle/dataset/flowers"
+    args = (f"--data-file {f}/102flowers.tgz --label-file {f}/imagelabels.mat --setid-file {f}/setid.mat "
+            f"--image-size 32 --batch-size 1 --checkpoint-every 4")
+
+    def train(more, *extra):
+        proc = invoke("train", "--nodes", "1", "--script", "train/resnet_static_flowers.py", "--args",
+                      f"{args} {more}", "--data-dir", str(seeded_flowers["dest"]), *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        line = next(ln for ln in proc.stdout.splitlines() if "FLEETBOX-TRAIN " in ln)
+        return json.loads(line.split("FLEETBOX-TRAIN ", 1)[1])
+
+    whole = train("--epochs 2")
+    assert whole["steps"] == 12 and whole["resumed_from"] == 0 and whole["world"] == 1
+    job = f"static-{os.getpid()}-{time.monotonic_ns()}"   # its own: a folder of an earlier run would be resumed
+    first = train("--epochs 1", "--job-id", job)
+    assert first["steps"] == 6
+    second = train("--epochs 2", "--job-id", job)
+    assert second["resumed_from"] == 4 and second["steps"] == 12   # its history, every step once
+    assert second["params_sha256"] == whole["params_sha256"]   # bit for bit

@@ -3,8 +3,10 @@ against one folder (or one per node), with a stand-in `paddle` whose collectives
 processes (a shared dict and a barrier: no rank sees a result before every rank contributed). What is checked:
 the ranks agree on one step, a step damaged on some ranks only is given up by all, the replicated state is read
 for checking by its writer only and nothing is read back at a save, node scope, the environment's overrides,
-and a stop asked of one rank. Real Paddle with real ranks: tests/integration (test_checkpoints, test_train)."""
+a stop asked of one rank, and a static-graph program's state (its persistables in the global scope). Real Paddle
+with real ranks: tests/integration (test_checkpoints, test_train); a real static program: tests/probes."""
 import builtins
+import contextlib
 import hashlib
 import io
 import itertools
@@ -30,12 +32,17 @@ REAL_OPEN, REAL_OS_OPEN = builtins.open, os.open
 DEADLINE = 60   # seconds for every rank of one run to end; a collective gives up after half of it
 
 
-def fake_paddle(world: int, rank: int, barrier, box) -> None:
-    """`paddle` and `paddle.distributed` as the helper uses them, for this rank, in sys.modules."""
+def fake_paddle(world: int, rank: int, barrier, box, static: bool = False) -> dict:
+    """`paddle` and `paddle.distributed` as the helper uses them, for this rank, in sys.modules. `static`: the
+    script runs a static graph, where a collective made in static mode would be an op of its program, and
+    fleet.init makes no process group for the helper's. Returns the global scope's values (static mode)."""
     paddle, dist = types.ModuleType("paddle"), types.ModuleType("paddle.distributed")
     calls = itertools.count()
+    mode = {"dynamic": not static, "group": not static}
+    scope_values = {}
 
     def gather(obj) -> list:
+        assert mode["dynamic"] and mode["group"], "a collective in static mode, or before its process group"
         n = next(calls)   # every rank makes the same collectives in the same order
         box[(n, rank)] = obj
         barrier.wait(timeout=DEADLINE / 2)   # every rank's contribution is in before anyone reads
@@ -67,7 +74,55 @@ def fake_paddle(world: int, rank: int, barrier, box) -> None:
         with REAL_OPEN(path, "rb") as f:
             return pickle.load(f)
 
+    @contextlib.contextmanager
+    def dygraph_guard():
+        was, mode["dynamic"] = mode["dynamic"], True
+        try:
+            yield
+        finally:
+            mode["dynamic"] = was
+
+    class Place:   # what DenseTensor._place() gives: CPU here
+        def __getattr__(self, name):
+            return (lambda: name == "is_cpu_place") if name.startswith("is_") else super().__getattribute__(name)
+
+    class DenseTensor:
+        def __init__(self, name):
+            self.name = name
+
+        def _is_initialized(self):
+            return self.name in scope_values
+
+        def shape(self):
+            return list(scope_values[self.name].shape)
+
+        def _place(self):
+            return Place()
+
+        def __array__(self, dtype=None, copy=None):
+            return np.array(scope_values[self.name], dtype=dtype)
+
+        def set(self, value, place):
+            assert isinstance(place, CPUPlace), f"set() takes a typed place, not {place!r}"
+            scope_values[self.name] = np.array(value)
+
+    class CPUPlace:
+        pass
+
+    def not_dense():
+        raise ValueError("(InvalidArgument) The Variable type must be N3phi11DenseTensorE, but the type it holds ...")
+
+    class Scope:
+        def find_var(self, name):
+            return types.SimpleNamespace(get_tensor=not_dense if name == "fetch" else lambda: DenseTensor(name))
+
     dist.get_rank, dist.get_world_size = (lambda: rank), (lambda: world)
+    dist.is_initialized = lambda: mode["group"]
+    dist.init_parallel_env = lambda: mode.update(group=True)
+    paddle.in_dynamic_mode = lambda: mode["dynamic"]
+    paddle.base = types.SimpleNamespace(dygraph=types.SimpleNamespace(guard=dygraph_guard),
+                                        core=types.SimpleNamespace(CPUPlace=CPUPlace))
+    paddle.static = types.SimpleNamespace(global_scope=Scope)
     dist.barrier = lambda: gather(None) and None
     dist.ReduceOp = types.SimpleNamespace(MIN="min", MAX="max")
     dist.all_reduce, dist.all_gather_object = all_reduce, all_gather_object
@@ -76,6 +131,7 @@ def fake_paddle(world: int, rank: int, barrier, box) -> None:
     paddle.get_rng_state, paddle.set_rng_state = (lambda: [rank]), (lambda state: None)
     paddle.rand = lambda shape, dtype=None: Tensor([0.5] * shape[0])   # as if its state pickled whole
     sys.modules["paddle"], sys.modules["paddle.distributed"] = paddle, dist
+    return scope_values
 
 
 def record_reads(root: str, reads: list) -> None:
@@ -136,6 +192,66 @@ class Optimizer:
         self.moments = d["moments"].copy()
 
 
+class Var:
+    """A program's variable as list_vars() gives it; as PIR's, one not persistable has no name to ask."""
+    def __init__(self, name, persistable=True, is_parameter=False):
+        self._name, self.persistable, self.is_parameter = name, persistable, is_parameter
+
+    @property
+    def name(self):
+        if not self.persistable:
+            raise ValueError("we can only get name of Value from DataOp/ParameterOp/...")
+        return self._name
+
+
+class Program:
+    """A static program: a parameter, BatchNorm's statistics (a parameter too), the optimizer's velocity and
+    learning rate, an input (not persistable) and a persistable fetch list that holds no tensor."""
+    def list_vars(self):
+        return [Var("x", persistable=False), Var("fc.w", is_parameter=True), Var("bn.mean", is_parameter=True),
+                Var("fc.w_velocity"), Var("learning_rate_0"), Var("fetch")]
+
+    def global_block(self):
+        return self
+
+
+class Scheduler:
+    def __init__(self):
+        self.last_epoch = 0
+
+    def state_dict(self):
+        return {"last_epoch": self.last_epoch}
+
+    def set_state_dict(self, d):
+        self.last_epoch = d["last_epoch"]
+
+
+def static_rank_main(world, rank, barrier, box, env, steps, every, keep, out, data, signal_at):
+    """One rank of a static-graph script: its state is the program's persistables in the global scope."""
+    sys.stdout = sys.stderr = open(f"{out}.log", "w", buffering=1)
+    try:
+        os.environ.update(env)
+        scope = fake_paddle(world, rank, barrier, box, static=True)
+        start_up = {"fc.w": np.zeros(3), "bn.mean": np.zeros(2), "fc.w_velocity": np.zeros(3),
+                    "learning_rate_0": np.array(0.1)}
+        if env.get("STARTUP") != "skip":
+            scope.update(start_up)
+        main, opt = Program(), types.SimpleNamespace(_learning_rate=Scheduler())
+        ckpt = fc.Checkpoint(every=every, keep=keep)
+        start = ckpt.restore(main, opt)
+        for step in range(start, steps):
+            scope["fc.w"] = scope["fc.w"] + 1
+            scope["bn.mean"] = scope["bn.mean"] + 2
+            scope["fc.w_velocity"] = scope["fc.w_velocity"] + 0.5
+            opt._learning_rate.last_epoch += 1
+            ckpt.step(step + 1, main, opt, rank_state={"rank": rank, "step": step + 1})
+        Path(out).write_text(json.dumps({"start": start, "rank_state": ckpt.rank_state, "last_epoch":
+                                         opt._learning_rate.last_epoch, **{k: v.tolist() for k, v in scope.items()}}))
+    except BaseException:
+        barrier.abort()
+        raise
+
+
 def rank_main(world, rank, barrier, box, env, steps, every, keep, out, data, signal_at):
     """One rank: restore, train up to `steps` steps saving every `every`; what it saw goes to `out` as JSON."""
     sys.stdout = sys.stderr = open(f"{out}.log", "w", buffering=1)
@@ -170,13 +286,15 @@ def rank_main(world, rank, barrier, box, env, steps, every, keep, out, data, sig
         raise
 
 
-def run_ranks(tmp_path, world, env_of, steps, every=4, keep=3, name="run", signal_at=None) -> list[dict]:
-    """Every rank's process, to the end; a rank that fails or hangs fails the test (every process ended).
-    The checkpoint folders are to be under tmp_path/data (reads there are recorded), the records go to tmp_path."""
+def run_ranks(tmp_path, world, env_of, steps, every=4, keep=3, name="run", signal_at=None, target=rank_main,
+              exits=0) -> list[dict]:
+    """Every rank's process, to the end; a rank that fails or hangs fails the test (every process ended), or with
+    `exits` every rank must end so. The checkpoint folders are to be under tmp_path/data (reads there are
+    recorded), the records go to tmp_path."""
     manager = CTX.Manager()
     barrier, box = CTX.Barrier(world), manager.dict()
     outs = [tmp_path / f"{name}-rank{r}.json" for r in range(world)]
-    procs = [CTX.Process(target=rank_main, args=(world, r, barrier, box, env_of(r), steps, every, keep, str(outs[r]),
+    procs = [CTX.Process(target=target, args=(world, r, barrier, box, env_of(r), steps, every, keep, str(outs[r]),
                                                  str(tmp_path / "data"), (signal_at or {}).get(r)))
              for r in range(world)]
     try:
@@ -187,9 +305,11 @@ def run_ranks(tmp_path, world, env_of, steps, every=4, keep=3, name="run", signa
             p.join(timeout=max(0.0, end - time.monotonic()))
         stuck = [r for r, p in enumerate(procs) if p.exitcode is None]
         assert not stuck, f"ranks {stuck} of run {name!r} did not end within {DEADLINE} s"
-        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != exits}
         assert not failed, f"ranks of run {name!r} failed {failed}: " + " | ".join(
             said(tmp_path, name, r)[-800:] for r in failed)
+        if exits:
+            return []
     finally:
         for p in procs:
             if p.is_alive():
@@ -355,3 +475,27 @@ def test_a_stop_asked_of_one_rank_saves_on_every_rank_and_records_continue(tmp_p
     assert json.loads((ck / "STATE").read_text())["state"] == "continue"
     again = run_ranks(tmp_path, 3, shared(ck), steps=7, every=100, name="b")
     assert [r["start"] for r in again] == [6] * 3 and [r["stopped"] for r in again] == [None] * 3
+
+
+def test_a_static_program_saves_its_persistables_and_resumes_with_collectives_made_in_dynamic_mode(tmp_path):
+    """The fake's collectives fail if made in static mode or before the helper made its process group."""
+    ck = tmp_path / "data" / "ck"
+    first = run_ranks(tmp_path, 2, shared(ck), steps=10, name="a", target=static_rank_main)
+    assert [r["fc.w"] for r in first] == [[10.0] * 3] * 2
+    step8 = ck / "step-00000008"
+    model, optimizer = (pickle.loads((step8 / n).read_bytes()) for n in ("model.pdparams", "optimizer.pdopt"))
+    assert sorted(model) == ["bn.mean", "fc.w"]   # parameters; BatchNorm's statistics are parameters of a program
+    assert sorted(optimizer) == ["LR_Scheduler", "fc.w_velocity", "learning_rate_0"]
+    assert optimizer["LR_Scheduler"] == {"last_epoch": 8} and model["fc.w"].tolist() == [8.0] * 3
+    assert pickle.loads((step8 / "rank-1.pkl").read_bytes())["buffers"] == {}
+    again = run_ranks(tmp_path, 2, shared(ck), steps=12, name="b", target=static_rank_main)
+    assert [r["start"] for r in again] == [8, 8] and [r["rank_state"]["rank"] for r in again] == [0, 1]
+    assert all((r["fc.w"], r["bn.mean"], r["fc.w_velocity"], r["last_epoch"]) == ([12.0] * 3, [24.0] * 2,
+               [6.0] * 3, 12) for r in again)
+
+
+def test_a_static_program_restored_before_its_startup_program_ran_is_one_line(tmp_path):
+    ck = tmp_path / "data" / "ck"
+    run_ranks(tmp_path, 1, shared(ck), steps=4, name="a", target=static_rank_main)
+    run_ranks(tmp_path, 1, shared(ck, STARTUP="skip"), steps=4, name="b", target=static_rank_main, exits=2)
+    assert "run its startup program first (exe.run(startup)), then restore" in said(tmp_path, "b", 0)
