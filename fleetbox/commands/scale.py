@@ -191,6 +191,9 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
     print every run's job as `invoke train --dry-run` would, and start nothing."""
     if spec.job_id:
         raise UserError("--job-id names one job; a study names its runs <study>-i<image>-n<nodes>p<procs>")
+    if spec.spawns:   # its nprocs, not the study, says how many ranks it has
+        raise UserError(f"{spec.script} starts its own ranks (paddle.distributed.spawn), as many as its call says: a "
+                        f"study needs a script Paddle's launcher starts at each size")
     if spec.hosts and len(spec.hosts) < max(c.nodes for c in study_cells):
         raise UserError(f"--hosts names {len(spec.hosts)} hosts; the largest run needs "
                         f"{max(c.nodes for c in study_cells)} (the first N are used for N nodes)")

@@ -21,15 +21,17 @@ program (restore sets the values the startup program gave); everything else is a
         exe.run(main, feed=..., fetch_list=[loss])
         ckpt.step(step + 1, main, opt)
 
-A program's state is its persistable variables' values in paddle.static.global_scope(): its parameters (BatchNorm's
-statistics among them) and the rest (the optimizer's accumulators, the learning rate, AMP's loss scaling), the
-same on every rank, so replicated. `opt` (None works too) lends its LRScheduler, if it has one.
+A program's state is its persistable variables' values in paddle.static.global_scope(): its trained parameters and
+the rest (the optimizer's accumulators, the learning rate, AMP's loss scaling), the same on every rank, so
+replicated; its parameters that are not trained (BatchNorm's statistics) are each rank's own, as a Layer's buffers.
+`opt` (None works too) lends its LRScheduler, if it has one.
 
 Layout of FLEETBOX_CHECKPOINT_DIR (the job's checkpoint folder, the same for every attempt):
-    step-00000120/  model.pdparams (the model: a Layer's state_dict, or a program's parameters by name),
+    step-00000120/  model.pdparams (the model: a Layer's state_dict, or a program's trained parameters by name),
                     optimizer.pdopt (the optimizer: its state_dict, or a program's other persistables by name and
                     "LR_Scheduler"), both replicated and written once; rank-<r>.pkl (each rank's own:
-                    Python/NumPy/Paddle RNG states, a Layer's buffers such as BatchNorm statistics, and the
+                    Python/NumPy/Paddle RNG states, a Layer's buffers or a program's untrained parameters, such as
+                    BatchNorm statistics, and the
                     script's rank_state), COMPLETE (sizes and sha256 of every file; a folder without it is never
                     loaded)
     STATE           {"state": "running" | "continue" | "done", "step": N}: what fleetbox reads to decide
@@ -141,9 +143,14 @@ def _static(model) -> bool:
     return callable(getattr(model, "list_vars", None)) and callable(getattr(model, "global_block", None))
 
 
-def _persistables(program) -> dict:
-    """{name: (tensor, is a parameter)} of the program's persistable variables that hold an initialized dense
-    tensor in the global scope. A PIR value has a name only where it is persistable: asked in that order."""
+PARAMETER, BUFFER, OTHER = "parameter", "buffer", "other"   # a program's persistables, by how a checkpoint keeps them
+
+
+def _persistables(program, kinds=(PARAMETER, BUFFER, OTHER)) -> dict:
+    """{name: (tensor, kind)} of the program's persistable variables of those kinds that hold an initialized
+    dense tensor in the global scope: a trained parameter, an untrained one (BatchNorm's statistics: each rank's
+    own, as DataParallel keeps them) or another (the optimizer's). A PIR value has a name only where it is
+    persistable: asked in that order."""
     import paddle
     scope = paddle.static.global_scope()
     found = {}
@@ -155,8 +162,10 @@ def _persistables(program) -> dict:
             tensor = var.get_tensor() if var is not None else None
         except ValueError:   # not a dense tensor: a feed or fetch list, SelectedRows
             continue
-        if tensor is not None and tensor._is_initialized():
-            found[v.name] = (tensor, bool(getattr(v, "is_parameter", False)))
+        kind = OTHER if not getattr(v, "is_parameter", False) else PARAMETER if getattr(v, "trainable", True) \
+            else BUFFER
+        if tensor is not None and tensor._is_initialized() and kind in kinds:
+            found[v.name] = (tensor, kind)
     return found
 
 
@@ -169,11 +178,12 @@ def _lr_scheduler(program, optimizer):
 
 
 def _program_state(program, optimizer) -> tuple[dict, dict]:
-    """(parameters, everything else) as NumPy arrays by name; the LRScheduler's state goes with the rest."""
+    """(trained parameters, the optimizer's and other persistables) as NumPy arrays by name, the replicated
+    state; the LRScheduler's state goes with the rest."""
     import numpy as np
     params, rest = {}, {}
-    for name, (tensor, is_param) in _persistables(program).items():
-        (params if is_param else rest)[name] = np.array(tensor)
+    for name, (tensor, kind) in _persistables(program, (PARAMETER, OTHER)).items():
+        (params if kind == PARAMETER else rest)[name] = np.array(tensor)
     lr = _lr_scheduler(program, optimizer)
     if lr is not None:
         rest["LR_Scheduler"] = lr.state_dict()
@@ -196,17 +206,19 @@ def _place(tensor):
     return core.CPUPlace()
 
 
-def _set_program_state(program, saved: dict) -> list[str]:
-    """Each saved value into the program's variable of that name, where it has it (the startup program made
-    them); returns the names of those it lacks and of its own the checkpoint lacks (left as they are)."""
+def _set_program_state(program, saved: dict, kinds=(PARAMETER, OTHER)) -> list[str]:
+    """Each saved value into the program's variable of that name and of those kinds, where it has it (the startup
+    program made them); returns the names of those it lacks and of its own the checkpoint lacks (left as they
+    are)."""
     import numpy as np
-    have = _persistables(program)
-    if not have:
-        _fail("restore(program): no variable of the program has a value yet: run its startup program first "
-              "(exe.run(startup)), then restore")
-    if saved and not set(saved) & set(have):
-        _fail(f"restore(program): none of the checkpoint's {len(saved)} variables is in the program (saved from "
-              f"another network, or from a Layer?)")
+    have = _persistables(program, kinds)
+    if kinds != (BUFFER,):   # a rank's own untrained parameters: a program may have none
+        if not _persistables(program):
+            _fail("restore(program): no variable of the program has a value yet: run its startup program first "
+                  "(exe.run(startup)), then restore")
+        if saved and not set(saved) & set(have):
+            _fail(f"restore(program): none of the checkpoint's {len(saved)} variables is in the program (saved "
+                  f"from another network, or from a Layer?)")
     for name, value in saved.items():
         if name in have:
             tensor, value = have[name][0], np.array(value)   # paddle.load gives a DenseTensor in static mode
@@ -445,6 +457,8 @@ class Checkpoint:
                 paddle.seed(saved["paddle_seed"])
             else:
                 paddle.set_rng_state(saved["paddle_rng"])
+            if _static(model):
+                _set_program_state(model, saved.get("buffers", {}), (BUFFER,))
             for n, b in ([] if _static(model) else model.named_buffers()):
                 if n in saved.get("buffers", {}):
                     b.set_value(saved["buffers"][n])
@@ -499,9 +513,10 @@ class Checkpoint:
             seen, seed = self._seed
             paddle_rng = {"paddle_seed": seed if seen == step else _reseed(step)}
         mine = {"python_rng": random.getstate(), "numpy_rng": np.random.get_state(), **paddle_rng, "rank_state": state,
-                # a Layer's buffers are each rank's own (DataParallel does not all-reduce BatchNorm statistics); a
-                # program's are persistables, saved with the rest of its state
-                "buffers": {} if _static(model) else {n: b.numpy() for n, b in model.named_buffers()}}
+                # buffers are each rank's own (DataParallel does not all-reduce BatchNorm statistics): a Layer's,
+                # or a program's untrained parameters
+                "buffers": {n: np.array(t) for n, (t, _) in _persistables(model, (BUFFER,)).items()}
+                if _static(model) else {n: b.numpy() for n, b in model.named_buffers()}}
         written = {f"rank-{self.rank}.pkl": _write(os.path.join(part, f"rank-{self.rank}.pkl"), pickle.dumps(mine))}
         if self.writer:
             # a program's optimizer state is its persistables (optimizer.state_dict() is for dynamic mode only)

@@ -193,16 +193,22 @@ def _spawned_rank() -> None:
     r = os.environ.get("PADDLE_TRAINER_ID")
     if r is None:
         return
+    for sig in FORWARDED:   # a forked rank inherits the script's forwarding: its own signals are its own again
+        if signal.getsignal(sig) is _forward:
+            signal.signal(sig, signal.SIG_DFL)
     os.environ.setdefault("PADDLE_LOCAL_RANK", r)   # one node: the rank is the rank in the node
     logs = os.environ.get("FLEETBOX_LOG_DIR")
-    if logs:
-        os.makedirs(logs, exist_ok=True)
-        fd = os.open(os.path.join(logs, f"workerlog.{int(r)}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+    try:
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+            fd = os.open(os.path.join(logs, f"workerlog.{int(r)}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+    except OSError as e:   # its output stays in the script's; hang detection below still holds
+        print(f"fleetbox: rank {r}'s output stays in the script's: {e}", file=sys.stderr)
     d = os.environ.get("FLEETBOX_PROGRESS_DIR")
     if d and os.path.isdir(d):
         _rank_setup(d)
@@ -260,22 +266,34 @@ class _WhenSpawnLoads:
         return spec
 
 
-def _children() -> list[int]:
-    """This process's children but multiprocessing's resource tracker: the ranks it spawned."""
-    out = []
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _ranks() -> list[int]:
+    """The ranks this process spawned: its children started by multiprocessing's spawn (--multiprocessing-fork)
+    or forked from it (its own command line), and a forkserver's children in its stead; not the resource
+    tracker, a Manager's server or the script's own subprocesses, which the signal would end."""
+    children: dict[int, list[int]] = {}
     for p in os.listdir("/proc"):
-        if p.isdigit() and _parent(int(p)) == os.getpid():
-            try:
-                with open(f"/proc/{p}/cmdline", "rb") as f:
-                    if b"resource_tracker" not in f.read():
-                        out.append(int(p))
-            except OSError:
-                pass
+        if p.isdigit():
+            children.setdefault(_parent(int(p)), []).append(int(p))
+    me, out = _cmdline(os.getpid()), []
+    for pid in children.get(os.getpid(), []):
+        c = _cmdline(pid)
+        if b"multiprocessing.forkserver" in c:
+            out += children.get(pid, [])
+        elif b"--multiprocessing-fork" in c or c == me:
+            out.append(pid)
     return out
 
 
 def _forward(signum, frame) -> None:
-    for pid in _children():
+    for pid in _ranks():
         try:
             os.kill(pid, signum)
         except OSError:

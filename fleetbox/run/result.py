@@ -154,13 +154,19 @@ def last_words(node_dir: Path, launcher_log: Path | None = None) -> float | None
 SPAWNED_END = re.compile(r"Process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+)|the following error)")
 
 
-def spawned_end(node_log: Path) -> str:
-    """Which of the node's spawned ranks ended it and how, from the node's own output ("" where no rank did):
-    the script exits 1 whatever its rank's exit, so the exit code alone cannot say."""
-    found = SPAWNED_END.search(node_log.read_text(errors="replace")) if node_log.exists() else None
-    if found is None:
+def spawned_end(node_log: Path, last: int = 64 << 10) -> str:
+    """Which of the node's spawned ranks ended it and how, from the end of the node's own output ("" where no
+    rank did): the script exits 1 whatever its rank's exit, so the exit code alone cannot say."""
+    try:
+        with open(node_log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - last))   # a log may be GiBs: Paddle's words are at its end
+            text = f.read().decode(errors="replace")
+    except OSError:
         return ""
-    rank, code, sig = found.groups()
+    found = list(SPAWNED_END.finditer(text))
+    if not found:
+        return ""
+    rank, code, sig = found[-1].groups()
     how = (f"exited with {exit_meaning(int(code))}" if code is not None else f"was killed by {sig}" if sig
            else "raised an error")
     return f"ended: its spawned rank {rank} {how} (log: workerlog.{rank})"

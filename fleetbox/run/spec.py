@@ -120,8 +120,9 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
         argv = tuple(shlex.split(args or ""))
     except ValueError as e:
         raise UserError(f"--args cannot be split into words: {e}") from None
+    style = styles.of_script(Path(script or settings.DEFAULT_SCRIPT).resolve())   # before the GPUs are split
     spec = JobSpec(
-        variant=variant, nodes=options.integer("--nodes", 2 if nodes is None else nodes, 1),
+        variant=variant, nodes=options.integer("--nodes", (1 if style.spawns else 2) if nodes is None else nodes, 1),
         procs_per_node=options.integer("--procs-per-node", 1 if procs_per_node is None else procs_per_node, 1),
         script=script or str(settings.DEFAULT_SCRIPT), args=argv, image=image or "", hosts=host_list,
         iface=iface or "", ib_hca=ib_hca or "", debug=bool(debug),
@@ -138,10 +139,10 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
     if procs_per_node is None and spec.variant.device != "cpu" and (spec.gpus_per_node or spec.devices):
         # Paddle runs one process per device: as many as each node is given
         spec = replace(spec, procs_per_node=spec.gpus_per_node or max(1, len(spec.devices.split(",")) // spec.sharing))
-    style = styles.of_script(spec.script_path)
     if style.spawns:
-        spec = spawning(spec, style, nodes_given=nodes is not None,
-                        procs_given=procs_per_node is not None or bool(spec.gpus_per_node or spec.devices))
+        given = "--procs-per-node" if procs_per_node is not None else "--gpus-per-node" if spec.gpus_per_node \
+            else "--devices" if spec.devices else ""
+        spec = spawning(spec, style, given)
     validate(spec)
     for name in spec.pass_env:   # its value is read where a container is made: it must be there now
         if name not in os.environ:
@@ -149,23 +150,24 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
     return spec
 
 
-def spawning(spec: JobSpec, style: styles.Style, nodes_given: bool, procs_given: bool) -> JobSpec:
+def spawning(spec: JobSpec, style: styles.Style, given: str = "") -> JobSpec:
     """The spec of a script that starts its own ranks: one node (Paddle's spawn starts them on the machine it
-    runs on), as many ranks as its call says. Where the call does not say it as a number, --procs-per-node (or
-    the GPUs given) must: fleetbox watches every rank, so it must know how many there are."""
+    runs on), as many ranks as its call says. Where the call does not say it as a number, the option `given`
+    (--procs-per-node, or the GPUs each node gets) must: fleetbox watches every rank, so it must know how many."""
     where = f"{spec.script}:{style.line} starts its own ranks (paddle.distributed.spawn)"
-    if nodes_given and spec.nodes != 1:
-        raise UserError(f"{where}, on the machine it runs on: run it with --nodes 1, or start its ranks with "
-                        f"Paddle's launcher (call the training function once, without spawn) to use {spec.nodes} nodes")
+    if spec.nodes != 1 or len(spec.hosts) > 1:
+        n = max(spec.nodes, len(spec.hosts))
+        raise UserError(f"{where}, on the machine it runs on: run it on one node (--nodes 1, one host), or start its "
+                        f"ranks with Paddle's launcher (call the training function once, without spawn) to use {n}")
     if style.nprocs:
-        if procs_given and spec.procs_per_node != style.nprocs:
-            raise UserError(f"{where} with nprocs={style.nprocs}, not --procs-per-node {spec.procs_per_node}: "
-                            f"drop the option, or give {style.nprocs}")
-        return replace(spec, nodes=1, procs_per_node=style.nprocs, spawns=True)
-    if not procs_given:
+        if given and spec.procs_per_node != style.nprocs:
+            raise UserError(f"{where} with nprocs={style.nprocs}, but {given} gives {spec.procs_per_node} rank(s) "
+                            f"a node: give {style.nprocs}, or drop the option")
+        return replace(spec, procs_per_node=style.nprocs, spawns=True)
+    if not given:
         said = f"nprocs={style.text}" if style.text else "no nprocs (one rank per CPU or GPU it sees)"
         raise UserError(f"{where} with {said}: give --procs-per-node N, N the number of ranks it starts")
-    return replace(spec, nodes=1, spawns=True)
+    return replace(spec, spawns=True)
 
 
 def validate(spec: JobSpec) -> None:

@@ -29,12 +29,16 @@ LAUNCHED = Style()
 
 def _names(tree: ast.AST) -> tuple[set[str], set[str]]:
     """The names this module binds to `paddle.distributed` (modules) and to its `spawn` function."""
-    modules, functions = set(), set()
+    modules, functions = {"paddle.distributed"}, set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name == "paddle.distributed" and a.asname:
+                if a.name == "paddle" and a.asname:
+                    modules.add(f"{a.asname}.distributed")
+                elif a.name == "paddle.distributed" and a.asname:
                     modules.add(a.asname)
+                elif a.name == "paddle.distributed.spawn" and a.asname:   # the function: the package's
+                    functions.add(a.asname)                                # attribute shadows the module
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             for a in node.names:
                 if node.module == "paddle" and a.name == "distributed":
@@ -58,7 +62,7 @@ def _is_spawn(call: ast.Call, modules: set[str], functions: set[str]) -> bool:
     if name in functions:
         return True
     owner, _, attr = name.rpartition(".")
-    return attr == "spawn" and (owner in modules or owner == "paddle.distributed")
+    return attr == "spawn" and owner in modules
 
 
 def _nprocs(call: ast.Call) -> tuple[int, str]:
@@ -75,7 +79,7 @@ def of_source(text: str, filename: str = "<script>") -> Style:
     """The style of a script's source; one that does not parse is left to Python to report, as launched."""
     try:
         tree = ast.parse(text, filename)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):   # nested too deep for the parser: Python's
         return LAUNCHED
     modules, functions = _names(tree)
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and _is_spawn(n, modules, functions)),

@@ -63,7 +63,7 @@ def test_a_stuck_spawned_rank_is_named_from_its_stacks(cpu_image):
 def test_a_spawning_script_asked_for_two_nodes_is_one_line_and_starts_nothing(cpu_image):
     proc = invoke("train", *SPAWN, "--nodes", "2")
     one_line_error(proc, "train/spawn_smoke.py:9 starts its own ranks (paddle.distributed.spawn), on the machine it "
-                         "runs on: run it with --nodes 1")
+                         "runs on: run it on one node (--nodes 1, one host)")
     assert job_containers() == []
 
 
@@ -72,7 +72,7 @@ def test_a_spawning_script_asked_for_two_nodes_is_one_line_and_starts_nothing(cp
 # parameters after every step themselves (checkpoint_static.py --average: plain SGD, so data parallelism); the
 # checkpoints, the ranks' agreement and the restart are fleetbox's, as they would be under fleet on GPUs.
 STATIC = ["--script", "tests/probes/checkpoint_static.py"]
-STATIC_ARGS = "--steps 12 --every 4 --optimizer sgd --average"
+STATIC_ARGS = "--steps 12 --every 4 --optimizer sgd --average --batchnorm"   # each rank its own statistics
 
 
 def static_results(proc) -> dict:

@@ -8,7 +8,8 @@ With several ranks (under Paddle's launcher), each trains on its own data and `-
 after every step the parameters are averaged over the ranks (an all-reduce in dynamic mode, over Gloo), which
 with plain SGD is data parallelism. Paddle's own static collective (fleet's minimize) cannot make its
 communicator on CPU, so this is how several static ranks run here; every rank's state stays the same, as the
-checkpoint's replicated state assumes. `--kill-rank R --kill-at N` kills rank R after step N, in attempt 0 only."""
+checkpoint's replicated state assumes, but BatchNorm's statistics (`--batchnorm`), which are each rank's own.
+`--kill-rank R --kill-at N` kills rank R after step N, in attempt 0 only."""
 import argparse
 import hashlib
 import json
@@ -27,6 +28,7 @@ ap.add_argument("--optimizer", choices=["adam", "momentum", "sgd"], default="ada
 ap.add_argument("--average", action="store_true", help="average the parameters over the ranks after every step")
 ap.add_argument("--kill-rank", type=int, default=0)
 ap.add_argument("--dropout", type=float, default=0.0, help="drawn from Paddle's generator at every step")
+ap.add_argument("--batchnorm", action="store_true", help="BatchNorm: statistics of each rank's own data")
 ap.add_argument("--program-seed", type=int, default=0, help="main.random_seed (0: the global generator's draws)")
 ap.add_argument("--kill-at", type=int, default=0, help="SIGKILL itself right after this step (a node lost)")
 args = ap.parse_args()
@@ -42,6 +44,8 @@ main.random_seed = startup.random_seed = args.program_seed
 with paddle.static.program_guard(main, startup):
     x = paddle.static.data("x", [None, 4], "float32")
     h = paddle.nn.functional.relu(paddle.static.nn.fc(x, 8))
+    if args.batchnorm:
+        h = paddle.nn.BatchNorm1D(8)(h)
     if args.dropout:
         h = paddle.nn.functional.dropout(h, args.dropout)
     loss = (paddle.static.nn.fc(h, 2) ** 2).mean()
@@ -53,7 +57,8 @@ with paddle.static.program_guard(main, startup):
 exe = paddle.static.Executor(paddle.CPUPlace())
 exe.run(startup)
 scope = paddle.static.global_scope()
-params = sorted(v.name for v in main.list_vars() if v.persistable and getattr(v, "is_parameter", False))
+params = sorted(v.name for v in main.list_vars()   # trained: BatchNorm's statistics stay each rank's
+                if v.persistable and getattr(v, "is_parameter", False) and getattr(v, "trainable", True))
 
 
 def average() -> None:

@@ -101,6 +101,9 @@ def test_a_study_refuses_a_job_id_and_too_few_hosts_before_any_run(tmp_path, mon
     with pytest.raises(UserError, match="--hosts names 2 hosts; the largest run needs 4"):
         scale.run(spec_mod.JobSpec(base.variant, nodes=2, hosts=("tcp://a:1", "tcp://b:1")),
                   scale.cells("1,4", None, None))
+    with pytest.raises(UserError, match=r"spawn_smoke.py starts its own ranks .* a study needs a script Paddle's"):
+        scale.run(spec_mod.from_options(base.variant, nodes="1", script="train/spawn_smoke.py"),
+                  scale.cells("1", "1,4", None))
     assert list(tmp_path.iterdir()) == []
 
 

@@ -21,6 +21,8 @@ from fleetbox.settings import WORKDIR
     ("from paddle.distributed import spawn\nspawn(train, nprocs=n)", 0, 2),
     ("from paddle.distributed import spawn as sp\nif __name__ == '__main__':\n    sp(main, args=(1,), nprocs=3)", 3, 3),
     ("from paddle.distributed.spawn import spawn\nspawn(train, nprocs=2)", 2, 2),
+    ("import paddle as pd\npd.distributed.spawn(train, nprocs=2)", 2, 2),
+    ("import paddle.distributed.spawn as sp\nsp(train, nprocs=2)", 2, 2),
 ])
 def test_a_spawn_call_is_seen_however_it_is_imported_with_its_nprocs(source, nprocs, line):
     s = styles.of_source(source)
@@ -33,6 +35,7 @@ def test_a_spawn_call_is_seen_however_it_is_imported_with_its_nprocs(source, npr
     "from os import spawn\nspawn(1)",
     "def spawn(f, nprocs): pass\nspawn(train, nprocs=2)",   # the script's own function
     "this is not python (",
+    pytest.param("x = " + "1+" * 100000 + "1", id="nested-too-deep-for-the-parser"),   # Python says so when run
 ])
 def test_a_script_without_paddles_spawn_is_launched(source):
     assert styles.of_source(source) == styles.LAUNCHED
@@ -44,10 +47,10 @@ def test_the_examples_are_told_apart():
         assert not styles.of_script(ROOT / "train" / name).spawns, name
 
 
-def spec_of(tmp_path, source, **kw):
+def spec_of(tmp_path, source, variant="cpu", **kw):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(source))
-    return spec_mod.from_options(matrix.load().get("cpu"), script=str(script), **kw)
+    return spec_mod.from_options(matrix.load().get(variant), script=str(script), **kw)
 
 
 SPAWN2 = "import paddle.distributed as dist\ndist.spawn(main, nprocs=2)\n"
@@ -68,14 +71,16 @@ def test_a_spawning_script_runs_by_itself_on_one_node_with_its_own_ranks(tmp_pat
 
 @pytest.mark.parametrize("source,kw,needle", [
     (SPAWN2, {"nodes": "2"}, "job.py:2 starts its own ranks (paddle.distributed.spawn), on the machine it runs on: "
-                             "run it with --nodes 1"),
-    (SPAWN2, {"procs_per_node": "3"}, "with nprocs=2, not --procs-per-node 3"),
+                             "run it on one node (--nodes 1, one host)"),
+    (SPAWN2, {"hosts": "ssh://a,ssh://b"}, "on the machine it runs on: run it on one node"),
+    (SPAWN2, {"procs_per_node": "3"}, "with nprocs=2, but --procs-per-node gives 3 rank(s) a node"),
+    (SPAWN2, {"variant": "cu126", "gpus_per_node": "4"}, "with nprocs=2, but --gpus-per-node gives 4 rank(s) a node"),
     ("import paddle.distributed as dist\ndist.spawn(main, nprocs=args.n)\n", {}, "with nprocs=args.n: give "
                                                                                 "--procs-per-node N"),
     ("import paddle.distributed as dist\ndist.spawn(main)\n", {}, "with no nprocs (one rank per CPU or GPU it sees)"),
 ])
 def test_a_spawning_script_fleetbox_cannot_place_is_one_line(tmp_path, source, kw, needle):
-    with pytest.raises(UserError, match=".*") as e:
+    with pytest.raises(UserError) as e:
         spec_of(tmp_path, source, **kw)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
@@ -83,6 +88,18 @@ def test_a_spawning_script_fleetbox_cannot_place_is_one_line(tmp_path, source, k
 def test_a_spawning_script_whose_count_is_not_a_number_runs_with_the_count_given(tmp_path):
     s = spec_of(tmp_path, "import paddle.distributed as dist\ndist.spawn(main, nprocs=args.n)\n", procs_per_node="3")
     assert (s.spawns, s.nodes, s.procs_per_node) == (True, 1, 3)
+
+
+@pytest.mark.parametrize("source,kw,procs", [
+    ("import paddle.distributed as dist\ndist.spawn(main, nprocs=4)\n", {"devices": "0,1,2,3"}, 4),
+    ("import paddle.distributed as dist\ndist.spawn(main)\n", {"devices": "0,1,2,3"}, 4),   # one per GPU it sees
+    ("import paddle.distributed as dist\ndist.spawn(main)\n", {"gpus_per_node": "2"}, 2),
+])
+def test_a_spawning_scripts_gpus_are_all_its_one_nodes(tmp_path, source, kw, procs):
+    """The GPUs given are one node's, not split among the two nodes a launched job would have."""
+    s = spec_of(tmp_path, source, variant="cu126", **kw)
+    assert (s.spawns, s.nodes, s.procs_per_node) == (True, 1, procs)
+    assert planner.node_gpus(s, 0) == ",".join(map(str, range(procs)))
 
 
 @pytest.mark.parametrize("said,why", [
@@ -98,3 +115,12 @@ def test_the_spawned_rank_that_ended_the_script_is_named_from_paddles_words(tmp_
     log.write_text("step 9\n" + said + "\n")
     assert why in result.spawned_end(log) and bool(why) == bool(result.spawned_end(log))
     assert result.spawned_end(tmp_path / "absent.log") == ""
+
+
+def test_only_the_end_of_a_long_log_is_read_for_the_spawned_ranks_end(tmp_path):
+    log = tmp_path / "container.log"
+    log.write_text("Process 0 terminated with exit code 9.\n" + "x" * (64 << 10) + "\n")
+    assert result.spawned_end(log) == ""   # an earlier run's words, far above the end
+    with log.open("a") as f:
+        f.write("Process 1 terminated with exit code 3.\n")
+    assert result.spawned_end(log).startswith("ended: its spawned rank 1 exited with exit code 3")
