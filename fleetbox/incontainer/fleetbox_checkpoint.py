@@ -206,19 +206,22 @@ def _place(tensor):
     return core.CPUPlace()
 
 
+def _check_program(program, saved: dict) -> None:
+    """The replicated state fits the program: its startup program ran, and they share variables."""
+    if not _persistables(program):
+        _fail("restore(program): no variable of the program has a value yet: run its startup program first "
+              "(exe.run(startup)), then restore")
+    if saved and not set(saved) & set(_persistables(program, (PARAMETER, OTHER))):
+        _fail(f"restore(program): none of the checkpoint's {len(saved)} variables is in the program (saved "
+              f"from another network, or from a Layer?)")
+
+
 def _set_program_state(program, saved: dict, kinds=(PARAMETER, OTHER)) -> list[str]:
     """Each saved value into the program's variable of that name and of those kinds, where it has it (the startup
     program made them); returns the names of those it lacks and of its own the checkpoint lacks (left as they
     are)."""
     import numpy as np
     have = _persistables(program, kinds)
-    if kinds != (BUFFER,):   # a rank's own untrained parameters: a program may have none
-        if not _persistables(program):
-            _fail("restore(program): no variable of the program has a value yet: run its startup program first "
-                  "(exe.run(startup)), then restore")
-        if saved and not set(saved) & set(have):
-            _fail(f"restore(program): none of the checkpoint's {len(saved)} variables is in the program (saved "
-                  f"from another network, or from a Layer?)")
     for name, value in saved.items():
         if name in have:
             tensor, value = have[name][0], np.array(value)   # paddle.load gives a DenseTensor in static mode
@@ -308,7 +311,6 @@ class Checkpoint:
         self._stop = False
         self._seed = (None, 0)   # (step, seed) step() last set, where the RNG state does not pickle (_reseed)
         self._looked = 0.0
-        self._group = False   # whether the collectives' process group is known to be there
         if not self.folder:
             _say("FLEETBOX_CHECKPOINT_DIR is not set: no checkpoints")
             return
@@ -334,9 +336,8 @@ class Checkpoint:
         import paddle
         static = not paddle.in_dynamic_mode()
         with _eager():
-            if static and not self._group and not self.dist.is_initialized():
+            if static and not self.dist.is_initialized():
                 self.dist.init_parallel_env()
-            self._group = True
             yield
 
     def _barrier(self):
@@ -439,6 +440,7 @@ class Checkpoint:
             lr, lr_state = _lr_scheduler(model, optimizer), saved.pop("LR_Scheduler", None)
             if lr is not None and lr_state is not None:
                 lr.set_state_dict(lr_state)
+            _check_program(model, saved)
             odd = _set_program_state(model, saved)
             if odd and self.rank == 0:
                 _say(f"{len(odd)} variables the program or the checkpoint lacks, left as they are: "
@@ -459,9 +461,10 @@ class Checkpoint:
                 paddle.set_rng_state(saved["paddle_rng"])
             if _static(model):
                 _set_program_state(model, saved.get("buffers", {}), (BUFFER,))
-            for n, b in ([] if _static(model) else model.named_buffers()):
-                if n in saved.get("buffers", {}):
-                    b.set_value(saved["buffers"][n])
+            else:
+                for n, b in model.named_buffers():
+                    if n in saved.get("buffers", {}):
+                        b.set_value(saved["buffers"][n])
             self.rank_state = saved["rank_state"]
         else:   # the job now has more ranks than when it saved
             _say(f"rank {self.rank}: no state of its own in {d} (saved by {meta['world']} ranks); starting it fresh")
