@@ -39,6 +39,11 @@ def exports_dir() -> Path:
     return _path("FLEETBOX_EXPORTS", ROOT / "exports")
 
 
+def board_envs() -> Path:
+    """Where `invoke board` makes VisualDL's environment, one folder per lock (the user's cache: no root)."""
+    return _path("FLEETBOX_BOARD_ENVS", Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleetbox")
+
+
 DEFAULT_SCRIPT = ROOT / "train" / "smoke.py"
 HELPERS = ROOT / "fleetbox" / "incontainer"   # what runs in the containers, mounted at HELPERS_DIR
 
@@ -85,6 +90,8 @@ ENVIRONMENT = {
     "FLEETBOX_DATA": ("you", "the seeded dataset cache (default offline_cache/dataset/)"),
     "FLEETBOX_DATASETS_MANIFEST": ("you", "the dataset manifest (default offline_cache/datasets.toml)"),
     "FLEETBOX_EXPORTS": ("you", "where exports and their records go (default exports/)"),
+    "FLEETBOX_BOARD_ENVS": ("you", "where `invoke board` makes VisualDL's environment, board-<lock hash>/ "
+                                   "(default ~/.cache/fleetbox/)"),
     "FLEETBOX_JOB": ("job", "the job's id"),
     "FLEETBOX_NODE": ("job", "the node's rank (0 .. nodes - 1)"),
     "FLEETBOX_ATTEMPT": ("job", "0, then one more per restart or Slurm allocation"),

@@ -20,6 +20,7 @@ command -v skopeo >/dev/null 2>&1 || missing+=(skopeo)
 command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry)
 command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)   # the tests check the rendered Slurm scripts
 command -v mksquashfs >/dev/null 2>&1 || missing+=(squashfs-tools)   # squashfs images (Charliecloud, the GPU checks)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)   # a real browser: the tests open `invoke board` in it
 # a user's own venv from the system's Python, as on a login node without root (the tests install fleetbox so)
 /usr/bin/python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
 # a module system, as HPC sites have (`train --runtime none --modules`): Environment Modules (Lmod conflicts with it)

@@ -145,7 +145,7 @@ def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Pa
             constraints.write_text("".join(c + "\n" for c in variant.constraints))
         if path.exists() and not upgrade:
             compiled.write_text(path.read_text())
-        argv = [_uv_binary(), *compile_argv(variant, project, compiled, constraints)[1:]]
+        argv = [uv_binary(), *compile_argv(variant, project, compiled, constraints)[1:]]
         proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp,
                               env={**os.environ, "UV_NO_CONFIG": "1"})
         if proc.returncode != 0:
@@ -159,7 +159,7 @@ def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Pa
     return path
 
 
-def _uv_binary() -> str:
+def uv_binary() -> str:
     try:
         from uv import find_uv_bin  # noqa: PLC0415 (optional: the PyPI package ships the binary next to this finder)
         return find_uv_bin()

@@ -1,0 +1,105 @@
+"""`invoke board` on a real 2-node job while it runs, opened in a real browser (headless Chromium): the page asks
+VisualDL's server for both ranks' loss series and gets the job's own values, a second load shows the points the
+job made since, and Ctrl-C stops the server and removes the board's files."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
+from tests.integration.browser import Browser
+
+INTERVAL = 2   # the board's --interval: VisualDL's cache follows it, so new points show within twice that
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_losses(job_dir: Path) -> dict[int, dict[int, float]]:
+    """Each rank's loss by step, from its own metrics lines in the node's worker log."""
+    out = {}
+    for log in job_dir.glob("node*/workerlog.*"):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("FLEETBOX-METRIC "):
+                rec = json.loads(line[len("FLEETBOX-METRIC "):])
+                if "loss" in rec:
+                    out.setdefault(rec["rank"], {})[rec["step"]] = rec["loss"]
+    return out
+
+
+def loss_series(got) -> dict[str, list]:
+    """The last loss series the page received per run: {run: [[ms, step, value], ...]}."""
+    out = {}
+    for g in got:
+        q = urllib.parse.parse_qs(urllib.parse.urlsplit(g["url"]).query)
+        assert g["status"] == 200, g
+        out[q["run"][0]] = json.loads(g["body"])["data"] or []
+    return out
+
+
+def test_a_running_jobs_board_shows_both_ranks_loss_in_a_real_browser_and_new_points_on_a_second_load(
+        cpu_image, tmp_path):
+    job_id = f"board-{os.getpid()}-{time.monotonic_ns()}"
+    port, boards_before = free_port(), set(Path(tempfile.gettempdir()).glob("fleetbox-board-*"))
+    board = None
+    try:
+        proc = invoke("train", "--nodes", "2", "--job-id", job_id, "--detach",
+                      "--args", "--steps 3000 --step-sleep 0.05 --checkpoint-every 1000")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        board = subprocess.Popen([sys.executable, "-m", "invoke", "board", job_id, "--port", str(port),
+                                  "--interval", str(INTERVAL)], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it)
+        lines = []
+        while not any(ln.startswith("board: http://") for ln in lines):   # the first board makes its environment
+            line = board.stdout.readline()
+            assert line, "".join(lines) + board.stderr.read()
+            lines.append(line)
+        url = f"http://127.0.0.1:{port}/app/scalar"
+        assert f"board: {url} shows {job_id}" in "".join(lines), lines
+        runs = {f"{job_id}/attempt0/rank0", f"{job_id}/attempt0/rank1"}
+        want = r"/app/api/scalar/list\?.*tag=train%2Floss"
+        with Browser() as browser:
+            deadline = time.monotonic() + 120
+            while True:   # reloaded, as a user would, until both ranks have logged and the board has written
+                try:
+                    first = loss_series(browser.load(url, want, settle=2.0, timeout=10, at_least=2))
+                    if runs <= set(first) and all(first[r] for r in runs):
+                        break
+                except TimeoutError:   # nothing to chart yet: the page asks for no series
+                    first = None
+                assert time.monotonic() < deadline, first
+            browser.screenshot(tmp_path / "board.png")
+            time.sleep(2 * INTERVAL + 2)
+            second = loss_series(browser.load(url, want, settle=2.0, timeout=60, at_least=2))
+        assert (tmp_path / "board.png").stat().st_size > 20_000, tmp_path / "board.png"   # charts drawn, kept
+        own = own_losses(ROOT / "runs" / job_id)
+        for run in runs:
+            rank = int(run.rsplit("rank", 1)[1])
+            for series in (first[run], second[run]):
+                assert all(abs(v - own[rank][step]) <= 1e-6 * max(1.0, abs(own[rank][step]))
+                           for _, step, v in series), (run, series[:3], own[rank])
+            assert max(s for _, s, _ in second[run]) > max(s for _, s, _ in first[run]), (first[run], second[run])
+        assert first[f"{job_id}/attempt0/rank0"] != first[f"{job_id}/attempt0/rank1"]   # each rank its own
+        board.send_signal(signal.SIGINT)
+        out, err = board.communicate(timeout=30)
+        assert board.returncode == 0 and "board: stopped" in out and "Traceback" not in err, out + err
+        assert set(Path(tempfile.gettempdir()).glob("fleetbox-board-*")) == boards_before   # its files removed
+        with pytest.raises(ConnectionRefusedError):   # and its server gone: nothing listens on the port
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        if board is not None and board.poll() is None:
+            board.kill()
+            board.wait()
+        invoke("cancel", job_id)
+        invoke("clean", "--job", job_id, "--force")
