@@ -13,8 +13,11 @@ x2paddle, gradio and tritonclient as it starts.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import platform
+import re
 import secrets
 import shutil
 import signal
@@ -38,11 +41,34 @@ LOCK = Path(__file__).with_name("board.lock")
 READY = "fleetbox-board.json"     # written last: a folder with it is a whole environment
 SERVER = ["-c", "import sys; from visualdl.server.app import main; sys.exit(main())"]   # its console script's
 TABS = ("scalar", "text")
+NO_PROXY = {"no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1"}   # its own checks
 START_S = 60.0                    # VisualDL's first start imports matplotlib and pandas: seconds, not minutes
 
 
 def env_dir() -> Path:
-    return settings.board_envs() / f"board-{hashlib.sha256(LOCK.read_bytes()).hexdigest()[:12]}"
+    """One environment per lock and interpreter (a venv is tied to the Python that made it; a shared home may be
+    seen from machines of another kind)."""
+    key = LOCK.read_bytes() + f"\n{platform.machine()} {sys.version} {os.path.realpath(sys.executable)}".encode()
+    return settings.board_envs() / f"board-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def _die_with_us() -> None:
+    """Popen's preexec_fn: the child gets SIGTERM when the board dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG),
+    so no server or install outlives it holding the port or filling a folder."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    """uv in a process group of its own, killed whole if the board is stopped meanwhile."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=_die_with_us)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        with signals_held():
+            _stop(proc, grace=0)
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def environment(log=print) -> Path:
@@ -58,7 +84,7 @@ def environment(log=print) -> Path:
         for argv in ([uv, "venv", "-q", "--python", sys.executable, str(part)],
                      [uv, "pip", "install", "-q", "--python", str(part / "bin" / "python"), "--require-hashes",
                       "-r", str(LOCK)]):
-            done = subprocess.run(argv, capture_output=True, text=True)
+            done = _run(argv)
             if done.returncode:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
                 raise UserError(f"board: making VisualDL's environment failed ({Path(argv[0]).name} {argv[1]}): "
@@ -86,7 +112,10 @@ def targets(names: str) -> dict[str, Path]:
         if (root / name / records.HANDLE).is_file():
             out[name] = root / name
             continue
-        study = sorted(d for d in root.glob(f"{name}-i*-n*p*") if (d / records.HANDLE).is_file())
+        runs = re.compile(rf"{re.escape(name)}-i(\d+)-n(\d+)p(\d+)")   # scale.job_id's names
+        study = sorted((d for d in root.glob(f"{name}-i*") if runs.fullmatch(d.name)
+                        and (d / records.HANDLE).is_file()),
+                       key=lambda d: tuple(int(x) for x in runs.fullmatch(d.name).groups()))
         if not study:
             raise UserError(f"no job or scaling study {name} in {root} (see `invoke jobs`)")
         out.update({f"{name}/{d.name[len(name) + 1:]}": d for d in study})
@@ -95,17 +124,20 @@ def targets(names: str) -> dict[str, Path]:
     return out
 
 
-def refresh(logs: visualdl_logs.Logs, jobs: dict[str, Path], said: set[str], log=print) -> int:
-    """Write what each job has gained since the last refresh; a job folder that cannot be read now is said once
-    (`said` holds those)."""
+def refresh(logs: visualdl_logs.Logs, jobs: dict[str, visualdl_logs.JobRuns], said: dict[str, str],
+            log=print) -> int:
+    """Write what each job has gained since the last refresh. A job that cannot be read now is said once per
+    reason (`said`: the last one per job) and tried again next time; the others go on."""
     total = 0
-    for name, job_dir in jobs.items():
+    for name, runs in jobs.items():
         try:
-            total += logs.add(visualdl_logs.read_job(job_dir, name))
-        except (OSError, ValueError) as e:
-            if name not in said:
-                said.add(name)
-                log(f"board: cannot read {job_dir} now ({type(e).__name__}: {e}); trying again")
+            total += logs.add(runs.read())
+            said.pop(name, None)
+        except Exception as e:   # a job folder half moved, removed, a disk full: the board goes on
+            why = f"{type(e).__name__}: {e}"
+            if said.get(name) != why:
+                said[name] = why
+                log(f"board: cannot show {name} now ({why}); trying again")
     return total
 
 
@@ -118,26 +150,30 @@ def _port_free(host: str, port: int) -> None:
 
 
 def _tail(path: Path) -> str:
-    lines = path.read_text(errors="replace").strip().splitlines() if path.is_file() else []
+    text = re.sub(r"\x1b\[[0-9;]*m", "", path.read_text(errors="replace")) if path.is_file() else ""   # its colours
+    lines = text.strip().splitlines()
     return " | ".join(lines[-3:]) or "no output"
 
 
-def serve(names: str, host: str = "127.0.0.1", port: int = 8040, interval: float = 10.0, log=print,
-          ready=None) -> None:
+def serve(names: str, host: str = "127.0.0.1", port: int = 8040, interval: float = 10.0, log=print) -> None:
     """Show the jobs on VisualDL at http://host:port until Ctrl-C (SIGTERM, SIGHUP): the server stopped and the
-    board's logs removed on every way out. `ready(url)` is called once the server answers."""
+    board's logs removed on every way out (after a SIGKILL the server still stops: _die_with_us)."""
     jobs = targets(names)
-    if interval <= 0:
+    if not interval or interval <= 0:
         raise UserError(f"--interval {interval}: give a number of seconds above 0")
+    if not host.strip():
+        raise UserError("--host: give an address to listen on (127.0.0.1, or 0.0.0.0 for every network)")
     _port_free(host, port)
-    env = environment(log)
-    root = Path(tempfile.mkdtemp(prefix="fleetbox-board-"))
-    server = None
+    root, server = None, None
     try:
         with stops_as_interrupt():
-            logs, said = visualdl_logs.Logs(root / "logs"), set()
+            env = environment(log)
+            root = Path(tempfile.mkdtemp(prefix="fleetbox-board-"))
+            logs, said = visualdl_logs.Logs(root / "logs"), {}
+            runs = {name: visualdl_logs.JobRuns(job_dir, name) for name, job_dir in jobs.items()}
             (root / "logs").mkdir()
-            refresh(logs, jobs, said, log)
+            while refresh(logs, runs, said, log) and any(r.behind for r in runs.values()):
+                pass   # a long job's history, a bounded part at a time, before the server reads it
             server_log = root / "visualdl.log"
             with open(server_log, "wb") as out:
                 server = subprocess.Popen(
@@ -145,38 +181,37 @@ def serve(names: str, host: str = "127.0.0.1", port: int = 8040, interval: float
                      "--port", str(port), "--disable-telemetry", "--component_tabs", *TABS,
                      "--cache-timeout", str(max(1.0, interval))],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env={**os.environ, "PYTHONNOUSERSITE": "1"})
+                    preexec_fn=_die_with_us, env={**os.environ, "PYTHONNOUSERSITE": "1", **NO_PROXY})
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
             _wait_up(server, url, server_log)
             log(f"board: {url}/app/scalar shows {', '.join(jobs)}; new points every {interval:g} s; Ctrl-C stops")
             if host in ("127.0.0.1", "localhost", "::1"):
                 log(f"board: from another machine: ssh -N -L {port}:127.0.0.1:{port} {socket.gethostname()}, "
                     f"then open http://127.0.0.1:{port}")
-            if ready:
-                ready(url)
             while True:
                 time.sleep(interval)
                 if server.poll() is not None:
                     raise UserError(f"board: VisualDL's server ended (exit {server.returncode}): {_tail(server_log)}")
-                refresh(logs, jobs, said, log)
+                refresh(logs, runs, said, log)
     except KeyboardInterrupt:
         log("board: stopped")
     finally:
         with signals_held():
             if server is not None:
                 _stop(server)
-            shutil.rmtree(root, ignore_errors=True)
+            if root is not None:
+                shutil.rmtree(root, ignore_errors=True)
 
 
-def _stop(server: subprocess.Popen) -> None:
-    """The server's whole process group: SIGTERM, SIGKILL after 10 s."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+def _stop(proc: subprocess.Popen, grace: float = 10) -> None:
+    """A child's whole process group: SIGTERM, SIGKILL after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
         try:
-            os.killpg(server.pid, sig)
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
         try:
-            server.wait(wait)
+            proc.wait(wait)
             return
         except subprocess.TimeoutExpired:
             continue
@@ -184,11 +219,12 @@ def _stop(server: subprocess.Popen) -> None:
 
 def _wait_up(server: subprocess.Popen, url: str, server_log: Path) -> None:
     deadline = time.monotonic() + START_S
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never a site's http_proxy
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise UserError(f"board: VisualDL's server did not start (exit {server.returncode}): {_tail(server_log)}")
         try:
-            with urllib.request.urlopen(f"{url}/app/api/runs", timeout=2):
+            with direct.open(f"{url}/app/api/runs", timeout=2):
                 return
         except (urllib.error.URLError, OSError):
             time.sleep(0.3)

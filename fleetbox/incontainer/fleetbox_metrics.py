@@ -32,7 +32,7 @@ except ImportError:
 fleetbox_progress.reporting()   # a script that logs metrics reports progress: hang detection counts on it
 
 PREFIX = "FLEETBOX-METRIC "
-FIXED = ("rank", "step", "time")
+FIXED = ("rank", "step", "time", "node", "attempt")   # node and attempt: fleetbox adds them from where the log is
 
 
 def rank():

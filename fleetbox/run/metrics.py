@@ -4,6 +4,7 @@ worker logs of every attempt and allocation, into runs/<job>/metrics.jsonl."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from fleetbox import files
 PREFIX = "FLEETBOX-METRIC "
 
 
-def _attempts(job_dir: Path) -> list[tuple[int, Path]]:
+def attempts(job_dir: Path) -> list[tuple[int, Path]]:
     """(attempt, folder holding node<k>/): earlier attempts (attempt<N>/, Slurm alloc<N>/ = attempt N-1) and the
     last one in the job folder itself."""
     found = []
@@ -25,24 +26,33 @@ def _attempts(job_dir: Path) -> list[tuple[int, Path]]:
     return found + [(len(found), job_dir)]
 
 
+def worker_logs(job_dir: Path) -> list[tuple[int, int, Path]]:
+    """(attempt, node, log) for every node's worker log of every attempt."""
+    return [(attempt, int(node_dir.name[4:]), log) for attempt, d in attempts(job_dir)
+            for node_dir in sorted(d.glob("node[0-9]*")) if node_dir.is_dir() and node_dir.name[4:].isdigit()
+            for log in sorted(node_dir.glob("workerlog.*"))]
+
+
+def parse(line: str) -> dict | None:
+    """A worker log line's metrics record, or None (another line, one cut short by a killed worker, a malformed
+    one)."""
+    if not line.startswith(PREFIX):
+        return None
+    try:
+        rec = json.loads(line[len(PREFIX):])
+    except ValueError:
+        return None
+    return rec if well_formed(rec) else None
+
+
 def read(job_dir: Path) -> list[dict]:
-    """The job's metrics lines, each with its node and attempt, in time order."""
+    """The job's metrics lines, each with its node and attempt (the folder's, whatever the line says), in time
+    order."""
     out = []
-    for attempt, d in _attempts(job_dir):
-        for node_dir in sorted(d.glob("node[0-9]*")):
-            if not node_dir.is_dir():
-                continue
-            node = int(node_dir.name[4:])
-            for log in sorted(node_dir.glob("workerlog.*")):
-                for line in log.read_text(errors="replace").splitlines():
-                    if not line.startswith(PREFIX):
-                        continue
-                    try:
-                        rec = json.loads(line[len(PREFIX):])
-                    except ValueError:
-                        continue   # a line cut short (a killed worker)
-                    if well_formed(rec):
-                        out.append({"node": node, "attempt": attempt, **rec})
+    for attempt, node, log in worker_logs(job_dir):
+        for line in log.read_text(errors="replace").splitlines():
+            if (rec := parse(line)) is not None:
+                out.append({**rec, "node": node, "attempt": attempt})
     out.sort(key=lambda r: (r["attempt"], r["time"]))
     return out
 
@@ -52,16 +62,16 @@ NUMBERS = ("loss", "samples_per_s", "comm_seconds", "own_seconds", "samples", "s
 
 
 def well_formed(rec) -> bool:
-    """A metrics record the report can use: whole rank and step, a time, and numbers where it gives numbers (a
-    script's malformed line is left out, never a traceback after the job)."""
+    """A metrics record the report can use: whole rank and step (int64, as VisualDL keeps them), a finite time, and
+    numbers where it gives numbers (a script's malformed line is left out, never a traceback after the job)."""
     def number(x):   # NaN passes (a loss that went NaN is worth seeing); a number no float holds does not
         try:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and (float(x) or True)
         except OverflowError:
             return False
     return isinstance(rec, dict) and all(isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool)
-                                         for k in ("rank", "step")) \
-        and number(rec.get("time")) and all(number(rec[k]) for k in NUMBERS if k in rec)
+                                         and -2**63 <= rec[k] < 2**63 for k in ("rank", "step")) \
+        and number(rec.get("time")) and math.isfinite(rec["time"]) and all(number(rec[k]) for k in NUMBERS if k in rec)
 
 
 def collect(job_dir: Path, recs: list[dict] | None = None) -> Path | None:

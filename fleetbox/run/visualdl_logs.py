@@ -1,5 +1,7 @@
 """A job's metrics as VisualDL logs, for `invoke board`: VisualDL's record files, written here with the standard
-library only, from what runs/<job>/ holds as it grows (every rank's metrics lines, attempts, hangs).
+library only, from what runs/<job>/ holds as it grows (every rank's metrics lines, attempts, hangs). Each worker
+log is read from where the last read stopped, known by its inode: a node folder moved into attempt<N>/ or alloc<N>/
+at a restart or requeue is the same file, its lines still the attempt they were, and a run's file only grows.
 
 The runs (folders under the board's logdir, named as VisualDL lists them):
 
@@ -25,12 +27,12 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import re
 import statistics
 import struct
 import time
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetbox import files
@@ -40,6 +42,8 @@ EVENTS = "events"
 GROUP = "train/"   # every chart in one group, as Paddle's own VisualDL callback tags them
 FIXED = ("rank", "step", "time", "node", "attempt")   # a metrics line's place, not its values
 RENAMED = {"seconds": "step_seconds"}                  # the Meter's `seconds` is the step's time
+COMPUTED = ("comm_share", "straggler")                 # ours: a script's own scalar of the name is left out
+READ_LIMIT = 4 << 20   # bytes of one log per read: a long job's history is caught up over reads, memory bounded
 
 
 @dataclass(frozen=True)
@@ -105,128 +109,213 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _tag(name: str) -> str | None:
+    """A script's scalar name as a tag, or None where VisualDL cannot hold it ('%', not UTF-8)."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return None
+    return None if "%" in name or not name.strip() else GROUP + name
+
+
 def scalars(rec: dict) -> dict[str, float]:
-    """The scalars of one metrics line, by their VisualDL tag."""
-    out = {GROUP + RENAMED.get(k, k): float(v) for k, v in rec.items() if k not in FIXED and _number(v)}
+    """The scalars of one metrics line, by their VisualDL tag (a number no float holds is left out)."""
+    out = {}
+    for k, v in rec.items():
+        if k in FIXED or k in COMPUTED or any(k == to and src in rec for src, to in RENAMED.items()) \
+                or not _number(v) or (tag := _tag(RENAMED.get(k, k))) is None:
+            continue   # the line's place; our own tags (and the Meter's step time) over a script's of the name
+        try:
+            out[tag] = float(v)
+        except OverflowError:
+            continue
     if _number(rec.get("comm_seconds")) and _number(rec.get("seconds")) and rec["seconds"] > 0:
-        out[GROUP + "comm_share"] = rec["comm_seconds"] / rec["seconds"]
+        try:
+            out[GROUP + "comm_share"] = float(rec["comm_seconds"] / rec["seconds"])
+        except OverflowError:
+            pass
     return out
 
 
-def straggling(recs: list[dict], nranks: int) -> list[tuple[int, int, int, bool, float, float]]:
-    """(rank, step, ms, straggles, own, others' median) at each step that every one of the attempt's `nranks`
-    ranks has logged its own time for, once each has STRAGGLER_STEPS of them: a step's mark depends only on the
-    steps up to it, so it never changes once written. Pure."""
-    own: dict[int, dict[int, tuple[float, int]]] = defaultdict(dict)
-    for r in recs:
-        if _number(r.get("own_seconds")) and math.isfinite(r["own_seconds"]) and r["own_seconds"] >= 0:
-            own[r["rank"]][r["step"]] = (float(r["own_seconds"]), int(r["time"] * 1000))
-    if nranks < 2 or set(own) != set(range(nranks)):
+@dataclass
+class _Attempt:
+    """What the straggler marks and events of one attempt need from the lines read so far."""
+    last: tuple[int, int] = (0, 0)                                   # (step, ms) of its newest line
+    own: dict[int, list[tuple[int, float, int]]] = field(default_factory=dict)   # rank: (step, own, ms), recent
+    done: float = -math.inf                                          # the newest step marked
+    flagged: set[int] = field(default_factory=set)
+
+
+def mark_stragglers(att: _Attempt, nranks: int) -> list[tuple[int, int, int, bool, float, float]]:
+    """(rank, step, ms, straggles, own, others' median) for each step after the last marked that every one of the
+    `nranks` ranks has logged its own time for, once each has STRAGGLER_STEPS of them up to it (hang.stragglers,
+    the live watcher's and the report's rule). A step's mark depends only on lines up to it, so it is final."""
+    if nranks < 2 or set(att.own) != set(range(nranks)):
         return []
-    steps = sorted(set.intersection(*(set(v) for v in own.values())))
-    order = {k: sorted(v) for k, v in own.items()}
+    steps = sorted(set.intersection(*({s for s, _, _ in v if s > att.done} for v in att.own.values())))
+    for mine in att.own.values():
+        mine.sort(key=lambda e: e[0])   # stable: a step logged twice keeps its order
+    keys = {k: [t for t, _, _ in mine] for k, mine in att.own.items()}
     out = []
     for s in steps:
-        window = {}
-        for k, mine in order.items():
-            upto = mine[max(0, (i := bisect.bisect_right(mine, s)) - hang.STRAGGLER_STEPS):i]
+        window, ms = {}, {}
+        for k, mine in att.own.items():
+            i = bisect.bisect_right(keys[k], s)
+            upto = mine[max(0, i - hang.STRAGGLER_STEPS):i]
             if len(upto) < hang.STRAGGLER_STEPS:
                 break
-            window[k] = statistics.median(own[k][t][0] for t in upto)
+            window[k], ms[k] = statistics.median(o for _, o, _ in upto), upto[-1][2]
         else:
             found = hang.stragglers(window)
             for k in sorted(window):
                 others = statistics.median([t for j, t in window.items() if j != k])
-                out.append((k, s, own[k][s][1], k in found, window[k], others))
+                out.append((k, s, ms[k], k in found, window[k], others))
+    if steps:
+        att.done = steps[-1]
+        for k, mine in att.own.items():   # keep what later windows can still need
+            older = [e for e in mine if e[0] <= att.done][-hang.STRAGGLER_STEPS:]
+            mine[:] = older + [e for e in mine if e[0] > att.done]
     return out
 
 
-def job_runs(recs: list[dict], prefix: str, attempts_are: str, nranks: int, ppn: int,
-             ended: dict[int, str], hangs: dict[int, str]) -> dict[str, dict[str, list[Point]]]:
-    """Every run of one job (`prefix`: its name on the board) from its metrics lines: {run: {tag: points}}, each
-    tag's points in the order the rank logged them; the events run's under one tag per event (each said once).
-    `ended`: how each finished attempt ended (summary.json); `hangs`: each hung attempt's verdict. Pure."""
-    runs: dict[str, dict[str, list[Point]]] = defaultdict(lambda: defaultdict(list))
-    events: list[tuple[int, Point]] = []   # (attempt, point), sorted by attempt then step
-    by_attempt = defaultdict(list)
-    for r in recs:
-        by_attempt[r["attempt"]].append(r)
-    for a, mine in sorted(by_attempt.items()):
-        label = attempt_label(attempts_are, a)
-        for r in mine:
-            ms = int(r["time"] * 1000)
-            for tag, v in scalars(r).items():
-                runs[f"{prefix}/{label}/rank{r['rank']}"][tag].append(Point(tag, r["step"], ms, v))
-        first = min(mine, key=lambda r: r["time"])
-        if a:
-            events.append((a, Point(f"{label}/began", first["step"], int(first["time"] * 1000),
-                                    f"{label} began at step {first['step']}")))
-        flagged = set()
-        for k, s, ms, straggles, own, others in straggling(mine, nranks):
-            runs[f"{prefix}/{label}/rank{k}"][GROUP + "straggler"].append(Point(GROUP + "straggler", s, ms,
-                                                                                 float(straggles)))
-            if straggles and k not in flagged:
-                flagged.add(k)
-                events.append((a, Point(f"{label}/straggler/rank{k}", s, ms, f"from step {s}: " + hang.straggler_line(
-                    k, own, others, ppn, hang.STRAGGLER_STEPS))))
-    for a in sorted(set(ended) | set(hangs)):
-        mine = by_attempt.get(a, [])
-        last = max(mine, key=lambda r: (r["step"], r["time"]), default=None)
-        step, ms = (last["step"], int(last["time"] * 1000)) if last else (0, 0)
-        label = attempt_label(attempts_are, a)
-        if a in hangs:
-            events.append((a, Point(f"{label}/hang", step, ms, hangs[a])))
-        if a in ended:
-            events.append((a, Point(f"{label}/ended", step, ms, f"{label} ended: {ended[a]}")))
-    for _, p in sorted(events, key=lambda e: (e[0], e[1].step)):
-        runs[f"{prefix}/{EVENTS}"][p.tag].append(Point(EVENTS, p.step, p.ms, p.value))
-    return {run: dict(tags) for run, tags in runs.items()}
+class JobRuns:
+    """One job's VisualDL runs (`prefix`: its name on the board), kept up with its folder: `read()` gives the points
+    each run has gained since the last call, {run: {key: [Point]}} (the events run keyed by event, each said once)."""
 
+    def __init__(self, job_dir: Path, prefix: str):
+        self.dir, self.prefix = job_dir, prefix
+        self.logs: dict[tuple[int, int], list] = {}   # (device, inode): [bytes read, attempt]
+        self.attempts: dict[int, _Attempt] = {}
+        self.said: set[str] = set()
+        self.identity = None                          # job.json's inode: a new one is another run of the id
+        self.behind = False                           # the last read left lines for the next (READ_LIMIT)
 
-def read_job(job_dir: Path, prefix: str) -> dict[str, dict[str, list[Point]]]:
-    """job_runs of what runs/<job>/ holds now (a job still running too: its workerlogs as far as written)."""
-    job, summary = files.read_json(job_dir / records.JOB), files.read_json(job_dir / records.SUMMARY)
-    attempts_are = summary.get("attempts_are") or getattr(backends.BACKENDS.get(job.get("backend")),
-                                                          "attempts_are", "restarts")
-    ppn = int(job.get("procs_per_node") or 1)
-    ended = {int(a["attempt"]): str(a["ended"]) for a in summary.get("attempts", [])
-             if isinstance(a, dict) and isinstance(a.get("attempt"), int) and a.get("ended")}
-    hangs = {}
-    for d in job_dir.glob("hang-*"):
-        if (m := re.fullmatch(r"hang-(\d+)", d.name)) and (blame := d / "blame.txt").is_file():
-            hangs[int(m.group(1))] = blame.read_text(errors="replace").strip().splitlines()[0] if blame.stat().st_size \
-                else "hung"
-    return job_runs(metrics.read(job_dir), prefix, attempts_are, int(job.get("nodes") or 0) * ppn, ppn, ended, hangs)
+    def _job(self) -> tuple[dict, dict]:
+        return files.read_json(self.dir / records.JOB), files.read_json(self.dir / records.SUMMARY)
+
+    def _new_lines(self) -> list[tuple[int, dict]]:
+        """(attempt, record) of every line written since the last read. A log first seen while a restart moves
+        node folders (listed differently before and after) waits for the next read."""
+        before, settled = metrics.worker_logs(self.dir), None
+        self.behind = False
+        out = []
+        for attempt, _, log in before:
+            try:
+                st = log.stat()
+            except FileNotFoundError:   # moved meanwhile: read where it is next time
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key not in self.logs:
+                if settled is None:
+                    settled = metrics.worker_logs(self.dir) == before
+                if not settled:
+                    continue
+                self.logs[key] = [0, attempt]
+            seen = self.logs[key]
+            if st.st_size <= seen[0]:
+                continue
+            with open(log, "rb") as f:
+                f.seek(seen[0])
+                data = f.read(min(st.st_size - seen[0], READ_LIMIT))
+            self.behind |= st.st_size - seen[0] > READ_LIMIT
+            whole = data[:data.rfind(b"\n") + 1]   # a line still being written waits ...
+            if not whole and len(data) == READ_LIMIT:
+                whole = data                        # ... unless no line of a limit's length ends: skipped
+            seen[0] += len(whole)
+            for line in whole.decode(errors="replace").splitlines():
+                if (rec := metrics.parse(line)) is not None:
+                    out.append((seen[1], rec))
+        return out
+
+    def read(self) -> dict[str, dict[str, list[Point]]]:
+        job, summary = self._job()
+        try:
+            identity = os.stat(self.dir / records.JOB).st_ino
+        except FileNotFoundError:
+            identity = None
+        if self.identity is not None and identity != self.identity:
+            raise ValueError("its id ran again since the board started (the earlier run is in run-<time>/): "
+                             "start the board again to see the new run")
+        self.identity = identity
+        attempts_are = summary.get("attempts_are") or getattr(backends.BACKENDS.get(job.get("backend")),
+                                                              "attempts_are", "restarts")
+        ppn = int(job.get("procs_per_node") or 1)
+        nranks = int(job.get("nodes") or 0) * ppn
+        runs: dict[str, dict[str, list[Point]]] = {}
+
+        def add(run: str, key: str, p: Point):
+            runs.setdefault(f"{self.prefix}/{run}", {}).setdefault(key, []).append(p)
+
+        def event(key: str, p: Point):
+            if key not in self.said:
+                self.said.add(key)
+                add(EVENTS, key, Point(EVENTS, p.step, p.ms, p.value))
+
+        new = self._new_lines()
+        for a, rec in new:
+            att = self.attempts.setdefault(a, _Attempt())
+            label, ms = attempt_label(attempts_are, a), int(rec["time"] * 1000)
+            if a:
+                event(f"{label}/began", Point(EVENTS, rec["step"], ms, f"{label} began at step {rec['step']}"))
+            att.last = max(att.last, (rec["step"], ms))
+            for tag, v in scalars(rec).items():
+                add(f"{label}/rank{rec['rank']}", tag, Point(tag, rec["step"], ms, v))
+            own = rec.get("own_seconds")
+            if _number(own) and math.isfinite(own) and own >= 0:
+                att.own.setdefault(rec["rank"], []).append((rec["step"], float(own), ms))
+        for a, att in sorted(self.attempts.items()):
+            label = attempt_label(attempts_are, a)
+            for k, s, ms, straggles, own, others in mark_stragglers(att, nranks):
+                add(f"{label}/rank{k}", GROUP + "straggler", Point(GROUP + "straggler", s, ms, float(straggles)))
+                if straggles and k not in att.flagged:
+                    att.flagged.add(k)
+                    event(f"{label}/straggler/rank{k}", Point(EVENTS, s, ms, f"from step {s}: " + hang.straggler_line(
+                        k, own, others, ppn, hang.STRAGGLER_STEPS)))
+        for d in self.dir.glob("hang-*"):
+            if (m := re.fullmatch(r"hang-(\d+)", d.name)) and (blame := d / "blame.txt").is_file():
+                a = int(m.group(1))
+                step, ms = self.attempts.get(a, _Attempt()).last
+                said = blame.read_text(errors="replace").strip().splitlines()
+                event(f"{attempt_label(attempts_are, a)}/hang", Point(EVENTS, step, ms, said[0] if said else "hung"))
+        for e in summary.get("attempts", []):   # written when the job ends
+            if isinstance(e, dict) and isinstance(e.get("attempt"), int) and e.get("ended"):
+                label = attempt_label(attempts_are, e["attempt"])
+                step, ms = self.attempts.get(e["attempt"], _Attempt()).last
+                event(f"{label}/ended", Point(EVENTS, step, ms, f"{label} ended: {e['ended']}"))
+        return runs
 
 
 class Logs:
-    """VisualDL logs under `root`, one folder per run, kept up with a job's runs by appending: each call writes the
-    points each (run, tag) has gained since the last, so a run's file only grows, as VisualDL's reader expects."""
+    """VisualDL logs under `root`, one folder per run, each run's file only growing (VisualDL reads it as it
+    grows). Points a failed write could not put down are kept and written first next time."""
 
     def __init__(self, root: Path):
         self.root = root
-        self.written: dict[tuple[str, str], int] = {}
         self.files: dict[str, Path] = {}
+        self.pending: dict[str, tuple[bytes, int]] = {}   # run: (records, how many)
 
     def add(self, runs: dict[str, dict[str, list[Point]]]) -> int:
-        """Append what is new; returns how many points that was."""
-        total = 0
-        for run, tags in sorted(runs.items()):
-            new = []
-            for tag, points in tags.items():
-                done = self.written.get((run, tag), 0)
-                new += points[done:]
-                self.written[(run, tag)] = len(points)
-            if not new:
+        """Append the points, after any a failed write left; returns how many were written."""
+        total, failed = 0, None
+        for run in sorted(set(runs) | set(self.pending)):
+            points = [p for ps in runs.get(run, {}).values() for p in ps]
+            left, n = self.pending.pop(run, (b"", 0))
+            data, n = left + b"".join(record(p) for p in points), n + len(points)
+            if not data:
                 continue
-            if run not in self.files:
-                folder = self.root / run
-                folder.mkdir(parents=True, exist_ok=True)
-                self.files[run] = folder / f"vdlrecords.{int(time.time()):010d}.log"
-                new_file = display_name(run, int(time.time() * 1000))
-            else:
-                new_file = b""
-            with open(self.files[run], "ab") as f:   # one write: VisualDL may be reading the file as it grows
-                f.write(new_file + b"".join(record(p) for p in new))
-            total += len(new)
+            try:
+                if run not in self.files:
+                    folder = self.root / run
+                    folder.mkdir(parents=True, exist_ok=True)
+                    path = folder / f"vdlrecords.{int(time.time()):010d}.log"
+                    path.write_bytes(display_name(run, int(time.time() * 1000)))
+                    self.files[run] = path
+                with open(self.files[run], "ab") as f:   # one write: VisualDL may be reading the file as it grows
+                    f.write(data)
+            except OSError as e:   # kept for the next call; the other runs are still written
+                self.pending[run], failed = (data, n), failed or e
+                continue
+            total += n
+        if failed:
+            raise failed
         return total

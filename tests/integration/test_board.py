@@ -3,6 +3,7 @@ VisualDL's server for both ranks' loss series and gets the job's own values, a s
 job made since, and Ctrl-C stops the server and removes the board's files."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,8 +99,59 @@ def test_a_running_jobs_board_shows_both_ranks_loss_in_a_real_browser_and_new_po
         with pytest.raises(ConnectionRefusedError):   # and its server gone: nothing listens on the port
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
-        if board is not None and board.poll() is None:
-            board.kill()
-            board.wait()
+        if board is not None and board.poll() is None:   # its own way out first: the server goes with it
+            board.send_signal(signal.SIGINT)
+            try:
+                board.wait(30)
+            except subprocess.TimeoutExpired:
+                board.kill()
+                board.wait()
         invoke("cancel", job_id)
         invoke("clean", "--job", job_id, "--force")
+
+
+def board_pids(port: int) -> list[int]:
+    """The VisualDL servers listening on `port` (their command lines name it)."""
+    out = subprocess.run(["pgrep", "-f", f"visualdl.server.app.*--port {port}"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_a_stopped_or_killed_board_takes_its_server_with_it(tmp_path, how):
+    runs = tmp_path / "runs"
+    (runs / "j" / "node0").mkdir(parents=True)
+    (runs / "j" / "handle.json").write_text("{}")
+    (runs / "j" / "job.json").write_text(json.dumps({"backend": "docker", "nodes": 1, "procs_per_node": 1}))
+    (runs / "j" / "node0" / "workerlog.0").write_text(
+        "".join('FLEETBOX-METRIC {"rank": 0, "step": %d, "time": %d.5, "loss": 1.0}\n' % (s, 1000 + s)
+                for s in range(5)))
+    port, boards_before = free_port(), set(Path(tempfile.gettempdir()).glob("fleetbox-board-*"))
+    board = subprocess.Popen([sys.executable, "-m", "invoke", "board", "j", "--port", str(port)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "FLEETBOX_RUNS": str(runs)})
+    try:
+        lines = []
+        while not any(ln.startswith("board: http://") for ln in lines):
+            line = board.stdout.readline()
+            assert line, "".join(lines) + board.stderr.read()
+            lines.append(line)
+        (server,) = board_pids(port)
+        board.send_signal(how)
+        board.wait(30)
+        deadline = time.monotonic() + 15
+        while board_pids(port):
+            assert time.monotonic() < deadline, f"VisualDL's server (pid {server}) outlived the board"
+            time.sleep(0.2)
+        left = set(Path(tempfile.gettempdir()).glob("fleetbox-board-*")) - boards_before
+        if how == signal.SIGKILL:   # nothing of ours runs after SIGKILL: only the server is stopped, by Linux
+            assert board.returncode == -signal.SIGKILL
+            for d in left:
+                shutil.rmtree(d)
+        else:
+            assert board.returncode == 0 and "board: stopped" in board.stdout.read() and not left
+    finally:
+        if board.poll() is None:
+            board.kill()
+            board.wait()
+        for pid in board_pids(port):
+            os.kill(pid, signal.SIGKILL)

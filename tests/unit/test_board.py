@@ -34,3 +34,23 @@ def test_a_port_in_use_is_one_line_before_any_environment_is_made(tmp_path):
                                                                  "FLEETBOX_BOARD_ENVS": str(tmp_path / "envs")})
     one_line_error(proc, f"cannot listen on 127.0.0.1:{port}", "give another --port")
     assert not (tmp_path / "envs").exists()
+
+
+def test_a_job_that_cannot_be_read_is_said_once_per_reason_and_the_others_go_on(tmp_path):
+    from fleetbox.commands import board
+    from fleetbox.run import visualdl_logs as vdl
+    good = tmp_path / "good"
+    (good / "node0").mkdir(parents=True)
+    (good / "job.json").write_text('{"backend": "docker", "nodes": 1, "procs_per_node": 1}')
+    (good / "node0" / "workerlog.0").write_text('FLEETBOX-METRIC {"rank": 0, "step": 1, "time": 5.0, "loss": 1}\n')
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "job.json").write_text('{"nodes": "several"}')   # from a hand-edited record
+    logs, said, lines = vdl.Logs(tmp_path / "logs"), {}, []
+    jobs = {"bad": vdl.JobRuns(bad, "bad"), "good": vdl.JobRuns(good, "good")}
+    assert board.refresh(logs, jobs, said, lines.append) == 1
+    assert board.refresh(logs, jobs, said, lines.append) == 0
+    assert len(lines) == 1 and lines[0].startswith("board: cannot show bad now (") and "trying again" in lines[0]
+    (bad / "job.json").write_text("{}")
+    board.refresh(logs, jobs, said, lines.append)
+    assert said == {} and len(lines) == 1
