@@ -214,9 +214,12 @@ class JobRuns:
             seen = self.logs[key]
             if st.st_size <= seen[0]:
                 continue
-            with open(log, "rb") as f:
-                f.seek(seen[0])
-                data = f.read(min(st.st_size - seen[0], READ_LIMIT))
+            try:
+                with open(log, "rb") as f:
+                    f.seek(seen[0])
+                    data = f.read(min(st.st_size - seen[0], READ_LIMIT))
+            except FileNotFoundError:   # moved since its stat: read where it is next time (known by its inode)
+                continue
             self.behind |= st.st_size - seen[0] > READ_LIMIT
             whole = data[:data.rfind(b"\n") + 1]   # a line still being written waits ...
             if not whole and len(data) == READ_LIMIT:

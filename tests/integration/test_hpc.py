@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from fleetbox import settings
 from fleetbox.image import matrix
-from fleetbox.run import hostnet
+from fleetbox.run import hostnet, visualdl_logs
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
@@ -501,7 +502,11 @@ def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_don
     job_dir = ROOT / "runs" / job_id
     row = _slurm_row(job_id, env)
     assert row[1] == "slurm" and row[3] in ("PENDING", "RUNNING") and row[4] == "1", row
-    follow = invoke("logs", job_id, "--follow", env=env, timeout=600)   # until the chain ends
+    board = BoardReader(job_dir, job_id)   # `invoke board`'s reading, live across the requeues' moves
+    try:
+        follow = invoke("logs", job_id, "--follow", env=env, timeout=600)   # until the chain ends
+    finally:
+        live = board.stop()
     assert follow.returncode == 0, follow.stderr
     assert follow.stdout.count("fleetbox-checkpoint: told to stop: saved step") >= 1, follow.stdout[-3000:]
     assert '"whole_run": true' in follow.stdout   # the last allocation's FLEETBOX-SMOKE line, followed into
@@ -526,9 +531,49 @@ def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_don
         assert (job_dir / f"slurm-{a['slurm_job']}.out").exists()
     from fleetbox.run import records  # every file a chain leaves is on the docs' job-folder page
     assert records.undescribed(job_dir) == []
+    # read as it grew, every 2 s across the allocations' moves, the board has what one read of the end has
+    whole = {(run, tag): [(p.step, p.value) for p in ps]
+             for run, tags in visualdl_logs.JobRuns(job_dir, job_id).read().items() for tag, ps in tags.items()}
+    def ranks(got):   # (not the events: how each allocation ended is in the summary, written after)
+        return {k: v for k, v in got.items() if not k[0].endswith("/events")}
+    assert ranks(live) == ranks(whole) and board.reads > 10
+    assert {run.split("/")[1] for run, _ in whole} == {f"alloc{a + 1}" for a in range(len(allocs))} | {"events"}
+    for a, (first, last) in enumerate(steps):   # each allocation's ranks from where it resumed
+        assert live[(f"{job_id}/alloc{a + 1}/rank1", "train/loss")][0][0] == first
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
                           text=True).stdout.split()
     assert left == []
+
+
+class BoardReader:
+    """`invoke board`'s reading of a job folder (visualdl_logs.JobRuns) every 2 s in a thread, as it grows:
+    {(run, tag or event): [(step, value)]} of everything read."""
+
+    def __init__(self, job_dir, job_id):
+        self.runs, self.got, self.reads, self.done = visualdl_logs.JobRuns(job_dir, job_id), {}, 0, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for run, tags in self.runs.read().items():
+            for tag, ps in tags.items():
+                self.got.setdefault((run, tag), []).extend((p.step, p.value) for p in ps)
+        self.reads += 1
+
+    def _watch(self):
+        while not self.done.wait(2):
+            try:
+                self._read()
+            except Exception:   # as the board's refresh: tried again next time (a lost line shows at the end)
+                continue
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        self._read()
+        while self.runs.behind:
+            self._read()
+        return self.got
 
 
 def _slurm_row(job_id, env):
