@@ -155,9 +155,7 @@ def draw(job_dir: Path) -> dict:
                     + (" (straggler)" if k in slow["stragglers"] else ""))
     ax_own.set(xlabel="step", ylabel="ms", title="own work per step by rank (not waiting for the others)"
                + (f" (attempt {last})" if last else ""))
-    # a later attempt is a restart or (a scheduler's chain) an allocation: the summary says, else its backend
-    kind = summary.get("attempts_are") or getattr(backends.BACKENDS.get(job.get("backend")), "attempts_are", "")
-    word = (kind or "restarts").removesuffix("s")
+    word = backends.attempts_are(job, summary).removesuffix("s")
     for a in range(1, last + 1):   # where each restart (or allocation) began
         firsts = [r for r in recs if r["attempt"] == a]
         if firsts:

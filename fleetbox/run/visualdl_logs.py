@@ -240,8 +240,7 @@ class JobRuns:
             raise ValueError("its id ran again since the board started (the earlier run is in run-<time>/): "
                              "start the board again to see the new run")
         self.identity = identity
-        attempts_are = summary.get("attempts_are") or getattr(backends.BACKENDS.get(job.get("backend")),
-                                                              "attempts_are", "restarts")
+        attempts_are = backends.attempts_are(job, summary)
         ppn = int(job.get("procs_per_node") or 1)
         nranks = int(job.get("nodes") or 0) * ppn
         runs: dict[str, dict[str, list[Point]]] = {}

@@ -68,6 +68,12 @@ def lookup(name: str) -> type[Backend]:
     return BACKENDS[name]
 
 
+def attempts_are(job: dict, summary: dict) -> str:
+    """What a job's later attempts are ("restarts", or a scheduler's chain's "allocations"): its summary says,
+    else the backend its job.json names."""
+    return summary.get("attempts_are") or getattr(BACKENDS.get(job.get("backend")), "attempts_are", "restarts")
+
+
 def get(name: str, **options) -> Backend:
     """The backend, made with its options: those given, the declared defaults for the rest."""
     cls = lookup(name)
