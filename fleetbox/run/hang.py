@@ -40,8 +40,9 @@ STACKS_WAIT_S = 8.0                 # for every rank's stacks, after asking
 # with this in their logs. An extended regular expression: node.sh greps for it too.
 COLLECTIVE_TIMEOUT = r"gloo::TimeoutException|gloo/transport/tcp/[A-Za-z_]+\.cc:[0-9]+\].*(TIMEOUT|Timed out)"
 # ... and a rank that waited in the same collective for a rank that timeout ended (three or more ranks): its
-# connection closes first. Alone, it is a peer's crash, not a hang.
-PEER_GONE = r"gloo/transport/tcp/[A-Za-z_]+\.cc:[0-9]+\].*Connection (closed|reset) by peer"
+# connection closes first, or Gloo's I/O thread aborts the process on that connection's second failure (its
+# `ex_ == nullptr` check). Alone, it is a peer's crash, not a hang.
+PEER_GONE = r"gloo/transport/tcp/[A-Za-z_]+\.cc:[0-9]+\].*(Connection (closed|reset) by peer|ex_ == nullptr)"
 WAITED = f"{COLLECTIVE_TIMEOUT}|{PEER_GONE}"
 GLOO_TIMEOUT_S = 30.0
 # A timeout is a hang's only where the job had made no progress for most of it: Gloo names a peer's death a

@@ -363,6 +363,12 @@ def test_the_ranks_a_collective_timeout_ended_are_read_from_their_logs():
     # a peer's end, where a timeout ended that peer: it waited in the same collective; alone: a crash's cascade
     assert sorted(hang.timed_out(folder({0: plain, 3: died}), range(4), 1)) == [0, 3]
     assert hang.timed_out(folder({3: died, 4: own}), range(5), 1) == {}
+    # recorded: 3 ranks, rank 1 stuck; rank 2 timed out, and rank 0's Gloo I/O thread aborted on the connection
+    # rank 2 closed, before rank 0's own timeout could say so
+    aborted = (TIMEOUTS / "gloo-loop-abort-rank0.log").read_text()
+    got = hang.timed_out(folder({0: aborted, 1: "step 29\n", 2: caught}), range(3), 1)
+    assert sorted(got) == [0, 2] and "pair.cc:708] ex_ == nullptr" in got[0], got
+    assert hang.timed_out(folder({0: aborted}), range(3), 1) == {}   # alone: a crash's cascade
 
 
 def test_a_rank_a_collective_timeout_ended_waited_and_its_stuck_peer_is_named():
@@ -390,6 +396,22 @@ def test_after_a_collective_timeout_the_record_names_the_stuck_rank_and_the_rank
     assert rec_["text"].startswith("node1 (rank 1) hung: no progress since step 30 (") and \
         rec_["text"].endswith("rank 0 timed out waiting in a collective"), rec_["text"]
     assert "TIMEOUT" in rec_["timed_out"]["0"]
+
+
+def test_a_rank_whose_gloo_thread_aborted_in_the_cascade_is_not_taken_for_the_stuck_one(tmp_path):
+    """Recorded (3 nodes, rank 1 stuck at step 30): rank 2 timed out, rank 0 aborted in Gloo's I/O thread; neither
+    gave a stack (both gone). Rank 1, the only rank outside a collective, is named."""
+    logs = {0: TIMEOUTS / "gloo-loop-abort-rank0.log", 1: None, 2: TIMEOUTS / "gloo-caught-rank0.log"}
+    for k, log in logs.items():
+        (tmp_path / f"node{k}").mkdir()
+        (tmp_path / f"node{k}" / "workerlog.0").write_text(log.read_text() if log else "step 29\n")
+    (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
+    w = hang.Watch(3, 600, 900)
+    for r in range(3):
+        w.see(r, rec(1, step=29 if r != 1 else 30))
+    got = hang.keep(str(tmp_path / "hang-0"), hang.folder_reader(str(tmp_path)), 3, 1, 0, {},
+                    w.stall("collective", [2]))
+    assert (got["ranks"], got["decided"], got["timed_out_nodes"]) == ([1], True, [0, 2]), got
 
 
 def test_the_ranks_that_timed_out_are_not_waited_for_when_taking_stacks(tmp_path):

@@ -850,7 +850,8 @@ def test_a_node_whose_rank_a_collective_timeout_ended_is_held_for_its_peers_stac
             os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
         return proc.returncode, err, time.monotonic() - t0, (tmp_path / "node0" / "COLLECTIVE-TIMEOUT").exists()
-    for log in ("x" * 100_000 + "\n" + gloo, peer):   # the line in the log's last 64 KiB
+    aborted = (Path(__file__).parent.parent / "probes" / "collective-timeout" / "gloo-loop-abort-rank0.log").read_text()
+    for log in ("x" * 100_000 + "\n" + gloo, peer, aborted):   # the line in the log's last 64 KiB
         rc, err, took, marked = run("exit 250", log)
         assert (rc, marked) == (250, True) and 1 <= took < 8, (err, took)
         assert err == "fleetbox: node 0: workerlog.0 ended waiting in a collective; holding the node for its " \
