@@ -112,7 +112,8 @@ def _installed(v) -> str:
     """What the image holds besides Paddle and its dependencies."""
     libraries = [f"{len(v.libraries)} GPU library wheels ({', '.join(v.libraries)}), in a layer below Paddle's"] \
         if v.libraries else []
-    return ", ".join([*v.extras, *v.tools, *libraries])
+    alone = [f"{x} (without its dependencies)" for x in v.no_deps]
+    return ", ".join([*v.extras, *v.tools, *alone, *libraries])
 
 
 def job_folder_page() -> str:

@@ -82,6 +82,7 @@ class BuildPlan:
             f"variant   {v.name}: {v.description} [{v.device}{''.join(f', {k} {x}' for k, x in v.accel.items())}]",
             f"paddle    {v.paddle} from {v.paddle_index or v.pypi}",
             f"extras    {' '.join([*v.extras, *v.tools])} from {v.pypi}",
+            *([f"no deps   {' '.join(v.no_deps)} (without their dependencies)"] if v.no_deps else []),
             f"python    {v.python_version} on {v.platform}",
             f"base      {self.base_ref} (id {short_id(self.base_id)})",
             f"lock      {v.lock_path.relative_to(ROOT)} "

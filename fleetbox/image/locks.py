@@ -34,6 +34,8 @@ def inputs(variant: Variant) -> dict:
            "platform": variant.platform, "pypi": variant.pypi, "paddle_index": variant.paddle_index}
     if variant.constraints:   # only where there are any: the other variants' locks stay current
         out["constraints"] = list(variant.constraints)
+    if variant.no_deps:
+        out["no_deps"] = list(variant.no_deps)
     return out
 
 
@@ -61,12 +63,15 @@ def project_file(variant: Variant) -> str:
     return text
 
 
-def compile_argv(variant: Variant, project: Path, out: Path, constraints: Path | None = None) -> list[str]:
-    """`constraints`: a file holding variant.constraints (uv's --constraint), where it has any."""
+def compile_argv(variant: Variant, project: Path, out: Path, constraints: Path | None = None,
+                 no_deps: bool = False) -> list[str]:
+    """`constraints`: a file holding variant.constraints (uv's --constraint), where it has any; `no_deps`:
+    `project` is a requirements file whose packages are locked alone (variant.no_deps)."""
     return ["uv", "pip", "compile", str(project), "--output-file", str(out), "--generate-hashes",
             "--emit-index-annotation", "--only-binary", ":all:", "--no-header", "--quiet",
             "--python-version", variant.python_version, "--python-platform", uv_platform(variant.platform),
-            "--default-index", variant.pypi, *(["--constraint", str(constraints)] if constraints else [])]
+            "--default-index", variant.pypi, *(["--constraint", str(constraints)] if constraints else []),
+            *(["--no-deps"] if no_deps else [])]
 
 
 def parse(text: str) -> list[Locked]:
@@ -145,18 +150,31 @@ def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Pa
             constraints.write_text("".join(c + "\n" for c in variant.constraints))
         if path.exists() and not upgrade:
             compiled.write_text(path.read_text())
-        argv = [uv_binary(), *compile_argv(variant, project, compiled, constraints)[1:]]
-        proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp,
-                              env={**os.environ, "UV_NO_CONFIG": "1"})
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["(no output)"])
-            raise UserError(f"uv could not resolve variant {variant.name}: {' '.join(last[-3:])}")
+        _compile(variant, compile_argv(variant, project, compiled, constraints), tmp)
         body = compiled.read_text().replace(str(project), f"images/matrix.toml [{variant.name}]")
+        if variant.no_deps:   # locked apart, so that their dependencies are not resolved into the lock
+            alone, alone_lock = Path(tmp) / "no-deps.txt", Path(tmp) / "no-deps.lock"
+            alone.write_text("".join(r + "\n" for r in variant.no_deps))
+            _compile(variant, compile_argv(variant, alone, alone_lock, no_deps=True), tmp)
+            both = {e.name.lower() for e in parse(body)} & {e.name.lower() for e in parse(alone_lock.read_text())}
+            if both:
+                raise UserError(f"matrix: variant {variant.name}: {', '.join(sorted(both))} is in no_deps and also "
+                                f"needed by the rest: list it once")
+            body += re.sub(rf"-r \S*{alone.name}", f"images/matrix.toml [{variant.name}] no_deps",
+                           alone_lock.read_text())
         entries = parse(body)
         if not entries or any(not e.hashes for e in entries):
             raise UserError(f"uv produced a lock without hashes for {variant.name}")
         files.write_atomic(path, header(variant) + body)
     return path
+
+
+def _compile(variant: Variant, argv: list[str], cwd: str) -> None:
+    proc = subprocess.run([uv_binary(), *argv[1:]], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "UV_NO_CONFIG": "1"})
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])
+        raise UserError(f"uv could not resolve variant {variant.name}: {' '.join(last[-3:])}")
 
 
 def uv_binary() -> str:

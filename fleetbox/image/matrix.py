@@ -55,6 +55,8 @@ class Variant:
     tools: tuple[str, ...]
     libraries: tuple[str, ...] = ()    # the GPU libraries Paddle opens at run time: one layer below Paddle's
     constraints: tuple[str, ...] = ()  # versions the lock must choose, installed only where something needs them
+    no_deps: tuple[str, ...] = ()      # installed without their dependencies (locked apart): a part of a package
+                                       # that needs only what the image has (VisualDL's LogWriter, not its server)
     paddle_index: str = ""          # Paddle's own index, for GPU/DCU wheels
     pypi: str = "https://pypi.org/simple"
     image: str = "fleetbox/paddle"
@@ -141,6 +143,7 @@ def parse(data: dict) -> Matrix:
             python_version=v["python_version"], platform=v["platform"], paddle=v["paddle"],
             extras=tuple(v.get("extras", [])), tools=tuple(v.get("tools", [])),
             libraries=tuple(v.get("libraries", [])), constraints=tuple(v.get("constraints", [])),
+            no_deps=tuple(v.get("no_deps", [])),
             paddle_index=v.get("paddle_index", ""), pypi=data.get("pypi", "https://pypi.org/simple"),
             image=data.get("image", "fleetbox/paddle"), base_repo=data.get("base_image", "fleetbox/base"),
             accel=accel, runtime=v.get("runtime", {}), min_driver=v.get("min_driver", ""),

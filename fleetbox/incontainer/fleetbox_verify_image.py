@@ -1,4 +1,5 @@
-"""Runs inside a fleetbox image: checks Paddle, the device, scipy/opencv and the environment vs the lock.
+"""Runs inside a fleetbox image: checks Paddle, the device, scipy/opencv, VisualDL's LogWriter and the environment
+vs the lock.
 
 Prints one line `FLEETBOX-REPORT <json>` at the end; the host turns it into a table and a report file.
 Standard library plus the image's own packages only.
@@ -165,6 +166,27 @@ def _cv2():
     img = cv2.resize(np.zeros((8, 8, 3), np.uint8), (4, 4))
     assert img.shape == (4, 4, 3)
     return f"opencv {cv2.__version__}"
+
+
+@check("VisualDL's LogWriter")
+def _visualdl():
+    """paddle.callbacks.VisualDL's writer (installed without VisualDL's server): one scalar written and read back
+    from its record file (an 8-byte length, then the record)."""
+    import struct
+    import tempfile
+
+    import visualdl
+    with tempfile.TemporaryDirectory() as d:
+        with visualdl.LogWriter(logdir=d) as w:
+            w.add_scalar("train/loss", 0.5, step=3)
+        (path,) = glob.glob(f"{d}/vdlrecords.*")
+        data, records = open(path, "rb").read(), []
+        while data:
+            (n,) = struct.unpack("<Q", data[:8])
+            records.append(data[8:8 + n])
+            data = data[8 + n:]
+        assert any(b"train/loss" in r and struct.pack("<f", 0.5) in r for r in records), records
+    return f"visualdl {visualdl.__version__}"
 
 
 @check("installed == lock")

@@ -35,6 +35,7 @@ def test_verify_passes_and_writes_a_report(cpu_image, tmp_path):
     assert checks["compiled device"]["detail"] == "cpu"
     assert "installed successfully" in checks["paddle.utils.run_check()"]["detail"]
     assert checks["import scipy"]["detail"].startswith("scipy ") and checks["import cv2"]["detail"].startswith("opencv")
+    assert checks["VisualDL's LogWriter"]["detail"] == "visualdl 2.5.3"
     assert "packages match" in checks["installed == lock"]["detail"]
     assert "PASS  paddle.utils.run_check()" in proc.stdout
     assert os.path.exists(report["path"])   # the run keeps its own copy under runs/

@@ -19,9 +19,10 @@ def split(lock=LOCK, base=BASE):
 
 def test_paddle_and_its_closure_come_first_then_each_extra():
     got = [(x.name, sorted(e.name for e in x.entries)) for x in split()]
-    assert [n for n, _ in got] == ["paddle", "scipy", "opencv-python-headless"]
+    assert [n for n, _ in got] == ["paddle", "scipy", "opencv-python-headless", "rest"]
     assert "numpy" in got[0][1] and "paddlepaddle" in got[0][1] and "pip" in got[0][1]
     assert got[1][1] == ["scipy"] and got[2][1] == ["opencv-python-headless"]
+    assert got[3][1] == ["visualdl"]   # locked without its dependencies: none of its own comes with it
     every = sorted(e.name for x in split() for e in x.entries)
     assert every == sorted(e.name for e in ENTRIES)   # each locked package in exactly one layer
 
@@ -30,8 +31,8 @@ def test_changing_one_extras_pin_changes_its_layer_and_the_ones_after_only():
     opencv = next(e for e in ENTRIES if e.name == "opencv-python-headless")
     changed = LOCK.replace(opencv.hashes[0], "f" * 64)
     a, b = split(), split(changed)
-    assert [x.key == y.key for x, y in zip(a, b)] == [True, True, False]
-    assert [x.key == y.key for x, y in zip(split(base="sha256:" + "2" * 64), a)] == [False] * 3
+    assert [x.key == y.key for x, y in zip(a, b)] == [True, True, False, False]
+    assert [x.key == y.key for x, y in zip(split(base="sha256:" + "2" * 64), a)] == [False] * 4
 
 
 def test_the_requirements_of_a_layer_carry_every_hash_and_no_other_package():
@@ -70,14 +71,14 @@ def test_the_by_hand_script_passes_every_value_whole_and_takes_its_tags_from_the
                             layers.changes(V, ["PATH=/usr/bin"], {"a": "b c'd"}))
     calls = _calls(script, {"PATH": "/usr/bin:/bin"}, tmp_path)
     runs, commits = [c for c in calls if c[0] == "run"], [c for c in calls if c[0] == "commit"]
-    assert len(runs) == 3 and len(commits) == 4 and [c[0] for c in calls].count("rm") == 4
+    assert len(runs) == 4 and len(commits) == 5 and [c[0] for c in calls].count("rm") == 5
     for call, layer in zip(runs, layers_):
         # docker reads --mount as CSV: the quoted field keeps the comma in the path
         assert f'type=bind,dst=/mnt,readonly,"src={hostile}"' in call
         assert call[-5:] == ["sh", "-c", layer.script, "sh", layer.requirements]   # requirements arrive whole
     assert [c[-1] for c in commits] == [layers.layer_tag(x) for x in layers_] + ["fleetbox/paddle:cpu-1"]
     assert 'LABEL "a"="b c\'d"' in commits[-1] and 'ENV PATH="/opt/venv/bin:/usr/bin"' in commits[-1]
-    assert [r[r.index("--network") + 1] for r in runs] == ["none"] * 3
+    assert [r[r.index("--network") + 1] for r in runs] == ["none"] * 4
     # each layer runs from the image ID the one before gave; the first from the base's ID
     assert [r[-6] for r in runs] == [BASE_ID] + [f"id-of-{c[-1]}" for c in commits[:-2]]
     # the settings: committed from a container of the last layer that is created, never run
@@ -105,8 +106,8 @@ def test_a_hostile_pip_wheel_name_stays_one_word():
 
 def test_the_last_layer_is_marked_not_named_and_finishes_the_environment():
     odd = split()
-    assert [x.last for x in odd] == [False, False, True]
-    assert [layers.FREEZE in x.script for x in odd] == [False, False, True]
+    assert [x.last for x in odd] == [False, False, False, True]
+    assert [layers.FREEZE in x.script for x in odd] == [False, False, False, True]
     assert layers.FREEZE in layers.copy_script(last=True) and layers.FREEZE not in layers.copy_script(last=False)
 
 
@@ -228,7 +229,8 @@ def test_a_stage_that_fails_is_one_line_and_its_container_and_volume_are_removed
     from fleetbox.image import images
     engine, staged = _StageEngine(), split()[1:]
     removals = images._Removals(engine)
-    with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless beside the first layer failed "
+    with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless, rest beside the first layer "
+                                        r"failed "
                                         r"\(exit 1\): ERROR: No matching distribution found for scipy==1.17.1$"):
         try:
             with images._staged(engine, "sha256:p", staged, str(tmp_path),
@@ -254,7 +256,8 @@ def test_an_engine_refusing_the_stage_volume_is_one_line_and_nothing_is_left(tmp
     from fleetbox.image import images
     engine = _StageEngine(refuse_volume=True)
     removals = images._Removals(engine)
-    with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless: the engine refused: no space"):
+    with pytest.raises(UserError, match=r"^installing scipy, opencv-python-headless, rest: the engine refused: no "
+                                        r"space"):
         try:
             with images._staged(engine, "sha256:p", split()[1:], str(tmp_path),
                                 {"PYTHON": "/usr/bin/python3", "PIP_WHEEL": "p.whl"}, io.StringIO(), removals) as stage:
@@ -280,18 +283,19 @@ def test_a_hostile_pip_wheel_name_stays_one_word_when_staging():
 
 def test_which_layers_are_made_staged_and_from_what():
     from fleetbox.image import images
-    paddle, scipy, opencv = split()
-    every = {"paddle": "sha256:p", "scipy": "sha256:s", "opencv-python-headless": "sha256:o"}
-    # cold: Paddle's made in place from the base, the extras beside it
+    paddle, scipy, opencv, rest = split()
+    every = {"paddle": "sha256:p", "scipy": "sha256:s", "opencv-python-headless": "sha256:o", "rest": "sha256:r"}
+    # cold: Paddle's made in place from the base, the others beside it
     made, staged, parent = images.making(split(), dict.fromkeys(every), "sha256:base")
-    assert (made, staged, parent) == ([paddle, scipy, opencv], [scipy, opencv], "sha256:base")
-    # scipy's pin changed: scipy's made in place from Paddle's layer, opencv beside it
-    made, staged, parent = images.making(split(), {**every, "scipy": None, "opencv-python-headless": None}, "b")
-    assert (made, staged, parent) == ([scipy, opencv], [opencv], "sha256:p")
-    # opencv's pin changed: nothing to stage
-    assert images.making(split(), {**every, "opencv-python-headless": None}, "b") == ([opencv], [], "sha256:s")
+    assert (made, staged, parent) == ([paddle, scipy, opencv, rest], [scipy, opencv, rest], "sha256:base")
+    # scipy's pin changed: scipy's made in place from Paddle's layer, the ones after it beside it
+    made, staged, parent = images.making(split(), {**every, "scipy": None, "opencv-python-headless": None,
+                                                   "rest": None}, "b")
+    assert (made, staged, parent) == ([scipy, opencv, rest], [opencv, rest], "sha256:p")
+    # the last layer's pin changed: nothing to stage
+    assert images.making(split(), {**every, "rest": None}, "b") == ([rest], [], "sha256:o")
     # nothing changed but the settings: no layer made, they go onto the last one
-    assert images.making(split(), every, "b") == ([], [], "sha256:o")
+    assert images.making(split(), every, "b") == ([], [], "sha256:r")
 
 
 def test_a_staging_container_is_live_while_its_build_runs_here():

@@ -17,7 +17,7 @@ SELF_CONTAINED = sorted((PACKAGE / "incontainer").glob("*.py")) + [PACKAGE / "sh
 # Paddle and what comes with it exist only in the images: imported inside the functions that need them, except in
 # the all-reduce sweep, a script that runs only there, and fit's callback, which subclasses Paddle's Callback and
 # is imported only by training scripts
-IMAGE_ONLY = {"paddle", "numpy", "scipy", "cv2"}
+IMAGE_ONLY = {"paddle", "numpy", "scipy", "cv2", "visualdl"}
 IMAGE_SCRIPTS = {"fleetbox_collective.py", "fleetbox_fit.py"}
 HELPERS = {p.stem for p in (PACKAGE / "incontainer").glob("*.py")}   # each other's: the same folder, checked here
 

@@ -130,7 +130,7 @@ def test_lock_for_unreachable_paddle_index(pypi, tmp_path):
 
 def test_lock_is_written_where_asked_and_nowhere_else(pypi, tmp_path):
     index, digest = pypi
-    v = replace(matrix.load().get("cpu"), pypi=index, extras=(), tools=())
+    v = replace(matrix.load().get("cpu"), pypi=index, extras=(), tools=(), no_deps=())
     out = tmp_path / "out" / "cpu.lock"
     assert locks.make(v, out=out) == out
     assert [(e.name, e.version, e.hashes, e.index) for e in locks.parse(out.read_text())] == [
@@ -148,20 +148,14 @@ def test_relocking_keeps_the_pins_it_can_and_upgrade_moves_them(tmp_path, monkey
     wheels = {("paddlepaddle", "3.3.1"): tiny_wheel("paddlepaddle", "3.3.1", "helper"),
               ("helper", "1.0"): tiny_wheel("helper", "1.0"), ("helper", "2.0"): tiny_wheel("helper", "2.0"),
               ("extra", "1.0"): tiny_wheel("extra", "1.0"), ("extra", "1.1"): tiny_wheel("extra", "1.1")}
-    (root / "files").mkdir(parents=True)
-    for (name, version), data in wheels.items():
-        fn = f"{name}-{version}-py3-none-any.whl"
-        (root / "files" / fn).write_bytes(data)
-        (root / "simple" / name).mkdir(parents=True, exist_ok=True)
-        with open(root / "simple" / name / "index.html", "a") as f:
-            f.write(f'<a href="../../files/{fn}#sha256={hashlib.sha256(data).hexdigest()}">{fn}</a>\n')
+    index_of(root, wheels)
     out = tmp_path / "cpu.lock"
 
     def pins(text):
         return {e.name: e.version for e in locks.parse(text)}
 
     with Server(root) as s:
-        base = replace(matrix.load().get("cpu"), pypi=f"{s.url}/simple", tools=())
+        base = replace(matrix.load().get("cpu"), pypi=f"{s.url}/simple", tools=(), no_deps=())
         out.write_text(locks.header(base) + "helper==1.0 \\\n    --hash=sha256:" +
                        hashlib.sha256(wheels[("helper", "1.0")]).hexdigest() + "\n")
         locks.make(replace(base, extras=("extra==1.0",)), out=out)
@@ -170,6 +164,43 @@ def test_relocking_keeps_the_pins_it_can_and_upgrade_moves_them(tmp_path, monkey
         assert pins(out.read_text()) == {"paddlepaddle": "3.3.1", "helper": "1.0", "extra": "1.1"}
         locks.make(replace(base, extras=("extra==1.1",)), out=out, upgrade=True)
         assert pins(out.read_text()) == {"paddlepaddle": "3.3.1", "helper": "2.0", "extra": "1.1"}
+
+
+def index_of(root, wheels: dict) -> None:
+    """A PEP 503 index in folder `root` holding `wheels` ({(name, version): wheel bytes})."""
+    (root / "files").mkdir(parents=True)
+    for (name, version), data in wheels.items():
+        fn = f"{name}-{version}-py3-none-any.whl"
+        (root / "files" / fn).write_bytes(data)
+        (root / "simple" / name).mkdir(parents=True, exist_ok=True)
+        with open(root / "simple" / name / "index.html", "a") as f:
+            f.write(f'<a href="../../files/{fn}#sha256={hashlib.sha256(data).hexdigest()}">{fn}</a>\n')
+
+
+def test_a_no_deps_package_is_locked_without_its_dependencies_and_only_once(tmp_path, monkeypatch):
+    """VisualDL's case: its LogWriter needs only what Paddle brings; its server's dependencies never enter."""
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))
+    wheels = {("paddlepaddle", "3.3.1"): tiny_wheel("paddlepaddle", "3.3.1", "helper"),
+              ("helper", "1.0"): tiny_wheel("helper", "1.0"),
+              ("viewer", "2.5.3"): tiny_wheel("viewer", "2.5.3", "server-stack"),
+              ("server-stack", "1.0"): tiny_wheel("server-stack", "1.0")}
+    index_of(tmp_path / "index", wheels)
+    out = tmp_path / "cpu.lock"
+    with Server(tmp_path / "index") as s:
+        v = replace(matrix.load().get("cpu"), pypi=f"{s.url}/simple", extras=(), tools=(), no_deps=("viewer==2.5.3",))
+        locks.make(v, out=out)
+        text = out.read_text()
+        assert {e.name: e.version for e in locks.parse(text)} == {"paddlepaddle": "3.3.1", "helper": "1.0",
+                                                                 "viewer": "2.5.3"}
+        viewer = next(e for e in locks.parse(text) if e.name == "viewer")
+        assert viewer.hashes == (hashlib.sha256(wheels[("viewer", "2.5.3")]).hexdigest(),)
+        assert "    # via images/matrix.toml [cpu] no_deps\n" in text and str(tmp_path) not in text
+        assert locks.inputs(v)["no_deps"] == ["viewer==2.5.3"] and locks.inputs_hash(v) != locks.inputs_hash(
+            replace(v, no_deps=()))
+        with pytest.raises(UserError, match=r"^matrix: variant cpu: helper is in no_deps and also needed by the "
+                                            r"rest: list it once$"):
+            locks.make(replace(v, no_deps=("helper==1.0",)), out=tmp_path / "other.lock")
+    assert "no_deps" not in locks.inputs(replace(v, no_deps=()))   # the other variants' locks stay current
 
 
 def test_constraints_reach_uv_and_the_lock_inputs_only_where_a_variant_has_them():
