@@ -56,6 +56,7 @@ WORKSPACE_MAX = 1 << 30   # what a --hosts job copies to each engine: the script
 HELPERS_DIR = "/fleetbox/helpers"                 # HELPERS, on the containers' PYTHONPATH
 CHECKPOINT_DIR = "/fleetbox/checkpoints"          # the job's checkpoint folder (FLEETBOX_CHECKPOINT_DIR), read-write
 RESUME_DIR = "/fleetbox/resume"                   # --resume PATH, read-only
+SCRIPT_VISUALDL = "visualdl"   # in a node's log folder: the script's own VisualDL logs (FLEETBOX_VISUALDL_DIR)
 
 # Folders every image has, for runtimes that cannot create a bind mount's target (Charliecloud, Apptainer).
 BIND_TARGETS = (WORKDIR, LOG_DIR, HELPERS_DIR, CHECKPOINT_DIR, RESUME_DIR, CONTAINER_CACHE)
@@ -103,6 +104,8 @@ ENVIRONMENT = {
                               "where Paddle's launcher starts them"),
     "FLEETBOX_LOG_DIR": ("job", "where a script's spawned ranks write their logs (workerlog.<rank>), as the "
                                 "launcher's do (set with FLEETBOX_STYLE)"),
+    "FLEETBOX_VISUALDL_DIR": ("job", "where a VisualDL LogWriter of the script (paddle.callbacks.VisualDL) with a "
+                                     "relative logdir writes: <this>/rank<r>/<logdir>, in the node's log folder"),
     "FLEETBOX_CHECKPOINT_EVERY": ("script", "save every N steps, overriding the script's value"),
     "FLEETBOX_CHECKPOINT_KEEP": ("script", "keep the newest N checkpoints, overriding the script's value"),
     "FLEETBOX_VARIANT": ("image", "the image's matrix variant"),

@@ -9,6 +9,9 @@ To test failure handling, in attempt A only (`--attempt`, default 0; FLEETBOX_AT
 --kill-epoch E --kill-batch B` kills rank R (SIGKILL, as the kernel's OOM killer would) when it loads that
 batch (`--kill-epoch` equal to `--epochs`: once fit has returned); `--hang-rank R --hang-epoch E --hang-batch B`
 makes its data loading stop for `--hang-seconds`.
+
+`--visualdl LOGDIR` adds Paddle's own `paddle.callbacks.VisualDL(log_dir=LOGDIR)`, as Paddle's docs show it: in a
+fleetbox job a relative LOGDIR lands in the node's log folder, and `invoke board` shows it.
 """
 import argparse
 import json
@@ -51,6 +54,7 @@ def main():
         ap.add_argument(f"--{what}-epoch", type=int, default=0)
         ap.add_argument(f"--{what}-batch", type=int, default=5)
     ap.add_argument("--hang-seconds", type=float, default=600)
+    ap.add_argument("--visualdl", default="", help="also log with paddle.callbacks.VisualDL into this folder")
     args = ap.parse_args()
 
     paddle.seed(1234)
@@ -77,7 +81,8 @@ def main():
     model.prepare(paddle.optimizer.Adam(learning_rate=0.01, parameters=net.parameters()),
                   paddle.nn.CrossEntropyLoss(), paddle.metric.Accuracy())
     model.fit(Points(args.samples, seed=1, trouble=trouble), epochs=args.epochs, batch_size=args.batch,
-              shuffle=True, drop_last=True, verbose=0, callbacks=[fleetbox_fit.Callback()])
+              shuffle=True, drop_last=True, verbose=0, callbacks=[fleetbox_fit.Callback()] + (
+                  [paddle.callbacks.VisualDL(log_dir=args.visualdl)] if args.visualdl else []))
     if ours and rank == args.kill_rank and args.kill_epoch == args.epochs:
         print(f"rank {rank}: killed on purpose after fit", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

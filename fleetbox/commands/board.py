@@ -126,12 +126,12 @@ def targets(names: str) -> dict[str, Path]:
 
 def refresh(logs: visualdl_logs.Logs, jobs: dict[str, visualdl_logs.JobRuns], said: dict[str, str],
             log=print) -> int:
-    """Write what each job has gained since the last refresh. A job that cannot be read now is said once per
-    reason (`said`: the last one per job) and tried again next time; the others go on."""
+    """Write what each job has gained since the last refresh (how many points and bytes). A job that cannot be
+    read now is said once per reason (`said`: the last one per job) and tried again next time; the others go on."""
     total = 0
     for name, runs in jobs.items():
         try:
-            total += logs.add(runs.read())
+            total += logs.add(runs.read()) + logs.copy(runs.script_records())
             said.pop(name, None)
         except Exception as e:   # a job folder half moved, removed, a disk full: the board goes on
             why = f"{type(e).__name__}: {e}"

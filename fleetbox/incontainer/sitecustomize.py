@@ -16,6 +16,10 @@ PYTHONPATH), for hang detection; it does nothing outside a job (no FLEETBOX_PROG
   process relays requests for stacks, as the launcher does, and once it calls spawn passes SIGTERM and SIGUSR1
   ("save and stop") on to its ranks, as the launcher does.
 
+- In every process of a job: a VisualDL LogWriter the script makes (paddle.callbacks.VisualDL makes one) with
+  a relative logdir writes below the node's log folder (FLEETBOX_VISUALDL_DIR, rank<r>/<logdir>): the
+  workspace is read-only, and there `invoke board` shows it beside fleetbox's own.
+
 Then the next sitecustomize on the path, if any (Debian's), runs as it would have.
 """
 import os
@@ -246,11 +250,14 @@ def _wrap_spawn_module(module) -> None:
     module.spawn = spawn_passing_signals_on
 
 
-class _WhenSpawnLoads:
-    """A finder that loads Paddle's spawn module as usual, then wraps its _set_trainer_env (once)."""
+class _WhenLoads:
+    """A finder that loads module `name` as usual, then calls then(module) (once)."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path=None, target=None):
-        if name != SPAWN_MODULE:
+        if name != self.name:
             return None
         import importlib.machinery
         sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
@@ -261,9 +268,40 @@ class _WhenSpawnLoads:
 
         def exec_module(module):
             load(module)
-            _wrap_spawn_module(module)
+            self.then(module)
         spec.loader.exec_module = exec_module
         return spec
+
+
+VISUALDL_MODULE = "visualdl.writer.writer"   # VisualDL's LogWriter (paddle.callbacks.VisualDL makes one)
+
+
+def visualdl_logdir(logdir, folder: str, rank: str):
+    """Where a LogWriter of the script writes: a relative (or no) logdir goes below `folder`/rank<rank> (the node's
+    log folder: the workspace is read-only, and there the board finds it), as the path it names, less any `..`;
+    an absolute or remote one (bos://, hdfs://) is the script's to choose."""
+    if logdir and (os.path.isabs(logdir) or "://" in str(logdir)):
+        return logdir
+    parts = [p for p in os.path.normpath(str(logdir or "runs")).split(os.sep) if p not in ("", ".", "..")]
+    return os.path.join(folder, f"rank{rank}", *parts)
+
+
+def _wrap_log_writer(module) -> None:
+    import functools
+    cls = getattr(module, "LogWriter", None)
+    init = getattr(cls, "__init__", None)
+    folder = os.environ.get("FLEETBOX_VISUALDL_DIR")
+    if not callable(init) or not folder:
+        return
+
+    @functools.wraps(init)
+    def init_in_the_job_folder(self, logdir=None, *args, **kwargs):
+        if not logdir:   # VisualDL's own default: runs/<time>[.<comment>]
+            from datetime import datetime
+            comment = args[0] if args else kwargs.get("comment", "")
+            logdir = os.path.join("runs", datetime.now().strftime("%b%d_%H-%M-%S") + (f".{comment}" if comment else ""))
+        init(self, visualdl_logdir(logdir, folder, os.environ.get("PADDLE_TRAINER_ID", "0")), *args, **kwargs)
+    cls.__init__ = init_in_the_job_folder
 
 
 def _cmdline(pid: int) -> bytes:
@@ -302,7 +340,7 @@ def _forward(signum, frame) -> None:
 
 def _spawn_setup() -> None:
     """Every process of a script that starts its own ranks, before the rank variables are set."""
-    sys.meta_path.insert(0, _WhenSpawnLoads())
+    sys.meta_path.insert(0, _WhenLoads(SPAWN_MODULE, _wrap_spawn_module))
     if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()):   # a spawned process: a rank once told
         return
     d = os.environ.get("FLEETBOX_PROGRESS_DIR")
@@ -313,6 +351,8 @@ def _spawn_setup() -> None:
 def _main() -> None:
     d = os.environ.get("FLEETBOX_PROGRESS_DIR")
     try:
+        if os.environ.get("FLEETBOX_VISUALDL_DIR"):
+            sys.meta_path.insert(0, _WhenLoads(VISUALDL_MODULE, _wrap_log_writer))
         if os.environ.get("PADDLE_TRAINER_ID") is not None:
             if d and os.path.isdir(d):
                 _rank_setup(d)

@@ -28,9 +28,14 @@ def attempts(job_dir: Path) -> list[tuple[int, Path]]:
 
 def worker_logs(job_dir: Path) -> list[tuple[int, int, Path]]:
     """(attempt, node, log) for every node's worker log of every attempt."""
-    return [(attempt, int(node_dir.name[4:]), log) for attempt, d in attempts(job_dir)
+    return node_files(job_dir, "workerlog.*")
+
+
+def node_files(job_dir: Path, pattern: str) -> list[tuple[int, int, Path]]:
+    """(attempt, node, file) for every file of every attempt's node folders that matches `pattern` (a glob)."""
+    return [(attempt, int(node_dir.name[4:]), f) for attempt, d in attempts(job_dir)
             for node_dir in sorted(d.glob("node[0-9]*")) if node_dir.is_dir() and node_dir.name[4:].isdigit()
-            for log in sorted(node_dir.glob("workerlog.*"))]
+            for f in sorted(node_dir.glob(pattern)) if f.is_file()]
 
 
 def parse(line: str) -> dict | None:

@@ -249,6 +249,7 @@ def template(spec: JobSpec, job_id: str, log_dir: str | None, workspace: bool = 
         if spec.device != "cpu":
             watched["PADDLE_PG_TIMEOUT"] = str(hang.pg_timeout_ms(spec.hang_timeout, spec.start_timeout))
     env = {"PYTHONUNBUFFERED": "1", "FLEETBOX_JOB": job_id, "FLEETBOX_NODE": "{rank}",
+           "FLEETBOX_VISUALDL_DIR": f"{LOG_DIR}/{settings.SCRIPT_VISUALDL}",
            "PORT_RANGE": "{port_range}",
            **watched, **network_env("{iface}", spec.ib_hca, spec.debug), **dev.get("env", {}),
            **(checkpoint_env(spec, shared_checkpoints) if checkpoints else {}),

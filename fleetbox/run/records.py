@@ -302,7 +302,8 @@ JOB_FOLDER = {
     "report.md": "the run's report: nodes, image, throughput, time to first step, what failed",
     "report.png": "the run's plot: loss, samples/s, each rank's step time; restarts marked",
     "node<k>": "node k's logs: the launcher's workerlog.<rank>, the container's output (container.log), "
-               "each rank's progress and, after a hang, its stacks",
+               "each rank's progress and, after a hang, its stacks; the script's own VisualDL logs "
+               "(visualdl/rank<r>/<logdir>)",
     "node<k>.log": "Slurm: node k's task output",
     "attempt<N>": "Docker: an earlier attempt's node folders and summary (the last attempt's are at the top)",
     "alloc<N>": "Slurm: an earlier allocation's node logs",

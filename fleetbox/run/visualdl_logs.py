@@ -9,6 +9,9 @@ The runs (folders under the board's logdir, named as VisualDL lists them):
     <job>/alloc<N>/rank<r>     a rank in Slurm's allocation N (alloc1 the first)
     <job>/events               text: where each restart or allocation began, how each attempt ended, hangs,
                                stragglers (VisualDL's Text tab)
+    <job>/script/<attempt>/rank<r>/<logdir>
+                               the script's own VisualDL logs (paddle.callbacks.VisualDL, a LogWriter), which
+                               sitecustomize puts in each node's log folder: copied as they grow, whole records
 
 A rank's run has, each tagged train/<name> (one group of charts: VisualDL opens only its first group), every
 scalar the rank logged (loss, samples_per_s, own_seconds, comm_seconds, the script's own), the Meter's `seconds` as
@@ -35,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetbox import files
+from fleetbox import files, settings
 from fleetbox.run import backends, hang, metrics, records
 
 EVENTS = "events"
@@ -188,6 +191,7 @@ class JobRuns:
         self.attempts: dict[int, _Attempt] = {}
         self.said: set[str] = set()
         self.identity = None                          # job.json's inode: a new one is another run of the id
+        self.copies: dict[tuple[int, int], list] = {}  # the script's VisualDL files, (device, inode): [bytes, where]
         self.behind = False                           # the last read left lines for the next (READ_LIMIT)
 
     def _job(self) -> tuple[dict, dict]:
@@ -228,6 +232,37 @@ class JobRuns:
             for line in whole.decode(errors="replace").splitlines():
                 if (rec := metrics.parse(line)) is not None:
                     out.append((seen[1], rec))
+        return out
+
+    def script_records(self) -> dict[str, bytes]:
+        """The whole records each of the script's own VisualDL files gained since the last call, by the file's
+        place on the board (<prefix>/script/<attempt>/rank<r>/<logdir>/<file>): followed by inode, as the worker
+        logs are, a record still being written left for the next call."""
+        attempts_are = backends.attempts_are(*self._job())
+        out = {}
+        for attempt, _, path in metrics.node_files(self.dir, f"{settings.SCRIPT_VISUALDL}/**/vdlrecords*"):
+            try:
+                st = path.stat()
+                key = (st.st_dev, st.st_ino)
+                if key not in self.copies:   # node<k>/visualdl/<rank r>/<logdir>/<file>: from <rank r> on
+                    parts = path.relative_to(self.dir).parts
+                    inner = "/".join(parts[next(i for i, p in enumerate(parts) if re.fullmatch(r"node\d+", p)) + 2:])
+                    self.copies[key] = [0, f"{self.prefix}/script/{attempt_label(attempts_are, attempt)}/{inner}"]
+                seen = self.copies[key]
+                if st.st_size <= seen[0]:
+                    continue
+                with open(path, "rb") as f:
+                    f.seek(seen[0])
+                    data = f.read(min(st.st_size - seen[0], READ_LIMIT))
+                    if len(data) >= 8 and 8 + struct.unpack("<Q", data[:8])[0] > len(data):   # one big record
+                        data += f.read(8 + struct.unpack("<Q", data[:8])[0] - len(data))
+                    self.behind |= st.st_size - seen[0] > len(data)
+            except FileNotFoundError:   # moved meanwhile: read where it is next time
+                continue
+            whole = whole_records(data)
+            if whole:
+                seen[0] += whole
+                out[seen[1]] = data[:whole]
         return out
 
     def read(self) -> dict[str, dict[str, list[Point]]]:
@@ -287,6 +322,14 @@ class JobRuns:
         return runs
 
 
+def whole_records(data: bytes) -> int:
+    """How many bytes at the start of `data` are whole records (an 8-byte length, then that many bytes)."""
+    at = 0
+    while at + 8 <= len(data) and at + 8 + (n := struct.unpack("<Q", data[at:at + 8])[0]) <= len(data):
+        at += 8 + n
+    return at
+
+
 class Logs:
     """VisualDL logs under `root`, one folder per run, each run's file only growing (VisualDL reads it as it
     grows). Points a failed write could not put down are kept and written first next time."""
@@ -295,6 +338,7 @@ class Logs:
         self.root = root
         self.files: dict[str, Path] = {}
         self.pending: dict[str, tuple[bytes, int]] = {}   # run: (records, how many)
+        self.pending_copies: dict[str, bytes] = {}        # a copied file's place: its records
 
     def add(self, runs: dict[str, dict[str, list[Point]]]) -> int:
         """Append the points, after any a failed write left; returns how many were written."""
@@ -318,6 +362,27 @@ class Logs:
                 self.pending[run], failed = (data, n), failed or e
                 continue
             total += n
+        if failed:
+            raise failed
+        return total
+
+    def copy(self, records: dict[str, bytes]) -> int:
+        """Append each file's new records (JobRuns.script_records) to its copy here, after any a failed write
+        left; returns how many bytes were written. A copy starts with the display name of its run (its folder
+        here, job first): the script's own LogWriter names none, and VisualDL would list the copy by its path."""
+        total, failed = 0, None
+        for where in sorted(set(records) | set(self.pending_copies)):
+            data = self.pending_copies.pop(where, b"") + records.get(where, b"")
+            try:
+                path = self.root / where
+                path.parent.mkdir(parents=True, exist_ok=True)
+                name = b"" if path.exists() else display_name(os.path.dirname(where), int(time.time() * 1000))
+                with open(path, "ab") as f:   # one write: VisualDL may be reading the file as it grows
+                    f.write(name + data)
+            except OSError as e:
+                self.pending_copies[where], failed = data, failed or e
+                continue
+            total += len(data)
         if failed:
             raise failed
         return total

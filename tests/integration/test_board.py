@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,27 @@ def loss_series(got) -> dict[str, list]:
     return out
 
 
+def start_board(job_id: str, port: int) -> subprocess.Popen:
+    """`invoke board JOB` on loopback, once it says its address (the first board makes its environment)."""
+    board = subprocess.Popen([sys.executable, "-m", "invoke", "board", job_id, "--port", str(port),
+                              "--interval", str(INTERVAL)], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it)
+    lines = []
+    while not any(ln.startswith("board: http://") for ln in lines):
+        line = board.stdout.readline()
+        assert line, "".join(lines) + board.stderr.read()
+        lines.append(line)
+    assert f"board: http://127.0.0.1:{port}/app/scalar shows {job_id}" in "".join(lines), lines
+    return board
+
+
+def stop_board(board: subprocess.Popen) -> None:
+    """Ctrl-C: the board stops cleanly."""
+    board.send_signal(signal.SIGINT)
+    out, err = board.communicate(timeout=30)
+    assert board.returncode == 0 and "board: stopped" in out and "Traceback" not in err, out + err
+
+
 def test_a_running_jobs_board_shows_both_ranks_loss_in_a_real_browser_and_new_points_on_a_second_load(
         cpu_image, tmp_path):
     job_id = f"board-{os.getpid()}-{time.monotonic_ns()}"
@@ -58,16 +80,8 @@ def test_a_running_jobs_board_shows_both_ranks_loss_in_a_real_browser_and_new_po
         proc = invoke("train", "--nodes", "2", "--job-id", job_id, "--detach",
                       "--args", "--steps 3000 --step-sleep 0.05 --checkpoint-every 1000")
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        board = subprocess.Popen([sys.executable, "-m", "invoke", "board", job_id, "--port", str(port),
-                                  "--interval", str(INTERVAL)], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it)
-        lines = []
-        while not any(ln.startswith("board: http://") for ln in lines):   # the first board makes its environment
-            line = board.stdout.readline()
-            assert line, "".join(lines) + board.stderr.read()
-            lines.append(line)
+        board = start_board(job_id, port)
         url = f"http://127.0.0.1:{port}/app/scalar"
-        assert f"board: {url} shows {job_id}" in "".join(lines), lines
         runs = {f"{job_id}/attempt0/rank0", f"{job_id}/attempt0/rank1"}
         want = r"/app/api/scalar/list\?.*tag=train%2Floss"
         with Browser() as browser:
@@ -92,9 +106,7 @@ def test_a_running_jobs_board_shows_both_ranks_loss_in_a_real_browser_and_new_po
                            for _, step, v in series), (run, series[:3], own[rank])
             assert max(s for _, s, _ in second[run]) > max(s for _, s, _ in first[run]), (first[run], second[run])
         assert first[f"{job_id}/attempt0/rank0"] != first[f"{job_id}/attempt0/rank1"]   # each rank its own
-        board.send_signal(signal.SIGINT)
-        out, err = board.communicate(timeout=30)
-        assert board.returncode == 0 and "board: stopped" in out and "Traceback" not in err, out + err
+        stop_board(board)
         assert set(Path(tempfile.gettempdir()).glob("fleetbox-board-*")) == boards_before   # its files removed
         with pytest.raises(ConnectionRefusedError):   # and its server gone: nothing listens on the port
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -107,6 +119,78 @@ def test_a_running_jobs_board_shows_both_ranks_loss_in_a_real_browser_and_new_po
                 board.kill()
                 board.wait()
         invoke("cancel", job_id)
+        invoke("clean", "--job", job_id, "--force")
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        b = data[at]
+        n, at, shift = n | (b & 0x7F) << shift, at + 1, shift + 7
+        if b < 0x80:
+            return n, at
+
+
+def _fields(data: bytes):
+    """(field number, value) of a protobuf message: ints for varints, bytes for the rest."""
+    at = 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        kind = key & 7
+        if kind == 0:
+            value, at = _varint(data, at)
+        elif kind == 2:
+            n, at = _varint(data, at)
+            value, at = data[at:at + n], at + n
+        else:   # 5: 4 bytes, 1: 8 bytes
+            n = 4 if kind == 5 else 8
+            value, at = data[at:at + n], at + n
+        yield key >> 3, value
+
+
+def file_scalars(path: Path, tag: str) -> dict[int, float]:
+    """A VisualDL record file's scalars of `tag` by step, read as VisualDL's proto says (Record{repeated Value
+    values = 1}; Value{int64 id = 1; string tag = 2; int64 timestamp = 3; float value = 4})."""
+    data, out = path.read_bytes(), {}
+    while data:
+        n = int.from_bytes(data[:8], "little")
+        for _, value in _fields(data[8:8 + n]):
+            v = dict(_fields(value))
+            if v.get(2) == tag.encode() and 4 in v:
+                out[v.get(1, 0)] = struct.unpack("<f", v[4])[0]
+        data = data[8 + n:]
+    return out
+
+
+def test_a_scripts_own_visualdl_callback_logs_into_the_job_folder_and_shows_beside_fleetboxs(cpu_image, tmp_path):
+    """train/fit.py with Paddle's paddle.callbacks.VisualDL(log_dir="vdl_log"), as Paddle's docs show it: the image
+    has VisualDL's writer, its relative log_dir lands in the node's log folder (the workspace is read-only), and
+    the board's page gets its loss series as the file holds it, beside fleetbox's own runs."""
+    job_id = f"board-vdl-{os.getpid()}-{time.monotonic_ns()}"
+    port, board = free_port(), None
+    try:
+        proc = invoke("train", "--nodes", "2", "--job-id", job_id, "--script", str(ROOT / "train" / "fit.py"),
+                      "--args", "--epochs 2 --visualdl vdl_log")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        job = ROOT / "runs" / job_id
+        (written,) = job.glob("node*/visualdl/rank*/vdl_log/vdlrecords.*.log")   # Paddle's callback: rank 0 only
+        assert written.relative_to(job).parts[:4] == ("node0", "visualdl", "rank0", "vdl_log"), written
+        own = file_scalars(written, "train/loss")
+        assert len(own) == 2 * 4096 // 2 // 64, own   # every batch of both epochs (rank 0's half of the data)
+        board = start_board(job_id, port)
+        run = f"{job_id}/script/attempt0/rank0/vdl_log"
+        with Browser() as browser:
+            series = loss_series(browser.load(f"http://127.0.0.1:{port}/app/scalar",
+                                              r"/app/api/scalar/list\?.*tag=train%2Floss", settle=2.0, timeout=60,
+                                              at_least=3))
+            browser.screenshot(tmp_path / "board.png")
+        assert {f"{job_id}/attempt0/rank0", f"{job_id}/attempt0/rank1", run} <= set(series), repr(sorted(series))
+        assert {step: v for _, step, v in series[run]} == pytest.approx(own, rel=1e-6), (series[run][:3], own)
+        stop_board(board)
+    finally:
+        if board is not None and board.poll() is None:
+            board.kill()
+            board.wait()
         invoke("clean", "--job", job_id, "--force")
 
 

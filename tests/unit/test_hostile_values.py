@@ -123,6 +123,7 @@ def test_with_no_container_a_hostile_value_never_runs_and_arrives_unchanged(raw,
     assert env["EVIL"] == payload and env["WHERE"] == "node1" and env["FLEETBOX_VENV"] == f"{envs}/node1"
     assert env["PYTHONPATH"].split(":")[0] == f"{plan.dir}/{slurm.HELPERS}"   # the job folder's copy
     assert env["FLEETBOX_CHECKPOINT_DIR"] == plan.checkpoints and env["FLEETBOX_PROGRESS_DIR"] == f"{plan.dir}/node1"
+    assert env["FLEETBOX_VISUALDL_DIR"] == f"{plan.dir}/node1/visualdl"   # a script's own VisualDL logs
     assert env["VIRTUAL_ENV"] == f"{envs}/node1" and env["PATH"].startswith(f"{envs}/node1/bin:")
 
 

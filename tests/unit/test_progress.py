@@ -233,3 +233,13 @@ def test_a_scripts_spawned_processes_become_ranks_with_their_own_logs_and_take_t
     assert p.returncode == 0 and "exits [0, -15]" in out and "hello" not in out, out
     assert (logs / "workerlog.0").read_text() == "hello from rank 0\nrank 0 asked to stop\n"
     assert (logs / "workerlog.1").read_text() == "hello from rank 1\n"
+
+
+def test_a_visualdl_logdir_of_the_script_lands_in_the_nodes_log_folder_unless_absolute_or_remote():
+    folder = "/fleetbox/logs/visualdl"
+    assert site.visualdl_logdir("vdl_log", folder, "3") == "/fleetbox/logs/visualdl/rank3/vdl_log"
+    assert site.visualdl_logdir("./out/../../x/./y", folder, "0") == "/fleetbox/logs/visualdl/rank0/x/y"
+    assert site.visualdl_logdir("../../etc", folder, "0") == "/fleetbox/logs/visualdl/rank0/etc"   # never above
+    assert site.visualdl_logdir(".", folder, "1") == "/fleetbox/logs/visualdl/rank1"
+    assert site.visualdl_logdir("/data/vdl", folder, "0") == "/data/vdl"
+    assert site.visualdl_logdir("bos://bucket/vdl", folder, "0") == "bos://bucket/vdl"

@@ -222,6 +222,55 @@ def test_a_runs_file_only_grows_by_what_is_new_and_a_failed_write_is_written_nex
     assert b"meta_data_tag" in bodies[0] and b"j/attempt0/rank0" in bodies[0]
 
 
+def test_the_scripts_own_visualdl_files_are_copied_whole_record_by_record_across_a_restart(tmp_path, monkeypatch):
+    """paddle.callbacks.VisualDL's files (node<k>/visualdl/rank<r>/<logdir>/, where sitecustomize puts them): a
+    record still being written waits, a restart's move repeats nothing, a failed write is written next time."""
+    job = job_folder(tmp_path / "j", nodes=2)
+    logs, watch = vdl.Logs(tmp_path / "logs"), vdl.JobRuns(job, "j")
+    first = job / "node0" / "visualdl" / "rank0" / "vdl_log" / "vdlrecords.1795796252.log"
+    first.parent.mkdir(parents=True)
+    recs = [framed(RECORDED[k]) for k in ("meta", "scalar", "text")]
+    first.write_bytes(recs[0] + recs[1] + recs[2][:11])   # the third cut short: still being written
+    copy = tmp_path / "logs" / "j" / "script" / "attempt0" / "rank0" / "vdl_log" / first.name
+    assert logs.copy(watch.script_records()) == len(recs[0] + recs[1])
+    named = read_back(copy)[0]   # the run's name on the board comes first: the script's LogWriter names none
+    assert b"meta_data_tag" in named and b"j/script/attempt0/rank0/vdl_log" in named
+    name = copy.read_bytes()[:8 + len(named)]
+    assert copy.read_bytes() == name + recs[0] + recs[1]
+    with open(first, "ab") as f:
+        f.write(recs[2][11:])
+    (job / "attempt0").mkdir()   # the restart: the node folder moves aside; attempt 1 writes a file of its own
+    (job / "node0").rename(job / "attempt0" / "node0")
+    again = job / "node1" / "visualdl" / "rank1" / "vdl_log" / "vdlrecords.1795796300.log"
+    again.parent.mkdir(parents=True)
+    again.write_bytes(recs[1])
+    got = watch.script_records()
+    assert got == {"j/script/attempt0/rank0/vdl_log/" + first.name: recs[2],
+                   "j/script/attempt1/rank1/vdl_log/" + again.name: recs[1]}
+    monkeypatch.setattr(vdl, "open", lambda *a: (_ for _ in ()).throw(OSError(28, "No space")), raising=False)
+    with pytest.raises(OSError):
+        logs.copy(got)
+    monkeypatch.undo()
+    assert copy.read_bytes() == name + recs[0] + recs[1]
+    assert logs.copy(watch.script_records()) == len(recs[2] + recs[1]) and watch.script_records() == {}
+    assert read_back(copy)[1:] == [bytes.fromhex(RECORDED[k]) for k in ("meta", "scalar", "text")]
+    assert vdl.whole_records(recs[1][:-1]) == 0 and vdl.whole_records(recs[1] * 2 + b"\0" * 7) == 2 * len(recs[1])
+
+
+def test_a_record_bigger_than_one_read_is_copied_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(vdl, "READ_LIMIT", 16)
+    job = job_folder(tmp_path / "j", nodes=1)
+    f = job / "node0" / "visualdl" / "rank0" / "log" / "vdlrecords.1.log"
+    f.parent.mkdir(parents=True)
+    big, small = struct.pack("<Q", 40) + b"x" * 40, framed(RECORDED["scalar"])
+    f.write_bytes(big + small)
+    watch = vdl.JobRuns(job, "j")
+    for want, behind in ((big, True), (small, False)):   # as the board reads: its runs, then the script's files
+        assert watch.read() == {}
+        assert watch.script_records() == {"j/script/attempt0/rank0/log/vdlrecords.1.log": want}
+        assert watch.behind == behind
+
+
 def test_the_board_lock_pins_visualdl_and_every_package_with_hashes():
     from fleetbox.commands import board
     lines = board.LOCK.read_text().splitlines()

@@ -457,8 +457,8 @@ class Host(Runtime):
     name = "none"
     runs_as_user = True
     has_image = False
-    OURS = ("FLEETBOX_CHECKPOINT_DIR", "FLEETBOX_PROGRESS_DIR", "FLEETBOX_LOG_DIR", "FLEETBOX_RESUME",
-            "PYTHONPATH")   # path values
+    OURS = ("FLEETBOX_CHECKPOINT_DIR", "FLEETBOX_PROGRESS_DIR", "FLEETBOX_LOG_DIR", "FLEETBOX_VISUALDL_DIR",
+            "FLEETBOX_RESUME", "PYTHONPATH")   # path values
 
     def __init__(self, venv: str = "", modules: tuple[str, ...] = ()):
         # absolute: node.sh runs from the script's folder (a path starting with a placeholder is the node's)
