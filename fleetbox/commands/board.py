@@ -132,6 +132,9 @@ def refresh(logs: visualdl_logs.Logs, jobs: dict[str, visualdl_logs.JobRuns], sa
     for name, runs in jobs.items():
         try:
             total += logs.add(runs.read()) + logs.copy(runs.script_records())
+            for problem in runs.problems:   # a file left out: said once, the rest goes on
+                log(f"board: {name}: left out {problem}")
+            runs.problems.clear()
             said.pop(name, None)
         except Exception as e:   # a job folder half moved, removed, a disk full: the board goes on
             why = f"{type(e).__name__}: {e}"

@@ -155,13 +155,15 @@ def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Pa
         if variant.no_deps:   # locked apart, so that their dependencies are not resolved into the lock
             alone, alone_lock = Path(tmp) / "no-deps.txt", Path(tmp) / "no-deps.lock"
             alone.write_text("".join(r + "\n" for r in variant.no_deps))
+            if path.exists() and not upgrade:   # its pins kept too, where a range allows
+                alone_lock.write_text(path.read_text())
             _compile(variant, compile_argv(variant, alone, alone_lock, no_deps=True), tmp)
             both = {e.name.lower() for e in parse(body)} & {e.name.lower() for e in parse(alone_lock.read_text())}
             if both:
                 raise UserError(f"matrix: variant {variant.name}: {', '.join(sorted(both))} is in no_deps and also "
                                 f"needed by the rest: list it once")
-            body += re.sub(rf"-r \S*{alone.name}", f"images/matrix.toml [{variant.name}] no_deps",
-                           alone_lock.read_text())
+            body = body.rstrip("\n") + "\n" + alone_lock.read_text().replace(f"-r {alone}", f"-r {alone.name}").replace(
+                f"-r {alone.name}", f"images/matrix.toml [{variant.name}] no_deps")
         entries = parse(body)
         if not entries or any(not e.hashes for e in entries):
             raise UserError(f"uv produced a lock without hashes for {variant.name}")

@@ -280,6 +280,8 @@ def visualdl_logdir(logdir, folder: str, rank: str):
     """Where a LogWriter of the script writes: a relative (or no) logdir goes below `folder`/rank<rank> (the node's
     log folder: the workspace is read-only, and there the board finds it), as the path it names, less any `..`;
     an absolute or remote one (bos://, hdfs://) is the script's to choose."""
+    if isinstance(logdir, bytes):
+        logdir = os.fsdecode(logdir)
     if logdir and (os.path.isabs(logdir) or "://" in str(logdir)):
         return logdir
     parts = [p for p in os.path.normpath(str(logdir or "runs")).split(os.sep) if p not in ("", ".", "..")]

@@ -443,6 +443,8 @@ def keep(out: str, read, nodes: int, ppn: int, attempt: int, before: dict[int, i
             f"rank {r} (node{r // ppn}), attempt {attempt}\n\n== the last lines of its log ==\n" + "\n".join(last)
             + "\n\n== its Python stacks, every thread (faulthandler) ==\n" + (dump or "(none arrived)\n")).encode())
     waited = timed_out(read, range(nodes * ppn), ppn) if stall.kind == "collective" else {}
+    # a peer's end says where Gloo's I/O thread was, not the rank: one that gave a stack is judged by its stack
+    waited = {r: line for r, line in waited.items() if re.search(COLLECTIVE_TIMEOUT, line) or stacks[r] is None}
     b = blame(stacks, len(stacks), waited)
     text = summary(stall, b, ppn)
     _write_whole(os.path.join(out, "blame.txt"), (text + "\n").encode())

@@ -29,6 +29,7 @@ protobuf nor VisualDL: the board's VisualDL server runs in its own environment (
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import os
 import re
@@ -192,6 +193,9 @@ class JobRuns:
         self.said: set[str] = set()
         self.identity = None                          # job.json's inode: a new one is another run of the id
         self.copies: dict[tuple[int, int], list] = {}  # the script's VisualDL files, (device, inode): [bytes, where]
+                                                       # (bytes -1: given up on)
+        self.problems: list[str] = []                  # files left out, for the board to say (once each) ...
+        self.left_out: set[str] = set()                # ... and every one said
         self.behind = False                           # the last read left lines for the next (READ_LIMIT)
 
     def _job(self) -> tuple[dict, dict]:
@@ -237,30 +241,42 @@ class JobRuns:
     def script_records(self) -> dict[str, bytes]:
         """The whole records each of the script's own VisualDL files gained since the last call, by the file's
         place on the board (<prefix>/script/<attempt>/rank<r>/<logdir>/<file>): followed by inode, as the worker
-        logs are, a record still being written left for the next call."""
+        logs are, a record still being written left for the next call. A file that cannot be read is left out
+        (said once in `problems`), and so is one that is a link or leads out of the job's folder."""
         attempts_are = backends.attempts_are(*self._job())
-        out = {}
-        for attempt, _, path in metrics.node_files(self.dir, f"{settings.SCRIPT_VISUALDL}/**/vdlrecords*"):
+        pattern = f"{settings.SCRIPT_VISUALDL}/**/vdlrecords*"
+        before, settled, out = metrics.node_files(self.dir, pattern), None, {}
+        inside = os.path.realpath(self.dir) + os.sep
+        for attempt, _, path in before:
+            key = None
             try:
+                if path.is_symlink() or not os.path.realpath(path).startswith(inside):
+                    continue
                 st = path.stat()
                 key = (st.st_dev, st.st_ino)
-                if key not in self.copies:   # node<k>/visualdl/<rank r>/<logdir>/<file>: from <rank r> on
-                    parts = path.relative_to(self.dir).parts
+                if key not in self.copies:   # first seen while a restart moves node folders: its attempt next time
+                    if settled is None:
+                        settled = metrics.node_files(self.dir, pattern) == before
+                    if not settled:
+                        continue
+                    parts = path.relative_to(self.dir).parts   # node<k>/visualdl/<rank r>/<logdir>/<file>
                     inner = "/".join(parts[next(i for i, p in enumerate(parts) if re.fullmatch(r"node\d+", p)) + 2:])
                     self.copies[key] = [0, f"{self.prefix}/script/{attempt_label(attempts_are, attempt)}/{inner}"]
                 seen = self.copies[key]
-                if st.st_size <= seen[0]:
+                if seen[0] < 0 or st.st_size <= seen[0]:   # given up on, or nothing new
                     continue
-                with open(path, "rb") as f:
-                    f.seek(seen[0])
-                    data = f.read(min(st.st_size - seen[0], READ_LIMIT))
-                    if len(data) >= 8 and 8 + struct.unpack("<Q", data[:8])[0] > len(data):   # one big record
-                        data += f.read(8 + struct.unpack("<Q", data[:8])[0] - len(data))
-                    self.behind |= st.st_size - seen[0] > len(data)
+                data = _records_from(path, seen[0], st.st_size)
             except FileNotFoundError:   # moved meanwhile: read where it is next time
                 continue
-            whole = whole_records(data)
-            if whole:
+            except (OSError, ValueError) as e:   # unreadable, or not VisualDL's records: left out from now on
+                if key in self.copies:
+                    self.copies[key][0] = -1
+                if (said := f"{path.relative_to(self.dir)}: {e}") not in self.left_out:
+                    self.left_out.add(said)
+                    self.problems.append(said)
+                continue
+            self.behind |= st.st_size - seen[0] > len(data)
+            if whole := whole_records(data):
                 seen[0] += whole
                 out[seen[1]] = data[:whole]
         return out
@@ -322,6 +338,23 @@ class JobRuns:
         return runs
 
 
+MAX_RECORD = 256 << 20   # a record's length beyond this is no VisualDL record (a scalar's is tens of bytes)
+
+
+def _records_from(path: Path, at: int, size: int) -> bytes:
+    """What `path` (of `size` bytes) holds from `at` on, READ_LIMIT of it, or more where its first record is bigger:
+    all of that record once it is whole. ValueError: a length no record has."""
+    with open(path, "rb") as f:
+        f.seek(at)
+        data = f.read(min(size - at, READ_LIMIT))
+        if len(data) >= 8 and 8 + (n := struct.unpack("<Q", data[:8])[0]) > len(data):   # one big record
+            if n > MAX_RECORD:
+                raise ValueError(f"a record of {n} bytes at byte {at}: not VisualDL's records")
+            if size - at >= 8 + n:
+                data += f.read(8 + n - len(data))
+    return data
+
+
 def whole_records(data: bytes) -> int:
     """How many bytes at the start of `data` are whole records (an 8-byte length, then that many bytes)."""
     at = 0
@@ -339,6 +372,7 @@ class Logs:
         self.files: dict[str, Path] = {}
         self.pending: dict[str, tuple[bytes, int]] = {}   # run: (records, how many)
         self.pending_copies: dict[str, bytes] = {}        # a copied file's place: its records
+        self.named: set[str] = set()                      # the copies begun with their run's name
 
     def add(self, runs: dict[str, dict[str, list[Point]]]) -> int:
         """Append the points, after any a failed write left; returns how many were written."""
@@ -373,13 +407,18 @@ class Logs:
         total, failed = 0, None
         for where in sorted(set(records) | set(self.pending_copies)):
             data = self.pending_copies.pop(where, b"") + records.get(where, b"")
+            path, size = self.root / where, None
             try:
-                path = self.root / where
                 path.parent.mkdir(parents=True, exist_ok=True)
-                name = b"" if path.exists() else display_name(os.path.dirname(where), int(time.time() * 1000))
+                name = b"" if where in self.named else display_name(os.path.dirname(where), int(time.time() * 1000))
                 with open(path, "ab") as f:   # one write: VisualDL may be reading the file as it grows
+                    size = f.tell()
                     f.write(name + data)
-            except OSError as e:
+                self.named.add(where)
+            except OSError as e:   # a part written is taken back: the next write starts on a whole record
+                if size is not None:
+                    with contextlib.suppress(OSError):
+                        os.truncate(path, size)
                 self.pending_copies[where], failed = data, failed or e
                 continue
             total += len(data)

@@ -414,6 +414,21 @@ def test_a_rank_whose_gloo_thread_aborted_in_the_cascade_is_not_taken_for_the_st
     assert (got["ranks"], got["decided"], got["timed_out_nodes"]) == ([1], True, [0, 2]), got
 
 
+def test_a_stuck_rank_whose_gloo_thread_also_saw_a_peer_go_is_still_named_by_its_stack(tmp_path):
+    """The abort line comes from Gloo's I/O thread: it says nothing of where the rank's main thread is."""
+    logs = {0: TIMEOUTS / "gloo-caught-rank0.log", 1: TIMEOUTS / "gloo-loop-abort-rank0.log"}
+    for k, log in logs.items():
+        (tmp_path / f"node{k}").mkdir()
+        (tmp_path / f"node{k}" / "workerlog.0").write_text(log.read_text())
+    (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
+    w = hang.Watch(2, 600, 900)
+    w.see(0, rec(1, step=29))
+    w.see(1, rec(1, step=30))
+    got = hang.keep(str(tmp_path / "hang-0"), hang.folder_reader(str(tmp_path)), 2, 1, 0, {},
+                    w.stall("collective", [0]))
+    assert (got["ranks"], got["decided"], got["timed_out_nodes"]) == ([1], True, [0]), got
+
+
 def test_the_ranks_that_timed_out_are_not_waited_for_when_taking_stacks(tmp_path):
     """Their processes are gone: asking them would cost the whole wait."""
     import time

@@ -243,3 +243,4 @@ def test_a_visualdl_logdir_of_the_script_lands_in_the_nodes_log_folder_unless_ab
     assert site.visualdl_logdir(".", folder, "1") == "/fleetbox/logs/visualdl/rank1"
     assert site.visualdl_logdir("/data/vdl", folder, "0") == "/data/vdl"
     assert site.visualdl_logdir("bos://bucket/vdl", folder, "0") == "bos://bucket/vdl"
+    assert site.visualdl_logdir(b"vdl", folder, "0") == "/fleetbox/logs/visualdl/rank0/vdl"

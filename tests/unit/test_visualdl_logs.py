@@ -271,6 +271,61 @@ def test_a_record_bigger_than_one_read_is_copied_whole(tmp_path, monkeypatch):
         assert watch.behind == behind
 
 
+def test_a_scripts_file_that_is_no_record_file_or_leads_out_of_the_job_folder_is_left_out_and_the_rest_copied(
+        tmp_path):
+    job = job_folder(tmp_path / "j", nodes=1)
+    d = job / "node0" / "visualdl" / "rank0" / "log"
+    d.mkdir(parents=True)
+    good, rec = d / "vdlrecords.2.log", framed(RECORDED["scalar"])
+    (d / "vdlrecords.1.log").write_bytes(struct.pack("<Q", 2**63) + b"x" * 100)   # a length no record has
+    good.write_bytes(rec)
+    outside = tmp_path / "secret"
+    outside.write_bytes(rec)
+    (d / "vdlrecords.3.log").symlink_to(outside)                  # a link a script made: never followed
+    (job / "node0" / "visualdl" / "rank1").symlink_to(tmp_path)   # nor a linked folder
+    watch = vdl.JobRuns(job, "j")
+    assert watch.script_records() == {"j/script/attempt0/rank0/log/vdlrecords.2.log": rec}
+    assert watch.problems == ["node0/visualdl/rank0/log/vdlrecords.1.log: a record of 9223372036854775808 bytes at "
+                              "byte 0: not VisualDL's records"]
+    with open(good, "ab") as f:
+        f.write(rec)
+    assert watch.script_records() == {"j/script/attempt0/rank0/log/vdlrecords.2.log": rec}
+    assert len(watch.problems) == 1   # said once
+
+
+def test_a_copy_cut_short_by_a_full_disk_is_taken_back_and_written_whole_next_time(tmp_path, monkeypatch):
+    import builtins
+    logs, rec = vdl.Logs(tmp_path / "logs"), framed(RECORDED["scalar"])
+    assert logs.copy({"j/script/attempt0/rank0/log/vdlrecords.1.log": rec}) == len(rec)
+    copy = tmp_path / "logs" / "j/script/attempt0/rank0/log/vdlrecords.1.log"
+    before = copy.read_bytes()
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def tell(self):
+            return self.f.tell()
+
+        def write(self, data):
+            self.f.write(data[:5])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(vdl, "open", lambda *a: Full(builtins.open(*a)), raising=False)
+    with pytest.raises(OSError):
+        logs.copy({"j/script/attempt0/rank0/log/vdlrecords.1.log": rec})
+    monkeypatch.undo()
+    assert copy.read_bytes() == before   # the part written taken back
+    assert logs.copy({}) == len(rec) and copy.read_bytes() == before + rec
+    assert read_back(copy)[1:] == [bytes.fromhex(RECORDED["scalar"])] * 2   # one name, then whole records
+
+
 def test_the_board_lock_pins_visualdl_and_every_package_with_hashes():
     from fleetbox.commands import board
     lines = board.LOCK.read_text().splitlines()
