@@ -71,6 +71,17 @@ def stop_board(board: subprocess.Popen) -> None:
     assert board.returncode == 0 and "board: stopped" in out and "Traceback" not in err, out + err
 
 
+def stop_quietly(board: subprocess.Popen | None) -> None:
+    """A test's way out: Ctrl-C first, so that the board removes its files and its server goes with it."""
+    if board is not None and board.poll() is None:
+        board.send_signal(signal.SIGINT)
+        try:
+            board.wait(30)
+        except subprocess.TimeoutExpired:
+            board.kill()
+            board.wait()
+
+
 def test_a_running_jobs_board_shows_both_ranks_loss_in_a_real_browser_and_new_points_on_a_second_load(
         cpu_image, tmp_path):
     job_id = f"board-{os.getpid()}-{time.monotonic_ns()}"
@@ -111,13 +122,7 @@ def test_a_running_jobs_board_shows_both_ranks_loss_in_a_real_browser_and_new_po
         with pytest.raises(ConnectionRefusedError):   # and its server gone: nothing listens on the port
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
-        if board is not None and board.poll() is None:   # its own way out first: the server goes with it
-            board.send_signal(signal.SIGINT)
-            try:
-                board.wait(30)
-            except subprocess.TimeoutExpired:
-                board.kill()
-                board.wait()
+        stop_quietly(board)
         invoke("cancel", job_id)
         invoke("clean", "--job", job_id, "--force")
 
@@ -188,9 +193,7 @@ def test_a_scripts_own_visualdl_callback_logs_into_the_job_folder_and_shows_besi
         assert {step: v for _, step, v in series[run]} == pytest.approx(own, rel=1e-6), (series[run][:3], own)
         stop_board(board)
     finally:
-        if board is not None and board.poll() is None:
-            board.kill()
-            board.wait()
+        stop_quietly(board)
         invoke("clean", "--job", job_id, "--force")
 
 
