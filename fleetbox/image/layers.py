@@ -1,7 +1,8 @@
 """The image's environment in layers, by how often things change and by size (pure).
 
 Paddle and its dependency closure first (with the tools, pip and setuptools, which change as rarely), then
-each big extra (scipy, opencv) in a layer of its own, then the small rest. The last layer also writes pip's
+each package installed without its dependencies (VisualDL's writer, which changes as rarely), then each big
+extra (scipy, opencv) in a layer of its own, then the small rest. The last layer also writes pip's
 freeze of the environment and makes the folders fleetbox binds onto; the image's settings (environment,
 labels) are then committed onto it without a layer. Changing one extra's pin changes its layer and the ones
 after it; the Paddle layer keeps its digest.
@@ -107,8 +108,8 @@ def groups(variant: Variant, lock_text: str) -> list[tuple[str, set[str]]]:
     libraries = set().union(*(closure(requirement_name(x), deps) for x in variant.libraries))
     first = closure(variant.paddle_name, deps) - libraries | {requirement_name(t) for t in variant.tools}
     out, taken = [(LIBRARIES, libraries), ("paddle", first)], libraries | first
-    for extra in variant.extras:
-        mine = closure(requirement_name(extra), deps) - taken
+    for extra in [*variant.no_deps, *variant.extras]:   # no_deps (VisualDL's writer) change least: first
+        mine = closure(requirement_name(extra), deps) & set(deps) - taken   # only what the lock holds
         out.append((requirement_name(extra), mine))
         taken |= mine
     out.append(("rest", set(deps) - taken))

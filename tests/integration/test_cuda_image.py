@@ -21,7 +21,7 @@ def test_the_libraries_are_the_layer_above_the_base_and_a_second_build_is_a_no_o
     assert "fleetbox/paddle:cu118-pypi" in image.tags and "fleetbox/paddle:2.6.2-cu118-pypi-py311" in image.tags
     base = layer_digests(VARIANT.base_ref)
     have = layer_digests(image.id)
-    assert have[:len(base)] == base and len(have) == len(base) + 4   # libraries, paddle, scipy, opencv
+    assert have[:len(base)] == base and len(have) == len(base) + 5   # libraries, paddle, visualdl, scipy, opencv
     tags = [t for t in subprocess.run(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}",
                                        layers.LAYERS_REPO], capture_output=True, text=True).stdout.split()
             if t.startswith(f"{layers.LAYERS_REPO}:libraries-")]
