@@ -354,7 +354,7 @@ def test_verify_across_two_nodes(cpu_image, tmp_path):
     report = json.loads(open(proc.stdout.split("report: ")[-1].strip()).read())
     assert report["ok"] and [r["what"] for r in report["rows"]] == ["node0", "node1", "smoke"]
     for row in report["rows"][:2]:   # each node's own measured facts
-        assert row["detail"].startswith("9/9 image checks pass; paddle 3.3.1 (commit ")
+        assert row["detail"].startswith("10/10 image checks pass; paddle 3.3.1 (commit ")
         assert "device cpu" in row["detail"]
     # the smoke row prints the parameter checksums the ranks measured, and they agree
     summary = json.loads(open(report["rows"][2]["report"]).read())

@@ -64,7 +64,7 @@ def test_the_env_is_named_by_its_lock_and_recorded(env):
     assert record["python"] == version and version.startswith("3.11.")
     assert record["platform"] == CPU.platform and record["machine"] == os.uname().machine
     assert os.access(env["path"] / "bin" / "python", os.X_OK)
-    assert "installing 18 wheels into" in env["made"].stdout
+    assert f"installing {len(locks.read(CPU)[1])} wheels into" in env["made"].stdout   # every locked one
 
 
 def test_nothing_temporary_is_left(env):
