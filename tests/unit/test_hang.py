@@ -382,16 +382,22 @@ def test_a_rank_a_collective_timeout_ended_waited_and_its_stuck_peer_is_named():
     assert b.ranks == [1]
 
 
-def test_after_a_collective_timeout_the_record_names_the_stuck_rank_and_the_ranks_that_timed_out(tmp_path):
-    for k, text in ((0, (TIMEOUTS / "gloo-plain-rank0.log").read_text()), (1, "step 30\n")):
+def collective_verdict(tmp_path, logs: dict[int, str], first: int) -> dict:
+    """hang.keep after rank `first` timed out in a collective: one rank per node with the `logs` (workerlog.0
+    texts), rank 1 stuck at step 30 with its stack (the others at step 29, no stack: gone)."""
+    for k, text in logs.items():
         (tmp_path / f"node{k}").mkdir()
         (tmp_path / f"node{k}" / "workerlog.0").write_text(text)
     (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
-    w = hang.Watch(2, 600, 900)
-    w.see(0, rec(1, step=29))
-    w.see(1, rec(1, step=30))
-    rec_ = hang.keep(str(tmp_path / "hang-0"), hang.folder_reader(str(tmp_path)), 2, 1, 0, {},
-                     w.stall("collective", [0]))
+    w = hang.Watch(len(logs), 600, 900)
+    for r in logs:
+        w.see(r, rec(1, step=30 if r == 1 else 29))
+    return hang.keep(str(tmp_path / "hang-0"), hang.folder_reader(str(tmp_path)), len(logs), 1, 0, {},
+                     w.stall("collective", [first]))
+
+
+def test_after_a_collective_timeout_the_record_names_the_stuck_rank_and_the_ranks_that_timed_out(tmp_path):
+    rec_ = collective_verdict(tmp_path, {0: (TIMEOUTS / "gloo-plain-rank0.log").read_text(), 1: "step 30\n"}, 0)
     assert (rec_["kind"], rec_["ranks"], rec_["node"], rec_["timed_out_nodes"]) == ("collective", [1], 1, [0])
     assert rec_["text"].startswith("node1 (rank 1) hung: no progress since step 30 (") and \
         rec_["text"].endswith("rank 0 timed out waiting in a collective"), rec_["text"]
@@ -401,31 +407,15 @@ def test_after_a_collective_timeout_the_record_names_the_stuck_rank_and_the_rank
 def test_a_rank_whose_gloo_thread_aborted_in_the_cascade_is_not_taken_for_the_stuck_one(tmp_path):
     """Recorded (3 nodes, rank 1 stuck at step 30): rank 2 timed out, rank 0 aborted in Gloo's I/O thread; neither
     gave a stack (both gone). Rank 1, the only rank outside a collective, is named."""
-    logs = {0: TIMEOUTS / "gloo-loop-abort-rank0.log", 1: None, 2: TIMEOUTS / "gloo-caught-rank0.log"}
-    for k, log in logs.items():
-        (tmp_path / f"node{k}").mkdir()
-        (tmp_path / f"node{k}" / "workerlog.0").write_text(log.read_text() if log else "step 29\n")
-    (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
-    w = hang.Watch(3, 600, 900)
-    for r in range(3):
-        w.see(r, rec(1, step=29 if r != 1 else 30))
-    got = hang.keep(str(tmp_path / "hang-0"), hang.folder_reader(str(tmp_path)), 3, 1, 0, {},
-                    w.stall("collective", [2]))
+    got = collective_verdict(tmp_path, {0: (TIMEOUTS / "gloo-loop-abort-rank0.log").read_text(), 1: "step 29\n",
+                                        2: (TIMEOUTS / "gloo-caught-rank0.log").read_text()}, 2)
     assert (got["ranks"], got["decided"], got["timed_out_nodes"]) == ([1], True, [0, 2]), got
 
 
 def test_a_stuck_rank_whose_gloo_thread_also_saw_a_peer_go_is_still_named_by_its_stack(tmp_path):
     """The abort line comes from Gloo's I/O thread: it says nothing of where the rank's main thread is."""
-    logs = {0: TIMEOUTS / "gloo-caught-rank0.log", 1: TIMEOUTS / "gloo-loop-abort-rank0.log"}
-    for k, log in logs.items():
-        (tmp_path / f"node{k}").mkdir()
-        (tmp_path / f"node{k}" / "workerlog.0").write_text(log.read_text())
-    (tmp_path / "node1" / "stacks-rank1.txt").write_text((STACKS / "at-step-rank1.txt").read_text())
-    w = hang.Watch(2, 600, 900)
-    w.see(0, rec(1, step=29))
-    w.see(1, rec(1, step=30))
-    got = hang.keep(str(tmp_path / "hang-0"), hang.folder_reader(str(tmp_path)), 2, 1, 0, {},
-                    w.stall("collective", [0]))
+    got = collective_verdict(tmp_path, {0: (TIMEOUTS / "gloo-caught-rank0.log").read_text(),
+                                        1: (TIMEOUTS / "gloo-loop-abort-rank0.log").read_text()}, 0)
     assert (got["ranks"], got["decided"], got["timed_out_nodes"]) == ([1], True, [0]), got
 
 
