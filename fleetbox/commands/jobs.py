@@ -28,8 +28,7 @@ def describe(h: Handle) -> dict:
     """One row of `invoke jobs`: what the job is doing now, as far as this machine can tell."""
     row = {"job": h.job_id, "backend": h.backend, "nodes": h.nodes, "state": JobState.UNKNOWN, "attempt": 0,
            # a folder here (--hosts volumes and folders are on the other machines)
-           "checkpoint": (checkpoints.steps(Path(h.checkpoints)) or [0])[0]
-           if h.checkpoints.startswith("/") and not any(h.hosts) else None,
+           "checkpoint": (checkpoints.steps(Path(h.checkpoints_here())) or [0])[0] if h.checkpoints_here() else None,
            "note": ""}
     try:
         row["state"], row["attempt"], row["note"] = backends.get(h.backend).job_state(h)

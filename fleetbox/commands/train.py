@@ -67,7 +67,7 @@ def _start(spec: JobSpec, b, backend: str, backend_options: dict | None, dry_run
         return None
     if detach:
         handle = b.detach(plan, log)
-        log(f"job {plan.job_id} detached" + (f" (supervisor pid {handle.supervisor})" if handle.supervisor else "")
+        log(f"job {plan.job_id} detached" + (f" ({handle.follower()})" if handle.follower() else "")
             + f"; see it with `invoke jobs`, `invoke logs {plan.job_id} --follow`; stop it with "
               f"`invoke cancel {plan.job_id}`")
         return None

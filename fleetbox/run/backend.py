@@ -64,6 +64,7 @@ class Backend(ABC):
     name = ""
     about = ""                     # a few words for `--backend` in `invoke --help train`
     plan_type: type[Plan] = Plan   # what `plan` returns (a detached job's plan is read back as one)
+    handle_type: type[Handle] = Handle   # what `submit` returns, with the backend's own fields (handle.json)
     options: tuple[Option, ...] = ()
     timeout_ok = False             # `--timeout` stops an attached run; otherwise the backend's own limit does ...
     own_limit = ""                 # ... set this way (said when --timeout is refused)

@@ -24,7 +24,7 @@ import time
 import types
 import typing
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
@@ -63,8 +63,9 @@ class DamagedRecord(UserError):
     """A record in a job folder that cannot be read (truncated, not JSON, not the record's shape)."""
 
 
-def _load(cls, path: Path, required: tuple[str, ...]):
-    """A record of type `cls` from `path`, tolerant of an older or newer fleetbox's fields."""
+def _load(cls, path: Path, required: tuple[str, ...], pick=None):
+    """A record of type `cls` (or `pick(data)`'s, where given) from `path`, tolerant of an older or newer
+    fleetbox's fields."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -75,6 +76,7 @@ def _load(cls, path: Path, required: tuple[str, ...]):
         raise DamagedRecord(f"{path} cannot be read: {e.strerror}") from None
     if not isinstance(data, dict) or any(k not in data for k in required):
         raise DamagedRecord(f"{path} is damaged: not a {cls.__name__} record (needs {', '.join(required)})")
+    cls = pick(data) if pick else cls
     known = {f.name for f in dataclasses.fields(cls)}
     try:
         return from_record(cls, {k: v for k, v in data.items() if k in known})
@@ -82,24 +84,57 @@ def _load(cls, path: Path, required: tuple[str, ...]):
         raise DamagedRecord(f"{path} is damaged: {e}") from None
 
 
+HANDLE_TYPES: dict[str, type[Handle]] = {}   # a backend's own handle type, by backend name (run/backends registers)
+
+
 @dataclass
 class Handle:
-    """A submitted job: enough to follow, ask, read and cancel it (also from another process)."""
+    """A submitted job: enough to follow, ask, read and cancel it (also from another process). What every
+    backend's job has; a backend adds its own fields in a subclass (its `handle_type`), saved in the same flat
+    handle.json. `Handle(backend, ...)` and `Handle.load` give the registered backend's own type; a handle of a
+    backend this fleetbox does not have reads as this base, its own fields left aside."""
     backend: str
     job_id: str
     dir: str
     nodes: int = 0
-    hosts: list[str] = field(default_factory=list)   # Docker: the engines ("" for this machine)
+    _: KW_ONLY
     procs_per_node: int = 1
-    scheduler_job: str = ""                           # Slurm: its job id (the first of a chain of allocations)
-    supervisor: int = 0                               # pid of the process that follows the job (0: Slurm alone)
-    supervisor_start: int = 0                         # ... and its start time (clock ticks): a reused pid is not it
-    supervisor_host: str = ""                         # ... and the machine it runs on ("": before it was recorded)
-    checkpoints: str = ""                             # the job's checkpoint folder (or --hosts volume)
+    checkpoints: str = ""                             # the job's checkpoint folder (or, Docker --hosts, volume)
     owner: str = ""                                   # its containers' owner label (owner()); "": older fleetbox
+
+    def __new__(cls, *args, **kwargs):
+        backend = kwargs.get("backend", args[0] if args else "")
+        own = HANDLE_TYPES.get(backend) if cls is Handle and isinstance(backend, str) else None
+        return super().__new__(own or cls)
 
     def save(self) -> None:
         files.write_json(Path(self.dir, HANDLE), asdict(self))
+
+    def checkpoints_here(self) -> str:
+        """The job's checkpoint folder where this machine can read it, else "" (a volume, a remote host's)."""
+        return self.checkpoints if self.checkpoints.startswith("/") else ""
+
+    def follower(self) -> str:
+        """What follows the job for its backend, in a few words ("" where its scheduler does)."""
+        return ""
+
+    @classmethod
+    def load(cls, job_dir: Path) -> Handle:
+        """Raises FileNotFoundError when there is none, DamagedRecord when it cannot be read."""
+        def own(data: dict) -> type[Handle]:
+            b = data["backend"]
+            return HANDLE_TYPES.get(b, cls) if cls is Handle and isinstance(b, str) else cls
+        return _load(cls, Path(job_dir, HANDLE), ("backend", "job_id", "dir"), own)
+
+
+@dataclass
+class SupervisedHandle(Handle):
+    """A job that a fleetbox process follows (an attached `invoke train`, or a detached job's supervisor,
+    run/supervisor.py), not a scheduler: `invoke jobs` and `invoke cancel` ask that process."""
+    _: KW_ONLY
+    supervisor: int = 0                               # pid of the process that follows the job
+    supervisor_start: int = 0                         # ... and its start time (clock ticks): a reused pid is not it
+    supervisor_host: str = ""                         # ... and the machine it runs on ("": before it was recorded)
 
     def followed(self) -> bool:
         """The process that follows the job runs: the same pid and the same start time (a reused pid is another
@@ -112,10 +147,8 @@ class Handle:
         folder), else "": from here its pid cannot be asked, and its engine may not be this machine's."""
         return self.supervisor_host if self.supervisor_host and self.supervisor_host != this_host() else ""
 
-    @classmethod
-    def load(cls, job_dir: Path) -> Handle:
-        """Raises FileNotFoundError when there is none, DamagedRecord when it cannot be read."""
-        return _load(cls, Path(job_dir, HANDLE), ("backend", "job_id", "dir"))
+    def follower(self) -> str:
+        return f"supervisor pid {self.supervisor}" if self.supervisor else ""
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The job folder's records: written whole or not at all, read back across versions, and a damaged one is one
 line in `cancel` and `logs` and a row of its own in `invoke jobs`."""
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -114,6 +115,82 @@ def test_a_truncated_handle_is_one_line_in_cancel_and_logs_and_a_row_in_jobs(run
     rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[1:]}
     assert rows["train-20261123-000000-dead"][1:4] == ["?", "?", "DAMAGED"]
     assert rows["train-20261123-000001-beef"][1:4] == ["docker", "2", "PASSED"]
+
+
+# A handle.json as the fleetbox before per-backend handles wrote it: every backend's fields in one flat record.
+OLD_HANDLE = {"backend": "", "job_id": "train-1", "dir": "", "nodes": 2, "hosts": ["", "ssh://u@h2"],
+              "procs_per_node": 1, "scheduler_job": "", "supervisor": 4242, "supervisor_start": 77,
+              "supervisor_host": "login1", "checkpoints": "/ckpt", "owner": "u@0123456789ab"}
+
+
+@pytest.mark.parametrize("backend, own", [
+    ("docker", {"hosts": ["", "ssh://u@h2"], "supervisor": 4242, "supervisor_start": 77, "supervisor_host": "login1"}),
+    ("slurm", {"scheduler_job": "31"})])
+def test_each_backend_reads_its_own_fields_from_a_flat_handle_and_writes_them_back_flat(tmp_path, backend, own):
+    from fleetbox.run import backends
+    written = {**OLD_HANDLE, "backend": backend, "dir": str(tmp_path), "scheduler_job": own.get("scheduler_job", "")}
+    files.write_json(tmp_path / "handle.json", written)
+    h = Handle.load(tmp_path)
+    assert type(h) is backends.lookup(backend).handle_type and type(h) is not Handle
+    assert {k: getattr(h, k) for k in own} == own
+    assert (h.nodes, h.checkpoints, h.owner) == (2, "/ckpt", "u@0123456789ab")
+    others = set(OLD_HANDLE) - set(own) - {f.name for f in dataclasses.fields(Handle)}
+    assert not [k for k in others if hasattr(h, k)]   # another backend's fields are not this one's
+    h.save()
+    again = json.loads((tmp_path / "handle.json").read_text())
+    assert again == {k: v for k, v in written.items() if k not in others}   # flat, as an older fleetbox reads it
+
+
+def test_a_handle_made_or_read_for_a_backend_is_that_backends_own_type(tmp_path):
+    from fleetbox.run import backends
+    assert type(Handle("slurm", "j", str(tmp_path), 1, scheduler_job="9")) is backends.lookup("slurm").handle_type
+    h = Handle("docker", "j", str(tmp_path), 2, ["", ""], supervisor=7)
+    assert type(h) is backends.lookup("docker").handle_type and (h.hosts, h.supervisor) == (["", ""], 7)
+    assert h.checkpoints_here() == "" and Handle("docker", "j", "/d", 1, [""], checkpoints="/c").checkpoints_here() == "/c"
+    assert Handle("docker", "j", "/d", 1, ["ssh://u@h"], checkpoints="/c").checkpoints_here() == ""   # on h
+
+
+def test_a_handle_of_a_backend_this_fleetbox_does_not_have_reads_as_the_common_part(tmp_path, run_invoke):
+    runs = tmp_path / "runs"
+    (runs / "train-x").mkdir(parents=True)
+    files.write_json(runs / "train-x" / "handle.json", {**OLD_HANDLE, "backend": "kube", "job_id": "train-x",
+                                                       "dir": str(runs / "train-x"),
+                                                       "pod": "p-0"})
+    h = Handle.load(runs / "train-x")
+    assert type(h) is Handle and (h.backend, h.nodes, h.checkpoints) == ("kube", 2, "/ckpt")
+    proc = run_invoke("jobs", env={"FLEETBOX_RUNS": str(runs)})
+    assert proc.returncode == 0, proc.stderr
+    row = proc.stdout.splitlines()[1].split()
+    assert row[:4] == ["train-x", "kube", "2", "?"] and "unknown backend 'kube'" in proc.stdout
+
+
+def test_a_backend_declares_its_own_handle_fields_and_gets_them_back(tmp_path, monkeypatch):
+    from fleetbox.errors import UserError
+    from fleetbox.run import backends
+    from fleetbox.run.records import HANDLE_TYPES
+    from tests.unit.test_backend_registry import EchoBackend
+
+    @dataclasses.dataclass
+    class EchoHandle(Handle):
+        pids: list[int] = dataclasses.field(default_factory=list)
+
+    class Echo2(EchoBackend):
+        name = "echo2"
+        handle_type = EchoHandle
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    monkeypatch.setitem(HANDLE_TYPES, "echo2", Handle)   # register() replaces it; removed after the test
+    backends.register(Echo2)
+    Handle("echo2", "e-1", str(tmp_path), 2, [11, 12]).save()
+    h = Handle.load(tmp_path)
+    assert type(h) is EchoHandle and h.pids == [11, 12]
+    assert json.loads((tmp_path / "handle.json").read_text())["pids"] == [11, 12]
+
+    class Bad(EchoBackend):
+        name = "bad"
+        options = ()
+        handle_type = dict
+    with pytest.raises(UserError, match="backend bad: its handle_type is not a fleetbox Handle"):
+        backends.register(Bad)
 
 
 def test_a_record_that_is_written_is_whole(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from fleetbox.run.backend import BACKENDS, Backend, Option
 from fleetbox.run.backends.docker import DockerBackend
 from fleetbox.run.backends.runtimes import pull_commands  # noqa: F401 (`invoke pull-cmd`: the runtimes' commands)
 from fleetbox.run.backends.slurm import SlurmBackend
+from fleetbox.run.records import HANDLE_TYPES, Handle
 
 ENTRY_POINTS = "fleetbox.backends"
 DEFAULT = DockerBackend.name   # containers through Docker Engines: this machine or --hosts
@@ -30,7 +31,10 @@ def register(cls: type[Backend]) -> type[Backend]:
     for o in cls.options:
         if o.name in taken or o.name in JOB_OPTIONS:
             raise UserError(f"backend {cls.name}: option {o.flag} is {taken.get(o.name, 'the job')}'s already")
+    if not (isinstance(cls.handle_type, type) and issubclass(cls.handle_type, Handle)):
+        raise UserError(f"backend {cls.name}: its handle_type is not a fleetbox Handle")
     BACKENDS[cls.name] = cls
+    HANDLE_TYPES[cls.name] = cls.handle_type
     return cls
 
 

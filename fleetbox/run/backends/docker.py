@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 from fleetbox import ROOT, engine, files, incontainer, settings
@@ -36,7 +36,7 @@ from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Plan, job_ended
 from fleetbox.run.backends import runtimes
-from fleetbox.run.records import Handle, JobInfo, JobState
+from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
 
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
@@ -58,10 +58,21 @@ class DockerPlan(Plan):
     paddle: str = ""                          # the image's Paddle version, where it says (our images' label)
 
 
+@dataclass
+class DockerHandle(SupervisedHandle):
+    """A Docker job: its engines, and the process that follows it (an attached `invoke train`, or a detached
+    job's supervisor)."""
+    hosts: list[str] = field(default_factory=list)   # the engines ("" for this machine)
+
+    def checkpoints_here(self) -> str:
+        return "" if any(self.hosts) else super().checkpoints_here()   # --hosts: on the other machines
+
+
 class DockerBackend(Backend):
     name = "docker"
     about = "containers via Docker Engines"
     plan_type = DockerPlan
+    handle_type = DockerHandle
     timeout_ok = True
     restarts = True   # the whole job again, at once, from its newest checkpoint (run)
     watches_hangs = True   # _Live.watch reads the ranks' progress files
@@ -283,7 +294,7 @@ class DockerBackend(Backend):
 
     # -- acting --
 
-    def submit(self, plan: DockerPlan, log=print) -> Handle:
+    def submit(self, plan: DockerPlan, log=print) -> DockerHandle:
         for note in plan.notes:
             log(note)
         plan.make_dir()
@@ -301,7 +312,7 @@ class DockerBackend(Backend):
                 image_id=plan.image_id, content_tag=plan.content_tag, paddle=plan.paddle, started=now,
                 first_started=first if isinstance(first, (int, float)) and first else now,
                 commands=[n.shell() for n in plan.nodes]).save(plan.dir)
-        handle = Handle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
+        handle = DockerHandle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
                         procs_per_node=spec.procs_per_node, supervisor=os.getpid(),
                         supervisor_start=process_start(os.getpid()), supervisor_host=this_host(),
                         checkpoints=plan.checkpoints, owner=plan.nodes[0].labels.get(settings.LABEL_OWNER, ""))
@@ -318,7 +329,7 @@ class DockerBackend(Backend):
             raise
         return handle
 
-    def follow(self, handle: Handle, log=print, timeout: float | None = None) -> JobResult:
+    def follow(self, handle: DockerHandle, log=print, timeout: float | None = None) -> JobResult:
         live = self.live[handle.job_id]
         with engine_errors(handle.dir):
             pump = live.stream_rank0(log)
@@ -329,20 +340,20 @@ class DockerBackend(Backend):
         del self.live[handle.job_id]
         return live.result()
 
-    def status(self, handle: Handle) -> str:
+    def status(self, handle: DockerHandle) -> str:
         states = [c.status for c in self._containers(handle)]
         if not states:
             return "GONE"
         return "RUNNING" if any(s in ("created", "running", "restarting") for s in states) else "EXITED"
 
-    def logs(self, handle: Handle, node: int) -> str:
+    def logs(self, handle: DockerHandle, node: int) -> str:
         for c in self._containers(handle):
             if c.labels.get(settings.LABEL_RANK) == str(node):
                 return c.logs().decode(errors="replace")
         p = Path(handle.dir) / f"node{node}" / "container.log"
         return p.read_text(errors="replace") if p.exists() else ""
 
-    def cancel(self, handle: Handle, log=print) -> None:
+    def cancel(self, handle: DockerHandle, log=print) -> None:
         live = self.live.pop(handle.job_id, None)
         if live is not None:   # this process started it: stop, keep the logs, remove
             live.stop_all()
@@ -356,7 +367,7 @@ class DockerBackend(Backend):
             _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), files.write_atomic(d / "container.log", c.logs())))
             _quietly(lambda: c.remove(force=True))
 
-    def detach(self, plan: DockerPlan, log=print) -> Handle:
+    def detach(self, plan: DockerPlan, log=print) -> DockerHandle:
         """A supervisor process carries the job (python -m fleetbox.run.supervisor): this returns once it has
         started the job, or says in one line why it could not."""
         plan.make_dir()
@@ -403,7 +414,7 @@ class DockerBackend(Backend):
 
     # -- from any shell --
 
-    def job_state(self, handle: Handle) -> tuple[JobState, int, str]:
+    def job_state(self, handle: DockerHandle) -> tuple[JobState, int, str]:
         d = Path(handle.dir)
         attempt = len([p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"attempt\d+", p.name)])
         if where := handle.elsewhere():
@@ -425,7 +436,7 @@ class DockerBackend(Backend):
                                                 f"failures or restarts; `invoke cancel {handle.job_id}` removes it")
         return JobState.DIED, attempt, f"its supervisor (pid {handle.supervisor}) ended without a summary"
 
-    def _state_elsewhere(self, handle: Handle, where: str, attempt: int) -> tuple[JobState, int, str]:
+    def _state_elsewhere(self, handle: DockerHandle, where: str, attempt: int) -> tuple[JobState, int, str]:
         """A job followed from another machine: its files say how it ended; while it runs, only `--hosts` engines
         can be asked from here (this machine's own engine is not the one its containers run on)."""
         d = Path(handle.dir)
@@ -445,7 +456,7 @@ class DockerBackend(Backend):
                 return JobState.UNKNOWN, attempt, f"{who}; {e}"
         return JobState.UNKNOWN, attempt, f"{who}: `invoke jobs` there tells its state"
 
-    def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
+    def show_logs(self, handle: DockerHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """From the engine while the node's container exists (a restart makes a new one: followed too), else what
         the job left in its folder."""
         seen, shown = set(), False
@@ -477,7 +488,7 @@ class DockerBackend(Backend):
                 return
             time.sleep(poll)
 
-    def stop(self, handle: Handle, log=print, wait: float = 60) -> None:
+    def stop(self, handle: DockerHandle, log=print, wait: float = 60) -> None:
         """The job's supervisor (a detached job's, or another shell's `invoke train`) is asked (SIGTERM) and cleans
         up as on Ctrl-C; without one, or when it does not stop in time, the job's containers are removed here."""
         if where := handle.elsewhere():   # its containers are not ours to remove behind its supervisor
@@ -504,7 +515,7 @@ class DockerBackend(Backend):
         files.write_atomic(Path(handle.dir) / CANCELLED, REMOVED + "\n")   # ended: no supervisor writes a summary
         log(f"job {handle.job_id}: containers removed; logs in {handle.dir}")
 
-    def _containers(self, handle: Handle) -> list:
+    def _containers(self, handle: DockerHandle) -> list:
         found = []
         for host in dict.fromkeys(handle.hosts or [""]):
             found += self.engine(host).containers.list(

@@ -17,7 +17,7 @@ import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import KW_ONLY, asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -118,10 +118,18 @@ class SlurmPlan(Plan):
     image_why: str = ""                   # how the image was chosen (--image, or which export or push)
 
 
+@dataclass
+class SlurmHandle(Handle):
+    """A Slurm job: its chain of allocations, named by the first one's Slurm job id."""
+    _: KW_ONLY
+    scheduler_job: str = ""   # its Slurm job id (the first of a chain of allocations)
+
+
 class SlurmBackend(Backend):
     name = "slurm"
     about = "an sbatch job"
     plan_type = SlurmPlan
+    handle_type = SlurmHandle
     own_limit = "Slurm: --time"
     attempts_are = "allocations"
     names_hosts = True
@@ -434,7 +442,7 @@ class SlurmBackend(Backend):
 
     # -- acting --
 
-    def submit(self, plan: SlurmPlan, log=print) -> Handle:
+    def submit(self, plan: SlurmPlan, log=print) -> SlurmHandle:
         plan.make_dir()
         checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, plan.job_id, log)
         (plan.dir / "summary.json").unlink(missing_ok=True)   # an earlier run's of the same job id
@@ -450,7 +458,7 @@ class SlurmBackend(Backend):
         # SLURM_RESTART_COUNT=0: a requeue count of the shell's own Slurm job is not this job's (chain.sh)
         out = _slurm("sbatch", "--parsable", "--export=ALL,SLURM_RESTART_COUNT=0",
                      str(plan.dir / "job.sbatch")).stdout.strip()
-        handle = Handle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0],
+        handle = SlurmHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0],
                         procs_per_node=plan.spec.procs_per_node, checkpoints=plan.checkpoints,
                         owner=records.owner())
         handle.save()
@@ -472,24 +480,24 @@ class SlurmBackend(Backend):
                                        table):
             log(f"warning: {said}")
 
-    def current(self, handle: Handle, recs: list[dict] | None = None) -> str:
+    def current(self, handle: SlurmHandle, recs: list[dict] | None = None) -> str:
         """The Slurm job of the chain's newest allocation: the next one once submitted, else the last one."""
         recs = allocations(Path(handle.dir), handle.scheduler_job) if recs is None else recs
         if not recs:
             return handle.scheduler_job
         return recs[-1]["next"] or recs[-1]["slurm_job"]
 
-    def status(self, handle: Handle) -> str:
+    def status(self, handle: SlurmHandle) -> str:
         return job_state(self.current(handle))[0]
 
-    def logs(self, handle: Handle, node: int) -> str:
+    def logs(self, handle: SlurmHandle, node: int) -> str:
         p = Path(handle.dir) / f"node{node}.log"
         return p.read_text(errors="replace") if p.exists() else ""
 
-    def mark_cancelled(self, handle: Handle) -> None:
+    def mark_cancelled(self, handle: SlurmHandle) -> None:
         pass   # cancel() marks the chain itself (CANCELLED.<first Slurm job>), which job_state reads
 
-    def cancel(self, handle: Handle, log=print) -> None:
+    def cancel(self, handle: SlurmHandle, log=print) -> None:
         """The marker first (an allocation about to submit the next one reads it, and a next one that was
         already submitted ends at once), then the chain's own Slurm jobs that are still alive, as this user:
         never every job that happens to carry the job's name."""
@@ -515,7 +523,7 @@ class SlurmBackend(Backend):
 
     # -- from any shell --
 
-    def job_state(self, handle: Handle) -> tuple[JobState, int, str]:
+    def job_state(self, handle: SlurmHandle) -> tuple[JobState, int, str]:
         d = Path(handle.dir)
         recs = allocations(d, handle.scheduler_job)
         chained = bool(recs and (recs[-1]["next"] or recs[-1]["ended"] == REQUEUED_RUN))   # another run follows
@@ -545,12 +553,12 @@ class SlurmBackend(Backend):
         told = {"attempts_are": self.attempts_are, "name_host": self.names_hosts, **summary, "nodes": []}   # older
         return JobState.FAILED, attempt, JobResult(**told).reason()
 
-    def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
+    def show_logs(self, handle: SlurmHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """The node's log file on the shared file system, followed across allocations."""
         tail_file(Path(handle.dir) / f"node{node}.log",
                   lambda: follow and alive(patient_state(self.current(handle), log)[0]), log, poll)
 
-    def follow(self, handle: Handle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
+    def follow(self, handle: SlurmHandle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
         """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time),
         saying how each allocation of a chain ended."""
         job_dir, chain, shown, noticed = Path(handle.dir), handle.scheduler_job, 0, set()
@@ -579,7 +587,7 @@ class SlurmBackend(Backend):
         records = allocations(job_dir, chain)
         return self.result(handle, patient_state(current, log)[0], current, records)
 
-    def result(self, handle: Handle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
+    def result(self, handle: SlurmHandle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
         job_dir, slurm_job, records = Path(handle.dir), slurm_job or handle.scheduler_job, records or []
         batch = job_dir / f"slurm-{slurm_job}.out"
         fails = failures(this_run(batch.read_text(errors="replace") if batch.exists() else ""))
