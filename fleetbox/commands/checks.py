@@ -96,7 +96,7 @@ class Expect:
     runtime: str = "docker"         # what starts the containers (Backend.runtime_name)
     runtime_args: tuple = ()
     forced_iface: str = ""
-    shm_settable: bool = True       # --shm-size reaches the container (Backend.shm_settable)
+    shm_settable: bool = True       # --shm-size reaches the container (Capabilities.shm_settable)
     check_paddle: bool = False      # no image (an env on the nodes): `import paddle` is checked on every node
     variant: str = ""
     compute_capabilities: tuple = ()  # CUDA variants: the GPU architectures its wheel has kernels for

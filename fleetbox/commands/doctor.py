@@ -41,10 +41,10 @@ from fleetbox.run.spec import JobSpec, new_job_id
 
 def expect(spec: JobSpec, port: int, b) -> Expect:
     """What the job needs of every node, with what the backend says of how it starts containers."""
-    v = spec.variant
+    v, caps = spec.variant, b.capabilities
     return Expect(spec.nodes, spec.shm_size, spec.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
-                  spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, b.shm_settable,
-                  check_paddle=not b.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities)
+                  spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, caps.shm_settable,
+                  check_paddle=not caps.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities)
 
 
 def _output(path: str) -> str:
@@ -59,18 +59,19 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
     """Check every node for `spec` (the job as `invoke train` would run it); returns the report. `dry_run`: print
     the probe's job (and the sweep's) as the backend would run it, and start nothing."""
     b = backends.get(backend, **(backend_options or {}))
+    caps = b.capabilities
     job_id = new_job_id("doctor")
     facts_here = b.engine_facts(spec)   # what the backend can see from here, before anything starts
     rows = engine_rows(facts_here, spec) if facts_here is not None else []
-    rows += confinement_rows(spec.device, b.unconfined)
+    rows += confinement_rows(spec.device, caps.unconfined)
     base = replace(spec, job_id=job_id, max_restarts=0, resume="auto", checkpoint_dir="")
     facts, master_ip, sweep, job_dir, port = {}, "", None, settings.runs_root() / job_id, None
     if dry_run and not all(r.ok for r in rows):   # what would stop the doctor before its probe
         log(table(rows))
         return {"dry_run": True, "ok": False, "rows": [asdict(r) for r in rows]}
     if all(r.ok for r in rows):
-        probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait, not b.runs_in_image),
-                        image_identity=b.reports_image)
+        probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait, not caps.runs_in_image),
+                        image_identity=caps.reports_image)
         with stops_as_interrupt():
             plan = b.plan(probe)
         if dry_run:
@@ -79,9 +80,9 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
             f"master port {plan.port}")
         port = plan.port
         # bounded: a node stuck on a hung mount must not hold the doctor (Slurm: the queue's --time does)
-        result = b.run(plan, log=lambda m: None, timeout=wait * 3 + 120 if b.timeout_ok else None)
+        result = b.run(plan, log=lambda m: None, timeout=wait * 3 + 120 if caps.timeout else None)
         outputs = {n.rank: _output(n.logs) for n in result.nodes}
-        if b.reports_image:
+        if caps.reports_image:
             rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref))
             rows += prerequisite_rows(outputs, spec.nodes)
         for k in range(spec.nodes):
@@ -95,7 +96,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
                 master_ip = master_ip or f.get("master_ip", "")
         needs = expect(spec, plan.port, b)
         rows += evaluate(facts, needs, master_ip)
-        if b.reports_image:
+        if caps.reports_image:
             rows += allocated_gpu_rows(outputs, facts, needs)
         if not quick:
             rows += throughput_rows(facts)
@@ -140,7 +141,7 @@ def run_sweep(b, base: JobSpec, log) -> dict:
     with stops_as_interrupt():
         plan = b.plan(spec)
     log(f"doctor: all-reduce sweep ({spec.job_id}) across {spec.nodes} node(s)")
-    result = b.run(plan, log=lambda m: None, timeout=1800 if b.timeout_ok else None)
+    result = b.run(plan, log=lambda m: None, timeout=1800 if b.capabilities.timeout else None)
     log0 = Path(result.dir) / "node0" / "workerlog.0"
     found = parse_sweep(log0.read_text(errors="replace")) if log0.exists() else None
     return {"ok": result.ok and found is not None, "sweep": found, "why": result.failure(), "dir": result.dir}

@@ -10,7 +10,7 @@ so a dry-run shows exactly what runs. `run` is submit + follow, with cancel on e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleetbox.errors import UserError
@@ -58,36 +58,63 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend carries out, and what the rest of fleetbox must know of how it runs a job, as one value:
+    fleetbox asks this, never the backend's name. A backend declares its own on the class; where they follow
+    its options (Slurm's runtime), its instance holds its own."""
+    timeout: bool = False            # `--timeout` stops an attached run; otherwise the backend's own limit does ...
+    own_limit: str = ""              # ... set this way (said when --timeout is refused)
+    restarts: bool = False           # carries out --max-restarts (else a job asking for restarts is refused)
+    watches_hangs: bool = False      # carries out --hang-timeout / --start-timeout (run/hang.py)
+    attempts_are: str = "restarts"   # what a job's later attempts are called (a scheduler's chain: allocations)
+    names_hosts: bool = False        # a failure names the node's host (a scheduler's node names mean something)
+    reports_image: bool = False      # a job with spec.image_identity says which image each node has (doctor)
+    runtime: str = ""                # what starts the containers, for doctor's advice ("": the backend's name)
+    label: str = ""                  # how doctor names where its probe runs ("": the backend's name)
+    shm_settable: bool = True        # --shm-size reaches the container (else the node's /dev/shm counts)
+    runs_in_image: bool = True       # the job runs in an image (else in an env on the nodes: doctor checks that
+                                     # Paddle imports there)
+    unconfined: str = ""             # why the job's devices are not confined to what the scheduler allocated
+
+
+# The names these had as a backend's own attributes: a backend written for an older fleetbox may still set them
+# on its class (folded into its capabilities), and reading them still works.
+_FORMER = {"timeout_ok": "timeout", "own_limit": "own_limit", "restarts": "restarts", "watches_hangs": "watches_hangs",
+           "attempts_are": "attempts_are", "names_hosts": "names_hosts", "reports_image": "reports_image",
+           "shm_settable": "shm_settable", "runs_in_image": "runs_in_image", "unconfined": "unconfined"}
+
+
 class Backend(ABC):
     """One way to run a job. A new backend is a subclass registered with run/backends (README: writing a backend);
-    nothing outside run/backends/ asks which backend it is: it asks the backend."""
+    nothing outside run/backends/ asks which backend it is: it asks the backend, and its `capabilities`."""
     name = ""
     about = ""                     # a few words for `--backend` in `invoke --help train`
     plan_type: type[Plan] = Plan   # what `plan` returns (a detached job's plan is read back as one)
     handle_type: type[Handle] = Handle   # what `submit` returns, with the backend's own fields (handle.json)
     options: tuple[Option, ...] = ()
-    timeout_ok = False             # `--timeout` stops an attached run; otherwise the backend's own limit does ...
-    own_limit = ""                 # ... set this way (said when --timeout is refused)
-    attempts_are = "restarts"      # what a job's later attempts are called (Slurm: allocations)
-    names_hosts = False            # a failure names the node's host (a scheduler's node names mean something)
-    restarts = False               # carries out --max-restarts (else a job asking for restarts is refused)
-    watches_hangs = False          # carries out --hang-timeout / --start-timeout (run/hang.py)
-    reports_image = False          # a job with spec.image_identity says which image each node has (doctor)
-    runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime
-    shm_settable = True                  # --shm-size reaches the container (else the node's /dev/shm counts)
-    runs_in_image = True                 # the job runs in an image (else in an env on the nodes: doctor checks
-                                         # that Paddle imports there)
+    capabilities = Capabilities()
+    runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime (doctor's probe shows them)
     notes: tuple[str, ...] = ()          # what the user should know about the options given (one line each)
-    unconfined = ""                      # why the job's devices are not confined to what the scheduler allocated
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        former = {new: cls.__dict__[old] for old, new in _FORMER.items()
+                  if old in cls.__dict__ and not isinstance(cls.__dict__[old], property)}
+        if former:
+            cls.capabilities = replace(cls.capabilities, **former)
+            for old in _FORMER:
+                if old in cls.__dict__ and not isinstance(cls.__dict__[old], property):
+                    delattr(cls, old)
 
     @property
     def runtime_name(self) -> str:
         """What starts the containers (doctor's advice depends on it)."""
-        return self.name
+        return self.capabilities.runtime or self.name
 
     @property
     def label(self) -> str:
-        return self.name
+        return self.capabilities.label or self.name
 
     @abstractmethod
     def plan(self, spec: JobSpec) -> Plan: ...
@@ -149,7 +176,7 @@ class Backend(ABC):
         """Submit and follow to the end (cancelled on every way out), then gather every rank's metrics lines. A
         backend that restarts a failed job itself says how here (Docker); a scheduler's chain does it in its own
         scripts (Slurm)."""
-        if plan.spec.max_restarts and not self.restarts:
+        if plan.spec.max_restarts and not self.capabilities.restarts:
             raise UserError(f"the {self.name} backend does not restart jobs: drop --max-restarts")
         result = self.run_once(plan, log, timeout, on_submit)
         metrics.collect(plan.dir)
@@ -175,6 +202,10 @@ class Backend(ABC):
                     with signals_held():
                         self.cancel(handle, log)
                 raise
+
+
+for _old, _new in _FORMER.items():   # the former names still read, from the capabilities
+    setattr(Backend, _old, property(lambda self, name=_new: getattr(self.capabilities, name)))
 
 
 def job_ended(job_dir: Path, asker: Backend | None = None) -> tuple[bool, str]:

@@ -236,8 +236,8 @@ def _paddle(job: dict) -> str:
 
 def _failure(summary: dict) -> str:
     """The failure line; a summary from before it said how its backend words it takes the backend's ways."""
-    cls = backends.BACKENDS.get(summary.get("backend"))
-    told = {"attempts_are": getattr(cls, "attempts_are", "restarts"), "name_host": getattr(cls, "names_hosts", False)}
+    caps = backends.capabilities(summary.get("backend"))
+    told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts}
     try:
         r = JobResult(**{**told, **summary, "nodes": [NodeResult(**n) for n in summary.get("nodes", [])]})
         return r.reason()

@@ -42,7 +42,7 @@ class JobResult:
     scheduler_state: str = ""    # Slurm's final JobState
     attempts: list[dict] = field(default_factory=list)   # with restarts: {attempt, ok, ended, logs} each
     ended: str = ""              # why a job that no node failed did not pass (e.g. a chain of allocations stopped)
-    attempts_are: str = "restarts"   # what the backend calls a job's later attempts (Backend.attempts_are)
+    attempts_are: str = "restarts"   # what the backend calls a job's later attempts (Capabilities.attempts_are)
     name_host: bool = False          # the failure line names the failing node's host (a scheduler's node)
     hang: dict | None = None         # the job hung (run/hang.py): {kind, ranks, decided, where, node, text, dir}
 

@@ -150,3 +150,30 @@ def test_registering_takes_the_class_and_refuses_a_taken_flag(monkeypatch):
         options = (Option("nodes", "the job's own"),)
     with pytest.raises(UserError, match="option --nodes is the job's already"):
         backends.register(Job)
+
+
+def test_a_backends_capabilities_are_one_value_and_the_former_attributes_still_declare_and_read_them():
+    from fleetbox.run import backends
+    from fleetbox.run.backend import Capabilities
+
+    class Former(EchoBackend):   # written for a fleetbox whose backends set these one by one
+        name = "former"
+        restarts = True
+        timeout_ok = True
+        attempts_are = "tries"
+    assert Former.capabilities == Capabilities(timeout=True, restarts=True, attempts_are="tries")
+    b = Former("x")
+    assert (b.restarts, b.timeout_ok, b.attempts_are, b.watches_hangs) == (True, True, "tries", False)
+    assert EchoBackend.capabilities == Capabilities()   # its parent's are its own
+    slurm = backends.get("slurm", runtime="apptainer")
+    assert (slurm.capabilities.runtime, slurm.label, slurm.shm_settable) == ("apptainer", "slurm/apptainer", False)
+    assert backends.lookup("slurm").capabilities.runtime == ""   # the class's: before any runtime is chosen
+    assert backends.capabilities("nope") == Capabilities() and backends.capabilities(None) == Capabilities()
+
+
+def test_writing_a_backend_names_every_capability():
+    import dataclasses
+
+    from fleetbox.run.backend import Capabilities
+    page = (ROOT / "docs" / "explanation" / "writing-a-backend.md").read_text()
+    assert [f.name for f in dataclasses.fields(Capabilities) if f"`{f.name}`" not in page] == []

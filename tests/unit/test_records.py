@@ -146,7 +146,8 @@ def test_a_handle_made_or_read_for_a_backend_is_that_backends_own_type(tmp_path)
     assert type(Handle("slurm", "j", str(tmp_path), 1, scheduler_job="9")) is backends.lookup("slurm").handle_type
     h = Handle("docker", "j", str(tmp_path), 2, ["", ""], supervisor=7)
     assert type(h) is backends.lookup("docker").handle_type and (h.hosts, h.supervisor) == (["", ""], 7)
-    assert h.checkpoints_here() == "" and Handle("docker", "j", "/d", 1, [""], checkpoints="/c").checkpoints_here() == "/c"
+    assert h.checkpoints_here() == ""
+    assert Handle("docker", "j", "/d", 1, [""], checkpoints="/c").checkpoints_here() == "/c"
     assert Handle("docker", "j", "/d", 1, ["ssh://u@h"], checkpoints="/c").checkpoints_here() == ""   # on h
 
 

@@ -12,7 +12,7 @@ from importlib import metadata
 
 from fleetbox import options as parse
 from fleetbox.errors import UserError
-from fleetbox.run.backend import BACKENDS, Backend, Option
+from fleetbox.run.backend import BACKENDS, Backend, Capabilities, Option
 from fleetbox.run.backends.docker import DockerBackend
 from fleetbox.run.backends.runtimes import pull_commands  # noqa: F401 (`invoke pull-cmd`: the runtimes' commands)
 from fleetbox.run.backends.slurm import SlurmBackend
@@ -75,7 +75,13 @@ def lookup(name: str) -> type[Backend]:
 def attempts_are(job: dict, summary: dict) -> str:
     """What a job's later attempts are ("restarts", or a scheduler's chain's "allocations"): its summary says,
     else the backend its job.json names."""
-    return summary.get("attempts_are") or getattr(BACKENDS.get(job.get("backend")), "attempts_are", "restarts")
+    return summary.get("attempts_are") or capabilities(job.get("backend")).attempts_are
+
+
+def capabilities(name) -> Capabilities:
+    """A backend's capabilities as its class declares them; a backend this fleetbox does not have: the defaults."""
+    cls = BACKENDS.get(name) if isinstance(name, str) else None
+    return cls.capabilities if cls is not None else Capabilities()
 
 
 def get(name: str, **options) -> Backend:
@@ -106,9 +112,10 @@ def configure(name: str, given: dict) -> dict:
 def check_timeout(name: str, timeout: float | None) -> None:
     """`--timeout` is an attached run's own limit; a backend with a queue has its own."""
     cls = lookup(name)
-    if timeout and not cls.timeout_ok:
-        able = " or ".join(b.name for b in BACKENDS.values() if b.timeout_ok)
-        raise UserError(f"--timeout is for the {able} backend; give {name} its own limit ({cls.own_limit})")
+    if timeout and not cls.capabilities.timeout:
+        able = " or ".join(b.name for b in BACKENDS.values() if b.capabilities.timeout)
+        raise UserError(f"--timeout is for the {able} backend; give {name} its own limit "
+                        f"({cls.capabilities.own_limit})")
 
 
 def clean(hosts: list[str], job: str = "", force: bool = False, log=print) -> tuple[int, int]:

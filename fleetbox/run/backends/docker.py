@@ -34,7 +34,7 @@ from fleetbox.processes import process_start, this_host
 from fleetbox.run import checkpoints, hang, hostnet, metrics, output, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Backend, Plan, job_ended
+from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Plan, job_ended
 from fleetbox.run.backends import runtimes
 from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
@@ -73,9 +73,9 @@ class DockerBackend(Backend):
     about = "containers via Docker Engines"
     plan_type = DockerPlan
     handle_type = DockerHandle
-    timeout_ok = True
-    restarts = True   # the whole job again, at once, from its newest checkpoint (run)
-    watches_hangs = True   # _Live.watch reads the ranks' progress files
+    # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
+    # ranks' progress files
+    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True)
 
     def __init__(self, connect=engine.client):
         self.connect = connect            # host URL ("" = this machine) -> engine client; tests pass a fake
@@ -837,8 +837,9 @@ class _Live:
         said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.spec.hosts else {}
         if ok and said.get("state") == "continue":   # told to stop from outside (SIGTERM): saved, not finished
             ok, ended = False, f"stopped at step {said.get('step')} to continue, before its work was done"
+        caps = self.backend.capabilities
         r = JobResult(self.plan.job_id, self.backend.name, ok, nodes, bad, self.timed_out, str(d),
-                      attempts_are=self.backend.attempts_are, name_host=self.backend.names_hosts,
+                      attempts_are=caps.attempts_are, name_host=caps.names_hosts,
                       smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended, hang=hung)
         if r.culprit is not None:
             r.log_tail = _node_tail(d / f"node{bad}")

@@ -27,7 +27,7 @@ from fleetbox.errors import UserError
 from fleetbox.run import checkpoints, filesystems, hang, hostnet, output, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Backend, Option, Plan
+from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Option, Plan
 from fleetbox.run.backends import runtimes
 from fleetbox.run.backends.runtimes import template
 from fleetbox.run.records import Handle, JobInfo, JobState
@@ -130,12 +130,9 @@ class SlurmBackend(Backend):
     about = "an sbatch job"
     plan_type = SlurmPlan
     handle_type = SlurmHandle
-    own_limit = "Slurm: --time"
-    attempts_are = "allocations"
-    names_hosts = True
-    restarts = True   # in the chain of allocations (job.sbatch)
-    watches_hangs = True   # the batch script runs run/hang.py beside srun
-    reports_image = True
+    # restarts: in the chain of allocations (job.sbatch); hangs: the batch script runs run/hang.py beside srun
+    capabilities = Capabilities(own_limit="Slurm: --time", restarts=True, watches_hangs=True,
+                                attempts_are="allocations", names_hosts=True, reports_image=True)
     options = (
         Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman, docker (default), or none: no "
                           "container, the env given with --venv", "docker"),
@@ -178,6 +175,10 @@ class SlurmBackend(Backend):
             raise UserError(f"--venv and --modules are for --runtime {runtimes.Host.name} (no container); "
                             f"runtime {runtime} runs an image")
         self.runtime = runtimes.get(runtime, venv or "", module_list)
+        rt = self.runtime
+        self.capabilities = replace(SlurmBackend.capabilities, runtime=rt.name, label=f"slurm/{rt.name}",
+                                    shm_settable=rt.sets_shm, runs_in_image=rt.has_image,
+                                    unconfined="" if rt.confined else rt.unconfined_note())
         if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
             raise UserError(f"--signal-grace must be between 1 and 65535 seconds (got {signal_grace})")
         if max_allocations < 1:
@@ -208,26 +209,6 @@ class SlurmBackend(Backend):
             self.runtime_args = tuple(shlex.split(runtime_args or ""))
         except ValueError as e:
             raise UserError(f"--runtime-args cannot be split into words: {e}") from None
-
-    @property
-    def runtime_name(self) -> str:
-        return self.runtime.name
-
-    @property
-    def label(self) -> str:
-        return f"slurm/{self.runtime.name}"
-
-    @property
-    def shm_settable(self) -> bool:
-        return self.runtime.sets_shm
-
-    @property
-    def runs_in_image(self) -> bool:
-        return self.runtime.has_image
-
-    @property
-    def unconfined(self) -> str:
-        return "" if self.runtime.confined else self.runtime.unconfined_note()
 
     # -- plan and describe (pure once the spec is given) --
 
@@ -550,7 +531,8 @@ class SlurmBackend(Backend):
             return JobState.PASSED, attempt, ""
         if summary.get("hang"):
             return JobState.HUNG, attempt, summary["hang"].get("text", "")
-        told = {"attempts_are": self.attempts_are, "name_host": self.names_hosts, **summary, "nodes": []}   # older
+        caps = self.capabilities
+        told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts, **summary, "nodes": []}   # older
         return JobState.FAILED, attempt, JobResult(**told).reason()
 
     def show_logs(self, handle: SlurmHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
@@ -619,8 +601,9 @@ class SlurmBackend(Backend):
                                     if said and k == bad and code in NODE_EXITS
                                     else spawned_end(job_dir / f"node{k}.log") if k == bad else ""))
         ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
-        r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=self.attempts_are,
-                      name_host=self.names_hosts,
+        caps = self.capabilities
+        r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=caps.attempts_are,
+                      name_host=caps.names_hosts,
                       log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
                       launcher_config=output.config_dump(read_lines(job_dir / f"node{bad}.log"))
                       if bad is not None else [],
