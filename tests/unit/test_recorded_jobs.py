@@ -78,7 +78,8 @@ def test_the_recorded_handles_read_back_whole(runs):
     assert restarted.dir == str(runs / RESTARTED) and restarted.checkpoints == str(runs / RESTARTED / "checkpoints")
     assert (restarted.supervisor, restarted.supervisor_start, restarted.owner) == (30405, 192023, "root@bfce88a8cebf")
     assert (detached.supervisor, detached.supervisor_start, detached.supervisor_host) == (6723, 239290, "vm")
-    assert (chain.backend, chain.scheduler_job, chain.nodes, chain.supervisor, chain.hosts) == ("slurm", "7", 2, 0, [])
+    assert (chain.backend, chain.scheduler_job, chain.nodes) == ("slurm", "7", 2)
+    assert not hasattr(chain, "supervisor") and not hasattr(chain, "hosts")   # Docker's, empty in its record
     with pytest.raises(records.DamagedRecord, match=r"/handle\.json is damaged: not JSON \(truncated\?\)$"):
         Handle.load(runs / DAMAGED)
 
