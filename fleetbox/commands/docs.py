@@ -120,7 +120,7 @@ def job_folder_page() -> str:
     out = ["# A job's folder", "", GENERATED, "", "What `runs/<job-id>/` may hold (`FLEETBOX_RUNS` moves `runs/`). "
            "`<k>` is a node's rank, `<N>` a number, `<time>` when (YYYYmmdd-HHMMSS).", "",
            "| name | what it holds |", "|---|---|"]
-    out += [f"| `{name}` | {_cell(about)} |" for name, about in records.JOB_FOLDER.items()]
+    out += [f"| `{name}` | {_cell(about)} |" for name, about in records.job_folder().items()]
     return "\n".join(out) + "\n"
 
 

@@ -36,6 +36,7 @@ from fleetbox.commands.checks import (
 )
 from fleetbox.processes import stops_as_interrupt
 from fleetbox.run import backends
+from fleetbox.run.jobfolder import JobFolder
 from fleetbox.run.spec import JobSpec, new_job_id
 
 
@@ -47,11 +48,11 @@ def expect(spec: JobSpec, port: int, b) -> Expect:
                   check_paddle=not caps.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities)
 
 
-def _output(path: str) -> str:
-    """A node's output: Docker keeps it in node<k>/container.log, Slurm in node<k>.log."""
-    p = Path(path)
-    p = p / "container.log" if p.is_dir() else p
-    return p.read_text(errors="replace") if p.exists() else ""
+def _outputs(result) -> dict[int, str]:
+    """Each node's own output, where its backend's layout keeps it."""
+    folder = JobFolder.at(Path(result.dir))
+    return {n.rank: p.read_text(errors="replace") if (p := folder.output(n.rank)).exists() else ""
+            for n in result.nodes}
 
 
 def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, quick: bool = False,
@@ -81,7 +82,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
         port = plan.port
         # bounded: a node stuck on a hung mount must not hold the doctor (Slurm: the queue's --time does)
         result = b.run(plan, log=lambda m: None, timeout=wait * 3 + 120 if caps.timeout else None)
-        outputs = {n.rank: _output(n.logs) for n in result.nodes}
+        outputs = _outputs(result)
         if caps.reports_image:
             rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref))
             rows += prerequisite_rows(outputs, spec.nodes)
@@ -142,7 +143,8 @@ def run_sweep(b, base: JobSpec, log) -> dict:
         plan = b.plan(spec)
     log(f"doctor: all-reduce sweep ({spec.job_id}) across {spec.nodes} node(s)")
     result = b.run(plan, log=lambda m: None, timeout=1800 if b.capabilities.timeout else None)
-    log0 = Path(result.dir) / "node0" / "workerlog.0"
+    folder = JobFolder.at(Path(result.dir))
+    log0 = dict(folder.nodes(folder.path)).get(0, folder.path / "-") / "workerlog.0"   # the last attempt's rank 0
     found = parse_sweep(log0.read_text(errors="replace")) if log0.exists() else None
     return {"ok": result.ok and found is not None, "sweep": found, "why": result.failure(), "dir": result.dir}
 

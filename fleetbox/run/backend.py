@@ -16,6 +16,7 @@ from pathlib import Path
 from fleetbox.errors import UserError
 from fleetbox.processes import never_failing, signals_held, stops_as_interrupt
 from fleetbox.run import metrics
+from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import DamagedRecord, Handle, JobState
 from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
@@ -92,6 +93,7 @@ class Backend(ABC):
     about = ""                     # a few words for `--backend` in `invoke --help train`
     plan_type: type[Plan] = Plan   # what `plan` returns (a detached job's plan is read back as one)
     handle_type: type[Handle] = Handle   # what `submit` returns, with the backend's own fields (handle.json)
+    layout = Layout()                    # where its jobs' files are in their folders (run/jobfolder.py)
     options: tuple[Option, ...] = ()
     capabilities = Capabilities()
     runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime (doctor's probe shows them)

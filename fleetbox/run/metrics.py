@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 from fleetbox import files
+from fleetbox.run.jobfolder import JobFolder
 
 PREFIX = "FLEETBOX-METRIC "
 
 
 def attempts(job_dir: Path) -> list[tuple[int, Path]]:
-    """(attempt, folder holding node<k>/): earlier attempts (attempt<N>/, Slurm alloc<N>/ = attempt N-1) and the
-    last one in the job folder itself."""
-    found = []
-    for d in job_dir.iterdir() if job_dir.is_dir() else []:
-        if m := re.fullmatch(r"attempt(\d+)", d.name):
-            found.append((int(m.group(1)), d))
-        elif m := re.fullmatch(r"alloc(\d+)", d.name):
-            found.append((int(m.group(1)) - 1, d))
-    found.sort()
-    return found + [(len(found), job_dir)]
+    """(attempt, folder holding its node folders): earlier attempts in their folders (Docker's attempt<N>/,
+    Slurm's alloc<N>/ = attempt N-1), the last one in the job folder itself."""
+    return JobFolder.at(job_dir).attempts()
 
 
 def worker_logs(job_dir: Path) -> list[tuple[int, int, Path]]:
@@ -33,9 +26,7 @@ def worker_logs(job_dir: Path) -> list[tuple[int, int, Path]]:
 
 def node_files(job_dir: Path, pattern: str) -> list[tuple[int, int, Path]]:
     """(attempt, node, file) for every file of every attempt's node folders that matches `pattern` (a glob)."""
-    return [(attempt, int(node_dir.name[4:]), f) for attempt, d in attempts(job_dir)
-            for node_dir in sorted(d.glob("node[0-9]*")) if node_dir.is_dir() and node_dir.name[4:].isdigit()
-            for f in sorted(node_dir.glob(pattern)) if f.is_file()]
+    return JobFolder.at(job_dir).node_files(pattern)
 
 
 def parse(line: str) -> dict | None:

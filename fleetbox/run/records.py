@@ -321,9 +321,9 @@ def owner() -> str:
     return f"{getpass.getuser()}@{digest}"
 
 
-# What a job's folder may hold, for the docs' page (commands/docs.py makes it from this); tests hold real jobs'
-# folders to it, so a file a job starts to leave gets its line here. <k>: a node's rank, <N>: a number, <time>:
-# YYYYmmdd-HHMMSS.
+# What a job's folder may hold, for the docs' page (commands/docs.py makes it from job_folder()); tests hold real
+# jobs' folders to it, so a file a job starts to leave gets its line here, or in its backend's layout. <k>: a
+# node's rank, <N>: a number, <time>: YYYYmmdd-HHMMSS.
 JOB_FOLDER = {
     HANDLE: "how to follow, ask and cancel the job from any shell (backend, nodes, hosts, Slurm job, supervisor)",
     JOB: "what ran: the image, its id and content tag, Paddle's version, each node's command",
@@ -337,34 +337,33 @@ JOB_FOLDER = {
     "node<k>": "node k's logs: the launcher's workerlog.<rank>, the container's output (container.log), "
                "each rank's progress and, after a hang, its stacks; the script's own VisualDL logs "
                "(visualdl/rank<r>/<logdir>)",
-    "node<k>.log": "Slurm: node k's task output",
-    "attempt<N>": "Docker: an earlier attempt's node folders and summary (the last attempt's are at the top)",
-    "alloc<N>": "Slurm: an earlier allocation's node logs",
     "hang-<N>": "a hang in attempt N: every rank's stacks and the verdict",
     "checkpoints": "the job's checkpoint folder, where no --checkpoint-dir is given",
     "checkpoints.before-<time>": "checkpoints `--resume never` set aside",
     "run-<time>": "an earlier run of the same job id, set aside whole when the id ran again",
-    "CANCELLED": "Docker: stopped by `invoke cancel`, Ctrl-C, SIGTERM or a hang-up; `containers removed` once "
-                 "`invoke cancel` removed them itself",
-    "CANCELLED.<N>": "`invoke cancel` asked (Slurm: the chain's first Slurm job)",
+    "CANCELLED": "stopped by `invoke cancel`, Ctrl-C, SIGTERM or a hang-up",
     "doctor.json": "`invoke doctor`'s report, in its probe job's folder",
-    "job.sbatch": "Slurm: the batch script, as submitted",
-    "node.sh": "Slurm: what each node's task runs",
-    "hang.py": "Slurm: the hang watcher every allocation runs (a copy, so a chain runs one version)",
-    "helpers": "Slurm: fleetbox's in-container helpers (a copy, for the same reason)",
-    "slurm-<N>.out": "Slurm: the batch script's output, per allocation",
-    "allocations.jsonl": "Slurm: how each allocation ended",
-    "started.<N>": "Slurm: when an allocation's job step started",
     STARTING: "held while a job of this id starts (and, attached, runs)",
     _ASIDE: "an earlier run on its way to run-<time>/ (a move that was cut short)",
 }
 _PLACES = {"<k>": r"\d+", "<N>": r"\d+", "<time>": r"\d{8}-\d{6}(-\d+)?"}
 
 
+BACKEND_ENTRIES: dict[str, dict[str, str]] = {}   # what else each backend leaves (its Layout's), by backend name
+
+
+def job_folder() -> dict[str, str]:
+    """Everything a job's folder may hold: what every job's has, then each registered backend's own."""
+    out = dict(JOB_FOLDER)
+    for entries in BACKEND_ENTRIES.values():
+        out.update(entries)
+    return out
+
+
 def undescribed(job_dir: Path) -> list[str]:
-    """What is in a job's folder that JOB_FOLDER does not describe."""
+    """What is in a job's folder that job_folder() does not describe."""
     patterns = []
-    for name in JOB_FOLDER:
+    for name in job_folder():
         pattern = re.escape(name)
         for place, rx in _PLACES.items():
             pattern = pattern.replace(re.escape(place), rx)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -17,18 +16,13 @@ from fleetbox import files
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import backends, hang, metrics, records
+from fleetbox.run.jobfolder import JobFolder
 from fleetbox.run.result import JobResult, NodeResult
 
 
 def first_start(job_dir: Path, job: dict) -> float | None:
-    """When the job's first attempt began (Docker: job.json; Slurm: the first allocation's batch output)."""
-    if job.get("first_started") or job.get("started"):
-        return float(job.get("first_started") or job["started"])
-    starts = []
-    for out in job_dir.glob("slurm-*.out"):
-        starts += [float(t) for t in re.findall(r"^fleetbox: allocation \d+ started at ([\d.]+)$",
-                                                out.read_text(errors="replace"), re.M)]
-    return min(starts) if starts else None
+    """When the job's first attempt began, as its folder says (run/jobfolder.py)."""
+    return min(JobFolder.at(job_dir).starts(job), default=None)
 
 
 def rate_lines(recs: list[dict], t0: float) -> dict[int, list[list[tuple[float, float]]]]:
@@ -45,15 +39,8 @@ def rate_lines(recs: list[dict], t0: float) -> dict[int, list[list[tuple[float, 
 
 
 def job_start(job_dir: Path, job: dict) -> float | None:
-    """When the last attempt's containers were started (Docker: job.json) or its allocation began (Slurm: the
-    batch output's `allocation N started at` line)."""
-    if job.get("started"):
-        return float(job["started"])
-    starts = []
-    for out in job_dir.glob("slurm-*.out"):
-        starts += [float(t) for t in re.findall(r"^fleetbox: allocation \d+ started at ([\d.]+)$",
-                                                out.read_text(errors="replace"), re.M)]
-    return max(starts) if starts else None
+    """When the job's last attempt began, as its folder says."""
+    return max(JobFolder.at(job_dir).starts(job), default=None)
 
 
 def throughput(recs: list[dict]) -> dict:

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetbox import files, settings
-from fleetbox.run import backends, hang, metrics, records
+from fleetbox.run import hang, metrics, records
+from fleetbox.run.jobfolder import JobFolder
 
 EVENTS = "events"
 GROUP = "train/"   # every chart in one group, as Paddle's own VisualDL callback tags them
@@ -103,11 +104,6 @@ def display_name(name: str, ms: int) -> bytes:
 
 
 # -- a job's runs --
-
-def attempt_label(attempts_are: str, attempt: int) -> str:
-    """attempt<N> (restarts, numbered as runs/<job>/attempt<N>/) or alloc<N> (Slurm, numbered from 1 as alloc<N>/)."""
-    return f"alloc{attempt + 1}" if attempts_are == "allocations" else f"attempt{attempt}"
-
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -243,7 +239,7 @@ class JobRuns:
         place on the board (<prefix>/script/<attempt>/rank<r>/<logdir>/<file>): followed by inode, as the worker
         logs are, a record still being written left for the next call. A file that cannot be read is left out
         (said once in `problems`), and so is one that is a link or leads out of the job's folder."""
-        attempts_are = backends.attempts_are(*self._job())
+        name = JobFolder.at(self.dir).layout.attempt_name
         pattern = f"{settings.SCRIPT_VISUALDL}/**/vdlrecords*"
         before, settled, out = metrics.node_files(self.dir, pattern), None, {}
         inside = os.path.realpath(self.dir) + os.sep
@@ -259,9 +255,9 @@ class JobRuns:
                         settled = metrics.node_files(self.dir, pattern) == before
                     if not settled:
                         continue
-                    parts = path.relative_to(self.dir).parts   # node<k>/visualdl/<rank r>/<logdir>/<file>
-                    inner = "/".join(parts[next(i for i, p in enumerate(parts) if re.fullmatch(r"node\d+", p)) + 2:])
-                    self.copies[key] = [0, f"{self.prefix}/script/{attempt_label(attempts_are, attempt)}/{inner}"]
+                    parts = path.relative_to(self.dir).parts   # <node folder>/visualdl/<rank r>/<logdir>/<file>
+                    inner = "/".join(parts[parts.index(settings.SCRIPT_VISUALDL) + 1:])
+                    self.copies[key] = [0, f"{self.prefix}/script/{name(attempt)}/{inner}"]
                 seen = self.copies[key]
                 if seen[0] < 0 or st.st_size <= seen[0]:   # given up on, or nothing new
                     continue
@@ -291,7 +287,7 @@ class JobRuns:
             raise ValueError("its id ran again since the board started (the earlier run is in run-<time>/): "
                              "start the board again to see the new run")
         self.identity = identity
-        attempts_are = backends.attempts_are(job, summary)
+        name = JobFolder.at(self.dir).layout.attempt_name
         ppn = int(job.get("procs_per_node") or 1)
         nranks = int(job.get("nodes") or 0) * ppn
         runs: dict[str, dict[str, list[Point]]] = {}
@@ -307,7 +303,7 @@ class JobRuns:
         new = self._new_lines()
         for a, rec in new:
             att = self.attempts.setdefault(a, _Attempt())
-            label, ms = attempt_label(attempts_are, a), int(rec["time"] * 1000)
+            label, ms = name(a), int(rec["time"] * 1000)
             if a:
                 event(f"{label}/began", Point(EVENTS, rec["step"], ms, f"{label} began at step {rec['step']}"))
             att.last = max(att.last, (rec["step"], ms))
@@ -317,7 +313,7 @@ class JobRuns:
             if _number(own) and math.isfinite(own) and own >= 0:
                 att.own.setdefault(rec["rank"], []).append((rec["step"], float(own), ms))
         for a, att in sorted(self.attempts.items()):
-            label = attempt_label(attempts_are, a)
+            label = name(a)
             for k, s, ms, straggles, own, others in mark_stragglers(att, nranks):
                 add(f"{label}/rank{k}", GROUP + "straggler", Point(GROUP + "straggler", s, ms, float(straggles)))
                 if straggles and k not in att.flagged:
@@ -329,10 +325,10 @@ class JobRuns:
                 a = int(m.group(1))
                 step, ms = self.attempts.get(a, _Attempt()).last
                 said = blame.read_text(errors="replace").strip().splitlines()
-                event(f"{attempt_label(attempts_are, a)}/hang", Point(EVENTS, step, ms, said[0] if said else "hung"))
+                event(f"{name(a)}/hang", Point(EVENTS, step, ms, said[0] if said else "hung"))
         for e in summary.get("attempts", []):   # written when the job ends
             if isinstance(e, dict) and isinstance(e.get("attempt"), int) and e.get("ended"):
-                label = attempt_label(attempts_are, e["attempt"])
+                label = name(e["attempt"])
                 step, ms = self.attempts.get(e["attempt"], _Attempt()).last
                 event(f"{label}/ended", Point(EVENTS, step, ms, f"{label} ended: {e['ended']}"))
         return runs

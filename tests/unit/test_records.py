@@ -179,7 +179,8 @@ def test_a_backend_declares_its_own_handle_fields_and_gets_them_back(tmp_path, m
         name = "echo2"
         handle_type = EchoHandle
     monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
-    monkeypatch.setitem(HANDLE_TYPES, "echo2", Handle)   # register() replaces it; removed after the test
+    for registry in (HANDLE_TYPES, backends.LAYOUTS, records.BACKEND_ENTRIES):   # removed after the test
+        monkeypatch.setitem(registry, "echo2", None)
     backends.register(Echo2)
     Handle("echo2", "e-1", str(tmp_path), 2, [11, 12]).save()
     h = Handle.load(tmp_path)

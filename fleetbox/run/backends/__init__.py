@@ -16,7 +16,8 @@ from fleetbox.run.backend import BACKENDS, Backend, Capabilities, Option
 from fleetbox.run.backends.docker import DockerBackend
 from fleetbox.run.backends.runtimes import pull_commands  # noqa: F401 (`invoke pull-cmd`: the runtimes' commands)
 from fleetbox.run.backends.slurm import SlurmBackend
-from fleetbox.run.records import HANDLE_TYPES, Handle
+from fleetbox.run.jobfolder import LAYOUTS, Layout
+from fleetbox.run.records import BACKEND_ENTRIES, HANDLE_TYPES, Handle
 
 ENTRY_POINTS = "fleetbox.backends"
 DEFAULT = DockerBackend.name   # containers through Docker Engines: this machine or --hosts
@@ -33,8 +34,12 @@ def register(cls: type[Backend]) -> type[Backend]:
             raise UserError(f"backend {cls.name}: option {o.flag} is {taken.get(o.name, 'the job')}'s already")
     if not (isinstance(cls.handle_type, type) and issubclass(cls.handle_type, Handle)):
         raise UserError(f"backend {cls.name}: its handle_type is not a fleetbox Handle")
+    if not isinstance(cls.layout, Layout):
+        raise UserError(f"backend {cls.name}: its layout is not a fleetbox Layout")
     BACKENDS[cls.name] = cls
     HANDLE_TYPES[cls.name] = cls.handle_type
+    LAYOUTS[cls.name] = cls.layout
+    BACKEND_ENTRIES[cls.name] = cls.layout.entries
     return cls
 
 

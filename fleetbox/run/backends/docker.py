@@ -36,6 +36,7 @@ from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Plan, job_ended
 from fleetbox.run.backends import runtimes
+from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
 
@@ -73,6 +74,10 @@ class DockerBackend(Backend):
     about = "containers via Docker Engines"
     plan_type = DockerPlan
     handle_type = DockerHandle
+    layout = Layout(earlier="attempt<N>", first=0, node="node<k>", output="node<k>/container.log", entries={
+        "attempt<N>": "Docker: an earlier attempt's node folders and summary (the last attempt's are at the top)",
+        "CANCELLED": "Docker: stopped by `invoke cancel`, Ctrl-C, SIGTERM or a hang-up; `containers removed` once "
+                     "`invoke cancel` removed them itself"})
     # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
     # ranks' progress files
     capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True)

@@ -30,6 +30,7 @@ from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Option, Plan
 from fleetbox.run.backends import runtimes
 from fleetbox.run.backends.runtimes import template
+from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
 from fleetbox.run.shell import Raw, line
@@ -125,11 +126,34 @@ class SlurmHandle(Handle):
     scheduler_job: str = ""   # its Slurm job id (the first of a chain of allocations)
 
 
+@dataclass(frozen=True)
+class SlurmLayout(Layout):
+    """A chain's allocations: alloc<N>/ from 1, each node's task output in node<k>.log, and when each
+    allocation began in its batch script's output."""
+
+    def starts(self, job_dir: Path, job: dict) -> list[float]:
+        return super().starts(job_dir, job) or [
+            float(t) for out in job_dir.glob("slurm-*.out")
+            for t in re.findall(r"^fleetbox: allocation \d+ started at ([\d.]+)$", out.read_text(errors="replace"),
+                                re.M)]
+
+
 class SlurmBackend(Backend):
     name = "slurm"
     about = "an sbatch job"
     plan_type = SlurmPlan
     handle_type = SlurmHandle
+    layout = SlurmLayout(earlier="alloc<N>", first=1, node="node<k>", output="node<k>.log", entries={
+        "node<k>.log": "Slurm: node k's task output",
+        "alloc<N>": "Slurm: an earlier allocation's node logs",
+        "CANCELLED.<N>": "`invoke cancel` asked (Slurm: the chain's first Slurm job)",
+        "job.sbatch": "Slurm: the batch script, as submitted",
+        "node.sh": "Slurm: what each node's task runs",
+        "hang.py": "Slurm: the hang watcher every allocation runs (a copy, so a chain runs one version)",
+        "helpers": "Slurm: fleetbox's in-container helpers (a copy, for the same reason)",
+        "slurm-<N>.out": "Slurm: the batch script's output, per allocation",
+        "allocations.jsonl": "Slurm: how each allocation ended",
+        "started.<N>": "Slurm: when an allocation's job step started"})
     # restarts: in the chain of allocations (job.sbatch); hangs: the batch script runs run/hang.py beside srun
     capabilities = Capabilities(own_limit="Slurm: --time", restarts=True, watches_hangs=True,
                                 attempts_are="allocations", names_hosts=True, reports_image=True)

@@ -1,0 +1,107 @@
+"""A job's folder (runs/<job-id>/) as its backend lays it out: where each attempt's node folders are, and each
+node's own output. Backends declare their Layout (Backend.layout); everything else (metrics, the report, the
+board, doctor) reads a job's folder through JobFolder, never by a backend's file names.
+
+The last attempt's node folders are in the job folder itself; an earlier attempt's are in the folder its
+layout names (Docker: attempt<N>/ from 0, Slurm: alloc<N>/ from 1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleetbox.run.records import HANDLE, JOB
+
+LAYOUTS: dict[str, Layout] = {}   # by backend name; run/backends registers each backend's
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a backend puts a job's files, as patterns in which <N> is an attempt's number and <k> a node's
+    rank. A backend with other files than these extends it (Slurm's reads its allocations' start times)."""
+    earlier: str = "attempt<N>"   # an earlier attempt's folder, in the job folder (it may be nested: tries/<N>)
+    first: int = 0                # the <N> of the first attempt's folder
+    node: str = "node<k>"         # a node's folder in an attempt's: its worker logs, progress, stacks
+    output: str = "node<k>/container.log"   # a node's own output, in an attempt's: what `invoke logs` shows
+    entries: dict = field(default_factory=dict)   # what else the backend leaves in the folder: {pattern: what}
+
+    def attempt_name(self, attempt: int) -> str:
+        """The name of an attempt (0: the first), as its folder is named once it is an earlier one."""
+        return self.earlier.rpartition("/")[2].replace("<N>", str(attempt + self.first))
+
+    def starts(self, job_dir: Path, job: dict) -> list[float]:
+        """When attempts began, as far as the folder says: job.json's first attempt's and last attempt's."""
+        return [float(t) for t in (job.get("first_started"), job.get("started"))
+                if isinstance(t, (int, float)) and not isinstance(t, bool) and t]
+
+
+def _pattern(text: str) -> re.Pattern:
+    return re.compile(re.escape(text).replace("<N>", r"(?P<N>\d+)").replace("<k>", r"(?P<k>\d+)"))
+
+
+class JobFolder:
+    """A job's folder read through its backend's layout (`at`: the one its records name)."""
+
+    def __init__(self, path: Path, layouts: tuple[Layout, ...]):
+        self.path, self.layouts = Path(path), layouts
+
+    @classmethod
+    def at(cls, path: Path) -> JobFolder:
+        """The folder with its backend's layout, as its handle.json or job.json name the backend. A folder that
+        names none, or one this fleetbox does not have, is read with every known layout (the union)."""
+        path = Path(path)
+        for record in (HANDLE, JOB):
+            try:
+                name = json.loads((path / record).read_text()).get("backend")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(name, str) and name in LAYOUTS:
+                return cls(path, (LAYOUTS[name],))
+        union = []
+        for layout in LAYOUTS.values():
+            if layout not in union:
+                union.append(layout)
+        return cls(path, tuple(union) or (Layout(),))
+
+    @property
+    def layout(self) -> Layout:
+        return self.layouts[0]
+
+    def attempts(self) -> list[tuple[int, Path]]:
+        """(attempt, folder holding its node folders): earlier attempts in their folders, the last one in the job
+        folder itself."""
+        found = {}
+        for layout in self.layouts:
+            parent, _, leaf = layout.earlier.rpartition("/")
+            rx = _pattern(leaf)
+            base = self.path / parent if parent else self.path
+            for d in base.iterdir() if base.is_dir() else []:
+                if (m := rx.fullmatch(d.name)) and d.is_dir():
+                    found.setdefault(int(m["N"]) - layout.first, d)
+        return sorted(found.items()) + [(len(found), self.path)]
+
+    def nodes(self, attempt_dir: Path) -> list[tuple[int, Path]]:
+        """(rank, folder) of every node folder in an attempt's folder."""
+        out = {}
+        for layout in self.layouts:
+            rx = _pattern(layout.node)
+            for d in attempt_dir.iterdir() if attempt_dir.is_dir() else []:
+                if (m := rx.fullmatch(d.name)) and d.is_dir():
+                    out.setdefault(int(m["k"]), d)
+        return sorted(out.items())
+
+    def node_files(self, pattern: str) -> list[tuple[int, int, Path]]:
+        """(attempt, node, file) for every file of every attempt's node folders that matches `pattern` (a glob)."""
+        return [(attempt, k, f) for attempt, d in self.attempts() for k, node_dir in self.nodes(d)
+                for f in sorted(node_dir.glob(pattern)) if f.is_file()]
+
+    def output(self, node: int, attempt_dir: Path | None = None) -> Path:
+        """A node's own output (of the last attempt, unless its folder is given)."""
+        return (attempt_dir or self.path) / self.layout.output.replace("<k>", str(node))
+
+    def starts(self, job: dict) -> list[float]:
+        """When the job's attempts began, as far as its folder says."""
+        return self.layout.starts(self.path, job)
