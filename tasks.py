@@ -2,7 +2,8 @@
 
 Each task parses its options and calls the package; user errors end as one line and a non-zero exit. A task
 imports its part of the package when it runs (`invoke --list` and `--help` load only the backends' registry,
-which adds their options).
+which adds their options). The options of the tasks that run a job are declared once (fleetbox/run/spec.py, a
+backend's on its class): _job_task makes those tasks' options and help from the declarations.
 """
 
 import functools
@@ -11,6 +12,7 @@ import os
 import re
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import invoke
@@ -18,21 +20,12 @@ from invoke import Exit
 
 from fleetbox import errors
 from fleetbox.errors import Failed, UserError
+from fleetbox.options import Option
 from fleetbox.run import backends
+from fleetbox.run import spec as spec_mod
 
-
-def _variant_help() -> str:
-    """The matrix's variants, as its file names them (a broken file is said where a task reads it)."""
-    from fleetbox.image import matrix  # a small TOML file, read for the help text
-    try:
-        m = matrix.load()
-    except UserError:
-        return "matrix variant (images/matrix.toml)"
-    return "matrix variant (images/matrix.toml): " + ", ".join(
-        name + (" (default)" if name == m.default else "") for name in m.variants)
-
-
-VARIANT_HELP = _variant_help()
+DECLARED = {**spec_mod.OPTIONS, backends.BACKEND.name: backends.BACKEND}
+VARIANT_HELP = DECLARED["variant"].help
 
 
 def task(*args, **kwargs):
@@ -60,12 +53,14 @@ def _refuse_invokes_own(argv: list[str], fn) -> None:
                             f"(`invoke --help TASK` lists them)")
         takes = name in params and (params[name] is None or not isinstance(params[name].default, bool))
         i += 2 if takes and "=" not in w else 1   # the value of one of ours is passed over, whatever it looks like
+
+
 def _fleetbox(fn):
     """Turn a UserError (or Ctrl-C) into one clear line and a non-zero exit, never a traceback."""
     @functools.wraps(fn)
     def wrapper(c, *args, **kwargs):
         try:
-            _refuse_invokes_own(sys.argv, fn)
+            _refuse_invokes_own(sys.argv, wrapper)   # the task's options, as invoke has them (_job_task's)
             return fn(c, *args, **kwargs)
         except UserError as e:
             raise Exit(f"fleetbox: error: {e}", code=errors.USER_ERROR) from None
@@ -196,16 +191,50 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets
     images_mod.build(engine.client(), v, Path(wheelhouse) if wheelhouse else None, force=force, log=_log, data=data)
 
 
-@task(help={"variant": VARIANT_HELP, "json_out": "also write the JSON report to this path",
-            "image": "verify this image reference instead of the variant's build (e.g. a pulled image)",
-            "nodes": "also run the checks in every node's container and the smoke job across N nodes",
-            "hosts": "with --nodes: comma-separated Docker Engine URLs, one per node"})
+def _as(name: str, help: str, **rest) -> Option:
+    """A declared option as one task words it (its own help, or default): the same flag, read the same way."""
+    return replace(DECLARED[name], help=help, **rest)
+
+
+def _job_task(*declared):
+    """invoke's @task for a task that takes the job's options: its parameters (`__signature__`, which invoke
+    reads) and their help made from the declarations, in the order given (its reference page's; --help sorts
+    them itself). Each is a declared option's name, or an Option: one as the task words it (_as), or its own.
+    Every registered backend's own options follow --backend, the long-run ones --max-restarts (`invoke train`'s);
+    they arrive as None where not given, so that configure() can tell which were given."""
+    def make(fn):
+        made = []
+        for d in declared:
+            o = DECLARED[d] if isinstance(d, str) else d
+            made.append((o, o.default))
+            for after, long_run in (("backend", False), ("max_restarts", True)):
+                if o.name == after:
+                    made += [(b, None) for _, b in backends.all_options() if b.train_only == long_run]
+        inspect.signature(fn).bind(None, **{o.name: None for o, _ in made})   # the body takes every one of them
+        P = inspect.Parameter
+        fn.__signature__ = inspect.Signature([P("c", P.POSITIONAL_OR_KEYWORD)] + [
+            P(o.name, P.POSITIONAL_OR_KEYWORD, default=default) for o, default in made])
+        return task(help={o.name: o.help for o, _ in made})(fn)
+    return make
+
+
+def _job(given: dict) -> dict:
+    """The job's own options (spec.JOB_OPTIONS) among a task's values; the backends' are configure()'s."""
+    return {name: value for name, value in given.items() if name in JOB}
+
+
+JOB = {o.name for o in spec_mod.JOB_OPTIONS}
+
+
+@_job_task("variant", "json_out",
+           _as("image", "verify this image reference instead of the variant's build (e.g. a pulled image)"),
+           _as("nodes", "also run the checks in every node's container and the smoke job across N nodes"),
+           _as("hosts", "with --nodes: comma-separated Docker Engine URLs, one per node"))
 @_fleetbox
-def verify(c, variant=None, json_out=None, image=None, nodes=None, hosts=None):
+def verify(c, variant, json_out, image, nodes, hosts):
     """Check the image with the network off: run_check(), device, scipy/cv2, installed == lock."""
     from fleetbox import engine, files, options
     from fleetbox.commands import verify as verify_mod
-    from fleetbox.run import spec as spec_mod
     v = _variant(variant)
     n = options.integer("--nodes", nodes or 0, 0)
     if n:
@@ -218,10 +247,10 @@ def verify(c, variant=None, json_out=None, image=None, nodes=None, hosts=None):
         raise Failed(f"verify failed for {v.name} (report: {report['path']})")
 
 
-@task(help={"variant": VARIANT_HELP, "mirror": "Debian mirror for a bootstrapped base",
-            "nodes": "nodes of the closing training run (default 2; 0 skips it)"})
+@_job_task("variant", Option("mirror", "Debian mirror for a bootstrapped base"),
+           _as("nodes", "nodes of the closing training run (default 2; 0 skips it)"))
 @_fleetbox
-def up(c, variant=None, mirror=None, nodes=None):
+def up(c, variant, mirror, nodes):
     """The main job: base -> wheels -> build -> verify -> a 2-node training run (smoke), on this machine."""
     from fleetbox import options
     from fleetbox.commands import up as up_mod
@@ -243,123 +272,36 @@ def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, fro
     ds.cache_command(datasets, mirror, dest, verify, pack, from_, manifest, 4 if jobs is None else jobs, log=_log)
 
 
-TRAIN_HELP = {
-    "nodes": "number of nodes: one container each (default 2)",
-    "procs_per_node": "training processes per node (default 1)",
-    "variant": VARIANT_HELP,
-    "script": "training script (default train/smoke.py); its folder is the workspace",
-    "args": "arguments for the script, as one string (e.g. \"--epochs 2\"); or give them after --, word for word "
-            "(invoke train --nodes 2 -- --debug --epochs 2), also those that look like fleetbox's own",
-    "image": "image to run (default fleetbox/paddle:<variant>)",
-    "hosts": "docker backend: comma-separated Docker Engine URLs, one per node (ssh://user@h1,ssh://user@h2); "
-             "master = first",
-    "iface": "network interface for NCCL/Gloo (default: the one that routes to the master)",
-    "ib_hca": "InfiniBand HCA, e.g. mlx5_0 (sets NCCL_IB_HCA and NCCL_IB_DISABLE=0)",
-    "debug": "NCCL_DEBUG=INFO, and the launcher's HTTP polling lines in the live output",
-    "gpus_per_node": "GPUs per node (CUDA variants); 0: a GPU image's ranks run on CPU, collectives on Gloo",
-    "devices": "docker backend: the accelerator ids the job may use, e.g. 4,5,6,7, split among the nodes (Slurm "
-               "gives each node its own: --gpus-per-node)",
-    "port": "master port (default: a free one here, a random one for Slurm)",
-    "env": "extra environment, comma-separated KEY=VALUE pairs",
-    "pass_env": "variables passed by name from your environment, e.g. HF_TOKEN,WANDB_API_KEY: for secrets, their "
-                "values are never printed (--dry-run) or written to the job's folder",
-    "mount": "extra bind mounts, comma-separated SRC:DST[:ro]",
-    "data_dir": "seeded dataset cache to mount read-only at Paddle's cache path (default offline_cache/dataset)",
-    "shm_size": "shared memory per container (default 8g; NCCL needs more than Docker's 64m)",
-    "timeout": "docker backend: stop the job after this long: 90, 90s, 20m, 1h (default: none; Slurm: --time)",
-    "dry_run": "print the exact docker run command of every node (slurm: the sbatch script); start no job (with "
-               "--hosts, a throwaway probe container runs on each host to find its network)",
-    "backend": backends.choices(),
-    "job_id": "the job's id (default: train-<time>-<random>); with --port, a dry-run can be replayed exactly; "
-              "the same id again resumes that job from its newest checkpoint",
-    "checkpoint_dir": "the job's checkpoint folder, FLEETBOX_CHECKPOINT_DIR in the containers (default "
-                      "runs/<job>/checkpoints; Slurm and a shared --hosts folder: on the shared file system)",
-    "resume": "auto (default: from the newest complete checkpoint), never, or a checkpoint folder to start from",
-    "max_restarts": "after a node fails, start the whole job again from its newest checkpoint, up to N times "
-                    "(default 0; docker: at once, slurm: in a new allocation)",
-    "hang_timeout": "a rank that makes no progress for this long is hung: every rank's stacks are kept, the job "
-                    "stopped (and restarted with --max-restarts); 90, 90s, 20m, 1h; 0: off (default 10m)",
-    "start_timeout": "from the start to a rank's first progress, at most this long (default 15m; 0: off)",
-    "detach": "start the job and return its id at once; it goes on without this terminal (docker: a "
-              "supervisor process; slurm: the queue): see `invoke jobs`, `invoke logs`, `invoke cancel`",
-}
-
-
-def _backend_options(train: bool = True):
-    """Every registered backend's own options (Backend.options), added to a task's: a job's after --backend, the
-    long-run ones after --max-restarts (the order --help lists them in). Their values reach the task in
-    `backend_options` (None where not given); their help is _backend_help's."""
-    def add(fn):
-        sig = inspect.signature(fn)
-        params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-        for after, long_run in (("backend", False), ("max_restarts", True)):
-            names = [p.name for p in params]
-            if after not in names:
-                continue
-            at = names.index(after) + 1
-            params[at:at] = [inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
-                             for _, o in backends.all_options(train) if o.train_only == long_run]
-        fn.__signature__ = sig.replace(parameters=params)
-        return fn
-    return add
-
-
-def _backend_help(train: bool = True) -> dict:
-    return {o.name: o.help for _, o in backends.all_options(train)}
-
-
-@task(help={**TRAIN_HELP, **_backend_help(), "preflight": "run `invoke doctor --quick` on the job's own nodes, "
-                                                         "containers and ports first, and start nothing if a check "
-                                                         "fails"})
-@_backend_options()
+@_job_task("nodes", "procs_per_node", "variant", "script", "args", "image", "hosts", "iface", "ib_hca", "debug",
+           "gpus_per_node", "devices", "port", "env", "pass_env", "mount", "data_dir", "shm_size", "timeout",
+           "dry_run", "backend", "job_id", "checkpoint_dir", "resume", "max_restarts", "hang_timeout",
+           "start_timeout", "detach", "preflight")
 @_fleetbox
-def train(c, nodes=None, procs_per_node=None, variant=None, script=None, args=None, image=None, hosts=None,
-          iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None, env=None, pass_env=None,
-          mount=None, data_dir=None, shm_size=None, timeout=None, dry_run=False, backend=backends.DEFAULT,
-          job_id=None, checkpoint_dir=None, resume=None, max_restarts=None, hang_timeout=None, start_timeout=None,
-          detach=False, preflight=False, **backend_options):
+def train(c, variant, args, timeout, dry_run, backend, detach, preflight, **job):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import options
     from fleetbox.commands import train as train_mod
-    from fleetbox.run import spec as spec_mod
-    spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, script=script,
-                                 args=_script_args(args), image=image, hosts=hosts, iface=iface, ib_hca=ib_hca,
-                                 debug=debug, gpus_per_node=gpus_per_node, devices=devices, port=port, env=env,
-                                 mount=mount, data_dir=data_dir, shm_size=shm_size, job_id=job_id,
-                                 checkpoint_dir=checkpoint_dir, resume=resume, max_restarts=max_restarts,
-                                 pass_env=pass_env, hang_timeout=hang_timeout, start_timeout=start_timeout)
-    train_mod.train(spec, backend, backends.configure(backend, backend_options), dry_run,
-                    options.seconds("--timeout", timeout), detach=detach, log=_log, preflight=preflight,
-                    command=_as_typed())
+    spec = spec_mod.from_options(_variant(variant), args=_script_args(args), **_job(job))
+    train_mod.train(spec, backend, backends.configure(backend, job), dry_run, options.seconds("--timeout", timeout),
+                    detach=detach, log=_log, preflight=preflight, command=_as_typed())
 
 
-@task(help={**{k: TRAIN_HELP[k] for k in ("nodes", "procs_per_node", "variant", "image", "hosts",
-                                                                 "iface", "ib_hca", "gpus_per_node", "devices", "env",
-                                                                 "mount", "data_dir", "shm_size", "backend")},
-            **_backend_help(train=False),
-            "port": "master port to check (the trainers' pinned ports follow it; default: as `invoke train` picks)",
-            "quick": "everything but the all-reduce sweep and the TCP throughput (what train --preflight runs)",
-            "wait": "how long each node waits for the others: 90, 90s, 2m (default 30s)",
-            "json_out": "also write the JSON report to this path",
-            "dry_run": "print the probe's job (and the sweep's) as the backend would run it; start nothing (with "
-                       "--hosts, a throwaway probe container runs on each host to find its network)"})
-@_backend_options(train=False)
+@_job_task("nodes", "procs_per_node", "variant", "image", "hosts", "iface", "ib_hca", "gpus_per_node", "devices",
+           _as("port", "master port to check (the trainers' pinned ports follow it; default: as `invoke train` "
+                       "picks)"),
+           "env", "mount", "data_dir", "shm_size", "backend", "quick", "wait", "json_out",
+           _as("dry_run", "print the probe's job (and the sweep's) as the backend would run it; start nothing (with "
+                          "--hosts, a throwaway probe container runs on each host to find its network)"))
 @_fleetbox
-def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=None, iface=None, ib_hca=None,
-           gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None, shm_size=None,
-           backend=backends.DEFAULT, quick=False, wait=None, json_out=None, dry_run=False, **backend_options):
+def doctor(c, variant, backend, quick, wait, json_out, dry_run, **job):
     """Check that the nodes are ready for a job, in the job's own containers.
 
     The image the same everywhere, shm, limits, interface and route, devices, clocks, disk, every port the job
     uses, then an all-reduce sweep."""
     from fleetbox import files, options
     from fleetbox.commands import doctor as doctor_mod
-    from fleetbox.run import spec as spec_mod
-    spec = spec_mod.from_options(_variant(variant), nodes=nodes, procs_per_node=procs_per_node, image=image,
-                                 hosts=hosts, iface=iface, ib_hca=ib_hca, gpus_per_node=gpus_per_node,
-                                 devices=devices, port=port, env=env, mount=mount, data_dir=data_dir,
-                                 shm_size=shm_size)
-    report = doctor_mod.run(spec, backend, backends.configure(backend, backend_options), quick=quick,
+    spec = spec_mod.from_options(_variant(variant), **_job(job))
+    report = doctor_mod.run(spec, backend, backends.configure(backend, job), quick=quick,
                             wait=options.seconds("--wait", wait) or 30.0, log=_log, dry_run=dry_run)
     if report.get("dry_run"):
         if not report["ok"]:
@@ -371,35 +313,28 @@ def doctor(c, nodes=None, procs_per_node=None, variant=None, image=None, hosts=N
         raise Failed(f"doctor: {sum(not r['ok'] for r in report['rows'])} check(s) failed (report: {report['path']})")
 
 
-@task(help={
-    **{k: TRAIN_HELP[k] for k in ("variant", "script", "args", "hosts", "iface", "ib_hca", "gpus_per_node", "devices",
-                                  "port", "env", "mount", "data_dir", "shm_size", "timeout", "backend")},
-    **_backend_help(train=False),
-    "nodes": "comma-separated node counts to run at, e.g. 1,2,4 (default 1,2); with --hosts, N nodes use the "
-             "first N hosts",
-    "procs_per_node": "comma-separated processes per node, e.g. 1,2 (default 1)",
-    "image": "comma-separated images to compare, each run at every size (default fleetbox/paddle:<variant>)",
-    "dry_run": "print every run's job as `invoke train --dry-run` would; start nothing (with --hosts, a throwaway "
-               "probe container runs on each host to find its network)"})
-@_backend_options(train=False)
+@_job_task(_as("nodes", "comma-separated node counts to run at, e.g. 1,2,4 (default 1,2); with --hosts, N nodes use "
+                        "the first N hosts", default="1,2"),
+           _as("procs_per_node", "comma-separated processes per node, e.g. 1,2 (default 1)"),
+           _as("image", "comma-separated images to compare, each run at every size (default "
+                        "fleetbox/paddle:<variant>)"),
+           "variant", "script", "args", "hosts", "iface", "ib_hca", "gpus_per_node", "devices", "port", "env", "mount",
+           "data_dir", "shm_size", "timeout", "backend",
+           _as("dry_run", "print every run's job as `invoke train --dry-run` would; start nothing (with --hosts, a "
+                          "throwaway probe container runs on each host to find its network)"))
 @_fleetbox
-def scale(c, nodes="1,2", procs_per_node=None, image=None, variant=None, script=None, args=None, hosts=None,
-          iface=None, ib_hca=None, gpus_per_node=None, devices=None, port=None, env=None, mount=None, data_dir=None,
-          shm_size=None, timeout=None, backend=backends.DEFAULT, dry_run=False, **backend_options):
+def scale(c, nodes, procs_per_node, image, variant, args, timeout, backend, dry_run, **job):
     """Run a scaling study: the same job at each size and for each image, then a table and a plot.
 
     Samples/s, speed-up, parallel efficiency, time per step and communication share (runs/<study>/scale.md,
     scale.png)."""
     from fleetbox import options
     from fleetbox.commands import scale as scale_mod
-    from fleetbox.run import spec as spec_mod
     study_cells = scale_mod.cells(nodes, procs_per_node, image)
-    host_count = len(options.items(hosts))
+    host_count = len(options.items(job["hosts"]))
     spec = spec_mod.from_options(_variant(variant), nodes=host_count or max(x.nodes for x in study_cells),
-                                 script=script, args=_script_args(args), hosts=hosts, iface=iface, ib_hca=ib_hca,
-                                 gpus_per_node=gpus_per_node, devices=devices, port=port, env=env, mount=mount,
-                                 data_dir=data_dir, shm_size=shm_size)
-    scale_mod.run(spec, study_cells, backend, backends.configure(backend, backend_options),
+                                 args=_script_args(args), **_job(job))
+    scale_mod.run(spec, study_cells, backend, backends.configure(backend, job),
                   options.seconds("--timeout", timeout), log=_log, dry_run=dry_run)
 
 
@@ -473,7 +408,6 @@ def clean(c, hosts=None, job=None, force=False, images=False):
     from fleetbox import engine, options
     from fleetbox.image import images as images_mod
     from fleetbox.image import matrix
-    from fleetbox.run import spec as spec_mod
     if job is not None and not spec_mod.JOB_ID.fullmatch(job):
         raise UserError(f"--job {job!r} is not a job id")
     removed, kept = backends.clean(options.items(hosts), job or "", force, log=_log)

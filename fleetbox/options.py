@@ -1,10 +1,13 @@
 """Command-line values, parsed in one place: every task's numbers, lists and pairs end here, and a bad one
-is one clear line (a UserError), never a traceback."""
+is one clear line (a UserError), never a traceback. An Option is one option declared once: its flag, its help,
+its default and how its value is read (a job's: run/spec.py; a backend's own: Backend.options)."""
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fleetbox.errors import UserError
 
@@ -67,3 +70,48 @@ def pairs(option: str, value) -> dict[str, str]:
             raise UserError(f"{option} {item!r} must be NAME=VALUE with a name of letters, digits and _")
         out[key] = val
     return out
+
+
+@dataclass(frozen=True)
+class Option:
+    """A command-line option, declared once: the front door (tasks.py) makes a task's `--name-with-dashes` and its
+    help from it, and `read` makes the value the job or the backend gets. The job's options are run/spec.py's
+    JOB_OPTIONS and TASK_OPTIONS; a backend's own (TorchX's run_opts) are its Backend.options, which the front
+    door adds to `invoke train`, `doctor` and `scale`."""
+    name: str                  # the task's parameter (a backend's: its constructor's keyword); flag: --<name, - for _>
+    help: str                  # what `invoke --help TASK` and the reference page say of it
+    default: object = None     # a backend's: what the backend gets where it is not given (its task parameter is
+                               # None, so the backend's options given can be told); a job's or a task's: its task
+                               # parameter's default (None: not given, the job's own default applies; False: a flag)
+    kind: type = str           # what its value becomes: str (as given), int (a whole number, held to low..high),
+                               # bool (a flag), float (a duration in seconds: 90, 90s, 20m, 1h; 0 turns off what it
+                               # bounds), tuple (a comma-separated list, each item read by `item`), dict
+                               # (comma-separated KEY=VALUE pairs)
+    low: int | None = None
+    high: int | None = None
+    train_only: bool = False   # a backend's, about long runs: `invoke train` only
+    item: Callable[[str], object] | None = None   # tuple: what each item becomes (default: the word itself)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def parse(self, value):
+        """A value given on the command line, as its kind; a bad one is one line (a UserError)."""
+        if self.kind is int:
+            return integer(self.flag, value, self.low, self.high)
+        if self.kind is bool:
+            return bool(value)
+        if self.kind is float:
+            return _duration(self.flag, value, "; 0 turns it off")
+        if self.kind is tuple:
+            return tuple(map(self.item, items(value)) if self.item else items(value))
+        if self.kind is dict:
+            return pairs(self.flag, value)
+        return value
+
+    def read(self, value, default):
+        """The value, or `default` where the option was not given: left out or empty (None, ""), or for all but a
+        duration (whose 0 turns off what it bounds) any false value (a Python caller's 0 or False)."""
+        unset = value is None or value == "" if self.kind is float else not value
+        return default if unset else self.parse(value)

@@ -127,7 +127,8 @@ def job_folder_page() -> str:
 def pages(tasks: list[Task]) -> dict[Path, str]:
     missing = undocumented(tasks)
     if missing:
-        raise UserError(f"options without help text (give them one in tasks.py): {', '.join(missing)}")
+        raise UserError(f"options without help text (give them one where they are declared: run/spec.py, a "
+                        f"backend's Option, or tasks.py): {', '.join(missing)}")
     return {REFERENCE / "tasks.md": tasks_page(tasks), REFERENCE / "environment.md": environment_page(),
             REFERENCE / "exit-codes.md": exit_codes_page(), REFERENCE / "matrix.md": matrix_page(),
             REFERENCE / "job-folder.md": job_folder_page()}

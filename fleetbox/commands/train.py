@@ -15,7 +15,7 @@ from fleetbox.run import backends, checkpoints, hang, records, report
 from fleetbox.run.output import quiet
 from fleetbox.run.records import DamagedRecord, Handle, JobState
 from fleetbox.run.result import JobResult
-from fleetbox.run.spec import JobSpec
+from fleetbox.run.spec import OPTIONS, JobSpec
 
 
 def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None = None, dry_run: bool = False,
@@ -100,23 +100,25 @@ def resume_command(command: str, job_id: str) -> str:
     """The train command as given, with the job's id, without --dry-run, --detach or --resume never (a --resume
     PATH stays: the job's own checkpoints, once it has some, come first): run again, it goes on from the job's
     newest checkpoint."""
+    given_id, resume = OPTIONS["job_id"].flag, OPTIONS["resume"].flag
+    once = (OPTIONS["dry_run"].flag, OPTIONS["detach"].flag)
     words, out, i = shlex.split(command), [], 0
     while i < len(words):
         w = words[i]
         if w == "--":
             out += words[i:]
             break
-        value = words[i + 1] if w in ("--job-id", "--resume") and i + 1 < len(words) else w.partition("=")[2]
-        if w in ("--job-id", "--resume") or w.startswith(("--job-id=", "--resume=")):
-            if w.startswith("--resume") and value not in ("never", "auto"):
+        value = words[i + 1] if w in (given_id, resume) and i + 1 < len(words) else w.partition("=")[2]
+        if w in (given_id, resume) or w.startswith((given_id + "=", resume + "=")):
+            if w.startswith(resume) and value not in ("never", "auto"):
                 out += [w] if "=" in w else [w, value]
             i += 1 if "=" in w else 2
             continue
-        if w not in ("--dry-run", "--detach"):
+        if w not in once:
             out.append(w)
         i += 1
     at = out.index("train") + 1 if "train" in out else len(out)
-    return shlex.join(out[:at] + ["--job-id", job_id] + out[at:])
+    return shlex.join(out[:at] + [given_id, job_id] + out[at:])
 
 
 def refuse_live(job_id: str) -> None:

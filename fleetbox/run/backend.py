@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleetbox.errors import UserError
+from fleetbox.options import Option
 from fleetbox.processes import never_failing, signals_held, stops_as_interrupt
 from fleetbox.run import metrics
 from fleetbox.run.jobfolder import Layout
@@ -40,23 +41,6 @@ class Plan:
         if self.spec.env:
             self.dir.chmod(0o700)
         return self.dir
-
-
-@dataclass(frozen=True)
-class Option:
-    """A command-line option a backend owns (TorchX's run_opts), declared once with the backend: the front door
-    adds `--name-with-dashes` to `invoke train`, `doctor` and `scale`, and hands its value to the backend."""
-    name: str                  # the constructor's keyword; the flag is --<name with - for _>
-    help: str
-    default: object = None     # what the backend gets when the option is not given
-    kind: type = str           # str, or int (parsed and held to low..high)
-    low: int | None = None
-    high: int | None = None
-    train_only: bool = False   # about long runs: `invoke train` only
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
 
 
 @dataclass(frozen=True)

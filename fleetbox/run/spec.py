@@ -8,13 +8,14 @@ import re
 import secrets
 import shlex
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
-from fleetbox import options, settings
+from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.image.matrix import Variant
+from fleetbox.options import Option
 from fleetbox.run import hang, placeholders, styles
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")   # a container name, a label, a folder, a Slurm job name
@@ -105,12 +106,98 @@ def parse_mount(text: str) -> Mount:
     return Mount(src, dst, ro=mode == "ro")
 
 
-def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=None, args=None, image=None,
-                 hosts=None, iface=None, ib_hca=None, debug=False, gpus_per_node=None, devices=None, port=None,
-                 env=None, mount=None, data_dir=None, shm_size=None, job_id=None, checkpoint_dir=None, resume=None,
-                 max_restarts=None, pass_env=None, hang_timeout=None, start_timeout=None) -> JobSpec:
-    """A validated JobSpec from command-line strings (each by its option's name)."""
-    host_list = tuple(options.items(hosts))
+def _variant_help() -> str:
+    """The matrix's variants, as its file names them (a broken file is said where a task reads it)."""
+    try:
+        m = matrix.load()
+    except UserError:
+        return "matrix variant (images/matrix.toml)"
+    return "matrix variant (images/matrix.toml): " + ", ".join(
+        name + (" (default)" if name == m.default else "") for name in m.variants)
+
+
+# What the job is: JobSpec's options, each declared once, in the order `invoke train` lists them (its reference
+# page does; --help sorts them itself). from_options reads them; tasks.py makes the tasks' options and help from
+# them (a task may word one its own way); no backend's option may take their names.
+JOB_OPTIONS: tuple[Option, ...] = (
+    Option("nodes", "number of nodes: one container each (default 2)", kind=int, low=1),
+    Option("procs_per_node", "training processes per node (default 1)", kind=int, low=1),
+    Option("script", "training script (default train/smoke.py); its folder is the workspace"),
+    Option("args", "arguments for the script, as one string (e.g. \"--epochs 2\"); or give them after --, word for "
+                   "word (invoke train --nodes 2 -- --debug --epochs 2), also those that look like fleetbox's own"),
+    Option("image", "image to run (default fleetbox/paddle:<variant>)"),
+    Option("hosts", "docker backend: comma-separated Docker Engine URLs, one per node (ssh://user@h1,ssh://user@h2); "
+                    "master = first", kind=tuple),
+    Option("iface", "network interface for NCCL/Gloo (default: the one that routes to the master)"),
+    Option("ib_hca", "InfiniBand HCA, e.g. mlx5_0 (sets NCCL_IB_HCA and NCCL_IB_DISABLE=0)"),
+    Option("debug", "NCCL_DEBUG=INFO, and the launcher's HTTP polling lines in the live output", False, bool),
+    Option("gpus_per_node", "GPUs per node (CUDA variants); 0: a GPU image's ranks run on CPU, collectives on Gloo",
+           kind=int, low=0),
+    Option("devices", "docker backend: the accelerator ids the job may use, e.g. 4,5,6,7, split among the nodes "
+                      "(Slurm gives each node its own: --gpus-per-node)"),
+    Option("port", "master port (default: a free one here, a random one for Slurm)", kind=int, low=1024, high=65535),
+    Option("env", "extra environment, comma-separated KEY=VALUE pairs", kind=dict),
+    Option("pass_env", "variables passed by name from your environment, e.g. HF_TOKEN,WANDB_API_KEY: for secrets, "
+                       "their values are never printed (--dry-run) or written to the job's folder", kind=tuple),
+    Option("mount", "extra bind mounts, comma-separated SRC:DST[:ro]", kind=tuple, item=parse_mount),
+    Option("data_dir", "seeded dataset cache to mount read-only at Paddle's cache path (default "
+                       "offline_cache/dataset)"),
+    Option("shm_size", "shared memory per container (default 8g; NCCL needs more than Docker's 64m)"),
+    Option("job_id", "the job's id (default: train-<time>-<random>); with --port, a dry-run can be replayed exactly; "
+                     "the same id again resumes that job from its newest checkpoint"),
+    Option("checkpoint_dir", "the job's checkpoint folder, FLEETBOX_CHECKPOINT_DIR in the containers (default "
+                             "runs/<job>/checkpoints; Slurm and a shared --hosts folder: on the shared file system)"),
+    Option("resume", "auto (default: from the newest complete checkpoint), never, or a checkpoint folder to start "
+                     "from"),
+    Option("max_restarts", "after a node fails, start the whole job again from its newest checkpoint, up to N times "
+                           "(default 0; docker: at once, slurm: in a new allocation)", kind=int, low=0),
+    Option("hang_timeout", "a rank that makes no progress for this long is hung: every rank's stacks are kept, the "
+                           "job stopped (and restarted with --max-restarts); 90, 90s, 20m, 1h; 0: off (default 10m)",
+           kind=float),
+    Option("start_timeout", "from the start to a rank's first progress, at most this long (default 15m; 0: off)",
+           kind=float),
+)
+
+# How the tasks that run a job run it, beside what it is (the variant is JobSpec's too, but a task resolves its
+# name): tasks.py reads them; no backend's option may take their names either (`--backend` is the registry's).
+TASK_OPTIONS: tuple[Option, ...] = (
+    Option("variant", _variant_help()),
+    Option("timeout", "docker backend: stop the job after this long: 90, 90s, 20m, 1h (default: none; Slurm: "
+                      "--time)"),
+    Option("dry_run", "print the exact docker run command of every node (slurm: the sbatch script); start no job "
+                      "(with --hosts, a throwaway probe container runs on each host to find its network)",
+           False, bool),
+    Option("detach", "start the job and return its id at once; it goes on without this terminal (docker: a "
+                     "supervisor process; slurm: the queue): see `invoke jobs`, `invoke logs`, `invoke cancel`",
+           False, bool),
+    Option("preflight", "run `invoke doctor --quick` on the job's own nodes, containers and ports first, and start "
+                        "nothing if a check fails", False, bool),
+    Option("quick", "everything but the all-reduce sweep and the TCP throughput (what train --preflight runs)",
+           False, bool),
+    Option("wait", "how long each node waits for the others: 90, 90s, 2m (default 30s)"),
+    Option("json_out", "also write the JSON report to this path"),
+)
+
+OPTIONS = {o.name: o for o in (*JOB_OPTIONS, *TASK_OPTIONS)}
+FIELDS = {"mount": "mounts"}   # the JobSpec field an option sets, where it is named otherwise
+# read by from_options itself: their defaults depend on the script, the hosts or what else is given
+READ_HERE = ("nodes", "procs_per_node", "args", "data_dir")
+
+
+def _default(name: str):
+    """What JobSpec holds where the option is not given."""
+    f = next(f for f in fields(JobSpec) if f.name == FIELDS.get(name, name))
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def from_options(variant: Variant, **given) -> JobSpec:
+    """A validated JobSpec from command-line strings, each by its option's name (JOB_OPTIONS; None: not given)."""
+    unknown = sorted(set(given) - {o.name for o in JOB_OPTIONS})
+    if unknown:
+        raise TypeError(f"from_options: no job option {', '.join(unknown)}")
+    nodes, procs_per_node, args, data_dir, gpus_per_node = (
+        given.get(name) for name in (*READ_HERE, "gpus_per_node"))
+    host_list = OPTIONS["hosts"].read(given.get("hosts"), ())
     if data_dir is None:   # the default cache is used when it exists here (a remote engine cannot see it)
         default = settings.data_dir()
         data_dir = str(default) if default.is_dir() and not host_list else ""
@@ -120,29 +207,22 @@ def from_options(variant: Variant, *, nodes=None, procs_per_node=None, script=No
         argv = tuple(shlex.split(args or ""))
     except ValueError as e:
         raise UserError(f"--args cannot be split into words: {e}") from None
-    style = styles.of_script(Path(script or settings.DEFAULT_SCRIPT).resolve())   # before the GPUs are split
-    spec = JobSpec(
-        variant=variant, nodes=options.integer("--nodes", (1 if style.spawns else 2) if nodes is None else nodes, 1),
-        procs_per_node=options.integer("--procs-per-node", 1 if procs_per_node is None else procs_per_node, 1),
-        script=script or str(settings.DEFAULT_SCRIPT), args=argv, image=image or "", hosts=host_list,
-        iface=iface or "", ib_hca=ib_hca or "", debug=bool(debug),
-        gpus_per_node=options.integer("--gpus-per-node", gpus_per_node or 0, 0), devices=devices or "",
-        on_cpu=variant.device != "cpu" and gpus_per_node is not None and not options.integer(
-            "--gpus-per-node", gpus_per_node, 0),
-        port=options.integer("--port", port, 1024, 65535) if port else 0, env=options.pairs("--env", env),
-        mounts=tuple(parse_mount(m) for m in options.items(mount)), data_dir=data_dir,
-        shm_size=shm_size or "8g", job_id=job_id or "", checkpoint_dir=checkpoint_dir or "",
-        resume=resume or "auto", max_restarts=options.integer("--max-restarts", max_restarts or 0, 0),
-        pass_env=tuple(options.items(pass_env)),
-        hang_timeout=options.duration("--hang-timeout", hang_timeout, JobSpec.hang_timeout),
-        start_timeout=options.duration("--start-timeout", start_timeout, JobSpec.start_timeout))
+    script = OPTIONS["script"].read(given.get("script"), _default("script"))
+    style = styles.of_script(Path(script).resolve())   # before the GPUs are split
+    here = {"nodes": OPTIONS["nodes"].parse((1 if style.spawns else 2) if nodes is None else nodes),
+            "procs_per_node": OPTIONS["procs_per_node"].parse(1 if procs_per_node is None else procs_per_node),
+            "args": argv, "data_dir": data_dir,
+            "on_cpu": variant.device != "cpu" and gpus_per_node is not None
+            and not OPTIONS["gpus_per_node"].parse(gpus_per_node)}
+    spec = JobSpec(variant=variant, **here, **{FIELDS.get(o.name, o.name): o.read(given.get(o.name), _default(o.name))
+                                               for o in JOB_OPTIONS if o.name not in READ_HERE})
     if procs_per_node is None and spec.variant.device != "cpu" and (spec.gpus_per_node or spec.devices):
         # Paddle runs one process per device: as many as each node is given
         spec = replace(spec, procs_per_node=spec.gpus_per_node or max(1, len(spec.devices.split(",")) // spec.sharing))
     if style.spawns:
-        given = "--procs-per-node" if procs_per_node is not None else "--gpus-per-node" if spec.gpus_per_node \
+        given_as = "--procs-per-node" if procs_per_node is not None else "--gpus-per-node" if spec.gpus_per_node \
             else "--devices" if spec.devices else ""
-        spec = spawning(spec, style, given)
+        spec = spawning(spec, style, given_as)
     validate(spec)
     for name in spec.pass_env:   # its value is read where a container is made: it must be there now
         if name not in os.environ:

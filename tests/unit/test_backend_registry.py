@@ -12,6 +12,7 @@ import pytest
 
 from fleetbox import settings
 from fleetbox.errors import UserError
+from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import Backend, Option, Plan
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult
@@ -177,3 +178,18 @@ def test_writing_a_backend_names_every_capability():
     from fleetbox.run.backend import Capabilities
     page = (ROOT / "docs" / "explanation" / "writing-a-backend.md").read_text()
     assert [f.name for f in dataclasses.fields(Capabilities) if f"`{f.name}`" not in page] == []
+
+
+@pytest.mark.parametrize("taken", sorted(
+    {o.name for o in (*spec_mod.JOB_OPTIONS, *spec_mod.TASK_OPTIONS)} | {"backend"}))
+def test_a_backend_may_not_take_the_name_of_any_option_a_job_task_has(monkeypatch, taken):
+    """The names were a list beside the tasks that drifted: --hang-timeout and --start-timeout were not on it."""
+    from fleetbox.run import backends
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+
+    class Taker(EchoBackend):
+        name = "taker"
+        options = (Option(taken, "mine"),)
+    with pytest.raises(UserError, match=f"backend taker: option --{taken.replace('_', '-')} is the job's already"):
+        backends.register(Taker)
+    assert "taker" not in backends.BACKENDS

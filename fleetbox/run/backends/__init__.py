@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from fleetbox import options as parse
 from fleetbox.errors import UserError
+from fleetbox.run import spec
 from fleetbox.run.backend import BACKENDS, Backend, Capabilities, Option
 from fleetbox.run.backends.docker import DockerBackend
 from fleetbox.run.backends.runtimes import pull_commands  # noqa: F401 (`invoke pull-cmd`: the runtimes' commands)
@@ -30,7 +30,7 @@ def register(cls: type[Backend]) -> type[Backend]:
         raise UserError(f"{cls!r} is not a named fleetbox Backend")
     taken = {o.name: b.name for b in BACKENDS.values() if b is not cls for o in b.options}
     for o in cls.options:
-        if o.name in taken or o.name in JOB_OPTIONS:
+        if o.name in taken or o.name in RESERVED:
             raise UserError(f"backend {cls.name}: option {o.flag} is {taken.get(o.name, 'the job')}'s already")
     if not (isinstance(cls.handle_type, type) and issubclass(cls.handle_type, Handle)):
         raise UserError(f"backend {cls.name}: its handle_type is not a fleetbox Handle")
@@ -43,11 +43,9 @@ def register(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-# the options every job has (tasks.py): a backend's own options take other names
-JOB_OPTIONS = {"nodes", "procs_per_node", "variant", "script", "args", "image", "hosts", "iface", "ib_hca", "debug",
-               "gpus_per_node", "devices", "port", "env", "pass_env", "mount", "data_dir", "shm_size", "timeout",
-               "dry_run", "backend", "job_id", "checkpoint_dir", "resume", "max_restarts", "detach", "preflight",
-               "quick", "wait", "json_out"}
+# the options of every task that runs a job (run/spec.py declares them; `--backend` is BACKEND, below): a
+# backend's own options take other names
+RESERVED = frozenset(o.name for o in (*spec.JOB_OPTIONS, *spec.TASK_OPTIONS)) | {"backend"}
 
 
 def _load_entry_points() -> None:
@@ -110,8 +108,7 @@ def configure(name: str, given: dict) -> dict:
         flags = " and ".join(o.flag for _, o in foreign)
         owners = sorted({owner for owner, _ in foreign})
         raise UserError(f"{flags} {'is' if len(foreign) == 1 else 'are'} for --backend {' or '.join(owners)}")
-    return {o.name: parse.integer(o.flag, given[o.name], o.low, o.high) if o.kind is int else given[o.name]
-            for o in cls.options if given.get(o.name) is not None}
+    return {o.name: o.parse(given[o.name]) for o in cls.options if given.get(o.name) is not None}
 
 
 def check_timeout(name: str, timeout: float | None) -> None:
@@ -135,3 +132,4 @@ def clean(hosts: list[str], job: str = "", force: bool = False, log=print) -> tu
 register(DockerBackend)
 register(SlurmBackend)
 _load_entry_points()
+BACKEND = Option("backend", choices(), DEFAULT)   # `--backend`: every backend registered by now
