@@ -36,6 +36,7 @@ from fleetbox.commands.checks import (
 )
 from fleetbox.processes import stops_as_interrupt
 from fleetbox.run import backends
+from fleetbox.run.backend import Plan
 from fleetbox.run.jobfolder import JobFolder
 from fleetbox.run.spec import JobSpec, new_job_id
 
@@ -48,9 +49,9 @@ def expect(spec: JobSpec, port: int, b) -> Expect:
                   check_paddle=not caps.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities)
 
 
-def _outputs(result) -> dict[int, str]:
+def _outputs(b, result) -> dict[int, str]:
     """Each node's own output, where its backend's layout keeps it."""
-    folder = JobFolder.at(Path(result.dir))
+    folder = JobFolder(Path(result.dir), (b.layout,))
     return {n.rank: p.read_text(errors="replace") if (p := folder.output(n.rank)).exists() else ""
             for n in result.nodes}
 
@@ -60,6 +61,24 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
     """Check every node for `spec` (the job as `invoke train` would run it); returns the report. `dry_run`: print
     the probe's job (and the sweep's) as the backend would run it, and start nothing."""
     b = backends.get(backend, **(backend_options or {}))
+    return check(b, spec, b.plan, quick, wait, log, dry_run)
+
+
+def preflight(b, spec: JobSpec, log=print) -> tuple[dict, Plan | None]:
+    """`train --preflight`: the job planned once, and the quick check run on that plan (its nodes, image and port;
+    the backend's probe_plan); returns the report, and the plan the job then runs (None where the engines
+    failed their checks before it was made: a missing image is a ✗ with its fix, not a planning error)."""
+    job: list[Plan] = []
+
+    def on_the_job(probe: JobSpec) -> Plan:
+        job.append(b.plan(spec))
+        return b.probe_plan(job[0], probe)
+    return check(b, spec, on_the_job, quick=True, log=log), (job[0] if job else None)
+
+
+def check(b, spec: JobSpec, plan_probe, quick: bool = False, wait: float = 30.0, log=print,
+          dry_run: bool = False) -> dict:
+    """`run` on a backend: the probe job is `spec`'s with its own id and command, planned by `plan_probe`."""
     caps = b.capabilities
     job_id = new_job_id("doctor")
     facts_here = b.engine_facts(spec)   # what the backend can see from here, before anything starts
@@ -74,7 +93,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
         probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait, not caps.runs_in_image),
                         image_identity=caps.reports_image)
         with stops_as_interrupt():
-            plan = b.plan(probe)
+            plan = plan_probe(probe)
         if dry_run:
             return describe(b, plan, base, quick, log)
         log(f"doctor {job_id}: probing {spec.nodes} node(s) in the job's own container ({b.label}), "
@@ -82,7 +101,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
         port = plan.port
         # bounded: a node stuck on a hung mount must not hold the doctor (Slurm: the queue's --time does)
         result = b.run(plan, log=lambda m: None, timeout=wait * 3 + 120 if caps.timeout else None)
-        outputs = _outputs(result)
+        outputs = _outputs(b, result)
         if caps.reports_image:
             rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref))
             rows += prerequisite_rows(outputs, spec.nodes)
@@ -104,7 +123,7 @@ def run(spec: JobSpec, backend: str = "docker", backend_options: dict | None = N
             if facts and all(r.ok for r in rows):
                 sweep = run_sweep(b, base, log)
                 rows.append(sweep_row(sweep))
-    report = {"job_id": job_id, "backend": backend, "runtime": b.runtime_name, "nodes": spec.nodes,
+    report = {"job_id": job_id, "backend": b.name, "runtime": b.runtime_name, "nodes": spec.nodes,
               "image": spec.image_ref, "port": port,
               "quick": quick, "ok": all(r.ok for r in rows), "rows": [asdict(r) for r in rows], "facts": facts,
               "sweep": sweep.get("sweep") if sweep else None, "path": str(job_dir / "doctor.json")}
@@ -143,7 +162,7 @@ def run_sweep(b, base: JobSpec, log) -> dict:
         plan = b.plan(spec)
     log(f"doctor: all-reduce sweep ({spec.job_id}) across {spec.nodes} node(s)")
     result = b.run(plan, log=lambda m: None, timeout=1800 if b.capabilities.timeout else None)
-    folder = JobFolder.at(Path(result.dir))
+    folder = JobFolder(Path(result.dir), (b.layout,))
     log0 = dict(folder.nodes(folder.path)).get(0, folder.path / "-") / "workerlog.0"   # the last attempt's rank 0
     found = parse_sweep(log0.read_text(errors="replace")) if log0.exists() else None
     return {"ok": result.ok and found is not None, "sweep": found, "why": result.failure(), "dir": result.dir}

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import shlex
-from dataclasses import replace
 from pathlib import Path
 
 from fleetbox import settings
@@ -44,22 +43,22 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
             earlier = records.set_aside(job_dir, used)
             if earlier:
                 log(f"job {spec.job_id} ran before: its earlier run is now in {earlier}")
-            return _start(spec, b, backend, backend_options, dry_run, timeout, detach, log, preflight, command)
-    return _start(spec, b, backend, backend_options, dry_run, timeout, detach, log, preflight, command)
+            return _start(spec, b, dry_run, timeout, detach, log, preflight, command)
+    return _start(spec, b, dry_run, timeout, detach, log, preflight, command)
 
 
-def _start(spec: JobSpec, b, backend: str, backend_options: dict | None, dry_run: bool, timeout: float | None,
-           detach: bool, log, preflight: bool, command: str) -> JobResult | None:
+def _start(spec: JobSpec, b, dry_run: bool, timeout: float | None, detach: bool, log, preflight: bool,
+           command: str) -> JobResult | None:
     """Plan once, then describe that plan, run it, or leave it running."""
-    if preflight and not dry_run:   # the same nodes, containers and ports the job will use, checked first
+    if preflight and not dry_run:   # the job's own plan (nodes, containers, ports) checked, then run as checked
         log(f"preflight: checking {spec.nodes} node(s) before starting the job")
-        checked = doctor.run(spec, backend, backend_options, quick=True, log=log)
+        checked, plan = doctor.preflight(b, spec, log=log)
         if not checked["ok"]:
             bad = sum(not r["ok"] for r in checked["rows"])
             raise Failed(f"preflight: {bad} check(s) failed; the job was not started (report: {checked['path']})")
-        spec = replace(spec, port=checked["port"])   # the ports just checked
-    with stops_as_interrupt():   # planning starts probe containers on --hosts engines
-        plan = b.plan(spec)
+    else:
+        with stops_as_interrupt():   # planning starts probe containers on --hosts engines
+            plan = b.plan(spec)
     if dry_run:
         if b.watches_hangs:   # first: what follows is the backend's files, each to its end
             log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout, spec.device, spec.env))

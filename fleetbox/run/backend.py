@@ -149,6 +149,13 @@ class Backend(ABC):
         """`--detach`: start the job and return; by default the backend's own scheduler carries it."""
         return self.submit(plan, log)
 
+    def probe_plan(self, plan: Plan, spec: JobSpec) -> Plan:
+        """`train --preflight`: a short job of its own (`spec`: doctor's probe, with its own job id and command)
+        on what the job's `plan` settled, its port first, before that plan runs. By default `spec` planned again
+        at the plan's port; a backend whose planning asks the nodes (Docker's network probe) may reuse what the
+        plan settled instead."""
+        return self.plan(replace(spec, port=plan.port))
+
     def engine_facts(self, spec: JobSpec) -> list[dict] | None:
         """For `invoke doctor`, before anything starts: each node's engine and image, where the backend can see
         them from here ({host, version, error, image: (id, content tag) | None}); None where it cannot."""

@@ -122,18 +122,7 @@ class DockerBackend(Backend):
             hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
             facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(hosts)]
             caps = [f["memlock"] for f in facts if f["memlock"] != -1]
-            # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
-            # one for --resume never), unless --checkpoint-dir names a folder every host shares
-            shared = bool(spec.checkpoint_dir)
-            fresh = f"-{secrets.token_hex(3)}" if spec.resume == "never" else ""
-            ckpt = os.path.normpath(spec.checkpoint_dir) if spec.checkpoint_dir else \
-                checkpoint_volume(job_id, owner) + fresh   # a volume per node, even on a shared engine
-            t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
-                                 memlock=min(caps) if caps else -1, checkpoints=ckpt, shared_checkpoints=shared,
-                                 owner=owner)
-            home, user = "", ""
-            if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
-                raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
+            memlock = min(caps) if caps else -1
         else:
             master_ip = "127.0.0.1"
             if spec.iface:
@@ -144,9 +133,40 @@ class DockerBackend(Backend):
                 hostnet.check_port(master_ip, spec.port, need)
             port = spec.port or hostnet.free_block(master_ip, need)
             facts = [{"iface": spec.iface or iface, "local": own}] * spec.nodes
+            memlock = hostnet.memlock()
+        labels = image.labels or {}
+        return self._settled(spec, job_id, master_ip, port, facts, memlock, image.id,
+                             labels.get(settings.LABEL_INPUTS, ""), _paddle_of(labels) or spec.paddle_pin)
+
+    def probe_plan(self, plan: DockerPlan, spec: spec_mod.JobSpec) -> DockerPlan:
+        """The job's settled values reused (each node's interface and address, the master's, the engines' locked
+        memory, the image): the probe runs on exactly what the job will, with no second network probe."""
+        facts = [{"iface": v["iface"], "local": v["node_ip"]} for v in plan.values]
+        return self._settled(replace(spec, port=plan.port), spec.job_id, plan.values[0]["master_ip"], plan.port,
+                             facts, plan.template.memlock, plan.image_id, plan.content_tag, plan.paddle)
+
+    def _settled(self, spec: spec_mod.JobSpec, job_id: str, master_ip: str, port: int, facts: list[dict],
+                 memlock: int, image_id: str, content_tag: str, paddle: str) -> DockerPlan:
+        """The plan, once what the engines said is settled: `facts` per node its interface and own address
+        ({iface, local}), `memlock` what its containers may lock."""
+        hosts = list(spec.hosts) or [""] * spec.nodes
+        owner = records.owner()
+        if spec.hosts:
+            # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
+            # one for --resume never), unless --checkpoint-dir names a folder every host shares
+            shared = bool(spec.checkpoint_dir)
+            fresh = f"-{secrets.token_hex(3)}" if spec.resume == "never" else ""
+            ckpt = os.path.normpath(spec.checkpoint_dir) if spec.checkpoint_dir else \
+                checkpoint_volume(job_id, owner) + fresh   # a volume per node, even on a shared engine
+            t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
+                                 memlock=memlock, checkpoints=ckpt, shared_checkpoints=shared, owner=owner)
+            home, user = "", ""
+            if any(placeholders.used(s) & {"home", "user"} for _, s in t.strings()):
+                raise UserError("{home} and {user} are not known for --hosts engines; give the paths there")
+        else:
             ckpt = checkpoints.folder(spec.checkpoint_dir, settings.runs_root() / job_id)
             t = planner.template(spec, job_id, str(settings.runs_root() / job_id / "{node}"),
-                                 hyhal_present=Path("/opt/hyhal").exists(), memlock=hostnet.memlock(),
+                                 hyhal_present=Path("/opt/hyhal").exists(), memlock=memlock,
                                  checkpoints=str(ckpt), owner=owner)
             home, user = str(Path.home()), getpass.getuser()
         runtimes.Docker().check(t, spec.image_ref)   # binds the engine would split: before anything is made
@@ -165,8 +185,7 @@ class DockerBackend(Backend):
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
         return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt), t, values,
-                          image_id=image.id, content_tag=(image.labels or {}).get(settings.LABEL_INPUTS, ""),
-                          paddle=_paddle_of(image.labels or {}) or spec.paddle_pin)
+                          image_id=image_id, content_tag=content_tag, paddle=paddle)
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
