@@ -22,7 +22,7 @@ from fleetbox.run.records import DamagedRecord, Handle, JobState
 from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
 
-CANCELLED = "CANCELLED"   # in the job folder: `invoke cancel` asked (Slurm: CANCELLED.<first Slurm job>)
+CANCELLED = "CANCELLED"   # in the job folder: the job was stopped, not failed (a backend may name one per chain)
 BACKENDS: dict[str, type[Backend]] = {}   # by name; run/backends registers them
 
 

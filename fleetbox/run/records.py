@@ -153,20 +153,21 @@ class SupervisedHandle(Handle):
 
 @dataclass
 class JobInfo:
-    """What a job ran, as its backend knew it at submit (job.json); the report reads it."""
+    """What a job ran, as its backend knew it at submit (job.json); the report reads it. A field the backend
+    cannot know keeps its default."""
     job_id: str
     backend: str
     variant: str
     nodes: int
     procs_per_node: int
     image: str                       # the reference the nodes were given
-    runtime: str = ""                # Slurm: the container runtime
-    image_id: str = ""               # Docker: node 0's image ID ...
+    runtime: str = ""                # what started the containers, where the backend has several to choose from
+    image_id: str = ""               # node 0's image ID, where it can be asked at submit ...
     content_tag: str = ""            # ... and our content tag, when it is one of our images
     paddle: str = ""                 # the image's Paddle version, where it says (our images' label, or the pin)
-    started: float = 0.0             # Docker: when this attempt's containers were started (time.time())
-    first_started: float = 0.0       # Docker: ... and the first attempt's (a report's time runs from it)
-    commands: list[str] = field(default_factory=list)   # Docker: each node's `docker run`
+    started: float = 0.0             # when this attempt was started (time.time()); 0: its layout says (Layout.starts)
+    first_started: float = 0.0       # ... and the first attempt's (a report's time runs from it)
+    commands: list[str] = field(default_factory=list)   # each node's command, where each node has one of its own
 
     def save(self, job_dir: Path) -> None:
         files.write_json(Path(job_dir, JOB), asdict(self))
