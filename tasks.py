@@ -212,9 +212,16 @@ def _job_task(*declared):
                     made += [(b, None) for _, b in backends.all_options() if b.train_only == long_run]
         inspect.signature(fn).bind(None, **{o.name: None for o, _ in made})   # the body takes every one of them
         P = inspect.Parameter
-        fn.__signature__ = inspect.Signature([P("c", P.POSITIONAL_OR_KEYWORD)] + [
+        sig = fn.__signature__ = inspect.Signature([P("c", P.POSITIONAL_OR_KEYWORD)] + [
             P(o.name, P.POSITIONAL_OR_KEYWORD, default=default) for o, default in made])
-        return task(help={o.name: o.help for o, _ in made})(fn)
+
+        @functools.wraps(fn)
+        def with_defaults(*args, **kwargs):   # called from Python too (pre=, post=, a script): the defaults
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return fn(**bound.arguments)
+        with_defaults.__signature__ = sig
+        return task(help={o.name: o.help for o, _ in made})(with_defaults)
     return make
 
 

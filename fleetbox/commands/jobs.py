@@ -34,7 +34,7 @@ def describe(h: Handle) -> dict:
         row["state"], row["attempt"], row["note"] = backends.get(h.backend).job_state(h)
     except UserError as e:   # a backend this fleetbox does not know, or one that cannot be asked
         row["note"] = str(e)
-    except (OSError, ValueError, KeyError, TypeError) as e:   # a record from an older fleetbox, half a folder
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:   # an older record, half a folder
         row["note"] = f"cannot tell its state ({type(e).__name__}: {e})"[:200]
     return row
 

@@ -18,7 +18,7 @@ from fleetbox.options import Option
 from fleetbox.processes import never_failing, signals_held, stops_as_interrupt
 from fleetbox.run import metrics
 from fleetbox.run.jobfolder import Layout
-from fleetbox.run.records import DamagedRecord, Handle, JobState
+from fleetbox.run.records import DamagedRecord, FormerHandle, Handle, JobState
 from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
 
@@ -76,7 +76,7 @@ class Backend(ABC):
     name = ""
     about = ""                     # a few words for `--backend` in `invoke --help train`
     plan_type: type[Plan] = Plan   # what `plan` returns (a detached job's plan is read back as one)
-    handle_type: type[Handle] = Handle   # what `submit` returns, with the backend's own fields (handle.json)
+    handle_type: type[Handle] = FormerHandle   # what `submit` returns, with the backend's own fields (handle.json)
     layout = Layout()                    # where its jobs' files are in their folders (run/jobfolder.py)
     options: tuple[Option, ...] = ()
     capabilities = Capabilities()
@@ -85,12 +85,16 @@ class Backend(ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        for old, new in _FORMER.items():
+            if isinstance(cls.__dict__.get(old), property):   # its value follows the backend's options
+                raise TypeError(f"{cls.__name__}.{old} is a property: set the backend's capabilities instead "
+                                f"(self.capabilities = replace(self.capabilities, {new}=...))")
         former = {new: cls.__dict__[old] for old, new in _FORMER.items()
-                  if old in cls.__dict__ and not isinstance(cls.__dict__[old], property)}
+                  if old in cls.__dict__ and not isinstance(cls.__dict__[old], _Former)}
         if former:
             cls.capabilities = replace(cls.capabilities, **former)
             for old in _FORMER:
-                if old in cls.__dict__ and not isinstance(cls.__dict__[old], property):
+                if old in cls.__dict__ and not isinstance(cls.__dict__[old], _Former):
                     delattr(cls, old)
 
     @property
@@ -197,8 +201,22 @@ class Backend(ABC):
                 raise
 
 
-for _old, _new in _FORMER.items():   # the former names still read, from the capabilities
-    setattr(Backend, _old, property(lambda self, name=_new: getattr(self.capabilities, name)))
+class _Former:
+    """A capability under its former name: read from the class or a backend (its capabilities); set on a backend
+    (as one written for an older fleetbox does in its __init__), it changes that backend's."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, cls):
+        return getattr((obj if obj is not None else cls).capabilities, self.name)
+
+    def __set__(self, obj, value):
+        obj.capabilities = replace(obj.capabilities, **{self.name: value})
+
+
+for _old, _new in _FORMER.items():
+    setattr(Backend, _old, _Former(_new))
 
 
 def job_ended(job_dir: Path, asker: Backend | None = None) -> tuple[bool, str]:
@@ -217,6 +235,6 @@ def job_ended(job_dir: Path, asker: Backend | None = None) -> tuple[bool, str]:
     try:
         b = asker if asker is not None and asker.name == h.backend else cls(**{o.name: o.default for o in cls.options})
         state, _, note = b.job_state(h)
-    except (UserError, OSError, ValueError, KeyError, TypeError) as e:
+    except (UserError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return False, f"in a state that cannot be told ({type(e).__name__}: {e})"[:200]
     return state.is_terminal, state.value + (f" ({note})" if note else "")

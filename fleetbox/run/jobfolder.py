@@ -9,13 +9,16 @@ layout names (Docker: attempt<N>/ from 0, Slurm: alloc<N>/ from 1).
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetbox.run.records import HANDLE, JOB
 
 LAYOUTS: dict[str, Layout] = {}   # by backend name; run/backends registers each backend's
+RECORD_MAX = 1 << 20              # a handle.json or job.json is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -26,16 +29,31 @@ class Layout:
     first: int = 0                # the <N> of the first attempt's folder
     node: str = "node<k>"         # a node's folder in an attempt's: its worker logs, progress, stacks
     output: str = "node<k>/container.log"   # a node's own output, in an attempt's: what `invoke logs` shows
-    entries: dict = field(default_factory=dict)   # what else the backend leaves in the folder: {pattern: what}
+    entries: dict = field(default_factory=dict, hash=False)   # what else the backend leaves: {pattern: what}
+
+    def __post_init__(self):
+        """A pattern that names no place, or one outside the job's folder, would be found wrong after the job
+        ran (its metrics gathered from nowhere): refused when the backend is declared."""
+        for name, text, needs in (("earlier", self.earlier.rpartition("/")[2], "<N>"), ("node", self.node, "<k>"),
+                                  ("output", self.output, "<k>")):
+            if needs not in text:
+                raise ValueError(f"Layout {name}={text!r} must hold {needs}")
+        for name in ("earlier", "node", "output"):
+            path = getattr(self, name)
+            if path.startswith("/") or ".." in path.split("/") or "<N>" in path.rpartition("/")[0]:
+                raise ValueError(f"Layout {name}={path!r} must be a path inside the job's folder (<N> in its last "
+                                 f"part)")
 
     def attempt_name(self, attempt: int) -> str:
         """The name of an attempt (0: the first), as its folder is named once it is an earlier one."""
         return self.earlier.rpartition("/")[2].replace("<N>", str(attempt + self.first))
 
-    def starts(self, job_dir: Path, job: dict) -> list[float]:
-        """When attempts began, as far as the folder says: job.json's first attempt's and last attempt's."""
-        return [float(t) for t in (job.get("first_started"), job.get("started"))
-                if isinstance(t, (int, float)) and not isinstance(t, bool) and t]
+    def starts(self, job_dir: Path, job: dict) -> tuple[float | None, float | None]:
+        """When the first attempt and the last one began, as far as the folder says (job.json)."""
+        def when(t):
+            return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and t else None
+        last = when(job.get("started"))
+        return when(job.get("first_started")) or last, last
 
 
 def _pattern(text: str) -> re.Pattern:
@@ -54,8 +72,11 @@ class JobFolder:
         names none, or one this fleetbox does not have, is read with every known layout (the union)."""
         path = Path(path)
         for record in (HANDLE, JOB):
-            try:
-                name = json.loads((path / record).read_text()).get("backend")
+            try:   # a record, not whatever stands under its name (a FIFO: not waited on; a link to a device)
+                with open(os.open(path / record, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        continue
+                    name = json.loads(f.read(RECORD_MAX)).get("backend")
             except (OSError, ValueError, AttributeError):
                 continue
             if isinstance(name, str) and name in LAYOUTS:
@@ -102,6 +123,6 @@ class JobFolder:
         """A node's own output (of the last attempt, unless its folder is given)."""
         return (attempt_dir or self.path) / self.layout.output.replace("<k>", str(node))
 
-    def starts(self, job: dict) -> list[float]:
-        """When the job's attempts began, as far as its folder says."""
+    def starts(self, job: dict) -> tuple[float | None, float | None]:
+        """When the job's first attempt and its last one began, as far as its folder says."""
         return self.layout.starts(self.path, job)

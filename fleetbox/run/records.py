@@ -152,6 +152,15 @@ class SupervisedHandle(Handle):
 
 
 @dataclass
+class FormerHandle(SupervisedHandle):
+    """Every field a handle had before each backend declared its own: the handle of a backend that declares none
+    (Backend.handle_type), so that one written for an older fleetbox keeps its fields."""
+    hosts: list[str] = field(default_factory=list)
+    _: KW_ONLY
+    scheduler_job: str = ""
+
+
+@dataclass
 class JobInfo:
     """What a job ran, as its backend knew it at submit (job.json); the report reads it. A field the backend
     cannot know keeps its default."""

@@ -22,7 +22,7 @@ from fleetbox.run.result import JobResult, NodeResult
 
 def first_start(job_dir: Path, job: dict) -> float | None:
     """When the job's first attempt began, as its folder says (run/jobfolder.py)."""
-    return min(JobFolder.at(job_dir).starts(job), default=None)
+    return JobFolder.at(job_dir).starts(job)[0]
 
 
 def rate_lines(recs: list[dict], t0: float) -> dict[int, list[list[tuple[float, float]]]]:
@@ -40,7 +40,7 @@ def rate_lines(recs: list[dict], t0: float) -> dict[int, list[list[tuple[float, 
 
 def job_start(job_dir: Path, job: dict) -> float | None:
     """When the job's last attempt began, as its folder says."""
-    return max(JobFolder.at(job_dir).starts(job), default=None)
+    return JobFolder.at(job_dir).starts(job)[1]
 
 
 def throughput(recs: list[dict]) -> dict:

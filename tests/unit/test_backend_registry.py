@@ -193,3 +193,34 @@ def test_a_backend_may_not_take_the_name_of_any_option_a_job_task_has(monkeypatc
     with pytest.raises(UserError, match=f"backend taker: option --{taken.replace('_', '-')} is the job's already"):
         backends.register(Taker)
     assert "taker" not in backends.BACKENDS
+
+
+def test_the_former_capability_names_read_from_the_class_and_set_on_a_backend_as_before():
+    from fleetbox.run import backends
+    slurm = backends.lookup("slurm")
+    assert (slurm.timeout_ok, slurm.attempts_are, backends.lookup("docker").timeout_ok) == (False, "allocations", True)
+    b = EchoBackend("x")
+    b.restarts = True   # as a backend written for an older fleetbox sets it in its __init__
+    assert b.capabilities.restarts and not EchoBackend.capabilities.restarts
+    with pytest.raises(TypeError, match=r"Computed.shm_settable is a property: set the backend's capabilities"):
+        class Computed(EchoBackend):
+            name = "computed"
+
+            @property
+            def shm_settable(self):
+                return False
+
+    class Local(slurm):   # a site's Slurm: its own capabilities survive its runtime's
+        restarts = False
+    assert not Local("none", venv="/x").capabilities.restarts and Local("none", venv="/x").label == "slurm/none"
+
+
+def test_a_backend_that_declares_no_handle_keeps_every_field_a_handle_had(tmp_path, monkeypatch):
+    from fleetbox.run import backends, records
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    for registry in (records.HANDLE_TYPES, backends.LAYOUTS, records.BACKEND_ENTRIES):   # removed after the test
+        monkeypatch.setitem(registry, "echo", None)
+    backends.register(EchoBackend)
+    Handle("echo", "e", str(tmp_path), 2, ["", "tcp://h:2375"], supervisor=7, scheduler_job="3").save()
+    h = Handle.load(tmp_path)
+    assert (h.hosts, h.supervisor, h.scheduler_job) == (["", "tcp://h:2375"], 7, "3")

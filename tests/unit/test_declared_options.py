@@ -100,3 +100,13 @@ def test_a_bad_value_is_one_line_naming_its_flag(option, value, needle):
                        .replace("|", r"\|").replace("]", r"\]")) as e:
         option.read(value, None)
     assert "\n" not in str(e.value)
+
+
+def test_a_job_task_called_from_python_gets_its_declared_defaults(monkeypatch):
+    """invoke's pre=/post= and scripts call a task's body with what they give; the rest take their defaults."""
+    import invoke
+
+    import tasks
+    monkeypatch.setattr("sys.argv", ["invoke", "verify"])   # what the task checks its flags against
+    with pytest.raises(invoke.exceptions.Exit, match="unknown variant 'nope'"):
+        tasks.verify(invoke.Context(), variant="nope")

@@ -60,3 +60,23 @@ def test_when_attempts_began_comes_from_the_backends_own_files(tmp_path):
     (docker / "slurm-7.out").write_text("fleetbox: allocation 1 started at 100.5\n")   # not Docker's: not read
     assert report.first_start(docker, {"first_started": 5.0, "started": 9.0}) == 5.0
     assert report.job_start(docker, {}) is None
+
+
+def test_a_layout_that_names_no_place_or_one_outside_the_job_folder_is_refused():
+    import pytest
+    for bad, said in ((dict(earlier="previous"), "earlier='previous' must hold <N>"),
+                      (dict(node="n0"), "node='n0' must hold <k>"), (dict(output="out.log"), "must hold <k>"),
+                      (dict(output="/etc/<k>"), "must be a path inside the job's folder"),
+                      (dict(earlier="../t<N>"), "must be a path inside"), (dict(earlier="t<N>/x<N>"), "inside")):
+        with pytest.raises(ValueError, match=said):
+            Layout(**bad)
+    assert hash(NESTED) == hash(Layout(earlier="tries/try<N>", first=1, node="n<k>", output="n<k>/out.log"))
+
+
+def test_a_record_that_is_not_a_file_is_not_read_for_the_layout(tmp_path):
+    import os
+    job = tmp_path / "j"
+    job.mkdir()
+    os.mkfifo(job / "handle.json")   # reading it would wait for a writer forever
+    (job / "job.json").write_text(json.dumps({"backend": "slurm"}))
+    assert JobFolder.at(job).layout is backends.lookup("slurm").layout

@@ -131,11 +131,14 @@ class SlurmLayout(Layout):
     """A chain's allocations: alloc<N>/ from 1, each node's task output in node<k>.log, and when each
     allocation began in its batch script's output."""
 
-    def starts(self, job_dir: Path, job: dict) -> list[float]:
-        return super().starts(job_dir, job) or [
-            float(t) for out in job_dir.glob("slurm-*.out")
-            for t in re.findall(r"^fleetbox: allocation \d+ started at ([\d.]+)$", out.read_text(errors="replace"),
-                                re.M)]
+    def starts(self, job_dir: Path, job: dict) -> tuple[float | None, float | None]:
+        first, last = super().starts(job_dir, job)
+        if first is not None:
+            return first, last
+        said = [float(t) for out in job_dir.glob("slurm-*.out")
+                for t in re.findall(r"^fleetbox: allocation \d+ started at ([\d.]+)$", out.read_text(errors="replace"),
+                                    re.M)]
+        return min(said, default=None), max(said, default=None)
 
 
 class SlurmBackend(Backend):
@@ -200,7 +203,7 @@ class SlurmBackend(Backend):
                             f"runtime {runtime} runs an image")
         self.runtime = runtimes.get(runtime, venv or "", module_list)
         rt = self.runtime
-        self.capabilities = replace(SlurmBackend.capabilities, runtime=rt.name, label=f"slurm/{rt.name}",
+        self.capabilities = replace(type(self).capabilities, runtime=rt.name, label=f"slurm/{rt.name}",
                                     shm_settable=rt.sets_shm, runs_in_image=rt.has_image,
                                     unconfined="" if rt.confined else rt.unconfined_note())
         if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
