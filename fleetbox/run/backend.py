@@ -85,17 +85,14 @@ class Backend(ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for old, new in _FORMER.items():
-            if isinstance(cls.__dict__.get(old), property):   # its value follows the backend's options
+        former = {old: cls.__dict__[old] for old in _FORMER if old in cls.__dict__}
+        for old, value in former.items():
+            if isinstance(value, property):   # its value follows the backend's options
                 raise TypeError(f"{cls.__name__}.{old} is a property: set the backend's capabilities instead "
-                                f"(self.capabilities = replace(self.capabilities, {new}=...))")
-        former = {new: cls.__dict__[old] for old, new in _FORMER.items()
-                  if old in cls.__dict__ and not isinstance(cls.__dict__[old], _Former)}
+                                f"(self.capabilities = replace(self.capabilities, {_FORMER[old]}=...))")
+            delattr(cls, old)
         if former:
-            cls.capabilities = replace(cls.capabilities, **former)
-            for old in _FORMER:
-                if old in cls.__dict__ and not isinstance(cls.__dict__[old], _Former):
-                    delattr(cls, old)
+            cls.capabilities = replace(cls.capabilities, **{_FORMER[old]: v for old, v in former.items()})
 
     @property
     def runtime_name(self) -> str:

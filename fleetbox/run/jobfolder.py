@@ -56,8 +56,11 @@ class Layout:
         return when(job.get("first_started")) or last, last
 
 
-def _pattern(text: str) -> re.Pattern:
-    return re.compile(re.escape(text).replace("<N>", r"(?P<N>\d+)").replace("<k>", r"(?P<k>\d+)"))
+def _numbered(parent: Path, pattern: str, place: str) -> list[tuple[int, Path]]:
+    """(number, folder) of each folder in `parent` whose name is `pattern` with a number at <`place`>."""
+    rx = re.compile(re.escape(pattern).replace(re.escape(f"<{place}>"), r"(\d+)"))
+    return [(int(m[1]), d) for d in (parent.iterdir() if parent.is_dir() else [])
+            if (m := rx.fullmatch(d.name)) and d.is_dir()]
 
 
 class JobFolder:
@@ -97,22 +100,17 @@ class JobFolder:
         found = {}
         for layout in self.layouts:
             parent, _, leaf = layout.earlier.rpartition("/")
-            rx = _pattern(leaf)
-            base = self.path / parent if parent else self.path
-            for d in base.iterdir() if base.is_dir() else []:
-                if (m := rx.fullmatch(d.name)) and d.is_dir():
-                    found.setdefault(int(m["N"]) - layout.first, d)
+            for n, d in _numbered(self.path / parent, leaf, "N"):
+                found.setdefault(n - layout.first, d)
         return sorted(found.items()) + [(len(found), self.path)]
 
     def nodes(self, attempt_dir: Path) -> list[tuple[int, Path]]:
         """(rank, folder) of every node folder in an attempt's folder."""
-        out = {}
+        found = {}
         for layout in self.layouts:
-            rx = _pattern(layout.node)
-            for d in attempt_dir.iterdir() if attempt_dir.is_dir() else []:
-                if (m := rx.fullmatch(d.name)) and d.is_dir():
-                    out.setdefault(int(m["k"]), d)
-        return sorted(out.items())
+            for k, d in _numbered(attempt_dir, layout.node, "k"):
+                found.setdefault(k, d)
+        return sorted(found.items())
 
     def node_files(self, pattern: str) -> list[tuple[int, int, Path]]:
         """(attempt, node, file) for every file of every attempt's node folders that matches `pattern` (a glob)."""

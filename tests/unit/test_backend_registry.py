@@ -81,14 +81,29 @@ class EchoBackend(Backend):
         log(self.logs(handle, node).rstrip("\n"))
 
 
+def installed(tmp_path, package: str, entry_points: str, runs: str = "runs") -> dict:
+    """The environment of a task that finds `entry_points` (lines `name = module:Class`) as an installed package
+    declares them (a dist-info folder on PYTHONPATH), with a runs folder of the test's own."""
+    dist = tmp_path / "site" / f"fleetbox_{package}-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fleetbox-{package}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[fleetbox.backends]\n{entry_points}")
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), "FLEETBOX_RUNS": str(tmp_path / runs)}
+
+
+def register_for_the_test(monkeypatch, cls) -> None:
+    """Register `cls` here as a task does, and every registry as it was after the test."""
+    from fleetbox.run import backends, records
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    for registry in (records.HANDLE_TYPES, backends.LAYOUTS, records.BACKEND_ENTRIES):
+        monkeypatch.setitem(registry, cls.name, None)   # removed after the test (register() replaces it)
+    backends.register(cls)
+
+
 @pytest.fixture
 def plugin(tmp_path):
-    """The entry point, as an installed package would declare it (a dist-info folder on PYTHONPATH)."""
-    dist = tmp_path / "site" / "fleetbox_echo-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fleetbox-echo\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[fleetbox.backends]\necho = {__name__}:EchoBackend\n")
-    return {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), "FLEETBOX_RUNS": str(tmp_path / "runs")}
+    """The entry point, as an installed package would declare it."""
+    return installed(tmp_path, "echo", f"echo = {__name__}:EchoBackend\n")
 
 
 def test_a_backend_from_an_entry_point_is_offered_planned_described_and_run(run_invoke, plugin, tmp_path):
@@ -118,12 +133,7 @@ def test_a_backend_from_an_entry_point_is_offered_planned_described_and_run(run_
 
 
 def test_a_plugin_that_cannot_load_stops_no_task_and_is_named_when_chosen(run_invoke, tmp_path):
-    dist = tmp_path / "site" / "fleetbox_broken-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fleetbox-broken\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[fleetbox.backends]\nbroken = no_such_module:Broken\n"
-                                           f"echo = {__name__}:EchoBackend\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), "FLEETBOX_RUNS": str(tmp_path / "r")}
+    env = installed(tmp_path, "broken", f"broken = no_such_module:Broken\necho = {__name__}:EchoBackend\n", "r")
     listed = run_invoke("--list", env=env)
     assert listed.returncode == 0 and "train" in listed.stdout, listed.stderr
     one_line_error(run_invoke("train", "--backend", "broken", "--dry-run", env=env),
@@ -216,11 +226,7 @@ def test_the_former_capability_names_read_from_the_class_and_set_on_a_backend_as
 
 
 def test_a_backend_that_declares_no_handle_keeps_every_field_a_handle_had(tmp_path, monkeypatch):
-    from fleetbox.run import backends, records
-    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
-    for registry in (records.HANDLE_TYPES, backends.LAYOUTS, records.BACKEND_ENTRIES):   # removed after the test
-        monkeypatch.setitem(registry, "echo", None)
-    backends.register(EchoBackend)
+    register_for_the_test(monkeypatch, EchoBackend)
     Handle("echo", "e", str(tmp_path), 2, ["", "tcp://h:2375"], supervisor=7, scheduler_job="3").save()
     h = Handle.load(tmp_path)
     assert (h.hosts, h.supervisor, h.scheduler_job) == (["", "tcp://h:2375"], 7, "3")

@@ -168,8 +168,7 @@ def test_a_handle_of_a_backend_this_fleetbox_does_not_have_reads_as_the_common_p
 def test_a_backend_declares_its_own_handle_fields_and_gets_them_back(tmp_path, monkeypatch):
     from fleetbox.errors import UserError
     from fleetbox.run import backends
-    from fleetbox.run.records import HANDLE_TYPES
-    from tests.unit.test_backend_registry import EchoBackend
+    from tests.unit.test_backend_registry import EchoBackend, register_for_the_test
 
     @dataclasses.dataclass
     class EchoHandle(Handle):
@@ -178,10 +177,7 @@ def test_a_backend_declares_its_own_handle_fields_and_gets_them_back(tmp_path, m
     class Echo2(EchoBackend):
         name = "echo2"
         handle_type = EchoHandle
-    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
-    for registry in (HANDLE_TYPES, backends.LAYOUTS, records.BACKEND_ENTRIES):   # removed after the test
-        monkeypatch.setitem(registry, "echo2", None)
-    backends.register(Echo2)
+    register_for_the_test(monkeypatch, Echo2)
     Handle("echo2", "e-1", str(tmp_path), 2, [11, 12]).save()
     h = Handle.load(tmp_path)
     assert type(h) is EchoHandle and h.pids == [11, 12]

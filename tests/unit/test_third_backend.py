@@ -23,7 +23,7 @@ from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult
 from fleetbox.run.spec import new_job_id
-from tests.conftest import ROOT
+from tests.unit.test_backend_registry import installed, register_for_the_test
 
 LAYOUT = Layout(earlier="tries/try<N>", first=1, node="n<k>", output="n<k>/out.log", entries={
     "tries": "proc: the earlier tries' node folders (try<N>/, from 1)", "n<k>": "proc: node k's folder"})
@@ -166,11 +166,7 @@ class ProcBackend(Backend):
 @pytest.fixture
 def env(tmp_path):
     """The entry point as an installed package declares it, and a runs folder of the test's own."""
-    dist = tmp_path / "site" / "fleetbox_proc-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fleetbox-proc\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[fleetbox.backends]\nproc = {__name__}:ProcBackend\n")
-    return {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), "FLEETBOX_RUNS": str(tmp_path / "runs")}
+    return installed(tmp_path, "proc", f"proc = {__name__}:ProcBackend\n")
 
 
 def _rows(run_invoke, env) -> dict:
@@ -181,7 +177,7 @@ def _rows(run_invoke, env) -> dict:
 
 def test_a_third_backend_runs_through_train_jobs_logs_report_with_its_own_handle_and_folder(run_invoke, env, tmp_path,
                                                                                           monkeypatch):
-    from fleetbox.run import backends, records
+    from fleetbox.run import records
     runs = tmp_path / "runs"
     proc = run_invoke("train", "--backend", "proc", "--nodes", "2", "--proc-steps", "6", "--max-restarts", "1",
                       "--env", "FAIL_FIRST=1", "--job-id", "p-1", env=env)
@@ -190,10 +186,7 @@ def test_a_third_backend_runs_through_train_jobs_logs_report_with_its_own_handle
     handle = json.loads((job / "handle.json").read_text())
     assert handle["backend"] == "proc" and len(handle["pids"]) == 2 and all(handle["starts"])   # its own fields
     assert sorted(p.relative_to(job).as_posix() for p in job.glob("tries/*/*")) == ["tries/try1/n0", "tries/try1/n1"]
-    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))   # here too, as the tasks have it
-    for registry in (records.HANDLE_TYPES, backends.LAYOUTS, records.BACKEND_ENTRIES):   # removed after the test
-        monkeypatch.setitem(registry, "proc", None)
-    backends.register(ProcBackend)
+    register_for_the_test(monkeypatch, ProcBackend)   # here too, as the tasks have it
     assert records.undescribed(job) == []   # what it left is what its layout says, and fleetbox's own records
 
     assert _rows(run_invoke, env)["p-1"][1:5] == ["proc", "2", "PASSED", "1"]   # one earlier try
