@@ -24,7 +24,8 @@ from fleetbox.options import Option
 from fleetbox.run import backends
 from fleetbox.run import spec as spec_mod
 
-DECLARED = {**spec_mod.OPTIONS, backends.BACKEND.name: backends.BACKEND}
+DECLARED = {**spec_mod.OPTIONS, **{o.name: o for _, o in backends.all_options()},
+            backends.BACKEND.name: backends.BACKEND}
 VARIANT_HELP = DECLARED["variant"].help
 
 
@@ -236,7 +237,7 @@ JOB = {o.name for o in spec_mod.JOB_OPTIONS}
 @_job_task("variant", "json_out",
            _as("image", "verify this image reference instead of the variant's build (e.g. a pulled image)"),
            _as("nodes", "also run the checks in every node's container and the smoke job across N nodes"),
-           _as("hosts", "with --nodes: comma-separated Docker Engine URLs, one per node"))
+           _as("hosts", "with --nodes: comma-separated Docker Engine URLs, one per node", default=None))
 @_fleetbox
 def verify(c, variant, json_out, image, nodes, hosts):
     """Check the image with the network off: run_check(), device, scipy/cv2, installed == lock."""
@@ -245,7 +246,8 @@ def verify(c, variant, json_out, image, nodes, hosts):
     v = _variant(variant)
     n = options.integer("--nodes", nodes or 0, 0)
     if n:
-        report = verify_mod.run_nodes(spec_mod.from_options(v, nodes=n, image=image, hosts=hosts), log=_log)
+        b = backends.get(backends.DEFAULT, **backends.configure(backends.DEFAULT, {"hosts": hosts}))
+        report = verify_mod.run_nodes(spec_mod.from_options(v, b, nodes=n, image=image), b, log=_log)
     else:
         report = verify_mod.run(engine.client(), v, image, log=_log)
     if json_out:
@@ -279,8 +281,8 @@ def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, fro
     ds.cache_command(datasets, mirror, dest, verify, pack, from_, manifest, 4 if jobs is None else jobs, log=_log)
 
 
-@_job_task("nodes", "procs_per_node", "variant", "script", "args", "image", "hosts", "iface", "ib_hca", "debug",
-           "gpus_per_node", "devices", "port", "env", "pass_env", "mount", "data_dir", "shm_size", "timeout",
+@_job_task("nodes", "procs_per_node", "variant", "script", "args", "image", "iface", "ib_hca", "debug",
+           "gpus_per_node", "port", "env", "pass_env", "mount", "data_dir", "shm_size", "timeout",
            "dry_run", "backend", "job_id", "checkpoint_dir", "resume", "max_restarts", "hang_timeout",
            "start_timeout", "detach", "preflight")
 @_fleetbox
@@ -288,12 +290,14 @@ def train(c, variant, args, timeout, dry_run, backend, detach, preflight, **job)
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""
     from fleetbox import options
     from fleetbox.commands import train as train_mod
-    spec = spec_mod.from_options(_variant(variant), args=_script_args(args), **_job(job))
-    train_mod.train(spec, backend, backends.configure(backend, job), dry_run, options.seconds("--timeout", timeout),
+    given = backends.configure(backend, job)
+    spec = spec_mod.from_options(_variant(variant), backends.get(backend, **given), args=_script_args(args),
+                                 **_job(job))
+    train_mod.train(spec, backend, given, dry_run, options.seconds("--timeout", timeout),
                     detach=detach, log=_log, preflight=preflight, command=_as_typed())
 
 
-@_job_task("nodes", "procs_per_node", "variant", "image", "hosts", "iface", "ib_hca", "gpus_per_node", "devices",
+@_job_task("nodes", "procs_per_node", "variant", "image", "iface", "ib_hca", "gpus_per_node",
            _as("port", "master port to check (the trainers' pinned ports follow it; default: as `invoke train` "
                        "picks)"),
            "env", "mount", "data_dir", "shm_size", "backend", "quick", "wait", "json_out",
@@ -307,8 +311,9 @@ def doctor(c, variant, backend, quick, wait, json_out, dry_run, **job):
     uses, then an all-reduce sweep."""
     from fleetbox import files, options
     from fleetbox.commands import doctor as doctor_mod
-    spec = spec_mod.from_options(_variant(variant), **_job(job))
-    report = doctor_mod.run(spec, backend, backends.configure(backend, job), quick=quick,
+    given = backends.configure(backend, job)
+    spec = spec_mod.from_options(_variant(variant), backends.get(backend, **given), **_job(job))
+    report = doctor_mod.run(spec, backend, given, quick=quick,
                             wait=options.seconds("--wait", wait) or 30.0, log=_log, dry_run=dry_run)
     if report.get("dry_run"):
         if not report["ok"]:
@@ -325,7 +330,7 @@ def doctor(c, variant, backend, quick, wait, json_out, dry_run, **job):
            _as("procs_per_node", "comma-separated processes per node, e.g. 1,2 (default 1)"),
            _as("image", "comma-separated images to compare, each run at every size (default "
                         "fleetbox/paddle:<variant>)"),
-           "variant", "script", "args", "hosts", "iface", "ib_hca", "gpus_per_node", "devices", "port", "env", "mount",
+           "variant", "script", "args", "iface", "ib_hca", "gpus_per_node", "port", "env", "mount",
            "data_dir", "shm_size", "timeout", "backend",
            _as("dry_run", "print every run's job as `invoke train --dry-run` would; start nothing (with --hosts, a "
                           "throwaway probe container runs on each host to find its network)"))
@@ -338,10 +343,10 @@ def scale(c, nodes, procs_per_node, image, variant, args, timeout, backend, dry_
     from fleetbox import options
     from fleetbox.commands import scale as scale_mod
     study_cells = scale_mod.cells(nodes, procs_per_node, image)
-    host_count = len(options.items(job["hosts"]))
-    spec = spec_mod.from_options(_variant(variant), nodes=host_count or max(x.nodes for x in study_cells),
-                                 args=_script_args(args), **_job(job))
-    scale_mod.run(spec, study_cells, backend, backends.configure(backend, job),
+    given, largest = backends.configure(backend, job), max(x.nodes for x in study_cells)
+    spec = spec_mod.from_options(_variant(variant), backends.get(backend, **backends.sized(backend, given, largest)),
+                                 nodes=largest, args=_script_args(args), **_job(job))
+    scale_mod.run(spec, study_cells, backend, given,
                   options.seconds("--timeout", timeout), log=_log, dry_run=dry_run)
 
 

@@ -194,36 +194,35 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
     if spec.spawns:   # its nprocs, not the study, says how many ranks it has
         raise UserError(f"{spec.script} starts its own ranks (paddle.distributed.spawn), as many as its call says: a "
                         f"study needs a script Paddle's launcher starts at each size")
-    if spec.hosts and len(spec.hosts) < max(c.nodes for c in study_cells):
-        raise UserError(f"--hosts names {len(spec.hosts)} hosts; the largest run needs "
-                        f"{max(c.nodes for c in study_cells)} (the first N are used for N nodes)")
     backends.check_timeout(backend, timeout)   # the same refusals train makes, once for the whole study
-    backends.get(backend, **(backend_options or {}))
+    sized = {n: backends.sized(backend, dict(backend_options or {}), n)   # a run of N nodes: Docker's first N hosts
+             for n in sorted({c.nodes for c in study_cells}, reverse=True)}
     if spec.port:
         hostnet.check_room(spec.port, planner.ports_needed(max(c.nodes for c in study_cells),
                                                             max(c.procs for c in study_cells)))
     study = study or new_job_id("scale")
     images = list(dict.fromkeys(c.image for c in study_cells))
     plan = [(job_id(study, images.index(c.image), c),
-             replace(spec, nodes=c.nodes, procs_per_node=c.procs, image=c.image, hosts=spec.hosts[:c.nodes],
-                     job_id=job_id(study, images.index(c.image), c))) for c in study_cells]
-    for _, s in plan:
-        validate(s)   # every run's input, before the first one starts
+             replace(spec, nodes=c.nodes, procs_per_node=c.procs, image=c.image,
+                     job_id=job_id(study, images.index(c.image), c)), sized[c.nodes]) for c in study_cells]
+    for _, s, given in plan:   # every run's input, before the first one starts
+        validate(s)
+        backends.get(backend, **given).check(s)
     rows = [{"image": s.image_ref, "paddle": "", "nodes": c.nodes, "procs": c.procs, "ranks": c.ranks, "job": jid,
              "state": "not run", "samples_per_s": None, "step_seconds": None, "comm_share": None, "steps": 0,
-             "ranks_reporting": 0, "failure": ""} for c, (jid, s) in zip(study_cells, plan)]
+             "ranks_reporting": 0, "failure": ""} for c, (jid, s, _) in zip(study_cells, plan)]
     out = settings.runs_root() / study
     if dry_run:
-        for i, (jid, s) in enumerate(plan):
+        for i, (jid, s, given) in enumerate(plan):
             log(f"# scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
                 f"process(es) (job {jid})")
-            train_cmd.train(s, backend, dict(backend_options or {}), dry_run=True, log=log)
+            train_cmd.train(s, backend, given, dry_run=True, log=log)
         return None
     log(f"scale: study {study}: {len(plan)} run(s), {backend} backend; table in {out}/scale.md")
     done = None
     try:
         with stops_as_interrupt():   # SIGTERM between runs too: the same way out as Ctrl-C
-            failed = _run_all(plan, rows, backend, backend_options, timeout, log)
+            failed = _run_all(plan, rows, backend, timeout, log)
     finally:   # the table of what ended, also after Ctrl-C or an error (each run marked as it ended)
         try:
             with signals_held():
@@ -243,14 +242,14 @@ def run(spec: JobSpec, study_cells: list[Cell], backend: str = "docker", backend
     return done
 
 
-def _run_all(plan, rows, backend, backend_options, timeout, log) -> int:
+def _run_all(plan, rows, backend, timeout, log) -> int:
     """Each run in turn, its row filled as it ends; the number that did not pass."""
     failed = 0
-    for i, ((jid, s), row) in enumerate(zip(plan, rows)):
+    for i, ((jid, s, given), row) in enumerate(zip(plan, rows)):
         log(f"scale: run {i + 1}/{len(plan)}: {s.image_ref}, {s.nodes} node(s) x {s.procs_per_node} "
             f"process(es) (job {jid})")
         try:
-            train_cmd.train(s, backend, dict(backend_options or {}), timeout=timeout, log=log)
+            train_cmd.train(s, backend, given, timeout=timeout, log=log)
         except Failed as e:
             row["state"], row["failure"] = "FAILED", str(e)
         except UserError as e:   # this run could not start (say, an image a node lacks): the others go on

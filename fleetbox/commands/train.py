@@ -73,24 +73,23 @@ def _start(spec: JobSpec, b, dry_run: bool, timeout: float | None, detach: bool,
     try:
         result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
     except (KeyboardInterrupt, Failed):   # stopped, or the engine failed under it
-        say_how_to_resume(spec, plan.job_id, command, never_failing(log))
+        say_how_to_resume(spec, b, plan.job_id, command, never_failing(log))
         raise
     log(result.table())
     draw_report(Path(result.dir), log)
     if not result.ok:
-        say_how_to_resume(spec, plan.job_id, command, log)
+        say_how_to_resume(spec, b, plan.job_id, command, log)
         raise Failed(f"train failed: {result.failure()}")
     return result
 
 
-def say_how_to_resume(spec: JobSpec, job_id: str, command: str, log) -> None:
+def say_how_to_resume(spec: JobSpec, b, job_id: str, command: str, log) -> None:
     """The one command that goes on from the job's newest checkpoint. Where that cannot be said in a command
-    (--hosts volumes made fresh for --resume never), where its checkpoints are."""
+    (Docker's --hosts volumes made fresh for --resume never), where its checkpoints are (the backend says)."""
     if not command:
         return
-    if spec.hosts and not spec.checkpoint_dir and spec.resume == "never":
-        log(f"its checkpoints are in a fresh volume per node (fleetbox-{job_id}-*-checkpoints-*) on each host; a run "
-            f"of the same id without --resume never reads the job's first ones, not these")
+    if note := b.checkpoints_note(spec, job_id):
+        log(note)
         return
     log(f"to go on from its newest checkpoint: {resume_command(command, job_id)}")
 

@@ -12,7 +12,6 @@ from fleetbox.errors import UserError
 from fleetbox.image.built import resolve
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
-from fleetbox.run import backends
 from fleetbox.run.plan import device_kwargs, device_options
 from fleetbox.run.result import smoke_line
 from fleetbox.run.spec import JobSpec
@@ -134,10 +133,11 @@ def _start(c, image_id: str, variant: Variant, labels: dict, mount, log):
         log(f"{no_gpu}: checking the image without one (a machine that has NVIDIA GPUs fails the device count)")
 
 
-def run_nodes(spec, log=print) -> dict:
+def run_nodes(spec, backend, log=print) -> dict:
     """`verify --nodes N`: the image checks (run_check() included) in every node's container, then the
-    smoke job across all nodes; one table, one JSON report."""
-    hosts = list(spec.hosts) or [""] * spec.nodes
+    smoke job across all nodes, by `backend` (Docker's: the nodes are Docker Engines, this machine's or its
+    --hosts); one table, one JSON report."""
+    hosts = list(backend.hosts) or [""] * spec.nodes
     rows = []
     for k, host in enumerate(hosts):
         c = engine.client(host or None)
@@ -155,7 +155,6 @@ def run_nodes(spec, log=print) -> dict:
                      "report": rep["path"]})
         log(f"node{k} ({host or 'local'}): {'PASS' if rep['ok'] else 'FAIL'}")
     log(f"running the smoke job across {spec.nodes} nodes")
-    backend = backends.get(backends.DEFAULT)   # the nodes are Docker Engines: this machine or --hosts
     job = backend.run(backend.plan(spec), log=lambda m: None)
     smoke = job.smoke or {}
     detail = smoke_line(smoke) if smoke else job.failure()

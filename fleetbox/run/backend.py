@@ -79,6 +79,7 @@ class Backend(ABC):
     handle_type: type[Handle] = FormerHandle   # what `submit` returns, with the backend's own fields (handle.json)
     layout = Layout()                    # where its jobs' files are in their folders (run/jobfolder.py)
     options: tuple[Option, ...] = ()
+    foreign: dict[str, str] = {}         # what it says of another backend's option given to it, by name
     capabilities = Capabilities()
     runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime (doctor's probe shows them)
     notes: tuple[str, ...] = ()          # what the user should know about the options given (one line each)
@@ -102,6 +103,37 @@ class Backend(ABC):
     @property
     def label(self) -> str:
         return self.capabilities.label or self.name
+
+    # -- what a job is on this backend: its own options (Docker's --hosts, --devices) with the job's --
+
+    @property
+    def reads_here(self) -> bool:
+        """The nodes read this machine's files at their paths (the dataset cache, a checkpoint folder): here, or on
+        a file system they share with it."""
+        return True
+
+    def settle(self, spec: JobSpec, procs_given: bool) -> tuple[JobSpec, str]:
+        """The job's defaults that follow from the backend's own options (from_options asks): the spec, and the
+        flag that gave its ranks' count ("": none did). `procs_given`: --procs-per-node was given."""
+        return spec, ""
+
+    def check(self, spec: JobSpec) -> None:
+        """The backend's refusals of a job, its own options' with the job's, each one line (from_options asks,
+        and a study for each of its runs)."""
+        ck = spec.checkpoint_dir
+        if ck and self.reads_here and Path(ck).exists() and not Path(ck).is_dir():
+            raise UserError(f"--checkpoint-dir {ck} is not a folder")
+
+    @classmethod
+    def sized(cls, options: dict, nodes: int) -> dict:
+        """The backend's own options for a run of the job at `nodes` nodes (a study's smaller runs), or a refusal
+        where they cannot give one."""
+        return options
+
+    def checkpoints_note(self, spec: JobSpec, job_id: str) -> str:
+        """Where a stopped job's checkpoints are, where no command can go on from them ("": the job's own command,
+        run again, does)."""
+        return ""
 
     @abstractmethod
     def plan(self, spec: JobSpec) -> Plan: ...

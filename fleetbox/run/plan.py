@@ -185,21 +185,10 @@ def ranks_log_dir(n: NodeRun) -> str | None:
     return n.env.get("FLEETBOX_LOG_DIR")
 
 
-def node_gpus(spec: JobSpec, rank: int) -> str:
-    """The accelerator ids node `rank` gets where fleetbox, not a scheduler, chooses them (Docker): each node
-    one per process, or --gpus-per-node. On one machine the nodes share its GPUs, so node k takes the k-th
-    block: of --devices in order, else GPUs kM .. kM+M-1; with --hosts each node has its own machine's."""
-    if spec.device == "cpu":
-        return ""
-    per = spec.gpus_each
-    ids = spec.devices.split(",") if spec.devices else [str(i) for i in range(per * spec.sharing)]
-    block = rank % spec.sharing   # with --hosts, 0: each node's machine
-    return ",".join(ids[block * per:(block + 1) * per])
-
-
 def device_options(spec: JobSpec, hyhal_present: bool = True) -> dict:
     """Devices by variant: CUDA -> GPU requests; DCU/ROCm -> /dev/kfd, /dev/dri, video, /opt/hyhal; CPU -> none.
-    Which GPUs each node gets is filled per node ({gpus}: node_gpus); a scheduler's allocation replaces it."""
+    Which GPUs each node gets is filled per node ({gpus}, as the backend splits them); a scheduler's allocation
+    replaces it."""
     v = spec.variant
     if spec.device == "cuda":
         return {"gpus": "device={gpus}"}

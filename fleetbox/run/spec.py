@@ -40,25 +40,26 @@ class JobSpec:
                                          # printed or stored, read where a container is made
     mounts: tuple[Mount, ...] = ()       # extra bind mounts
     image: str = ""                      # default: the variant's alias (fleetbox/paddle:<variant>)
-    hosts: tuple[str, ...] = ()          # one Docker Engine URL per node (ssh://user@h1, tcp://IP:2375); empty: here
     iface: str = ""                      # NIC for NCCL/Gloo; default: the one that routes to the master
     ib_hca: str = ""                     # e.g. mlx5_0: InfiniBand on
     debug: bool = False
     gpus_per_node: int = 0
-    devices: str = ""                    # accelerator ids, e.g. "0,1"
     on_cpu: bool = False                 # a GPU variant's image given no device (--gpus-per-node 0): its ranks run
                                          # on CPU, collectives on Gloo (a GPU build tested on a machine without one)
     port: int = 0                        # master port; 0: the plan picks one
     shm_size: str = "8g"                 # NCCL needs more than Docker's 64 MB default ("NCCL error 2")
     data_dir: str = ""                   # seeded dataset cache, mounted read-only at Paddle's cache path
     job_id: str = ""                     # "": the plan makes one
-    checkpoint_dir: str = ""             # host folder (shared for Slurm); "": runs/<job>/checkpoints (--hosts: volume)
+    checkpoint_dir: str = ""             # the folder (on a file system the nodes share, where they are elsewhere);
+                                         # "": runs/<job>/checkpoints, or what the backend keeps them in
     resume: str = "auto"                 # auto | never | a checkpoint (step folder or checkpoint folder) to start from
-    max_restarts: int = 0                # Docker: start the whole job again after a failure, this many times
+    max_restarts: int = 0                # start the job again after a failure, this many times (as the backend
+                                         # does it: at once, or in a new allocation)
     hang_timeout: float = hang.HANG_TIMEOUT_S    # seconds without progress before the job counts as hung (0: off)
     start_timeout: float = hang.START_TIMEOUT_S  # seconds from the start to the first progress (0: off)
     command: tuple[str, ...] = ()        # the containers' command instead of Paddle's launcher (invoke doctor)
-    image_identity: bool = False         # Slurm: node.sh first says which image the node has (invoke doctor)
+    image_identity: bool = False         # each node first says which image it has (invoke doctor; a backend that
+                                         # reports_image)
     spawns: bool = False                 # the script starts its own ranks (paddle.distributed.spawn): run without
                                          # Paddle's launcher, on one node (run/styles.py tells, not an option)
 
@@ -80,11 +81,6 @@ class JobSpec:
     def gpus_each(self) -> int:
         """Accelerators each node gets: one per process (--gpus-per-node, where given, says the same)."""
         return self.gpus_per_node or self.procs_per_node
-
-    @property
-    def sharing(self) -> int:
-        """Nodes that share one machine's devices: every node on this machine, one per machine with --hosts."""
-        return 1 if self.hosts else self.nodes
 
     @property
     def script_path(self) -> Path:
@@ -126,15 +122,11 @@ JOB_OPTIONS: tuple[Option, ...] = (
     Option("args", "arguments for the script, as one string (e.g. \"--epochs 2\"); or give them after --, word for "
                    "word (invoke train --nodes 2 -- --debug --epochs 2), also those that look like fleetbox's own"),
     Option("image", "image to run (default fleetbox/paddle:<variant>)"),
-    Option("hosts", "docker backend: comma-separated Docker Engine URLs, one per node (ssh://user@h1,ssh://user@h2); "
-                    "master = first", kind=tuple),
     Option("iface", "network interface for NCCL/Gloo (default: the one that routes to the master)"),
     Option("ib_hca", "InfiniBand HCA, e.g. mlx5_0 (sets NCCL_IB_HCA and NCCL_IB_DISABLE=0)"),
     Option("debug", "NCCL_DEBUG=INFO, and the launcher's HTTP polling lines in the live output", False, bool),
     Option("gpus_per_node", "GPUs per node (CUDA variants); 0: a GPU image's ranks run on CPU, collectives on Gloo",
            kind=int, low=0),
-    Option("devices", "docker backend: the accelerator ids the job may use, e.g. 4,5,6,7, split among the nodes "
-                      "(Slurm gives each node its own: --gpus-per-node)"),
     Option("port", "master port (default: a free one here, a random one for Slurm)", kind=int, low=1024, high=65535),
     Option("env", "extra environment, comma-separated KEY=VALUE pairs", kind=dict),
     Option("pass_env", "variables passed by name from your environment, e.g. HF_TOKEN,WANDB_API_KEY: for secrets, "
@@ -190,17 +182,19 @@ def _default(name: str):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-def from_options(variant: Variant, **given) -> JobSpec:
-    """A validated JobSpec from command-line strings, each by its option's name (JOB_OPTIONS; None: not given)."""
+def from_options(variant: Variant, backend=None, **given) -> JobSpec:
+    """A validated JobSpec from command-line strings, each by its option's name (JOB_OPTIONS; None: not given).
+    `backend`: the Backend that will run it, made with its own options, where one is chosen: whether its nodes
+    read this machine's files (`reads_here`), the defaults its options settle (`settle`) and its refusals
+    (`check`)."""
     unknown = sorted(set(given) - {o.name for o in JOB_OPTIONS})
     if unknown:
         raise TypeError(f"from_options: no job option {', '.join(unknown)}")
     nodes, procs_per_node, args, data_dir, gpus_per_node = (
         given.get(name) for name in (*READ_HERE, "gpus_per_node"))
-    host_list = OPTIONS["hosts"].read(given.get("hosts"), ())
-    if data_dir is None:   # the default cache is used when it exists here (a remote engine cannot see it)
+    if data_dir is None:   # the default cache is used when it exists here and the nodes can read it
         default = settings.data_dir()
-        data_dir = str(default) if default.is_dir() and not host_list else ""
+        data_dir = str(default) if default.is_dir() and (backend is None or backend.reads_here) else ""
     elif data_dir and not Path(data_dir).is_dir():
         raise UserError(f"--data-dir {data_dir} is not a folder")
     try:
@@ -216,14 +210,17 @@ def from_options(variant: Variant, **given) -> JobSpec:
             and not OPTIONS["gpus_per_node"].parse(gpus_per_node)}
     spec = JobSpec(variant=variant, **here, **{FIELDS.get(o.name, o.name): o.read(given.get(o.name), _default(o.name))
                                                for o in JOB_OPTIONS if o.name not in READ_HERE})
-    if procs_per_node is None and spec.variant.device != "cpu" and (spec.gpus_per_node or spec.devices):
+    settled_by = ""   # the flag that gave the ranks' count, where it was not given itself
+    if procs_per_node is None and spec.variant.device != "cpu" and spec.gpus_per_node:
         # Paddle runs one process per device: as many as each node is given
-        spec = replace(spec, procs_per_node=spec.gpus_per_node or max(1, len(spec.devices.split(",")) // spec.sharing))
+        spec, settled_by = replace(spec, procs_per_node=spec.gpus_per_node), OPTIONS["gpus_per_node"].flag
+    elif backend is not None:
+        spec, settled_by = backend.settle(spec, procs_given=procs_per_node is not None)
     if style.spawns:
-        given_as = "--procs-per-node" if procs_per_node is not None else "--gpus-per-node" if spec.gpus_per_node \
-            else "--devices" if spec.devices else ""
-        spec = spawning(spec, style, given_as)
+        spec = spawning(spec, style, OPTIONS["procs_per_node"].flag if procs_per_node is not None else settled_by)
     validate(spec)
+    if backend is not None:
+        backend.check(spec)
     for name in spec.pass_env:   # its value is read where a container is made: it must be there now
         if name not in os.environ:
             raise UserError(f"--pass-env {name}: it is not set in your environment")
@@ -235,10 +232,8 @@ def spawning(spec: JobSpec, style: styles.Style, given: str = "") -> JobSpec:
     runs on), as many ranks as its call says. Where the call does not say it as a number, the option `given`
     (--procs-per-node, or the GPUs each node gets) must: fleetbox watches every rank, so it must know how many."""
     where = f"{spec.script}:{style.line} starts its own ranks (paddle.distributed.spawn)"
-    if spec.nodes != 1 or len(spec.hosts) > 1:
-        n = max(spec.nodes, len(spec.hosts))
-        raise UserError(f"{where}, on the machine it runs on: run it on one node (--nodes 1, one host), or start its "
-                        f"ranks with Paddle's launcher (call the training function once, without spawn) to use {n}")
+    if spec.nodes != 1:
+        raise on_one_machine(where, spec.nodes)
     if style.nprocs:
         if given and spec.procs_per_node != style.nprocs:
             raise UserError(f"{where} with nprocs={style.nprocs}, but {given} gives {spec.procs_per_node} rank(s) "
@@ -250,6 +245,13 @@ def spawning(spec: JobSpec, style: styles.Style, given: str = "") -> JobSpec:
     return replace(spec, spawns=True)
 
 
+def on_one_machine(where: str, machines: int) -> UserError:
+    """A spawning script given more than one machine (`where` names it): its ranks start where it runs."""
+    return UserError(f"{where}, on the machine it runs on: run it on one node (--nodes 1, one host), or start its "
+                     f"ranks with Paddle's launcher (call the training function once, without spawn) to use "
+                     f"{machines}")
+
+
 def validate(spec: JobSpec) -> None:
     """Input errors a user can fix, each as one line."""
     if spec.nodes < 1:
@@ -258,18 +260,15 @@ def validate(spec: JobSpec) -> None:
         raise UserError(f"--procs-per-node must be at least 1 (got {spec.procs_per_node})")
     if not spec.script_path.is_file():
         raise UserError(f"training script not found: {spec.script}")
-    if spec.variant.device == "cpu" and (spec.gpus_per_node or spec.devices):
+    if spec.variant.device == "cpu" and spec.gpus_per_node:
         raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
                         f"or choose a GPU variant ({', '.join(matrix.gpu_variants())})")
     if spec.on_cpu and spec.variant.device != "cuda":
         raise UserError(f"--gpus-per-node 0 runs a CUDA image on CPU; variant {spec.variant.name}'s containers need "
                         f"their devices: give --gpus-per-node 1 or more")
-    if spec.on_cpu and spec.devices:
-        raise UserError("--gpus-per-node 0 runs on CPU: drop --devices, or give as many GPUs as processes")
-    if spec.device != "cpu":
-        validate_devices(spec)
-    if spec.hosts and len(spec.hosts) != spec.nodes:
-        raise UserError(f"--hosts names {len(spec.hosts)} hosts for {spec.nodes} nodes: give one per node")
+    if spec.device != "cpu" and spec.gpus_per_node and spec.gpus_per_node != spec.procs_per_node:
+        raise UserError(f"--gpus-per-node {spec.gpus_per_node} with --procs-per-node {spec.procs_per_node}: Paddle "
+                        f"runs one process per device; give the same number (or --procs-per-node alone)")
     if spec.port and not 1024 <= spec.port <= 65535:
         raise UserError(f"--port must be between 1024 and 65535 (got {spec.port})")
     if spec.job_id and not JOB_ID.fullmatch(spec.job_id):
@@ -278,21 +277,10 @@ def validate(spec: JobSpec) -> None:
         raise UserError(f"--shm-size {spec.shm_size!r} must be a size such as 8g or 512m")
     if spec.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more (got {spec.max_restarts})")
-    if spec.resume not in ("auto", "never"):
-        if not Path(spec.resume).is_dir():
-            raise UserError(f"--resume {spec.resume}: give auto, never, or a checkpoint folder (not found here)")
-        if spec.hosts:
-            raise UserError("--resume PATH needs the folder on every node; with --hosts, copy it into the job's "
-                            "checkpoint volume or use a shared --checkpoint-dir")
+    if spec.resume not in ("auto", "never") and not Path(spec.resume).is_dir():
+        raise UserError(f"--resume {spec.resume}: give auto, never, or a checkpoint folder (not found here)")
     if placeholders.used(spec.checkpoint_dir):   # fleetbox itself reads and writes it, on this machine
         raise UserError(f"--checkpoint-dir {spec.checkpoint_dir}: give the path itself, without placeholders")
-    if spec.checkpoint_dir and not spec.hosts and Path(spec.checkpoint_dir).exists() \
-            and not Path(spec.checkpoint_dir).is_dir():
-        raise UserError(f"--checkpoint-dir {spec.checkpoint_dir} is not a folder")
-    if spec.checkpoint_dir and spec.hosts and (not spec.checkpoint_dir.startswith("/") or
-                                               ".." in spec.checkpoint_dir.split("/")):
-        raise UserError(f"--checkpoint-dir {spec.checkpoint_dir}: with --hosts, give the folder's absolute path "
-                        f"(the same on every host), without ..")
     if spec.checkpoint_dir and os.path.realpath(spec.checkpoint_dir) == "/":
         raise UserError("--checkpoint-dir /: give the checkpoints a folder of their own")
     for name in spec.pass_env:
@@ -306,25 +294,3 @@ def validate(spec: JobSpec) -> None:
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # a variable name, as every runtime and shell takes it
-DEVICE_ID = re.compile(r"[0-9]+|GPU-[0-9A-Fa-f-]+")   # an index, or an NVIDIA/AMD UUID
-
-
-def validate_devices(spec: JobSpec) -> None:
-    """Each process its own device: --gpus-per-node equals --procs-per-node, and --devices, split in order among
-    the nodes that share this machine (every node, unless --hosts), covers them without overlap."""
-    if spec.gpus_per_node and spec.gpus_per_node != spec.procs_per_node:
-        raise UserError(f"--gpus-per-node {spec.gpus_per_node} with --procs-per-node {spec.procs_per_node}: Paddle "
-                        f"runs one process per device; give the same number (or --procs-per-node alone)")
-    if not spec.devices:
-        return
-    ids = spec.devices.split(",")
-    if not all(DEVICE_ID.fullmatch(i) for i in ids):
-        raise UserError(f"--devices {spec.devices!r}: give device ids separated by commas, e.g. 0,1")
-    if len(set(ids)) != len(ids):
-        raise UserError(f"--devices {spec.devices} names a device twice: two processes would share it")
-    if len(ids) % spec.sharing:
-        raise UserError(f"--devices {spec.devices}: {len(ids)} device(s) cannot be split evenly among {spec.sharing} "
-                        f"nodes on this machine")
-    if len(ids) // spec.sharing != spec.gpus_each:
-        raise UserError(f"--devices {spec.devices}: {len(ids)} device(s) for {spec.sharing} node(s) of "
-                        f"{spec.procs_per_node} process(es) each; each process needs its own device")

@@ -224,23 +224,21 @@ def test_an_engine_failure_or_fresh_hosts_volumes_say_how_to_go_on(monkeypatch, 
     from fleetbox.run import backends
     from fleetbox.run.spec import JobSpec
 
-    class Lost:
-        name, notes, watches_hangs = "docker", (), True
-
+    class Lost(backends.lookup("docker")):   # Docker's, its engine lost while the job ran
         def plan(self, spec):
             return types.SimpleNamespace(job_id="J", dir=tmp_path)
 
         def run(self, plan, log, timeout):
             raise Failed("train failed: the Docker Engine at tcp://h1:2375 failed")
-    monkeypatch.setattr(backends, "get", lambda name, **kw: Lost())
+    monkeypatch.setattr(backends, "get", lambda name, **kw: Lost(**kw))
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
     for hosts, resume, said in ((("",), "auto", "to go on from its newest checkpoint: invoke train --job-id J"),
                                 (("tcp://h1:2375",), "never", "its checkpoints are in a fresh volume per node")):
         lines = []
-        spec = JobSpec(variant=matrix.load().get("cpu"), nodes=1, hosts=hosts if hosts != ("",) else (),
-                       resume=resume)
+        spec = JobSpec(variant=matrix.load().get("cpu"), nodes=1, resume=resume)
         with pytest.raises(Failed):
-            train.train(spec, log=lines.append, command="invoke train --resume never")
+            train.train(spec, "docker", {"hosts": hosts if hosts != ("",) else ()}, log=lines.append,
+                        command="invoke train --resume never")
         assert any(ln.startswith(said) for ln in lines), lines
 
 

@@ -207,8 +207,8 @@ def test_a_process_per_gpu_needs_as_many_gpus():
     spec = spec_mod.JobSpec(variant=matrix.load().get("cu126"), nodes=2, procs_per_node=8)
     assert doctor.expect(spec, PORT, backends.get(backends.DEFAULT)).gpus == 8
     # each node's container sees its own block of --devices: 2 of 4 for 2 nodes
-    assert doctor.expect(spec_mod.JobSpec(variant=matrix.load().get("cu126"), devices="0,1,2,3", procs_per_node=2),
-                         PORT, backends.get(backends.DEFAULT)).gpus == 2
+    assert doctor.expect(spec_mod.JobSpec(variant=matrix.load().get("cu126"), procs_per_node=2),
+                         PORT, backends.get(backends.DEFAULT, devices="0,1,2,3")).gpus == 2
 
 
 def test_gpu_without_a_driver_or_tool_in_the_container():
@@ -639,7 +639,7 @@ def test_a_node_that_reaches_the_master_after_it_stopped_waiting_is_told_so():
 def test_engine_rows_from_the_backends_facts():
     """Docker's engine facts (Backend.engine_facts): an engine that cannot be reached, an image missing on a
     --hosts engine, and nodes that hold different images are each one ✗ with its fix."""
-    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=3, hosts=("ssh://a", "ssh://b", "ssh://c"))
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=3)   # on --hosts ssh://a,ssh://b,ssh://c
     same = ("sha256:" + "a" * 64, "c1")
     facts = [{"host": "ssh://a", "version": "28.2", "error": "", "image": same},
              {"host": "ssh://b", "version": None, "error": "cannot reach the Docker Engine at ssh://b (refused)",

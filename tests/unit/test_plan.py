@@ -9,9 +9,11 @@ import pytest
 from fleetbox import ROOT, settings
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
-from fleetbox.run import hostnet, result
+from fleetbox.run import backends, hostnet, result
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends import docker as docker_mod
+from fleetbox.run.backends.docker import DockerBackend
 from fleetbox.run.spec import Mount
 
 
@@ -20,12 +22,25 @@ def spec(variant="cpu", **kw):
     return spec_mod.JobSpec(variant=matrix.load().get(variant), **kw)
 
 
-def plan(s, master="10.0.0.1", port=29500, iface="eth0", hyhal=True, node_ips=None, hosts=None):
-    t = planner.template(s, s.job_id, "/logs/{node}", workspace=not s.hosts, hyhal_present=hyhal)
-    return [planner.replace(t, host=(hosts or [""] * s.nodes)[k]).fill(planner.node_values(
+def docker(**options) -> DockerBackend:
+    """Docker's backend with its own options (--hosts, --devices), read as the command line gives them."""
+    return DockerBackend(**backends.configure("docker", options))
+
+
+def split(kw: dict) -> tuple[dict, DockerBackend]:
+    """A case's job options, and Docker's backend made with its own among them."""
+    own = {k: kw[k] for k in ("hosts", "devices") if k in kw}
+    return {k: v for k, v in kw.items() if k not in own}, docker(**{k: v if isinstance(v, str) else ",".join(v)
+                                                                   for k, v in own.items()})
+
+
+def plan(s, master="10.0.0.1", port=29500, iface="eth0", hyhal=True, node_ips=None, b=None):
+    b = b or DockerBackend()
+    t = planner.template(s, s.job_id, "/logs/{node}", workspace=not b.hosts, hyhal_present=hyhal)
+    return [planner.replace(t, host=(list(b.hosts) or [""] * s.nodes)[k]).fill(planner.node_values(
         k, s.nodes, s.job_id, master, port, (node_ips or [master] * s.nodes)[k],
-        iface[k] if isinstance(iface, list) else iface, "/home/u", "u", gpus=planner.node_gpus(s, k)))
-        for k in range(s.nodes)]
+        iface[k] if isinstance(iface, list) else iface, "/home/u", "u",
+        gpus=docker_mod.node_gpus(s, k, b.devices, b.sharing))) for k in range(s.nodes)]
 
 
 def flag_values(argv, flag):
@@ -69,7 +84,8 @@ def test_ib_hca_and_debug():
                                      ({"gpus_per_node": 4, "procs_per_node": 4}, ["device=0,1,2,3"]),
                                      ({"devices": "2,3", "procs_per_node": 2}, ["device=2,3"])])
 def test_cuda_on_one_node_gets_one_gpu_per_process(kw, gpus):
-    (n,) = plan(spec("cu126", nodes=1, **kw))
+    kw, b = split(kw)
+    (n,) = plan(spec("cu126", nodes=1, **kw), b=b)
     assert n.gpus == gpus[0]
     want = gpus[0].removeprefix("device=").split(",")
     # the CLI reads --gpus as CSV: a list of ids is one quoted field
@@ -89,14 +105,16 @@ def test_cuda_on_one_node_gets_one_gpu_per_process(kw, gpus):
 ])
 def test_nodes_on_one_machine_get_their_own_gpus(kw, per_node):
     """Locally every node shares the machine's GPUs: node k takes the k-th block, never every node GPU 0."""
+    kw, b = split(kw)
     s = spec("cu126", **kw)
     spec_mod.validate(s)
-    got = [planner.node_gpus(s, k) for k in range(s.nodes)]
+    b.check(s)
+    got = [docker_mod.node_gpus(s, k, b.devices, b.sharing) for k in range(s.nodes)]
     assert got == per_node
-    if not s.hosts:
-        nodes = plan(s)
+    if not b.hosts:
+        nodes = plan(s, b=b)
         assert [n.gpus for n in nodes] == [f"device={g}" for g in per_node]
-        dcu = plan(spec("dcu", **kw))
+        dcu = plan(spec("dcu", **kw), b=b)
         assert [n.env["HIP_VISIBLE_DEVICES"] for n in dcu] == per_node
 
 
@@ -109,20 +127,24 @@ def test_nodes_on_one_machine_get_their_own_gpus(kw, per_node):
     ({"nodes": 1, "devices": "a;b"}, "--devices 'a;b'"),
 ])
 def test_gpus_that_overlap_or_do_not_cover_the_processes_are_refused(kw, needle):
+    kw, b = split(kw)
     with pytest.raises(UserError, match=re.escape(needle)) as e:
-        spec_mod.validate(spec("cu126", **kw))
+        s = spec("cu126", **kw)
+        spec_mod.validate(s)
+        b.check(s)
     assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("kw,procs", [({"devices": "0,1,2,3"}, 2), ({"gpus_per_node": "4"}, 4),
                                       ({"devices": "0,1", "hosts": "ssh://a,ssh://b"}, 2), ({}, 1)])
 def test_without_procs_per_node_each_device_gets_a_process(kw, procs):
-    s = spec_mod.from_options(matrix.load().get("cu126"), nodes=2, **kw)
+    kw, b = split(kw)
+    s = spec_mod.from_options(matrix.load().get("cu126"), b, nodes=2, **kw)
     assert s.procs_per_node == procs
 
 
 def test_dcu_gets_kfd_dri_video_and_hyhal_when_present():
-    (n,) = plan(spec("dcu", nodes=1, devices="0,1", procs_per_node=2))
+    (n,) = plan(spec("dcu", nodes=1, procs_per_node=2), b=docker(devices="0,1"))
     a = n.argv()
     assert flag_values(a, "--device") == ["/dev/kfd", "/dev/dri"] and flag_values(a, "--group-add") == ["video"]
     assert "/opt/hyhal:/opt/hyhal:ro" in flag_values(a, "-v") and n.env["HIP_VISIBLE_DEVICES"] == "0,1"
@@ -132,8 +154,8 @@ def test_dcu_gets_kfd_dri_video_and_hyhal_when_present():
 
 
 def test_hosts_put_each_node_on_its_engine_and_copy_the_workspace():
-    s = spec(nodes=2, hosts=("ssh://u@10.0.0.1", "ssh://u@10.0.0.2"))
-    n0, n1 = plan(s, iface=["eth0", "eth1"], node_ips=["10.0.0.1", "10.0.0.2"], hosts=list(s.hosts))
+    s, b = spec(nodes=2), docker(hosts="ssh://u@10.0.0.1,ssh://u@10.0.0.2")
+    n0, n1 = plan(s, iface=["eth0", "eth1"], node_ips=["10.0.0.1", "10.0.0.2"], b=b)
     assert list(n1.command)[list(n1.command).index("--host") + 1] == "10.0.0.2"
     assert n1.env["GLOO_SOCKET_IFNAME"] == "eth1"
     assert n0.argv()[:3] == ["docker", "-H", "ssh://u@10.0.0.1"] and n1.host == "ssh://u@10.0.0.2"
@@ -172,8 +194,11 @@ def test_sdk_kwargs_match_the_argv():
     ({"shm_size": "8g; rm -rf /"}, "--shm-size"),
 ])
 def test_bad_input_is_one_clear_error(kw, needle):
+    kw, b = split(kw)
     with pytest.raises(UserError, match=needle):
-        spec_mod.validate(spec(**kw))
+        s = spec(**kw)
+        spec_mod.validate(s)
+        b.check(s)
 
 
 def test_culprit_is_the_earliest_last_words_else_the_first_seen():
@@ -267,7 +292,7 @@ def test_resume_from_a_folder_mounts_it_read_only(tmp_path):
 
 
 def test_remote_engines_keep_checkpoints_per_node_unless_a_shared_folder_is_given():
-    s = spec(nodes=2, hosts=("tcp://10.0.0.1:2375", "tcp://10.0.0.2:2375"))
+    s = spec(nodes=2)   # on two --hosts engines
     t = planner.template(s, s.job_id, None, workspace=False, checkpoints="fleetbox-j-checkpoints",
                          shared_checkpoints=False)
     assert t.env["FLEETBOX_CHECKPOINT_SCOPE"] == "node"
@@ -288,7 +313,7 @@ def test_a_gpu_variant_given_no_gpu_runs_its_ranks_on_cpu_and_asks_for_no_device
     assert not given.on_cpu and [n.gpus for n in plan(given)] == ["device=0", "device=1"]
     assert not spec_mod.from_options(matrix.load().get("cpu"), nodes=2, gpus_per_node=0).on_cpu
     with pytest.raises(UserError, match="--gpus-per-node 0 runs on CPU: drop --devices"):
-        spec_mod.from_options(v, nodes=1, gpus_per_node=0, devices="0")
+        spec_mod.from_options(v, docker(devices="0"), nodes=1, gpus_per_node=0)
     with pytest.raises(UserError, match="--gpus-per-node 0 runs a CUDA image on CPU; variant dcu's containers"):
         spec_mod.from_options(matrix.load().get("dcu"), nodes=1, gpus_per_node="0")
 

@@ -204,10 +204,10 @@ def test_docker_probes_on_the_jobs_settled_network_without_probing_it_again(monk
                                            run=lambda *a, **kw: runs.append(host) or _Throwaway(host, ip))
         image = types.SimpleNamespace(id="sha256:" + "a" * 64, labels={settings.LABEL_INPUTS: "b" * 64})
         return types.SimpleNamespace(containers=containers, images=types.SimpleNamespace(get=lambda ref: image))
-    b = DockerBackend(connect=engine)
-    job = b.plan(spec(hosts=hosts, job_id="J"))
+    b = DockerBackend(hosts=hosts, connect=engine)
+    job = b.plan(spec(job_id="J"))
     assert runs == list(hosts)   # the job's plan asked each host once
-    probe_spec = spec(hosts=hosts, job_id="doctor-x", command=("python", "-c", "probe"), image_identity=True)
+    probe_spec = spec(job_id="doctor-x", command=("python", "-c", "probe"), image_identity=True)
     probe = b.probe_plan(job, probe_spec)
     assert runs == list(hosts)   # ... and the probe asked none again
     assert probe.job_id == "doctor-x" and probe.port == job.port and probe.spec.port == job.port

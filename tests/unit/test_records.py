@@ -63,11 +63,12 @@ def test_states_are_one_vocabulary_that_knows_its_ends():
 def _docker_plan(tmp_path) -> DockerPlan:
     v = matrix.load().get("cu126")
     s = spec_mod.JobSpec(variant=v, nodes=2, env={"A": "$(id) {rank}"}, args=("--seed", "{rank}"),
-                         mounts=(spec_mod.Mount("/data", "/data", False),), hosts=("ssh://u@h1", "ssh://u@h2"))
+                         mounts=(spec_mod.Mount("/data", "/data", False),))
     t = planner.template(s, "train-1", None, workspace=False, checkpoints="fleetbox-train-1-{node}-checkpoints")
     values = tuple(planner.node_values(k, 2, "train-1", "10.0.0.1", 23456, f"10.0.0.{k + 1}", "eth0")
                    for k in range(2))
-    return DockerPlan(s, "train-1", tmp_path, 23456, tuple(t.fill(x) for x in values), ("a note",),
+    nodes = tuple(planner.replace(t, host=f"ssh://u@h{k + 1}").fill(x) for k, x in enumerate(values))   # --hosts
+    return DockerPlan(s, "train-1", tmp_path, 23456, nodes, ("a note",),
                       "fleetbox-train-1-{node}-checkpoints", t, values, attempt=1, image_id="sha256:abc",
                       content_tag="c0ffee", paddle="3.3.1")
 

@@ -99,8 +99,8 @@ def test_a_study_refuses_a_job_id_and_too_few_hosts_before_any_run(tmp_path, mon
     with pytest.raises(UserError, match="--job-id names one job"):
         scale.run(spec_mod.JobSpec(base.variant, job_id="x"), scale.cells("1", None, None))
     with pytest.raises(UserError, match="--hosts names 2 hosts; the largest run needs 4"):
-        scale.run(spec_mod.JobSpec(base.variant, nodes=2, hosts=("tcp://a:1", "tcp://b:1")),
-                  scale.cells("1,4", None, None))
+        scale.run(spec_mod.JobSpec(base.variant, nodes=2), scale.cells("1,4", None, None), "docker",
+                  {"hosts": ("tcp://a:1", "tcp://b:1")})
     with pytest.raises(UserError, match=r"spawn_smoke.py starts its own ranks .* a study needs a script Paddle's"):
         scale.run(spec_mod.from_options(base.variant, nodes="1", script="train/spawn_smoke.py"),
                   scale.cells("1", "1,4", None))
@@ -115,7 +115,7 @@ def fake_runs(monkeypatch, tmp_path, outcomes):
     calls = []
 
     def train(spec, backend, opts, timeout=None, log=print):
-        calls.append((spec.nodes, spec.procs_per_node, spec.image, spec.hosts, timeout))
+        calls.append((spec.nodes, spec.procs_per_node, spec.image, opts.get("hosts", ()), timeout))
         what = outcomes[len(calls) - 1]
         if what == "fail":
             raise Failed("train failed: node1 (rank 1) exited with exit code 3")
@@ -135,11 +135,12 @@ def fake_runs(monkeypatch, tmp_path, outcomes):
 def test_a_study_runs_each_cell_as_its_own_job_and_goes_on_past_a_failed_one(tmp_path, monkeypatch):
     from fleetbox.errors import Failed
     calls = fake_runs(monkeypatch, tmp_path, ["pass", "fail", "no image", "pass"])
-    base = spec_mod.JobSpec(matrix.load().get("cpu"), nodes=2, hosts=("tcp://a:1", "tcp://b:1"))
+    base = spec_mod.JobSpec(matrix.load().get("cpu"), nodes=2)
     with pytest.raises(Failed, match=r"scale: 2 of 4 run\(s\) did not pass"):
-        scale.run(base, scale.cells("1,2", None, "x:1,y:2"), "slurm", {"runtime": "podman"},
+        scale.run(base, scale.cells("1,2", None, "x:1,y:2"), "docker", {"hosts": ("tcp://a:1", "tcp://b:1")},
                   study="scale-t", log=lambda m: None)
-    # the first N hosts for N nodes; each run's spec names its own image (Slurm's runtime takes it from there)
+    # the first N hosts for N nodes (Docker's own options, sized for each run); each run's spec names its own
+    # image (Slurm's runtime takes it from there)
     assert calls == [(1, 1, "x:1", ("tcp://a:1",), None), (2, 1, "x:1", ("tcp://a:1", "tcp://b:1"), None),
                      (1, 1, "y:2", ("tcp://a:1",), None), (2, 1, "y:2", ("tcp://a:1", "tcp://b:1"), None)]
     rows = json.loads((tmp_path / "scale-t" / "scale.json").read_text())["rows"]

@@ -8,9 +8,10 @@ import pytest
 from fleetbox import ROOT
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
+from fleetbox.run import backends, result, styles
 from fleetbox.run import plan as planner
-from fleetbox.run import result, styles
 from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends.docker import DockerBackend, node_gpus
 from fleetbox.settings import WORKDIR
 
 
@@ -48,9 +49,15 @@ def test_the_examples_are_told_apart():
 
 
 def spec_of(tmp_path, source, variant="cpu", **kw):
+    """The job as `invoke train` reads it: Docker's own options (--hosts, --devices) go to its backend."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(source))
-    return spec_mod.from_options(matrix.load().get(variant), script=str(script), **kw)
+    own = {k: kw.pop(k) for k in ("hosts", "devices") if k in kw}
+    return spec_mod.from_options(matrix.load().get(variant), docker(**own), script=str(script), **kw)
+
+
+def docker(**own) -> DockerBackend:
+    return DockerBackend(**backends.configure("docker", own))
 
 
 SPAWN2 = "import paddle.distributed as dist\ndist.spawn(main, nprocs=2)\n"
@@ -99,7 +106,8 @@ def test_a_spawning_scripts_gpus_are_all_its_one_nodes(tmp_path, source, kw, pro
     """The GPUs given are one node's, not split among the two nodes a launched job would have."""
     s = spec_of(tmp_path, source, variant="cu126", **kw)
     assert (s.spawns, s.nodes, s.procs_per_node) == (True, 1, procs)
-    assert planner.node_gpus(s, 0) == ",".join(map(str, range(procs)))
+    b = docker(**{k: v for k, v in kw.items() if k == "devices"})
+    assert node_gpus(s, 0, b.devices, b.sharing) == ",".join(map(str, range(procs)))
 
 
 @pytest.mark.parametrize("said,why", [

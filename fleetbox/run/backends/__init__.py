@@ -87,6 +87,11 @@ def capabilities(name) -> Capabilities:
     return cls.capabilities if cls is not None else Capabilities()
 
 
+def sized(name: str, options: dict, nodes: int) -> dict:
+    """The backend's own options for a run of the job at `nodes` nodes (Backend.sized)."""
+    return lookup(name).sized(options, nodes)
+
+
 def get(name: str, **options) -> Backend:
     """The backend, made with its options: those given, the declared defaults for the rest."""
     cls = lookup(name)
@@ -104,6 +109,9 @@ def configure(name: str, given: dict) -> dict:
     in one line."""
     cls = lookup(name)
     foreign = [(owner, o) for owner, o in all_options() if owner != name and given.get(o.name) is not None]
+    if len(foreign) == 1 and foreign[0][1].name in cls.foreign:
+        (owner, o), = foreign
+        raise UserError(f"{o.flag} is for the {owner} backend; {cls.foreign[o.name]}")
     if foreign:
         flags = " and ".join(o.flag for _, o in foreign)
         owners = sorted({owner for owner, _ in foreign})

@@ -28,8 +28,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 from fleetbox import ROOT, engine, files, incontainer, settings
+from fleetbox import options as options_mod
 from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
+from fleetbox.image import matrix
+from fleetbox.options import Option
 from fleetbox.processes import process_start, this_host
 from fleetbox.run import checkpoints, hang, hostnet, metrics, output, placeholders, records
 from fleetbox.run import plan as planner
@@ -58,6 +61,11 @@ class DockerPlan(Plan):
     content_tag: str = ""
     paddle: str = ""                          # the image's Paddle version, where it says (our images' label)
 
+    @property
+    def elsewhere(self) -> bool:
+        """The nodes run on other machines' engines (--hosts): no folder here is theirs."""
+        return any(n.host for n in self.nodes)
+
 
 @dataclass
 class DockerHandle(SupervisedHandle):
@@ -68,6 +76,36 @@ class DockerHandle(SupervisedHandle):
     def checkpoints_here(self) -> str:
         return "" if any(self.hosts) else super().checkpoints_here()   # --hosts: on the other machines
 
+
+DEVICE_ID = re.compile(r"[0-9]+|GPU-[0-9A-Fa-f-]+")   # an index, or an NVIDIA/AMD UUID
+
+
+def check_devices(devices: str, sharing: int, each: int, procs: int) -> None:
+    """--devices, split in order among the `sharing` nodes of one machine, gives each node `each` devices, one
+    per process, without overlap."""
+    ids = devices.split(",")
+    if not all(DEVICE_ID.fullmatch(i) for i in ids):
+        raise UserError(f"--devices {devices!r}: give device ids separated by commas, e.g. 0,1")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"--devices {devices} names a device twice: two processes would share it")
+    if len(ids) % sharing:
+        raise UserError(f"--devices {devices}: {len(ids)} device(s) cannot be split evenly among {sharing} "
+                        f"nodes on this machine")
+    if len(ids) // sharing != each:
+        raise UserError(f"--devices {devices}: {len(ids)} device(s) for {sharing} node(s) of {procs} process(es) "
+                        f"each; each process needs its own device")
+
+
+def node_gpus(spec: spec_mod.JobSpec, rank: int, devices: str = "", sharing: int = 0) -> str:
+    """The accelerator ids node `rank` gets: each node one per process, or --gpus-per-node. The `sharing` nodes
+    of one machine (0: every node) share its GPUs, so node k takes the k-th block: of `devices` in order, else
+    GPUs kM .. kM+M-1; with --hosts (sharing 1) each node has its own machine's."""
+    if spec.device == "cpu":
+        return ""
+    per, sharing = spec.gpus_each, sharing or spec.nodes
+    ids = devices.split(",") if devices else [str(i) for i in range(per * sharing)]
+    block = rank % sharing
+    return ",".join(ids[block * per:(block + 1) * per])
 
 class DockerBackend(Backend):
     name = "docker"
@@ -81,8 +119,16 @@ class DockerBackend(Backend):
     # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
     # ranks' progress files
     capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True)
+    options = (
+        Option("hosts", "docker backend: comma-separated Docker Engine URLs, one per node "
+                        "(ssh://user@h1,ssh://user@h2); master = first", (), kind=tuple),
+        Option("devices", "docker backend: the accelerator ids the job may use, e.g. 4,5,6,7, split among the nodes "
+                          "(Slurm gives each node its own: --gpus-per-node)", ""),
+    )
 
-    def __init__(self, connect=engine.client):
+    def __init__(self, hosts=(), devices: str = "", connect=engine.client):
+        self.hosts = tuple(options_mod.items(hosts) if isinstance(hosts, str) else hosts)   # one engine per node
+        self.devices = devices or ""      # the ids this machine's nodes split among them
         self.connect = connect            # host URL ("" = this machine) -> engine client; tests pass a fake
         self.engines: dict[str, object] = {}
         self.live: dict[str, _Live] = {}
@@ -91,6 +137,62 @@ class DockerBackend(Backend):
         if host not in self.engines:
             self.engines[host] = self.connect(host or None)
         return self.engines[host]
+
+    @property
+    def reads_here(self) -> bool:
+        return not self.hosts
+
+    @property
+    def sharing(self) -> int:
+        """Nodes that share one machine's devices: one per machine with --hosts (each has its own)."""
+        return 1 if self.hosts else 0
+
+    def settle(self, spec: spec_mod.JobSpec, procs_given: bool) -> tuple[spec_mod.JobSpec, str]:
+        if procs_given or spec.variant.device == "cpu" or not self.devices:
+            return spec, ""
+        each = max(1, len(self.devices.split(",")) // (self.sharing or spec.nodes))   # one process per device
+        return replace(spec, procs_per_node=each), "--devices"
+
+    def check(self, spec: spec_mod.JobSpec) -> None:
+        """--devices split among the nodes that share a machine (every node, unless --hosts), one per process; one
+        --hosts engine per node, and no folder of this machine's given to them."""
+        if self.devices:
+            if spec.variant.device == "cpu":
+                raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
+                                f"or choose a GPU variant ({', '.join(matrix.gpu_variants())})")
+            if spec.on_cpu:
+                raise UserError("--gpus-per-node 0 runs on CPU: drop --devices, or give as many GPUs as processes")
+            check_devices(self.devices, self.sharing or spec.nodes, spec.gpus_each, spec.procs_per_node)
+        if not self.hosts:
+            return super().check(spec)
+        if spec.spawns and len(self.hosts) > 1:
+            raise spec_mod.on_one_machine(f"{spec.script} starts its own ranks (paddle.distributed.spawn)",
+                                          len(self.hosts))
+        if len(self.hosts) != spec.nodes:
+            raise UserError(f"--hosts names {len(self.hosts)} hosts for {spec.nodes} nodes: give one per node")
+        if spec.resume not in ("auto", "never"):
+            raise UserError("--resume PATH needs the folder on every node; with --hosts, copy it into the job's "
+                            "checkpoint volume or use a shared --checkpoint-dir")
+        if spec.checkpoint_dir and (not spec.checkpoint_dir.startswith("/") or ".." in spec.checkpoint_dir.split("/")):
+            raise UserError(f"--checkpoint-dir {spec.checkpoint_dir}: with --hosts, give the folder's absolute path "
+                            f"(the same on every host), without ..")
+
+    @classmethod
+    def sized(cls, options: dict, nodes: int) -> dict:
+        """The first N of --hosts for N nodes."""
+        hosts = tuple(options.get("hosts") or ())
+        if not hosts:
+            return options
+        if len(hosts) < nodes:
+            raise UserError(f"--hosts names {len(hosts)} hosts; the largest run needs {nodes} (the first N are used "
+                            f"for N nodes)")
+        return {**options, "hosts": hosts[:nodes]}
+
+    def checkpoints_note(self, spec: spec_mod.JobSpec, job_id: str) -> str:
+        if self.hosts and not spec.checkpoint_dir and spec.resume == "never":
+            return (f"its checkpoints are in a fresh volume per node (fleetbox-{job_id}-*-checkpoints-*) on each host; "
+                    f"a run of the same id without --resume never reads the job's first ones, not these")
+        return ""
 
     # -- plan: read the hosts' facts, decide everything --
 
@@ -103,8 +205,9 @@ class DockerBackend(Backend):
             raise UserError(f"the Docker Engine failed while planning the job: {why}") from None
 
     def _plan(self, spec: spec_mod.JobSpec) -> DockerPlan:
+        self.check(spec)   # a spec made without from_options (a study's runs, Python callers) too
         job_id = spec.job_id or spec_mod.new_job_id()
-        hosts = list(spec.hosts) or [""] * spec.nodes
+        hosts = list(self.hosts) or [""] * spec.nodes
         image = None
         owner = records.owner()
         for host in dict.fromkeys(hosts):
@@ -116,8 +219,8 @@ class DockerBackend(Backend):
                 where = f"on {host}" if host else "here"
                 raise UserError(f"image {spec.image_ref} is not {where}; run `invoke build --variant "
                                 f"{spec.variant.name}`" + (" there (or push it and pull it there)" if host else ""))
-        if spec.hosts:
-            master_ip = hostnet.host_address(spec.hosts[0])
+        if self.hosts:
+            master_ip = hostnet.host_address(self.hosts[0])
             port = spec.port or hostnet.random_port()
             hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
             facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(hosts)]
@@ -149,9 +252,9 @@ class DockerBackend(Backend):
                  memlock: int, image_id: str, content_tag: str, paddle: str) -> DockerPlan:
         """The plan, once what the engines said is settled: `facts` per node its interface and own address
         ({iface, local}), `memlock` what its containers may lock."""
-        hosts = list(spec.hosts) or [""] * spec.nodes
+        hosts = list(self.hosts) or [""] * spec.nodes
         owner = records.owner()
-        if spec.hosts:
+        if self.hosts:
             # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
             # one for --resume never), unless --checkpoint-dir names a folder every host shares
             shared = bool(spec.checkpoint_dir)
@@ -170,14 +273,14 @@ class DockerBackend(Backend):
                                  checkpoints=str(ckpt), owner=owner)
             home, user = str(Path.home()), getpass.getuser()
         runtimes.Docker().check(t, spec.image_ref)   # binds the engine would split: before anything is made
-        if not spec.hosts:
+        if not self.hosts:
             checkpoints.check_writable(ckpt)
         values = tuple(planner.node_values(k, spec.nodes, job_id, master_ip, port, facts[k]["local"],
                                            facts[k]["iface"], home, user, procs=spec.procs_per_node,
-                                           gpus=planner.node_gpus(spec, k))
+                                           gpus=node_gpus(spec, k, self.devices, self.sharing))
                        for k in range(spec.nodes))
         nodes = tuple(replace(t, host=hosts[k]).fill(values[k]) for k in range(spec.nodes))
-        if not spec.hosts:   # Docker would make a missing source an empty folder; our log folders come later
+        if not self.hosts:   # Docker would make a missing source an empty folder; our log folders come later
             for m in nodes[0].mounts:
                 if m.dst not in (settings.LOG_DIR, settings.CHECKPOINT_DIR) and not Path(m.src).exists():
                     raise UserError(f"mount source {m.src} does not exist here")
@@ -261,7 +364,7 @@ class DockerBackend(Backend):
         try:
             return self._run(plan, log, timeout, on_submit)
         finally:   # every way out: the job has ended (a restart goes on inside _run)
-            if not plan.spec.hosts:
+            if not plan.elsewhere:
                 _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id))
             elif plan.spec.checkpoint_dir:
                 _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id,
@@ -325,7 +428,7 @@ class DockerBackend(Backend):
         spec = plan.spec
         if plan.attempt == 0:   # a restart goes on with the same folders
             (plan.dir / CANCELLED).unlink(missing_ok=True)
-            if not spec.hosts:
+            if not plan.elsewhere:
                 checkpoints.prepare(Path(plan.checkpoints), spec.resume, plan.job_id, log)
             elif spec.checkpoint_dir:   # a folder every host shares: taken there (volumes are the job's own)
                 checkpoints.prepare(Path(plan.checkpoints), spec.resume, plan.job_id, log,
@@ -416,14 +519,14 @@ class DockerBackend(Backend):
             except subprocess.TimeoutExpired:   # stuck: stop it, and remove what it had started ourselves
                 proc.kill()
                 proc.wait()
-                self.clean(list(dict.fromkeys(plan.spec.hosts or [""])), job=plan.job_id, force=True,
+                self.clean(list(dict.fromkeys(n.host for n in plan.nodes)), job=plan.job_id, force=True,
                            log=lambda m: None)
             raise
         return Handle.load(plan.dir)
 
     def engine_facts(self, spec: spec_mod.JobSpec) -> list[dict]:
         """Each node's engine (reachable, its version) and the image there (ID and content tag)."""
-        hosts = list(spec.hosts) or [""] * spec.nodes
+        hosts = list(self.hosts) or [""] * spec.nodes
         facts = []
         for host in hosts:
             try:
@@ -858,7 +961,7 @@ class _Live:
                                     else spawned_end(d / f"node{k}" / "container.log") if k == bad else ""))
         ok = not self.timed_out and hung is None and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
         ended = ""
-        said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.spec.hosts else {}
+        said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.elsewhere else {}
         if ok and said.get("state") == "continue":   # told to stop from outside (SIGTERM): saved, not finished
             ok, ended = False, f"stopped at step {said.get('step')} to continue, before its work was done"
         caps = self.backend.capabilities

@@ -160,6 +160,8 @@ class SlurmBackend(Backend):
     # restarts: in the chain of allocations (job.sbatch); hangs: the batch script runs run/hang.py beside srun
     capabilities = Capabilities(own_limit="Slurm: --time", restarts=True, watches_hangs=True,
                                 attempts_are="allocations", names_hosts=True, reports_image=True)
+    # another backend's own options, given to this one: why they have no place here
+    foreign = {"hosts": "Slurm chooses the nodes", "devices": "Slurm chooses the GPUs: give --gpus-per-node"}
     options = (
         Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman, docker (default), or none: no "
                           "container, the env given with --venv", "docker"),
@@ -240,10 +242,6 @@ class SlurmBackend(Backend):
     # -- plan and describe (pure once the spec is given) --
 
     def plan(self, spec: spec_mod.JobSpec) -> SlurmPlan:
-        if spec.hosts:
-            raise UserError("--hosts is for the docker backend; Slurm chooses the nodes")
-        if spec.devices:
-            raise UserError("--devices is for the docker backend; Slurm chooses the GPUs: give --gpus-per-node")
         job_id = spec.job_id or spec_mod.new_job_id()
         job_dir = settings.runs_root() / job_id
         if not SBATCH_PATH.fullmatch(str(job_dir)):
