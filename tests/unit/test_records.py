@@ -330,3 +330,16 @@ def test_the_start_lock_works_as_nfs_locks_it(tmp_path, monkeypatch):
     monkeypatch.setattr(records.fcntl, "flock", nfs_flock)
     with records.starting(tmp_path / "job"):
         pass
+
+
+def test_a_plan_written_when_hosts_and_devices_were_the_specs_still_reads():
+    """tests/recorded/plans/hosts: JobSpec had `hosts` and `devices` (Docker's) until they became the Docker
+    backend's own options. The plan reads as it ran: its nodes on their engines with their GPUs, elsewhere."""
+    from fleetbox import ROOT
+    from fleetbox.run import backends
+    name, plan = records.load_plan(ROOT / "tests" / "recorded" / "plans" / "hosts",
+                                   lambda n: backends.lookup(n).plan_type)
+    assert name == "docker" and type(plan) is DockerPlan
+    assert [(n.host, n.gpus) for n in plan.nodes] == [("ssh://u@h1", "device=4,5"), ("ssh://u@h2", "device=4,5")]
+    assert plan.elsewhere and (plan.spec.nodes, plan.spec.procs_per_node, plan.spec.gpus_per_node) == (2, 2, 2)
+    assert not hasattr(plan.spec, "hosts") and not hasattr(plan.spec, "devices")

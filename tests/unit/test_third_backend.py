@@ -10,12 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
 from fleetbox import settings
+from fleetbox.errors import UserError
 from fleetbox.options import Option
 from fleetbox.processes import process_start
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Plan
@@ -24,6 +25,7 @@ from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult
 from fleetbox.run.spec import new_job_id
 from tests.unit.test_backend_registry import installed, register_for_the_test
+from tests.unit.test_cli import one_line_error
 
 LAYOUT = Layout(earlier="tries/try<N>", first=1, node="n<k>", output="n<k>/out.log", entries={
     "tries": "proc: the earlier tries' node folders (try<N>/, from 1)", "n<k>": "proc: node k's folder"})
@@ -67,18 +69,31 @@ class ProcBackend(Backend):
     plan_type = ProcPlan
     handle_type = ProcHandle
     layout = LAYOUT
-    options = (Option("proc_steps", "with --backend proc: the steps each node runs", 3, int, low=1),)
+    options = (Option("proc_steps", "with --backend proc: the steps each node runs", 3, int, low=1),
+               Option("proc_cores", "with --backend proc: the cores each node has (default: as many as asked)", 0,
+                      int, low=0))
     capabilities = Capabilities(restarts=True, attempts_are="tries")
 
-    def __init__(self, proc_steps: int):
-        self.steps = proc_steps
+    def __init__(self, proc_steps: int, proc_cores: int):
+        self.steps, self.cores = proc_steps, proc_cores
+
+    def settle(self, spec, procs_given: bool):   # its own option changes the job: a process per core
+        if procs_given or not self.cores:
+            return spec, ""
+        return replace(spec, procs_per_node=self.cores), "--proc-cores"
+
+    def check(self, spec) -> None:
+        super().check(spec)
+        if self.cores and spec.procs_per_node > self.cores:
+            raise UserError(f"--procs-per-node {spec.procs_per_node}: a node has {self.cores} cores (--proc-cores)")
 
     def plan(self, spec) -> ProcPlan:
         job_id = spec.job_id or new_job_id()
         return ProcPlan(spec, job_id, settings.runs_root() / job_id, spec.port or 1, self.steps)
 
     def describe(self, plan: ProcPlan) -> str:
-        return "\n".join(f"node {k}: {plan.steps} steps" for k in range(plan.spec.nodes))
+        return "\n".join(f"node {k}: {plan.steps} steps, {plan.spec.procs_per_node} process(es)"
+                         for k in range(plan.spec.nodes))
 
     def _start(self, plan: ProcPlan, attempt: int) -> ProcHandle:
         pids = []
@@ -233,3 +248,20 @@ def test_a_detached_job_of_a_third_backend_is_seen_running_and_cancelled(run_inv
             except ProcessLookupError:
                 pass
     shutil.rmtree(runs)
+
+
+def test_a_third_backends_own_option_shapes_the_job_and_is_refused_elsewhere(run_invoke, env):
+    """--proc-cores is the proc backend's alone, yet it changes the job (its processes a node), as Docker's
+    --devices does: the backend settles and checks the job, with no change to any fleetbox module."""
+    def described(*args):
+        proc = run_invoke("train", "--backend", "proc", "--nodes", "2", *args, "--dry-run", env=env)
+        assert proc.returncode == 0, proc.stderr
+        return [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
+    assert described("--proc-cores", "4") == ["node 0: 3 steps, 4 process(es)", "node 1: 3 steps, 4 process(es)"]
+    assert described("--proc-cores", "4", "--procs-per-node", "2")[0] == "node 0: 3 steps, 2 process(es)"
+    assert described()[0] == "node 0: 3 steps, 1 process(es)"
+    one_line_error(run_invoke("train", "--backend", "proc", "--proc-cores", "2", "--procs-per-node", "3", "--dry-run",
+                              env=env), "--procs-per-node 3: a node has 2 cores (--proc-cores)")
+    one_line_error(run_invoke("train", "--proc-cores", "2", "--dry-run", env=env), "--proc-cores is for --backend proc")
+    one_line_error(run_invoke("train", "--backend", "proc", "--hosts", "tcp://a:1", "--dry-run", env=env),
+                   "--hosts is for --backend docker")
