@@ -23,6 +23,27 @@ def client(base_url: str | None = None):
                         f"start it (`dockerd &` or `systemctl start docker`) or set DOCKER_HOST") from None
 
 
+def device_kwargs(devices=(), group_add=(), security_opt=(), gpus: str = "") -> dict:
+    """Devices in the Docker SDK's spelling (the Docker backend's nodes and `invoke verify` share it)."""
+    import docker.types  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
+    kw = {}
+    if devices:
+        kw["devices"] = [f"{d}:{d}:rwm" for d in devices]
+    if group_add:
+        kw["group_add"] = list(group_add)
+    if security_opt:
+        kw["security_opt"] = list(security_opt)
+    if gpus:
+        if gpus == "all":
+            req = docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
+        elif gpus.startswith("device="):
+            req = docker.types.DeviceRequest(device_ids=gpus[7:].split(","), capabilities=[["gpu"]])
+        else:
+            req = docker.types.DeviceRequest(count=int(gpus), capabilities=[["gpu"]])
+        kw["device_requests"] = [req]
+    return kw
+
+
 def image_or_none(c, ref: str):
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
 

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 from fleetbox import engine, files, incontainer, settings
-from fleetbox.engine import image_or_none, run_dir
+from fleetbox.engine import device_kwargs, image_or_none, run_dir
 from fleetbox.errors import UserError
 from fleetbox.image.built import resolve
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
-from fleetbox.run.plan import device_kwargs, device_options
+from fleetbox.run.plan import device_options
 from fleetbox.run.result import smoke_line
 from fleetbox.run.spec import JobSpec
 from fleetbox.settings import CONTAINER_CACHE
@@ -111,7 +111,7 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
 def _start(c, image_id: str, variant: Variant, labels: dict, mount, log):
     """The probe container, given every GPU; where the engine has none to give, without: (container, why not).
     A container the engine made but could not start is removed."""
-    import docker.errors  # noqa: PLC0415 (deferred, as in run.plan.device_kwargs)
+    import docker.errors  # noqa: PLC0415 (deferred, as in engine.device_kwargs)
     source = ["python", "-c", incontainer.source("fleetbox_verify_image")]
     no_gpu = ""
     while True:

@@ -1,15 +1,15 @@
 """The pure part of running a job: one node's container as a template whose per-node values are
-placeholders ({rank}, {master_ip}, ...), and its spellings for the Docker CLI and the Docker SDK.
-Backends fill the template per node (Docker: with values; Slurm: with shell variables)."""
+placeholders ({rank}, {master_ip}, ...). Backends fill the template per node (Docker: with values; Slurm: with
+shell variables) and spell it for what starts the containers (run/backends: the Docker CLI and SDK, a runtime's
+command line)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleetbox import settings
-from fleetbox.run import hang, placeholders, shell
+from fleetbox.run import hang, placeholders
 from fleetbox.run.spec import JobSpec, Mount
 from fleetbox.settings import LABEL_JOB, LABEL_NODE, LABEL_OWNER, LABEL_RANK, LABEL_VARIANT, LOG_DIR, WORKDIR
 
@@ -52,75 +52,6 @@ class NodeRun:
         for m in self.mounts:
             yield "mount source", m.src
             yield "mount destination", m.dst
-
-    def cli_flags(self) -> list[str]:
-        """Labels, volumes and environment in the `docker run` spelling (Podman takes the same)."""
-        a = []
-        for k, v in self.labels.items():
-            a += ["--label", f"{k}={v}"]
-        for m in self.mounts:
-            a += ["-v", f"{m.src}:{m.dst}" + (":ro" if m.ro else "")]
-        for k, v in self.env.items():
-            a += ["-e", f"{k}={v}"]
-        for k in self.pass_env:   # by name: the client takes the value from its own environment
-            a += ["-e", k]
-        return a
-
-    def run_flags(self) -> list[str]:
-        """`docker run` options, image and command excluded."""
-        a = ["--name", self.name, "--network", "host", "--shm-size", self.shm_size,
-             "--ulimit", f"memlock={self.memlock}:{self.memlock}", "--ulimit", f"stack={STACK_BYTES}",
-             "-w", WORKDIR, *self.cli_flags()]
-        for d in self.devices:
-            a += ["--device", d]
-        for g in self.group_add:
-            a += ["--group-add", g]
-        for s in self.security_opt:
-            a += ["--security-opt", s]
-        if self.gpus:   # the CLI reads the value as CSV: a list of ids must be one quoted field
-            a += ["--gpus", f'"{self.gpus}"' if "," in self.gpus else self.gpus]
-        return a
-
-    def argv(self) -> list[str]:
-        """The `docker run -d` command that creates and starts this node's container."""
-        return ["docker", *(["-H", self.host] if self.host else []), "run", "-d", *self.run_flags(),
-                self.image, *self.command]
-
-    def shell(self) -> str:
-        return shell.line(self.argv())
-
-    def sdk_kwargs(self) -> dict:
-        """The same container for the Docker SDK's containers.create (image and command excluded)."""
-        import docker.types  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
-        kw = {"name": self.name, "network_mode": "host", "shm_size": self.shm_size, "working_dir": WORKDIR,
-              "ulimits": [docker.types.Ulimit(name="memlock", soft=self.memlock, hard=self.memlock),
-                          docker.types.Ulimit(name="stack", soft=STACK_BYTES, hard=STACK_BYTES)],
-              "labels": dict(self.labels),
-              # a variable passed by name, from this process's environment, as the CLI's `-e NAME` does
-              "environment": {**self.env, **{k: os.environ[k] for k in self.pass_env if k in os.environ}},
-              "volumes": [f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}" for m in self.mounts]}
-        return {**kw, **device_kwargs(self.devices, self.group_add, self.security_opt, self.gpus)}
-
-
-def device_kwargs(devices=(), group_add=(), security_opt=(), gpus: str = "") -> dict:
-    """Devices in the Docker SDK's spelling (the node containers and `invoke verify` share it)."""
-    import docker.types  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
-    kw = {}
-    if devices:
-        kw["devices"] = [f"{d}:{d}:rwm" for d in devices]
-    if group_add:
-        kw["group_add"] = list(group_add)
-    if security_opt:
-        kw["security_opt"] = list(security_opt)
-    if gpus:
-        if gpus == "all":
-            req = docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
-        elif gpus.startswith("device="):
-            req = docker.types.DeviceRequest(device_ids=gpus[7:].split(","), capabilities=[["gpu"]])
-        else:
-            req = docker.types.DeviceRequest(count=int(gpus), capabilities=[["gpu"]])
-        kw["device_requests"] = [req]
-    return kw
 
 
 def network_env(iface: str, ib_hca: str = "", debug: bool = False) -> dict:

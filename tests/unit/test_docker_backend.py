@@ -521,7 +521,7 @@ def test_engine_gets_what_describe_shows():
     assert r.ok and sorted(engine.made) == [0, 1, 2]
     for k, node in enumerate(plan.nodes):
         c = engine.made[k]
-        want = node.sdk_kwargs()
+        want = docker_backend.sdk_kwargs(node)
         assert c.image == node.image == IMAGE and c.command == list(node.command)
         assert c.kwargs == want        # docker.types values compare by value (they are dicts)
         for key in ("name", "environment", "labels", "volumes", "network_mode", "shm_size", "working_dir"):

@@ -49,7 +49,7 @@ def flag_values(argv, flag):
 
 def test_cpu_two_nodes_same_command_but_rank():
     n0, n1 = plan(spec(nodes=2))
-    a0, a1 = n0.argv(), n1.argv()
+    a0, a1 = docker_mod.argv(n0), docker_mod.argv(n1)
     for a in (a0, a1):
         assert a[:2] == ["docker", "run"] and "--network" in a and a[a.index("--network") + 1] == "host"
         assert flag_values(a, "--shm-size") == ["8g"] and "memlock=-1:-1" in flag_values(a, "--ulimit")
@@ -89,8 +89,8 @@ def test_cuda_on_one_node_gets_one_gpu_per_process(kw, gpus):
     assert n.gpus == gpus[0]
     want = gpus[0].removeprefix("device=").split(",")
     # the CLI reads --gpus as CSV: a list of ids is one quoted field
-    assert flag_values(n.argv(), "--gpus") == [f'"{gpus[0]}"' if len(want) > 1 else gpus[0]]
-    req = n.sdk_kwargs()["device_requests"][0]
+    assert flag_values(docker_mod.argv(n), "--gpus") == [f'"{gpus[0]}"' if len(want) > 1 else gpus[0]]
+    req = docker_mod.sdk_kwargs(n)["device_requests"][0]
     assert req["Capabilities"] == [["gpu"]] and req["DeviceIDs"] == want
 
 
@@ -145,12 +145,12 @@ def test_without_procs_per_node_each_device_gets_a_process(kw, procs):
 
 def test_dcu_gets_kfd_dri_video_and_hyhal_when_present():
     (n,) = plan(spec("dcu", nodes=1, procs_per_node=2), b=docker(devices="0,1"))
-    a = n.argv()
+    a = docker_mod.argv(n)
     assert flag_values(a, "--device") == ["/dev/kfd", "/dev/dri"] and flag_values(a, "--group-add") == ["video"]
     assert "/opt/hyhal:/opt/hyhal:ro" in flag_values(a, "-v") and n.env["HIP_VISIBLE_DEVICES"] == "0,1"
     (no_hyhal,) = plan(spec("dcu", nodes=1), hyhal=False)
-    assert not any("hyhal" in v for v in flag_values(no_hyhal.argv(), "-v"))
-    assert n.sdk_kwargs()["devices"] == ["/dev/kfd:/dev/kfd:rwm", "/dev/dri:/dev/dri:rwm"]
+    assert not any("hyhal" in v for v in flag_values(docker_mod.argv(no_hyhal), "-v"))
+    assert docker_mod.sdk_kwargs(n)["devices"] == ["/dev/kfd:/dev/kfd:rwm", "/dev/dri:/dev/dri:rwm"]
 
 
 def test_hosts_put_each_node_on_its_engine_and_copy_the_workspace():
@@ -158,8 +158,8 @@ def test_hosts_put_each_node_on_its_engine_and_copy_the_workspace():
     n0, n1 = plan(s, iface=["eth0", "eth1"], node_ips=["10.0.0.1", "10.0.0.2"], b=b)
     assert list(n1.command)[list(n1.command).index("--host") + 1] == "10.0.0.2"
     assert n1.env["GLOO_SOCKET_IFNAME"] == "eth1"
-    assert n0.argv()[:3] == ["docker", "-H", "ssh://u@10.0.0.1"] and n1.host == "ssh://u@10.0.0.2"
-    assert not any(v.endswith(":/workspace:ro") for v in flag_values(n0.argv(), "-v"))
+    assert docker_mod.argv(n0)[:3] == ["docker", "-H", "ssh://u@10.0.0.1"] and n1.host == "ssh://u@10.0.0.2"
+    assert not any(v.endswith(":/workspace:ro") for v in flag_values(docker_mod.argv(n0), "-v"))
     assert hostnet.host_address("ssh://u@10.0.0.1") == "10.0.0.1"
     assert hostnet.host_address("tcp://127.0.0.1:2375") == "127.0.0.1"
     with pytest.raises(UserError, match="cannot tell the address"):
@@ -168,14 +168,14 @@ def test_hosts_put_each_node_on_its_engine_and_copy_the_workspace():
 
 def test_data_dir_and_extra_mounts_and_env(tmp_path):
     (n,) = plan(spec(nodes=1, data_dir=str(tmp_path), mounts=(Mount(str(tmp_path), "/data", True),), env={"A": "1"}))
-    vols = flag_values(n.argv(), "-v")
+    vols = flag_values(docker_mod.argv(n), "-v")
     assert f"{tmp_path}:/root/.cache/paddle/dataset:ro" in vols and f"{tmp_path}:/data:ro" in vols
     assert n.env["A"] == "1"
 
 
 def test_sdk_kwargs_match_the_argv():
     (n,) = plan(spec(nodes=1))
-    kw = n.sdk_kwargs()
+    kw = docker_mod.sdk_kwargs(n)
     assert kw["network_mode"] == "host" and kw["shm_size"] == "8g" and kw["name"] == n.name
     assert kw["ulimits"][0]["Name"] == "memlock" and kw["ulimits"][0]["Hard"] == -1
     assert f"{ROOT / 'train'}:/workspace:ro" in kw["volumes"] and "/logs/node0:/fleetbox/logs:rw" in kw["volumes"]
@@ -305,8 +305,8 @@ def test_a_gpu_variant_given_no_gpu_runs_its_ranks_on_cpu_and_asks_for_no_device
     s = spec_mod.from_options(v, nodes=2, gpus_per_node="0")   # as the command line gives it
     assert s.on_cpu and s.device == "cpu" and s.procs_per_node == 1
     for n in plan(s):
-        assert n.gpus == "" and n.accelerator == "" and "device_requests" not in n.sdk_kwargs()
-        assert "--gpus" not in n.argv() and "PADDLE_PG_TIMEOUT" not in n.env
+        assert n.gpus == "" and n.accelerator == "" and "device_requests" not in docker_mod.sdk_kwargs(n)
+        assert "--gpus" not in docker_mod.argv(n) and "PADDLE_PG_TIMEOUT" not in n.env
         # not even empty: Paddle's launcher reads CUDA_VISIBLE_DEVICES being set as GPU mode (its parse_device)
         assert "CUDA_VISIBLE_DEVICES" not in n.env
     given = spec_mod.from_options(v, nodes=2)   # not given: one GPU per process, as every GPU variant

@@ -34,7 +34,7 @@ from fleetbox.errors import Failed, UserError
 from fleetbox.image import matrix
 from fleetbox.options import Option
 from fleetbox.processes import process_start, this_host
-from fleetbox.run import checkpoints, hang, hostnet, metrics, output, placeholders, records
+from fleetbox.run import checkpoints, hang, hostnet, metrics, output, placeholders, records, shell
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Plan, job_ended
@@ -75,6 +75,28 @@ class DockerHandle(SupervisedHandle):
 
     def checkpoints_here(self) -> str:
         return "" if any(self.hosts) else super().checkpoints_here()   # --hosts: on the other machines
+
+
+def argv(n: planner.NodeRun) -> list[str]:
+    """The `docker run -d` command that creates and starts node `n`'s container (what --dry-run prints)."""
+    return ["docker", *(["-H", n.host] if n.host else []), "run", "-d", *runtimes.run_flags(n), n.image, *n.command]
+
+
+def shell_line(n: planner.NodeRun) -> str:
+    return shell.line(argv(n))
+
+
+def sdk_kwargs(n: planner.NodeRun) -> dict:
+    """The same container for the Docker SDK's containers.create (image and command excluded)."""
+    import docker.types  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
+    kw = {"name": n.name, "network_mode": "host", "shm_size": n.shm_size, "working_dir": settings.WORKDIR,
+          "ulimits": [docker.types.Ulimit(name="memlock", soft=n.memlock, hard=n.memlock),
+                      docker.types.Ulimit(name="stack", soft=planner.STACK_BYTES, hard=planner.STACK_BYTES)],
+          "labels": dict(n.labels),
+          # a variable passed by name, from this process's environment, as the CLI's `-e NAME` does
+          "environment": {**n.env, **{k: os.environ[k] for k in n.pass_env if k in os.environ}},
+          "volumes": [f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}" for m in n.mounts]}
+    return {**kw, **engine.device_kwargs(n.devices, n.group_add, n.security_opt, n.gpus)}
 
 
 DEVICE_ID = re.compile(r"[0-9]+|GPU-[0-9A-Fa-f-]+")   # an index, or an NVIDIA/AMD UUID
@@ -416,7 +438,7 @@ class DockerBackend(Backend):
     def describe(self, plan: DockerPlan) -> str:
         out = list(plan.notes)
         for k, n in enumerate(plan.nodes):
-            out += [f"# node{k} (rank {k}) on {n.host or 'this machine'}", n.shell()]
+            out += [f"# node{k} (rank {k}) on {n.host or 'this machine'}", shell_line(n)]
         return "\n".join(out)
 
     # -- acting --
@@ -438,7 +460,7 @@ class DockerBackend(Backend):
         JobInfo(plan.job_id, self.name, spec.variant.name, spec.nodes, spec.procs_per_node, spec.image_ref,
                 image_id=plan.image_id, content_tag=plan.content_tag, paddle=plan.paddle, started=now,
                 first_started=first if isinstance(first, (int, float)) and first else now,
-                commands=[n.shell() for n in plan.nodes]).save(plan.dir)
+                commands=[shell_line(n) for n in plan.nodes]).save(plan.dir)
         handle = DockerHandle(self.name, plan.job_id, str(plan.dir), spec.nodes, [n.host for n in plan.nodes],
                         procs_per_node=spec.procs_per_node, supervisor=os.getpid(),
                         supervisor_start=process_start(os.getpid()), supervisor_host=this_host(),
@@ -754,7 +776,7 @@ class _Live:
                     logs = Path(next(m.src for m in n.mounts if m.dst == settings.LOG_DIR))
                     logs.mkdir(parents=True, exist_ok=True)
                     hang.clear(str(logs))
-                container = self.backend.engine(n.host).containers.create(n.image, list(n.command), **n.sdk_kwargs())
+                container = self.backend.engine(n.host).containers.create(n.image, list(n.command), **sdk_kwargs(n))
                 self.containers[k] = container
                 for where, pack in packs.items() if n.host else ():
                     with open(pack, "rb") as f:

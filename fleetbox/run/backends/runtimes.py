@@ -20,7 +20,7 @@ from pathlib import Path
 from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.run import placeholders
-from fleetbox.run.plan import ALL_RENDER_NODES, HIP_VISIBLE, NodeRun
+from fleetbox.run.plan import ALL_RENDER_NODES, HIP_VISIBLE, STACK_BYTES, NodeRun
 from fleetbox.run.shell import Raw, line
 from fleetbox.settings import WORKDIR
 from fleetbox.ship import exports, shipped
@@ -225,6 +225,36 @@ class Engine(Runtime):
         return [] if registry_host(image) else ["--pull=never"]
 
 
+def cli_flags(n: NodeRun) -> list[str]:
+    """A node's labels, volumes and environment in the `docker run` spelling (Podman takes the same)."""
+    a = []
+    for k, v in n.labels.items():
+        a += ["--label", f"{k}={v}"]
+    for m in n.mounts:
+        a += ["-v", f"{m.src}:{m.dst}" + (":ro" if m.ro else "")]
+    for k, v in n.env.items():
+        a += ["-e", f"{k}={v}"]
+    for k in n.pass_env:   # by name: the client takes the value from its own environment
+        a += ["-e", k]
+    return a
+
+
+def run_flags(n: NodeRun) -> list[str]:
+    """A node's `docker run` options, image and command excluded (the Docker backend's and Slurm's docker runtime)."""
+    a = ["--name", n.name, "--network", "host", "--shm-size", n.shm_size,
+         "--ulimit", f"memlock={n.memlock}:{n.memlock}", "--ulimit", f"stack={STACK_BYTES}",
+         "-w", WORKDIR, *cli_flags(n)]
+    for d in n.devices:
+        a += ["--device", d]
+    for g in n.group_add:
+        a += ["--group-add", g]
+    for s in n.security_opt:
+        a += ["--security-opt", s]
+    if n.gpus:   # the CLI reads the value as CSV: a list of ids must be one quoted field
+        a += ["--gpus", f'"{n.gpus}"' if "," in n.gpus else n.gpus]
+    return a
+
+
 class Docker(Engine):
     name = "docker"
     inspect_labels = ".Config.Labels"
@@ -233,7 +263,7 @@ class Docker(Engine):
     gpu_check = "gpu_toolkit.sh"
 
     def launch(self, n, image, extra=()):
-        return ["docker", "run", "--rm", *self.pull(image), *n.run_flags(), *extra, image, *n.command]
+        return ["docker", "run", "--rm", *self.pull(image), *run_flags(n), *extra, image, *n.command]
 
     def pull_commands(self, ref, out_name, insecure=False):
         return [["docker", "pull", ref]]
@@ -256,7 +286,7 @@ class Podman(Engine):
              "--shm-size", n.shm_size,
              "--ulimit", Raw('"memlock=$(hard_limit l)"'),     # the node's own limit, as Slurm set it (NCCL/IB)
              "--add-host", Raw('"$(hostname):$NODE_IP"'),       # Gloo resolves the node's hostname
-             "-w", WORKDIR, *n.cli_flags()]
+             "-w", WORKDIR, *cli_flags(n)]
         for d in n.devices:
             a += ["--device", d]
         if n.group_add:
