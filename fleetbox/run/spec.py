@@ -252,6 +252,12 @@ def on_one_machine(where: str, machines: int) -> UserError:
                      f"{machines}")
 
 
+def cpu_only(variant: Variant) -> UserError:
+    """A CPU variant given devices (--gpus-per-node, or a backend's own: Docker's --devices)."""
+    return UserError(f"variant {variant.name} is CPU-only: drop --gpus-per-node/--devices or choose a GPU variant "
+                     f"({', '.join(matrix.gpu_variants())})")
+
+
 def validate(spec: JobSpec) -> None:
     """Input errors a user can fix, each as one line."""
     if spec.nodes < 1:
@@ -261,8 +267,7 @@ def validate(spec: JobSpec) -> None:
     if not spec.script_path.is_file():
         raise UserError(f"training script not found: {spec.script}")
     if spec.variant.device == "cpu" and spec.gpus_per_node:
-        raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
-                        f"or choose a GPU variant ({', '.join(matrix.gpu_variants())})")
+        raise cpu_only(spec.variant)
     if spec.on_cpu and spec.variant.device != "cuda":
         raise UserError(f"--gpus-per-node 0 runs a CUDA image on CPU; variant {spec.variant.name}'s containers need "
                         f"their devices: give --gpus-per-node 1 or more")

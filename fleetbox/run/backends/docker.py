@@ -31,7 +31,6 @@ from fleetbox import ROOT, engine, files, incontainer, settings
 from fleetbox import options as options_mod
 from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
-from fleetbox.image import matrix
 from fleetbox.options import Option
 from fleetbox.processes import process_start, this_host
 from fleetbox.run import checkpoints, hang, hostnet, metrics, output, placeholders, records, shell
@@ -180,8 +179,7 @@ class DockerBackend(Backend):
         --hosts engine per node, and no folder of this machine's given to them."""
         if self.devices:
             if spec.variant.device == "cpu":
-                raise UserError(f"variant {spec.variant.name} is CPU-only: drop --gpus-per-node/--devices "
-                                f"or choose a GPU variant ({', '.join(matrix.gpu_variants())})")
+                raise spec_mod.cpu_only(spec.variant)
             if spec.on_cpu:
                 raise UserError("--gpus-per-node 0 runs on CPU: drop --devices, or give as many GPUs as processes")
             check_devices(self.devices, self.sharing or spec.nodes, spec.gpus_each, spec.procs_per_node)
