@@ -233,3 +233,17 @@ def test_a_detached_job_of_a_third_backend_is_seen_running_and_cancelled(run_inv
             except ProcessLookupError:
                 pass
     shutil.rmtree(runs)
+
+
+def test_a_third_backends_scheduler_words_its_own_view_of_the_job(tmp_path):
+    """JobResult names no scheduler itself: a backend with one gives its view of the job (after the state in the
+    table) and how it saw a job end that no node failed, in its own words; a summary read back keeps them."""
+    r = JobResult("q-1", "proc", False, [NodeResult("node0", 0, "local", None, "?", "x")], dir=str(tmp_path),
+                  scheduler="queue ticket 42, EVICTED", end_state="EVICTED by the queue")
+    assert r.table().splitlines()[0] == "job q-1: FAILED (queue ticket 42, EVICTED)"
+    assert r.failure() == f"job ended EVICTED by the queue (logs: {tmp_path})"
+    r.save()
+    back = JobResult.from_summary(json.loads((tmp_path / "summary.json").read_text()))
+    assert (back.scheduler, back.reason()) == ("queue ticket 42, EVICTED", "job ended EVICTED by the queue")
+    bare = JobResult("q-2", "proc", False, [], dir=str(tmp_path))
+    assert bare.table().splitlines()[0] == "job q-2: FAILED" and bare.reason() == "job ended without a result"

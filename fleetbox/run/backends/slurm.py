@@ -126,6 +126,15 @@ class SlurmHandle(Handle):
     scheduler_job: str = ""   # its Slurm job id (the first of a chain of allocations)
 
 
+@dataclass
+class SlurmResult(JobResult):
+    """A Slurm job's result: its summary.json also keeps the Slurm job id and final state under their own names
+    (scripts and the cluster's tests read them); JobResult's scheduler and end_state say the same, in words."""
+    _: KW_ONLY
+    scheduler_job: str = ""     # the Slurm job id it ended in (a chain's last allocation)
+    scheduler_state: str = ""   # its final JobState
+
+
 @dataclass(frozen=True)
 class SlurmLayout(Layout):
     """A chain's allocations: alloc<N>/ from 1, each node's task output in node<k>.log, and when each
@@ -559,8 +568,8 @@ class SlurmBackend(Backend):
         if summary.get("hang"):
             return JobState.HUNG, attempt, summary["hang"].get("text", "")
         caps = self.capabilities
-        told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts, **summary, "nodes": []}   # older
-        return JobState.FAILED, attempt, JobResult(**told).reason()
+        told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts}   # an older summary's
+        return JobState.FAILED, attempt, JobResult.from_summary({**summary, "nodes": []}, **told).reason()
 
     def show_logs(self, handle: SlurmHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """The node's log file on the shared file system, followed across allocations."""
@@ -629,18 +638,19 @@ class SlurmBackend(Backend):
                                     else spawned_end(job_dir / f"node{k}.log") if k == bad else ""))
         ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
         caps = self.capabilities
-        r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=caps.attempts_are,
-                      name_host=caps.names_hosts,
-                      log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
-                      launcher_config=output.config_dump(read_lines(job_dir / f"node{bad}.log"))
-                      if bad is not None else [],
-                      smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
-                      scheduler_job=slurm_job, scheduler_state=state,
-                      hang=hung,
-                      ended="" if ok or last is None or hung or bad is not None
-                      or last["ended"] in ("failed", "restart", "hung")
-                      else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
-                                              if last["ended"] == REQUEUED_RUN else ""))
+        r = SlurmResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=caps.attempts_are,
+                        name_host=caps.names_hosts,
+                        log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
+                        launcher_config=output.config_dump(read_lines(job_dir / f"node{bad}.log"))
+                        if bad is not None else [],
+                        smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
+                        scheduler=f"Slurm job {slurm_job}, {state}" if slurm_job else "", end_state=state,
+                        scheduler_job=slurm_job, scheduler_state=state,
+                        hang=hung,
+                        ended="" if ok or last is None or hung or bad is not None
+                        or last["ended"] in ("failed", "restart", "hung")
+                        else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
+                                                if last["ended"] == REQUEUED_RUN else ""))
         if len(records) > 1 or last and last["ended"] in ("no-progress", "max-allocations", "submit-failed",
                                                           "requeue-refused"):
             r.attempts = [{"attempt": rec["allocation"] - 1, "ok": rec["ended"] in ("finished", "continue"),
