@@ -154,10 +154,10 @@ def culprit(failed: list[int], last_words: dict[int, float]) -> int | None:
 FAILED_WORKER = re.compile(r"status failed cmd .* log \S*?(workerlog\.\d+)")
 
 
-def last_words(node_dir: Path, launcher_log: Path | None = None) -> float | None:
+def last_words(node_dir: Path, launcher_log: Path) -> float | None:
     """When the node's failing worker last wrote to its log (the file's time, as fine as the kernel's clock
-    tick), if we can tell: the worker Paddle's launcher reported failed, else the node's only worker."""
-    launcher_log = launcher_log or node_dir / "container.log"
+    tick), if we can tell: the worker Paddle's launcher reported failed, else the node's only worker.
+    `launcher_log`: where the node's launcher wrote, wherever its backend keeps it (its layout's output)."""
     text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
     named = FAILED_WORKER.search(text)
     logs = [node_dir / named.group(1)] if named else sorted(node_dir.glob("workerlog.*"))

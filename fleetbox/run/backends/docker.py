@@ -840,7 +840,7 @@ class _Live:
                         key=lambda r: (r not in self.gone, finish_time(self.finished.get(r, ""))))
         one_worker = self.plan.spec.procs_per_node == 1
         evidence = {r: t for r in failed if one_worker and not self.plan.nodes[r].host and r not in self.gone
-                    and (t := last_words(d / f"node{r}")) is not None}
+                    and (t := last_words(d / f"node{r}", d / f"node{r}" / "container.log")) is not None}
         bad = None if self.timed_out else culprit(failed, evidence)
         hung = self.hang_record() if self.stall is not None else None
         if hung is not None:
