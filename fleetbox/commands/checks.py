@@ -598,9 +598,10 @@ REPORTED_IMAGE = re.compile(r"^fleetbox: image (id|file-sha256|tree-sha256|env-s
                             re.M)
 
 
-def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[Row]:
+def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str, unreported: str = "") -> list[Row]:
     """What each node's script said of the image there (a backend that reports_image: Slurm's node.sh, with the
-    lines of runtimes.Runtime.identify)."""
+    lines of runtimes.Runtime.identify); `unreported`: where to look when a node said nothing, in its backend's
+    words (Capabilities.unreported_fix)."""
     rows, ids = [], {}
     for k in range(nodes):
         m = REPORTED_IMAGE.search(outputs.get(k, ""))
@@ -608,7 +609,7 @@ def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[R
         if not m:
             said = [ln for ln in outputs.get(k, "").splitlines() if ln.startswith("fleetbox: node ")][-1:]
             rows.append(Row(node, "image", False, "not reported", "present", said[0].split(": ", 2)[-1] if said
-                            else "node.sh did not run on this node: see the batch output (slurm-<id>.out)"))
+                            else unreported or "the node's script did not run: see its output"))
         elif m.group(1) == "missing":
             env = "invoke venv" in m.group(3) or "interpreter" in m.group(3)   # runtime none: an env, not an image
             rows.append(Row(node, "image", False, f"not found: {(m.group(2) + ' ' + m.group(3)).strip()[:80]}",

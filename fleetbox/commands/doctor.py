@@ -103,7 +103,8 @@ def check(b, spec: JobSpec, plan_probe, quick: bool = False, wait: float = 30.0,
         result = b.run(plan, log=lambda m: None, timeout=wait * 3 + 120 if caps.timeout else None)
         outputs = _outputs(b, result)
         if caps.reports_image:
-            rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref))
+            rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref),
+                                        caps.unreported_fix)
             rows += prerequisite_rows(outputs, spec.nodes)
         for k in range(spec.nodes):
             f = parse_probe(outputs.get(k, ""))

@@ -54,7 +54,8 @@ class Capabilities:
     watches_hangs: bool = False      # carries out --hang-timeout / --start-timeout (run/hang.py)
     attempts_are: str = "restarts"   # what a job's later attempts are called (a scheduler's chain: allocations)
     names_hosts: bool = False        # a failure names the node's host (a scheduler's node names mean something)
-    reports_image: bool = False      # a job with spec.image_identity says which image each node has (doctor)
+    reports_image: bool = False      # a job with spec.image_identity says which image each node has (doctor) ...
+    unreported_fix: str = ""         # ... and where to look when a node said nothing ("": its output)
     runtime: str = ""                # what starts the containers, for doctor's advice ("": the backend's name)
     label: str = ""                  # how doctor names where its probe runs ("": the backend's name)
     shm_settable: bool = True        # --shm-size reaches the container (else the node's /dev/shm counts)

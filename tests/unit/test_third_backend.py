@@ -247,3 +247,25 @@ def test_a_third_backends_scheduler_words_its_own_view_of_the_job(tmp_path):
     assert (back.scheduler, back.reason()) == ("queue ticket 42, EVICTED", "job ended EVICTED by the queue")
     bare = JobResult("q-2", "proc", False, [], dir=str(tmp_path))
     assert bare.table().splitlines()[0] == "job q-2: FAILED" and bare.reason() == "job ended without a result"
+
+
+def test_doctor_tells_a_node_that_said_nothing_of_its_image_where_its_backend_keeps_what_it_said(monkeypatch,
+                                                                                                  tmp_path):
+    """A backend whose nodes report their image names where to look when one said nothing (its capabilities);
+    doctor words none of its own. Slurm's words stay Slurm's."""
+    from fleetbox.commands import checks, doctor
+    from fleetbox.run import backends
+    from tests.unit.test_preflight import PORT, Recording, spec
+
+    class Reporting(Recording):   # its probe's nodes print no `fleetbox: image` line
+        name = "reporting"
+        capabilities = Capabilities(reports_image=True, unreported_fix="see what the queue kept (queue/<k>.err)")
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    b = Reporting()
+    report = doctor.check(b, spec(port=PORT), b.plan, quick=True, log=lambda m: None)
+    assert [(r["node"], r["fix"]) for r in report["rows"] if r["check"] == "image"] == [
+        ("node0", "see what the queue kept (queue/<k>.err)"), ("node1", "see what the queue kept (queue/<k>.err)")]
+    slurm = backends.get("slurm").capabilities.unreported_fix
+    assert checks.reported_image_rows({0: ""}, 1, "img", slurm)[0].fix == \
+        "node.sh did not run on this node: see the batch output (slurm-<id>.out)"
+    assert checks.reported_image_rows({0: ""}, 1, "img")[0].fix == "the node's script did not run: see its output"

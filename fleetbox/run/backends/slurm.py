@@ -168,7 +168,9 @@ class SlurmBackend(Backend):
         "started.<N>": "Slurm: when an allocation's job step started"})
     # restarts: in the chain of allocations (job.sbatch); hangs: the batch script runs run/hang.py beside srun
     capabilities = Capabilities(own_limit="Slurm: --time", restarts=True, watches_hangs=True,
-                                attempts_are="allocations", names_hosts=True, reports_image=True)
+                                attempts_are="allocations", names_hosts=True, reports_image=True,
+                                unreported_fix="node.sh did not run on this node: see the batch output "
+                                               "(slurm-<id>.out)")
     options = (
         Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman, docker (default), or none: no "
                           "container, the env given with --venv", "docker"),
