@@ -46,7 +46,8 @@ def expect(spec: JobSpec, port: int, b) -> Expect:
     v, caps = spec.variant, b.capabilities
     return Expect(spec.nodes, spec.shm_size, spec.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
                   spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, caps.shm_settable,
-                  check_paddle=not caps.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities)
+                  check_paddle=not caps.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities,
+                  no_driver_fix=caps.no_driver_fix)
 
 
 def _outputs(b, result) -> dict[int, str]:

@@ -57,6 +57,7 @@ class Capabilities:
     reports_image: bool = False      # a job with spec.image_identity says which image each node has (doctor) ...
     unreported_fix: str = ""         # ... and where to look when a node said nothing ("": its output)
     runtime: str = ""                # what starts the containers, for doctor's advice ("": the backend's name)
+    no_driver_fix: str = ""          # what gives them the node's NVIDIA driver: doctor's fix where one has none
     label: str = ""                  # how doctor names where its probe runs ("": the backend's name)
     shm_settable: bool = True        # --shm-size reaches the container (else the node's /dev/shm counts)
     runs_in_image: bool = True       # the job runs in an image (else in an env on the nodes: doctor checks that

@@ -269,3 +269,34 @@ def test_doctor_tells_a_node_that_said_nothing_of_its_image_where_its_backend_ke
     assert checks.reported_image_rows({0: ""}, 1, "img", slurm)[0].fix == \
         "node.sh did not run on this node: see the batch output (slurm-<id>.out)"
     assert checks.reported_image_rows({0: ""}, 1, "img")[0].fix == "the node's script did not run: see its output"
+
+
+def test_doctor_tells_a_container_without_the_driver_what_its_backend_says_gives_it():
+    """What gives a node's containers the NVIDIA driver is the backend's to say (Slurm's: its runtime's, from
+    runtimes.py): doctor keys no fix by a runtime's name, so one that names a runtime but no fix gets none of it."""
+    from fleetbox.commands import checks, doctor
+    from fleetbox.image import matrix
+    from fleetbox.run import backends
+    from fleetbox.run.spec import JobSpec
+    from tests.unit.test_doctor import PORT, gpu_facts
+
+    class Gpus(ProcBackend):
+        name = "gpus"
+        capabilities = Capabilities(runtime="podman", no_driver_fix="load the site's GPU module (module load nv)")
+
+    class Silent(ProcBackend):
+        name = "silent"
+        capabilities = Capabilities(runtime="podman")
+    job = JobSpec(variant=matrix.load().get("cu126"), nodes=2)
+
+    def fix(b) -> str:
+        rows = checks.evaluate(gpu_facts({"missing": "nvidia-smi"}), doctor.expect(job, PORT, b), "10.213.77.11")
+        return next(r.fix for r in rows if r.node == "node0" and r.check == "GPU driver")
+    said = "the container sees no NVIDIA driver: "
+    assert fix(Gpus(3)) == said + "load the site's GPU module (module load nv)"
+    assert fix(Silent(3)) == said + "check how the runtime gives a container the node's driver"
+    assert fix(backends.get("slurm", runtime="pyxis")) == said + (
+        "enroot's NVIDIA hook must run: /etc/enroot/hooks.d/98-nvidia.sh and libnvidia-container "
+        "(nvidia-container-cli) on the node")
+    assert fix(backends.get("docker")) == said + (
+        "install the NVIDIA Container Toolkit on the node (`nvidia-ctk runtime configure --runtime=docker`)")

@@ -80,7 +80,8 @@ class DockerBackend(Backend):
                      "`invoke cancel` removed them itself"})
     # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
     # ranks' progress files
-    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True)
+    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True,
+                                no_driver_fix=runtimes.Docker.no_driver_fix)   # its containers: Docker Engine's
 
     def __init__(self, connect=engine.client):
         self.connect = connect            # host URL ("" = this machine) -> engine client; tests pass a fake

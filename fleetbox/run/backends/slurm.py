@@ -216,7 +216,8 @@ class SlurmBackend(Backend):
         rt = self.runtime
         self.capabilities = replace(type(self).capabilities, runtime=rt.name, label=f"slurm/{rt.name}",
                                     shm_settable=rt.sets_shm, runs_in_image=rt.has_image,
-                                    unconfined="" if rt.confined else rt.unconfined_note())
+                                    unconfined="" if rt.confined else rt.unconfined_note(),
+                                    no_driver_fix=rt.no_driver_fix)
         if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
             raise UserError(f"--signal-grace must be between 1 and 65535 seconds (got {signal_grace})")
         if max_allocations < 1:
