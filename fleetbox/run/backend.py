@@ -168,6 +168,12 @@ class Backend(ABC):
         """`invoke clean`: remove what earlier jobs of this backend left behind; (removed, kept running)."""
         return 0, 0
 
+    @classmethod
+    def leftovers(cls, job_id: str) -> str:
+        """How to stop what a job of this backend left running where `invoke clean` cannot, said when the job's
+        record cannot be read (so its backend is not known): "" where `invoke clean` does it all."""
+        return ""
+
     def run(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end (cancelled on every way out), then gather every rank's metrics lines. A
         backend that restarts a failed job itself says how here (Docker); a scheduler's chain does it in its own

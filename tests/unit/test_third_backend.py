@@ -300,3 +300,24 @@ def test_doctor_tells_a_container_without_the_driver_what_its_backend_says_gives
         "(nvidia-container-cli) on the node")
     assert fix(backends.get("docker")) == said + (
         "install the NVIDIA Container Toolkit on the node (`nvidia-ctk runtime configure --runtime=docker`)")
+
+
+def test_a_job_whose_record_cannot_be_read_is_told_how_each_backend_stops_its_leftovers(monkeypatch, tmp_path):
+    """Its backend is unknown, so every backend says its own way (Backend.leftovers): fleetbox's own words name
+    none; Slurm's `scancel` is Slurm's, and a third backend's is added after it."""
+    from fleetbox.commands import jobs
+    from tests.unit.test_backend_registry import EchoBackend
+    assert jobs._leftovers("j-1") == ("`invoke clean --job j-1 --force` removes its containers "
+                                      "(a Slurm job: `scancel --user=$USER --name=fleetbox-j-1`)")
+
+    class Queued(ProcBackend):
+        name = "queued"
+
+        @classmethod
+        def leftovers(cls, job_id: str) -> str:
+            return f"a queued job: `qdel {job_id}`"
+    register_for_the_test(monkeypatch, Queued)
+    register_for_the_test(monkeypatch, EchoBackend)   # says nothing: `invoke clean` is enough for it
+    assert jobs.damaged(tmp_path / "j-2", "not JSON")["note"] == (
+        "not JSON; `invoke clean --job j-2 --force` removes its containers "
+        "(a Slurm job: `scancel --user=$USER --name=fleetbox-j-2`; a queued job: `qdel j-2`)")

@@ -543,6 +543,10 @@ class SlurmBackend(Backend):
 
     # -- from any shell --
 
+    @classmethod
+    def leftovers(cls, job_id: str) -> str:
+        return f"a Slurm job: `scancel --user=$USER --name=fleetbox-{job_id}`"   # the job name render_sbatch gives
+
     def job_state(self, handle: SlurmHandle) -> tuple[JobState, int, str]:
         d = Path(handle.dir)
         recs = allocations(d, handle.scheduler_job)
