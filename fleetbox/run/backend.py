@@ -79,7 +79,8 @@ class Backend(ABC):
     about = ""                     # a few words for `--backend` in `invoke --help train`
     plan_type: type[Plan] = Plan   # what `plan` returns (a detached job's plan is read back as one)
     handle_type: type[Handle] = FormerHandle   # what `submit` returns, with the backend's own fields (handle.json)
-    layout = Layout()                    # where its jobs' files are in their folders (run/jobfolder.py)
+    layout = Layout()                    # where its jobs' files are in their folders: fleetbox's default layout
+                                         # unless it declares its own (run/jobfolder.py)
     options: tuple[Option, ...] = ()
     capabilities = Capabilities()
     runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime (doctor's probe shows them)
