@@ -17,7 +17,7 @@ from fleetbox.run.records import SUMMARY
 class NodeResult:
     node: str                    # node<rank>
     rank: int
-    host: str                    # engine URL, Slurm node name, or "local"
+    host: str                    # where it ran, as its backend names it: an engine URL, a node name, "local"
     exit_code: int | None        # None: never seen to end
     state: str                   # ok | FAILED | hung | timed out | stopped | aborted | gone | ?
     logs: str                    # this node's log folder (or file)
