@@ -278,13 +278,14 @@ def test_doctor_tells_a_container_without_the_driver_what_its_backend_says_gives
     from fleetbox.image import matrix
     from fleetbox.run import backends
     from fleetbox.run.spec import JobSpec
+    from tests.unit.test_backend_registry import EchoBackend
     from tests.unit.test_doctor import PORT, gpu_facts
 
-    class Gpus(ProcBackend):
+    class Gpus(EchoBackend):
         name = "gpus"
         capabilities = Capabilities(runtime="podman", no_driver_fix="load the site's GPU module (module load nv)")
 
-    class Silent(ProcBackend):
+    class Silent(EchoBackend):
         name = "silent"
         capabilities = Capabilities(runtime="podman")
     job = JobSpec(variant=matrix.load().get("cu126"), nodes=2)
@@ -293,8 +294,8 @@ def test_doctor_tells_a_container_without_the_driver_what_its_backend_says_gives
         rows = checks.evaluate(gpu_facts({"missing": "nvidia-smi"}), doctor.expect(job, PORT, b), "10.213.77.11")
         return next(r.fix for r in rows if r.node == "node0" and r.check == "GPU driver")
     said = "the container sees no NVIDIA driver: "
-    assert fix(Gpus(3)) == said + "load the site's GPU module (module load nv)"
-    assert fix(Silent(3)) == said + "check how the runtime gives a container the node's driver"
+    assert fix(Gpus("x")) == said + "load the site's GPU module (module load nv)"
+    assert fix(Silent("x")) == said + "check how the runtime gives a container the node's driver"
     assert fix(backends.get("slurm", runtime="pyxis")) == said + (
         "enroot's NVIDIA hook must run: /etc/enroot/hooks.d/98-nvidia.sh and libnvidia-container "
         "(nvidia-container-cli) on the node")
@@ -310,8 +311,9 @@ def test_a_job_whose_record_cannot_be_read_is_told_how_each_backend_stops_its_le
     assert jobs._leftovers("j-1") == ("`invoke clean --job j-1 --force` removes its containers "
                                       "(a Slurm job: `scancel --user=$USER --name=fleetbox-j-1`)")
 
-    class Queued(ProcBackend):
+    class Queued(EchoBackend):
         name = "queued"
+        options = ()
 
         @classmethod
         def leftovers(cls, job_id: str) -> str:
