@@ -100,6 +100,7 @@ class Expect:
     check_paddle: bool = False      # no image (an env on the nodes): `import paddle` is checked on every node
     variant: str = ""
     compute_capabilities: tuple = ()  # CUDA variants: the GPU architectures its wheel has kernels for
+    no_driver_fix: str = ""         # what gives the containers the node's NVIDIA driver (Capabilities.no_driver_fix)
 
 
 def check_shm(node: str, f: dict, e: Expect) -> Row:
@@ -246,18 +247,6 @@ def confinement_rows(device: str, unconfined: str) -> list[Row]:
     return [Row("cluster", "device confinement", True, f"none: {unconfined}", "the task's cgroup")]
 
 
-# What gives a container the node's NVIDIA driver, by runtime (Backend.runtime_name): said where it has none
-NO_DRIVER_FIX = {
-    "docker": "install the NVIDIA Container Toolkit on the node (`nvidia-ctk runtime configure --runtime=docker`)",
-    "podman": "generate the node's CDI spec (`nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml`)",
-    "apptainer": "check the node's driver install: apptainer --nv binds the libraries the node's loader knows",
-    "charliecloud": "run `ch-fromhost --nvidia IMAGE_DIR` on a GPU node to put the driver's libraries in the image",
-    "pyxis": "enroot's NVIDIA hook must run: /etc/enroot/hooks.d/98-nvidia.sh and libnvidia-container "
-             "(nvidia-container-cli) on the node",
-    "none": "no container: the node's own driver is used; check `nvidia-smi` on the node and the modules loaded",
-}
-
-
 def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
     if e.device != "cuda":
         return []
@@ -267,7 +256,8 @@ def check_gpu(node: str, f: dict, e: Expect) -> list[Row]:
             (g.get("err") or g.get("out") or g.get("error") or "").strip().splitlines()[-1:] or ["failed"]
         why = why if isinstance(why, str) else why[0]
         return [Row(node, "GPU driver", False, why[:120], f">= {e.min_driver}",
-                    f"the container sees no NVIDIA driver: {NO_DRIVER_FIX.get(e.runtime, NO_DRIVER_FIX['docker'])}")]
+                    "the container sees no NVIDIA driver: "
+                    + (e.no_driver_fix or "check how the runtime gives a container the node's driver"))]
     gpus = gpus_from_nvidia_smi(g.get("out", ""), tuple(g.get("fields", OLD_GPU_FIELDS)))
     drivers = sorted({x["driver_version"] for x in gpus})
     driver = drivers[0] if drivers else "?"
@@ -598,9 +588,10 @@ REPORTED_IMAGE = re.compile(r"^fleetbox: image (id|file-sha256|tree-sha256|env-s
                             re.M)
 
 
-def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[Row]:
+def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str, unreported: str = "") -> list[Row]:
     """What each node's script said of the image there (a backend that reports_image: Slurm's node.sh, with the
-    lines of runtimes.Runtime.identify)."""
+    lines of runtimes.Runtime.identify); `unreported`: where to look when a node said nothing, in its backend's
+    words (Capabilities.unreported_fix)."""
     rows, ids = [], {}
     for k in range(nodes):
         m = REPORTED_IMAGE.search(outputs.get(k, ""))
@@ -608,7 +599,7 @@ def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str) -> list[R
         if not m:
             said = [ln for ln in outputs.get(k, "").splitlines() if ln.startswith("fleetbox: node ")][-1:]
             rows.append(Row(node, "image", False, "not reported", "present", said[0].split(": ", 2)[-1] if said
-                            else "node.sh did not run on this node: see the batch output (slurm-<id>.out)"))
+                            else unreported or "the node's script did not run: see its output"))
         elif m.group(1) == "missing":
             env = "invoke venv" in m.group(3) or "interpreter" in m.group(3)   # runtime none: an env, not an image
             rows.append(Row(node, "image", False, f"not found: {(m.group(2) + ' ' + m.group(3)).strip()[:80]}",

@@ -46,7 +46,8 @@ def expect(spec: JobSpec, port: int, b) -> Expect:
     v, caps = spec.variant, b.capabilities
     return Expect(spec.nodes, spec.shm_size, spec.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
                   spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, caps.shm_settable,
-                  check_paddle=not caps.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities)
+                  check_paddle=not caps.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities,
+                  no_driver_fix=caps.no_driver_fix)
 
 
 def _outputs(b, result) -> dict[int, str]:
@@ -103,7 +104,8 @@ def check(b, spec: JobSpec, plan_probe, quick: bool = False, wait: float = 30.0,
         result = b.run(plan, log=lambda m: None, timeout=wait * 3 + 120 if caps.timeout else None)
         outputs = _outputs(b, result)
         if caps.reports_image:
-            rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref))
+            rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref),
+                                        caps.unreported_fix)
             rows += prerequisite_rows(outputs, spec.nodes)
         for k in range(spec.nodes):
             f = parse_probe(outputs.get(k, ""))

@@ -46,9 +46,10 @@ def damaged(job_dir: Path, why: str) -> dict:
 
 
 def _leftovers(job_id: str) -> str:
-    """What stops a job whose record cannot be read (its backend unknown): every backend's own way."""
-    return (f"`invoke clean --job {job_id} --force` removes its containers "
-            f"(a Slurm job: `scancel --user=$USER --name=fleetbox-{job_id}`)")
+    """What stops a job whose record cannot be read (its backend unknown): `invoke clean`, and every backend's own
+    way where that is not enough (Backend.leftovers)."""
+    own = "; ".join(way for b in backends.BACKENDS.values() if (way := b.leftovers(job_id)))
+    return f"`invoke clean --job {job_id} --force` removes its containers" + (f" ({own})" if own else "")
 
 
 def listing(log=print) -> list[dict]:

@@ -54,8 +54,10 @@ class Capabilities:
     watches_hangs: bool = False      # carries out --hang-timeout / --start-timeout (run/hang.py)
     attempts_are: str = "restarts"   # what a job's later attempts are called (a scheduler's chain: allocations)
     names_hosts: bool = False        # a failure names the node's host (a scheduler's node names mean something)
-    reports_image: bool = False      # a job with spec.image_identity says which image each node has (doctor)
+    reports_image: bool = False      # a job with spec.image_identity says which image each node has (doctor) ...
+    unreported_fix: str = ""         # ... and where to look when a node said nothing ("": its output)
     runtime: str = ""                # what starts the containers, for doctor's advice ("": the backend's name)
+    no_driver_fix: str = ""          # what gives them the node's NVIDIA driver: doctor's fix where one has none
     label: str = ""                  # how doctor names where its probe runs ("": the backend's name)
     shm_settable: bool = True        # --shm-size reaches the container (else the node's /dev/shm counts)
     runs_in_image: bool = True       # the job runs in an image (else in an env on the nodes: doctor checks that
@@ -77,7 +79,8 @@ class Backend(ABC):
     about = ""                     # a few words for `--backend` in `invoke --help train`
     plan_type: type[Plan] = Plan   # what `plan` returns (a detached job's plan is read back as one)
     handle_type: type[Handle] = FormerHandle   # what `submit` returns, with the backend's own fields (handle.json)
-    layout = Layout()                    # where its jobs' files are in their folders (run/jobfolder.py)
+    layout = Layout()                    # where its jobs' files are in their folders: fleetbox's default layout
+                                         # unless it declares its own (run/jobfolder.py)
     options: tuple[Option, ...] = ()
     foreign: dict[str, str] = {}         # what it says of another backend's option given to it, by name
     capabilities = Capabilities()
@@ -197,6 +200,12 @@ class Backend(ABC):
     def clean(self, hosts: list[str], job: str = "", force: bool = False, log=print) -> tuple[int, int]:
         """`invoke clean`: remove what earlier jobs of this backend left behind; (removed, kept running)."""
         return 0, 0
+
+    @classmethod
+    def leftovers(cls, job_id: str) -> str:
+        """How to stop what a job of this backend left running where `invoke clean` cannot, said when the job's
+        record cannot be read (so its backend is not known): "" where `invoke clean` does it all."""
+        return ""
 
     def run(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end (cancelled on every way out), then gather every rank's metrics lines. A

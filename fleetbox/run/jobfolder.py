@@ -3,7 +3,7 @@ node's own output. Backends declare their Layout (Backend.layout); everything el
 board, doctor) reads a job's folder through JobFolder, never by a backend's file names.
 
 The last attempt's node folders are in the job folder itself; an earlier attempt's are in the folder its
-layout names (Docker: attempt<N>/ from 0, Slurm: alloc<N>/ from 1).
+layout names (fleetbox's default: attempt<N>/ from 0; Slurm's: alloc<N>/ from 1).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ RECORD_MAX = 1 << 20              # a handle.json or job.json is a few hundred b
 @dataclass(frozen=True)
 class Layout:
     """Where a backend puts a job's files, as patterns in which <N> is an attempt's number and <k> a node's
-    rank. A backend with other files than these extends it (Slurm's reads its allocations' start times)."""
+    rank. A backend with other files than these extends it (Slurm's reads its allocations' start times).
+    The defaults are fleetbox's default layout, the one a backend that declares none has (Backend.layout); a
+    backend that declares its own names every place itself, so that these may change without moving its files."""
     earlier: str = "attempt<N>"   # an earlier attempt's folder, in the job folder (it may be nested: tries/<N>)
     first: int = 0                # the <N> of the first attempt's folder
     node: str = "node<k>"         # a node's folder in an attempt's: its worker logs, progress, stacks

@@ -17,7 +17,7 @@ from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import backends, hang, metrics, records
 from fleetbox.run.jobfolder import JobFolder
-from fleetbox.run.result import JobResult, NodeResult
+from fleetbox.run.result import JobResult
 
 
 def first_start(job_dir: Path, job: dict) -> float | None:
@@ -226,7 +226,6 @@ def _failure(summary: dict) -> str:
     caps = backends.capabilities(summary.get("backend"))
     told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts}
     try:
-        r = JobResult(**{**told, **summary, "nodes": [NodeResult(**n) for n in summary.get("nodes", [])]})
-        return r.reason()
+        return JobResult.from_summary(summary, **told).reason()
     except TypeError:
         return "see summary.json"

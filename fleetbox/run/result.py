@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from fleetbox import files
@@ -17,7 +17,7 @@ from fleetbox.run.records import SUMMARY
 class NodeResult:
     node: str                    # node<rank>
     rank: int
-    host: str                    # engine URL, Slurm node name, or "local"
+    host: str                    # where it ran, as its backend names it: an engine URL, a node name, "local"
     exit_code: int | None        # None: never seen to end
     state: str                   # ok | FAILED | hung | timed out | stopped | aborted | gone | ?
     logs: str                    # this node's log folder (or file)
@@ -38,8 +38,8 @@ class JobResult:
     log_tail: list[str] = field(default_factory=list)
     launcher_config: list[str] = field(default_factory=list)   # the failed node's, kept out of the live output
     smoke: dict | None = None    # the smoke job's own report (FLEETBOX-SMOKE line of rank 0)
-    scheduler_job: str = ""      # Slurm's job id
-    scheduler_state: str = ""    # Slurm's final JobState
+    scheduler: str = ""          # the scheduler's own view of the job, as its backend words it (after the state)
+    end_state: str = ""          # how the scheduler saw a job end that no node failed, as its backend words it
     attempts: list[dict] = field(default_factory=list)   # with restarts: {attempt, ok, ended, logs} each
     ended: str = ""              # why a job that no node failed did not pass (e.g. a chain of allocations stopped)
     attempts_are: str = "restarts"   # what the backend calls a job's later attempts (Capabilities.attempts_are)
@@ -79,13 +79,13 @@ class JobResult:
             why = f"{bad.node} (rank {bad.rank}){where} " + (
                 bad.why or f"exited with {exit_meaning(bad.exit_code, bad.oom_killed)}")
         else:
-            why = f"job ended {self.scheduler_state or 'without a result'}"
+            why = f"job ended {self.end_state or 'without a result'}"
         return why
 
     def table(self) -> str:
         head = f"job {self.job_id}: {self.state}"
-        if self.scheduler_job:
-            head += f" (Slurm job {self.scheduler_job}, {self.scheduler_state})"
+        if self.scheduler:
+            head += f" ({self.scheduler})"
         out = [head, f"  {'node':<6} {'host':<28} {'rank':>4} {'exit':>5}  {'state':<8} logs"]
         for n in self.nodes:
             out.append(f"  {n.node:<6} {n.host:<28} {n.rank:>4} {str(n.exit_code):>5}  {n.state:<8} {n.logs}")
@@ -106,6 +106,22 @@ class JobResult:
 
     def save(self) -> None:
         files.write_json(Path(self.dir, SUMMARY), asdict(self))
+
+    @classmethod
+    def from_summary(cls, summary: dict, **told) -> JobResult:
+        """A summary.json read back (`told`: what an older one did not say). Fields of a backend's own result
+        type, or that this fleetbox no longer has, are left out; one an older fleetbox named otherwise is read
+        under its name now."""
+        names, data = {f.name for f in fields(cls)}, dict(told)
+        for key, value in summary.items():
+            name = FORMER.get(key, key)
+            if name in names and (name == key or name not in summary):   # a former name, where the new one is not
+                data[name] = value
+        return cls(**{**data, "nodes": [NodeResult(**n) for n in data.get("nodes", [])]})
+
+
+# fields an older fleetbox's summary.json named otherwise: {former name: name now}
+FORMER = {"scheduler_state": "end_state"}
 
 
 def exit_meaning(code: int | None, oom_killed: bool = False) -> str:
@@ -138,10 +154,10 @@ def culprit(failed: list[int], last_words: dict[int, float]) -> int | None:
 FAILED_WORKER = re.compile(r"status failed cmd .* log \S*?(workerlog\.\d+)")
 
 
-def last_words(node_dir: Path, launcher_log: Path | None = None) -> float | None:
+def last_words(node_dir: Path, launcher_log: Path) -> float | None:
     """When the node's failing worker last wrote to its log (the file's time, as fine as the kernel's clock
-    tick), if we can tell: the worker Paddle's launcher reported failed, else the node's only worker."""
-    launcher_log = launcher_log or node_dir / "container.log"
+    tick), if we can tell: the worker Paddle's launcher reported failed, else the node's only worker.
+    `launcher_log`: where the node's launcher wrote, wherever its backend keeps it (its layout's output)."""
     text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
     named = FAILED_WORKER.search(text)
     logs = [node_dir / named.group(1)] if named else sorted(node_dir.glob("workerlog.*"))

@@ -68,7 +68,10 @@ DCU     Temp     AvgPwr     Perf     PwrCap     VRAM%      DCU%      Mode
 
 
 def expect(**kw):
-    base = dict(nodes=2, shm="8g", device="cpu", port=PORT)
+    """What doctor expects of a backend whose runtime is `runtime` (Docker's by default), with its driver's fix."""
+    runtime = kw.get("runtime", "docker")
+    b = backends.get("docker") if runtime == "docker" else backends.get("slurm", runtime=runtime)
+    base = dict(nodes=2, shm="8g", device="cpu", port=PORT, no_driver_fix=b.capabilities.no_driver_fix)
     return checks.Expect(**{**base, **kw})
 
 

@@ -80,3 +80,19 @@ def test_a_record_that_is_not_a_file_is_not_read_for_the_layout(tmp_path):
     os.mkfifo(job / "handle.json")   # reading it would wait for a writer forever
     (job / "job.json").write_text(json.dumps({"backend": "slurm"}))
     assert JobFolder.at(job).layout is backends.lookup("slurm").layout
+
+
+def test_a_backend_without_a_layout_has_fleetboxs_default_and_docker_declares_every_place_of_its_own():
+    """Layout's defaults are fleetbox's default layout, what a backend that declares none has; Docker's layout is
+    its own, each place named in docker.py, so that the defaults may change without moving Docker's files."""
+    import ast
+    import inspect
+
+    from fleetbox.run.backend import Backend
+    from fleetbox.run.backends import docker
+    from tests.unit.test_backend_registry import EchoBackend
+    assert EchoBackend.layout == Backend.layout == Layout()
+    declared = next(n.value for n in ast.walk(ast.parse(inspect.getsource(docker.DockerBackend)))
+                    if isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == ["layout"])
+    assert {k.arg for k in declared.keywords} >= {"earlier", "first", "node", "output"}
+    assert docker.DockerBackend.layout.output == f"node<k>/{docker.OUTPUT}"

@@ -213,12 +213,29 @@ def test_last_words_reads_the_worker_the_launcher_named(tmp_path):
     for name, t in (("workerlog.0", 100), ("workerlog.1", 50)):
         (tmp_path / name).write_text("x")
         os.utime(tmp_path / name, ns=(t * 10**9, t * 10**9))
-    assert result.last_words(tmp_path) is None               # two workers, none named: cannot tell
+    launcher = tmp_path / "container.log"   # the node's output, wherever its backend keeps it
+    assert result.last_words(tmp_path, launcher) is None     # two workers, none named: cannot tell
     (tmp_path / "container.log").write_text(
         "Container rank 1 status failed cmd ['python', 'x.py'] code 3 log /fleetbox/logs/workerlog.1\n")
-    assert result.last_words(tmp_path) == 50
+    assert result.last_words(tmp_path, launcher) == 50
     (tmp_path / "workerlog.1").unlink()
-    assert result.last_words(tmp_path) is None
+    assert result.last_words(tmp_path, launcher) is None
+
+
+def test_last_words_reads_the_launcher_log_its_backend_names_and_assumes_none(tmp_path):
+    """Where a node's launcher wrote is its backend's (Docker: node<k>/container.log, Slurm: node<k>.log, another:
+    its layout's output): the one given is read, another file is not, and there is no default to fall back on."""
+    import inspect
+    import os
+    for name, t in (("workerlog.0", 100), ("workerlog.1", 50)):
+        (tmp_path / name).write_text("x")
+        os.utime(tmp_path / name, ns=(t * 10**9, t * 10**9))
+    said = "Container rank {} status failed cmd ['python', 'x.py'] code 3 log /fleetbox/logs/workerlog.{}\n"
+    (tmp_path / "container.log").write_text(said.format(1, 1))
+    (tmp_path / "out.log").write_text(said.format(0, 0))
+    assert result.last_words(tmp_path, tmp_path / "out.log") == 100
+    assert result.last_words(tmp_path, tmp_path / "nowhere.log") is None   # none named: two workers, cannot tell
+    assert inspect.signature(result.last_words).parameters["launcher_log"].default is inspect.Parameter.empty
 
 
 def test_network_facts_of_this_machine():

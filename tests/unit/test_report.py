@@ -169,3 +169,14 @@ def test_the_throughput_plot_runs_from_the_jobs_first_start_with_a_line_per_atte
     assert [round(seg[0][0], 1) for seg in lines[0]] == [2.0, 13.5]   # from the first start, each attempt apart
     drawn = report.draw(job)
     assert drawn["node_legend"] == ["node0", "node1"]   # one entry a node, not one an attempt
+
+
+def test_a_summary_written_with_the_former_scheduler_fields_still_says_how_the_job_ended():
+    """Before JobResult's scheduler and end_state, a summary kept Slurm's job id and state as scheduler_job and
+    scheduler_state: the state still reads as how the job ended; a backend's own fields are left out."""
+    from fleetbox.run import report
+    old = {"job_id": "j", "backend": "slurm", "ok": False, "nodes": [], "scheduler_job": "7",
+           "scheduler_state": "TIMEOUT"}
+    assert report._failure(old) == "job ended TIMEOUT"
+    assert report._failure({**old, "end_state": "NODE_FAIL"}) == "job ended NODE_FAIL"   # the new name wins
+    assert report._failure({**old, "queue_slot": 3}) == "job ended TIMEOUT"

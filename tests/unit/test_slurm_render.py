@@ -888,3 +888,15 @@ def test_the_batch_script_asks_a_busy_controller_again_for_the_masters_address(f
                           env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"addr={want}\n", "")
     assert int((tmp_path / "n").read_text()) == min(fails + 1, 3)
+
+
+def test_slurm_words_its_own_job_id_and_state_and_its_summary_keeps_them(tmp_path):
+    """The table's `(Slurm job 77, ...)` and `job ended <state>` are Slurm's words (SlurmResult), not JobResult's;
+    summary.json keeps scheduler_job and scheduler_state, which scripts read."""
+    import json
+    h = _recorded_job(tmp_path, "", {})
+    r = slurm.SlurmBackend(runtime="podman").result(h, "NODE_FAIL")
+    assert r.table().splitlines()[0] == "job train-x: FAILED (Slurm job 77, NODE_FAIL)"
+    assert r.reason() == "job ended NODE_FAIL"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["scheduler_job"], summary["scheduler_state"]) == ("77", "NODE_FAIL")

@@ -265,3 +265,93 @@ def test_a_third_backends_own_option_shapes_the_job_and_is_refused_elsewhere(run
     one_line_error(run_invoke("train", "--proc-cores", "2", "--dry-run", env=env), "--proc-cores is for --backend proc")
     one_line_error(run_invoke("train", "--backend", "proc", "--hosts", "tcp://a:1", "--dry-run", env=env),
                    "--hosts is for --backend docker")
+
+
+def test_a_third_backends_scheduler_words_its_own_view_of_the_job(tmp_path):
+    """JobResult names no scheduler itself: a backend with one gives its view of the job (after the state in the
+    table) and how it saw a job end that no node failed, in its own words; a summary read back keeps them."""
+    r = JobResult("q-1", "proc", False, [NodeResult("node0", 0, "local", None, "?", "x")], dir=str(tmp_path),
+                  scheduler="queue ticket 42, EVICTED", end_state="EVICTED by the queue")
+    assert r.table().splitlines()[0] == "job q-1: FAILED (queue ticket 42, EVICTED)"
+    assert r.failure() == f"job ended EVICTED by the queue (logs: {tmp_path})"
+    r.save()
+    back = JobResult.from_summary(json.loads((tmp_path / "summary.json").read_text()))
+    assert (back.scheduler, back.reason()) == ("queue ticket 42, EVICTED", "job ended EVICTED by the queue")
+    bare = JobResult("q-2", "proc", False, [], dir=str(tmp_path))
+    assert bare.table().splitlines()[0] == "job q-2: FAILED" and bare.reason() == "job ended without a result"
+
+
+def test_doctor_tells_a_node_that_said_nothing_of_its_image_where_its_backend_keeps_what_it_said(monkeypatch,
+                                                                                                  tmp_path):
+    """A backend whose nodes report their image names where to look when one said nothing (its capabilities);
+    doctor words none of its own. Slurm's words stay Slurm's."""
+    from fleetbox.commands import checks, doctor
+    from fleetbox.run import backends
+    from tests.unit.test_preflight import PORT, Recording, spec
+
+    class Reporting(Recording):   # its probe's nodes print no `fleetbox: image` line
+        name = "reporting"
+        capabilities = Capabilities(reports_image=True, unreported_fix="see what the queue kept (queue/<k>.err)")
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    b = Reporting()
+    report = doctor.check(b, spec(port=PORT), b.plan, quick=True, log=lambda m: None)
+    assert [(r["node"], r["fix"]) for r in report["rows"] if r["check"] == "image"] == [
+        ("node0", "see what the queue kept (queue/<k>.err)"), ("node1", "see what the queue kept (queue/<k>.err)")]
+    slurm = backends.get("slurm").capabilities.unreported_fix
+    assert checks.reported_image_rows({0: ""}, 1, "img", slurm)[0].fix == \
+        "node.sh did not run on this node: see the batch output (slurm-<id>.out)"
+    assert checks.reported_image_rows({0: ""}, 1, "img")[0].fix == "the node's script did not run: see its output"
+
+
+def test_doctor_tells_a_container_without_the_driver_what_its_backend_says_gives_it():
+    """What gives a node's containers the NVIDIA driver is the backend's to say (Slurm's: its runtime's, from
+    runtimes.py): doctor keys no fix by a runtime's name, so one that names a runtime but no fix gets none of it."""
+    from fleetbox.commands import checks, doctor
+    from fleetbox.image import matrix
+    from fleetbox.run import backends
+    from fleetbox.run.spec import JobSpec
+    from tests.unit.test_backend_registry import EchoBackend
+    from tests.unit.test_doctor import PORT, gpu_facts
+
+    class Gpus(EchoBackend):
+        name = "gpus"
+        capabilities = Capabilities(runtime="podman", no_driver_fix="load the site's GPU module (module load nv)")
+
+    class Silent(EchoBackend):
+        name = "silent"
+        capabilities = Capabilities(runtime="podman")
+    job = JobSpec(variant=matrix.load().get("cu126"), nodes=2)
+
+    def fix(b) -> str:
+        rows = checks.evaluate(gpu_facts({"missing": "nvidia-smi"}), doctor.expect(job, PORT, b), "10.213.77.11")
+        return next(r.fix for r in rows if r.node == "node0" and r.check == "GPU driver")
+    said = "the container sees no NVIDIA driver: "
+    assert fix(Gpus("x")) == said + "load the site's GPU module (module load nv)"
+    assert fix(Silent("x")) == said + "check how the runtime gives a container the node's driver"
+    assert fix(backends.get("slurm", runtime="pyxis")) == said + (
+        "enroot's NVIDIA hook must run: /etc/enroot/hooks.d/98-nvidia.sh and libnvidia-container "
+        "(nvidia-container-cli) on the node")
+    assert fix(backends.get("docker")) == said + (
+        "install the NVIDIA Container Toolkit on the node (`nvidia-ctk runtime configure --runtime=docker`)")
+
+
+def test_a_job_whose_record_cannot_be_read_is_told_how_each_backend_stops_its_leftovers(monkeypatch, tmp_path):
+    """Its backend is unknown, so every backend says its own way (Backend.leftovers): fleetbox's own words name
+    none; Slurm's `scancel` is Slurm's, and a third backend's is added after it."""
+    from fleetbox.commands import jobs
+    from tests.unit.test_backend_registry import EchoBackend
+    assert jobs._leftovers("j-1") == ("`invoke clean --job j-1 --force` removes its containers "
+                                      "(a Slurm job: `scancel --user=$USER --name=fleetbox-j-1`)")
+
+    class Queued(EchoBackend):
+        name = "queued"
+        options = ()
+
+        @classmethod
+        def leftovers(cls, job_id: str) -> str:
+            return f"a queued job: `qdel {job_id}`"
+    register_for_the_test(monkeypatch, Queued)
+    register_for_the_test(monkeypatch, EchoBackend)   # says nothing: `invoke clean` is enough for it
+    assert jobs.damaged(tmp_path / "j-2", "not JSON")["note"] == (
+        "not JSON; `invoke clean --job j-2 --force` removes its containers "
+        "(a Slurm job: `scancel --user=$USER --name=fleetbox-j-2`; a queued job: `qdel j-2`)")

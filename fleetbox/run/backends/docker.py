@@ -46,6 +46,7 @@ GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to 
 STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
 POLL_S = 0.25
 REMOVED = "containers removed"   # what CANCELLED says once `invoke cancel` removed them itself: the job has ended
+OUTPUT = "container.log"   # a node's container output, in its node folder (the layout's output)
 
 
 @dataclass(frozen=True)
@@ -133,13 +134,14 @@ class DockerBackend(Backend):
     about = "containers via Docker Engines"
     plan_type = DockerPlan
     handle_type = DockerHandle
-    layout = Layout(earlier="attempt<N>", first=0, node="node<k>", output="node<k>/container.log", entries={
+    layout = Layout(earlier="attempt<N>", first=0, node="node<k>", output=f"node<k>/{OUTPUT}", entries={
         "attempt<N>": "Docker: an earlier attempt's node folders and summary (the last attempt's are at the top)",
         "CANCELLED": "Docker: stopped by `invoke cancel`, Ctrl-C, SIGTERM or a hang-up; `containers removed` once "
                      "`invoke cancel` removed them itself"})
     # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
     # ranks' progress files
-    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True)
+    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True,
+                                no_driver_fix=runtimes.Docker.no_driver_fix)   # its containers: Docker Engine's
     options = (
         Option("hosts", "docker backend: comma-separated Docker Engine URLs, one per node "
                         "(ssh://user@h1,ssh://user@h2); master = first", (), kind=tuple),
@@ -497,7 +499,7 @@ class DockerBackend(Backend):
         for c in self._containers(handle):
             if c.labels.get(settings.LABEL_RANK) == str(node):
                 return c.logs().decode(errors="replace")
-        p = Path(handle.dir) / f"node{node}" / "container.log"
+        p = Path(handle.dir) / f"node{node}" / OUTPUT
         return p.read_text(errors="replace") if p.exists() else ""
 
     def cancel(self, handle: DockerHandle, log=print) -> None:
@@ -511,7 +513,7 @@ class DockerBackend(Backend):
         for c in self._containers(handle):   # not ours: keep what each said, then remove it
             rank = c.labels.get(settings.LABEL_RANK, "x")
             d = Path(handle.dir) / f"node{rank}"
-            _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), files.write_atomic(d / "container.log", c.logs())))
+            _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), files.write_atomic(d / OUTPUT, c.logs())))
             _quietly(lambda: c.remove(force=True))
 
     def detach(self, plan: DockerPlan, log=print) -> DockerHandle:
@@ -625,7 +627,7 @@ class DockerBackend(Backend):
                 if buf:
                     log(buf.decode(errors="replace"))
             elif not seen and not shown:   # nothing running: what the job left in its folder
-                p = Path(handle.dir) / f"node{node}" / "container.log"
+                p = Path(handle.dir) / f"node{node}" / OUTPUT
                 if p.exists():
                     log(p.read_text(errors="replace").rstrip("\n"))
                     shown = True
@@ -941,7 +943,7 @@ class _Live:
                 state = c.attrs["State"]
                 self.finished[rank] = state.get("FinishedAt", "")
                 self.oom[rank] = bool(state.get("OOMKilled"))
-                files.write_atomic(d / "container.log", c.logs())
+                files.write_atomic(d / OUTPUT, c.logs())
                 if self.plan.nodes[rank].host:   # remote: the log folder is in the container; copy it out
                     bits, _ = c.get_archive(settings.LOG_DIR + "/.")   # the folder's content, not the folder
                     with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
@@ -963,7 +965,7 @@ class _Live:
                         key=lambda r: (r not in self.gone, finish_time(self.finished.get(r, ""))))
         one_worker = self.plan.spec.procs_per_node == 1
         evidence = {r: t for r in failed if one_worker and not self.plan.nodes[r].host and r not in self.gone
-                    and (t := last_words(d / f"node{r}")) is not None}
+                    and (t := last_words(d / f"node{r}", d / f"node{r}" / OUTPUT)) is not None}
         bad = None if self.timed_out else culprit(failed, evidence)
         hung = self.hang_record() if self.stall is not None else None
         if hung is not None:
@@ -978,7 +980,7 @@ class _Live:
             nodes.append(NodeResult(f"node{k}", k, n.host or "local", code, state, str(d / f"node{k}"),
                                     self.finished.get(k, ""), self.oom.get(k, False),
                                     "lost its container (removed while the job ran)" if k in self.gone
-                                    else spawned_end(d / f"node{k}" / "container.log") if k == bad else ""))
+                                    else spawned_end(d / f"node{k}" / OUTPUT) if k == bad else ""))
         ok = not self.timed_out and hung is None and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
         ended = ""
         said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.elsewhere else {}
@@ -990,7 +992,7 @@ class _Live:
                       smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended, hang=hung)
         if r.culprit is not None:
             r.log_tail = _node_tail(d / f"node{bad}")
-            r.launcher_config = output.config_dump(read_lines(d / f"node{bad}" / "container.log"))
+            r.launcher_config = output.config_dump(read_lines(d / f"node{bad}" / OUTPUT))
         r.save()
         return r
 
@@ -1098,7 +1100,7 @@ def _pack(folder: Path, out: Path, prefix: str, limit: int, root: str, leaves) -
 
 def _node_tail(node_dir: Path) -> list[str]:
     """The end of the node's most telling log: the launcher's workerlog.0, else the container output."""
-    for name in ("workerlog.0", "container.log"):
+    for name in ("workerlog.0", OUTPUT):
         p = node_dir / name
         if p.exists() and p.stat().st_size:
             return tail(p)

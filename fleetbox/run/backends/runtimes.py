@@ -114,6 +114,7 @@ class Runtime:
 
     gpu_check = ""   # the shell template (shell/gpu_*.sh) that checks this runtime's NVIDIA prerequisite; "": none
                      # (the node script runs in the container, or there is none)
+    no_driver_fix = ""   # what gives its container the node's NVIDIA driver: doctor's fix where one has none
 
     def gpu_prerequisite(self, accelerator: str, image: str) -> list:
         """Node-script lines (ours), after the allocation ($GPUS), that check what this runtime needs on the node
@@ -261,6 +262,7 @@ class Docker(Engine):
     # --gpus reads its value as CSV: a list of ids is one quoted field
     cuda_devices = 'ACCEL=(--gpus "\\"device=$GPUS\\"")'
     gpu_check = "gpu_toolkit.sh"
+    no_driver_fix = "install the NVIDIA Container Toolkit on the node (`nvidia-ctk runtime configure --runtime=docker`)"
 
     def launch(self, n, image, extra=()):
         return ["docker", "run", "--rm", *self.pull(image), *run_flags(n), *extra, image, *n.command]
@@ -274,6 +276,7 @@ class Podman(Engine):
     inspect_labels = ".Labels"
     cuda_devices = 'ACCEL=(); for g in ${GPUS//,/ }; do ACCEL+=(--device "nvidia.com/gpu=$g"); done'   # CDI, by index
     gpu_check = "gpu_cdi.sh"
+    no_driver_fix = "generate the node's CDI spec (`nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml`)"
 
     def remove_now(self, container: str) -> list[str]:   # at once: Slurm's SIGKILL may come before the 10 s default
         return [self.name, "rm", "-f", "--time", "0", container]
@@ -305,6 +308,7 @@ class Apptainer(Runtime):
     # `$` or drops quotes we could not run here to see, so such values are refused rather than guessed.
     unverified_env = "$`\\\"'\n"
     gpu_check = "gpu_driver_libraries.sh"
+    no_driver_fix = "check the node's driver install: apptainer --nv binds the libraries the node's loader knows"
 
     def launch(self, n, image, extra=()):
         a = ["apptainer", "exec", "--cleanenv", "--pwd", WORKDIR]
@@ -356,6 +360,7 @@ class Charliecloud(Runtime):
     # (measured with ch-run 0.31); `$` is kept by --env-no-expand.
     unverified_env = "\n"
     gpu_check = "gpu_fromhost.sh"
+    no_driver_fix = "run `ch-fromhost --nvidia IMAGE_DIR` on a GPU node to put the driver's libraries in the image"
 
     def check(self, n, image):
         super().check(n, image)
@@ -398,6 +403,8 @@ class Pyxis(Runtime):
     runs_as_user = True
     node_script_inside = True
     bind_separators = ":,"        # --container-mounts=SRC:DST[:FLAGS][,...]
+    no_driver_fix = ("enroot's NVIDIA hook must run: /etc/enroot/hooks.d/98-nvidia.sh and libnvidia-container "
+                     "(nvidia-container-cli) on the node")
 
     def check(self, n, image):
         super().check(n, image)
@@ -487,6 +494,7 @@ class Host(Runtime):
     name = "none"
     runs_as_user = True
     has_image = False
+    no_driver_fix = "no container: the node's own driver is used; check `nvidia-smi` on the node and the modules loaded"
     OURS = ("FLEETBOX_CHECKPOINT_DIR", "FLEETBOX_PROGRESS_DIR", "FLEETBOX_LOG_DIR", "FLEETBOX_VISUALDL_DIR",
             "FLEETBOX_RESUME", "PYTHONPATH")   # path values
 

@@ -126,6 +126,15 @@ class SlurmHandle(Handle):
     scheduler_job: str = ""   # its Slurm job id (the first of a chain of allocations)
 
 
+@dataclass
+class SlurmResult(JobResult):
+    """A Slurm job's result: its summary.json also keeps the Slurm job id and final state under their own names
+    (scripts and the cluster's tests read them); JobResult's scheduler and end_state say the same, in words."""
+    _: KW_ONLY
+    scheduler_job: str = ""     # the Slurm job id it ended in (a chain's last allocation)
+    scheduler_state: str = ""   # its final JobState
+
+
 @dataclass(frozen=True)
 class SlurmLayout(Layout):
     """A chain's allocations: alloc<N>/ from 1, each node's task output in node<k>.log, and when each
@@ -159,7 +168,9 @@ class SlurmBackend(Backend):
         "started.<N>": "Slurm: when an allocation's job step started"})
     # restarts: in the chain of allocations (job.sbatch); hangs: the batch script runs run/hang.py beside srun
     capabilities = Capabilities(own_limit="Slurm: --time", restarts=True, watches_hangs=True,
-                                attempts_are="allocations", names_hosts=True, reports_image=True)
+                                attempts_are="allocations", names_hosts=True, reports_image=True,
+                                unreported_fix="node.sh did not run on this node: see the batch output "
+                                               "(slurm-<id>.out)")
     # another backend's own options, given to this one: why they have no place here
     foreign = {"hosts": "Slurm chooses the nodes", "devices": "Slurm chooses the GPUs: give --gpus-per-node"}
     options = (
@@ -207,7 +218,8 @@ class SlurmBackend(Backend):
         rt = self.runtime
         self.capabilities = replace(type(self).capabilities, runtime=rt.name, label=f"slurm/{rt.name}",
                                     shm_settable=rt.sets_shm, runs_in_image=rt.has_image,
-                                    unconfined="" if rt.confined else rt.unconfined_note())
+                                    unconfined="" if rt.confined else rt.unconfined_note(),
+                                    no_driver_fix=rt.no_driver_fix)
         if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
             raise UserError(f"--signal-grace must be between 1 and 65535 seconds (got {signal_grace})")
         if max_allocations < 1:
@@ -529,6 +541,10 @@ class SlurmBackend(Backend):
 
     # -- from any shell --
 
+    @classmethod
+    def leftovers(cls, job_id: str) -> str:
+        return f"a Slurm job: `scancel --user=$USER --name=fleetbox-{job_id}`"   # the job name render_sbatch gives
+
     def job_state(self, handle: SlurmHandle) -> tuple[JobState, int, str]:
         d = Path(handle.dir)
         recs = allocations(d, handle.scheduler_job)
@@ -557,8 +573,8 @@ class SlurmBackend(Backend):
         if summary.get("hang"):
             return JobState.HUNG, attempt, summary["hang"].get("text", "")
         caps = self.capabilities
-        told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts, **summary, "nodes": []}   # older
-        return JobState.FAILED, attempt, JobResult(**told).reason()
+        told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts}   # an older summary's
+        return JobState.FAILED, attempt, JobResult.from_summary({**summary, "nodes": []}, **told).reason()
 
     def show_logs(self, handle: SlurmHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """The node's log file on the shared file system, followed across allocations."""
@@ -627,18 +643,19 @@ class SlurmBackend(Backend):
                                     else spawned_end(job_dir / f"node{k}.log") if k == bad else ""))
         ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
         caps = self.capabilities
-        r = JobResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=caps.attempts_are,
-                      name_host=caps.names_hosts,
-                      log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
-                      launcher_config=output.config_dump(read_lines(job_dir / f"node{bad}.log"))
-                      if bad is not None else [],
-                      smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
-                      scheduler_job=slurm_job, scheduler_state=state,
-                      hang=hung,
-                      ended="" if ok or last is None or hung or bad is not None
-                      or last["ended"] in ("failed", "restart", "hung")
-                      else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
-                                              if last["ended"] == REQUEUED_RUN else ""))
+        r = SlurmResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=caps.attempts_are,
+                        name_host=caps.names_hosts,
+                        log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
+                        launcher_config=output.config_dump(read_lines(job_dir / f"node{bad}.log"))
+                        if bad is not None else [],
+                        smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
+                        scheduler=f"Slurm job {slurm_job}, {state}" if slurm_job else "", end_state=state,
+                        scheduler_job=slurm_job, scheduler_state=state,
+                        hang=hung,
+                        ended="" if ok or last is None or hung or bad is not None
+                        or last["ended"] in ("failed", "restart", "hung")
+                        else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
+                                                if last["ended"] == REQUEUED_RUN else ""))
         if len(records) > 1 or last and last["ended"] in ("no-progress", "max-allocations", "submit-failed",
                                                           "requeue-refused"):
             r.attempts = [{"attempt": rec["allocation"] - 1, "ok": rec["ended"] in ("finished", "continue"),
