@@ -144,8 +144,7 @@ def test_a_plugin_that_cannot_load_stops_no_task_and_is_named_when_chosen(run_in
 
 def test_registering_takes_the_class_and_refuses_a_taken_flag(monkeypatch):
     from fleetbox.run import backends
-    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
-    backends.register(EchoBackend)
+    register_for_the_test(monkeypatch, EchoBackend)   # every registry as it was after the test
     assert backends.get("echo", **backends.configure("echo", {"echo_word": "x", "partition": None})).word == "x"
     with pytest.raises(UserError, match="unknown backend 'nope'; choose one of: docker, slurm, echo"):
         backends.lookup("nope")
