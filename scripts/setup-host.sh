@@ -16,6 +16,8 @@ command -v curl >/dev/null 2>&1 || missing+=(curl)
 command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
 command -v ch-run >/dev/null 2>&1 || missing+=(charliecloud)
 command -v podman >/dev/null 2>&1 || missing+=(podman)
+# the init of Podman's pods (`podman kube play`, the kubernetes backend's tests): not a dependency of podman here
+[ -x /usr/libexec/podman/catatonit ] || missing+=(catatonit)
 command -v skopeo >/dev/null 2>&1 || missing+=(skopeo)
 command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry)
 command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)   # the tests check the rendered Slurm scripts
