@@ -213,14 +213,14 @@ def run_script(container: dict, env: dict, tmp_path) -> dict:
 @pytest.mark.parametrize("kind,index_env,master", [
     ("indexed", "JOB_COMPLETION_INDEX", f"{JOB}-0.{JOB}"),
     ("volcano", "VK_TASK_INDEX", f"{JOB}-node-0.{JOB}"),
-    ("paddlejob", "FLEETBOX_REPLICA", f"{JOB}-worker-0"),
+    ("paddlejob", "KUBEFLOW_REPLICA_INDEX", f"{JOB}-worker-0"),
 ])
 def test_a_node_takes_its_rank_from_its_shapes_index_and_the_master_from_rank_0s_name(kind, index_env, master,
                                                                                       tmp_path):
     _, plan = manifests(kind)
     (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
     if kind == "paddlejob":   # the downward API gives it from the operator's label
-        assert {"name": "FLEETBOX_REPLICA", "valueFrom": {"fieldRef": {
+        assert {"name": "KUBEFLOW_REPLICA_INDEX", "valueFrom": {"fieldRef": {
             "fieldPath": "metadata.labels['training.kubeflow.org/replica-index']"}}} in c["env"]
     one = run_script(c, {index_env: "1", "POD_IP": "10.0.0.2"}, tmp_path)
     argv = one["argv"]

@@ -54,7 +54,7 @@ VOLCANO_VERSION = "volcano.sh/job-version"   # Volcano's pod annotation: one mor
 KUBEFLOW_INDEX = "training.kubeflow.org/replica-index"   # the Training Operator's pod label
 
 # The shell's own variables in the node script, as run/placeholders.py names them (cf. Slurm's NODE_VARS)
-NODE_VARS = {"rank": Raw('"$FLEETBOX_RANK"'), "node": Raw('node"$FLEETBOX_RANK"'), "home": Raw('"$HOME"'),
+NODE_VARS = {"rank": Raw('"$NODE_INDEX"'), "node": Raw('node"$NODE_INDEX"'), "home": Raw('"$HOME"'),
              "user": Raw('"$(id -un)"'), "master_ip": Raw('"$MASTER_IP"'), "node_ip": Raw('"$NODE_IP"'),
              "iface": Raw('"$IFACE"'), "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'),
              "gpus": ""}   # the device plugin chooses a pod's devices, and shows it only those
@@ -329,17 +329,17 @@ class KubernetesBackend(Backend):
     def node_script(self, spec: spec_mod.JobSpec, names: Names, port: int, t: planner.NodeRun) -> str:
         """What the container runs: the node's values found in the pod, then Paddle's launcher (exec: it is the
         container's process, and gets its signals)."""
-        rank_from = {"indexed": COMPLETION_INDEX, "volcano": VOLCANO_INDEX, "paddlejob": "FLEETBOX_REPLICA"}
+        rank_from = {"indexed": COMPLETION_INDEX, "volcano": VOLCANO_INDEX, "paddlejob": "KUBEFLOW_REPLICA_INDEX"}
         width = planner.block_width(spec.procs_per_node)
         values = {**NODE_VARS, "nnodes": str(spec.nodes), "job_id": names.job, "master_port": str(port)}
         lines = [
             "set -eu",
-            f'FLEETBOX_RANK="${rank_from[self.kind]}"',
+            f'NODE_INDEX="${rank_from[self.kind]}"',
             # Volcano counts the job's restarts (its version); the others keep no count a pod can read
-            'FLEETBOX_ATTEMPT="${FLEETBOX_VERSION:-0}"' if self.kind == "volcano" else "FLEETBOX_ATTEMPT=0",
+            'FLEETBOX_ATTEMPT="${VOLCANO_JOB_VERSION:-0}"' if self.kind == "volcano" else "FLEETBOX_ATTEMPT=0",
             f"MASTER_NAME={line([names.master])}",
             # the master is this pod on rank 0 (the launcher tells that it is the master by the address)
-            'if [ "$FLEETBOX_RANK" = 0 ]; then MASTER_IP="$POD_IP"; else '
+            'if [ "$NODE_INDEX" = 0 ]; then MASTER_IP="$POD_IP"; else '
             f'MASTER_IP="$(python -c {line([RESOLVE_PY])} "$MASTER_NAME" {MASTER_WAIT_S})"; fi',
             f'set -- $(python {settings.HELPERS_DIR}/fleetbox_netinfo.py "$MASTER_IP" --plain)',
             'IFACE="${1:-}"; NODE_IP="${2:-$POD_IP}"',
@@ -347,9 +347,9 @@ class KubernetesBackend(Backend):
         if spec.iface:
             lines.append(f"IFACE={line([spec.iface])}")
         lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface of $(hostname) holds $NODE_IP" >&2; exit 2; }',
-                  f'PORT_RANGE="$(({port} + 1 + FLEETBOX_RANK * {width})):$(({port} + {width} + FLEETBOX_RANK * '
+                  f'PORT_RANGE="$(({port} + 1 + NODE_INDEX * {width})):$(({port} + {width} + NODE_INDEX * '
                   f'{width}))"',   # planner.trainer_ports, in shell
-                  'echo "fleetbox: node $FLEETBOX_RANK ($(hostname)): $IFACE $NODE_IP -> master $MASTER_NAME = '
+                  'echo "fleetbox: node $NODE_INDEX ($(hostname)): $IFACE $NODE_IP -> master $MASTER_NAME = '
                   f'$MASTER_IP:{port}"']
         lines += [f"export {k}={line([placeholders.to_shell(v, values)])}" for k, v in t.env.items()
                   if placeholders.used(v)]
@@ -363,10 +363,10 @@ class KubernetesBackend(Backend):
             env.append({"name": COMPLETION_INDEX, "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}})
         elif self.kind == "volcano":
-            env.append({"name": "FLEETBOX_VERSION", "valueFrom": {"fieldRef": {
+            env.append({"name": "VOLCANO_JOB_VERSION", "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.annotations['{VOLCANO_VERSION}']"}}})
         else:
-            env.append({"name": "FLEETBOX_REPLICA", "valueFrom": {"fieldRef": {
+            env.append({"name": "KUBEFLOW_REPLICA_INDEX", "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.labels['{KUBEFLOW_INDEX}']"}}})
         # values the same on every node; those with placeholders are the node script's exports
         env += [{"name": k, "value": v} for k, v in t.env.items() if not placeholders.used(v)]
