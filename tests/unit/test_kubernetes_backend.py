@@ -310,6 +310,8 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
         env = expected["spec"]["containers"][0]["env"]
         env[[e["name"] for e in env].index("JOB_COMPLETION_INDEX")] = {"name": "JOB_COMPLETION_INDEX",
                                                                        "value": str(k)}
+        # Podman resolves no status.podIP: the pod's own address, as the kubelet would give it
+        env[[e["name"] for e in env].index("POD_IP")] = {"name": "POD_IP", "value": aliases[k]["ip"]}
         assert pod == {"apiVersion": "v1", "kind": "Pod", **expected}
     assert job["spec"]["template"]["spec"].get("hostAliases") is None   # the Job itself is left as it was
     assert pods_for_podman(job, svc)[1]["spec"]["hostAliases"][0]["ip"] == "127.0.0.1"

@@ -15,11 +15,14 @@ numeric IP from its name (Paddle's launcher needs an IP to tell that it is the m
 and address towards it (fleetbox_netinfo, as Slurm's runtimes run it in the image).
 
 `plan` and `describe` are pure (no cluster, no kubectl): --dry-run prints the manifests as multi-document YAML.
-Running them is `kubectl apply` (kubectl()), with the kubeconfig kubectl finds.
+Running them is the client's (--k8s-client): `kubectl apply` (kubectl()), with the kubeconfig kubectl finds, or,
+on this machine, `podman kube play` (podman(); Podman 4.3 plays no Job or Service: the Indexed Job is lowered to
+one Pod per index, pods_for_podman, on a network of the job's own).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -30,17 +33,19 @@ import time
 from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 
-from fleetbox import settings
+from fleetbox import files, settings
 from fleetbox.errors import UserError
+from fleetbox.processes import never_failing, signals_held
 from fleetbox.run import hostnet, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Option, Plan
 from fleetbox.run.records import Handle, JobInfo, JobState
-from fleetbox.run.result import JobResult, NodeResult
+from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines
 from fleetbox.run.shell import Raw, line
 
 KINDS = ("indexed", "volcano", "paddlejob")
+CLIENTS = ("kubectl", "podman")
 CONTAINER = "paddle"       # the Training Operator finds a PaddleJob's container, and its port, by these names
 MASTER_PORT_NAME = "master"
 VOLCANO_TASK = "node"      # the Volcano Job's one task: its pods are <job>-node-<k>
@@ -58,6 +63,8 @@ NODE_VARS = {"rank": Raw('"$NODE_INDEX"'), "node": Raw('node"$NODE_INDEX"'), "ho
              "user": Raw('"$(id -un)"'), "master_ip": Raw('"$MASTER_IP"'), "node_ip": Raw('"$NODE_IP"'),
              "iface": Raw('"$IFACE"'), "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'),
              "gpus": ""}   # the device plugin chooses a pod's devices, and shows it only those
+
+POD_IP_REF = {"fieldRef": {"fieldPath": "status.podIP"}}   # the pod's address (the downward API)
 
 # The master's name resolves once its pod has an address (the headless Service publishes pods not yet ready);
 # its pod may start later than the others (an image pull): wait for it this long.
@@ -144,6 +151,7 @@ class KubePlan(Plan):
     namespace: str = ""
     manifests: tuple = ()     # the objects, in the order they are applied (dicts, as JSON would hold them)
     secret: str = ""          # the Secret --pass-env reads from ("": none)
+    client: str = "kubectl"   # what runs them (--k8s-client)
 
 
 @dataclass
@@ -151,7 +159,8 @@ class KubeHandle(Handle):
     _: KW_ONLY
     kind: str = "indexed"
     namespace: str = ""
-    objects: list[str] = field(default_factory=list)   # each object applied, as kubectl names it (the job last)
+    objects: list[str] = field(default_factory=list)   # each object applied, as kubectl names it (the job last);
+    client: str = "kubectl"                            # podman's: pod/, volume/ and network/<name>
 
 
 class KubernetesBackend(Backend):
@@ -169,6 +178,9 @@ class KubernetesBackend(Backend):
                            "volcano (a Volcano Job, gang-scheduled) or paddlejob (a Kubeflow PaddleJob, Training "
                            "Operator v1)", "indexed"),
         Option("k8s_namespace", "with --backend kubernetes: the namespace (default: kubectl's)", ""),
+        Option("k8s_client", "with --backend kubernetes: kubectl (default: the cluster of kubectl's kubeconfig) or "
+                             "podman (this machine's Podman, `podman kube play`: the Indexed Job as one Pod per "
+                             "index)", "kubectl"),
         Option("k8s_gpu_resource", "with --backend kubernetes: the extended resource a CUDA node asks for, one per "
                                    "process (default nvidia.com/gpu)", "nvidia.com/gpu"),
         Option("k8s_dcu_resource", "with --backend kubernetes: the extended resource a DCU (ROCm) node asks for, one "
@@ -198,9 +210,16 @@ class KubernetesBackend(Backend):
                  k8s_dcu_resource: str = "hygon.com/dcu", k8s_host_network: bool = False,
                  k8s_files: str = "configmap", k8s_checkpoint_claim: str = "", k8s_checkpoint_size: str = "",
                  k8s_secret: str = "", k8s_deadline: float = 0.0, k8s_queue: str = "", k8s_cpu: str = "",
-                 k8s_memory: str = ""):
+                 k8s_memory: str = "", k8s_client: str = "kubectl"):
         if k8s_kind not in KINDS:
             raise UserError(f"--k8s-kind {k8s_kind!r}: choose {', '.join(KINDS)}")
+        if k8s_client not in CLIENTS:
+            raise UserError(f"--k8s-client {k8s_client!r}: choose {', '.join(CLIENTS)}")
+        if k8s_client == "podman" and k8s_kind != "indexed":
+            raise UserError(f"--k8s-client podman runs the indexed kind only (Podman has no {k8s_kind} controller)")
+        if k8s_client == "podman" and k8s_host_network:
+            raise UserError("--k8s-client podman takes no --k8s-host-network: Podman 4.3 drops hostAliases on the "
+                            "host's network, and the master's name would not resolve")
         if k8s_files not in ("configmap", "image"):
             raise UserError(f"--k8s-files {k8s_files!r}: choose configmap or image")
         if k8s_namespace:
@@ -225,11 +244,16 @@ class KubernetesBackend(Backend):
             dns_subdomain("--k8s-queue", k8s_queue)
         if k8s_deadline < 0:
             raise UserError(f"--k8s-deadline must be positive (got {k8s_deadline:g})")
+        if k8s_client == "podman" and k8s_deadline:
+            raise UserError("--k8s-deadline is the Job controller's; Podman has none: give --k8s-client kubectl")
         self.kind, self.namespace, self.host_network, self.files = k8s_kind, k8s_namespace, k8s_host_network, k8s_files
         self.resource = {"cuda": k8s_gpu_resource, "rocm": k8s_dcu_resource}
         self.claim, self.claim_size, self.secret = k8s_checkpoint_claim, k8s_checkpoint_size, k8s_secret
         self.deadline = math.ceil(k8s_deadline) if k8s_deadline else 0   # whole seconds, never shorter
         self.queue, self.cpu, self.memory = k8s_queue, k8s_cpu, k8s_memory
+        self.client = k8s_client
+        if k8s_client == "podman":   # the job's nodes are this machine's containers; a failure names a rank
+            self.capabilities = replace(self.capabilities, names_hosts=False, runtime="podman")
 
     # -- what a job is here --
 
@@ -248,6 +272,12 @@ class KubernetesBackend(Backend):
             if placeholders.used(m.src) or not m.src.startswith("/"):
                 raise UserError(f"--mount {m.src}:{m.dst}: on Kubernetes the source is a path on each node: give "
                                 f"it absolute, without placeholders")
+        if self.client == "podman" and spec.max_restarts:
+            raise UserError("--max-restarts is the Job controller's backoffLimit; Podman has none: give --k8s-client "
+                            "kubectl")
+        if self.client == "podman" and spec.pass_env:
+            raise UserError("--pass-env reads a Secret, which `podman kube play` (4.3) does not make: run it with "
+                            "--k8s-client kubectl")
 
     def checkpoints_note(self, spec: spec_mod.JobSpec, job_id: str) -> str:
         if self.claim:
@@ -266,7 +296,7 @@ class KubernetesBackend(Backend):
         secret = (self.secret or f"{job_id}-env") if spec.pass_env else ""
         manifests = self.render(spec, names, port, secret)
         return KubePlan(spec, job_id, settings.runs_root() / job_id, port, self.kind, self.namespace,
-                        tuple(manifests), secret)
+                        tuple(manifests), secret, self.client)
 
     def render(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str) -> list[dict]:
         """Every object of the job, in the order they are applied: the ConfigMaps and the claim before the pods
@@ -358,7 +388,7 @@ class KubernetesBackend(Backend):
 
     def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str) -> dict:
         t = self.node_run(spec, names.job)
-        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]   # POD_IP_REF
         if self.kind == "indexed":   # as the Job controller sets it (it adds none where the pod has one)
             env.append({"name": COMPLETION_INDEX, "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}})
@@ -448,8 +478,10 @@ class KubernetesBackend(Backend):
                               "replicas": spec.nodes, "restartPolicy": policy, "template": template}}}}, names)
 
     def describe(self, plan: KubePlan) -> str:
+        how = ("kubectl apply -f -" if plan.client == "kubectl" else
+               "podman kube play, as one Pod per index (pods_for_podman), on a network of the job's own")
         head = [f"# {plan.job_id}: {plan.spec.nodes} node(s) as a{'n' if plan.kind == 'indexed' else ''} "
-                f"{plan.kind} job; apply with: kubectl apply -f -"]
+                f"{plan.kind} job; apply with: {how}"]
         if plan.secret:
             head.append(f"# --pass-env {','.join(plan.spec.pass_env)}: from the Secret {plan.secret} (made from your "
                         f"environment at submit; its values are not shown)")
@@ -469,6 +501,8 @@ class KubernetesBackend(Backend):
         plan.make_dir()
         JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
                 plan.spec.image_ref, paddle=plan.spec.paddle_pin).save(plan.dir)
+        if plan.client == "podman":
+            return PodmanPlay(plan.job_id, plan.spec.nodes).submit(plan, self.claim, log)
         docs = list(plan.manifests)
         if plan.secret:   # its values from this environment, on stdin only: never printed or written here
             docs.insert(0, self.meta({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": plan.secret},
@@ -506,6 +540,8 @@ class KubernetesBackend(Backend):
         """What the job's controller says of it (its object is the last one applied)."""
         if Path(handle.dir, CANCELLED).exists():
             return JobState.CANCELLED, 0, ""
+        if handle.client == "podman":
+            return PodmanPlay.of(handle).state(handle)
         if not handle.objects:
             return JobState.UNKNOWN, 0, "no object was applied"
         proc = kubectl(*self.ns(handle.namespace), "get", handle.objects[-1], "-o", "json", check=False)
@@ -522,6 +558,8 @@ class KubernetesBackend(Backend):
         return self.job_state(handle)[0].value
 
     def logs(self, handle: KubeHandle, node: int) -> str:
+        if handle.client == "podman":
+            return PodmanPlay.of(handle).logs(handle, node)
         pods = {pod_rank(p, handle.kind): p["metadata"]["name"] for p in self.pods(handle)}
         if node not in pods:
             raise UserError(f"job {handle.job_id} has no pod of rank {node} (yet)")
@@ -532,6 +570,8 @@ class KubernetesBackend(Backend):
 
     def follow(self, handle: KubeHandle, log=print, timeout: float | None = None, poll: float = 5.0) -> JobResult:
         """Until the job's controller says it ended (its restarts included), then each node's end."""
+        if handle.client == "podman":
+            return PodmanPlay.of(handle).follow(handle, log, timeout)
         told = None
         while True:
             state, _, note = self.job_state(handle)
@@ -559,6 +599,8 @@ class KubernetesBackend(Backend):
     def cancel(self, handle: KubeHandle, log=print) -> None:
         """The job's objects, deleted (their pods with them); a claim is left: it holds the checkpoints."""
         Path(handle.dir, CANCELLED).touch()   # first: its state is no longer the controller's to say
+        if handle.client == "podman":
+            return PodmanPlay.of(handle).down(handle, log)
         if not handle.objects:
             return
         log(line(["kubectl", *self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects]))
@@ -639,7 +681,10 @@ def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> l
     """An Indexed Job as one Pod per index: each its pod template, with its index where the Job controller would
     put it (the annotation, JOB_COMPLETION_INDEX, the hostname <job>-<index>) and hostAliases for the names the
     headless Service would publish (`ips`: each index's address; default 127.0.0.1, the pods on the host's
-    network)."""
+    network). What Podman 4.3 does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
+    address is given, as the kubelet would give it), publishes every containerPort on the host (dropped: each pod
+    has its own address) and makes an emptyDir a volume of its name, which every pod naming it would share (named
+    <pod>-<name>)."""
     name, nodes, svc = job["metadata"]["name"], job["spec"]["completions"], service["metadata"]["name"]
     ips = ips or ["127.0.0.1"] * nodes
     if len(ips) != nodes:
@@ -655,12 +700,193 @@ def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> l
             md["namespace"] = job["metadata"]["namespace"]
         t["spec"]["hostname"] = f"{name}-{k}"
         t["spec"]["hostAliases"] = aliases
+        own = {v["name"]: f"{name}-{k}-{v['name']}" for v in t["spec"].get("volumes", []) if "emptyDir" in v}
+        for v in t["spec"].get("volumes", []):
+            v["name"] = own.get(v["name"], v["name"])
         for c in t["spec"]["containers"]:
-            c["env"] = [{"name": COMPLETION_INDEX, "value": str(k)} if e["name"] == COMPLETION_INDEX else e
+            c.pop("ports", None)
+            for m in c.get("volumeMounts", []):
+                m["name"] = own.get(m["name"], m["name"])
+            c["env"] = [{"name": COMPLETION_INDEX, "value": str(k)} if e["name"] == COMPLETION_INDEX
+                        else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == POD_IP_REF else e
                         for e in c["env"]]
         pods.append({"apiVersion": "v1", "kind": "Pod", **t})
     return pods
 
+
+class PodmanPlay:
+    """The Indexed Job on this machine (--k8s-client podman): its pods lowered (pods_for_podman), played with
+    `podman kube play` with its ConfigMaps (volumes, as Podman makes them) and claim (a named volume of the claim's
+    name, kept), each pod at its own address on a network of the job's own (named as the job), which the
+    hostAliases name. Followed as the Docker backend follows its containers: the first node to fail is named,
+    every other one stopped, the logs gathered into runs/<job>/node<k>/, then every pod, volume (the claim's
+    aside) and the network removed."""
+
+    POLL_S = 1.0
+    STOP_S = 5   # seconds a stopped node has to end before it is killed
+
+    def __init__(self, job_id: str, nodes: int):
+        self.job_id, self.nodes = job_id, nodes
+
+    @classmethod
+    def of(cls, handle: KubeHandle) -> PodmanPlay:
+        return cls(handle.job_id, handle.nodes)
+
+    def container(self, rank: int) -> str:
+        return f"{self.job_id}-{rank}-{CONTAINER}"   # Podman names a pod's container <pod>-<container>
+
+    def submit(self, plan: KubePlan, claim: str, log=print) -> KubeHandle:
+        by_kind: dict[str, list[dict]] = {}
+        for m in plan.manifests:
+            by_kind.setdefault(m["kind"], []).append(m)
+        pods = [f"pod/{self.job_id}-{k}" for k in range(self.nodes)]
+        handle = KubeHandle("kubernetes", plan.job_id, str(plan.dir), plan.spec.nodes,
+                            procs_per_node=plan.spec.procs_per_node, checkpoints=claim, owner=records.owner(),
+                            kind=plan.kind, client="podman", objects=[
+                                f"network/{self.job_id}", *pods,
+                                *(f"volume/{m['metadata']['name']}" for m in by_kind.get("ConfigMap", [])),
+                                *(f"volume/{self.job_id}-{k}-{v['name']}" for k in range(self.nodes)
+                                  for v in by_kind["Job"][0]["spec"]["template"]["spec"]["volumes"]
+                                  if "emptyDir" in v)])
+        handle.save()   # first: whatever is made from here on, a cancel finds
+        (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))
+        try:
+            podman("network", "create", "--label", f"{settings.LABEL_JOB}={self.job_id}", self.job_id)
+            net = json.loads(podman("network", "inspect", self.job_id).stdout)[0]["subnets"][0]
+            gateway = ipaddress.ip_address(net.get("gateway") or "0.0.0.0")
+            free = (str(a) for a in ipaddress.ip_network(net["subnet"]).hosts() if a != gateway)
+            ips = [next(free) for _ in range(self.nodes)]
+            lowered = pods_for_podman(by_kind["Job"][0], by_kind["Service"][0], ips)
+            # a claim made before (an earlier run's checkpoints) is kept as it is, as `kubectl apply` keeps it:
+            # Podman would refuse to make its volume again
+            claims = [m for m in by_kind.get("PersistentVolumeClaim", [])
+                      if podman("volume", "exists", m["metadata"]["name"], check=False).returncode != 0]
+            docs = by_kind.get("ConfigMap", []) + claims + lowered
+            (plan.dir / "played.yaml").write_text(to_yaml(docs))   # what Podman plays, as played
+            podman("kube", "play", "--quiet", "--network", self.job_id, *(w for ip in ips for w in ("--ip", ip)),
+                   "-", stdin=to_yaml(docs))
+        except BaseException:
+            with signals_held():
+                self.down(handle, never_failing(log))
+            raise
+        log(f"played {plan.job_id} ({self.nodes} pods) with podman; see it with `podman pod ps --filter "
+            f"label={settings.LABEL_JOB}={plan.job_id}`")
+        return handle
+
+    def containers(self) -> dict[int, dict]:
+        """The job's node containers by rank, as `podman ps` sees them (State, ExitCode, ExitedAt)."""
+        out = podman("ps", "-a", "--filter", f"label={settings.LABEL_JOB}={self.job_id}", "--format", "json").stdout
+        try:
+            listed_ = json.loads(out or "[]")
+        except ValueError:
+            raise UserError("podman ps gave no JSON") from None
+        names = {self.container(k): k for k in range(self.nodes)}
+        return {names[n]: c for c in listed_ for n in c.get("Names", []) if n in names}
+
+    def state(self, handle: KubeHandle) -> tuple[JobState, int, str]:
+        ctrs = self.containers()
+        if not ctrs:   # gone: the job ended here (its result says how) or never started
+            try:
+                return (JobState.PASSED if json.loads(Path(handle.dir, records.SUMMARY).read_text())["ok"]
+                        else JobState.FAILED), 0, ""
+            except (OSError, ValueError, KeyError):
+                return JobState.UNKNOWN, 0, "no pod of the job"
+        failed = [k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")]
+        if failed:
+            return JobState.FAILED, 0, f"node{failed[0]} exit {ctrs[failed[0]]['ExitCode']}"
+        if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
+            return JobState.PASSED, 0, ""
+        return (JobState.RUNNING if any(c.get("State") == "running" for c in ctrs.values()) else
+                JobState.PENDING), 0, ""
+
+    def logs(self, handle: KubeHandle, node: int) -> str:
+        if not 0 <= node < self.nodes:
+            raise UserError(f"job {handle.job_id} has no node {node}")
+        kept = Path(handle.dir, f"node{node}", "container.log")
+        if kept.exists():   # gathered when the job ended
+            return kept.read_text(errors="replace")
+        proc = podman("logs", self.container(node), check=False, merge=True)
+        if proc.returncode != 0:
+            raise UserError(f"job {handle.job_id} has no container of node {node} (yet)")
+        return proc.stdout
+
+    def follow(self, handle: KubeHandle, log=print, timeout: float | None = None) -> JobResult:
+        """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`."""
+        began, seen, bad, why, timed_out = time.monotonic(), set(), None, "", False
+        while True:
+            ctrs = self.containers()
+            seen |= set(ctrs)
+            lost = sorted(seen - set(ctrs))
+            failed = sorted((k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")),
+                            key=lambda k: ctrs[k].get("ExitedAt") or 0)
+            if lost:
+                bad, why = lost[0], "lost its container (removed while the job ran)"
+                break
+            if failed:
+                bad = failed[0]
+                break
+            if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
+                break
+            if timeout is not None and time.monotonic() - began > timeout:
+                timed_out = True
+                break
+            time.sleep(self.POLL_S)
+        if bad is not None:
+            log(f"{handle.job_id}: node{bad} " + (why or f"failed ({exit_meaning(ctrs[bad].get('ExitCode'))})")
+                + ": stopping the others")
+        stopped = [k for k, c in ctrs.items() if c.get("State") != "exited"]
+        if stopped:
+            podman("stop", "--time", str(self.STOP_S), *(self.container(k) for k in stopped), check=False)
+        ends = self.containers()
+        nodes = []
+        for k in range(self.nodes):
+            d = Path(handle.dir, f"node{k}")
+            d.mkdir(parents=True, exist_ok=True)
+            if k in ends:   # its output, and its ranks' logs out of the pod's emptyDir
+                files.write_atomic(d / "container.log", podman("logs", self.container(k), check=False,
+                                                                merge=True).stdout)
+                podman("cp", f"{self.container(k)}:{settings.LOG_DIR}/.", str(d), check=False)
+            code = ends.get(k, {}).get("ExitCode") if ends.get(k, {}).get("State") == "exited" else None
+            state = ("FAILED" if k == bad else "stopped" if k in stopped else "ok" if code == 0 else
+                     "gone" if k not in ends else "aborted")
+            nodes.append(NodeResult(f"node{k}", k, "local", code, state, str(d), why=why if k == bad else ""))
+        self.down(handle, log=lambda *_: None)
+        ok = bad is None and not timed_out and all(n.exit_code == 0 for n in nodes)
+        result = JobResult(handle.job_id, "kubernetes", ok, nodes, bad, timed_out, dir=handle.dir)
+        if bad is not None:
+            result.log_tail = read_lines(Path(handle.dir, f"node{bad}", "container.log"))[-20:]
+        result.save()
+        return result
+
+    def down(self, handle: KubeHandle, log=print) -> None:
+        """Every pod, ConfigMap volume and the network, whatever is left of them; the claim's volume is kept."""
+        kinds: dict[str, list[str]] = {}
+        for o in handle.objects:
+            kind, _, name = o.partition("/")
+            kinds.setdefault(kind, []).append(name)
+        if kinds.get("pod"):
+            log(line(["podman", "pod", "rm", "--force", "--ignore", "--time", "0", *kinds["pod"]]))
+            podman("pod", "rm", "--force", "--ignore", "--time", "0", *kinds["pod"], check=False)
+        for v in kinds.get("volume", []):
+            podman("volume", "rm", "--force", v, check=False)
+        for n in kinds.get("network", []):
+            podman("network", "rm", "--force", n, check=False)
+
+
+def podman(*args: str, stdin: str | None = None, check: bool = True, merge: bool = False) -> \
+        subprocess.CompletedProcess:
+    """podman with the given words (never a shell); with `check`, a failure is one line, podman's own; `merge`:
+    its stderr in its stdout (a container's output, both streams)."""
+    if not shutil.which("podman"):
+        raise UserError("podman not found: install Podman 4.3 or later (or use --k8s-client kubectl)")
+    proc = subprocess.run(["podman", *args], input=stdin, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merge else subprocess.PIPE, errors="replace")
+    if check and proc.returncode != 0:
+        said = [ln.strip() for ln in ((proc.stderr or "") + "\n" + proc.stdout).splitlines() if ln.strip()]
+        first = next((ln for ln in said if "error" in ln.lower() and "level=warning" not in ln), "")
+        last = said[-1] if said else f"exit {proc.returncode}"   # kube play's last: "failed to start 2 containers"
+        raise UserError(f"podman {' '.join(args[:2])} failed: {last}" + (f" ({first})" if first != last else ""))
+    return proc
 
 # -- YAML, written here (a small subset: maps, lists, strings, numbers, booleans): no YAML library needed --
 
