@@ -312,6 +312,14 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
                                                                        "value": str(k)}
         # Podman resolves no status.podIP: the pod's own address, as the kubelet would give it
         env[[e["name"] for e in env].index("POD_IP")] = {"name": "POD_IP", "value": aliases[k]["ip"]}
+        # Podman 4.3 publishes a containerPort on the host (each pod has its own address: none), and makes an
+        # emptyDir a volume of its name that every pod naming it would share (each pod's own name)
+        del expected["spec"]["containers"][0]["ports"]
+        own = {v["name"] for v in expected["spec"]["volumes"] if "emptyDir" in v}
+        assert own == {"dshm", "logs"}
+        for v in expected["spec"]["volumes"] + expected["spec"]["containers"][0]["volumeMounts"]:
+            if v["name"] in own:
+                v["name"] = f"{JOB}-{k}-{v['name']}"
         assert pod == {"apiVersion": "v1", "kind": "Pod", **expected}
     assert job["spec"]["template"]["spec"].get("hostAliases") is None   # the Job itself is left as it was
     assert pods_for_podman(job, svc)[1]["spec"]["hostAliases"][0]["ip"] == "127.0.0.1"

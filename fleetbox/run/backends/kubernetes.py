@@ -799,6 +799,15 @@ class PodmanPlay:
         return (JobState.RUNNING if any(c.get("State") == "running" for c in ctrs.values()) else
                 JobState.PENDING), 0, ""
 
+    def by_end(self, ranks: list[int]) -> list[int]:
+        """The ranks in the order their containers ended (to the nanosecond: ps's ExitedAt is in seconds)."""
+        if len(ranks) < 2:
+            return ranks
+        out = podman("container", "inspect", "--format", "{{.State.FinishedAt.UnixNano}}",
+                     *(self.container(k) for k in ranks), check=False).stdout.split()
+        ends = dict(zip(ranks, (int(t) if t.isdigit() else 0 for t in out), strict=False))
+        return sorted(ranks, key=lambda k: (ends.get(k, 0), k))
+
     def logs(self, handle: KubeHandle, node: int) -> str:
         if not 0 <= node < self.nodes:
             raise UserError(f"job {handle.job_id} has no node {node}")
@@ -817,8 +826,7 @@ class PodmanPlay:
             ctrs = self.containers()
             seen |= set(ctrs)
             lost = sorted(seen - set(ctrs))
-            failed = sorted((k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")),
-                            key=lambda k: ctrs[k].get("ExitedAt") or 0)
+            failed = self.by_end([k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")])
             if lost:
                 bad, why = lost[0], "lost its container (removed while the job ran)"
                 break
