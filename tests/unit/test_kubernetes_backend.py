@@ -345,6 +345,10 @@ def test_a_job_id_that_cannot_name_the_objects_is_refused_in_one_line(job_id, ne
     ({"k8s_memory": "lots"}, "--k8s-memory 'lots' is not a Kubernetes quantity"),
     ({"k8s_queue": "q"}, "--k8s-queue is Volcano's"),
     ({"k8s_secret": "a;b"}, "--k8s-secret 'a;b' is not a Kubernetes name"),
+    ({"k8s_client": "oc"}, "--k8s-client 'oc': choose kubectl, podman"),
+    ({"k8s_client": "podman", "k8s_kind": "volcano"}, "--k8s-client podman runs the indexed kind only"),
+    ({"k8s_client": "podman", "k8s_host_network": True}, "Podman 4.3 drops hostAliases on the host's network"),
+    ({"k8s_client": "podman", "k8s_deadline": 60.0}, "--k8s-deadline is the Job controller's; Podman has none"),
 ])
 def test_a_bad_option_is_refused_in_one_line(options, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(")):
@@ -434,6 +438,58 @@ def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_b
     b.cancel(h, log=lambda *_: None)
     assert kubectl()[-1]["argv"] == ["--namespace", "ml", "delete", "--ignore-not-found", *h.objects]
     assert b.job_state(h)[0] == "CANCELLED"
+
+
+PODMAN = r'''#!{py}
+import json, os, sys
+args = sys.argv[1:]
+stdin = sys.stdin.read() if args[-1:] == ["-"] else ""
+with open(os.environ["PODMAN_OUT"], "a") as f:
+    f.write(json.dumps({{"argv": args, "stdin": stdin}}) + "\n")
+if args[:2] == ["network", "inspect"]:
+    print(json.dumps([{{"subnets": [{{"subnet": "10.89.7.0/24", "gateway": "10.89.7.1"}}]}}]))
+if args[:2] == ["volume", "exists"]:
+    sys.exit(1)
+if args[:2] == ["kube", "play"]:
+    print("[starting container 1f: runc create failed: error setting rlimits]", file=sys.stderr)
+    print("Error: failed to start 2 containers", file=sys.stderr)
+    sys.exit(125)
+'''
+
+
+def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play_leaves_nothing(tmp_path,
+                                                                                                 monkeypatch):
+    from fleetbox.run.backends.kubernetes import pods_for_podman
+    d = tmp_path / "pbin"
+    d.mkdir()
+    (d / "podman").write_text(PODMAN.format(py=sys.executable))
+    (d / "podman").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
+    monkeypatch.setenv("PODMAN_OUT", str(tmp_path / "podman.jsonl"))
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    for bad, needle in (({"pass_env": ("HF_TOKEN",)}, "--pass-env reads a Secret"),
+                        ({"max_restarts": 1}, "--max-restarts is the Job controller's backoffLimit")):
+        with pytest.raises(UserError, match=needle):
+            backend(k8s_client="podman").check(spec(**bad))
+    b = backend(k8s_client="podman", k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
+    plan = b.plan(spec(args=("--tag", "a b;$(id)")))
+    with pytest.raises(UserError, match=r"podman kube play failed: Error: failed to start 2 containers \(.*rlimits"):
+        b.submit(plan, log=lambda *_: None)
+    calls = [json.loads(ln) for ln in (tmp_path / "podman.jsonl").read_text().splitlines()]
+    play = next(c for c in calls if c["argv"][:2] == ["kube", "play"])
+    assert play["argv"] == ["kube", "play", "--quiet", "--network", JOB, "--ip", "10.89.7.2", "--ip", "10.89.7.3",
+                            "-"]
+    played = list(yaml.safe_load_all(play["stdin"]))
+    job, svc = the(plan, "Job"), the(plan, "Service")
+    assert [m["kind"] for m in played] == ["ConfigMap", "ConfigMap", "PersistentVolumeClaim", "Pod", "Pod"]
+    assert played[3:] == pods_for_podman(job, svc, ["10.89.7.2", "10.89.7.3"])
+    # whatever was made is removed: the pods, the ConfigMaps' and emptyDirs' volumes, the network; never the claim
+    after = [c["argv"] for c in calls[calls.index(play) + 1:]]
+    assert after[0] == ["pod", "rm", "--force", "--ignore", "--time", "0", f"{JOB}-0", f"{JOB}-1"]
+    removed = {a[-1] for a in after[1:]}
+    assert removed == {f"{JOB}-helpers", f"{JOB}-script", JOB} | {f"{JOB}-{k}-{v}" for k in (0, 1)
+                                                                  for v in ("dshm", "logs")}
+    assert "ckpt" not in removed
 
 
 @pytest.mark.parametrize("kind,status,state", [
