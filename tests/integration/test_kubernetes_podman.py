@@ -5,6 +5,7 @@ as a cluster would get. Every name the tests make starts with fleetbox-k8s- and 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import yaml
 
 from fleetbox.run import metrics
 from fleetbox.run.backends.kubernetes import pods_for_podman
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ctrl_c_reaches_it
 from tests.integration.test_hpc import LOCAL, _into_podman
 
 needs = [t for t in ("podman", "catatonit") if not shutil.which(t)]   # catatonit: the pods' pause image
@@ -123,4 +124,28 @@ def test_a_killed_pod_fails_the_job_named_and_every_node_is_stopped(podman_cpu, 
     assert summary["culprit"] == 1 and not summary["ok"]
     # node 0 stopped by fleetbox, or ended by itself (its peer gone) before it was seen to: never the one named
     assert [n["state"] for n in summary["nodes"]] in (["stopped", "FAILED"], ["aborted", "FAILED"])
+    assert_nothing_left(job)
+
+
+def test_ctrl_c_cancels_the_job_and_leaves_nothing_but_the_claim(podman_cpu, job):
+    p = subprocess.Popen(train(job, "--args", "--steps 3000 --step-sleep 0.05"), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env={**os.environ, **podman_cpu},
+                         preexec_fn=ctrl_c_reaches_it)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:   # both nodes' containers run
+            running = podman("ps", "-q", "--filter", f"label=io.fleetbox.job={job}", "--filter", "status=running")
+            if len(running.split()) == 2:
+                break
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.5)
+        else:
+            pytest.fail("the job's containers never ran")
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and f"interrupted: cancelling {job}" in out, out[-3000:]
+    assert (ROOT / "runs" / job / "CANCELLED").exists()
     assert_nothing_left(job)
