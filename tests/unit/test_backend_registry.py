@@ -146,7 +146,7 @@ def test_registering_takes_the_class_and_refuses_a_taken_flag(monkeypatch):
     from fleetbox.run import backends
     register_for_the_test(monkeypatch, EchoBackend)   # every registry as it was after the test
     assert backends.get("echo", **backends.configure("echo", {"echo_word": "x", "partition": None})).word == "x"
-    with pytest.raises(UserError, match="unknown backend 'nope'; choose one of: docker, slurm, echo"):
+    with pytest.raises(UserError, match="unknown backend 'nope'; choose one of: docker, slurm, kubernetes, echo"):
         backends.lookup("nope")
 
     class Clash(EchoBackend):

@@ -14,6 +14,7 @@ from fleetbox.errors import UserError
 from fleetbox.run import spec
 from fleetbox.run.backend import BACKENDS, Backend, Capabilities, Option
 from fleetbox.run.backends.docker import DockerBackend
+from fleetbox.run.backends.kubernetes import KubernetesBackend
 from fleetbox.run.backends.runtimes import pull_commands  # noqa: F401 (`invoke pull-cmd`: the runtimes' commands)
 from fleetbox.run.backends.slurm import SlurmBackend
 from fleetbox.run.jobfolder import LAYOUTS, Layout
@@ -139,5 +140,6 @@ def clean(hosts: list[str], job: str = "", force: bool = False, log=print) -> tu
 
 register(DockerBackend)
 register(SlurmBackend)
+register(KubernetesBackend)
 _load_entry_points()
 BACKEND = Option("backend", choices(), DEFAULT)   # `--backend`: every backend registered by now

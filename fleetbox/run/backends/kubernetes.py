@@ -1,0 +1,949 @@
+"""The Kubernetes backend: the same plan as Kubernetes objects, in one of three shapes (--k8s-kind):
+
+  indexed    an Indexed Job and a headless Service (the default: nothing but Kubernetes itself). A node's rank is
+             its pod's completion index (JOB_COMPLETION_INDEX); the master is the index-0 pod's stable name
+             <job>-0.<job> (the pod's hostname, under the Service as its subdomain).
+  volcano    a Volcano Job (batch.volcano.sh/v1alpha1): gang-scheduled (minAvailable = nodes), its `svc` plugin
+             names the pods (<job>-node-<k>.<job>), its `env` plugin gives the rank (VK_TASK_INDEX).
+  paddlejob  a Kubeflow PaddleJob (kubeflow.org/v1, Training Operator v1): its Worker replicas, the master the
+             operator's Service of worker 0 (<job>-worker-0), the rank the pod's replica-index label.
+
+Every shape runs one pod template: fleetbox's node (run/plan.py's NodeRun) as one container whose command is a
+short shell script. The per-node values a Docker or Slurm node gets as placeholders ({rank}, {master_ip},
+{node_ip}, {iface}, {port_range}) are found there, in the pod: the rank from the shape's index, the master's
+numeric IP from its name (Paddle's launcher needs an IP to tell that it is the master), the node's interface
+and address towards it (fleetbox_netinfo, as Slurm's runtimes run it in the image).
+
+`plan` and `describe` are pure (no cluster, no kubectl): --dry-run prints the manifests as multi-document YAML.
+Running them is the client's (--k8s-client): `kubectl apply` (kubectl()), with the kubeconfig kubectl finds, or,
+on this machine, `podman kube play` (podman(); Podman 4.3 plays no Job or Service: the Indexed Job is lowered to
+one Pod per index, pods_for_podman, on a network of the job's own).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import KW_ONLY, dataclass, field, replace
+from pathlib import Path
+
+from fleetbox import files, settings
+from fleetbox.errors import UserError
+from fleetbox.processes import never_failing, signals_held
+from fleetbox.run import hostnet, placeholders, records
+from fleetbox.run import plan as planner
+from fleetbox.run import spec as spec_mod
+from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Option, Plan
+from fleetbox.run.records import Handle, JobInfo, JobState
+from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines
+from fleetbox.run.shell import Raw, line
+
+KINDS = ("indexed", "volcano", "paddlejob")
+CLIENTS = ("kubectl", "podman")
+CONTAINER = "paddle"       # the Training Operator finds a PaddleJob's container, and its port, by these names
+MASTER_PORT_NAME = "master"
+VOLCANO_TASK = "node"      # the Volcano Job's one task: its pods are <job>-node-<k>
+PADDLE_WORKER = "Worker"   # the PaddleJob's one replica type: its pods and Services are <job>-worker-<k>
+
+# What each shape gives a pod, and where it comes from
+COMPLETION_INDEX = "JOB_COMPLETION_INDEX"   # the Job controller's env (set here too, as it sets it: from the
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"   # pod's annotation)
+VOLCANO_INDEX = "VK_TASK_INDEX"              # Volcano's env plugin
+VOLCANO_VERSION = "volcano.sh/job-version"   # Volcano's pod annotation: one more each time it restarts the job
+KUBEFLOW_INDEX = "training.kubeflow.org/replica-index"   # the Training Operator's pod label
+
+# The shell's own variables in the node script, as run/placeholders.py names them (cf. Slurm's NODE_VARS)
+NODE_VARS = {"rank": Raw('"$NODE_INDEX"'), "node": Raw('node"$NODE_INDEX"'), "home": Raw('"$HOME"'),
+             "user": Raw('"$(id -un)"'), "master_ip": Raw('"$MASTER_IP"'), "node_ip": Raw('"$NODE_IP"'),
+             "iface": Raw('"$IFACE"'), "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'),
+             "gpus": ""}   # the device plugin chooses a pod's devices, and shows it only those
+
+POD_IP_REF = {"fieldRef": {"fieldPath": "status.podIP"}}   # the pod's address (the downward API)
+
+# The master's name resolves once its pod has an address (the headless Service publishes pods not yet ready);
+# its pod may start later than the others (an image pull): wait for it this long.
+MASTER_WAIT_S = 600
+RESOLVE_PY = ("import socket, sys, time\n"
+              "for _ in range(int(sys.argv[2]) // 2):\n"
+              "    try: print(socket.gethostbyname(sys.argv[1])); break\n"
+              "    except OSError: time.sleep(2)\n"
+              "else: sys.exit(\"fleetbox: the master \" + sys.argv[1] + \" does not resolve\")")
+
+# Kubernetes' own rules for what becomes a name or a label (apimachinery's validation)
+RFC1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+RFC1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")   # a Service's name
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+QUALIFIED = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")   # domain/name
+QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|[KMGTPE]i|[kMGTPE])?")
+CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+CONFIGMAP_MAX = 1 << 20   # what the API server stores in one object (etcd's limit)
+SHM_UNITS = {"": "", "b": "", "k": "Ki", "m": "Mi", "g": "Gi"}   # Docker's --shm-size units are binary
+
+
+def dns_label(what: str, value: str, rule=RFC1123_LABEL, rule_name: str = "an RFC 1123 label") -> str:
+    if len(value) > 63 or not rule.fullmatch(value):
+        raise UserError(f"{what} {value!r} is not a Kubernetes name: it must be {rule_name} (lowercase letters, "
+                        f"digits and '-', {'starting with a letter, ' if rule is RFC1035_LABEL else ''}at most 63)")
+    return value
+
+
+def dns_subdomain(what: str, value: str) -> str:
+    if len(value) > 253 or not all(RFC1123_LABEL.fullmatch(p) for p in value.split(".")):
+        raise UserError(f"{what} {value!r} is not a Kubernetes name: lowercase letters, digits, '-' and '.' "
+                        f"(RFC 1123 subdomain, at most 253)")
+    return value
+
+
+def shm_quantity(size: str) -> str:
+    """--shm-size (Docker's 8g, 512m) as a Kubernetes quantity (8Gi, 512Mi)."""
+    m = re.fullmatch(r"([0-9]+)([bkmg]?)", size, re.I)
+    if not m:
+        raise UserError(f"--shm-size {size!r} must be a size such as 8g or 512m")
+    return m.group(1) + SHM_UNITS[m.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class Names:
+    """Every name the job's objects take, and the master's, for one shape."""
+    job: str
+    kind: str
+
+    @property
+    def service(self) -> str:   # the headless Service (Volcano's svc plugin names its own the job's name)
+        return self.job
+
+    def pod(self, rank: int) -> str:
+        """The pod's hostname (and the name its peers reach it by, under the Service)."""
+        return {"indexed": f"{self.job}-{rank}", "volcano": f"{self.job}-{VOLCANO_TASK}-{rank}",
+                "paddlejob": f"{self.job}-{PADDLE_WORKER.lower()}-{rank}"}[self.kind]
+
+    @property
+    def master(self) -> str:
+        # the Training Operator makes a Service per pod, named as the pod: no subdomain
+        return self.pod(0) if self.kind == "paddlejob" else f"{self.pod(0)}.{self.service}"
+
+    @property
+    def helpers(self) -> str:
+        return f"{self.job}-helpers"
+
+    @property
+    def script(self) -> str:
+        return f"{self.job}-script"
+
+    def check(self, nodes: int) -> None:
+        """The job id names a Service (an RFC 1035 label) and, with the last rank, a pod's hostname."""
+        dns_label("--job-id", self.job, RFC1035_LABEL, "an RFC 1035 label")
+        last = self.pod(nodes - 1)
+        if len(last) > 63:
+            raise UserError(f"--job-id {self.job!r} is too long for Kubernetes: its last pod's hostname {last!r} "
+                            f"has {len(last)} characters, at most 63")
+
+
+@dataclass(frozen=True)
+class KubePlan(Plan):
+    kind: str = "indexed"
+    namespace: str = ""
+    manifests: tuple = ()     # the objects, in the order they are applied (dicts, as JSON would hold them)
+    secret: str = ""          # the Secret --pass-env reads from ("": none)
+    client: str = "kubectl"   # what runs them (--k8s-client)
+
+
+@dataclass
+class KubeHandle(Handle):
+    _: KW_ONLY
+    kind: str = "indexed"
+    namespace: str = ""
+    objects: list[str] = field(default_factory=list)   # each object applied, as kubectl names it (the job last);
+    client: str = "kubectl"                            # podman's: pod/, volume/ and network/<name>
+
+
+class KubernetesBackend(Backend):
+    name = "kubernetes"
+    about = "Kubernetes objects: an Indexed Job, a Volcano Job or a PaddleJob"
+    plan_type = KubePlan
+    handle_type = KubeHandle
+    # restarts: backoffLimit, Volcano's maxRetry, the PaddleJob's backoffLimit; the time limit is the cluster's
+    capabilities = Capabilities(own_limit="kubernetes: --k8s-deadline (activeDeadlineSeconds)", restarts=True,
+                                names_hosts=True, runtime="kubernetes")
+    foreign = {"hosts": "Kubernetes chooses the nodes", "devices": "Kubernetes' device plugins choose the GPUs: "
+               "give --gpus-per-node"}
+    options = (
+        Option("k8s_kind", "with --backend kubernetes: indexed (default: an Indexed Job and a headless Service), "
+                           "volcano (a Volcano Job, gang-scheduled) or paddlejob (a Kubeflow PaddleJob, Training "
+                           "Operator v1)", "indexed"),
+        Option("k8s_namespace", "with --backend kubernetes: the namespace (default: kubectl's)", ""),
+        Option("k8s_client", "with --backend kubernetes: kubectl (default: the cluster of kubectl's kubeconfig) or "
+                             "podman (this machine's Podman, `podman kube play`: the Indexed Job as one Pod per "
+                             "index)", "kubectl"),
+        Option("k8s_gpu_resource", "with --backend kubernetes: the extended resource a CUDA node asks for, one per "
+                                   "process (default nvidia.com/gpu)", "nvidia.com/gpu"),
+        Option("k8s_dcu_resource", "with --backend kubernetes: the extended resource a DCU (ROCm) node asks for, one "
+                                   "per process (default hygon.com/dcu; HAMi's: hygon.com/dcunum)", "hygon.com/dcu"),
+        Option("k8s_host_network", "with --backend kubernetes: the pods on their nodes' network (hostNetwork: "
+                                   "InfiniBand, no overlay); default: the pod network", False, bool),
+        Option("k8s_files", "with --backend kubernetes: configmap (default: the script and fleetbox's helpers from "
+                            "ConfigMaps) or image (the image holds them at /workspace and /fleetbox/helpers)",
+               "configmap"),
+        Option("k8s_checkpoint_claim", "with --backend kubernetes: a PersistentVolumeClaim every node mounts at the "
+                                       "checkpoint folder (default: none; checkpoints go with the pods)", ""),
+        Option("k8s_checkpoint_size", "with --backend kubernetes: make the claim too (ReadWriteMany), this big, "
+                                      "e.g. 100Gi", ""),
+        Option("k8s_secret", "with --backend kubernetes: the Secret --pass-env's variables come from, one key each "
+                             "(default <job>-env)", ""),
+        Option("k8s_deadline", "with --backend kubernetes: the job's time limit (activeDeadlineSeconds): 90, 90s, "
+                               "20m, 1h (default: none)", 0.0, float),
+        Option("k8s_queue", "with --backend kubernetes --k8s-kind volcano: the Volcano queue (default: Volcano's)",
+               ""),
+        Option("k8s_cpu", "with --backend kubernetes: CPUs each node asks for and is held to, e.g. 16 or 15500m "
+                          "(default: none)", ""),
+        Option("k8s_memory", "with --backend kubernetes: memory each node asks for and is held to, e.g. 64Gi "
+                             "(default: none)", ""),
+    )
+
+    def __init__(self, k8s_kind: str = "indexed", k8s_namespace: str = "", k8s_gpu_resource: str = "nvidia.com/gpu",
+                 k8s_dcu_resource: str = "hygon.com/dcu", k8s_host_network: bool = False,
+                 k8s_files: str = "configmap", k8s_checkpoint_claim: str = "", k8s_checkpoint_size: str = "",
+                 k8s_secret: str = "", k8s_deadline: float = 0.0, k8s_queue: str = "", k8s_cpu: str = "",
+                 k8s_memory: str = "", k8s_client: str = "kubectl"):
+        if k8s_kind not in KINDS:
+            raise UserError(f"--k8s-kind {k8s_kind!r}: choose {', '.join(KINDS)}")
+        if k8s_client not in CLIENTS:
+            raise UserError(f"--k8s-client {k8s_client!r}: choose {', '.join(CLIENTS)}")
+        if k8s_client == "podman" and k8s_kind != "indexed":
+            raise UserError(f"--k8s-client podman runs the indexed kind only (Podman has no {k8s_kind} controller)")
+        if k8s_client == "podman" and k8s_host_network:
+            raise UserError("--k8s-client podman takes no --k8s-host-network: Podman 4.3 drops hostAliases on the "
+                            "host's network, and the master's name would not resolve")
+        if k8s_files not in ("configmap", "image"):
+            raise UserError(f"--k8s-files {k8s_files!r}: choose configmap or image")
+        if k8s_namespace:
+            dns_label("--k8s-namespace", k8s_namespace)
+        for flag, value in (("--k8s-gpu-resource", k8s_gpu_resource), ("--k8s-dcu-resource", k8s_dcu_resource)):
+            if not QUALIFIED.fullmatch(value or "") or len(value) > 253:
+                raise UserError(f"{flag} {value!r} is not an extended resource name (domain/name, e.g. "
+                                f"nvidia.com/gpu)")
+        if k8s_checkpoint_claim:
+            dns_subdomain("--k8s-checkpoint-claim", k8s_checkpoint_claim)
+        if k8s_checkpoint_size and not k8s_checkpoint_claim:
+            raise UserError("--k8s-checkpoint-size makes the claim --k8s-checkpoint-claim names: give its name")
+        for flag, value in (("--k8s-checkpoint-size", k8s_checkpoint_size), ("--k8s-cpu", k8s_cpu),
+                            ("--k8s-memory", k8s_memory)):
+            if value and not QUANTITY.fullmatch(value):
+                raise UserError(f"{flag} {value!r} is not a Kubernetes quantity (e.g. 16, 500m, 64Gi)")
+        if k8s_secret:
+            dns_subdomain("--k8s-secret", k8s_secret)
+        if k8s_queue and k8s_kind != "volcano":
+            raise UserError("--k8s-queue is Volcano's: give it with --k8s-kind volcano")
+        if k8s_queue:
+            dns_subdomain("--k8s-queue", k8s_queue)
+        if k8s_deadline < 0:
+            raise UserError(f"--k8s-deadline must be positive (got {k8s_deadline:g})")
+        if k8s_client == "podman" and k8s_deadline:
+            raise UserError("--k8s-deadline is the Job controller's; Podman has none: give --k8s-client kubectl")
+        self.kind, self.namespace, self.host_network, self.files = k8s_kind, k8s_namespace, k8s_host_network, k8s_files
+        self.resource = {"cuda": k8s_gpu_resource, "rocm": k8s_dcu_resource}
+        self.claim, self.claim_size, self.secret = k8s_checkpoint_claim, k8s_checkpoint_size, k8s_secret
+        self.deadline = math.ceil(k8s_deadline) if k8s_deadline else 0   # whole seconds, never shorter
+        self.queue, self.cpu, self.memory = k8s_queue, k8s_cpu, k8s_memory
+        self.client = k8s_client
+        if k8s_client == "podman":   # the job's nodes are this machine's containers; a failure names a rank
+            self.capabilities = replace(self.capabilities, names_hosts=False, runtime="podman")
+
+    # -- what a job is here --
+
+    @property
+    def reads_here(self) -> bool:
+        return False   # the nodes are the cluster's: they read this machine's files only through the ConfigMaps
+
+    def check(self, spec: spec_mod.JobSpec) -> None:
+        if spec.checkpoint_dir:
+            raise UserError("--checkpoint-dir is a folder here; the kubernetes backend keeps checkpoints on a claim: "
+                            "give --k8s-checkpoint-claim")
+        if spec.resume not in ("auto", "never"):
+            raise UserError(f"--resume {spec.resume}: the nodes cannot read this machine's folders; give auto or "
+                            f"never (they resume from --k8s-checkpoint-claim)")
+        for m in spec.mounts:   # hostPath volumes: a path on each node
+            if placeholders.used(m.src) or not m.src.startswith("/"):
+                raise UserError(f"--mount {m.src}:{m.dst}: on Kubernetes the source is a path on each node: give "
+                                f"it absolute, without placeholders")
+        if self.client == "podman" and spec.max_restarts:
+            raise UserError("--max-restarts is the Job controller's backoffLimit; Podman has none: give --k8s-client "
+                            "kubectl")
+        if self.client == "podman" and spec.pass_env:
+            raise UserError("--pass-env reads a Secret, which `podman kube play` (4.3) does not make: run it with "
+                            "--k8s-client kubectl")
+
+    def checkpoints_note(self, spec: spec_mod.JobSpec, job_id: str) -> str:
+        if self.claim:
+            return f"its checkpoints are on the claim {self.claim}"
+        return "it had no --k8s-checkpoint-claim: its checkpoints went with its pods"
+
+    # -- plan and describe (pure) --
+
+    def plan(self, spec: spec_mod.JobSpec) -> KubePlan:
+        job_id = spec.job_id or spec_mod.new_job_id()
+        names = Names(job_id, self.kind)
+        names.check(spec.nodes)
+        # on the pod network every pod has its own address: one port fits every job (the Training Operator's);
+        # on the nodes' own network it may be taken: a random one, as for Slurm's nodes
+        port = spec.port or (36543 if not self.host_network else hostnet.random_port())
+        secret = (self.secret or f"{job_id}-env") if spec.pass_env else ""
+        manifests = self.render(spec, names, port, secret)
+        return KubePlan(spec, job_id, settings.runs_root() / job_id, port, self.kind, self.namespace,
+                        tuple(manifests), secret, self.client)
+
+    def render(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str) -> list[dict]:
+        """Every object of the job, in the order they are applied: the ConfigMaps and the claim before the pods
+        that mount them."""
+        objs = []
+        if self.files == "configmap":
+            objs += self.config_maps(spec, names)
+        if self.claim_size:
+            objs.append(self.meta({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                                   "metadata": {"name": self.claim},
+                                   "spec": {"accessModes": ["ReadWriteMany"],   # every node mounts it at once
+                                            "resources": {"requests": {"storage": self.claim_size}}}}, names))
+        template = self.pod_template(spec, names, port, secret)
+        if self.kind == "indexed":
+            objs += [self.headless_service(names), self.indexed_job(spec, names, template)]
+        elif self.kind == "volcano":
+            objs.append(self.volcano_job(spec, names, template))
+        else:
+            objs.append(self.paddle_job(spec, names, template, port))
+        return objs
+
+    def meta(self, obj: dict, names: Names) -> dict:
+        """The labels every object of the job has, and its namespace where one is given."""
+        md = obj["metadata"]
+        md["labels"] = {settings.LABEL_JOB: names.job, **md.get("labels", {})}
+        if self.namespace:
+            md["namespace"] = self.namespace
+        return obj
+
+    def config_maps(self, spec: spec_mod.JobSpec, names: Names) -> list[dict]:
+        """fleetbox's helpers and the script (the script alone: the folder Docker mounts may be large)."""
+        helpers = {p.name: p.read_text() for p in sorted(settings.HELPERS.glob("*.py"))}
+        script = spec.script_path
+        if not CONFIGMAP_KEY.fullmatch(script.name):
+            raise UserError(f"the script's name {script.name!r} cannot be a ConfigMap key (letters, digits, '-', "
+                            f"'_', '.'): rename it, or give --k8s-files image")
+        try:
+            text = script.read_text()
+        except UnicodeDecodeError:
+            raise UserError(f"the script {script} is not UTF-8 text: a ConfigMap cannot hold it; give --k8s-files "
+                            f"image") from None
+        if len(text.encode()) > CONFIGMAP_MAX - 4096:
+            raise UserError(f"the script {script} is over 1 MiB, more than a ConfigMap holds: give --k8s-files image")
+        return [self.meta({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data}, names)
+                for name, data in ((names.helpers, helpers), (names.script, {script.name: text}))]
+
+    def headless_service(self, names: Names) -> dict:
+        """The pods' DNS names (<pod hostname>.<service>), published before they are ready: the master's is
+        looked up as soon as its pod has an address."""
+        return self.meta({"apiVersion": "v1", "kind": "Service", "metadata": {"name": names.service},
+                          "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                                   "selector": {settings.LABEL_JOB: names.job}}}, names)
+
+    def node_run(self, spec: spec_mod.JobSpec, job_id: str) -> planner.NodeRun:
+        """The node as the other backends have it: logs in the pod (an emptyDir), the checkpoints on the claim; no
+        HIP_VISIBLE_DEVICES: the device plugin shows the pod its own DCUs only, as they are numbered there."""
+        t = planner.template(spec, job_id, "logs", workspace=False, checkpoints=self.claim, shared_checkpoints=True)
+        return replace(t, env={k: v for k, v in t.env.items() if k != planner.HIP_VISIBLE})
+
+    def node_script(self, spec: spec_mod.JobSpec, names: Names, port: int, t: planner.NodeRun) -> str:
+        """What the container runs: the node's values found in the pod, then Paddle's launcher (exec: it is the
+        container's process, and gets its signals)."""
+        rank_from = {"indexed": COMPLETION_INDEX, "volcano": VOLCANO_INDEX, "paddlejob": "KUBEFLOW_REPLICA_INDEX"}
+        width = planner.block_width(spec.procs_per_node)
+        values = {**NODE_VARS, "nnodes": str(spec.nodes), "job_id": names.job, "master_port": str(port)}
+        lines = [
+            "set -eu",
+            f'NODE_INDEX="${rank_from[self.kind]}"',
+            # Volcano counts the job's restarts (its version); the others keep no count a pod can read
+            'FLEETBOX_ATTEMPT="${VOLCANO_JOB_VERSION:-0}"' if self.kind == "volcano" else "FLEETBOX_ATTEMPT=0",
+            f"MASTER_NAME={line([names.master])}",
+            # the master is this pod on rank 0 (the launcher tells that it is the master by the address)
+            'if [ "$NODE_INDEX" = 0 ]; then MASTER_IP="$POD_IP"; else '
+            f'MASTER_IP="$(python -c {line([RESOLVE_PY])} "$MASTER_NAME" {MASTER_WAIT_S})"; fi',
+            f'set -- $(python {settings.HELPERS_DIR}/fleetbox_netinfo.py "$MASTER_IP" --plain)',
+            'IFACE="${1:-}"; NODE_IP="${2:-$POD_IP}"',
+        ]
+        if spec.iface:
+            lines.append(f"IFACE={line([spec.iface])}")
+        lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface of $(hostname) holds $NODE_IP" >&2; exit 2; }',
+                  f'PORT_RANGE="$(({port} + 1 + NODE_INDEX * {width})):$(({port} + {width} + NODE_INDEX * '
+                  f'{width}))"',   # planner.trainer_ports, in shell
+                  'echo "fleetbox: node $NODE_INDEX ($(hostname)): $IFACE $NODE_IP -> master $MASTER_NAME = '
+                  f'$MASTER_IP:{port}"']
+        lines += [f"export {k}={line([placeholders.to_shell(v, values)])}" for k, v in t.env.items()
+                  if placeholders.used(v)]
+        lines.append("exec " + line(placeholders.to_shell(w, values) for w in t.command))
+        return "\n".join(lines)
+
+    def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str) -> dict:
+        t = self.node_run(spec, names.job)
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]   # POD_IP_REF
+        if self.kind == "indexed":   # as the Job controller sets it (it adds none where the pod has one)
+            env.append({"name": COMPLETION_INDEX, "valueFrom": {"fieldRef": {
+                "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}})
+        elif self.kind == "volcano":
+            env.append({"name": "VOLCANO_JOB_VERSION", "valueFrom": {"fieldRef": {
+                "fieldPath": f"metadata.annotations['{VOLCANO_VERSION}']"}}})
+        else:
+            env.append({"name": "KUBEFLOW_REPLICA_INDEX", "valueFrom": {"fieldRef": {
+                "fieldPath": f"metadata.labels['{KUBEFLOW_INDEX}']"}}})
+        # values the same on every node; those with placeholders are the node script's exports
+        env += [{"name": k, "value": v} for k, v in t.env.items() if not placeholders.used(v)]
+        env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in t.pass_env]
+        mounts, volumes = [{"name": "dshm", "mountPath": "/dev/shm"}], [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_quantity(spec.shm_size)}}]
+        if self.files == "configmap":
+            mounts += [{"name": "helpers", "mountPath": settings.HELPERS_DIR, "readOnly": True},
+                       {"name": "workspace", "mountPath": settings.WORKDIR, "readOnly": True}]
+            volumes += [{"name": "helpers", "configMap": {"name": names.helpers}},
+                        {"name": "workspace", "configMap": {"name": names.script}}]
+        for i, m in enumerate(t.mounts):
+            if m.dst == settings.LOG_DIR:   # the ranks' logs, for as long as the pod is kept
+                vol = {"name": "logs", "emptyDir": {}}
+            elif m.dst == settings.CHECKPOINT_DIR:
+                vol = {"name": "checkpoints", "persistentVolumeClaim": {"claimName": m.src}}
+            else:   # the dataset cache, a DCU node's /opt/hyhal, --mount: paths on each node
+                vol = {"name": f"host{i}", "hostPath": {"path": m.src}}
+            volumes.append(vol)
+            mounts.append({"name": vol["name"], "mountPath": m.dst, **({"readOnly": True} if m.ro else {})})
+        resources = {}
+        if t.accelerator:   # one device per process, as the device plugin counts them
+            resources[self.resource[t.accelerator]] = str(spec.gpus_each)
+        if self.cpu:
+            resources["cpu"] = self.cpu
+        if self.memory:
+            resources["memory"] = self.memory
+        container = {"name": CONTAINER, "image": t.image,
+                     "command": ["/bin/sh", "-c", self.node_script(spec, names, port, t)],
+                     "env": env, "ports": [{"name": MASTER_PORT_NAME, "containerPort": port}],
+                     "volumeMounts": mounts}
+        if resources:   # limits alone: Kubernetes asks for the same (extended resources allow nothing else)
+            container["resources"] = {"limits": resources}
+        if any(o == "seccomp=unconfined" for o in t.security_opt):   # a DCU's runtime needs it (matrix.toml)
+            container["securityContext"] = {"seccompProfile": {"type": "Unconfined"}}
+        pod = {"restartPolicy": "Never", "containers": [container], "volumes": volumes}
+        if self.kind == "indexed":
+            pod["subdomain"] = names.service
+        if self.host_network:   # and still the cluster's DNS, for the master's name
+            pod.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
+        return {"metadata": {"labels": {settings.LABEL_JOB: names.job,
+                                        settings.LABEL_VARIANT: spec.variant.name}},
+                "spec": pod}
+
+    def indexed_job(self, spec: spec_mod.JobSpec, names: Names, template: dict) -> dict:
+        job = {"completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes,
+               # a failed pod is made again (its index only), up to --max-restarts times in all
+               "backoffLimit": spec.max_restarts, "template": template}
+        if self.deadline:
+            job["activeDeadlineSeconds"] = self.deadline
+        return self.meta({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": names.job}, "spec": job},
+                         names)
+
+    def volcano_job(self, spec: spec_mod.JobSpec, names: Names, template: dict) -> dict:
+        if self.deadline:   # a Volcano Job has no deadline of its own: each pod's, from its start
+            template = {**template, "spec": {**template["spec"], "activeDeadlineSeconds": self.deadline}}
+        restart = spec.max_restarts > 0
+        job = {"schedulerName": "volcano", "minAvailable": spec.nodes,   # all nodes at once, or none (gang)
+               # svc: the headless Service and each pod's hostname; env: VK_TASK_INDEX
+               "plugins": {"svc": ["--publish-not-ready-addresses"], "env": []},
+               "policies": [{"event": "PodFailed", "action": "RestartJob" if restart else "TerminateJob"},
+                            {"event": "PodEvicted", "action": "RestartJob" if restart else "TerminateJob"}],
+               "tasks": [{"name": VOLCANO_TASK, "replicas": spec.nodes, "template": template}]}
+        if restart:   # Volcano's default is 3; without restarts the policies end the job at the first failure
+            job["maxRetry"] = spec.max_restarts
+        if self.queue:
+            job["queue"] = self.queue
+        return self.meta({"apiVersion": "batch.volcano.sh/v1alpha1", "kind": "Job", "metadata": {"name": names.job},
+                          "spec": job}, names)
+
+    def paddle_job(self, spec: spec_mod.JobSpec, names: Names, template: dict, port: int) -> dict:
+        policy = "OnFailure" if spec.max_restarts else "Never"
+        template = {**template, "spec": {**template["spec"], "restartPolicy": policy}}
+        run = {"cleanPodPolicy": "None", "backoffLimit": spec.max_restarts}   # pods kept: their logs
+        if self.deadline:
+            run["activeDeadlineSeconds"] = self.deadline
+        return self.meta({"apiVersion": "kubeflow.org/v1", "kind": "PaddleJob", "metadata": {"name": names.job},
+                          "spec": {"runPolicy": run, "paddleReplicaSpecs": {PADDLE_WORKER: {
+                              "replicas": spec.nodes, "restartPolicy": policy, "template": template}}}}, names)
+
+    def describe(self, plan: KubePlan) -> str:
+        how = ("kubectl apply -f -" if plan.client == "kubectl" else
+               "podman kube play, as one Pod per index (pods_for_podman), on a network of the job's own")
+        head = [f"# {plan.job_id}: {plan.spec.nodes} node(s) as a{'n' if plan.kind == 'indexed' else ''} "
+                f"{plan.kind} job; apply with: {how}"]
+        if plan.secret:
+            head.append(f"# --pass-env {','.join(plan.spec.pass_env)}: from the Secret {plan.secret} (made from your "
+                        f"environment at submit; its values are not shown)")
+        if not self.claim:
+            head.append("# no --k8s-checkpoint-claim: the job's checkpoints go with its pods")
+        return "\n".join(head) + "\n" + to_yaml(plan.manifests)
+
+    # -- acting: kubectl, with the kubeconfig it finds --
+
+    @staticmethod
+    def objects(plan: KubePlan) -> list[str]:
+        """Each object as kubectl names it (kind.group/name): a claim is left out, it outlives the job (its
+        checkpoints)."""
+        return [kubectl_name(m) for m in plan.manifests if m["kind"] != "PersistentVolumeClaim"]
+
+    def submit(self, plan: KubePlan, log=print) -> KubeHandle:
+        plan.make_dir()
+        JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
+                plan.spec.image_ref, paddle=plan.spec.paddle_pin).save(plan.dir)
+        if plan.client == "podman":
+            return PodmanPlay(plan.job_id, plan.spec.nodes).submit(plan, self.claim, log)
+        docs = list(plan.manifests)
+        if plan.secret:   # its values from this environment, on stdin only: never printed or written here
+            docs.insert(0, self.meta({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": plan.secret},
+                                      "type": "Opaque",
+                                      "stringData": {k: os.environ[k] for k in plan.spec.pass_env}},
+                                     Names(plan.job_id, plan.kind)))
+        (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
+        kubectl(*self.ns(plan.namespace), "apply", "-f", "-",
+                stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
+                            procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim, owner=records.owner(),
+                            kind=plan.kind, namespace=plan.namespace,
+                            objects=(["secret/" + plan.secret] if plan.secret else []) + self.objects(plan))
+        handle.save()
+        log(f"applied {plan.job_id} ({plan.kind}, {plan.spec.nodes} nodes); see it with "
+            f"`kubectl get pods -l {settings.LABEL_JOB}={plan.job_id}`")
+        return handle
+
+    @staticmethod
+    def ns(namespace: str) -> list[str]:
+        return ["--namespace", namespace] if namespace else []
+
+    def pods(self, handle: KubeHandle) -> list[dict]:
+        """The job's pods, by rank (the newest of a rank's pods where its controller made it again)."""
+        out = kubectl(*self.ns(handle.namespace), "get", "pods", "-l", f"{settings.LABEL_JOB}={handle.job_id}",
+                      "-o", "json")
+        by_rank: dict[int, dict] = {}
+        for p in sorted(listed(out, "pods"), key=lambda p: p.get("metadata", {}).get("creationTimestamp", "")):
+            r = pod_rank(p, handle.kind)
+            if r is not None:
+                by_rank[r] = p
+        return [by_rank[r] for r in sorted(by_rank)]
+
+    def job_state(self, handle: KubeHandle) -> tuple[JobState, int, str]:
+        """What the job's controller says of it (its object is the last one applied)."""
+        if Path(handle.dir, CANCELLED).exists():
+            return JobState.CANCELLED, 0, ""
+        if handle.client == "podman":
+            return PodmanPlay.of(handle).state(handle)
+        if not handle.objects:
+            return JobState.UNKNOWN, 0, "no object was applied"
+        proc = kubectl(*self.ns(handle.namespace), "get", handle.objects[-1], "-o", "json", check=False)
+        if proc.returncode != 0:
+            said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            return JobState.UNKNOWN, 0, said[-1] if said else f"kubectl exit {proc.returncode}"
+        try:
+            status = json.loads(proc.stdout).get("status") or {}
+        except ValueError:
+            return JobState.UNKNOWN, 0, "kubectl gave no JSON"
+        return state_of(handle.kind, status)
+
+    def status(self, handle: KubeHandle) -> str:
+        return self.job_state(handle)[0].value
+
+    def logs(self, handle: KubeHandle, node: int) -> str:
+        if handle.client == "podman":
+            return PodmanPlay.of(handle).logs(handle, node)
+        pods = {pod_rank(p, handle.kind): p["metadata"]["name"] for p in self.pods(handle)}
+        if node not in pods:
+            raise UserError(f"job {handle.job_id} has no pod of rank {node} (yet)")
+        return kubectl(*self.ns(handle.namespace), "logs", pods[node], "-c", CONTAINER).stdout
+
+    def show_logs(self, handle: KubeHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
+        log(self.logs(handle, node).rstrip("\n"))
+
+    def follow(self, handle: KubeHandle, log=print, timeout: float | None = None, poll: float = 5.0) -> JobResult:
+        """Until the job's controller says it ended (its restarts included), then each node's end."""
+        if handle.client == "podman":
+            return PodmanPlay.of(handle).follow(handle, log, timeout)
+        told = None
+        while True:
+            state, _, note = self.job_state(handle)
+            if state != told:
+                log(f"{handle.job_id}: {state.value}" + (f" ({note})" if note else ""))
+                told = state
+            if state.is_terminal:
+                break
+            time.sleep(poll)
+        nodes = []
+        for p in self.pods(handle):
+            r = pod_rank(p, handle.kind)
+            term = next((s.get("state", {}).get("terminated") for s in p.get("status", {}).get(
+                "containerStatuses", []) if s.get("name") == CONTAINER), None) or {}
+            code = term.get("exitCode")
+            nodes.append(NodeResult(f"node{r}", r, p.get("spec", {}).get("nodeName", "?"), code,
+                                    "ok" if code == 0 else "FAILED", p["metadata"]["name"],
+                                    oom_killed=term.get("reason") == "OOMKilled"))
+        bad = next((n.rank for n in nodes if n.exit_code), None)
+        result = JobResult(handle.job_id, self.name, state == JobState.PASSED, nodes, bad, dir=handle.dir,
+                           name_host=True)
+        result.save()
+        return result
+
+    def cancel(self, handle: KubeHandle, log=print) -> None:
+        """The job's objects, deleted (their pods with them); a claim is left: it holds the checkpoints."""
+        Path(handle.dir, CANCELLED).touch()   # first: its state is no longer the controller's to say
+        if handle.client == "podman":
+            return PodmanPlay.of(handle).down(handle, log)
+        if not handle.objects:
+            return
+        log(line(["kubectl", *self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects]))
+        kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects)
+
+
+def pod_rank(pod: dict, kind: str) -> int | None:
+    """A pod's rank, from what its controller wrote on it; None where it says none."""
+    md = pod.get("metadata", {})
+    if kind == "indexed":
+        value = md.get("annotations", {}).get(INDEX_ANNOTATION)
+    elif kind == "paddlejob":
+        value = md.get("labels", {}).get(KUBEFLOW_INDEX)
+    else:   # <job>-node-<k>: Volcano's pod names
+        m = re.search(r"-(\d+)$", md.get("name", ""))
+        value = m.group(1) if m else None
+    return int(value) if value is not None and str(value).isdigit() else None
+
+
+def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """kubectl with the given words (never a shell: no quoting to get wrong), with the kubeconfig it finds; with
+    `check`, a failure is one line, kubectl's own."""
+    if not shutil.which("kubectl"):
+        raise UserError("kubectl not found: install it, with a kubeconfig for your cluster (or use --dry-run)")
+    proc = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        verb = args[2] if args[:1] == ("--namespace",) else args[0]
+        raise UserError(f"kubectl {verb} failed: {said[-1] if said else f'exit {proc.returncode}'}")
+    return proc
+
+
+def listed(out: subprocess.CompletedProcess, what: str) -> list[dict]:
+    try:
+        return list(json.loads(out.stdout)["items"])
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"kubectl get {what} gave no list") from None
+
+
+def kubectl_name(obj: dict) -> str:
+    """kind.group/name, as kubectl takes it (a core kind has no group): never another group's kind of the name."""
+    group = obj["apiVersion"].rpartition("/")[0]
+    return f"{obj['kind'].lower()}{'.' + group if group else ''}/{obj['metadata']['name']}"
+
+
+# What each controller's status says (its own words), as fleetbox's states
+VOLCANO_PHASES = {"Pending": JobState.PENDING, "Inqueue": JobState.PENDING, "Running": JobState.RUNNING,
+                  "Restarting": JobState.RUNNING, "Completing": JobState.RUNNING, "Completed": JobState.PASSED,
+                  "Aborting": JobState.RUNNING, "Aborted": JobState.CANCELLED, "Terminating": JobState.RUNNING,
+                  "Terminated": JobState.FAILED, "Failed": JobState.FAILED}
+
+
+def state_of(kind: str, status: dict) -> tuple[JobState, int, str]:
+    """(state, attempt, note) from the job object's status: a Job's conditions, a Volcano Job's phase (and its
+    retries), a PaddleJob's newest condition."""
+    conds = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
+    if kind == "indexed":
+        done = {c.get("type"): c for c in conds}
+        if "Complete" in done:
+            return JobState.PASSED, 0, ""
+        if "Failed" in done:
+            return JobState.FAILED, 0, done["Failed"].get("message") or done["Failed"].get("reason", "")
+        return (JobState.RUNNING if status.get("active") else JobState.PENDING), status.get("failed", 0), ""
+    if kind == "volcano":
+        phase = (status.get("state") or {}).get("phase", "")
+        return VOLCANO_PHASES.get(phase, JobState.UNKNOWN), status.get("retryCount", 0), \
+            "" if phase in VOLCANO_PHASES else phase
+    last = (conds or [{}])[-1]   # the Training Operator appends its conditions in order
+    kind_of = {"Succeeded": JobState.PASSED, "Failed": JobState.FAILED, "Running": JobState.RUNNING,
+               "Restarting": JobState.RUNNING, "Created": JobState.PENDING, "Suspended": JobState.SUSPENDED}
+    state = kind_of.get(last.get("type", ""), JobState.PENDING)
+    return state, 0, last.get("message", "") if state == JobState.FAILED else ""
+
+
+# -- Podman: `podman kube play` (4.3) runs Pods, ConfigMaps, Secrets and claims, but no Job or Service --
+
+def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> list[dict]:
+    """An Indexed Job as one Pod per index: each its pod template, with its index where the Job controller would
+    put it (the annotation, JOB_COMPLETION_INDEX, the hostname <job>-<index>) and hostAliases for the names the
+    headless Service would publish (`ips`: each index's address; default 127.0.0.1, the pods on the host's
+    network). What Podman 4.3 does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
+    address is given, as the kubelet would give it), publishes every containerPort on the host (dropped: each pod
+    has its own address) and makes an emptyDir a volume of its name, which every pod naming it would share (named
+    <pod>-<name>)."""
+    name, nodes, svc = job["metadata"]["name"], job["spec"]["completions"], service["metadata"]["name"]
+    ips = ips or ["127.0.0.1"] * nodes
+    if len(ips) != nodes:
+        raise UserError(f"{len(ips)} address(es) for {nodes} pods")
+    aliases = [{"ip": ip, "hostnames": [f"{name}-{k}.{svc}", f"{name}-{k}"]} for k, ip in enumerate(ips)]
+    pods = []
+    for k in range(nodes):
+        t = json.loads(json.dumps(job["spec"]["template"]))   # a deep copy (plain data)
+        md = t["metadata"]
+        md["name"] = f"{name}-{k}"
+        md.setdefault("annotations", {})[INDEX_ANNOTATION] = str(k)
+        if "namespace" in job["metadata"]:
+            md["namespace"] = job["metadata"]["namespace"]
+        t["spec"]["hostname"] = f"{name}-{k}"
+        t["spec"]["hostAliases"] = aliases
+        own = {v["name"]: f"{name}-{k}-{v['name']}" for v in t["spec"].get("volumes", []) if "emptyDir" in v}
+        for v in t["spec"].get("volumes", []):
+            v["name"] = own.get(v["name"], v["name"])
+        for c in t["spec"]["containers"]:
+            c.pop("ports", None)
+            for m in c.get("volumeMounts", []):
+                m["name"] = own.get(m["name"], m["name"])
+            c["env"] = [{"name": COMPLETION_INDEX, "value": str(k)} if e["name"] == COMPLETION_INDEX
+                        else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == POD_IP_REF else e
+                        for e in c["env"]]
+        pods.append({"apiVersion": "v1", "kind": "Pod", **t})
+    return pods
+
+
+class PodmanPlay:
+    """The Indexed Job on this machine (--k8s-client podman): its pods lowered (pods_for_podman), played with
+    `podman kube play` with its ConfigMaps (volumes, as Podman makes them) and claim (a named volume of the claim's
+    name, kept), each pod at its own address on a network of the job's own (named as the job), which the
+    hostAliases name. Followed as the Docker backend follows its containers: the first node to fail is named,
+    every other one stopped, the logs gathered into runs/<job>/node<k>/, then every pod, volume (the claim's
+    aside) and the network removed."""
+
+    POLL_S = 1.0
+    STOP_S = 5   # seconds a stopped node has to end before it is killed
+
+    def __init__(self, job_id: str, nodes: int):
+        self.job_id, self.nodes = job_id, nodes
+
+    @classmethod
+    def of(cls, handle: KubeHandle) -> PodmanPlay:
+        return cls(handle.job_id, handle.nodes)
+
+    def container(self, rank: int) -> str:
+        return f"{self.job_id}-{rank}-{CONTAINER}"   # Podman names a pod's container <pod>-<container>
+
+    def submit(self, plan: KubePlan, claim: str, log=print) -> KubeHandle:
+        by_kind: dict[str, list[dict]] = {}
+        for m in plan.manifests:
+            by_kind.setdefault(m["kind"], []).append(m)
+        pods = [f"pod/{self.job_id}-{k}" for k in range(self.nodes)]
+        handle = KubeHandle("kubernetes", plan.job_id, str(plan.dir), plan.spec.nodes,
+                            procs_per_node=plan.spec.procs_per_node, checkpoints=claim, owner=records.owner(),
+                            kind=plan.kind, client="podman", objects=[
+                                f"network/{self.job_id}", *pods,
+                                *(f"volume/{m['metadata']['name']}" for m in by_kind.get("ConfigMap", [])),
+                                *(f"volume/{self.job_id}-{k}-{v['name']}" for k in range(self.nodes)
+                                  for v in by_kind["Job"][0]["spec"]["template"]["spec"]["volumes"]
+                                  if "emptyDir" in v)])
+        handle.save()   # first: whatever is made from here on, a cancel finds
+        (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))
+        try:
+            podman("network", "create", "--label", f"{settings.LABEL_JOB}={self.job_id}", self.job_id)
+            net = json.loads(podman("network", "inspect", self.job_id).stdout)[0]["subnets"][0]
+            gateway = ipaddress.ip_address(net.get("gateway") or "0.0.0.0")
+            free = (str(a) for a in ipaddress.ip_network(net["subnet"]).hosts() if a != gateway)
+            ips = [next(free) for _ in range(self.nodes)]
+            lowered = pods_for_podman(by_kind["Job"][0], by_kind["Service"][0], ips)
+            # a claim made before (an earlier run's checkpoints) is kept as it is, as `kubectl apply` keeps it:
+            # Podman would refuse to make its volume again
+            claims = [m for m in by_kind.get("PersistentVolumeClaim", [])
+                      if podman("volume", "exists", m["metadata"]["name"], check=False).returncode != 0]
+            docs = by_kind.get("ConfigMap", []) + claims + lowered
+            (plan.dir / "played.yaml").write_text(to_yaml(docs))   # what Podman plays, as played
+            podman("kube", "play", "--quiet", "--network", self.job_id, *(w for ip in ips for w in ("--ip", ip)),
+                   "-", stdin=to_yaml(docs))
+        except BaseException:
+            with signals_held():
+                self.down(handle, never_failing(log))
+            raise
+        log(f"played {plan.job_id} ({self.nodes} pods) with podman; see it with `podman pod ps --filter "
+            f"label={settings.LABEL_JOB}={plan.job_id}`")
+        return handle
+
+    def containers(self) -> dict[int, dict]:
+        """The job's node containers by rank, as `podman ps` sees them (State, ExitCode, ExitedAt)."""
+        out = podman("ps", "-a", "--filter", f"label={settings.LABEL_JOB}={self.job_id}", "--format", "json").stdout
+        try:
+            listed_ = json.loads(out or "[]")
+        except ValueError:
+            raise UserError("podman ps gave no JSON") from None
+        names = {self.container(k): k for k in range(self.nodes)}
+        return {names[n]: c for c in listed_ for n in c.get("Names", []) if n in names}
+
+    def state(self, handle: KubeHandle) -> tuple[JobState, int, str]:
+        ctrs = self.containers()
+        if not ctrs:   # gone: the job ended here (its result says how) or never started
+            try:
+                return (JobState.PASSED if json.loads(Path(handle.dir, records.SUMMARY).read_text())["ok"]
+                        else JobState.FAILED), 0, ""
+            except (OSError, ValueError, KeyError):
+                return JobState.UNKNOWN, 0, "no pod of the job"
+        failed = [k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")]
+        if failed:
+            return JobState.FAILED, 0, f"node{failed[0]} exit {ctrs[failed[0]]['ExitCode']}"
+        if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
+            return JobState.PASSED, 0, ""
+        return (JobState.RUNNING if any(c.get("State") == "running" for c in ctrs.values()) else
+                JobState.PENDING), 0, ""
+
+    def by_end(self, ranks: list[int]) -> list[int]:
+        """The ranks in the order their containers ended (to the nanosecond: ps's ExitedAt is in seconds)."""
+        if len(ranks) < 2:
+            return ranks
+        out = podman("container", "inspect", "--format", "{{.State.FinishedAt.UnixNano}}",
+                     *(self.container(k) for k in ranks), check=False).stdout.split()
+        ends = dict(zip(ranks, (int(t) if t.isdigit() else 0 for t in out), strict=False))
+        return sorted(ranks, key=lambda k: (ends.get(k, 0), k))
+
+    def logs(self, handle: KubeHandle, node: int) -> str:
+        if not 0 <= node < self.nodes:
+            raise UserError(f"job {handle.job_id} has no node {node}")
+        kept = Path(handle.dir, f"node{node}", "container.log")
+        if kept.exists():   # gathered when the job ended
+            return kept.read_text(errors="replace")
+        proc = podman("logs", self.container(node), check=False, merge=True)
+        if proc.returncode != 0:
+            raise UserError(f"job {handle.job_id} has no container of node {node} (yet)")
+        return proc.stdout
+
+    def follow(self, handle: KubeHandle, log=print, timeout: float | None = None) -> JobResult:
+        """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`."""
+        began, seen, bad, why, timed_out = time.monotonic(), set(), None, "", False
+        while True:
+            ctrs = self.containers()
+            seen |= set(ctrs)
+            lost = sorted(seen - set(ctrs))
+            failed = self.by_end([k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")])
+            if lost:
+                bad, why = lost[0], "lost its container (removed while the job ran)"
+                break
+            if failed:
+                bad = failed[0]
+                break
+            if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
+                break
+            if timeout is not None and time.monotonic() - began > timeout:
+                timed_out = True
+                break
+            time.sleep(self.POLL_S)
+        if bad is not None:
+            log(f"{handle.job_id}: node{bad} " + (why or f"failed ({exit_meaning(ctrs[bad].get('ExitCode'))})")
+                + ": stopping the others")
+        stopped = [k for k, c in ctrs.items() if c.get("State") != "exited"]
+        if stopped:
+            podman("stop", "--time", str(self.STOP_S), *(self.container(k) for k in stopped), check=False)
+        ends = self.containers()
+        nodes = []
+        for k in range(self.nodes):
+            d = Path(handle.dir, f"node{k}")
+            d.mkdir(parents=True, exist_ok=True)
+            if k in ends:   # its output, and its ranks' logs out of the pod's emptyDir
+                files.write_atomic(d / "container.log", podman("logs", self.container(k), check=False,
+                                                                merge=True).stdout)
+                podman("cp", f"{self.container(k)}:{settings.LOG_DIR}/.", str(d), check=False)
+            code = ends.get(k, {}).get("ExitCode") if ends.get(k, {}).get("State") == "exited" else None
+            state = ("FAILED" if k == bad else "stopped" if k in stopped else "ok" if code == 0 else
+                     "gone" if k not in ends else "aborted")
+            nodes.append(NodeResult(f"node{k}", k, "local", code, state, str(d), why=why if k == bad else ""))
+        self.down(handle, log=lambda *_: None)
+        ok = bad is None and not timed_out and all(n.exit_code == 0 for n in nodes)
+        result = JobResult(handle.job_id, "kubernetes", ok, nodes, bad, timed_out, dir=handle.dir)
+        if bad is not None:
+            result.log_tail = read_lines(Path(handle.dir, f"node{bad}", "container.log"))[-20:]
+        result.save()
+        return result
+
+    def down(self, handle: KubeHandle, log=print) -> None:
+        """Every pod, ConfigMap volume and the network, whatever is left of them; the claim's volume is kept."""
+        kinds: dict[str, list[str]] = {}
+        for o in handle.objects:
+            kind, _, name = o.partition("/")
+            kinds.setdefault(kind, []).append(name)
+        if kinds.get("pod"):
+            log(line(["podman", "pod", "rm", "--force", "--ignore", "--time", "0", *kinds["pod"]]))
+            podman("pod", "rm", "--force", "--ignore", "--time", "0", *kinds["pod"], check=False)
+        for v in kinds.get("volume", []):
+            podman("volume", "rm", "--force", v, check=False)
+        for n in kinds.get("network", []):
+            podman("network", "rm", "--force", n, check=False)
+
+
+def podman(*args: str, stdin: str | None = None, check: bool = True, merge: bool = False) -> \
+        subprocess.CompletedProcess:
+    """podman with the given words (never a shell); with `check`, a failure is one line, podman's own; `merge`:
+    its stderr in its stdout (a container's output, both streams)."""
+    if not shutil.which("podman"):
+        raise UserError("podman not found: install Podman 4.3 or later (or use --k8s-client kubectl)")
+    proc = subprocess.run(["podman", *args], input=stdin, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merge else subprocess.PIPE, errors="replace")
+    if check and proc.returncode != 0:
+        said = [ln.strip() for ln in ((proc.stderr or "") + "\n" + proc.stdout).splitlines() if ln.strip()]
+        first = next((ln for ln in said if "error" in ln.lower() and "level=warning" not in ln), "")
+        last = said[-1] if said else f"exit {proc.returncode}"   # kube play's last: "failed to start 2 containers"
+        raise UserError(f"podman {' '.join(args[:2])} failed: {last}" + (f" ({first})" if first != last else ""))
+    return proc
+
+# -- YAML, written here (a small subset: maps, lists, strings, numbers, booleans): no YAML library needed --
+
+PLAIN = re.compile(r"[A-Za-z_/][A-Za-z0-9_./-]*")
+YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}   # YAML 1.1 reads these as others
+
+
+def _scalar(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return json.dumps(v)
+    if v is None:
+        return "null"
+    if PLAIN.fullmatch(v) and v.lower() not in YAML_WORDS:
+        return v
+    return json.dumps(v)   # a JSON string is a YAML double-quoted scalar
+
+
+def _block(v) -> bool:
+    """A string shown as a literal block (|- or |): several lines, each as written."""
+    return (isinstance(v, str) and "\n" in v and not v.endswith("\n\n") and not v.startswith((" ", "\n"))
+            and all(c == "\n" or c.isprintable() for c in v) and not any(ln != ln.rstrip() for ln in v.split("\n")))
+
+
+def _lines(v, indent: int) -> list[str]:
+    pad = " " * indent
+    out = []
+    items = v.items() if isinstance(v, dict) else [(None, x) for x in v]
+    for k, x in items:
+        lead = f"{pad}{_scalar(k)}:" if k is not None else f"{pad}-"
+        if isinstance(x, (dict, list)) and x:
+            if k is None and isinstance(x, dict):   # a map in a list starts on the dash's line
+                inner = _lines(x, indent + 2)
+                out.append(f"{pad}- {inner[0].lstrip()}")
+                out += inner[1:]
+            else:
+                out.append(lead)
+                out += _lines(x, indent + 2)
+        elif isinstance(x, (dict, list)):
+            out.append(f"{lead} {'{}' if isinstance(x, dict) else '[]'}")
+        elif _block(x):
+            out.append(f"{lead} |{'' if x.endswith(chr(10)) else '-'}")
+            out += [f"{pad}  {ln}" if ln else "" for ln in x.rstrip("\n").split("\n")]
+        else:
+            out.append(f"{lead} {_scalar(x)}")
+    return out
+
+
+def to_yaml(docs) -> str:
+    """Multi-document YAML, one document per object."""
+    return "".join(f"---\n{chr(10).join(_lines(d, 0))}\n" for d in docs)

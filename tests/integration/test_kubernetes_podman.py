@@ -1,0 +1,151 @@
+"""The Kubernetes backend's Indexed Job run for real on this machine: `invoke train --backend kubernetes
+--k8s-client podman` plays the Job lowered to one Pod per index (pods_for_podman) with `podman kube play`
+(Podman 4.3), with the same image, helpers (ConfigMaps) and checkpoint claim (a Podman volume of the claim's name)
+as a cluster would get. Every name the tests make starts with fleetbox-k8s- and is removed after."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetbox.run import metrics
+from fleetbox.run.backends.kubernetes import pods_for_podman
+from tests.conftest import ROOT, ctrl_c_reaches_it
+from tests.integration.test_hpc import LOCAL, _into_podman
+
+needs = [t for t in ("podman", "catatonit") if not shutil.which(t)]   # catatonit: the pods' pause image
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),   # under CI a skip fails the run
+              pytest.mark.skipif(bool(needs), reason=f"missing {needs}: run scripts/setup-host.sh")]
+
+# This machine refuses podman's default nofile/nproc limits (cf. test_hpc's PODMAN_ARGS): a site setting, given
+# as a site gives it to `podman kube play`, in containers.conf
+CONTAINERS_CONF = '[containers]\ndefault_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]\n'
+
+
+def podman(*args: str) -> str:
+    return subprocess.run(["podman", *args], capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def podman_cpu(cpu_image, tmp_path_factory):
+    """The cpu image in Podman's storage (test_hpc's loader: only when it is not there), and the site's
+    containers.conf."""
+    _into_podman(cpu_image["image"], "fleetbox/paddle:cpu")
+    conf = tmp_path_factory.mktemp("podman") / "containers.conf"
+    conf.write_text(CONTAINERS_CONF)
+    return {"CONTAINERS_CONF": str(conf)}
+
+
+@pytest.fixture
+def job():
+    """A job id of this test's own, and afterwards nothing of it left: pods, volumes (its claim's), network."""
+    name = f"fleetbox-k8s-{uuid.uuid4().hex[:8]}"
+    yield name
+    pods = podman("pod", "ps", "-q", "--filter", f"label=io.fleetbox.job={name}").split()
+    if pods:
+        subprocess.run(["podman", "pod", "rm", "-f", "-t", "0", *pods], capture_output=True)
+    for v in podman("volume", "ls", "-q", "--filter", f"name={name}").split():
+        if v.startswith(name):
+            subprocess.run(["podman", "volume", "rm", "-f", v], capture_output=True)
+    subprocess.run(["podman", "network", "rm", "-f", name], capture_output=True)
+
+
+def train(job: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "invoke", "train", "--backend", "kubernetes", "--k8s-client", "podman",
+            "--nodes", "2", *LOCAL, "--job-id", job, "--k8s-checkpoint-claim", f"{job}-ckpt",
+            "--k8s-checkpoint-size", "1Gi", *args]
+
+
+def assert_nothing_left(job: str) -> None:
+    """No pod, container or network of the job; of its volumes, the claim's alone (its checkpoints)."""
+    assert podman("pod", "ps", "-q", "--filter", f"label=io.fleetbox.job={job}").split() == []
+    assert podman("ps", "-aq", "--filter", f"label=io.fleetbox.job={job}").split() == []
+    assert [v for v in podman("volume", "ls", "-q").split() if v.startswith(job)] == [f"{job}-ckpt"]
+    assert job not in podman("network", "ls", "--format", "{{.Name}}").split()
+
+
+def test_two_ranks_pass_under_podman_kube_play_with_the_jobs_own_pod_template(podman_cpu, job):
+    proc = subprocess.run(train(job, "--args", "--steps 20 --checkpoint-every 10"), cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **podman_cpu}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = ROOT / "runs" / job
+    # what Podman played is the Job's pod template, lowered (pods_for_podman) at the addresses it was given
+    job_obj, svc = (next(m for m in yaml.safe_load_all((d / "manifests.yaml").read_text()) if m["kind"] == kind)
+                    for kind in ("Job", "Service"))
+    played = [m for m in yaml.safe_load_all((d / "played.yaml").read_text()) if m["kind"] == "Pod"]
+    ips = [a["ip"] for a in played[0]["spec"]["hostAliases"]]
+    assert played == pods_for_podman(job_obj, svc, ips) and len(set(ips)) == 2
+    # both ranks trained, each in its own node folder, and the loss fell
+    recs = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    assert {(r["rank"], r["node"]) for r in recs} == {(0, 0), (1, 1)}
+    for rank in (0, 1):
+        steps = [r["step"] for r in recs if r["rank"] == rank]
+        assert sorted(steps) == list(range(steps[0], steps[0] + 20)), steps
+    assert metrics.read(d) and recs[-1]["loss"] < recs[0]["loss"]
+    for k in (0, 1):
+        assert f"fleetbox: node {k} ({job}-{k})" in (d / f"node{k}" / "container.log").read_text()
+    # the checkpoint folder is the claim's volume: the job's checkpoints, step 10 and 20, are on it
+    mount = Path(podman("volume", "inspect", "--format", "{{.Mountpoint}}", f"{job}-ckpt").strip())
+    assert {"step-00000010", "step-00000020"} <= {p.name for p in mount.iterdir()}
+    assert_nothing_left(job)
+
+
+def test_a_killed_pod_fails_the_job_named_and_every_node_is_stopped(podman_cpu, job):
+    p = subprocess.Popen(train(job, "--args", "--steps 3000 --step-sleep 0.05 --checkpoint-every 1000"),
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, **podman_cpu})
+    try:
+        # mid-run: node 1's rank has written metrics lines (its logs' emptyDir is a volume of this machine's)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            mount = podman("volume", "inspect", "--format", "{{.Mountpoint}}", f"{job}-1-logs").strip()
+            log = Path(mount, "workerlog.0") if mount else None
+            if log and log.exists() and sum(metrics.parse(ln) is not None for ln in log.read_text().splitlines()) > 3:
+                break
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.5)
+        else:
+            pytest.fail("node 1 trained no steps in 120 s")
+        subprocess.run(["podman", "kill", f"{job}-1-paddle"], check=True, capture_output=True)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0, out
+    assert "node1 (rank 1) exited with exit code 137" in out, out[-3000:]
+    summary = json.loads((ROOT / "runs" / job / "summary.json").read_text())
+    assert summary["culprit"] == 1 and not summary["ok"]
+    # node 0 stopped by fleetbox, or ended by itself (its peer gone) before it was seen to: never the one named
+    assert [n["state"] for n in summary["nodes"]] in (["stopped", "FAILED"], ["aborted", "FAILED"])
+    assert_nothing_left(job)
+
+
+def test_ctrl_c_cancels_the_job_and_leaves_nothing_but_the_claim(podman_cpu, job):
+    p = subprocess.Popen(train(job, "--args", "--steps 3000 --step-sleep 0.05"), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env={**os.environ, **podman_cpu},
+                         preexec_fn=ctrl_c_reaches_it)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:   # both nodes' containers run
+            running = podman("ps", "-q", "--filter", f"label=io.fleetbox.job={job}", "--filter", "status=running")
+            if len(running.split()) == 2:
+                break
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.5)
+        else:
+            pytest.fail("the job's containers never ran")
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and f"interrupted: cancelling {job}" in out, out[-3000:]
+    assert (ROOT / "runs" / job / "CANCELLED").exists()
+    assert_nothing_left(job)

@@ -1,0 +1,520 @@
+"""The Kubernetes backend, offline: each shape (an Indexed Job with its headless Service, a Volcano Job, a
+PaddleJob) rendered for a CPU and GPU variants, 2 nodes x 2 processes, and validated as a cluster would: the
+built-in kinds with kubernetes-validate --strict against Kubernetes 1.30's schemas, Volcano's and Kubeflow's
+against their CRDs' own openAPIV3Schema (tests/recorded/crds/, README there). A broken manifest is refused by
+both, so the validation can fail. The node's wiring (its rank, the master, its address and ports) is checked by
+running the container's own script with a stand-in python; kubectl is a stand-in that records its calls."""
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from fleetbox import settings
+from fleetbox.errors import UserError
+from fleetbox.image import matrix
+from fleetbox.run import backends
+from fleetbox.run import plan as planner
+from fleetbox.run import spec as spec_mod
+from tests.conftest import ROOT
+
+K8S = "1.30.0"   # the Kubernetes version whose schemas (bundled with kubernetes-validate) the built-in kinds meet
+CRDS = ROOT / "tests" / "recorded" / "crds"
+CRD_OF = {("batch.volcano.sh/v1alpha1", "Job"): ("batch.volcano.sh_jobs.yaml", "v1alpha1"),
+          ("kubeflow.org/v1", "PaddleJob"): ("kubeflow.org_paddlejobs.yaml", "v1")}
+JOB = "fb-job"
+PORT = 36543
+KINDS = ("indexed", "volcano", "paddlejob")
+
+
+def backend(**options):
+    return backends.get("kubernetes", **options)
+
+
+def spec(variant="cpu", **kw):
+    return spec_mod.JobSpec(variant=matrix.load().get(variant), nodes=2, procs_per_node=2, job_id=JOB, **kw)
+
+
+def strict(schema):
+    """The schema as the API server's strict field validation reads it: an object that lists its properties takes
+    no other field (unless it keeps unknown fields, or says what others it takes)."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) if k not in ("enum", "default", "example") else v for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+@cache
+def crd_validator(api_version: str, kind: str):
+    file, version = CRD_OF[(api_version, kind)]
+    crd = yaml.safe_load((CRDS / file).read_text())
+    assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == kind
+    assert crd["spec"]["group"] == api_version.split("/")[0]
+    schema = next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
+    return jsonschema.Draft4Validator(strict(schema))
+
+
+def validate(obj: dict) -> None:
+    """Raises where a cluster would refuse the object."""
+    key = (obj["apiVersion"], obj["kind"])
+    if key in CRD_OF:
+        crd_validator(*key).validate(obj)
+    else:
+        kubernetes_validate.validate(obj, K8S, strict=True)
+
+
+def refused(obj: dict) -> bool:
+    try:
+        validate(obj)
+    except (jsonschema.ValidationError, kubernetes_validate.ValidationError):
+        return True
+    return False
+
+
+def manifests(kind="indexed", variant="cpu", **options):
+    b = backend(k8s_kind=kind, **options)
+    return b, b.plan(spec(variant))
+
+
+def the(plan, kind: str) -> dict:
+    (obj,) = [m for m in plan.manifests if m["kind"] == kind]
+    return obj
+
+
+def template_of(obj: dict) -> dict:
+    """The pod template of a job of any shape."""
+    if obj["kind"] == "PaddleJob":
+        return obj["spec"]["paddleReplicaSpecs"]["Worker"]["template"]
+    if obj["apiVersion"].startswith("batch.volcano.sh"):
+        return obj["spec"]["tasks"][0]["template"]
+    return obj["spec"]["template"]
+
+
+JOB_KIND = {"indexed": "Job", "volcano": "Job", "paddlejob": "PaddleJob"}
+
+
+@pytest.mark.parametrize("variant", ["cpu", "cu126", "dcu"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_shape_renders_for_each_device_and_a_cluster_would_take_every_object(kind, variant):
+    b, plan = manifests(kind, variant, k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="50Gi", k8s_deadline=3600.0)
+    kinds = [m["kind"] for m in plan.manifests]
+    assert kinds == ["ConfigMap", "ConfigMap", "PersistentVolumeClaim", *(["Service"] if kind == "indexed" else []),
+                     JOB_KIND[kind]]
+    for m in plan.manifests:
+        validate(m)
+    # what --dry-run prints is these objects, read back as YAML
+    assert list(yaml.safe_load_all(b.describe(plan))) == list(plan.manifests)
+
+    job = plan.manifests[-1]
+    pod = template_of(job)["spec"]
+    (c,) = pod["containers"]
+    limits = c.get("resources", {}).get("limits", {})
+    assert limits == {"cpu": {}, "cu126": {"nvidia.com/gpu": "2"}, "dcu": {"hygon.com/dcu": "2"}}[variant]
+    assert (c.get("securityContext") == {"seccompProfile": {"type": "Unconfined"}}) == (variant == "dcu")
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}
+    assert vols["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    mounted = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounted[settings.CHECKPOINT_DIR] == "checkpoints" and mounted["/dev/shm"] == "dshm"
+    assert ({"hostPath": {"path": "/opt/hyhal"}} in [{k: v for k, v in x.items() if k != "name"}
+                                                      for x in vols.values()]) == (variant == "dcu")
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["FLEETBOX_CHECKPOINT_DIR"] == settings.CHECKPOINT_DIR and planner.HIP_VISIBLE not in env
+    assert planner.HIP_VISIBLE not in c["command"][2]   # the device plugin numbers the pod's DCUs
+    deadline = {"indexed": job["spec"].get("activeDeadlineSeconds"), "volcano": pod.get("activeDeadlineSeconds"),
+                "paddlejob": job["spec"].get("runPolicy", {}).get("activeDeadlineSeconds")}[kind]
+    assert deadline == 3600
+
+
+def test_the_indexed_job_and_its_service_wire_the_master_and_ranks():
+    _, plan = manifests("indexed")
+    svc, job = the(plan, "Service"), the(plan, "Job")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    labels = template_of(job)["metadata"]["labels"]
+    assert svc["spec"]["selector"] and labels | svc["spec"]["selector"] == labels   # it selects the job's pods
+    assert job["spec"] | {"template": None} == {"completionMode": "Indexed", "completions": 2, "parallelism": 2,
+                                                "backoffLimit": 0, "template": None}
+    pod = template_of(job)["spec"]
+    assert pod["subdomain"] == svc["metadata"]["name"] == JOB and pod["restartPolicy"] == "Never"
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def test_volcano_gang_schedules_every_node_and_restarts_the_whole_job():
+    _, plan = manifests("volcano")
+    spec_ = plan.manifests[-1]["spec"]
+    assert (spec_["schedulerName"], spec_["minAvailable"], spec_["tasks"][0]["replicas"]) == ("volcano", 2, 2)
+    assert set(spec_["plugins"]) == {"svc", "env"} and "maxRetry" not in spec_
+    # the CRD takes any words here; Volcano's admission webhook (pkg/webhooks/admission/jobs/validate/util.go,
+    # policyEventMap and policyActionMap) takes these among others
+    assert {p["action"] for p in spec_["policies"]} == {"TerminateJob"}
+    assert {p["event"] for p in spec_["policies"]} == {"PodFailed", "PodEvicted"}
+    b = backend(k8s_kind="volcano", k8s_queue="research")
+    restarting = b.plan(spec(max_restarts=3)).manifests[-1]["spec"]
+    assert restarting["maxRetry"] == 3 and {p["action"] for p in restarting["policies"]} == {"RestartJob"}
+    assert restarting["queue"] == "research"
+
+
+def test_the_paddlejob_is_what_the_training_operator_finds():
+    _, plan = manifests("paddlejob")
+    spec_ = plan.manifests[-1]["spec"]
+    worker = spec_["paddleReplicaSpecs"]["Worker"]
+    (c,) = worker["template"]["spec"]["containers"]
+    # the operator finds the container and its port by these names (kubeflowv1.PaddleJobDefault*)
+    assert c["name"] == "paddle" and c["ports"] == [{"name": "master", "containerPort": PORT}]
+    assert worker["replicas"] == 2 and worker["restartPolicy"] == worker["template"]["spec"]["restartPolicy"]
+    assert spec_["runPolicy"]["backoffLimit"] == 0
+
+
+# -- the node's wiring, by value: the container's script run with a stand-in python --
+
+PYTHON = r'''#!{py}
+import json, os, sys
+if sys.argv[1:2] == ["-c"]:   # the master's name, resolved
+    print(json.dumps({{"resolve": sys.argv[3:]}}), file=open(os.environ["OUT"] + ".resolve", "a"))
+    print("10.0.0.1")
+elif sys.argv[1].endswith("fleetbox_netinfo.py"):
+    print("eth7", os.environ["POD_IP"])
+else:
+    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, open(os.environ["OUT"], "w"))
+'''
+
+
+def run_script(container: dict, env: dict, tmp_path) -> dict:
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "python").write_text(PYTHON.format(py=sys.executable))
+    (bin_ / "python").chmod(0o755)
+    out = tmp_path / "launch.json"
+    values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    proc = subprocess.run(container["command"], env={**values, "PATH": f"{bin_}:/usr/bin:/bin", "OUT": str(out),
+                                                     "HOME": str(tmp_path), **env},
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    resolved = tmp_path / "launch.json.resolve"
+    got["resolved"] = [json.loads(ln)["resolve"] for ln in resolved.read_text().splitlines()] \
+        if resolved.exists() else []
+    resolved.unlink(missing_ok=True)
+    return got
+
+
+@pytest.mark.parametrize("kind,index_env,master", [
+    ("indexed", "JOB_COMPLETION_INDEX", f"{JOB}-0.{JOB}"),
+    ("volcano", "VK_TASK_INDEX", f"{JOB}-node-0.{JOB}"),
+    ("paddlejob", "KUBEFLOW_REPLICA_INDEX", f"{JOB}-worker-0"),
+])
+def test_a_node_takes_its_rank_from_its_shapes_index_and_the_master_from_rank_0s_name(kind, index_env, master,
+                                                                                      tmp_path):
+    _, plan = manifests(kind)
+    (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+    if kind == "paddlejob":   # the downward API gives it from the operator's label
+        assert {"name": "KUBEFLOW_REPLICA_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.labels['training.kubeflow.org/replica-index']"}}} in c["env"]
+    one = run_script(c, {index_env: "1", "POD_IP": "10.0.0.2"}, tmp_path)
+    argv = one["argv"]
+    opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert argv[:2] == ["-m", "paddle.distributed.launch"]
+    assert (opt["--rank"], opt["--nnodes"], opt["--nproc_per_node"]) == ("1", "2", "2")
+    assert (opt["--master"], opt["--host"]) == (f"10.0.0.1:{PORT}", "10.0.0.2")
+    assert one["resolved"] == [[master, "600"]]   # the master's name, asked of the cluster's DNS
+    first, last = planner.trainer_ports(PORT, 1, 2)
+    assert {k: one["env"][k] for k in ("FLEETBOX_NODE", "PORT_RANGE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} \
+        == {"FLEETBOX_NODE": "1", "PORT_RANGE": f"{first}:{last}", "GLOO_SOCKET_IFNAME": "eth7",
+            "NCCL_SOCKET_IFNAME": "eth7"}
+    zero = run_script(c, {index_env: "0", "POD_IP": "10.0.0.9"}, tmp_path)
+    zopt = {zero["argv"][i]: zero["argv"][i + 1] for i in range(len(zero["argv"]) - 1)}
+    # rank 0 is the master: its own address, as its launcher must see it to know itself
+    assert (zopt["--rank"], zopt["--master"], zopt["--host"], zero["resolved"]) == ("0", f"10.0.0.9:{PORT}",
+                                                                                     "10.0.0.9", [])
+
+
+def test_user_values_reach_the_script_quoted(tmp_path):
+    hostile = "a b'; touch /tmp/pwned; '$(id)"
+    b = backend()
+    plan = b.plan(spec(args=(hostile,), env={"X": "{rank} " + hostile}, iface="eth 0"))
+    (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "POD_IP": "10.0.0.2"}, tmp_path)
+    assert got["argv"][-1] == hostile and got["env"]["X"] == "1 " + hostile
+    assert got["env"]["GLOO_SOCKET_IFNAME"] == "eth 0"
+
+
+# -- what a cluster refuses, the validators refuse --
+
+def test_a_broken_object_is_refused_by_the_validators():
+    _, plan = manifests("indexed")
+    job, svc = the(plan, "Job"), the(plan, "Service")
+    assert not refused(job) and not refused(svc)
+    misspelled = json.loads(json.dumps(job))
+    misspelled["spec"]["completionMod"] = misspelled["spec"].pop("completionMode")
+    wrong_type = json.loads(json.dumps(job))
+    wrong_type["spec"]["completions"] = "2"
+    deep = json.loads(json.dumps(job))
+    deep["spec"]["template"]["spec"]["containers"][0]["imagee"] = "x"
+    assert refused(misspelled) and refused(wrong_type) and refused(deep)
+    bad_svc = json.loads(json.dumps(svc))
+    bad_svc["spec"]["publishNotReadyAddresses"] = "yes"
+    assert refused(bad_svc)
+
+
+@pytest.mark.parametrize("kind", ["volcano", "paddlejob"])
+def test_a_broken_custom_resource_is_refused_by_its_crds_schema(kind):
+    _, plan = manifests(kind)
+    job = plan.manifests[-1]
+    assert not refused(job)
+
+    def broken(change):
+        j = json.loads(json.dumps(job))
+        change(j)
+        return refused(j)
+
+    if kind == "volcano":
+        assert broken(lambda j: j["spec"].__setitem__("minAvailble", j["spec"].pop("minAvailable")))
+        assert broken(lambda j: j["spec"]["tasks"][0].__setitem__("replicas", "2"))
+        assert broken(lambda j: j["spec"]["plugins"].__setitem__("svc", "--publish-not-ready-addresses"))
+    else:
+        assert broken(lambda j: j["spec"].__setitem__("paddleReplicaSpec", j["spec"].pop("paddleReplicaSpecs")))
+        assert broken(lambda j: j["spec"]["runPolicy"].__setitem__("backoffLimit", "0"))
+    # the pod template is checked as deep as the CRD describes it
+    assert broken(lambda j: template_of(j)["spec"]["containers"][0].__setitem__("imagee", "x"))
+
+
+# -- Podman's kube play: one Pod per index --
+
+def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_the_index_and_names():
+    b, plan = manifests("indexed", k8s_namespace="ml")
+    job, svc = the(plan, "Job"), the(plan, "Service")
+    from fleetbox.run.backends.kubernetes import pods_for_podman
+    pods = pods_for_podman(job, svc, ["10.88.0.10", "10.88.0.11"])
+    assert len(pods) == 2
+    aliases = [{"ip": "10.88.0.10", "hostnames": [f"{JOB}-0.{JOB}", f"{JOB}-0"]},
+               {"ip": "10.88.0.11", "hostnames": [f"{JOB}-1.{JOB}", f"{JOB}-1"]}]
+    for k, pod in enumerate(pods):
+        for p in pods:
+            validate(p)
+        expected = json.loads(json.dumps(job["spec"]["template"]))
+        expected["metadata"] |= {"name": f"{JOB}-{k}", "namespace": "ml",
+                                 "annotations": {"batch.kubernetes.io/job-completion-index": str(k)}}
+        expected["spec"] |= {"hostname": f"{JOB}-{k}", "hostAliases": aliases}
+        env = expected["spec"]["containers"][0]["env"]
+        env[[e["name"] for e in env].index("JOB_COMPLETION_INDEX")] = {"name": "JOB_COMPLETION_INDEX",
+                                                                       "value": str(k)}
+        # Podman resolves no status.podIP: the pod's own address, as the kubelet would give it
+        env[[e["name"] for e in env].index("POD_IP")] = {"name": "POD_IP", "value": aliases[k]["ip"]}
+        # Podman 4.3 publishes a containerPort on the host (each pod has its own address: none), and makes an
+        # emptyDir a volume of its name that every pod naming it would share (each pod's own name)
+        del expected["spec"]["containers"][0]["ports"]
+        own = {v["name"] for v in expected["spec"]["volumes"] if "emptyDir" in v}
+        assert own == {"dshm", "logs"}
+        for v in expected["spec"]["volumes"] + expected["spec"]["containers"][0]["volumeMounts"]:
+            if v["name"] in own:
+                v["name"] = f"{JOB}-{k}-{v['name']}"
+        assert pod == {"apiVersion": "v1", "kind": "Pod", **expected}
+    assert job["spec"]["template"]["spec"].get("hostAliases") is None   # the Job itself is left as it was
+    assert pods_for_podman(job, svc)[1]["spec"]["hostAliases"][0]["ip"] == "127.0.0.1"
+
+
+# -- names and options --
+
+@pytest.mark.parametrize("job_id,needle", [
+    ("My_Job", "not a Kubernetes name: it must be an RFC 1035 label"),
+    ("1job", "starting with a letter"),
+    ("j" * 62, "its last pod's hostname"),
+])
+def test_a_job_id_that_cannot_name_the_objects_is_refused_in_one_line(job_id, needle):
+    with pytest.raises(UserError, match=needle):
+        backend().plan(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id=job_id))
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"k8s_kind": "mpijob"}, "--k8s-kind 'mpijob': choose indexed, volcano, paddlejob"),
+    ({"k8s_namespace": "ML"}, "--k8s-namespace 'ML' is not a Kubernetes name"),
+    ({"k8s_gpu_resource": "gpu"}, "--k8s-gpu-resource 'gpu' is not an extended resource name"),
+    ({"k8s_checkpoint_size": "5Gi"}, "--k8s-checkpoint-size makes the claim"),
+    ({"k8s_memory": "lots"}, "--k8s-memory 'lots' is not a Kubernetes quantity"),
+    ({"k8s_queue": "q"}, "--k8s-queue is Volcano's"),
+    ({"k8s_secret": "a;b"}, "--k8s-secret 'a;b' is not a Kubernetes name"),
+    ({"k8s_client": "oc"}, "--k8s-client 'oc': choose kubectl, podman"),
+    ({"k8s_client": "podman", "k8s_kind": "volcano"}, "--k8s-client podman runs the indexed kind only"),
+    ({"k8s_client": "podman", "k8s_host_network": True}, "Podman 4.3 drops hostAliases on the host's network"),
+    ({"k8s_client": "podman", "k8s_deadline": 60.0}, "--k8s-deadline is the Job controller's; Podman has none"),
+])
+def test_a_bad_option_is_refused_in_one_line(options, needle):
+    with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+        backend(**options)
+
+
+def test_pass_env_comes_from_the_secret_by_name_and_its_values_are_never_rendered(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "s3cret")
+    b = backend(k8s_secret="tokens")
+    plan = b.plan(spec(pass_env=("HF_TOKEN",)))
+    (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tokens", "key": "HF_TOKEN"}}} in c["env"]
+    assert "s3cret" not in b.describe(plan)
+    assert backend().plan(spec(pass_env=("HF_TOKEN",))).secret == f"{JOB}-env"
+
+
+def test_host_networking_keeps_the_clusters_dns_for_the_masters_name():
+    _, plan = manifests("indexed", k8s_host_network=True)
+    pod = template_of(plan.manifests[-1])["spec"]
+    assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    validate(plan.manifests[-1])
+
+
+def test_what_the_nodes_cannot_read_here_is_refused():
+    b = backend()
+    for given, needle in (({"checkpoint_dir": "/tmp"}, "--checkpoint-dir is a folder here"),
+                          ({"mounts": (spec_mod.Mount("{home}/x", "/x"),)}, "the source is a path on each node")):
+        with pytest.raises(UserError, match=needle):
+            b.check(spec(**given))
+
+
+def test_the_yaml_writer_round_trips_what_yaml_would_misread():
+    from fleetbox.run.backends.kubernetes import to_yaml
+    doc = {"a": ["yes", "no", "on", "null", "1", "0x1", "1e3", "-x", "a: b", "#c", " lead", "tab\there", "", "~"],
+           "b": {"c": "line1\nline2", "d": "ends\n", "e": "trailing \nspace", "f": True, "g": 3, "h": {}, "i": []},
+           "j": [{"k": 1, "l": [1, 2]}, []]}
+    assert list(yaml.safe_load_all(to_yaml([doc, {"x": "y"}]))) == [doc, {"x": "y"}]
+
+
+# -- kubectl, a stand-in that records its calls --
+
+KUBECTL = r'''#!{py}
+import json, os, sys
+args = sys.argv[1:]
+stdin = sys.stdin.read() if "-f" in args else ""
+with open(os.environ["KUBECTL_OUT"], "a") as f:
+    f.write(json.dumps({{"argv": args, "stdin": stdin}}) + "\n")
+if "get" in args and "json" in args:
+    print(os.environ.get("KUBECTL_SAYS", "{{}}"))
+'''
+
+
+@pytest.fixture
+def kubectl(tmp_path, monkeypatch):
+    d = tmp_path / "kbin"
+    d.mkdir()
+    (d / "kubectl").write_text(KUBECTL.format(py=sys.executable))
+    (d / "kubectl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
+    monkeypatch.setenv("KUBECTL_OUT", str(tmp_path / "kubectl.jsonl"))
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+
+    def calls():
+        p = tmp_path / "kubectl.jsonl"
+        return [json.loads(ln) for ln in p.read_text().splitlines()] if p.exists() else []
+    return calls
+
+
+def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_by_name(kubectl, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "s3cret")
+    b = backend(k8s_kind="volcano", k8s_namespace="ml")
+    plan = b.plan(spec(pass_env=("HF_TOKEN",)))
+    h = b.submit(plan, log=lambda *_: None)
+    (apply,) = kubectl()
+    assert apply["argv"] == ["--namespace", "ml", "apply", "-f", "-"]
+    applied = json.loads(apply["stdin"])["items"]
+    assert applied[0] == {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": {"HF_TOKEN": "s3cret"},
+                          "metadata": {"name": f"{JOB}-env", "labels": {settings.LABEL_JOB: JOB}, "namespace": "ml"}}
+    assert applied[1:] == list(plan.manifests)
+    assert "s3cret" not in (plan.dir / "manifests.yaml").read_text() + (plan.dir / "handle.json").read_text()
+    assert h.objects == [f"secret/{JOB}-env", f"configmap/{JOB}-helpers", f"configmap/{JOB}-script",
+                         f"job.batch.volcano.sh/{JOB}"]
+
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"status": {"state": {"phase": "Running"}, "retryCount": 1}}))
+    assert b.job_state(h)[:2] == ("RUNNING", 1)
+    assert kubectl()[-1]["argv"] == ["--namespace", "ml", "get", f"job.batch.volcano.sh/{JOB}", "-o", "json"]
+    b.cancel(h, log=lambda *_: None)
+    assert kubectl()[-1]["argv"] == ["--namespace", "ml", "delete", "--ignore-not-found", *h.objects]
+    assert b.job_state(h)[0] == "CANCELLED"
+
+
+PODMAN = r'''#!{py}
+import json, os, sys
+args = sys.argv[1:]
+stdin = sys.stdin.read() if args[-1:] == ["-"] else ""
+with open(os.environ["PODMAN_OUT"], "a") as f:
+    f.write(json.dumps({{"argv": args, "stdin": stdin}}) + "\n")
+if args[:2] == ["network", "inspect"]:
+    print(json.dumps([{{"subnets": [{{"subnet": "10.89.7.0/24", "gateway": "10.89.7.1"}}]}}]))
+if args[:2] == ["volume", "exists"]:
+    sys.exit(1)
+if args[:2] == ["kube", "play"]:
+    print("[starting container 1f: runc create failed: error setting rlimits]", file=sys.stderr)
+    print("Error: failed to start 2 containers", file=sys.stderr)
+    sys.exit(125)
+'''
+
+
+def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play_leaves_nothing(tmp_path,
+                                                                                                 monkeypatch):
+    from fleetbox.run.backends.kubernetes import pods_for_podman
+    d = tmp_path / "pbin"
+    d.mkdir()
+    (d / "podman").write_text(PODMAN.format(py=sys.executable))
+    (d / "podman").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
+    monkeypatch.setenv("PODMAN_OUT", str(tmp_path / "podman.jsonl"))
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    for bad, needle in (({"pass_env": ("HF_TOKEN",)}, "--pass-env reads a Secret"),
+                        ({"max_restarts": 1}, "--max-restarts is the Job controller's backoffLimit")):
+        with pytest.raises(UserError, match=needle):
+            backend(k8s_client="podman").check(spec(**bad))
+    b = backend(k8s_client="podman", k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
+    plan = b.plan(spec(args=("--tag", "a b;$(id)")))
+    with pytest.raises(UserError, match=r"podman kube play failed: Error: failed to start 2 containers \(.*rlimits"):
+        b.submit(plan, log=lambda *_: None)
+    calls = [json.loads(ln) for ln in (tmp_path / "podman.jsonl").read_text().splitlines()]
+    play = next(c for c in calls if c["argv"][:2] == ["kube", "play"])
+    assert play["argv"] == ["kube", "play", "--quiet", "--network", JOB, "--ip", "10.89.7.2", "--ip", "10.89.7.3",
+                            "-"]
+    played = list(yaml.safe_load_all(play["stdin"]))
+    job, svc = the(plan, "Job"), the(plan, "Service")
+    assert [m["kind"] for m in played] == ["ConfigMap", "ConfigMap", "PersistentVolumeClaim", "Pod", "Pod"]
+    assert played[3:] == pods_for_podman(job, svc, ["10.89.7.2", "10.89.7.3"])
+    # whatever was made is removed: the pods, the ConfigMaps' and emptyDirs' volumes, the network; never the claim
+    after = [c["argv"] for c in calls[calls.index(play) + 1:]]
+    assert after[0] == ["pod", "rm", "--force", "--ignore", "--time", "0", f"{JOB}-0", f"{JOB}-1"]
+    removed = {a[-1] for a in after[1:]}
+    assert removed == {f"{JOB}-helpers", f"{JOB}-script", JOB} | {f"{JOB}-{k}-{v}" for k in (0, 1)
+                                                                  for v in ("dshm", "logs")}
+    assert "ckpt" not in removed
+
+
+@pytest.mark.parametrize("kind,status,state", [
+    ("indexed", {"conditions": [{"type": "Complete", "status": "True"}]}, "PASSED"),
+    ("indexed", {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}, "FAILED"),
+    ("indexed", {"active": 2}, "RUNNING"),
+    ("indexed", {}, "PENDING"),
+    ("volcano", {"state": {"phase": "Completed"}}, "PASSED"),
+    ("volcano", {"state": {"phase": "Inqueue"}}, "PENDING"),
+    ("paddlejob", {"conditions": [{"type": "Created", "status": "True"}, {"type": "Running", "status": "True"},
+                                  {"type": "Succeeded", "status": "True"}]}, "PASSED"),
+    ("paddlejob", {"conditions": [{"type": "Failed", "status": "True", "message": "x"}]}, "FAILED"),
+])
+def test_each_controllers_status_reads_as_a_fleetbox_state(kind, status, state):
+    from fleetbox.run.backends.kubernetes import state_of
+    assert state_of(kind, status)[0] == state
+
+
+def test_train_dry_run_prints_the_manifests_and_another_backend_refuses_its_options(run_invoke):
+    from tests.unit.test_cli import one_line_error
+    proc = run_invoke("train", "--backend", "kubernetes", "--k8s-kind", "paddlejob", "--nodes", "2", "--job-id",
+                      JOB, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    docs = list(yaml.safe_load_all(proc.stdout))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "ConfigMap", "PaddleJob"]
+    for d in docs:
+        validate(d)
+    one_line_error(run_invoke("train", "--k8s-kind", "volcano", "--dry-run"), "--k8s-kind is for --backend kubernetes")
