@@ -896,54 +896,14 @@ def podman(*args: str, stdin: str | None = None, check: bool = True, merge: bool
         raise UserError(f"podman {' '.join(args[:2])} failed: {last}" + (f" ({first})" if first != last else ""))
     return proc
 
-# -- YAML, written here (a small subset: maps, lists, strings, numbers, booleans): no YAML library needed --
-
-PLAIN = re.compile(r"[A-Za-z_/][A-Za-z0-9_./-]*")
-YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}   # YAML 1.1 reads these as others
-
-
-def _scalar(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return json.dumps(v)
-    if v is None:
-        return "null"
-    if PLAIN.fullmatch(v) and v.lower() not in YAML_WORDS:
-        return v
-    return json.dumps(v)   # a JSON string is a YAML double-quoted scalar
-
-
-def _block(v) -> bool:
-    """A string shown as a literal block (|- or |): several lines, each as written."""
-    return (isinstance(v, str) and "\n" in v and not v.endswith("\n\n") and not v.startswith((" ", "\n"))
-            and all(c == "\n" or c.isprintable() for c in v) and not any(ln != ln.rstrip() for ln in v.split("\n")))
-
-
-def _lines(v, indent: int) -> list[str]:
-    pad = " " * indent
-    out = []
-    items = v.items() if isinstance(v, dict) else [(None, x) for x in v]
-    for k, x in items:
-        lead = f"{pad}{_scalar(k)}:" if k is not None else f"{pad}-"
-        if isinstance(x, (dict, list)) and x:
-            if k is None and isinstance(x, dict):   # a map in a list starts on the dash's line
-                inner = _lines(x, indent + 2)
-                out.append(f"{pad}- {inner[0].lstrip()}")
-                out += inner[1:]
-            else:
-                out.append(lead)
-                out += _lines(x, indent + 2)
-        elif isinstance(x, (dict, list)):
-            out.append(f"{lead} {'{}' if isinstance(x, dict) else '[]'}")
-        elif _block(x):
-            out.append(f"{lead} |{'' if x.endswith(chr(10)) else '-'}")
-            out += [f"{pad}  {ln}" if ln else "" for ln in x.rstrip("\n").split("\n")]
-        else:
-            out.append(f"{lead} {_scalar(x)}")
-    return out
-
-
 def to_yaml(docs) -> str:
-    """Multi-document YAML, one document per object."""
-    return "".join(f"---\n{chr(10).join(_lines(d, 0))}\n" for d in docs)
+    """Multi-document YAML, one document per object, keys in the order they were made; a string of several lines
+    as a block (a node's script reads as written)."""
+    import yaml  # noqa: PLC0415 (deferred: every task loads the backends, only this backend's objects need YAML)
+
+    class Dumper(yaml.SafeDumper):
+        pass
+    Dumper.add_representer(str, lambda d, text: d.represent_scalar("tag:yaml.org,2002:str", text,
+                                                                   style="|" if "\n" in text else None))
+    return yaml.dump_all(list(docs), Dumper=Dumper, sort_keys=False, explicit_start=True, allow_unicode=True,
+                         width=1 << 16)
