@@ -202,7 +202,8 @@ class DockerBackend(Backend):
     @classmethod
     def sized(cls, options: dict, nodes: int) -> dict:
         """The first N of --hosts for N nodes."""
-        hosts = tuple(options.get("hosts") or ())
+        given = options.get("hosts") or ()
+        hosts = tuple(options_mod.items(given) if isinstance(given, str) else given)
         if not hosts:
             return options
         if len(hosts) < nodes:
