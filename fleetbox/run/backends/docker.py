@@ -129,6 +129,7 @@ def node_gpus(spec: spec_mod.JobSpec, rank: int, devices: str = "", sharing: int
     block = rank % sharing
     return ",".join(ids[block * per:(block + 1) * per])
 
+
 class DockerBackend(Backend):
     name = "docker"
     about = "containers via Docker Engines"
