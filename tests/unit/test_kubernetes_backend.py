@@ -518,3 +518,29 @@ def test_train_dry_run_prints_the_manifests_and_another_backend_refuses_its_opti
     for d in docs:
         validate(d)
     one_line_error(run_invoke("train", "--k8s-kind", "volcano", "--dry-run"), "--k8s-kind is for --backend kubernetes")
+
+
+FAILING_APPLY = KUBECTL + r'''
+if "apply" in args:
+    print("configmap/fb-job-helpers created\nsecret/fb-job-env created")
+    print('error: no matches for kind "Job" in version "batch.volcano.sh/v1alpha1"', file=sys.stderr)
+    sys.exit(1)
+'''
+
+
+def test_a_failed_apply_deletes_what_it_made_by_the_jobs_label_and_keeps_the_handle(kubectl, tmp_path,
+                                                                                   monkeypatch):
+    (tmp_path / "kbin" / "kubectl").write_text(FAILING_APPLY.format(py=sys.executable))
+    monkeypatch.setenv("HF_TOKEN", "s3cret")
+    b = backend(k8s_kind="volcano", k8s_namespace="ml", k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
+    plan = b.plan(spec(pass_env=("HF_TOKEN",)))
+    with pytest.raises(UserError, match="kubectl apply failed"):
+        b.run(plan, log=lambda *_: None)
+    argvs = [c["argv"] for c in kubectl()]
+    apply = argvs.index(["--namespace", "ml", "apply", "-f", "-"])
+    assert argvs[apply + 1] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
+                                f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found"]   # never the claim
+    assert (plan.dir / "handle.json").exists()
+    from fleetbox.run.backends.kubernetes import KubernetesBackend
+    assert f"kubectl delete secret,configmap,service,job.batch,job.batch.volcano.sh,paddlejob.kubeflow.org -l " \
+           f"{settings.LABEL_JOB}={JOB} --ignore-not-found" in KubernetesBackend.leftovers(JOB)

@@ -510,16 +510,28 @@ class KubernetesBackend(Backend):
                                       "stringData": {k: os.environ[k] for k in plan.spec.pass_env}},
                                      Names(plan.job_id, plan.kind)))
         (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
-        kubectl(*self.ns(plan.namespace), "apply", "-f", "-",
-                stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
         handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
                             procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim, owner=records.owner(),
                             kind=plan.kind, namespace=plan.namespace,
                             objects=(["secret/" + plan.secret] if plan.secret else []) + self.objects(plan))
-        handle.save()
+        handle.save()   # first: whatever is applied from here on, a cancel finds
+        by_label = label_delete(plan.namespace, kinds_of(docs), plan.job_id)
+        try:
+            kubectl(*self.ns(plan.namespace), "apply", "-f", "-",
+                    stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        except BaseException:   # a failed or interrupted apply may have made some objects: none is left
+            with signals_held():
+                kubectl(*by_label[1:], check=False)
+            raise
         log(f"applied {plan.job_id} ({plan.kind}, {plan.spec.nodes} nodes); see it with "
             f"`kubectl get pods -l {settings.LABEL_JOB}={plan.job_id}`")
         return handle
+
+    @classmethod
+    def leftovers(cls, job_id: str) -> str:
+        kinds = ["secret", "configmap", "service", "job.batch", "job.batch.volcano.sh", "paddlejob.kubeflow.org"]
+        return (f"Kubernetes objects: `{line(label_delete('', kinds, job_id))}` (with --namespace where it ran; "
+                f"a kind the cluster lacks, left out)")
 
     @staticmethod
     def ns(namespace: str) -> list[str]:
@@ -605,6 +617,19 @@ class KubernetesBackend(Backend):
             return
         log(line(["kubectl", *self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects]))
         kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects)
+
+
+def kinds_of(docs) -> list[str]:
+    """The kinds of the job's objects, as kubectl names them (kind.group), in order; never a claim's (its
+    checkpoints outlive the job)."""
+    kinds = [kubectl_name(d).partition("/")[0] for d in docs if d["kind"] != "PersistentVolumeClaim"]
+    return list(dict.fromkeys(kinds))
+
+
+def label_delete(namespace: str, kinds: list[str], job_id: str) -> list[str]:
+    """`kubectl delete` of every object of these kinds that bears the job's label (argv)."""
+    return ["kubectl", *KubernetesBackend.ns(namespace), "delete", ",".join(kinds), "-l",
+            f"{settings.LABEL_JOB}={job_id}", "--ignore-not-found"]
 
 
 def pod_rank(pod: dict, kind: str) -> int | None:
