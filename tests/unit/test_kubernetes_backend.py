@@ -422,7 +422,10 @@ def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_b
     b = backend(k8s_kind="volcano", k8s_namespace="ml")
     plan = b.plan(spec(pass_env=("HF_TOKEN",)))
     h = b.submit(plan, log=lambda *_: None)
-    (apply,) = kubectl()
+    earlier, apply = kubectl()
+    # what an earlier run of the same id left is deleted first (and waited for), the claim never
+    assert earlier["argv"] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
+                               f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found", "--cascade=foreground", "--wait"]
     assert apply["argv"] == ["--namespace", "ml", "apply", "-f", "-"]
     applied = json.loads(apply["stdin"])["items"]
     assert applied[0] == {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": {"HF_TOKEN": "s3cret"},
@@ -536,7 +539,7 @@ def test_a_failed_apply_deletes_what_it_made_by_the_jobs_label_and_keeps_the_han
     plan = b.plan(spec(pass_env=("HF_TOKEN",)))
     with pytest.raises(UserError, match="kubectl apply failed"):
         b.run(plan, log=lambda *_: None)
-    argvs = [c["argv"] for c in kubectl()]
+    argvs = [c["argv"] for c in kubectl() if c["argv"][-1] != "--wait"]   # the earlier run's, deleted first
     apply = argvs.index(["--namespace", "ml", "apply", "-f", "-"])
     assert argvs[apply + 1] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
                                 f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found"]   # never the claim
@@ -544,3 +547,27 @@ def test_a_failed_apply_deletes_what_it_made_by_the_jobs_label_and_keeps_the_han
     from fleetbox.run.backends.kubernetes import KubernetesBackend
     assert f"kubectl delete secret,configmap,service,job.batch,job.batch.volcano.sh,paddlejob.kubeflow.org -l " \
            f"{settings.LABEL_JOB}={JOB} --ignore-not-found" in KubernetesBackend.leftovers(JOB)
+
+
+LEFT_BEFORE = KUBECTL + r'''
+if "delete" in args and "--wait" in args:
+    print('configmap "fb-job-helpers" deleted\njob.batch "fb-job" deleted')
+'''
+
+
+def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kubectl, tmp_path, monkeypatch):
+    (tmp_path / "kbin" / "kubectl").write_text(LEFT_BEFORE.format(py=sys.executable))
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": [], "status": {"conditions": [
+        {"type": "Complete", "status": "True"}]}}))
+    b = backend(k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
+    said = []
+    b.run(b.plan(spec()), log=said.append)
+    argvs = [c["argv"] for c in kubectl()]
+    assert argvs[:2] == [["delete", "configmap,service,job.batch", "-l", f"{settings.LABEL_JOB}={JOB}",
+                          "--ignore-not-found", "--cascade=foreground", "--wait"], ["apply", "-f", "-"]]
+    assert [s for s in said if "earlier run" in s] == [
+        f"{JOB}: deleted what an earlier run of it left (configmap, job.batch)"]
+    said.clear()
+    (tmp_path / "kbin" / "kubectl").write_text(KUBECTL.format(py=sys.executable))
+    b.run(b.plan(spec()), log=said.append)
+    assert not [s for s in said if "earlier run" in s]   # nothing was left: nothing said

@@ -516,6 +516,12 @@ class KubernetesBackend(Backend):
                             objects=(["secret/" + plan.secret] if plan.secret else []) + self.objects(plan))
         handle.save()   # first: whatever is applied from here on, a cancel finds
         by_label = label_delete(plan.namespace, kinds_of(docs), plan.job_id)
+        # an earlier run of this job id left its objects (a finished job's are kept): applied again they would be
+        # "unchanged", and the old job's status read as this one's. Deleted first, and waited for, their pods too
+        # (the claim kept)
+        gone = kubectl(*by_label[1:], "--cascade=foreground", "--wait").stdout.strip().splitlines()
+        if gone:
+            log(f"{plan.job_id}: deleted what an earlier run of it left ({', '.join(w.split()[0] for w in gone)})")
         try:
             kubectl(*self.ns(plan.namespace), "apply", "-f", "-",
                     stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
