@@ -191,15 +191,40 @@ else:
 '''
 
 
+def kubelet_expand(text: str, known: dict) -> str:
+    """What the kubelet makes of an env value, a command or its args (its expansion, third_party/forked/golang/
+    expansion): $$ is $, $(NAME) a known variable's value (left as written where unknown)."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "$" and text[i + 1:i + 2] == "$":
+            out.append("$")
+            i += 2
+        elif text[i] == "$" and text[i + 1:i + 2] == "(" and ")" in text[i + 2:]:
+            end = text.index(")", i + 2)
+            name = text[i + 2:end]
+            out.append(known[name] if name in known else text[i:end + 1])
+            i = end + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 def run_script(container: dict, env: dict, tmp_path) -> dict:
+    """The container's command run as the kubelet would: its env values (each may name those before it, and the
+    downward API's, `env`) and its command expanded as it expands them."""
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
     (bin_ / "python").write_text(PYTHON.format(py=sys.executable))
     (bin_ / "python").chmod(0o755)
     out = tmp_path / "launch.json"
-    values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    proc = subprocess.run(container["command"], env={**values, "PATH": f"{bin_}:/usr/bin:/bin", "OUT": str(out),
-                                                     "HOME": str(tmp_path), **env},
+    values = dict(env)
+    for e in container["env"]:
+        if "value" in e:
+            values[e["name"]] = kubelet_expand(e["value"], values)
+    command = [kubelet_expand(w, values) for w in container["command"]]
+    proc = subprocess.run(command, env={**values, "PATH": f"{bin_}:/usr/bin:/bin", "OUT": str(out),
+                                        "HOME": str(tmp_path), **env},
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
@@ -248,6 +273,20 @@ def test_user_values_reach_the_script_quoted(tmp_path):
     got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "POD_IP": "10.0.0.2"}, tmp_path)
     assert got["argv"][-1] == hostile and got["env"]["X"] == "1 " + hostile
     assert got["env"]["GLOO_SOCKET_IFNAME"] == "eth 0"
+
+
+def test_the_kubelets_expansion_leaves_user_values_and_the_scripts_own_as_written(tmp_path):
+    b = backend()
+    plan = b.plan(spec(args=("$(POD_IP)", "x$$y"), env={"A": "a$$b", "B": "$(POD_IP)"}))
+    (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "POD_IP": "10.0.0.2"}, tmp_path)
+    assert got["argv"][-2:] == ["$(POD_IP)", "x$$y"]
+    assert (got["env"]["A"], got["env"]["B"]) == ("a$$b", "$(POD_IP)")
+    # the script's own $(...) and $((...)) are the shell's still
+    opt = {got["argv"][i]: got["argv"][i + 1] for i in range(len(got["argv"]) - 1)}
+    assert (opt["--master"], opt["--host"]) == (f"10.0.0.1:{PORT}", "10.0.0.2")
+    first, last = planner.trainer_ports(PORT, 1, 2)
+    assert got["env"]["PORT_RANGE"] == f"{first}:{last}"
 
 
 # -- what a cluster refuses, the validators refuse --

@@ -399,7 +399,7 @@ class KubernetesBackend(Backend):
             env.append({"name": "KUBEFLOW_REPLICA_INDEX", "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.labels['{KUBEFLOW_INDEX}']"}}})
         # values the same on every node; those with placeholders are the node script's exports
-        env += [{"name": k, "value": v} for k, v in t.env.items() if not placeholders.used(v)]
+        env += [{"name": k, "value": kubelet_literal(v)} for k, v in t.env.items() if not placeholders.used(v)]
         env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in t.pass_env]
         mounts, volumes = [{"name": "dshm", "mountPath": "/dev/shm"}], [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_quantity(spec.shm_size)}}]
@@ -425,7 +425,7 @@ class KubernetesBackend(Backend):
         if self.memory:
             resources["memory"] = self.memory
         container = {"name": CONTAINER, "image": t.image,
-                     "command": ["/bin/sh", "-c", self.node_script(spec, names, port, t)],
+                     "command": ["/bin/sh", "-c", kubelet_literal(self.node_script(spec, names, port, t))],
                      "env": env, "ports": [{"name": MASTER_PORT_NAME, "containerPort": port}],
                      "volumeMounts": mounts}
         if resources:   # limits alone: Kubernetes asks for the same (extended resources allow nothing else)
@@ -623,6 +623,13 @@ class KubernetesBackend(Backend):
             return
         log(line(["kubectl", *self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects]))
         kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects)
+
+
+def kubelet_literal(text: str) -> str:
+    """`text` as the kubelet gives it back: it expands $(NAME) in an env value, a command and its args, and takes
+    $$ for $; every $ doubled, the container gets the text as written (a user's value, the node script's own
+    $(...) and $((...)), which the shell is to expand)."""
+    return text.replace("$", "$$")
 
 
 def kinds_of(docs) -> list[str]:
