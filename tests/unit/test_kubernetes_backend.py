@@ -126,6 +126,9 @@ def test_each_shape_renders_for_each_device_and_a_cluster_would_take_every_objec
     assert vols["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     mounted = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounted[settings.CHECKPOINT_DIR] == "checkpoints" and mounted["/dev/shm"] == "dshm"
+    # the claim is shared by every job naming it: each job has its own folder of it
+    (ckpt,) = [m for m in c["volumeMounts"] if m["mountPath"] == settings.CHECKPOINT_DIR]
+    assert ckpt["subPath"] == JOB
     assert ({"hostPath": {"path": "/opt/hyhal"}} in [{k: v for k, v in x.items() if k != "name"}
                                                       for x in vols.values()]) == (variant == "dcu")
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -515,6 +518,9 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
             backend(k8s_client="podman").check(spec(**bad))
     b = backend(k8s_client="podman", k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
     plan = b.plan(spec(args=("--tag", "a b;$(id)")))
+    (ckpt,) = [m for m in pods_for_podman(the(plan, "Job"), the(plan, "Service"))[0]["spec"]["containers"][0][
+        "volumeMounts"] if m["mountPath"] == settings.CHECKPOINT_DIR]
+    assert (ckpt["name"], ckpt["subPath"]) == ("checkpoints", JOB)   # the job's own folder of the claim's volume
     with pytest.raises(UserError, match=r"podman kube play failed: Error: failed to start 2 containers \(.*rlimits"):
         b.submit(plan, log=lambda *_: None)
     calls = [json.loads(ln) for ln in (tmp_path / "podman.jsonl").read_text().splitlines()]

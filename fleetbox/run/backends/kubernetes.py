@@ -416,7 +416,10 @@ class KubernetesBackend(Backend):
             else:   # the dataset cache, a DCU node's /opt/hyhal, --mount: paths on each node
                 vol = {"name": f"host{i}", "hostPath": {"path": m.src}}
             volumes.append(vol)
-            mounts.append({"name": vol["name"], "mountPath": m.dst, **({"readOnly": True} if m.ro else {})})
+            mounts.append({"name": vol["name"], "mountPath": m.dst, **({"readOnly": True} if m.ro else {}),
+                           # each job its own folder of the claim (as Docker's runs/<job>/checkpoints): every job
+                           # naming the claim shares it
+                           **({"subPath": names.job} if m.dst == settings.CHECKPOINT_DIR else {})})
         resources = {}
         if t.accelerator:   # one device per process, as the device plugin counts them
             resources[self.resource[t.accelerator]] = str(spec.gpus_each)
