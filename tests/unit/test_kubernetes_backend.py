@@ -188,7 +188,7 @@ if sys.argv[1:2] == ["-c"]:   # the master's name, resolved
     print(json.dumps({{"resolve": sys.argv[3:]}}), file=open(os.environ["OUT"] + ".resolve", "a"))
     print("10.0.0.1")
 elif sys.argv[1].endswith("fleetbox_netinfo.py"):
-    print("eth7", os.environ["POD_IP"])
+    print("eth7", os.environ["NODE_POD_IP"])
 else:
     json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, open(os.environ["OUT"], "w"))
 '''
@@ -250,7 +250,7 @@ def test_a_node_takes_its_rank_from_its_shapes_index_and_the_master_from_rank_0s
     if kind == "paddlejob":   # the downward API gives it from the operator's label
         assert {"name": "KUBEFLOW_REPLICA_INDEX", "valueFrom": {"fieldRef": {
             "fieldPath": "metadata.labels['training.kubeflow.org/replica-index']"}}} in c["env"]
-    one = run_script(c, {index_env: "1", "POD_IP": "10.0.0.2"}, tmp_path)
+    one = run_script(c, {index_env: "1", "NODE_POD_IP": "10.0.0.2"}, tmp_path)
     argv = one["argv"]
     opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     assert argv[:2] == ["-m", "paddle.distributed.launch"]
@@ -261,11 +261,25 @@ def test_a_node_takes_its_rank_from_its_shapes_index_and_the_master_from_rank_0s
     assert {k: one["env"][k] for k in ("FLEETBOX_NODE", "PORT_RANGE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} \
         == {"FLEETBOX_NODE": "1", "PORT_RANGE": f"{first}:{last}", "GLOO_SOCKET_IFNAME": "eth7",
             "NCCL_SOCKET_IFNAME": "eth7"}
-    zero = run_script(c, {index_env: "0", "POD_IP": "10.0.0.9"}, tmp_path)
+    zero = run_script(c, {index_env: "0", "NODE_POD_IP": "10.0.0.9"}, tmp_path)
     zopt = {zero["argv"][i]: zero["argv"][i + 1] for i in range(len(zero["argv"]) - 1)}
     # rank 0 is the master: its own address, as its launcher must see it to know itself
     assert (zopt["--rank"], zopt["--master"], zopt["--host"], zero["resolved"]) == ("0", f"10.0.0.9:{PORT}",
                                                                                      "10.0.0.9", [])
+
+
+@pytest.mark.parametrize("kind,index_env", [("indexed", "JOB_COMPLETION_INDEX"), ("volcano", "VK_TASK_INDEX"),
+                                             ("paddlejob", "KUBEFLOW_REPLICA_INDEX")])
+def test_what_paddles_launcher_would_take_over_its_flags_is_not_in_its_env(kind, index_env, tmp_path):
+    _, plan = manifests(kind)
+    (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+    # Paddle's launcher reads POD_IP over --host: the pod's address has a name of fleetbox's own
+    assert "POD_IP" not in {e["name"] for e in c["env"]}
+    operator = {"PADDLE_MASTER": "10.9.9.9:1", "PADDLE_NNODES": "7", "PADDLE_JOB_ID": "theirs"}
+    got = run_script(c, {index_env: "1", "NODE_POD_IP": "10.0.0.2", **operator}, tmp_path)
+    left = {k: got["env"][k] for k in operator if k in got["env"]}
+    # the Training Operator's (a PaddleJob's pods only) are unset before the launcher
+    assert left == ({} if kind == "paddlejob" else operator)
 
 
 def test_user_values_reach_the_script_quoted(tmp_path):
@@ -273,18 +287,19 @@ def test_user_values_reach_the_script_quoted(tmp_path):
     b = backend()
     plan = b.plan(spec(args=(hostile,), env={"X": "{rank} " + hostile}, iface="eth 0"))
     (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
-    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "POD_IP": "10.0.0.2"}, tmp_path)
+    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "NODE_POD_IP": "10.0.0.2"}, tmp_path)
     assert got["argv"][-1] == hostile and got["env"]["X"] == "1 " + hostile
     assert got["env"]["GLOO_SOCKET_IFNAME"] == "eth 0"
 
 
 def test_the_kubelets_expansion_leaves_user_values_and_the_scripts_own_as_written(tmp_path):
     b = backend()
-    plan = b.plan(spec(args=("$(POD_IP)", "x$$y"), env={"A": "a$$b", "B": "$(POD_IP)"}))
+    plan = b.plan(spec(args=("$(POD_IP)", "x$$y", "$(NODE_POD_IP)"),
+                       env={"A": "a$$b", "B": "$(POD_IP)", "C": "$(NODE_POD_IP)"}))
     (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
-    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "POD_IP": "10.0.0.2"}, tmp_path)
-    assert got["argv"][-2:] == ["$(POD_IP)", "x$$y"]
-    assert (got["env"]["A"], got["env"]["B"]) == ("a$$b", "$(POD_IP)")
+    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "NODE_POD_IP": "10.0.0.2"}, tmp_path)
+    assert got["argv"][-3:] == ["$(POD_IP)", "x$$y", "$(NODE_POD_IP)"]
+    assert (got["env"]["A"], got["env"]["B"], got["env"]["C"]) == ("a$$b", "$(POD_IP)", "$(NODE_POD_IP)")
     # the script's own $(...) and $((...)) are the shell's still
     opt = {got["argv"][i]: got["argv"][i + 1] for i in range(len(got["argv"]) - 1)}
     assert (opt["--master"], opt["--host"]) == (f"10.0.0.1:{PORT}", "10.0.0.2")
@@ -353,7 +368,7 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
         env[[e["name"] for e in env].index("JOB_COMPLETION_INDEX")] = {"name": "JOB_COMPLETION_INDEX",
                                                                        "value": str(k)}
         # Podman resolves no status.podIP: the pod's own address, as the kubelet would give it
-        env[[e["name"] for e in env].index("POD_IP")] = {"name": "POD_IP", "value": aliases[k]["ip"]}
+        env[[e["name"] for e in env].index("NODE_POD_IP")] = {"name": "NODE_POD_IP", "value": aliases[k]["ip"]}
         # Podman 4.3 publishes a containerPort on the host (each pod has its own address: none), and makes an
         # emptyDir a volume of its name that every pod naming it would share (each pod's own name)
         del expected["spec"]["containers"][0]["ports"]

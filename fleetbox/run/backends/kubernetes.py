@@ -64,7 +64,11 @@ NODE_VARS = {"rank": Raw('"$NODE_INDEX"'), "node": Raw('node"$NODE_INDEX"'), "ho
              "iface": Raw('"$IFACE"'), "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'),
              "gpus": ""}   # the device plugin chooses a pod's devices, and shows it only those
 
-POD_IP_REF = {"fieldRef": {"fieldPath": "status.podIP"}}   # the pod's address (the downward API)
+# the pod's address (the downward API), by a name of fleetbox's own: Paddle's launcher reads POD_IP over its --host
+POD_IP_VAR, POD_IP_REF = "NODE_POD_IP", {"fieldRef": {"fieldPath": "status.podIP"}}
+# What the Training Operator gives a PaddleJob's pods (training-operator pkg/controller.v1/paddlepaddle/envvar.go),
+# which Paddle's launcher would take over fleetbox's flags (--master, --nnodes, --job_id)
+PADDLE_OPERATOR_ENV = ("PADDLE_MASTER", "PADDLE_NNODES", "PADDLE_JOB_ID")
 
 # The master's name resolves once its pod has an address (the headless Service publishes pods not yet ready);
 # its pod may start later than the others (an image pull): wait for it this long.
@@ -369,10 +373,10 @@ class KubernetesBackend(Backend):
             'FLEETBOX_ATTEMPT="${VOLCANO_JOB_VERSION:-0}"' if self.kind == "volcano" else "FLEETBOX_ATTEMPT=0",
             f"MASTER_NAME={line([names.master])}",
             # the master is this pod on rank 0 (the launcher tells that it is the master by the address)
-            'if [ "$NODE_INDEX" = 0 ]; then MASTER_IP="$POD_IP"; else '
+            'if [ "$NODE_INDEX" = 0 ]; then MASTER_IP="$NODE_POD_IP"; else '
             f'MASTER_IP="$(python -c {line([RESOLVE_PY])} "$MASTER_NAME" {MASTER_WAIT_S})"; fi',
             f'set -- $(python {settings.HELPERS_DIR}/fleetbox_netinfo.py "$MASTER_IP" --plain)',
-            'IFACE="${1:-}"; NODE_IP="${2:-$POD_IP}"',
+            'IFACE="${1:-}"; NODE_IP="${2:-$NODE_POD_IP}"',
         ]
         if spec.iface:
             lines.append(f"IFACE={line([spec.iface])}")
@@ -383,12 +387,14 @@ class KubernetesBackend(Backend):
                   f'$MASTER_IP:{port}"']
         lines += [f"export {k}={line([placeholders.to_shell(v, values)])}" for k, v in t.env.items()
                   if placeholders.used(v)]
+        if self.kind == "paddlejob":   # the operator's (training-operator pkg/controller.v1/paddlepaddle/envvar.go):
+            lines.append(f"unset {' '.join(PADDLE_OPERATOR_ENV)}")   # the launcher would take them over its flags
         lines.append("exec " + line(placeholders.to_shell(w, values) for w in t.command))
         return "\n".join(lines)
 
     def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str) -> dict:
         t = self.node_run(spec, names.job)
-        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]   # POD_IP_REF
+        env = [{"name": POD_IP_VAR, "valueFrom": POD_IP_REF}]
         if self.kind == "indexed":   # as the Job controller sets it (it adds none where the pod has one)
             env.append({"name": COMPLETION_INDEX, "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}})
