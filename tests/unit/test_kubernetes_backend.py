@@ -631,3 +631,28 @@ def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kub
     (tmp_path / "kbin" / "kubectl").write_text(KUBECTL.format(py=sys.executable))
     b.run(b.plan(spec()), log=said.append)
     assert not [s for s in said if "earlier run" in s]   # nothing was left: nothing said
+
+
+GONE = KUBECTL.replace("if \"get\" in args and \"json\" in args:", r'''if "get" in args and "pods" not in args:
+    print('Error from server (NotFound): jobs.batch "fb-job" not found', file=sys.stderr)
+    sys.exit(1)
+if "get" in args and "json" in args:''')
+
+
+def test_a_job_whose_object_was_deleted_while_it_ran_is_followed_to_failed(kubectl, tmp_path, monkeypatch):
+    assert GONE != KUBECTL
+    (tmp_path / "kbin" / "kubectl").write_text(GONE.format(py=sys.executable))
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": []}))
+    b = backend()
+    plan = b.plan(spec())
+    h = b.submit(plan, log=lambda *_: None)
+    slept = []
+
+    def sleep(s):   # the follow loop's: a few polls, not forever
+        slept.append(s)
+        assert len(slept) < 20, "follow keeps polling a job whose object is gone"
+    from fleetbox.run.backends import kubernetes
+    monkeypatch.setattr(kubernetes.time, "sleep", sleep)
+    said = []
+    result = b.follow(h, log=said.append, poll=0.01)
+    assert not result.ok and said == [f"{JOB}: FAILED (gone (deleted while the job ran))"]

@@ -602,6 +602,8 @@ class KubernetesBackend(Backend):
         told = None
         while True:
             state, _, note = self.job_state(handle)
+            if state == JobState.UNKNOWN and "(NotFound)" in note:   # its object is gone: it will not end
+                state, note = JobState.FAILED, "gone (deleted while the job ran)"
             if state != told:
                 log(f"{handle.job_id}: {state.value}" + (f" ({note})" if note else ""))
                 told = state
