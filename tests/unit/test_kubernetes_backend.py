@@ -656,3 +656,10 @@ def test_a_job_whose_object_was_deleted_while_it_ran_is_followed_to_failed(kubec
     said = []
     result = b.follow(h, log=said.append, poll=0.01)
     assert not result.ok and said == [f"{JOB}: FAILED (gone (deleted while the job ran))"]
+
+
+def test_the_docs_put_no_secret_on_argv_and_say_what_a_restart_is_per_shape():
+    doc = (ROOT / "docs" / "explanation" / "kubernetes.md").read_text()
+    assert "--from-literal" not in doc and "--from-env-file=/dev/stdin" in doc
+    assert "On the indexed and paddlejob shapes a restart replaces the failed pod only" in doc
+    assert "(`FLEETBOX_ATTEMPT`) stays 0" in doc
