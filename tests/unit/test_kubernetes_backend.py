@@ -369,6 +369,13 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
                                                                        "value": str(k)}
         # Podman resolves no status.podIP: the pod's own address, as the kubelet would give it
         env[[e["name"] for e in env].index("NODE_POD_IP")] = {"name": "NODE_POD_IP", "value": aliases[k]["ip"]}
+        # Podman takes no $$ for $ (the kubelet does): the command and env values as the kubelet would give them
+        for e in env:
+            if "value" in e:
+                e["value"] = kubelet_expand(e["value"], {})
+        c0 = expected["spec"]["containers"][0]
+        c0["command"] = [kubelet_expand(w, {}) for w in c0["command"]]
+        assert "$$" not in c0["command"][2] and "$((" in c0["command"][2]
         # Podman 4.3 publishes a containerPort on the host (each pod has its own address: none), and makes an
         # emptyDir a volume of its name that every pod naming it would share (each pod's own name)
         del expected["spec"]["containers"][0]["ports"]
@@ -379,6 +386,10 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
                 v["name"] = f"{JOB}-{k}-{v['name']}"
         assert pod == {"apiVersion": "v1", "kind": "Pod", **expected}
     assert job["spec"]["template"]["spec"].get("hostAliases") is None   # the Job itself is left as it was
+    plan = b.plan(spec(env={"A": "a$$b"}, args=("$(NODE_POD_IP)",)))
+    (c,) = pods_for_podman(the(plan, "Job"), the(plan, "Service"))[0]["spec"]["containers"]
+    assert {"name": "A", "value": "a$$b"} in c["env"] and "'$(NODE_POD_IP)'" in c["command"][2]
+    assert '"$NODE_INDEX"' in c["command"][2] and "$$" not in c["command"][2]
     assert pods_for_podman(job, svc)[1]["spec"]["hostAliases"][0]["ip"] == "127.0.0.1"
 
 

@@ -643,6 +643,12 @@ def kubelet_literal(text: str) -> str:
     return text.replace("$", "$$")
 
 
+def kubelet_unescape(text: str) -> str:
+    """What the kubelet makes of a $$ (a $), for Podman, which expands nothing: every $ kubelet_literal doubled is
+    one again (a $( ) is left as written: kubelet_literal leaves none to expand)."""
+    return re.sub(r"\$\$", "$", text)
+
+
 def kinds_of(docs) -> list[str]:
     """The kinds of the job's objects, as kubectl names them (kind.group), in order; never a claim's (its
     checkpoints outlive the job)."""
@@ -731,7 +737,8 @@ def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> l
     put it (the annotation, JOB_COMPLETION_INDEX, the hostname <job>-<index>) and hostAliases for the names the
     headless Service would publish (`ips`: each index's address; default 127.0.0.1, the pods on the host's
     network). What Podman 4.3 does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
-    address is given, as the kubelet would give it), publishes every containerPort on the host (dropped: each pod
+    address is given, as the kubelet would give it), takes no $$ for $ in the command and env values (undone, as
+    the kubelet undoes it), publishes every containerPort on the host (dropped: each pod
     has its own address) and makes an emptyDir a volume of its name, which every pod naming it would share (named
     <pod>-<name>)."""
     name, nodes, svc = job["metadata"]["name"], job["spec"]["completions"], service["metadata"]["name"]
@@ -757,8 +764,13 @@ def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> l
             for m in c.get("volumeMounts", []):
                 m["name"] = own.get(m["name"], m["name"])
             c["env"] = [{"name": COMPLETION_INDEX, "value": str(k)} if e["name"] == COMPLETION_INDEX
-                        else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == POD_IP_REF else e
+                        else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == POD_IP_REF
+                        else {**e, "value": kubelet_unescape(e["value"])} if "value" in e else e
                         for e in c["env"]]
+            # Podman takes the command and env values as written, where the kubelet takes $$ for $
+            for key in ("command", "args"):
+                if key in c:
+                    c[key] = [kubelet_unescape(w) for w in c[key]]
         pods.append({"apiVersion": "v1", "kind": "Pod", **t})
     return pods
 
