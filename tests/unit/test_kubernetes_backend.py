@@ -126,6 +126,9 @@ def test_each_shape_renders_for_each_device_and_a_cluster_would_take_every_objec
     assert vols["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     mounted = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounted[settings.CHECKPOINT_DIR] == "checkpoints" and mounted["/dev/shm"] == "dshm"
+    # the claim is shared by every job naming it: each job has its own folder of it
+    (ckpt,) = [m for m in c["volumeMounts"] if m["mountPath"] == settings.CHECKPOINT_DIR]
+    assert ckpt["subPath"] == JOB
     assert ({"hostPath": {"path": "/opt/hyhal"}} in [{k: v for k, v in x.items() if k != "name"}
                                                       for x in vols.values()]) == (variant == "dcu")
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -185,21 +188,46 @@ if sys.argv[1:2] == ["-c"]:   # the master's name, resolved
     print(json.dumps({{"resolve": sys.argv[3:]}}), file=open(os.environ["OUT"] + ".resolve", "a"))
     print("10.0.0.1")
 elif sys.argv[1].endswith("fleetbox_netinfo.py"):
-    print("eth7", os.environ["POD_IP"])
+    print("eth7", os.environ["NODE_POD_IP"])
 else:
     json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, open(os.environ["OUT"], "w"))
 '''
 
 
+def kubelet_expand(text: str, known: dict) -> str:
+    """What the kubelet makes of an env value, a command or its args (its expansion, third_party/forked/golang/
+    expansion): $$ is $, $(NAME) a known variable's value (left as written where unknown)."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "$" and text[i + 1:i + 2] == "$":
+            out.append("$")
+            i += 2
+        elif text[i] == "$" and text[i + 1:i + 2] == "(" and ")" in text[i + 2:]:
+            end = text.index(")", i + 2)
+            name = text[i + 2:end]
+            out.append(known[name] if name in known else text[i:end + 1])
+            i = end + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 def run_script(container: dict, env: dict, tmp_path) -> dict:
+    """The container's command run as the kubelet would: its env values (each may name those before it, and the
+    downward API's, `env`) and its command expanded as it expands them."""
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
     (bin_ / "python").write_text(PYTHON.format(py=sys.executable))
     (bin_ / "python").chmod(0o755)
     out = tmp_path / "launch.json"
-    values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    proc = subprocess.run(container["command"], env={**values, "PATH": f"{bin_}:/usr/bin:/bin", "OUT": str(out),
-                                                     "HOME": str(tmp_path), **env},
+    values = dict(env)
+    for e in container["env"]:
+        if "value" in e:
+            values[e["name"]] = kubelet_expand(e["value"], values)
+    command = [kubelet_expand(w, values) for w in container["command"]]
+    proc = subprocess.run(command, env={**values, "PATH": f"{bin_}:/usr/bin:/bin", "OUT": str(out),
+                                        "HOME": str(tmp_path), **env},
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
@@ -222,7 +250,7 @@ def test_a_node_takes_its_rank_from_its_shapes_index_and_the_master_from_rank_0s
     if kind == "paddlejob":   # the downward API gives it from the operator's label
         assert {"name": "KUBEFLOW_REPLICA_INDEX", "valueFrom": {"fieldRef": {
             "fieldPath": "metadata.labels['training.kubeflow.org/replica-index']"}}} in c["env"]
-    one = run_script(c, {index_env: "1", "POD_IP": "10.0.0.2"}, tmp_path)
+    one = run_script(c, {index_env: "1", "NODE_POD_IP": "10.0.0.2"}, tmp_path)
     argv = one["argv"]
     opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     assert argv[:2] == ["-m", "paddle.distributed.launch"]
@@ -233,11 +261,25 @@ def test_a_node_takes_its_rank_from_its_shapes_index_and_the_master_from_rank_0s
     assert {k: one["env"][k] for k in ("FLEETBOX_NODE", "PORT_RANGE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} \
         == {"FLEETBOX_NODE": "1", "PORT_RANGE": f"{first}:{last}", "GLOO_SOCKET_IFNAME": "eth7",
             "NCCL_SOCKET_IFNAME": "eth7"}
-    zero = run_script(c, {index_env: "0", "POD_IP": "10.0.0.9"}, tmp_path)
+    zero = run_script(c, {index_env: "0", "NODE_POD_IP": "10.0.0.9"}, tmp_path)
     zopt = {zero["argv"][i]: zero["argv"][i + 1] for i in range(len(zero["argv"]) - 1)}
     # rank 0 is the master: its own address, as its launcher must see it to know itself
     assert (zopt["--rank"], zopt["--master"], zopt["--host"], zero["resolved"]) == ("0", f"10.0.0.9:{PORT}",
                                                                                      "10.0.0.9", [])
+
+
+@pytest.mark.parametrize("kind,index_env", [("indexed", "JOB_COMPLETION_INDEX"), ("volcano", "VK_TASK_INDEX"),
+                                             ("paddlejob", "KUBEFLOW_REPLICA_INDEX")])
+def test_what_paddles_launcher_would_take_over_its_flags_is_not_in_its_env(kind, index_env, tmp_path):
+    _, plan = manifests(kind)
+    (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+    # Paddle's launcher reads POD_IP over --host: the pod's address has a name of fleetbox's own
+    assert "POD_IP" not in {e["name"] for e in c["env"]}
+    operator = {"PADDLE_MASTER": "10.9.9.9:1", "PADDLE_NNODES": "7", "PADDLE_JOB_ID": "theirs"}
+    got = run_script(c, {index_env: "1", "NODE_POD_IP": "10.0.0.2", **operator}, tmp_path)
+    left = {k: got["env"][k] for k in operator if k in got["env"]}
+    # the Training Operator's (a PaddleJob's pods only) are unset before the launcher
+    assert left == ({} if kind == "paddlejob" else operator)
 
 
 def test_user_values_reach_the_script_quoted(tmp_path):
@@ -245,9 +287,24 @@ def test_user_values_reach_the_script_quoted(tmp_path):
     b = backend()
     plan = b.plan(spec(args=(hostile,), env={"X": "{rank} " + hostile}, iface="eth 0"))
     (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
-    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "POD_IP": "10.0.0.2"}, tmp_path)
+    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "NODE_POD_IP": "10.0.0.2"}, tmp_path)
     assert got["argv"][-1] == hostile and got["env"]["X"] == "1 " + hostile
     assert got["env"]["GLOO_SOCKET_IFNAME"] == "eth 0"
+
+
+def test_the_kubelets_expansion_leaves_user_values_and_the_scripts_own_as_written(tmp_path):
+    b = backend()
+    plan = b.plan(spec(args=("$(POD_IP)", "x$$y", "$(NODE_POD_IP)"),
+                       env={"A": "a$$b", "B": "$(POD_IP)", "C": "$(NODE_POD_IP)"}))
+    (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+    got = run_script(c, {"JOB_COMPLETION_INDEX": "1", "NODE_POD_IP": "10.0.0.2"}, tmp_path)
+    assert got["argv"][-3:] == ["$(POD_IP)", "x$$y", "$(NODE_POD_IP)"]
+    assert (got["env"]["A"], got["env"]["B"], got["env"]["C"]) == ("a$$b", "$(POD_IP)", "$(NODE_POD_IP)")
+    # the script's own $(...) and $((...)) are the shell's still
+    opt = {got["argv"][i]: got["argv"][i + 1] for i in range(len(got["argv"]) - 1)}
+    assert (opt["--master"], opt["--host"]) == (f"10.0.0.1:{PORT}", "10.0.0.2")
+    first, last = planner.trainer_ports(PORT, 1, 2)
+    assert got["env"]["PORT_RANGE"] == f"{first}:{last}"
 
 
 # -- what a cluster refuses, the validators refuse --
@@ -311,7 +368,14 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
         env[[e["name"] for e in env].index("JOB_COMPLETION_INDEX")] = {"name": "JOB_COMPLETION_INDEX",
                                                                        "value": str(k)}
         # Podman resolves no status.podIP: the pod's own address, as the kubelet would give it
-        env[[e["name"] for e in env].index("POD_IP")] = {"name": "POD_IP", "value": aliases[k]["ip"]}
+        env[[e["name"] for e in env].index("NODE_POD_IP")] = {"name": "NODE_POD_IP", "value": aliases[k]["ip"]}
+        # Podman takes no $$ for $ (the kubelet does): the command and env values as the kubelet would give them
+        for e in env:
+            if "value" in e:
+                e["value"] = kubelet_expand(e["value"], {})
+        c0 = expected["spec"]["containers"][0]
+        c0["command"] = [kubelet_expand(w, {}) for w in c0["command"]]
+        assert "$$" not in c0["command"][2] and "$((" in c0["command"][2]
         # Podman 4.3 publishes a containerPort on the host (each pod has its own address: none), and makes an
         # emptyDir a volume of its name that every pod naming it would share (each pod's own name)
         del expected["spec"]["containers"][0]["ports"]
@@ -322,6 +386,10 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
                 v["name"] = f"{JOB}-{k}-{v['name']}"
         assert pod == {"apiVersion": "v1", "kind": "Pod", **expected}
     assert job["spec"]["template"]["spec"].get("hostAliases") is None   # the Job itself is left as it was
+    plan = b.plan(spec(env={"A": "a$$b"}, args=("$(NODE_POD_IP)",)))
+    (c,) = pods_for_podman(the(plan, "Job"), the(plan, "Service"))[0]["spec"]["containers"]
+    assert {"name": "A", "value": "a$$b"} in c["env"] and "'$(NODE_POD_IP)'" in c["command"][2]
+    assert '"$NODE_INDEX"' in c["command"][2] and "$$" not in c["command"][2]
     assert pods_for_podman(job, svc)[1]["spec"]["hostAliases"][0]["ip"] == "127.0.0.1"
 
 
@@ -422,7 +490,10 @@ def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_b
     b = backend(k8s_kind="volcano", k8s_namespace="ml")
     plan = b.plan(spec(pass_env=("HF_TOKEN",)))
     h = b.submit(plan, log=lambda *_: None)
-    (apply,) = kubectl()
+    earlier, apply = kubectl()
+    # what an earlier run of the same id left is deleted first (and waited for), the claim never
+    assert earlier["argv"] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
+                               f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found", "--cascade=foreground", "--wait"]
     assert apply["argv"] == ["--namespace", "ml", "apply", "-f", "-"]
     applied = json.loads(apply["stdin"])["items"]
     assert applied[0] == {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": {"HF_TOKEN": "s3cret"},
@@ -473,6 +544,9 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
             backend(k8s_client="podman").check(spec(**bad))
     b = backend(k8s_client="podman", k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
     plan = b.plan(spec(args=("--tag", "a b;$(id)")))
+    (ckpt,) = [m for m in pods_for_podman(the(plan, "Job"), the(plan, "Service"))[0]["spec"]["containers"][0][
+        "volumeMounts"] if m["mountPath"] == settings.CHECKPOINT_DIR]
+    assert (ckpt["name"], ckpt["subPath"]) == ("checkpoints", JOB)   # the job's own folder of the claim's volume
     with pytest.raises(UserError, match=r"podman kube play failed: Error: failed to start 2 containers \(.*rlimits"):
         b.submit(plan, log=lambda *_: None)
     calls = [json.loads(ln) for ln in (tmp_path / "podman.jsonl").read_text().splitlines()]
@@ -518,3 +592,85 @@ def test_train_dry_run_prints_the_manifests_and_another_backend_refuses_its_opti
     for d in docs:
         validate(d)
     one_line_error(run_invoke("train", "--k8s-kind", "volcano", "--dry-run"), "--k8s-kind is for --backend kubernetes")
+
+
+FAILING_APPLY = KUBECTL + r'''
+if "apply" in args:
+    print("configmap/fb-job-helpers created\nsecret/fb-job-env created")
+    print('error: no matches for kind "Job" in version "batch.volcano.sh/v1alpha1"', file=sys.stderr)
+    sys.exit(1)
+'''
+
+
+def test_a_failed_apply_deletes_what_it_made_by_the_jobs_label_and_keeps_the_handle(kubectl, tmp_path,
+                                                                                   monkeypatch):
+    (tmp_path / "kbin" / "kubectl").write_text(FAILING_APPLY.format(py=sys.executable))
+    monkeypatch.setenv("HF_TOKEN", "s3cret")
+    b = backend(k8s_kind="volcano", k8s_namespace="ml", k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
+    plan = b.plan(spec(pass_env=("HF_TOKEN",)))
+    with pytest.raises(UserError, match="kubectl apply failed"):
+        b.run(plan, log=lambda *_: None)
+    argvs = [c["argv"] for c in kubectl() if c["argv"][-1] != "--wait"]   # the earlier run's, deleted first
+    apply = argvs.index(["--namespace", "ml", "apply", "-f", "-"])
+    assert argvs[apply + 1] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
+                                f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found"]   # never the claim
+    assert (plan.dir / "handle.json").exists()
+    from fleetbox.run.backends.kubernetes import KubernetesBackend
+    assert f"kubectl delete secret,configmap,service,job.batch,job.batch.volcano.sh,paddlejob.kubeflow.org -l " \
+           f"{settings.LABEL_JOB}={JOB} --ignore-not-found" in KubernetesBackend.leftovers(JOB)
+
+
+LEFT_BEFORE = KUBECTL + r'''
+if "delete" in args and "--wait" in args:
+    print('configmap "fb-job-helpers" deleted\njob.batch "fb-job" deleted')
+'''
+
+
+def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kubectl, tmp_path, monkeypatch):
+    (tmp_path / "kbin" / "kubectl").write_text(LEFT_BEFORE.format(py=sys.executable))
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": [], "status": {"conditions": [
+        {"type": "Complete", "status": "True"}]}}))
+    b = backend(k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
+    said = []
+    b.run(b.plan(spec()), log=said.append)
+    argvs = [c["argv"] for c in kubectl()]
+    assert argvs[:2] == [["delete", "configmap,service,job.batch", "-l", f"{settings.LABEL_JOB}={JOB}",
+                          "--ignore-not-found", "--cascade=foreground", "--wait"], ["apply", "-f", "-"]]
+    assert [s for s in said if "earlier run" in s] == [
+        f"{JOB}: deleted what an earlier run of it left (configmap, job.batch)"]
+    said.clear()
+    (tmp_path / "kbin" / "kubectl").write_text(KUBECTL.format(py=sys.executable))
+    b.run(b.plan(spec()), log=said.append)
+    assert not [s for s in said if "earlier run" in s]   # nothing was left: nothing said
+
+
+GONE = KUBECTL.replace("if \"get\" in args and \"json\" in args:", r'''if "get" in args and "pods" not in args:
+    print('Error from server (NotFound): jobs.batch "fb-job" not found', file=sys.stderr)
+    sys.exit(1)
+if "get" in args and "json" in args:''')
+
+
+def test_a_job_whose_object_was_deleted_while_it_ran_is_followed_to_failed(kubectl, tmp_path, monkeypatch):
+    assert GONE != KUBECTL
+    (tmp_path / "kbin" / "kubectl").write_text(GONE.format(py=sys.executable))
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": []}))
+    b = backend()
+    plan = b.plan(spec())
+    h = b.submit(plan, log=lambda *_: None)
+    slept = []
+
+    def sleep(s):   # the follow loop's: a few polls, not forever
+        slept.append(s)
+        assert len(slept) < 20, "follow keeps polling a job whose object is gone"
+    from fleetbox.run.backends import kubernetes
+    monkeypatch.setattr(kubernetes.time, "sleep", sleep)
+    said = []
+    result = b.follow(h, log=said.append, poll=0.01)
+    assert not result.ok and said == [f"{JOB}: FAILED (gone (deleted while the job ran))"]
+
+
+def test_the_docs_put_no_secret_on_argv_and_say_what_a_restart_is_per_shape():
+    doc = (ROOT / "docs" / "explanation" / "kubernetes.md").read_text()
+    assert "--from-literal" not in doc and "--from-env-file=/dev/stdin" in doc
+    assert "On the indexed and paddlejob shapes a restart replaces the failed pod only" in doc
+    assert "(`FLEETBOX_ATTEMPT`) stays 0" in doc

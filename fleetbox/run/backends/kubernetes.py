@@ -64,7 +64,11 @@ NODE_VARS = {"rank": Raw('"$NODE_INDEX"'), "node": Raw('node"$NODE_INDEX"'), "ho
              "iface": Raw('"$IFACE"'), "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'),
              "gpus": ""}   # the device plugin chooses a pod's devices, and shows it only those
 
-POD_IP_REF = {"fieldRef": {"fieldPath": "status.podIP"}}   # the pod's address (the downward API)
+# the pod's address (the downward API), by a name of fleetbox's own: Paddle's launcher reads POD_IP over its --host
+POD_IP_VAR, POD_IP_REF = "NODE_POD_IP", {"fieldRef": {"fieldPath": "status.podIP"}}
+# What the Training Operator gives a PaddleJob's pods (training-operator pkg/controller.v1/paddlepaddle/envvar.go),
+# which Paddle's launcher would take over fleetbox's flags (--master, --nnodes, --job_id)
+PADDLE_OPERATOR_ENV = ("PADDLE_MASTER", "PADDLE_NNODES", "PADDLE_JOB_ID")
 
 # The master's name resolves once its pod has an address (the headless Service publishes pods not yet ready);
 # its pod may start later than the others (an image pull): wait for it this long.
@@ -369,10 +373,10 @@ class KubernetesBackend(Backend):
             'FLEETBOX_ATTEMPT="${VOLCANO_JOB_VERSION:-0}"' if self.kind == "volcano" else "FLEETBOX_ATTEMPT=0",
             f"MASTER_NAME={line([names.master])}",
             # the master is this pod on rank 0 (the launcher tells that it is the master by the address)
-            'if [ "$NODE_INDEX" = 0 ]; then MASTER_IP="$POD_IP"; else '
+            'if [ "$NODE_INDEX" = 0 ]; then MASTER_IP="$NODE_POD_IP"; else '
             f'MASTER_IP="$(python -c {line([RESOLVE_PY])} "$MASTER_NAME" {MASTER_WAIT_S})"; fi',
             f'set -- $(python {settings.HELPERS_DIR}/fleetbox_netinfo.py "$MASTER_IP" --plain)',
-            'IFACE="${1:-}"; NODE_IP="${2:-$POD_IP}"',
+            'IFACE="${1:-}"; NODE_IP="${2:-$NODE_POD_IP}"',
         ]
         if spec.iface:
             lines.append(f"IFACE={line([spec.iface])}")
@@ -383,12 +387,14 @@ class KubernetesBackend(Backend):
                   f'$MASTER_IP:{port}"']
         lines += [f"export {k}={line([placeholders.to_shell(v, values)])}" for k, v in t.env.items()
                   if placeholders.used(v)]
+        if self.kind == "paddlejob":   # the operator's (training-operator pkg/controller.v1/paddlepaddle/envvar.go):
+            lines.append(f"unset {' '.join(PADDLE_OPERATOR_ENV)}")   # the launcher would take them over its flags
         lines.append("exec " + line(placeholders.to_shell(w, values) for w in t.command))
         return "\n".join(lines)
 
     def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str) -> dict:
         t = self.node_run(spec, names.job)
-        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]   # POD_IP_REF
+        env = [{"name": POD_IP_VAR, "valueFrom": POD_IP_REF}]
         if self.kind == "indexed":   # as the Job controller sets it (it adds none where the pod has one)
             env.append({"name": COMPLETION_INDEX, "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}})
@@ -399,7 +405,7 @@ class KubernetesBackend(Backend):
             env.append({"name": "KUBEFLOW_REPLICA_INDEX", "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.labels['{KUBEFLOW_INDEX}']"}}})
         # values the same on every node; those with placeholders are the node script's exports
-        env += [{"name": k, "value": v} for k, v in t.env.items() if not placeholders.used(v)]
+        env += [{"name": k, "value": kubelet_literal(v)} for k, v in t.env.items() if not placeholders.used(v)]
         env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in t.pass_env]
         mounts, volumes = [{"name": "dshm", "mountPath": "/dev/shm"}], [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_quantity(spec.shm_size)}}]
@@ -416,7 +422,10 @@ class KubernetesBackend(Backend):
             else:   # the dataset cache, a DCU node's /opt/hyhal, --mount: paths on each node
                 vol = {"name": f"host{i}", "hostPath": {"path": m.src}}
             volumes.append(vol)
-            mounts.append({"name": vol["name"], "mountPath": m.dst, **({"readOnly": True} if m.ro else {})})
+            mounts.append({"name": vol["name"], "mountPath": m.dst, **({"readOnly": True} if m.ro else {}),
+                           # each job its own folder of the claim (as Docker's runs/<job>/checkpoints): every job
+                           # naming the claim shares it
+                           **({"subPath": names.job} if m.dst == settings.CHECKPOINT_DIR else {})})
         resources = {}
         if t.accelerator:   # one device per process, as the device plugin counts them
             resources[self.resource[t.accelerator]] = str(spec.gpus_each)
@@ -425,7 +434,7 @@ class KubernetesBackend(Backend):
         if self.memory:
             resources["memory"] = self.memory
         container = {"name": CONTAINER, "image": t.image,
-                     "command": ["/bin/sh", "-c", self.node_script(spec, names, port, t)],
+                     "command": ["/bin/sh", "-c", kubelet_literal(self.node_script(spec, names, port, t))],
                      "env": env, "ports": [{"name": MASTER_PORT_NAME, "containerPort": port}],
                      "volumeMounts": mounts}
         if resources:   # limits alone: Kubernetes asks for the same (extended resources allow nothing else)
@@ -510,16 +519,34 @@ class KubernetesBackend(Backend):
                                       "stringData": {k: os.environ[k] for k in plan.spec.pass_env}},
                                      Names(plan.job_id, plan.kind)))
         (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
-        kubectl(*self.ns(plan.namespace), "apply", "-f", "-",
-                stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
         handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
                             procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim, owner=records.owner(),
                             kind=plan.kind, namespace=plan.namespace,
                             objects=(["secret/" + plan.secret] if plan.secret else []) + self.objects(plan))
-        handle.save()
+        handle.save()   # first: whatever is applied from here on, a cancel finds
+        by_label = label_delete(plan.namespace, kinds_of(docs), plan.job_id)
+        # an earlier run of this job id left its objects (a finished job's are kept): applied again they would be
+        # "unchanged", and the old job's status read as this one's. Deleted first, and waited for, their pods too
+        # (the claim kept)
+        gone = kubectl(*by_label[1:], "--cascade=foreground", "--wait").stdout.strip().splitlines()
+        if gone:
+            log(f"{plan.job_id}: deleted what an earlier run of it left ({', '.join(w.split()[0] for w in gone)})")
+        try:
+            kubectl(*self.ns(plan.namespace), "apply", "-f", "-",
+                    stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        except BaseException:   # a failed or interrupted apply may have made some objects: none is left
+            with signals_held():
+                kubectl(*by_label[1:], check=False)
+            raise
         log(f"applied {plan.job_id} ({plan.kind}, {plan.spec.nodes} nodes); see it with "
             f"`kubectl get pods -l {settings.LABEL_JOB}={plan.job_id}`")
         return handle
+
+    @classmethod
+    def leftovers(cls, job_id: str) -> str:
+        kinds = ["secret", "configmap", "service", "job.batch", "job.batch.volcano.sh", "paddlejob.kubeflow.org"]
+        return (f"Kubernetes objects: `{line(label_delete('', kinds, job_id))}` (with --namespace where it ran; "
+                f"a kind the cluster lacks, left out)")
 
     @staticmethod
     def ns(namespace: str) -> list[str]:
@@ -575,6 +602,8 @@ class KubernetesBackend(Backend):
         told = None
         while True:
             state, _, note = self.job_state(handle)
+            if state == JobState.UNKNOWN and "(NotFound)" in note:   # its object is gone: it will not end
+                state, note = JobState.FAILED, "gone (deleted while the job ran)"
             if state != told:
                 log(f"{handle.job_id}: {state.value}" + (f" ({note})" if note else ""))
                 told = state
@@ -605,6 +634,32 @@ class KubernetesBackend(Backend):
             return
         log(line(["kubectl", *self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects]))
         kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects)
+
+
+def kubelet_literal(text: str) -> str:
+    """`text` as the kubelet gives it back: it expands $(NAME) in an env value, a command and its args, and takes
+    $$ for $; every $ doubled, the container gets the text as written (a user's value, the node script's own
+    $(...) and $((...)), which the shell is to expand)."""
+    return text.replace("$", "$$")
+
+
+def kubelet_unescape(text: str) -> str:
+    """What the kubelet makes of a $$ (a $), for Podman, which expands nothing: every $ kubelet_literal doubled is
+    one again (a $( ) is left as written: kubelet_literal leaves none to expand)."""
+    return re.sub(r"\$\$", "$", text)
+
+
+def kinds_of(docs) -> list[str]:
+    """The kinds of the job's objects, as kubectl names them (kind.group), in order; never a claim's (its
+    checkpoints outlive the job)."""
+    kinds = [kubectl_name(d).partition("/")[0] for d in docs if d["kind"] != "PersistentVolumeClaim"]
+    return list(dict.fromkeys(kinds))
+
+
+def label_delete(namespace: str, kinds: list[str], job_id: str) -> list[str]:
+    """`kubectl delete` of every object of these kinds that bears the job's label (argv)."""
+    return ["kubectl", *KubernetesBackend.ns(namespace), "delete", ",".join(kinds), "-l",
+            f"{settings.LABEL_JOB}={job_id}", "--ignore-not-found"]
 
 
 def pod_rank(pod: dict, kind: str) -> int | None:
@@ -682,7 +737,8 @@ def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> l
     put it (the annotation, JOB_COMPLETION_INDEX, the hostname <job>-<index>) and hostAliases for the names the
     headless Service would publish (`ips`: each index's address; default 127.0.0.1, the pods on the host's
     network). What Podman 4.3 does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
-    address is given, as the kubelet would give it), publishes every containerPort on the host (dropped: each pod
+    address is given, as the kubelet would give it), takes no $$ for $ in the command and env values (undone, as
+    the kubelet undoes it), publishes every containerPort on the host (dropped: each pod
     has its own address) and makes an emptyDir a volume of its name, which every pod naming it would share (named
     <pod>-<name>)."""
     name, nodes, svc = job["metadata"]["name"], job["spec"]["completions"], service["metadata"]["name"]
@@ -708,8 +764,13 @@ def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> l
             for m in c.get("volumeMounts", []):
                 m["name"] = own.get(m["name"], m["name"])
             c["env"] = [{"name": COMPLETION_INDEX, "value": str(k)} if e["name"] == COMPLETION_INDEX
-                        else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == POD_IP_REF else e
+                        else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == POD_IP_REF
+                        else {**e, "value": kubelet_unescape(e["value"])} if "value" in e else e
                         for e in c["env"]]
+            # Podman takes the command and env values as written, where the kubelet takes $$ for $
+            for key in ("command", "args"):
+                if key in c:
+                    c[key] = [kubelet_unescape(w) for w in c[key]]
         pods.append({"apiVersion": "v1", "kind": "Pod", **t})
     return pods
 
