@@ -339,9 +339,12 @@ def test_a_job_whose_record_cannot_be_read_is_told_how_each_backend_stops_its_le
     """Its backend is unknown, so every backend says its own way (Backend.leftovers): fleetbox's own words name
     none; Slurm's `scancel` is Slurm's, and a third backend's is added after it."""
     from fleetbox.commands import jobs
+    from fleetbox.run import backends
     from tests.unit.test_backend_registry import EchoBackend
+    k8s = backends.lookup("kubernetes").leftovers   # fleetbox's own third backend says its own too
+    assert k8s("j-1").startswith("Kubernetes objects: `kubectl delete ") and "-l io.fleetbox.job=j-1 " in k8s("j-1")
     assert jobs._leftovers("j-1") == ("`invoke clean --job j-1 --force` removes its containers "
-                                      "(a Slurm job: `scancel --user=$USER --name=fleetbox-j-1`)")
+                                      f"(a Slurm job: `scancel --user=$USER --name=fleetbox-j-1`; {k8s('j-1')})")
 
     class Queued(EchoBackend):
         name = "queued"
@@ -354,4 +357,4 @@ def test_a_job_whose_record_cannot_be_read_is_told_how_each_backend_stops_its_le
     register_for_the_test(monkeypatch, EchoBackend)   # says nothing: `invoke clean` is enough for it
     assert jobs.damaged(tmp_path / "j-2", "not JSON")["note"] == (
         "not JSON; `invoke clean --job j-2 --force` removes its containers "
-        "(a Slurm job: `scancel --user=$USER --name=fleetbox-j-2`; a queued job: `qdel j-2`)")
+        f"(a Slurm job: `scancel --user=$USER --name=fleetbox-j-2`; {k8s('j-2')}; a queued job: `qdel j-2`)")
