@@ -101,17 +101,18 @@ class Server:
 
             def _send_body(self, rel, path, size, start, corrupt):
                 cut = server.cut_after.pop(rel, server.break_after.get(rel))
+                rate = server.rate   # read once: a test may set it back to 0 while this body is still being sent
                 count = size - start if cut is None else min(cut, size - start)
                 self.wfile.flush()
                 with open(path, "rb") as f:   # from the file with sendfile, as nginx or Apache would
                     if corrupt and start == 0 and count:
                         self.connection.sendall(bytes([f.read(1)[0] ^ 0xFF]))
                         sent = 1 + self.connection.sendfile(f, 1, count - 1)
-                    elif server.rate:   # a slow link: 64 KiB pieces, paced
+                    elif rate:   # a slow link: 64 KiB pieces, paced
                         sent, t0 = 0, time.monotonic()
                         while sent < count:
                             sent += self.connection.sendfile(f, start + sent, min(1 << 16, count - sent))
-                            time.sleep(max(0.0, t0 + sent / server.rate - time.monotonic()))
+                            time.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
                     else:
                         sent = self.connection.sendfile(f, start, count)
                 with server._cond:
