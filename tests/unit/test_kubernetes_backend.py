@@ -469,20 +469,23 @@ if "get" in args and "json" in args:
 '''
 
 
+def stand_in(tmp_path, monkeypatch, name: str, source: str):
+    """`name` on PATH as `source` (a script that writes each call to $<NAME>_OUT), a runs folder of the test's
+    own; returns what reads the calls so far."""
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    (d / name).write_text(source.format(py=sys.executable))
+    (d / name).chmod(0o755)
+    out = tmp_path / f"{name}.jsonl"
+    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
+    monkeypatch.setenv(f"{name.upper()}_OUT", str(out))
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    return lambda: [json.loads(ln) for ln in out.read_text().splitlines()] if out.exists() else []
+
+
 @pytest.fixture
 def kubectl(tmp_path, monkeypatch):
-    d = tmp_path / "kbin"
-    d.mkdir()
-    (d / "kubectl").write_text(KUBECTL.format(py=sys.executable))
-    (d / "kubectl").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
-    monkeypatch.setenv("KUBECTL_OUT", str(tmp_path / "kubectl.jsonl"))
-    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
-
-    def calls():
-        p = tmp_path / "kubectl.jsonl"
-        return [json.loads(ln) for ln in p.read_text().splitlines()] if p.exists() else []
-    return calls
+    return stand_in(tmp_path, monkeypatch, "kubectl", KUBECTL)
 
 
 def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_by_name(kubectl, monkeypatch):
@@ -531,13 +534,7 @@ if args[:2] == ["kube", "play"]:
 def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play_leaves_nothing(tmp_path,
                                                                                                  monkeypatch):
     from fleetbox.run.backends.kubernetes import pods_for_podman
-    d = tmp_path / "pbin"
-    d.mkdir()
-    (d / "podman").write_text(PODMAN.format(py=sys.executable))
-    (d / "podman").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
-    monkeypatch.setenv("PODMAN_OUT", str(tmp_path / "podman.jsonl"))
-    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    podman_calls = stand_in(tmp_path, monkeypatch, "podman", PODMAN)
     for bad, needle in (({"pass_env": ("HF_TOKEN",)}, "--pass-env reads a Secret"),
                         ({"max_restarts": 1}, "--max-restarts is the Job controller's backoffLimit")):
         with pytest.raises(UserError, match=needle):
@@ -549,7 +546,7 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
     assert (ckpt["name"], ckpt["subPath"]) == ("checkpoints", JOB)   # the job's own folder of the claim's volume
     with pytest.raises(UserError, match=r"podman kube play failed: Error: failed to start 2 containers \(.*rlimits"):
         b.submit(plan, log=lambda *_: None)
-    calls = [json.loads(ln) for ln in (tmp_path / "podman.jsonl").read_text().splitlines()]
+    calls = podman_calls()
     play = next(c for c in calls if c["argv"][:2] == ["kube", "play"])
     assert play["argv"] == ["kube", "play", "--quiet", "--network", JOB, "--ip", "10.89.7.2", "--ip", "10.89.7.3",
                             "-"]
@@ -604,7 +601,7 @@ if "apply" in args:
 
 def test_a_failed_apply_deletes_what_it_made_by_the_jobs_label_and_keeps_the_handle(kubectl, tmp_path,
                                                                                    monkeypatch):
-    (tmp_path / "kbin" / "kubectl").write_text(FAILING_APPLY.format(py=sys.executable))
+    (tmp_path / "bin" / "kubectl").write_text(FAILING_APPLY.format(py=sys.executable))
     monkeypatch.setenv("HF_TOKEN", "s3cret")
     b = backend(k8s_kind="volcano", k8s_namespace="ml", k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
     plan = b.plan(spec(pass_env=("HF_TOKEN",)))
@@ -627,7 +624,7 @@ if "delete" in args and "--wait" in args:
 
 
 def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kubectl, tmp_path, monkeypatch):
-    (tmp_path / "kbin" / "kubectl").write_text(LEFT_BEFORE.format(py=sys.executable))
+    (tmp_path / "bin" / "kubectl").write_text(LEFT_BEFORE.format(py=sys.executable))
     monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": [], "status": {"conditions": [
         {"type": "Complete", "status": "True"}]}}))
     b = backend(k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
@@ -639,7 +636,7 @@ def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kub
     assert [s for s in said if "earlier run" in s] == [
         f"{JOB}: deleted what an earlier run of it left (configmap, job.batch)"]
     said.clear()
-    (tmp_path / "kbin" / "kubectl").write_text(KUBECTL.format(py=sys.executable))
+    (tmp_path / "bin" / "kubectl").write_text(KUBECTL.format(py=sys.executable))
     b.run(b.plan(spec()), log=said.append)
     assert not [s for s in said if "earlier run" in s]   # nothing was left: nothing said
 
@@ -652,7 +649,7 @@ if "get" in args and "json" in args:''')
 
 def test_a_job_whose_object_was_deleted_while_it_ran_is_followed_to_failed(kubectl, tmp_path, monkeypatch):
     assert GONE != KUBECTL
-    (tmp_path / "kbin" / "kubectl").write_text(GONE.format(py=sys.executable))
+    (tmp_path / "bin" / "kubectl").write_text(GONE.format(py=sys.executable))
     monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": []}))
     b = backend()
     plan = b.plan(spec())
