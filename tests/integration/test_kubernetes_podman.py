@@ -149,3 +149,29 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing_but_the_claim(podman_cpu, job
     assert p.returncode == 130 and f"interrupted: cancelling {job}" in out, out[-3000:]
     assert (ROOT / "runs" / job / "CANCELLED").exists()
     assert_nothing_left(job)
+
+
+def test_a_hung_rank_is_named_from_its_pods_stacks_and_the_whole_job_restarts_from_the_claim(podman_cpu, job):
+    """Hang detection in the command that follows the job (the ranks' progress and stacks read and asked for
+    through `podman exec`, as `kubectl exec` does on a cluster), then fleetbox's own restart of the whole job: the
+    same objects played again, FLEETBOX_ATTEMPT 1, resuming from the claim."""
+    proc = subprocess.run(train(job, "--hang-timeout", "20", "--max-restarts", "1", "--args",
+                                "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 "
+                                "--hang-attempt 0"),
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **podman_cpu}, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = ROOT / "runs" / job
+    s = json.loads((d / "summary.json").read_text())
+    assert [a["state"] for a in s["attempts"]] == ["HUNG", "PASSED"], s["attempts"]
+    assert s["smoke"]["resumed_from"] == 30 and s["smoke"]["whole_run"] and s["smoke"]["params_identical"]
+    first = json.loads((d / "attempt0" / "summary.json").read_text())
+    h = first["hang"]
+    assert (h["kind"], h["ranks"], h["decided"], first["culprit"]) == ("hang", [1], True, 1), h
+    assert "in `load_batch_that_never_returns` (smoke.py:" in h["text"], h["text"]
+    assert [n["state"] for n in first["nodes"]] == ["stopped", "hung"]
+    # every rank's stacks, taken in its pod while it was stuck
+    assert "in load_batch_that_never_returns" in (d / "hang-0" / "rank1.txt").read_text()
+    assert "in fused_allreduce_gradients" in (d / "hang-0" / "rank0.txt").read_text()
+    # the restart ran the same objects, but for its attempt
+    assert "FLEETBOX_ATTEMPT=1" in (d / "manifests.yaml").read_text()
+    assert_nothing_left(job)

@@ -33,7 +33,7 @@ from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
 from fleetbox.options import Option
 from fleetbox.processes import process_start, this_host
-from fleetbox.run import checkpoints, hang, hostnet, metrics, output, placeholders, records, shell
+from fleetbox.run import checkpoints, hang, hostnet, output, placeholders, records, shell
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Plan, job_ended
@@ -386,7 +386,7 @@ class DockerBackend(Backend):
         up to spec.max_restarts times (torchrun's --max-restarts). Each attempt keeps its own logs: the last in
         the job folder, earlier ones under attempt<N>/."""
         try:
-            return self._run(plan, log, timeout, on_submit)
+            return self.restarting(plan, log, timeout, on_submit)
         finally:   # every way out: the job has ended (a restart goes on inside _run)
             if not plan.elsewhere:
                 _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id))
@@ -394,48 +394,11 @@ class DockerBackend(Backend):
                 _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id,
                                                      self._checkpoint_helper(plan)))
 
-    def _run(self, plan: DockerPlan, log, timeout: float | None, on_submit) -> JobResult:
-        deadline = time.monotonic() + timeout if timeout else None
-        restarts, attempts = plan.spec.max_restarts, []
-        for attempt in range(restarts + 1):
-            left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            try:
-                result = self.run_once(self.for_attempt(plan, attempt), log, left, on_submit)
-                why = result.reason()
-            except Failed as e:   # the engine failed under the job: run_once has cleaned up
-                if attempt == restarts:
-                    raise
-                result, why = None, str(e).removeprefix("train failed: ")
-            attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
-                             "state": result.state if result is not None else "FAILED", "logs": str(plan.dir)})
-            if result is not None and (result.ok or result.timed_out) or attempt == restarts \
-                    or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
-                break
-            attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
-            log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
-                f"(restart {attempt + 1} of {restarts})")
-        if len(attempts) > 1:
-            result.attempts = attempts
-            result.save()
-        metrics.collect(plan.dir)
-        return result
-
     def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
         """The same nodes with {attempt} filled again (FLEETBOX_ATTEMPT, and wherever the user wrote it)."""
         return replace(plan, attempt=attempt, nodes=tuple(
             replace(plan.template, host=n.host).fill({**v, "attempt": str(attempt)})
             for n, v in zip(plan.nodes, plan.values)))
-
-    def keep_attempt(self, plan: DockerPlan, attempt: int) -> Path:
-        """Move a finished attempt's logs aside (to attempt<N>/), so the next one starts with a clean folder."""
-        aside = plan.dir / f"attempt{attempt}"
-        if aside.exists():   # left by an earlier run of the same job id
-            aside.rename(aside.with_name(f"{aside.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
-        aside.mkdir()
-        for p in sorted(plan.dir.iterdir()):
-            if re.fullmatch(r"node\d+(\.log)?|summary\.json", p.name):
-                p.rename(aside / p.name)
-        return aside
 
     def describe(self, plan: DockerPlan) -> str:
         out = list(plan.notes)

@@ -30,18 +30,19 @@ import re
 import shutil
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 
 from fleetbox import files, settings
 from fleetbox.errors import UserError
 from fleetbox.processes import never_failing, signals_held
-from fleetbox.run import hostnet, placeholders, records
+from fleetbox.run import hang, hostnet, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Option, Plan
 from fleetbox.run.records import Handle, JobInfo, JobState
-from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines
+from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines, smoke_report
 from fleetbox.run.shell import Raw, line
 
 KINDS = ("indexed", "volcano", "paddlejob")
@@ -156,6 +157,7 @@ class KubePlan(Plan):
     manifests: tuple = ()     # the objects, in the order they are applied (dicts, as JSON would hold them)
     secret: str = ""          # the Secret --pass-env reads from ("": none)
     client: str = "kubectl"   # what runs them (--k8s-client)
+    attempt: int = 0          # fleetbox's own restarts: which attempt these manifests run (FLEETBOX_ATTEMPT)
 
 
 @dataclass
@@ -165,6 +167,9 @@ class KubeHandle(Handle):
     namespace: str = ""
     objects: list[str] = field(default_factory=list)   # each object applied, as kubectl names it (the job last);
     client: str = "kubectl"                            # podman's: pod/, volume/ and network/<name>
+    attempt: int = 0
+    hang_timeout: float = 0.0   # the job's deadlines, for the client's hang watch (follow)
+    start_timeout: float = 0.0
 
 
 class KubernetesBackend(Backend):
@@ -172,9 +177,10 @@ class KubernetesBackend(Backend):
     about = "Kubernetes objects: an Indexed Job, a Volcano Job or a PaddleJob"
     plan_type = KubePlan
     handle_type = KubeHandle
-    # restarts: backoffLimit, Volcano's maxRetry, the PaddleJob's backoffLimit; the time limit is the cluster's
+    # restarts: the whole job, Volcano's (maxRetry) or fleetbox's own (run); hangs: HangWatch, in the command that
+    # follows the job; the time limit is the cluster's
     capabilities = Capabilities(own_limit="kubernetes: --k8s-deadline (activeDeadlineSeconds)", restarts=True,
-                                names_hosts=True, runtime="kubernetes")
+                                watches_hangs=True, names_hosts=True, runtime="kubernetes")
     foreign = {"hosts": "Kubernetes chooses the nodes", "devices": "Kubernetes' device plugins choose the GPUs: "
                "give --gpus-per-node"}
     options = (
@@ -276,9 +282,6 @@ class KubernetesBackend(Backend):
             if placeholders.used(m.src) or not m.src.startswith("/"):
                 raise UserError(f"--mount {m.src}:{m.dst}: on Kubernetes the source is a path on each node: give "
                                 f"it absolute, without placeholders")
-        if self.client == "podman" and spec.max_restarts:
-            raise UserError("--max-restarts is the Job controller's backoffLimit; Podman has none: give --k8s-client "
-                            "kubectl")
         if self.client == "podman" and spec.pass_env:
             raise UserError("--pass-env reads a Secret, which `podman kube play` (4.3) does not make: run it with "
                             "--k8s-client kubectl")
@@ -302,7 +305,14 @@ class KubernetesBackend(Backend):
         return KubePlan(spec, job_id, settings.runs_root() / job_id, port, self.kind, self.namespace,
                         tuple(manifests), secret, self.client)
 
-    def render(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str) -> list[dict]:
+    def for_attempt(self, plan: KubePlan, attempt: int) -> KubePlan:
+        """The same objects, their pods' FLEETBOX_ATTEMPT the restart's (fleetbox's own restarts)."""
+        if attempt == plan.attempt:
+            return plan
+        return replace(plan, attempt=attempt, manifests=tuple(self.render(
+            plan.spec, Names(plan.job_id, self.kind), plan.port, plan.secret, attempt)))
+
+    def render(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> list[dict]:
         """Every object of the job, in the order they are applied: the ConfigMaps and the claim before the pods
         that mount them."""
         objs = []
@@ -313,7 +323,7 @@ class KubernetesBackend(Backend):
                                    "metadata": {"name": self.claim},
                                    "spec": {"accessModes": ["ReadWriteMany"],   # every node mounts it at once
                                             "resources": {"requests": {"storage": self.claim_size}}}}, names))
-        template = self.pod_template(spec, names, port, secret)
+        template = self.pod_template(spec, names, port, secret, attempt)
         if self.kind == "indexed":
             objs += [self.headless_service(names), self.indexed_job(spec, names, template)]
         elif self.kind == "volcano":
@@ -360,7 +370,8 @@ class KubernetesBackend(Backend):
         t = planner.template(spec, job_id, "logs", workspace=False, checkpoints=self.claim, shared_checkpoints=True)
         return replace(t, env={k: v for k, v in t.env.items() if k != planner.HIP_VISIBLE})
 
-    def node_script(self, spec: spec_mod.JobSpec, names: Names, port: int, t: planner.NodeRun) -> str:
+    def node_script(self, spec: spec_mod.JobSpec, names: Names, port: int, t: planner.NodeRun, attempt: int = 0) \
+            -> str:
         """What the container runs: the node's values found in the pod, then Paddle's launcher (exec: it is the
         container's process, and gets its signals)."""
         rank_from = {"indexed": COMPLETION_INDEX, "volcano": VOLCANO_INDEX, "paddlejob": "KUBEFLOW_REPLICA_INDEX"}
@@ -369,8 +380,9 @@ class KubernetesBackend(Backend):
         lines = [
             "set -eu",
             f'NODE_INDEX="${rank_from[self.kind]}"',
-            # Volcano counts the job's restarts (its version); the others keep no count a pod can read
-            'FLEETBOX_ATTEMPT="${VOLCANO_JOB_VERSION:-0}"' if self.kind == "volcano" else "FLEETBOX_ATTEMPT=0",
+            # Volcano counts its restarts of the whole job (its version); the others' are fleetbox's own
+            'FLEETBOX_ATTEMPT="${VOLCANO_JOB_VERSION:-0}"' if self.kind == "volcano" else
+            f"FLEETBOX_ATTEMPT={attempt:d}",
             f"MASTER_NAME={line([names.master])}",
             # the master is this pod on rank 0 (the launcher tells that it is the master by the address)
             'if [ "$NODE_INDEX" = 0 ]; then MASTER_IP="$NODE_POD_IP"; else '
@@ -392,7 +404,7 @@ class KubernetesBackend(Backend):
         lines.append("exec " + line(placeholders.to_shell(w, values) for w in t.command))
         return "\n".join(lines)
 
-    def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str) -> dict:
+    def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> dict:
         t = self.node_run(spec, names.job)
         env = [{"name": POD_IP_VAR, "valueFrom": POD_IP_REF}]
         if self.kind == "indexed":   # as the Job controller sets it (it adds none where the pod has one)
@@ -434,7 +446,7 @@ class KubernetesBackend(Backend):
         if self.memory:
             resources["memory"] = self.memory
         container = {"name": CONTAINER, "image": t.image,
-                     "command": ["/bin/sh", "-c", kubelet_literal(self.node_script(spec, names, port, t))],
+                     "command": ["/bin/sh", "-c", kubelet_literal(self.node_script(spec, names, port, t, attempt))],
                      "env": env, "ports": [{"name": MASTER_PORT_NAME, "containerPort": port}],
                      "volumeMounts": mounts}
         if resources:   # limits alone: Kubernetes asks for the same (extended resources allow nothing else)
@@ -451,9 +463,10 @@ class KubernetesBackend(Backend):
                 "spec": pod}
 
     def indexed_job(self, spec: spec_mod.JobSpec, names: Names, template: dict) -> dict:
+        # backoffLimit 0: the first failed pod fails the Job (its controller ends the other pods); a pod made again
+        # alone could not join its peers' collective: fleetbox restarts the whole job (restarting)
         job = {"completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes,
-               # a failed pod is made again (its index only), up to --max-restarts times in all
-               "backoffLimit": spec.max_restarts, "template": template}
+               "backoffLimit": 0, "template": template}
         if self.deadline:
             job["activeDeadlineSeconds"] = self.deadline
         return self.meta({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": names.job}, "spec": job},
@@ -477,9 +490,9 @@ class KubernetesBackend(Backend):
                           "spec": job}, names)
 
     def paddle_job(self, spec: spec_mod.JobSpec, names: Names, template: dict, port: int) -> dict:
-        policy = "OnFailure" if spec.max_restarts else "Never"
+        policy = "Never"   # as the Indexed Job's: the operator restarts a pod alone; fleetbox the whole job
         template = {**template, "spec": {**template["spec"], "restartPolicy": policy}}
-        run = {"cleanPodPolicy": "None", "backoffLimit": spec.max_restarts}   # pods kept: their logs
+        run = {"cleanPodPolicy": "None", "backoffLimit": 0}   # pods kept: their logs
         if self.deadline:
             run["activeDeadlineSeconds"] = self.deadline
         return self.meta({"apiVersion": "kubeflow.org/v1", "kind": "PaddleJob", "metadata": {"name": names.job},
@@ -500,6 +513,26 @@ class KubernetesBackend(Backend):
 
     # -- acting: kubectl, with the kubeconfig it finds --
 
+    def run(self, plan: KubePlan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
+        """Volcano restarts the whole job itself (RestartJob, its version the attempt); a Job or a PaddleJob
+        would make a failed pod again alone: fleetbox restarts the whole job instead, from this client."""
+        if self.kind == "volcano":
+            return super().run(plan, log, timeout, on_submit)
+        return self.restarting(plan, log, timeout, on_submit)
+
+    def detach(self, plan: KubePlan, log=print) -> KubeHandle:
+        if plan.spec.max_restarts and self.kind != "volcano":
+            raise UserError(f"--max-restarts with --detach: the {self.kind} kind's restarts are fleetbox's own, "
+                            f"made by the command that follows the job; stay attached, or give --k8s-kind volcano "
+                            f"(its controller restarts the whole job)")
+        if plan.client == "podman":
+            raise UserError("--detach with --k8s-client podman: nothing would follow the pods (stop the others at "
+                            "a failure, gather the logs, remove them); stay attached")
+        if plan.spec.hang_timeout or plan.spec.start_timeout:
+            log("note: hang detection runs in the command that follows the job: a detached job has none (its "
+                "time limit: --k8s-deadline)")
+        return self.submit(plan, log)
+
     @staticmethod
     def objects(plan: KubePlan) -> list[str]:
         """Each object as kubectl names it (kind.group/name): a claim is left out, it outlives the job (its
@@ -508,6 +541,7 @@ class KubernetesBackend(Backend):
 
     def submit(self, plan: KubePlan, log=print) -> KubeHandle:
         plan.make_dir()
+        (plan.dir / records.SUMMARY).unlink(missing_ok=True)   # an earlier run's (a restart's is kept aside)
         JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
                 plan.spec.image_ref, paddle=plan.spec.paddle_pin).save(plan.dir)
         if plan.client == "podman":
@@ -521,7 +555,8 @@ class KubernetesBackend(Backend):
         (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
         handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
                             procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim, owner=records.owner(),
-                            kind=plan.kind, namespace=plan.namespace,
+                            kind=plan.kind, namespace=plan.namespace, attempt=plan.attempt,
+                            hang_timeout=plan.spec.hang_timeout, start_timeout=plan.spec.start_timeout,
                             objects=(["secret/" + plan.secret] if plan.secret else []) + self.objects(plan))
         handle.save()   # first: whatever is applied from here on, a cancel finds
         by_label = label_delete(plan.namespace, kinds_of(docs), plan.job_id)
@@ -529,7 +564,7 @@ class KubernetesBackend(Backend):
         # "unchanged", and the old job's status read as this one's. Deleted first, and waited for, their pods too
         # (the claim kept)
         gone = kubectl(*by_label[1:], "--cascade=foreground", "--wait").stdout.strip().splitlines()
-        if gone:
+        if gone and not plan.attempt:   # a restart's are its earlier attempt's
             log(f"{plan.job_id}: deleted what an earlier run of it left ({', '.join(w.split()[0] for w in gone)})")
         try:
             kubectl(*self.ns(plan.namespace), "apply", "-f", "-",
@@ -566,9 +601,12 @@ class KubernetesBackend(Backend):
     def job_state(self, handle: KubeHandle) -> tuple[JobState, int, str]:
         """What the job's controller says of it (its object is the last one applied)."""
         if Path(handle.dir, CANCELLED).exists():
-            return JobState.CANCELLED, 0, ""
+            return JobState.CANCELLED, handle.attempt, ""
+        if files.read_json(Path(handle.dir, records.SUMMARY)).get("hang"):   # stopped by hang detection
+            return JobState.HUNG, handle.attempt, ""
         if handle.client == "podman":
-            return PodmanPlay.of(handle).state(handle)
+            state, _, note = PodmanPlay.of(handle).state(handle)
+            return state, handle.attempt, note
         if not handle.objects:
             return JobState.UNKNOWN, 0, "no object was applied"
         proc = kubectl(*self.ns(handle.namespace), "get", handle.objects[-1], "-o", "json", check=False)
@@ -579,7 +617,8 @@ class KubernetesBackend(Backend):
             status = json.loads(proc.stdout).get("status") or {}
         except ValueError:
             return JobState.UNKNOWN, 0, "kubectl gave no JSON"
-        return state_of(handle.kind, status)
+        state, attempt, note = state_of(handle.kind, status)
+        return state, attempt if handle.kind == "volcano" else handle.attempt, note
 
     def status(self, handle: KubeHandle) -> str:
         return self.job_state(handle)[0].value
@@ -587,6 +626,9 @@ class KubernetesBackend(Backend):
     def logs(self, handle: KubeHandle, node: int) -> str:
         if handle.client == "podman":
             return PodmanPlay.of(handle).logs(handle, node)
+        kept = Path(handle.dir, f"node{node}", "container.log")
+        if kept.exists():   # gathered when the job ended (its pods may be gone)
+            return kept.read_text(errors="replace")
         pods = {pod_rank(p, handle.kind): p["metadata"]["name"] for p in self.pods(handle)}
         if node not in pods:
             raise UserError(f"job {handle.job_id} has no pod of rank {node} (yet)")
@@ -596,10 +638,12 @@ class KubernetesBackend(Backend):
         log(self.logs(handle, node).rstrip("\n"))
 
     def follow(self, handle: KubeHandle, log=print, timeout: float | None = None, poll: float = 5.0) -> JobResult:
-        """Until the job's controller says it ended (its restarts included), then each node's end."""
+        """Until the job's controller says it ended (Volcano's restarts included), or hang detection stopped it;
+        then each node's output kept in node<k>/container.log, and each node's end."""
         if handle.client == "podman":
             return PodmanPlay.of(handle).follow(handle, log, timeout)
-        told = None
+        told, hung = None, None
+        hangs = HangWatch(handle, PodFiles(self.exec_argv(handle)), log, poll)
         while True:
             state, _, note = self.job_state(handle)
             if state == JobState.UNKNOWN and "(NotFound)" in note:   # its object is gone: it will not end
@@ -609,21 +653,47 @@ class KubernetesBackend(Backend):
                 told = state
             if state.is_terminal:
                 break
+            if (hung := hangs.look()) is not None:
+                break
             time.sleep(poll)
+        pods = self.pods(handle)
+        for p in pods:   # what `invoke logs` shows once the pods are gone
+            out = kubectl(*self.ns(handle.namespace), "logs", p["metadata"]["name"], "-c", CONTAINER, check=False)
+            d = Path(handle.dir, f"node{pod_rank(p, handle.kind)}")
+            d.mkdir(parents=True, exist_ok=True)
+            files.write_atomic(d / "container.log", out.stdout)
+        if hung is not None:   # the job's object, and its pods with it: they would wait for the stuck rank
+            log(f"{handle.job_id}: hung; deleting {handle.objects[-1]}")
+            kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", "--wait=false", handle.objects[-1],
+                    check=False)
         nodes = []
-        for p in self.pods(handle):
+        for p in pods:
             r = pod_rank(p, handle.kind)
             term = next((s.get("state", {}).get("terminated") for s in p.get("status", {}).get(
                 "containerStatuses", []) if s.get("name") == CONTAINER), None) or {}
             code = term.get("exitCode")
-            nodes.append(NodeResult(f"node{r}", r, p.get("spec", {}).get("nodeName", "?"), code,
-                                    "ok" if code == 0 else "FAILED", p["metadata"]["name"],
-                                    oom_killed=term.get("reason") == "OOMKilled"))
-        bad = next((n.rank for n in nodes if n.exit_code), None)
-        result = JobResult(handle.job_id, self.name, state == JobState.PASSED, nodes, bad, dir=handle.dir,
-                           name_host=True)
+            end = ("hung" if r == hung["node"] else "stopped") if hung else "ok" if code == 0 else "FAILED"
+            nodes.append(NodeResult(f"node{r}", r, p.get("spec", {}).get("nodeName", "?"), code, end,
+                                    p["metadata"]["name"], oom_killed=term.get("reason") == "OOMKilled"))
+        bad = hung["node"] if hung else next((n.rank for n in nodes if n.exit_code), None)
+        result = JobResult(handle.job_id, self.name, state == JobState.PASSED and not hung, nodes, bad,
+                           dir=handle.dir, name_host=True, hang=hung)
         result.save()
         return result
+
+    def exec_argv(self, handle: KubeHandle):
+        """For PodFiles: `kubectl exec` into node k's pod (found once it is there)."""
+        names: dict[int, str] = {}
+
+        def argv(k: int) -> list[str] | None:
+            if k not in names:
+                try:
+                    names.update({pod_rank(p, handle.kind): p["metadata"]["name"] for p in self.pods(handle)})
+                except UserError:   # a busy API server: the next look asks again
+                    return None
+            return ["kubectl", *self.ns(handle.namespace), "exec", "-i", names[k], "-c", CONTAINER, "--"] \
+                if k in names else None
+        return argv
 
     def cancel(self, handle: KubeHandle, log=print) -> None:
         """The job's objects, deleted (their pods with them); a claim is left: it holds the checkpoints."""
@@ -730,6 +800,79 @@ def state_of(kind: str, status: dict) -> tuple[JobState, int, str]:
     return state, 0, last.get("message", "") if state == JobState.FAILED else ""
 
 
+# -- hang detection, in the client: the ranks' files in the pods, through the client's exec --
+
+class PodFiles:
+    """run/hang.py's reader and writer on each node's log folder in its pod, while it runs: `kubectl exec` or
+    `podman exec` (`argv(k)`: the words that run a command in node k's container; None: no pod of it yet)."""
+
+    TIMEOUT_S = 30   # one exec: a busy API server answers late, never forever
+
+    def __init__(self, argv):
+        self.argv = argv
+
+    def read(self, k: int, name: str, last: int | None = None) -> bytes | None:
+        head = self.argv(k)
+        if head is None:
+            return None
+        path = f"{settings.LOG_DIR}/{name}"
+        try:
+            proc = subprocess.run([*head, *(["tail", "-c", str(last), path] if last else ["cat", path])],
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=self.TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return None
+        return proc.stdout if proc.returncode == 0 else None
+
+    def write(self, k: int, name: str, data: bytes) -> None:
+        head = self.argv(k)
+        if head is None:
+            raise OSError(f"node{k} has no pod")
+        # ours (raw shell): the file whole or not at all, as run/hang.py writes it; the path is its argument
+        subprocess.run([*head, "sh", "-c", 'cat > "$1.tmp" && mv -f "$1.tmp" "$1"', "sh",
+                        f"{settings.LOG_DIR}/{name}"], input=data, capture_output=True, check=True,
+                       timeout=self.TIMEOUT_S)
+
+
+class HangWatch:
+    """--hang-timeout and --start-timeout, carried out by the command that follows the job (run/hang.py's rules,
+    as the Docker backend's): every `every` seconds the ranks' progress files are read in their pods; at a
+    deadline every rank's stacks are asked for, kept in runs/<job>/hang-<attempt>/ with whom they blame, and the
+    job is to be stopped."""
+
+    def __init__(self, handle: KubeHandle, files: PodFiles, log, every: float):
+        self.handle, self.files, self.log, self.every = handle, files, log, every
+        h = handle
+        on = bool(h.hang_timeout or h.start_timeout)
+        self.watch = hang.Watch(h.nodes * h.procs_per_node, h.hang_timeout, h.start_timeout) if on else None
+        self.next = time.monotonic()
+
+    def look(self) -> dict | None:
+        """The hang's record (JobResult.hang) once the job is stuck; None until then, or between looks."""
+        if self.watch is None or time.monotonic() < self.next:
+            return None
+        self.next = time.monotonic() + self.every
+        h, ppn = self.handle, self.handle.procs_per_node
+        with ThreadPoolExecutor(max_workers=min(16, self.watch.world)) as pool:
+            found = list(pool.map(lambda r: self.files.read(r // ppn, hang.PROGRESS.format(rank=r)),
+                                  range(self.watch.world)))
+        for r, data in enumerate(found):
+            try:
+                self.watch.see(r, json.loads(data) if data else None)
+            except ValueError:   # caught mid-write: the next look has it
+                pass
+        for said in self.watch.new_stragglers(ppn):
+            self.log(said)
+        stall = self.watch.verdict()
+        if stall is None:
+            return None
+        self.log(hang.announce(stall))
+        before = hang.ask_for_stacks(self.files.read, self.files.write, h.nodes, ppn, h.attempt)
+        record = hang.keep(str(Path(h.dir, f"hang-{h.attempt}")), self.files.read, h.nodes, ppn, h.attempt,
+                           before, stall)
+        self.log(record["text"])
+        return record
+
+
 # -- Podman: `podman kube play` (4.3) runs Pods, ConfigMaps, Secrets and claims, but no Job or Service --
 
 def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> list[dict]:
@@ -803,7 +946,8 @@ class PodmanPlay:
         pods = [f"pod/{self.job_id}-{k}" for k in range(self.nodes)]
         handle = KubeHandle("kubernetes", plan.job_id, str(plan.dir), plan.spec.nodes,
                             procs_per_node=plan.spec.procs_per_node, checkpoints=claim, owner=records.owner(),
-                            kind=plan.kind, client="podman", objects=[
+                            kind=plan.kind, client="podman", attempt=plan.attempt,
+                            hang_timeout=plan.spec.hang_timeout, start_timeout=plan.spec.start_timeout, objects=[
                                 f"network/{self.job_id}", *pods,
                                 *(f"volume/{m['metadata']['name']}" for m in by_kind.get("ConfigMap", [])),
                                 *(f"volume/{self.job_id}-{k}-{v['name']}" for k in range(self.nodes)
@@ -882,7 +1026,8 @@ class PodmanPlay:
 
     def follow(self, handle: KubeHandle, log=print, timeout: float | None = None) -> JobResult:
         """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`."""
-        began, seen, bad, why, timed_out = time.monotonic(), set(), None, "", False
+        began, seen, bad, why, timed_out, hung = time.monotonic(), set(), None, "", False, None
+        hangs = HangWatch(handle, PodFiles(lambda k: ["podman", "exec", "-i", self.container(k)]), log, self.POLL_S)
         while True:
             ctrs = self.containers()
             seen |= set(ctrs)
@@ -899,8 +1044,11 @@ class PodmanPlay:
             if timeout is not None and time.monotonic() - began > timeout:
                 timed_out = True
                 break
+            if (hung := hangs.look()) is not None:
+                bad = hung["node"]
+                break
             time.sleep(self.POLL_S)
-        if bad is not None:
+        if bad is not None and hung is None:
             log(f"{handle.job_id}: node{bad} " + (why or f"failed ({exit_meaning(ctrs[bad].get('ExitCode'))})")
                 + ": stopping the others")
         stopped = [k for k, c in ctrs.items() if c.get("State") != "exited"]
@@ -916,13 +1064,14 @@ class PodmanPlay:
                                                                 merge=True).stdout)
                 podman("cp", f"{self.container(k)}:{settings.LOG_DIR}/.", str(d), check=False)
             code = ends.get(k, {}).get("ExitCode") if ends.get(k, {}).get("State") == "exited" else None
-            state = ("FAILED" if k == bad else "stopped" if k in stopped else "ok" if code == 0 else
-                     "gone" if k not in ends else "aborted")
+            state = ("hung" if hung and k == bad else "FAILED" if k == bad else "stopped" if k in stopped else
+                     "ok" if code == 0 else "gone" if k not in ends else "aborted")
             nodes.append(NodeResult(f"node{k}", k, "local", code, state, str(d), why=why if k == bad else ""))
         self.down(handle, log=lambda *_: None)
-        ok = bad is None and not timed_out and all(n.exit_code == 0 for n in nodes)
-        result = JobResult(handle.job_id, "kubernetes", ok, nodes, bad, timed_out, dir=handle.dir)
-        if bad is not None:
+        ok = bad is None and not timed_out and not hung and all(n.exit_code == 0 for n in nodes)
+        result = JobResult(handle.job_id, "kubernetes", ok, nodes, bad, timed_out, dir=handle.dir, hang=hung,
+                           smoke=smoke_report(Path(handle.dir, "node0", "workerlog.0")))
+        if bad is not None and hung is None:
             result.log_tail = read_lines(Path(handle.dir, f"node{bad}", "container.log"))[-20:]
         result.save()
         return result
