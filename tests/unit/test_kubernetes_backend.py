@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from functools import cache
 
 import jsonschema
@@ -21,6 +22,7 @@ from fleetbox.image import matrix
 from fleetbox.run import backends
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
+from fleetbox.run.records import Handle
 from tests.conftest import ROOT
 
 K8S = "1.30.0"   # the Kubernetes version whose schemas (bundled with kubernetes-validate) the built-in kinds meet
@@ -178,6 +180,10 @@ def test_the_paddlejob_is_what_the_training_operator_finds():
     assert c["name"] == "paddle" and c["ports"] == [{"name": "master", "containerPort": PORT}]
     assert worker["replicas"] == 2 and worker["restartPolicy"] == worker["template"]["spec"]["restartPolicy"]
     assert spec_["runPolicy"]["backoffLimit"] == 0
+    # restarts are fleetbox's, of the whole job: the operator restarts no pod alone
+    restarting = backend(k8s_kind="paddlejob").plan(spec(max_restarts=2)).manifests[-1]["spec"]
+    assert restarting["runPolicy"]["backoffLimit"] == 0
+    assert restarting["paddleReplicaSpecs"]["Worker"]["restartPolicy"] == "Never"
 
 
 # -- the node's wiring, by value: the container's script run with a stand-in python --
@@ -535,8 +541,7 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
                                                                                                  monkeypatch):
     from fleetbox.run.backends.kubernetes import pods_for_podman
     podman_calls = stand_in(tmp_path, monkeypatch, "podman", PODMAN)
-    for bad, needle in (({"pass_env": ("HF_TOKEN",)}, "--pass-env reads a Secret"),
-                        ({"max_restarts": 1}, "--max-restarts is the Job controller's backoffLimit")):
+    for bad, needle in (({"pass_env": ("HF_TOKEN",)}, "--pass-env reads a Secret"),):
         with pytest.raises(UserError, match=needle):
             backend(k8s_client="podman").check(spec(**bad))
     b = backend(k8s_client="podman", k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
@@ -669,5 +674,104 @@ def test_a_job_whose_object_was_deleted_while_it_ran_is_followed_to_failed(kubec
 def test_the_docs_put_no_secret_on_argv_and_say_what_a_restart_is_per_shape():
     doc = (ROOT / "docs" / "explanation" / "kubernetes.md").read_text()
     assert "--from-literal" not in doc and "--from-env-file=/dev/stdin" in doc
-    assert "On the indexed and paddlejob shapes a restart replaces the failed pod only" in doc
-    assert "(`FLEETBOX_ATTEMPT`) stays 0" in doc
+    assert "is 0, so the first failed pod fails the job" in doc and "`--detach` with `--max-restarts`" in doc
+
+
+# A cluster as kubectl shows it, for a job whose attempt 0 hangs and whose attempt 1 passes: its pods' log folders
+# are the recorded job's (a rank stuck before its first step), read and written through `kubectl exec`; a request
+# for stacks is answered with that job's recorded dumps, as sitecustomize's relay answers it.
+CLUSTER = r"""#!{py}
+import json, os, re, shutil, sys
+args = sys.argv[1:]
+stdin = sys.stdin.buffer.read() if ("-f" in args or args[-2:-1] == ["sh"]) else b""
+with open(os.environ["KUBECTL_OUT"], "a") as f:
+    f.write(json.dumps({{"argv": args, "stdin": stdin.decode(errors="replace") if "-f" in args else ""}}) + "\n")
+state, recorded = os.environ["KUBECTL_STATE"], os.environ["KUBECTL_RECORDED"]
+attempt = open(os.path.join(state, "attempt")).read() if os.path.exists(os.path.join(state, "attempt")) else "0"
+pods = [f"fb-job-{{k}}-x{{attempt}}" for k in (0, 1)]
+if args[:1] == ["apply"]:
+    job = next(i for i in json.loads(stdin)["items"] if i["kind"] == "Job")
+    attempt = re.search(r"FLEETBOX_ATTEMPT=(\d+)", job["spec"]["template"]["spec"]["containers"][0]["command"][2])[1]
+    open(os.path.join(state, "attempt"), "w").write(attempt)
+    for k in (0, 1):   # each pod's log folder, as the recorded job's node left it
+        d = os.path.join(state, f"fb-job-{{k}}-x{{attempt}}")
+        os.makedirs(d, exist_ok=True)
+        shutil.copy(os.path.join(recorded, f"node{{k}}", f"progress-rank{{k}}.json"), d)
+elif args[:2] == ["get", "pods"]:
+    term = {{"terminated": {{"exitCode": 0}}}} if attempt == "1" else {{"running": {{}}}}
+    print(json.dumps({{"items": [{{"metadata": {{"name": n, "creationTimestamp": "2026-11-28T00:00:0{{k}}Z",
+        "annotations": {{"batch.kubernetes.io/job-completion-index": str(k)}}}}, "spec": {{"nodeName": f"gpu{{k}}"}},
+        "status": {{"containerStatuses": [{{"name": "paddle", "state": term}}]}}}} for k, n in enumerate(pods)]}}))
+elif args[:1] == ["get"]:
+    print(json.dumps({{"status": {{"conditions": [{{"type": "Complete", "status": "True"}}]}} if attempt == "1"
+                      else {{"active": 2}}}}))
+elif args[:1] == ["exec"]:
+    pod, cmd = args[2], args[args.index("--") + 1:]
+    if pod not in pods:
+        sys.exit(1)
+    path = os.path.join(state, pod, os.path.basename(cmd[-1]))
+    if cmd[0] == "sh":   # the writer: a request for stacks, answered at once by each rank's recorded dump
+        open(path, "wb").write(stdin)
+        k = pods.index(pod)
+        shutil.copy(os.path.join(recorded, f"node{{k}}", f"stacks-rank{{k}}.txt"), os.path.join(state, pod))
+    elif not os.path.exists(path):
+        sys.exit(1)
+    else:
+        data = open(path, "rb").read()
+        sys.stdout.buffer.write(data[-int(cmd[2]):] if cmd[0] == "tail" else data)
+elif args[:1] == ["logs"]:
+    print(f"the output of {{args[1]}}")
+"""
+
+
+def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts_the_whole_job(kubectl, tmp_path,
+                                                                                               monkeypatch):
+    (tmp_path / "bin" / "kubectl").write_text(CLUSTER.format(py=sys.executable))
+    (tmp_path / "cluster").mkdir()
+    monkeypatch.setenv("KUBECTL_STATE", str(tmp_path / "cluster"))
+    monkeypatch.setenv("KUBECTL_RECORDED", str(ROOT / "tests" / "recorded" / "jobs" / "train-20261127-201444-43d0"))
+    b = backend()
+    plan = b.plan(replace(spec(max_restarts=1, start_timeout=1.0, hang_timeout=0.0), procs_per_node=1))
+    from fleetbox.run.backends import kubernetes
+    slept, sleep = [], kubernetes.time.sleep
+
+    def short_sleep(s):   # the follow loop's polls (5 s) shortened, and a job never found hung not waited forever
+        slept.append(s)
+        assert len(slept) < 100, "the hung job was followed as if it ran"
+        sleep(min(s, 0.2))
+    monkeypatch.setattr(kubernetes.time, "sleep", short_sleep)
+    said = []
+    result = b.run(plan, log=said.append)
+    assert result.ok and [a["state"] for a in result.attempts] == ["HUNG", "PASSED"], said
+    first = json.loads((plan.dir / "attempt0" / "summary.json").read_text())
+    h = first["hang"]
+    assert (h["kind"], h["ranks"], h["decided"], first["culprit"]) == ("start", [1], True, 1), h
+    assert [n["state"] for n in first["nodes"]] == ["stopped", "hung"]
+    assert "in `main` (smoke.py:76)" in h["text"] and "waiting in `init_parallel_env`" in h["text"]
+    assert "the output of fb-job-1-x0" in (plan.dir / "attempt0" / "node1" / "container.log").read_text()
+    calls = [c["argv"] for c in kubectl()]
+    # the ranks' progress read in their pods, the stacks asked for there, then the hung job deleted with its pods
+    exec_ = ["exec", "-i", "fb-job-1-x0", "-c", "paddle", "--"]
+    assert [*exec_, "cat", f"{settings.LOG_DIR}/progress-rank1.json"] in calls
+    assert ["exec", "-i", "fb-job-0-x0", "-c", "paddle", "--", "sh", "-c", 'cat > "$1.tmp" && mv -f "$1.tmp" "$1"',
+            "sh", f"{settings.LOG_DIR}/STACKS-REQUEST"] in calls
+    hung_delete = calls.index(["delete", "--ignore-not-found", "--wait=false", f"job.batch/{JOB}"])
+    # the restart: what the attempt left deleted by label, then the same objects applied, FLEETBOX_ATTEMPT 1
+    applies = [k for k, c in enumerate(calls) if c == ["apply", "-f", "-"]]
+    assert len(applies) == 2 and applies[0] < hung_delete < applies[1]
+    assert calls[applies[1] - 1][:2] == ["delete", "configmap,service,job.batch"]
+    jobs = [next(i for i in json.loads(kubectl()[k]["stdin"])["items"] if i["kind"] == "Job") for k in applies]
+    scripts = [j["spec"]["template"]["spec"]["containers"][0]["command"][2] for j in jobs]
+    assert ["FLEETBOX_ATTEMPT=0" in scripts[0], "FLEETBOX_ATTEMPT=1" in scripts[1]] == [True, True]
+    assert [j["spec"]["backoffLimit"] for j in jobs] == [0, 0]
+    assert scripts[0].replace("FLEETBOX_ATTEMPT=0", "FLEETBOX_ATTEMPT=1") == scripts[1]
+    assert b.job_state(Handle.load(plan.dir))[:2] == ("PASSED", 1)
+
+
+def test_restarts_that_need_the_client_are_refused_detached(kubectl):
+    b = backend()
+    with pytest.raises(UserError, match="--max-restarts with --detach: the indexed kind's restarts are fleetbox"):
+        b.detach(b.plan(spec(max_restarts=1)), log=lambda *_: None)
+    assert kubectl() == []   # nothing applied
+    with pytest.raises(UserError, match="--detach with --k8s-client podman"):
+        backend(k8s_client="podman").detach(backend(k8s_client="podman").plan(spec()), log=lambda *_: None)
