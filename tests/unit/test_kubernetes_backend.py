@@ -22,6 +22,7 @@ from fleetbox.image import matrix
 from fleetbox.run import backends
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends.kubernetes import APPLY, KubeHandle
 from fleetbox.run.records import Handle
 from tests.conftest import ROOT
 
@@ -503,7 +504,7 @@ def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_b
     # what an earlier run of the same id left is deleted first (and waited for), the claim never
     assert earlier["argv"] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
                                f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found", "--cascade=foreground", "--wait"]
-    assert apply["argv"] == ["--namespace", "ml", "apply", "-f", "-"]
+    assert apply["argv"] == ["--namespace", "ml", *APPLY]
     applied = json.loads(apply["stdin"])["items"]
     assert applied[0] == {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": {"HF_TOKEN": "s3cret"},
                           "metadata": {"name": f"{JOB}-env", "labels": {settings.LABEL_JOB: JOB}, "namespace": "ml"}}
@@ -613,7 +614,7 @@ def test_a_failed_apply_deletes_what_it_made_by_the_jobs_label_and_keeps_the_han
     with pytest.raises(UserError, match="kubectl apply failed"):
         b.run(plan, log=lambda *_: None)
     argvs = [c["argv"] for c in kubectl() if c["argv"][-1] != "--wait"]   # the earlier run's, deleted first
-    apply = argvs.index(["--namespace", "ml", "apply", "-f", "-"])
+    apply = argvs.index(["--namespace", "ml", *APPLY])
     assert argvs[apply + 1] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
                                 f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found"]   # never the claim
     assert (plan.dir / "handle.json").exists()
@@ -637,7 +638,7 @@ def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kub
     b.run(b.plan(spec()), log=said.append)
     argvs = [c["argv"] for c in kubectl()]
     assert argvs[:2] == [["delete", "configmap,service,job.batch", "-l", f"{settings.LABEL_JOB}={JOB}",
-                          "--ignore-not-found", "--cascade=foreground", "--wait"], ["apply", "-f", "-"]]
+                          "--ignore-not-found", "--cascade=foreground", "--wait"], list(APPLY)]
     assert [s for s in said if "earlier run" in s] == [
         f"{JOB}: deleted what an earlier run of it left (configmap, job.batch)"]
     said.clear()
@@ -683,10 +684,11 @@ def test_the_docs_put_no_secret_on_argv_and_say_what_a_restart_is_per_shape():
 CLUSTER = r"""#!{py}
 import json, os, re, shutil, sys
 args = sys.argv[1:]
-stdin = sys.stdin.buffer.read() if ("-f" in args or args[-2:-1] == ["sh"]) else b""
+stdin = sys.stdin.buffer.read() if (args[:1] == ["apply"] or args[-2:-1] == ["sh"]) else b""
 with open(os.environ["KUBECTL_OUT"], "a") as f:
     f.write(json.dumps({{"argv": args, "stdin": stdin.decode(errors="replace") if "-f" in args else ""}}) + "\n")
-state, recorded = os.environ["KUBECTL_STATE"], os.environ["KUBECTL_RECORDED"]
+args = args[2:] if args[:1] == ["--namespace"] else args
+state, recorded = os.environ["KUBECTL_STATE"], os.environ.get("KUBECTL_RECORDED", "")
 attempt = open(os.path.join(state, "attempt")).read() if os.path.exists(os.path.join(state, "attempt")) else "0"
 pods = [f"fb-job-{{k}}-x{{attempt}}" for k in (0, 1)]
 if args[:1] == ["apply"]:
@@ -720,7 +722,9 @@ elif args[:1] == ["exec"]:
         data = open(path, "rb").read()
         sys.stdout.buffer.write(data[-int(cmd[2]):] if cmd[0] == "tail" else data)
 elif args[:1] == ["logs"]:
-    print(f"the output of {{args[1]}}")
+    print(f"the output of {{[a for a in args[1:] if not a.startswith('-')][0]}}")
+    if "-f" in args and attempt == "0":   # followed until it ended: the job restarted meanwhile
+        open(os.path.join(state, "attempt"), "w").write("1")
 """
 
 
@@ -757,7 +761,7 @@ def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts
             "sh", f"{settings.LOG_DIR}/STACKS-REQUEST"] in calls
     hung_delete = calls.index(["delete", "--ignore-not-found", "--wait=false", f"job.batch/{JOB}"])
     # the restart: what the attempt left deleted by label, then the same objects applied, FLEETBOX_ATTEMPT 1
-    applies = [k for k, c in enumerate(calls) if c == ["apply", "-f", "-"]]
+    applies = [k for k, c in enumerate(calls) if c == list(APPLY)]
     assert len(applies) == 2 and applies[0] < hung_delete < applies[1]
     assert calls[applies[1] - 1][:2] == ["delete", "configmap,service,job.batch"]
     jobs = [next(i for i in json.loads(kubectl()[k]["stdin"])["items"] if i["kind"] == "Job") for k in applies]
@@ -775,3 +779,27 @@ def test_restarts_that_need_the_client_are_refused_detached(kubectl):
     assert kubectl() == []   # nothing applied
     with pytest.raises(UserError, match="--detach with --k8s-client podman"):
         backend(k8s_client="podman").detach(backend(k8s_client="podman").plan(spec()), log=lambda *_: None)
+
+
+def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_the_job_ends(kubectl, tmp_path,
+                                                                                              monkeypatch):
+    (tmp_path / "bin" / "kubectl").write_text(CLUSTER.format(py=sys.executable))
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "attempt").write_text("0")
+    monkeypatch.setenv("KUBECTL_STATE", str(tmp_path / "cluster"))
+    b = backend(k8s_namespace="ml")
+    plan = b.plan(spec())
+    plan.make_dir()
+    KubeHandle("kubernetes", JOB, str(plan.dir), 2, objects=[f"job.batch/{JOB}"], namespace="ml").save()
+    from fleetbox.run.backends import kubernetes
+    slept = []
+
+    def sleep(s):   # the follow loop's: a few polls, not forever
+        slept.append(s)
+        assert len(slept) < 20, "the logs are followed past the job's end"
+    monkeypatch.setattr(kubernetes.time, "sleep", sleep)
+    said = []
+    b.show_logs(Handle.load(plan.dir), 1, follow=True, log=said.append, poll=0.01)
+    assert said == ["the output of fb-job-1-x0", "the output of fb-job-1-x1"]
+    assert [c["argv"] for c in kubectl() if "logs" in c["argv"]] == [
+        ["--namespace", "ml", "logs", "-f", f"fb-job-1-x{k}", "-c", "paddle"] for k in (0, 1)]

@@ -46,6 +46,9 @@ from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines,
 from fleetbox.run.shell import Raw, line
 
 KINDS = ("indexed", "volcano", "paddlejob")
+# server-side: a client-side apply keeps each object whole in an annotation, 256 KiB at most, and a script's
+# ConfigMap may hold up to 1 MiB; an existing claim (an earlier run's) is taken over, not refused
+APPLY = ("apply", "--server-side", "--force-conflicts", "--field-manager=fleetbox", "-f", "-")
 CLIENTS = ("kubectl", "podman")
 CONTAINER = "paddle"       # the Training Operator finds a PaddleJob's container, and its port, by these names
 MASTER_PORT_NAME = "master"
@@ -567,7 +570,7 @@ class KubernetesBackend(Backend):
         if gone and not plan.attempt:   # a restart's are its earlier attempt's
             log(f"{plan.job_id}: deleted what an earlier run of it left ({', '.join(w.split()[0] for w in gone)})")
         try:
-            kubectl(*self.ns(plan.namespace), "apply", "-f", "-",
+            kubectl(*self.ns(plan.namespace), *APPLY,
                     stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
         except BaseException:   # a failed or interrupted apply may have made some objects: none is left
             with signals_held():
@@ -635,7 +638,44 @@ class KubernetesBackend(Backend):
         return kubectl(*self.ns(handle.namespace), "logs", pods[node], "-c", CONTAINER).stdout
 
     def show_logs(self, handle: KubeHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
-        log(self.logs(handle, node).rstrip("\n"))
+        """A node's output; with `follow`, each of its pods' in turn (a restart makes new ones), as it comes, until
+        the job ends."""
+        if not follow:
+            log(self.logs(handle, node).rstrip("\n"))
+            return
+        shown: set[str] = set()
+        while True:
+            h = Handle.load(Path(handle.dir))   # a restart saves its attempt's
+            ended = self.job_state(h)[0].is_terminal
+            key, argv = self.streaming(h, node)
+            if key is not None and key not in shown:
+                shown.add(key)
+                with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, errors="replace") as p:
+                    for said in p.stdout:
+                        log(said.rstrip("\n"))
+                continue
+            if ended:
+                if not shown:   # it ended before: what was kept
+                    log(self.logs(h, node).rstrip("\n"))
+                return
+            time.sleep(poll)
+
+    def streaming(self, handle: KubeHandle, node: int) -> tuple[str | None, list[str]]:
+        """(which container it is, the words that stream its output) for node's pod now; (None, []): none yet."""
+        if handle.client == "podman":
+            name = PodmanPlay.of(handle).container(node)
+            found = podman("container", "inspect", "--format", "{{.Id}}", name, check=False).stdout.strip()
+            return (found, ["podman", "logs", "-f", name]) if found else (None, [])
+        try:
+            pod = next((p for p in self.pods(handle) if pod_rank(p, handle.kind) == node), None)
+        except UserError:   # a busy API server: asked again
+            return None, []
+        if pod is None:
+            return None, []
+        md = pod["metadata"]
+        return md.get("uid") or md["name"], ["kubectl", *self.ns(handle.namespace), "logs", "-f", md["name"], "-c",
+                                             CONTAINER]
 
     def follow(self, handle: KubeHandle, log=print, timeout: float | None = None, poll: float = 5.0) -> JobResult:
         """Until the job's controller says it ended (Volcano's restarts included), or hang detection stopped it;
