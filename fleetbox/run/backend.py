@@ -9,13 +9,11 @@ so a dry-run shows exactly what runs. `run` is submit + follow, with cancel on e
 
 from __future__ import annotations
 
-import re
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fleetbox.errors import Failed, UserError
+from fleetbox.errors import UserError
 from fleetbox.options import Option
 from fleetbox.processes import never_failing, signals_held, stops_as_interrupt
 from fleetbox.run import metrics
@@ -218,53 +216,6 @@ class Backend(ABC):
         result = self.run_once(plan, log, timeout, on_submit)
         metrics.collect(plan.dir)
         return result
-
-    def restarting(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
-        """fleetbox's own restarts (torchrun's --max-restarts), for a backend that does them in its client: submit
-        and follow; after a failure or a hang, the whole job again from its newest checkpoint, with the same job
-        id (`for_attempt`), up to spec.max_restarts times. Each attempt keeps its own logs: the last in the job
-        folder, earlier ones in the layout's attempt folders (`keep_attempt`)."""
-        deadline = time.monotonic() + timeout if timeout else None
-        restarts, attempts = plan.spec.max_restarts, []
-        for attempt in range(restarts + 1):
-            left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            try:
-                result = self.run_once(self.for_attempt(plan, attempt), log, left, on_submit)
-                why = result.reason()
-            except Failed as e:   # the engine or cluster failed under the job: run_once has cleaned up
-                if attempt == restarts:
-                    raise
-                result, why = None, str(e).removeprefix("train failed: ")
-            attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
-                             "state": result.state if result is not None else "FAILED", "logs": str(plan.dir)})
-            if result is not None and (result.ok or result.timed_out) or attempt == restarts \
-                    or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
-                break
-            attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
-            log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
-                f"(restart {attempt + 1} of {restarts})")
-        if len(attempts) > 1:
-            result.attempts = attempts
-            result.save()
-        metrics.collect(plan.dir)
-        return result
-
-    def for_attempt(self, plan: Plan, attempt: int) -> Plan:
-        """The plan of the job's attempt `attempt` (0: the first), for `restarting`."""
-        return plan
-
-    def keep_attempt(self, plan: Plan, attempt: int) -> Path:
-        """Move a finished attempt's node folders and summary aside (the layout's attempt folder), so the next one
-        starts with a clean folder."""
-        aside = plan.dir / self.layout.earlier.replace("<N>", str(attempt + self.layout.first))
-        if aside.exists():   # left by an earlier run of the same job id
-            aside.rename(aside.with_name(f"{aside.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
-        aside.mkdir(parents=True)
-        node = re.escape(self.layout.node.partition("/")[0]).replace("<k>", r"\d+")
-        for p in sorted(plan.dir.iterdir()):
-            if re.fullmatch(rf"{node}(\.log)?|summary\.json", p.name) and p != aside:
-                p.rename(aside / p.name)
-        return aside
 
     def run_once(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end. Ctrl-C, SIGTERM and any error cancel the job before going on up."""

@@ -10,10 +10,10 @@ import pytest
 
 from fleetbox import ROOT
 from fleetbox.image import matrix
-from fleetbox.run import backend as backend_mod
 from fleetbox.run import backends, records
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import docker as docker_backend
+from fleetbox.run.backends import restarts
 from fleetbox.run.backends.docker import DockerBackend
 
 RECORDED = ROOT / "tests" / "recorded" / "plans" / "hosts"
@@ -35,7 +35,7 @@ def test_the_supervisor_runs_an_old_hosts_plan_without_touching_a_local_checkpoi
     monkeypatch.setattr(docker_backend.checkpoints, "prepare", lambda *a, **k: touched.append(("prepare", a)))
     monkeypatch.setattr(docker_backend.checkpoints, "release", lambda *a, **k: touched.append(("release", a)))
     monkeypatch.setattr(docker_backend.checkpoints, "state", lambda *a, **k: touched.append(("state", a)) or {})
-    monkeypatch.setattr(backend_mod.metrics, "collect", lambda d: None)
+    monkeypatch.setattr(restarts.metrics, "collect", lambda d: None)
     b = DockerBackend(connect=lambda host: (_ for _ in ()).throw(Stop(host)))
     done = types.SimpleNamespace(ok=True, timed_out=False, reason=lambda: "", state="PASSED")
     monkeypatch.setattr(b, "run_once", lambda *a, **k: done)

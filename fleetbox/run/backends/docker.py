@@ -36,8 +36,9 @@ from fleetbox.processes import process_start, this_host
 from fleetbox.run import checkpoints, hang, hostnet, output, placeholders, records, shell
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Plan, job_ended
+from fleetbox.run.backend import CANCELLED, Capabilities, Plan, job_ended
 from fleetbox.run.backends import runtimes
+from fleetbox.run.backends.restarts import ClientRestarts
 from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
 from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
@@ -130,7 +131,7 @@ def node_gpus(spec: spec_mod.JobSpec, rank: int, devices: str = "", sharing: int
     return ",".join(ids[block * per:(block + 1) * per])
 
 
-class DockerBackend(Backend):
+class DockerBackend(ClientRestarts):
     name = "docker"
     about = "containers via Docker Engines"
     plan_type = DockerPlan

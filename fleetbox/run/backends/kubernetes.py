@@ -40,7 +40,8 @@ from fleetbox.processes import never_failing, signals_held
 from fleetbox.run import hang, hostnet, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Option, Plan
+from fleetbox.run.backend import CANCELLED, Capabilities, Option, Plan
+from fleetbox.run.backends.restarts import ClientRestarts
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines, smoke_report
 from fleetbox.run.shell import Raw, line
@@ -175,7 +176,7 @@ class KubeHandle(Handle):
     start_timeout: float = 0.0
 
 
-class KubernetesBackend(Backend):
+class KubernetesBackend(ClientRestarts):
     name = "kubernetes"
     about = "Kubernetes objects: an Indexed Job, a Volcano Job or a PaddleJob"
     plan_type = KubePlan
