@@ -502,7 +502,7 @@ def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_b
     h = b.submit(plan, log=lambda *_: None)
     earlier, apply = kubectl()
     # what an earlier run of the same id left is deleted first (and waited for), the claim never
-    assert earlier["argv"] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
+    assert earlier["argv"] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh,pod", "-l",
                                f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found", "--cascade=foreground", "--wait"]
     assert apply["argv"] == ["--namespace", "ml", *APPLY]
     applied = json.loads(apply["stdin"])["items"]
@@ -637,7 +637,7 @@ def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kub
     said = []
     b.run(b.plan(spec()), log=said.append)
     argvs = [c["argv"] for c in kubectl()]
-    assert argvs[:2] == [["delete", "configmap,service,job.batch", "-l", f"{settings.LABEL_JOB}={JOB}",
+    assert argvs[:2] == [["delete", "configmap,service,job.batch,pod", "-l", f"{settings.LABEL_JOB}={JOB}",
                           "--ignore-not-found", "--cascade=foreground", "--wait"], list(APPLY)]
     assert [s for s in said if "earlier run" in s] == [
         f"{JOB}: deleted what an earlier run of it left (configmap, job.batch)"]
@@ -684,13 +684,14 @@ def test_the_docs_put_no_secret_on_argv_and_say_what_a_restart_is_per_shape():
 CLUSTER = r"""#!{py}
 import json, os, re, shutil, sys
 args = sys.argv[1:]
-stdin = sys.stdin.buffer.read() if (args[:1] == ["apply"] or args[-2:-1] == ["sh"]) else b""
+stdin = sys.stdin.buffer.read() if (args[:1] == ["apply"] or "cat >" in " ".join(args)) else b""
 with open(os.environ["KUBECTL_OUT"], "a") as f:
     f.write(json.dumps({{"argv": args, "stdin": stdin.decode(errors="replace") if "-f" in args else ""}}) + "\n")
 args = args[2:] if args[:1] == ["--namespace"] else args
 state, recorded = os.environ["KUBECTL_STATE"], os.environ.get("KUBECTL_RECORDED", "")
-attempt = open(os.path.join(state, "attempt")).read() if os.path.exists(os.path.join(state, "attempt")) else "0"
-pods = [f"fb-job-{{k}}-x{{attempt}}" for k in (0, 1)]
+attempt = int(open(os.path.join(state, "attempt")).read()) if os.path.exists(os.path.join(state, "attempt")) else 0
+# every attempt's pods: an earlier attempt's still on their way out (deleted in the background)
+pods = {{f"fb-job-{{k}}-x{{a}}": (k, a) for a in range(attempt + 1) for k in (0, 1)}}
 if args[:1] == ["apply"]:
     job = next(i for i in json.loads(stdin)["items"] if i["kind"] == "Job")
     attempt = re.search(r"FLEETBOX_ATTEMPT=(\d+)", job["spec"]["template"]["spec"]["containers"][0]["command"][2])[1]
@@ -698,33 +699,47 @@ if args[:1] == ["apply"]:
     for k in (0, 1):   # each pod's log folder, as the recorded job's node left it
         d = os.path.join(state, f"fb-job-{{k}}-x{{attempt}}")
         os.makedirs(d, exist_ok=True)
-        shutil.copy(os.path.join(recorded, f"node{{k}}", f"progress-rank{{k}}.json"), d)
+        if recorded:
+            shutil.copy(os.path.join(recorded, f"node{{k}}", f"progress-rank{{k}}.json"), d)
+    if os.environ.get("KUBECTL_CANCELLED_AT") == attempt:   # `invoke cancel` from another shell, meanwhile
+        open(os.environ["KUBECTL_CANCEL"], "w").close()
 elif args[:2] == ["get", "pods"]:
-    term = {{"terminated": {{"exitCode": 0}}}} if attempt == "1" else {{"running": {{}}}}
-    print(json.dumps({{"items": [{{"metadata": {{"name": n, "creationTimestamp": "2026-11-28T00:00:0{{k}}Z",
-        "annotations": {{"batch.kubernetes.io/job-completion-index": str(k)}}}}, "spec": {{"nodeName": f"gpu{{k}}"}},
-        "status": {{"containerStatuses": [{{"name": "paddle", "state": term}}]}}}} for k, n in enumerate(pods)]}}))
+    want = dict(kv.split("=") for kv in args[args.index("-l") + 1].split(","))
+    items = []
+    for n, (k, a) in pods.items():
+        labels = {{"io.fleetbox.job": "fb-job", "io.fleetbox.attempt": str(a)}}
+        if any(labels.get(key) != v for key, v in want.items()):
+            continue
+        done = os.environ.get(f"KUBECTL_PODS_{{a}}") == "done"
+        items.append({{"metadata": {{"name": n, "labels": labels, "creationTimestamp": f"2026-11-28T00:00:0{{a}}Z",
+                                   "annotations": {{"batch.kubernetes.io/job-completion-index": str(k)}},
+                                   **({{"deletionTimestamp": "2026-11-28T00:01:00Z"}} if a < attempt else {{}})}},
+                      "spec": {{"nodeName": f"gpu{{k}}"}},
+                      "status": {{"phase": "Succeeded" if done else "Running", "containerStatuses": [
+                          {{"name": "paddle", "state": {{"terminated": {{"exitCode": 0}}}} if done else
+                           {{"running": {{}}}}}}]}}}})
+    print(json.dumps({{"items": items}}))
 elif args[:1] == ["get"]:
-    print(json.dumps({{"status": {{"conditions": [{{"type": "Complete", "status": "True"}}]}} if attempt == "1"
-                      else {{"active": 2}}}}))
+    print(os.environ.get(f"KUBECTL_JOB_{{attempt}}", '{{"status": {{"active": 2}}}}'))
 elif args[:1] == ["exec"]:
     pod, cmd = args[2], args[args.index("--") + 1:]
     if pod not in pods:
         sys.exit(1)
-    path = os.path.join(state, pod, os.path.basename(cmd[-1]))
-    if cmd[0] == "sh":   # the writer: a request for stacks, answered at once by each rank's recorded dump
-        open(path, "wb").write(stdin)
-        k = pods.index(pod)
+    at = lambda path: os.path.join(state, pod, os.path.basename(path))
+    if cmd[0] == "sh" and "cat >" in cmd[2]:   # the writer: a request for stacks, answered by the recorded dumps
+        open(at(cmd[-1]), "wb").write(stdin)
+        k = pods[pod][0]
         shutil.copy(os.path.join(recorded, f"node{{k}}", f"stacks-rank{{k}}.txt"), os.path.join(state, pod))
-    elif not os.path.exists(path):
+    elif cmd[0] == "sh":   # several files, each then a NUL
+        for path in cmd[4:]:
+            sys.stdout.buffer.write((open(at(path), "rb").read() if os.path.exists(at(path)) else b"") + b"\0")
+    elif not os.path.exists(at(cmd[-1])):
         sys.exit(1)
     else:
-        data = open(path, "rb").read()
+        data = open(at(cmd[-1]), "rb").read()
         sys.stdout.buffer.write(data[-int(cmd[2]):] if cmd[0] == "tail" else data)
 elif args[:1] == ["logs"]:
     print(f"the output of {{[a for a in args[1:] if not a.startswith('-')][0]}}")
-    if "-f" in args and attempt == "0":   # followed until it ended: the job restarted meanwhile
-        open(os.path.join(state, "attempt"), "w").write("1")
 """
 
 
@@ -734,16 +749,11 @@ def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts
     (tmp_path / "cluster").mkdir()
     monkeypatch.setenv("KUBECTL_STATE", str(tmp_path / "cluster"))
     monkeypatch.setenv("KUBECTL_RECORDED", str(ROOT / "tests" / "recorded" / "jobs" / "train-20261127-201444-43d0"))
+    monkeypatch.setenv("KUBECTL_JOB_1", COMPLETE)
+    monkeypatch.setenv("KUBECTL_PODS_1", "done")
     b = backend()
     plan = b.plan(replace(spec(max_restarts=1, start_timeout=1.0, hang_timeout=0.0), procs_per_node=1))
-    from fleetbox.run.backends import kubernetes
-    slept, sleep = [], kubernetes.time.sleep
-
-    def short_sleep(s):   # the follow loop's polls (5 s) shortened, and a job never found hung not waited forever
-        slept.append(s)
-        assert len(slept) < 100, "the hung job was followed as if it ran"
-        sleep(min(s, 0.2))
-    monkeypatch.setattr(kubernetes.time, "sleep", short_sleep)
+    short_sleeps(monkeypatch, "the hung job was followed as if it ran")
     said = []
     result = b.run(plan, log=said.append)
     assert result.ok and [a["state"] for a in result.attempts] == ["HUNG", "PASSED"], said
@@ -756,20 +766,85 @@ def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts
     calls = [c["argv"] for c in kubectl()]
     # the ranks' progress read in their pods, the stacks asked for there, then the hung job deleted with its pods
     exec_ = ["exec", "-i", "fb-job-1-x0", "-c", "paddle", "--"]
-    assert [*exec_, "cat", f"{settings.LOG_DIR}/progress-rank1.json"] in calls
+    assert [*exec_, "sh", "-c", 'for f; do cat -- "$f" 2>/dev/null; printf "\\0"; done', "sh",
+            f"{settings.LOG_DIR}/progress-rank1.json"] in calls
     assert ["exec", "-i", "fb-job-0-x0", "-c", "paddle", "--", "sh", "-c", 'cat > "$1.tmp" && mv -f "$1.tmp" "$1"',
             "sh", f"{settings.LOG_DIR}/STACKS-REQUEST"] in calls
-    hung_delete = calls.index(["delete", "--ignore-not-found", "--wait=false", f"job.batch/{JOB}"])
+    hung_delete = calls.index(["delete", "--ignore-not-found", "--cascade=foreground", f"job.batch/{JOB}"])
     # the restart: what the attempt left deleted by label, then the same objects applied, FLEETBOX_ATTEMPT 1
     applies = [k for k, c in enumerate(calls) if c == list(APPLY)]
     assert len(applies) == 2 and applies[0] < hung_delete < applies[1]
-    assert calls[applies[1] - 1][:2] == ["delete", "configmap,service,job.batch"]
+    assert calls[applies[1] - 1][:2] == ["delete", "configmap,service,job.batch,pod"]
     jobs = [next(i for i in json.loads(kubectl()[k]["stdin"])["items"] if i["kind"] == "Job") for k in applies]
     scripts = [j["spec"]["template"]["spec"]["containers"][0]["command"][2] for j in jobs]
     assert ["FLEETBOX_ATTEMPT=0" in scripts[0], "FLEETBOX_ATTEMPT=1" in scripts[1]] == [True, True]
     assert [j["spec"]["backoffLimit"] for j in jobs] == [0, 0]
     assert scripts[0].replace("FLEETBOX_ATTEMPT=0", "FLEETBOX_ATTEMPT=1") == scripts[1]
     assert b.job_state(Handle.load(plan.dir))[:2] == ("PASSED", 1)
+
+
+COMPLETE = json.dumps({"status": {"conditions": [{"type": "Complete", "status": "True"}]}})
+
+
+def short_sleeps(monkeypatch, stuck: str) -> None:
+    """The follow loops' polls (5 s) shortened, and a loop that never ends failed with `stuck`, not waited for."""
+    from fleetbox.run.backends import kubernetes
+    slept, sleep = [], kubernetes.time.sleep
+
+    def short_sleep(s):
+        slept.append(s)
+        assert len(slept) < 100, stuck
+        sleep(min(s, 0.05))
+    monkeypatch.setattr(kubernetes.time, "sleep", short_sleep)
+
+
+@pytest.fixture
+def cluster(kubectl, tmp_path, monkeypatch):
+    (tmp_path / "bin" / "kubectl").write_text(CLUSTER.format(py=sys.executable))
+    (tmp_path / "cluster").mkdir()
+    monkeypatch.setenv("KUBECTL_STATE", str(tmp_path / "cluster"))
+    return kubectl
+
+
+def test_the_hang_watch_never_reads_an_earlier_attempts_pods_on_their_way_out(cluster, tmp_path, monkeypatch):
+    from fleetbox.run.backends.kubernetes import KubernetesBackend
+    (tmp_path / "cluster" / "attempt").write_text("1")   # attempt 0's pods terminating; attempt 1's just applied
+    monkeypatch.setenv("KUBECTL_PODS_1", "done")          # (or, here, already ended: not running either)
+    b = backend()
+    h = KubeHandle("kubernetes", JOB, str(tmp_path), 2, objects=[f"job.batch/{JOB}"], attempt=1)
+    argv, running = KubernetesBackend.in_pods(b, h)
+    assert (running(), argv(0), argv(1)) == (False, None, None)
+    monkeypatch.delenv("KUBECTL_PODS_1")
+    assert running() and argv(1)[3] == "fb-job-1-x1"
+
+
+def test_a_cancel_while_a_restart_is_applied_deletes_it_and_ends_the_job(cluster, tmp_path, monkeypatch):
+    b = backend()
+    plan = b.plan(spec(max_restarts=2))
+    monkeypatch.setenv("KUBECTL_JOB_0", json.dumps({"status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}))
+    monkeypatch.setenv("KUBECTL_CANCELLED_AT", "1")
+    monkeypatch.setenv("KUBECTL_CANCEL", str(plan.dir / "CANCELLED"))
+    short_sleeps(monkeypatch, "a cancelled job was followed as if it ran")
+    result = b.run(plan, log=lambda *_: None)
+    calls = [c["argv"] for c in cluster()]
+    applies = [k for k, c in enumerate(calls) if c == list(APPLY)]
+    assert len(applies) == 2 and not result.ok   # attempt 1 applied, then cancelled: no attempt 2
+    assert calls[applies[1] + 1] == ["delete", "configmap,service,job.batch", "-l", f"{settings.LABEL_JOB}={JOB}",
+                                     "--ignore-not-found"]
+    assert b.job_state(Handle.load(plan.dir))[0] == "CANCELLED"
+
+
+def test_a_job_ended_by_its_deadline_is_timed_out_and_not_restarted(cluster, monkeypatch):
+    b = backend(k8s_deadline=60)
+    plan = b.plan(spec(max_restarts=2))
+    monkeypatch.setenv("KUBECTL_JOB_0", json.dumps({"status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+         "message": "Job was active longer than specified deadline"}]}}))
+    short_sleeps(monkeypatch, "a job past its deadline was followed as if it ran")
+    result = b.run(plan, log=lambda *_: None)
+    assert result.timed_out and not result.ok and result.culprit is None and result.reason() == "timed out"
+    assert [c["argv"] for c in cluster()].count(list(APPLY)) == 1
 
 
 def test_restarts_that_need_the_client_are_refused_detached(kubectl):
@@ -781,25 +856,36 @@ def test_restarts_that_need_the_client_are_refused_detached(kubectl):
         backend(k8s_client="podman").detach(backend(k8s_client="podman").plan(spec()), log=lambda *_: None)
 
 
-def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_the_job_ends(kubectl, tmp_path,
+def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_the_job_ends(cluster, tmp_path,
                                                                                               monkeypatch):
-    (tmp_path / "bin" / "kubectl").write_text(CLUSTER.format(py=sys.executable))
-    (tmp_path / "cluster").mkdir()
+    """Attempt 0 has failed and its client has not applied attempt 1 yet: the logs are followed on, to attempt 1's
+    pod, and end with the job once nothing follows it."""
     (tmp_path / "cluster" / "attempt").write_text("0")
-    monkeypatch.setenv("KUBECTL_STATE", str(tmp_path / "cluster"))
+    monkeypatch.setenv("KUBECTL_JOB_0", json.dumps({"status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}))
+    monkeypatch.setenv("KUBECTL_JOB_1", COMPLETE)
+    monkeypatch.setenv("KUBECTL_PODS_0", "done")
+    monkeypatch.setenv("KUBECTL_PODS_1", "done")
     b = backend(k8s_namespace="ml")
     plan = b.plan(spec())
     plan.make_dir()
-    KubeHandle("kubernetes", JOB, str(plan.dir), 2, objects=[f"job.batch/{JOB}"], namespace="ml").save()
+    from fleetbox.processes import process_start, this_host
     from fleetbox.run.backends import kubernetes
-    slept = []
+    h = KubeHandle("kubernetes", JOB, str(plan.dir), 2, objects=[f"job.batch/{JOB}"], namespace="ml",
+                   supervisor=os.getpid(), supervisor_start=process_start(os.getpid()), supervisor_host=this_host())
+    h.save()
+    slept, sleep = [], kubernetes.time.sleep
 
-    def sleep(s):   # the follow loop's: a few polls, not forever
+    def restart_meanwhile(s):   # the client applies attempt 1 while the logs wait, then ends
         slept.append(s)
         assert len(slept) < 20, "the logs are followed past the job's end"
-    monkeypatch.setattr(kubernetes.time, "sleep", sleep)
+        if len(slept) == 3:
+            (tmp_path / "cluster" / "attempt").write_text("1")
+            replace(h, attempt=1, supervisor=0).save()
+        sleep(min(s, 0.05))
+    monkeypatch.setattr(kubernetes.time, "sleep", restart_meanwhile)
     said = []
     b.show_logs(Handle.load(plan.dir), 1, follow=True, log=said.append, poll=0.01)
     assert said == ["the output of fb-job-1-x0", "the output of fb-job-1-x1"]
-    assert [c["argv"] for c in kubectl() if "logs" in c["argv"]] == [
+    assert [c["argv"] for c in cluster() if "logs" in c["argv"]] == [
         ["--namespace", "ml", "logs", "-f", f"fb-job-1-x{k}", "-c", "paddle"] for k in (0, 1)]

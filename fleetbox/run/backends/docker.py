@@ -37,7 +37,7 @@ from fleetbox.run import checkpoints, hang, hostnet, output, placeholders, recor
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Capabilities, Plan, job_ended
-from fleetbox.run.backends import runtimes
+from fleetbox.run.backends import restarts, runtimes
 from fleetbox.run.backends.restarts import ClientRestarts
 from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
@@ -137,7 +137,7 @@ class DockerBackend(ClientRestarts):
     plan_type = DockerPlan
     handle_type = DockerHandle
     layout = Layout(earlier="attempt<N>", first=0, node="node<k>", output=f"node<k>/{OUTPUT}", entries={
-        "attempt<N>": "Docker: an earlier attempt's node folders and summary (the last attempt's are at the top)",
+        "attempt<N>": restarts.EARLIER,
         "CANCELLED": "Docker: stopped by `invoke cancel`, Ctrl-C, SIGTERM or a hang-up; `containers removed` once "
                      "`invoke cancel` removed them itself"})
     # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
@@ -388,7 +388,7 @@ class DockerBackend(ClientRestarts):
         the job folder, earlier ones under attempt<N>/."""
         try:
             return self.restarting(plan, log, timeout, on_submit)
-        finally:   # every way out: the job has ended (a restart goes on inside _run)
+        finally:   # every way out: the job has ended (a restart goes on inside restarting)
             if not plan.elsewhere:
                 _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id))
             elif plan.spec.checkpoint_dir:

@@ -36,19 +36,24 @@ from pathlib import Path
 
 from fleetbox import files, settings
 from fleetbox.errors import UserError
-from fleetbox.processes import never_failing, signals_held
+from fleetbox.processes import never_failing, process_start, signals_held, this_host
 from fleetbox.run import hang, hostnet, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Capabilities, Option, Plan
+from fleetbox.run.backends import restarts
 from fleetbox.run.backends.restarts import ClientRestarts
-from fleetbox.run.records import Handle, JobInfo, JobState
+from fleetbox.run.jobfolder import Layout
+from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
 from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines, smoke_report
 from fleetbox.run.shell import Raw, line
 
 KINDS = ("indexed", "volcano", "paddlejob")
 # server-side: a client-side apply keeps each object whole in an annotation, 256 KiB at most, and a script's
 # ConfigMap may hold up to 1 MiB; an existing claim (an earlier run's) is taken over, not refused
+ATTEMPT_LABEL = "io.fleetbox.attempt"
+# how the Job controller (and the Training Operator) says activeDeadlineSeconds ended a job, in its condition
+DEADLINE_SAID = "longer than specified deadline"
 APPLY = ("apply", "--server-side", "--force-conflicts", "--field-manager=fleetbox", "-f", "-")
 CLIENTS = ("kubectl", "podman")
 CONTAINER = "paddle"       # the Training Operator finds a PaddleJob's container, and its port, by these names
@@ -165,7 +170,7 @@ class KubePlan(Plan):
 
 
 @dataclass
-class KubeHandle(Handle):
+class KubeHandle(SupervisedHandle):   # its supervisor: the command that follows it (restarts, hangs), if attached
     _: KW_ONLY
     kind: str = "indexed"
     namespace: str = ""
@@ -181,6 +186,10 @@ class KubernetesBackend(ClientRestarts):
     about = "Kubernetes objects: an Indexed Job, a Volcano Job or a PaddleJob"
     plan_type = KubePlan
     handle_type = KubeHandle
+    layout = Layout(earlier="attempt<N>", first=0, node="node<k>", output="node<k>/container.log", entries={
+        "attempt<N>": restarts.EARLIER,
+        "manifests.yaml": "Kubernetes: the objects applied, as YAML (a Secret's values never)",
+        "played.yaml": "Kubernetes, --k8s-client podman: the objects as Podman played them (the Job as Pods)"})
     # restarts: the whole job, Volcano's (maxRetry) or fleetbox's own (run); hangs: HangWatch, in the command that
     # follows the job; the time limit is the cluster's
     capabilities = Capabilities(own_limit="kubernetes: --k8s-deadline (activeDeadlineSeconds)", restarts=True,
@@ -462,9 +471,10 @@ class KubernetesBackend(ClientRestarts):
             pod["subdomain"] = names.service
         if self.host_network:   # and still the cluster's DNS, for the master's name
             pod.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
-        return {"metadata": {"labels": {settings.LABEL_JOB: names.job,
-                                        settings.LABEL_VARIANT: spec.variant.name}},
-                "spec": pod}
+        labels = {settings.LABEL_JOB: names.job, settings.LABEL_VARIANT: spec.variant.name}
+        if self.kind != "volcano":   # fleetbox's own restarts: which attempt a pod is of
+            labels[ATTEMPT_LABEL] = str(attempt)
+        return {"metadata": {"labels": labels}, "spec": pod}
 
     def indexed_job(self, spec: spec_mod.JobSpec, names: Names, template: dict) -> dict:
         # backoffLimit 0: the first failed pod fails the Job (its controller ends the other pods); a pod made again
@@ -525,17 +535,20 @@ class KubernetesBackend(ClientRestarts):
         return self.restarting(plan, log, timeout, on_submit)
 
     def detach(self, plan: KubePlan, log=print) -> KubeHandle:
+        if plan.client == "podman":
+            raise UserError("--detach with --k8s-client podman: nothing would follow the pods (stop the others at "
+                            "a failure, gather the logs, remove them); stay attached")
         if plan.spec.max_restarts and self.kind != "volcano":
             raise UserError(f"--max-restarts with --detach: the {self.kind} kind's restarts are fleetbox's own, "
                             f"made by the command that follows the job; stay attached, or give --k8s-kind volcano "
                             f"(its controller restarts the whole job)")
-        if plan.client == "podman":
-            raise UserError("--detach with --k8s-client podman: nothing would follow the pods (stop the others at "
-                            "a failure, gather the logs, remove them); stay attached")
         if plan.spec.hang_timeout or plan.spec.start_timeout:
             log("note: hang detection runs in the command that follows the job: a detached job has none (its "
                 "time limit: --k8s-deadline)")
-        return self.submit(plan, log)
+        handle = self.submit(plan, log)
+        handle.supervisor = handle.supervisor_start = 0   # nothing follows it
+        handle.save()
+        return handle
 
     @staticmethod
     def objects(plan: KubePlan) -> list[str]:
@@ -559,15 +572,15 @@ class KubernetesBackend(ClientRestarts):
         (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
         handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
                             procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim, owner=records.owner(),
-                            kind=plan.kind, namespace=plan.namespace, attempt=plan.attempt,
-                            hang_timeout=plan.spec.hang_timeout, start_timeout=plan.spec.start_timeout,
+                            kind=plan.kind, namespace=plan.namespace, attempt=plan.attempt, **following(plan),
                             objects=(["secret/" + plan.secret] if plan.secret else []) + self.objects(plan))
         handle.save()   # first: whatever is applied from here on, a cancel finds
         by_label = label_delete(plan.namespace, kinds_of(docs), plan.job_id)
         # an earlier run of this job id left its objects (a finished job's are kept): applied again they would be
         # "unchanged", and the old job's status read as this one's. Deleted first, and waited for, their pods too
-        # (the claim kept)
-        gone = kubectl(*by_label[1:], "--cascade=foreground", "--wait").stdout.strip().splitlines()
+        # (an earlier attempt's, still on their way out), the claim kept
+        gone = kubectl(*label_delete(plan.namespace, [*kinds_of(docs), "pod"], plan.job_id)[1:],
+                       "--cascade=foreground", "--wait").stdout.strip().splitlines()
         if gone and not plan.attempt:   # a restart's are its earlier attempt's
             log(f"{plan.job_id}: deleted what an earlier run of it left ({', '.join(w.split()[0] for w in gone)})")
         try:
@@ -577,6 +590,11 @@ class KubernetesBackend(ClientRestarts):
             with signals_held():
                 kubectl(*by_label[1:], check=False)
             raise
+        if (plan.dir / CANCELLED).exists():   # `invoke cancel` came while this applied (a restart): it found none
+            with signals_held():
+                kubectl(*by_label[1:], check=False)
+            log(f"{plan.job_id}: cancelled while it was applied; deleted")
+            return handle
         log(f"applied {plan.job_id} ({plan.kind}, {plan.spec.nodes} nodes); see it with "
             f"`kubectl get pods -l {settings.LABEL_JOB}={plan.job_id}`")
         return handle
@@ -593,8 +611,9 @@ class KubernetesBackend(ClientRestarts):
 
     def pods(self, handle: KubeHandle) -> list[dict]:
         """The job's pods, by rank (the newest of a rank's pods where its controller made it again)."""
-        out = kubectl(*self.ns(handle.namespace), "get", "pods", "-l", f"{settings.LABEL_JOB}={handle.job_id}",
-                      "-o", "json")
+        selector = f"{settings.LABEL_JOB}={handle.job_id}" + (
+            f",{ATTEMPT_LABEL}={handle.attempt}" if handle.kind != "volcano" else "")   # never an earlier attempt's
+        out = kubectl(*self.ns(handle.namespace), "get", "pods", "-l", selector, "-o", "json")
         by_rank: dict[int, dict] = {}
         for p in sorted(listed(out, "pods"), key=lambda p: p.get("metadata", {}).get("creationTimestamp", "")):
             r = pod_rank(p, handle.kind)
@@ -612,15 +631,15 @@ class KubernetesBackend(ClientRestarts):
             state, _, note = PodmanPlay.of(handle).state(handle)
             return state, handle.attempt, note
         if not handle.objects:
-            return JobState.UNKNOWN, 0, "no object was applied"
+            return JobState.UNKNOWN, handle.attempt, "no object was applied"
         proc = kubectl(*self.ns(handle.namespace), "get", handle.objects[-1], "-o", "json", check=False)
         if proc.returncode != 0:
             said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-            return JobState.UNKNOWN, 0, said[-1] if said else f"kubectl exit {proc.returncode}"
+            return JobState.UNKNOWN, handle.attempt, said[-1] if said else f"kubectl exit {proc.returncode}"
         try:
             status = json.loads(proc.stdout).get("status") or {}
         except ValueError:
-            return JobState.UNKNOWN, 0, "kubectl gave no JSON"
+            return JobState.UNKNOWN, handle.attempt, "kubectl gave no JSON"
         state, attempt, note = state_of(handle.kind, status)
         return state, attempt if handle.kind == "volcano" else handle.attempt, note
 
@@ -647,14 +666,21 @@ class KubernetesBackend(ClientRestarts):
         shown: set[str] = set()
         while True:
             h = Handle.load(Path(handle.dir))   # a restart saves its attempt's
-            ended = self.job_state(h)[0].is_terminal
+            # ended, and nothing follows it that may restart it (its attempt failed, the next one not applied yet)
+            ended = self.job_state(h)[0].is_terminal and not h.followed()
             key, argv = self.streaming(h, node)
             if key is not None and key not in shown:
                 shown.add(key)
-                with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, errors="replace") as p:
+                p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, errors="replace")
+                try:
                     for said in p.stdout:
                         log(said.rstrip("\n"))
+                finally:   # a closed pipe, Ctrl-C: the stream stops with us
+                    if p.poll() is None:
+                        p.kill()
+                    p.wait()
+                    p.stdout.close()
                 continue
             if ended:
                 if not shown:   # it ended before: what was kept
@@ -684,7 +710,7 @@ class KubernetesBackend(ClientRestarts):
         if handle.client == "podman":
             return PodmanPlay.of(handle).follow(handle, log, timeout)
         told, hung = None, None
-        hangs = HangWatch(handle, PodFiles(self.exec_argv(handle)), log, poll)
+        hangs = HangWatch(handle, PodFiles(*self.in_pods(handle)), log, poll)
         while True:
             state, _, note = self.job_state(handle)
             if state == JobState.UNKNOWN and "(NotFound)" in note:   # its object is gone: it will not end
@@ -704,9 +730,9 @@ class KubernetesBackend(ClientRestarts):
             d.mkdir(parents=True, exist_ok=True)
             files.write_atomic(d / "container.log", out.stdout)
         if hung is not None:   # the job's object, and its pods with it: they would wait for the stuck rank
-            log(f"{handle.job_id}: hung; deleting {handle.objects[-1]}")
-            kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", "--wait=false", handle.objects[-1],
-                    check=False)
+            log(f"{handle.job_id}: hung; deleting {handle.objects[-1]} and its pods")
+            kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", "--cascade=foreground",
+                    handle.objects[-1], check=False)
         nodes = []
         for p in pods:
             r = pod_rank(p, handle.kind)
@@ -716,25 +742,36 @@ class KubernetesBackend(ClientRestarts):
             end = ("hung" if r == hung["node"] else "stopped") if hung else "ok" if code == 0 else "FAILED"
             nodes.append(NodeResult(f"node{r}", r, p.get("spec", {}).get("nodeName", "?"), code, end,
                                     p["metadata"]["name"], oom_killed=term.get("reason") == "OOMKilled"))
-        bad = hung["node"] if hung else next((n.rank for n in nodes if n.exit_code), None)
-        result = JobResult(handle.job_id, self.name, state == JobState.PASSED and not hung, nodes, bad,
+        # the time limit (--k8s-deadline) ended it: a restart would get a new one
+        timed_out = state == JobState.FAILED and DEADLINE_SAID in note
+        bad = hung["node"] if hung else None if timed_out else next((n.rank for n in nodes if n.exit_code), None)
+        result = JobResult(handle.job_id, self.name, state == JobState.PASSED and not hung, nodes, bad, timed_out,
                            dir=handle.dir, name_host=True, hang=hung)
         result.save()
         return result
 
-    def exec_argv(self, handle: KubeHandle):
-        """For PodFiles: `kubectl exec` into node k's pod (found once it is there)."""
+    def in_pods(self, handle: KubeHandle):
+        """For PodFiles: `kubectl exec` into node k's pod, and whether every node's pod runs (asked again until they
+        all do; a pod on its way out, an earlier attempt's, is none of them)."""
         names: dict[int, str] = {}
+
+        def running() -> bool:
+            try:
+                pods = self.pods(handle)
+            except UserError:   # a busy API server: the next look asks again
+                return False
+            names.clear()
+            names.update({pod_rank(p, handle.kind): p["metadata"]["name"] for p in pods
+                          if p.get("status", {}).get("phase") == "Running"
+                          and not p["metadata"].get("deletionTimestamp")})
+            return len(names) == handle.nodes
 
         def argv(k: int) -> list[str] | None:
             if k not in names:
-                try:
-                    names.update({pod_rank(p, handle.kind): p["metadata"]["name"] for p in self.pods(handle)})
-                except UserError:   # a busy API server: the next look asks again
-                    return None
+                running()
             return ["kubectl", *self.ns(handle.namespace), "exec", "-i", names[k], "-c", CONTAINER, "--"] \
                 if k in names else None
-        return argv
+        return argv, running
 
     def cancel(self, handle: KubeHandle, log=print) -> None:
         """The job's objects, deleted (their pods with them); a claim is left: it holds the checkpoints."""
@@ -745,6 +782,14 @@ class KubernetesBackend(ClientRestarts):
             return
         log(line(["kubectl", *self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects]))
         kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects)
+
+
+def following(plan: KubePlan) -> dict:
+    """The handle's fields for the command that follows the job: this process (a detached job's are cleared), and
+    the deadlines its hang watch keeps."""
+    return {"supervisor": os.getpid(), "supervisor_start": process_start(os.getpid()),
+            "supervisor_host": this_host(), "hang_timeout": plan.spec.hang_timeout,
+            "start_timeout": plan.spec.start_timeout}
 
 
 def kubelet_literal(text: str) -> str:
@@ -845,62 +890,77 @@ def state_of(kind: str, status: dict) -> tuple[JobState, int, str]:
 
 class PodFiles:
     """run/hang.py's reader and writer on each node's log folder in its pod, while it runs: `kubectl exec` or
-    `podman exec` (`argv(k)`: the words that run a command in node k's container; None: no pod of it yet)."""
+    `podman exec` (`argv(k)`: the words that run a command in node k's container; None: no pod of it yet), and
+    `running()`: every node's container runs (the job's deadlines count from then, not from its scheduling)."""
 
     TIMEOUT_S = 30   # one exec: a busy API server answers late, never forever
 
-    def __init__(self, argv):
-        self.argv = argv
+    def __init__(self, argv, running):
+        self.argv, self.running = argv, running
 
-    def read(self, k: int, name: str, last: int | None = None) -> bytes | None:
+    def exec(self, k: int, words: list[str], data: bytes | None = None) -> bytes | None:
         head = self.argv(k)
         if head is None:
             return None
-        path = f"{settings.LOG_DIR}/{name}"
         try:
-            proc = subprocess.run([*head, *(["tail", "-c", str(last), path] if last else ["cat", path])],
-                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=self.TIMEOUT_S)
+            proc = subprocess.run([*head, *words], input=data, stdin=None if data is not None else subprocess.DEVNULL,
+                                  capture_output=True, timeout=self.TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return None
         return proc.stdout if proc.returncode == 0 else None
 
+    def read(self, k: int, name: str, last: int | None = None) -> bytes | None:
+        path = f"{settings.LOG_DIR}/{name}"
+        return self.exec(k, ["tail", "-c", str(last), path] if last else ["cat", path])
+
+    def read_many(self, k: int, names: list[str]) -> list[bytes | None]:
+        """Several small files of node k in one exec (a node's ranks' progress: one call per node, not per rank);
+        None for each one that is not there."""
+        # ours (raw shell): each file, then a NUL (JSON holds none); the paths are its arguments
+        out = self.exec(k, ["sh", "-c", 'for f; do cat -- "$f" 2>/dev/null; printf "\\0"; done', "sh",
+                            *(f"{settings.LOG_DIR}/{n}" for n in names)])
+        parts = out.split(b"\0")[:len(names)] if out is not None else []
+        return [p or None for p in parts] + [None] * (len(names) - len(parts))
+
     def write(self, k: int, name: str, data: bytes) -> None:
-        head = self.argv(k)
-        if head is None:
-            raise OSError(f"node{k} has no pod")
         # ours (raw shell): the file whole or not at all, as run/hang.py writes it; the path is its argument
-        subprocess.run([*head, "sh", "-c", 'cat > "$1.tmp" && mv -f "$1.tmp" "$1"', "sh",
-                        f"{settings.LOG_DIR}/{name}"], input=data, capture_output=True, check=True,
-                       timeout=self.TIMEOUT_S)
+        if self.exec(k, ["sh", "-c", 'cat > "$1.tmp" && mv -f "$1.tmp" "$1"', "sh", f"{settings.LOG_DIR}/{name}"],
+                     data) is None:
+            raise OSError(f"node{k}: {name} not written")
 
 
 class HangWatch:
     """--hang-timeout and --start-timeout, carried out by the command that follows the job (run/hang.py's rules,
-    as the Docker backend's): every `every` seconds the ranks' progress files are read in their pods; at a
-    deadline every rank's stacks are asked for, kept in runs/<job>/hang-<attempt>/ with whom they blame, and the
-    job is to be stopped."""
+    as the Docker backend's): once every node's container runs, every `every` seconds the ranks' progress files
+    are read in their pods; at a deadline every rank's stacks are asked for, kept in runs/<job>/hang-<attempt>/
+    with whom they blame, and the job is to be stopped."""
 
     def __init__(self, handle: KubeHandle, files: PodFiles, log, every: float):
         self.handle, self.files, self.log, self.every = handle, files, log, every
         h = handle
         on = bool(h.hang_timeout or h.start_timeout)
         self.watch = hang.Watch(h.nodes * h.procs_per_node, h.hang_timeout, h.start_timeout) if on else None
-        self.next = time.monotonic()
+        self.next, self.started = time.monotonic(), False
 
     def look(self) -> dict | None:
         """The hang's record (JobResult.hang) once the job is stuck; None until then, or between looks."""
         if self.watch is None or time.monotonic() < self.next:
             return None
         self.next = time.monotonic() + self.every
+        if not self.started:   # a pod still pending (no free GPU, an image pull) is not a rank late to start
+            if not self.files.running():
+                return None
+            self.started, self.watch.started = True, time.monotonic()
         h, ppn = self.handle, self.handle.procs_per_node
-        with ThreadPoolExecutor(max_workers=min(16, self.watch.world)) as pool:
-            found = list(pool.map(lambda r: self.files.read(r // ppn, hang.PROGRESS.format(rank=r)),
-                                  range(self.watch.world)))
-        for r, data in enumerate(found):
-            try:
-                self.watch.see(r, json.loads(data) if data else None)
-            except ValueError:   # caught mid-write: the next look has it
-                pass
+        with ThreadPoolExecutor(max_workers=min(16, h.nodes)) as pool:
+            found = list(pool.map(lambda k: self.files.read_many(
+                k, [hang.PROGRESS.format(rank=r) for r in range(k * ppn, (k + 1) * ppn)]), range(h.nodes)))
+        for k, datas in enumerate(found):
+            for i, data in enumerate(datas):
+                try:
+                    self.watch.see(k * ppn + i, json.loads(data) if data else None)
+                except ValueError:   # caught mid-write: the next look has it
+                    pass
         for said in self.watch.new_stragglers(ppn):
             self.log(said)
         stall = self.watch.verdict()
@@ -987,8 +1047,7 @@ class PodmanPlay:
         pods = [f"pod/{self.job_id}-{k}" for k in range(self.nodes)]
         handle = KubeHandle("kubernetes", plan.job_id, str(plan.dir), plan.spec.nodes,
                             procs_per_node=plan.spec.procs_per_node, checkpoints=claim, owner=records.owner(),
-                            kind=plan.kind, client="podman", attempt=plan.attempt,
-                            hang_timeout=plan.spec.hang_timeout, start_timeout=plan.spec.start_timeout, objects=[
+                            kind=plan.kind, client="podman", attempt=plan.attempt, **following(plan), objects=[
                                 f"network/{self.job_id}", *pods,
                                 *(f"volume/{m['metadata']['name']}" for m in by_kind.get("ConfigMap", [])),
                                 *(f"volume/{self.job_id}-{k}-{v['name']}" for k in range(self.nodes)
@@ -1068,7 +1127,9 @@ class PodmanPlay:
     def follow(self, handle: KubeHandle, log=print, timeout: float | None = None) -> JobResult:
         """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`."""
         began, seen, bad, why, timed_out, hung = time.monotonic(), set(), None, "", False, None
-        hangs = HangWatch(handle, PodFiles(lambda k: ["podman", "exec", "-i", self.container(k)]), log, self.POLL_S)
+        hangs = HangWatch(handle, PodFiles(lambda k: ["podman", "exec", "-i", self.container(k)], lambda: len(
+            c := self.containers()) == self.nodes and all(x.get("State") == "running" for x in c.values())), log,
+            self.POLL_S)
         while True:
             ctrs = self.containers()
             seen |= set(ctrs)

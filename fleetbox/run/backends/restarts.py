@@ -13,6 +13,10 @@ from fleetbox.run import metrics
 from fleetbox.run.backend import CANCELLED, Backend, Plan
 from fleetbox.run.result import JobResult
 
+# what its layout's earlier-attempt folder holds (the job folder's reference page)
+EARLIER = ("an earlier attempt's node folders and summary, where fleetbox restarted the job (the last attempt's are "
+           "at the top)")
+
 
 class ClientRestarts(Backend):
     """A backend whose `run` restarts the job itself (`restarting`), each attempt's plan from `for_attempt`."""
@@ -58,8 +62,10 @@ class ClientRestarts(Backend):
         if aside.exists():   # left by an earlier run of the same job id
             aside.rename(aside.with_name(f"{aside.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
         aside.mkdir(parents=True)
-        node = re.escape(self.layout.node.partition("/")[0]).replace("<k>", r"\d+")
+        # the node folders, a node's output where it is outside them, the summary
+        node, output = (re.escape(where.partition("/")[0]).replace("<k>", r"\d+")
+                        for where in (self.layout.node, self.layout.output))
         for p in sorted(plan.dir.iterdir()):
-            if re.fullmatch(rf"{node}(\.log)?|summary\.json", p.name) and p != aside:
+            if re.fullmatch(rf"{node}(\.log)?|{output}|summary\.json", p.name) and p != aside:
                 p.rename(aside / p.name)
         return aside
