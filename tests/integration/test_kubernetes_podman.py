@@ -175,3 +175,24 @@ def test_a_hung_rank_is_named_from_its_pods_stacks_and_the_whole_job_restarts_fr
     # the restart ran the same objects, but for its attempt
     assert "FLEETBOX_ATTEMPT=1" in (d / "manifests.yaml").read_text()
     assert_nothing_left(job)
+
+
+def test_gloos_own_timeout_holds_the_waiting_pod_and_the_stuck_rank_is_blamed(podman_cpu, job):
+    """The default deadlines (10 min): Gloo's own 30 s timeout ends rank 0, which waits for stuck rank 1. Rank 0's
+    pod is held, still running (hang.hold_after_timeout in the node script), until the hang watch has rank 1's
+    stacks: rank 1 is named, never rank 0; the job restarts and passes."""
+    proc = subprocess.run(train(job, "--max-restarts", "1", "--args",
+                                "--steps 60 --checkpoint-every 10 --hang-rank 1 --hang-step 30 --hang-attempt 0"),
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **podman_cpu}, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "timed out waiting in a collective (its own timeout): a peer is stuck" in proc.stdout, proc.stdout[-3000:]
+    d = ROOT / "runs" / job
+    s = json.loads((d / "summary.json").read_text())
+    assert [a["state"] for a in s["attempts"]] == ["HUNG", "PASSED"], s["attempts"]
+    first = json.loads((d / "attempt0" / "summary.json").read_text())
+    h = first["hang"]
+    assert (h["kind"], h["ranks"], h["timed_out_nodes"], first["culprit"]) == ("collective", [1], [0], 1), h
+    assert "in `load_batch_that_never_returns` (smoke.py:" in h["text"], h["text"]
+    assert "ended waiting in a collective; holding the node" in (d / "attempt0" / "node0" / "container.log").read_text()
+    assert s["smoke"]["resumed_from"] == 30 and s["smoke"]["whole_run"], s["smoke"]
+    assert_nothing_left(job)

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import types
 from dataclasses import replace
 from functools import cache
 
@@ -665,8 +667,7 @@ def test_a_job_whose_object_was_deleted_while_it_ran_is_followed_to_failed(kubec
     def sleep(s):   # the follow loop's: a few polls, not forever
         slept.append(s)
         assert len(slept) < 20, "follow keeps polling a job whose object is gone"
-    from fleetbox.run.backends import kubernetes
-    monkeypatch.setattr(kubernetes.time, "sleep", sleep)
+    own_sleep(monkeypatch, sleep)
     said = []
     result = b.follow(h, log=said.append, poll=0.01)
     assert not result.ok and said == [f"{JOB}: FAILED (gone (deleted while the job ran))"]
@@ -730,9 +731,8 @@ elif args[:1] == ["exec"]:
         open(at(cmd[-1]), "wb").write(stdin)
         k = pods[pod][0]
         shutil.copy(os.path.join(recorded, f"node{{k}}", f"stacks-rank{{k}}.txt"), os.path.join(state, pod))
-    elif cmd[0] == "sh":   # several files, each then a NUL
-        for path in cmd[4:]:
-            sys.stdout.buffer.write((open(at(path), "rb").read() if os.path.exists(at(path)) else b"") + b"\0")
+    elif cmd[0] == "sh":   # several files, each then a NUL (as the script gives them: run by sh)
+        os.execvp("sh", ["sh", "-c", cmd[2], "sh", *(at(path) for path in cmd[4:])])
     elif not os.path.exists(at(cmd[-1])):
         sys.exit(1)
     else:
@@ -766,8 +766,8 @@ def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts
     calls = [c["argv"] for c in kubectl()]
     # the ranks' progress read in their pods, the stacks asked for there, then the hung job deleted with its pods
     exec_ = ["exec", "-i", "fb-job-1-x0", "-c", "paddle", "--"]
-    assert [*exec_, "sh", "-c", 'for f; do cat -- "$f" 2>/dev/null; printf "\\0"; done', "sh",
-            f"{settings.LOG_DIR}/progress-rank1.json"] in calls
+    assert [*exec_, "sh", "-c", 'for f; do [ ! -f "$f" ] || { printf +; cat -- "$f"; }; printf "\\0"; done', "sh",
+            f"{settings.LOG_DIR}/progress-rank1.json", f"{settings.LOG_DIR}/COLLECTIVE-TIMEOUT"] in calls
     assert ["exec", "-i", "fb-job-0-x0", "-c", "paddle", "--", "sh", "-c", 'cat > "$1.tmp" && mv -f "$1.tmp" "$1"',
             "sh", f"{settings.LOG_DIR}/STACKS-REQUEST"] in calls
     hung_delete = calls.index(["delete", "--ignore-not-found", "--cascade=foreground", f"job.batch/{JOB}"])
@@ -783,19 +783,25 @@ def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts
     assert b.job_state(Handle.load(plan.dir))[:2] == ("PASSED", 1)
 
 
+def own_sleep(monkeypatch, sleep) -> None:
+    """The backend's time.sleep (its follow loops' polls), never another module's or thread's."""
+    from fleetbox.run.backends import kubernetes
+    monkeypatch.setattr(kubernetes, "time", types.SimpleNamespace(sleep=sleep, monotonic=time.monotonic,
+                                                                  time=time.time))
+
+
 COMPLETE = json.dumps({"status": {"conditions": [{"type": "Complete", "status": "True"}]}})
 
 
 def short_sleeps(monkeypatch, stuck: str) -> None:
     """The follow loops' polls (5 s) shortened, and a loop that never ends failed with `stuck`, not waited for."""
-    from fleetbox.run.backends import kubernetes
-    slept, sleep = [], kubernetes.time.sleep
+    slept = []
 
     def short_sleep(s):
         slept.append(s)
         assert len(slept) < 100, stuck
-        sleep(min(s, 0.05))
-    monkeypatch.setattr(kubernetes.time, "sleep", short_sleep)
+        time.sleep(min(s, 0.05))
+    own_sleep(monkeypatch, short_sleep)
 
 
 @pytest.fixture
@@ -870,11 +876,10 @@ def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_
     plan = b.plan(spec())
     plan.make_dir()
     from fleetbox.processes import process_start, this_host
-    from fleetbox.run.backends import kubernetes
     h = KubeHandle("kubernetes", JOB, str(plan.dir), 2, objects=[f"job.batch/{JOB}"], namespace="ml",
                    supervisor=os.getpid(), supervisor_start=process_start(os.getpid()), supervisor_host=this_host())
     h.save()
-    slept, sleep = [], kubernetes.time.sleep
+    slept = []
 
     def restart_meanwhile(s):   # the client applies attempt 1 while the logs wait, then ends
         slept.append(s)
@@ -882,8 +887,8 @@ def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_
         if len(slept) == 3:
             (tmp_path / "cluster" / "attempt").write_text("1")
             replace(h, attempt=1, supervisor=0).save()
-        sleep(min(s, 0.05))
-    monkeypatch.setattr(kubernetes.time, "sleep", restart_meanwhile)
+        time.sleep(min(s, 0.05))
+    own_sleep(monkeypatch, restart_meanwhile)
     said = []
     b.show_logs(Handle.load(plan.dir), 1, follow=True, log=said.append, poll=0.01)
     assert said == ["the output of fb-job-1-x0", "the output of fb-job-1-x1"]

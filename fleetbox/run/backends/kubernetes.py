@@ -80,6 +80,10 @@ POD_IP_VAR, POD_IP_REF = "NODE_POD_IP", {"fieldRef": {"fieldPath": "status.podIP
 # which Paddle's launcher would take over fleetbox's flags (--master, --nnodes, --job_id)
 PADDLE_OPERATOR_ENV = ("PADDLE_MASTER", "PADDLE_NNODES", "PADDLE_JOB_ID")
 
+# A node that a collective's timeout ended holds its pod this long at most, for the hang watch (it deletes the job
+# once it has the stacks: a look, the stacks' wait, a slow API server)
+HOLD_S = 60
+
 # The master's name resolves once its pod has an address (the headless Service publishes pods not yet ready);
 # its pod may start later than the others (an image pull): wait for it this long.
 MASTER_WAIT_S = 600
@@ -414,7 +418,16 @@ class KubernetesBackend(ClientRestarts):
                   if placeholders.used(v)]
         if self.kind == "paddlejob":   # the operator's (training-operator pkg/controller.v1/paddlepaddle/envvar.go):
             lines.append(f"unset {' '.join(PADDLE_OPERATOR_ENV)}")   # the launcher would take them over its flags
-        lines.append("exec " + line(placeholders.to_shell(w, values) for w in t.command))
+        launch = line(placeholders.to_shell(w, values) for w in t.command)
+        if not (spec.hang_timeout or spec.start_timeout):
+            lines.append("exec " + launch)
+            return "\n".join(lines)
+        # the launcher as a child (ours, raw shell): a rank that a collective's own timeout ended holds its pod,
+        # still running, until the client's hang watch has its stuck peers' stacks (its controller would end them
+        # at the first failed pod); a stop (the kubelet's SIGTERM) is passed on, and holds nothing
+        lines += [f"{launch} &", "LAUNCHER=$!", """trap 'STOPPING=1; kill -TERM "$LAUNCHER" 2>/dev/null' TERM INT""",
+                  *hang.WAIT_LAUNCHER, hang.hold_after_timeout(settings.LOG_DIR, "$NODE_INDEX", HOLD_S, bash=False),
+                  'exit "$rc"']
         return "\n".join(lines)
 
     def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> dict:
@@ -916,11 +929,12 @@ class PodFiles:
     def read_many(self, k: int, names: list[str]) -> list[bytes | None]:
         """Several small files of node k in one exec (a node's ranks' progress: one call per node, not per rank);
         None for each one that is not there."""
-        # ours (raw shell): each file, then a NUL (JSON holds none); the paths are its arguments
-        out = self.exec(k, ["sh", "-c", 'for f; do cat -- "$f" 2>/dev/null; printf "\\0"; done', "sh",
-                            *(f"{settings.LOG_DIR}/{n}" for n in names)])
+        # ours (raw shell): for each file, "+" and its bytes where it is there (an empty mark is there too), then a
+        # NUL (JSON holds none); the paths are its arguments
+        out = self.exec(k, ["sh", "-c", 'for f; do [ ! -f "$f" ] || { printf +; cat -- "$f"; }; printf "\\0"; done',
+                            "sh", *(f"{settings.LOG_DIR}/{n}" for n in names)])
         parts = out.split(b"\0")[:len(names)] if out is not None else []
-        return [p or None for p in parts] + [None] * (len(names) - len(parts))
+        return [p[1:] if p[:1] == b"+" else None for p in parts] + [None] * (len(names) - len(parts))
 
     def write(self, k: int, name: str, data: bytes) -> None:
         # ours (raw shell): the file whole or not at all, as run/hang.py writes it; the path is its argument
@@ -952,11 +966,12 @@ class HangWatch:
                 return None
             self.started, self.watch.started = True, time.monotonic()
         h, ppn = self.handle, self.handle.procs_per_node
-        with ThreadPoolExecutor(max_workers=min(16, h.nodes)) as pool:
+        with ThreadPoolExecutor(max_workers=min(16, h.nodes)) as pool:   # each node's progress, and its mark
             found = list(pool.map(lambda k: self.files.read_many(
-                k, [hang.PROGRESS.format(rank=r) for r in range(k * ppn, (k + 1) * ppn)]), range(h.nodes)))
+                k, [*(hang.PROGRESS.format(rank=r) for r in range(k * ppn, (k + 1) * ppn)), hang.TIMED_OUT]),
+                range(h.nodes)))
         for k, datas in enumerate(found):
-            for i, data in enumerate(datas):
+            for i, data in enumerate(datas[:-1]):
                 try:
                     self.watch.see(k * ppn + i, json.loads(data) if data else None)
                 except ValueError:   # caught mid-write: the next look has it
@@ -964,10 +979,18 @@ class HangWatch:
         for said in self.watch.new_stragglers(ppn):
             self.log(said)
         stall = self.watch.verdict()
+        # a node held after a collective's own timeout ended a rank of it (hang.hold_after_timeout): a stuck
+        # peer's, where the job had made no progress for most of that timeout (else a peer's crash, not a hang)
+        held = [k for k, datas in enumerate(found) if datas[-1] is not None]
+        if stall is None and held and self.watch.quiet() >= hang.TIMEOUT_QUIET_S:
+            waited = hang.timed_out(self.files.read, range(self.watch.world), ppn)
+            if waited:
+                stall = self.watch.stall("collective", sorted(waited))
         if stall is None:
             return None
         self.log(hang.announce(stall))
-        before = hang.ask_for_stacks(self.files.read, self.files.write, h.nodes, ppn, h.attempt)
+        before = hang.ask_for_stacks(self.files.read, self.files.write, h.nodes, ppn, h.attempt,
+                                     gone=[r for k in held for r in range(k * ppn, (k + 1) * ppn)])
         record = hang.keep(str(Path(h.dir, f"hang-{h.attempt}")), self.files.read, h.nodes, ppn, h.attempt,
                            before, stall)
         self.log(record["text"])

@@ -57,9 +57,6 @@ STRAGGLER_NOTICE = "fleetbox: straggler: "   # run/hang.py's line in the batch o
 # node.sh's hold after a collective's timeout, ended by the watcher's stop once it has the stacks (its look, the
 # stacks' wait, a slow shared file system); the cap, where no watcher runs
 HOLD_S = 60
-# node.sh waits for its launcher until it has ended (a signal this shell took ends a wait, not the launcher)
-WAIT_LAUNCHER = ['rc=0; wait "$LAUNCHER" || rc=$?',
-                 'while kill -0 "$LAUNCHER" 2>/dev/null; do rc=0; wait "$LAUNCHER" || rc=$?; done']
 HANG_PY = "hang.py"   # run/hang.py, copied into the job folder at submit: every allocation of a chain runs the same
 # The in-container helpers, copied into the job folder at submit: a fleetbox installed where only the login node
 # sees it (a venv on its local disk) still gives every node the same helpers
@@ -356,11 +353,11 @@ class SlurmBackend(Backend):
             # sends SIGKILL after KillWait, which may be shorter than podman's 10 s graceful stop).
             rm = rt.remove_now(t.name)
             lines += [f"cleanup() {{ {self.words(rm, job_id)} >/dev/null 2>&1; exit 143; }}", "trap cleanup TERM INT",
-                      f"{run} &", "LAUNCHER=$!", *WAIT_LAUNCHER, *held, 'exit "$rc"']
+                      f"{run} &", "LAUNCHER=$!", *hang.WAIT_LAUNCHER, *held, 'exit "$rc"']
         elif held:
             # Slurm signals every process of the step, the launcher too: this shell only waits for it to end (a
             # checkpoint save on SIGTERM included), and then holds no node that is being stopped
-            lines += [f"{run} &", "LAUNCHER=$!", "trap 'STOPPING=1' TERM INT", *WAIT_LAUNCHER, *held, 'exit "$rc"']
+            lines += [f"{run} &", "LAUNCHER=$!", "trap 'STOPPING=1' TERM INT", *hang.WAIT_LAUNCHER, *held, 'exit "$rc"']
         else:
             lines.append("exec " + run)
         return "\n".join(lines) + "\n"
@@ -379,11 +376,7 @@ class SlurmBackend(Backend):
             return []
         return [f"LOGS={self.words([logs], job_id)}",
                 # our own fragment (raw shell): each rank's log end, as run/hang.py's timed_out() reads it
-                Raw('if [ "$rc" -ne 0 ] && [ -z "${STOPPING:-}" ]; then for f in "$LOGS"/workerlog.*; do '
-                    f'if grep -qsE -- {shlex.quote(hang.WAITED)} <(tail -c 65536 -- "$f" 2>/dev/null); '
-                    'then echo "fleetbox: node $SLURM_NODEID: ${f##*/} ended waiting in a collective; holding the '
-                    f'node for its peers\' stacks" >&2; : > "$LOGS"/{hang.TIMED_OUT} || true; sleep {HOLD_S:g}; '
-                    'break; fi; done; fi')]
+                Raw(hang.hold_after_timeout('"$LOGS"', "$SLURM_NODEID", HOLD_S))]
 
     def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str,
                       ckpt: Path) -> str:
