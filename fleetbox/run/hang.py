@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import shlex
 import signal
 import statistics
 import sys
@@ -55,26 +54,6 @@ LEFT_OVER = ("progress-rank*.json", "stacks-rank*.txt", REQUEST, TIMED_OUT)   # 
 # fleetbox's own deadlines: fleetbox's detection, with every rank's stacks, comes first
 PG_TIMEOUT_S = 1800.0
 PG_MARGIN_S = 300.0
-
-
-# A node's script (ours, raw shell), its launcher run as a child ($LAUNCHER): wait until it has ended (a signal
-# the shell took ends a wait, not the launcher), its exit in $rc
-WAIT_LAUNCHER = ['rc=0; wait "$LAUNCHER" || rc=$?',
-                 'while kill -0 "$LAUNCHER" 2>/dev/null; do rc=0; wait "$LAUNCHER" || rc=$?; done']
-
-
-def hold_after_timeout(logs: str, node: str, hold_s: float, bash: bool = True) -> str:
-    """A node's script (ours, raw shell), after WAIT_LAUNCHER unless $STOPPING: when one of its ranks' logs (in
-    the folder `logs`, a shell word) ends with a collective's own timeout or a peer's end after one, mark the
-    node (TIMED_OUT) and hold it `hold_s` seconds, still running, so that the watcher takes its stuck peers'
-    stacks before anything stops them. `node`: how the line names the node (shell text); `bash`: the log's end
-    read by process substitution, else through a pipe (sh; never under pipefail)."""
-    pattern = shlex.quote(WAITED)
-    found = (f'grep -qsE -- {pattern} <(tail -c 65536 -- "$f" 2>/dev/null)' if bash else
-             f'tail -c 65536 -- "$f" 2>/dev/null | grep -qsE -- {pattern}')
-    return (f'if [ "$rc" -ne 0 ] && [ -z "${{STOPPING:-}}" ]; then for f in {logs}/workerlog.*; do if {found}; '
-            f'then echo "fleetbox: node {node}: ${{f##*/}} ended waiting in a collective; holding the node for its '
-            f'peers\' stacks" >&2; : > {logs}/{TIMED_OUT} || true; sleep {hold_s:g}; break; fi; done; fi')
 
 
 def duration(seconds: float) -> str:

@@ -6,6 +6,8 @@ both, so the validation can fail. The node's wiring (its rank, the master, its a
 running the container's own script with a stand-in python; kubectl is a stand-in that records its calls."""
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -692,7 +694,8 @@ args = args[2:] if args[:1] == ["--namespace"] else args
 state, recorded = os.environ["KUBECTL_STATE"], os.environ.get("KUBECTL_RECORDED", "")
 attempt = int(open(os.path.join(state, "attempt")).read()) if os.path.exists(os.path.join(state, "attempt")) else 0
 # every attempt's pods: an earlier attempt's still on their way out (deleted in the background)
-pods = {{f"fb-job-{{k}}-x{{a}}": (k, a) for a in range(attempt + 1) for k in (0, 1)}}
+pods = {{f"fb-job-{{k}}-x{{a}}": (k, a) for a in range(attempt + 1) for k in (0, 1)
+        if a < attempt or not (k == 1 and os.environ.get("KUBECTL_NOT_YET"))}}   # a pod not made yet
 if args[:1] == ["apply"]:
     job = next(i for i in json.loads(stdin)["items"] if i["kind"] == "Job")
     attempt = re.search(r"FLEETBOX_ATTEMPT=(\d+)", job["spec"]["template"]["spec"]["containers"][0]["command"][2])[1]
@@ -821,7 +824,40 @@ def test_the_hang_watch_never_reads_an_earlier_attempts_pods_on_their_way_out(cl
     argv, running = KubernetesBackend.in_pods(b, h)
     assert (running(), argv(0), argv(1)) == (False, None, None)
     monkeypatch.delenv("KUBECTL_PODS_1")
+    monkeypatch.setenv("KUBECTL_NOT_YET", "1")           # rank 1's new pod not made yet: its old one is not it
+    assert (running(), argv(0)[3], argv(1)) == (False, "fb-job-0-x1", None)
+    monkeypatch.delenv("KUBECTL_NOT_YET")
     assert running() and argv(1)[3] == "fb-job-1-x1"
+
+
+def test_an_attempt_that_ended_while_its_client_lives_is_running_to_another_shell(cluster, tmp_path, monkeypatch):
+    from fleetbox.processes import process_start, this_host
+    monkeypatch.setenv("KUBECTL_JOB_0", json.dumps({"status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}))
+    b = backend()
+    client = subprocess.Popen(["sleep", "30"])
+    try:
+        for pid, seen in ((client.pid, "RUNNING"), (os.getpid(), "FAILED")):   # (the client itself: its end)
+            h = KubeHandle("kubernetes", JOB, str(tmp_path), 2, objects=[f"job.batch/{JOB}"], supervisor=pid,
+                           supervisor_start=process_start(pid), supervisor_host=this_host())
+            state, attempt, note = b.job_state(h)
+            assert (state, attempt) == (seen, 0), note
+        live = replace(h, supervisor=client.pid, supervisor_start=process_start(client.pid))
+        assert note == "BackoffLimitExceeded" and "may restart it" in b.job_state(live)[2]
+    finally:
+        client.kill()
+        client.wait()
+    assert b.job_state(replace(h, supervisor=client.pid))[0] == "FAILED"   # the client gone: its end
+
+
+def test_the_cancel_of_an_earlier_run_of_the_id_does_not_cancel_this_one(cluster, monkeypatch):
+    monkeypatch.setenv("KUBECTL_JOB_0", COMPLETE)
+    monkeypatch.setenv("KUBECTL_PODS_0", "done")
+    b = backend()
+    plan = b.plan(spec())
+    plan.make_dir()
+    (plan.dir / "CANCELLED").touch()
+    assert b.run(plan, log=lambda *_: None).ok
 
 
 def test_a_cancel_while_a_restart_is_applied_deletes_it_and_ends_the_job(cluster, tmp_path, monkeypatch):
@@ -894,3 +930,46 @@ def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_
     assert said == ["the output of fb-job-1-x0", "the output of fb-job-1-x1"]
     assert [c["argv"] for c in cluster() if "logs" in c["argv"]] == [
         ["--namespace", "ml", "logs", "-f", f"fb-job-1-x{k}", "-c", "paddle"] for k in (0, 1)]
+
+
+def held_node(tmp_path, launcher: str) -> subprocess.Popen:
+    """The pod's script from its launch on (as the kubelet gives it to sh), its launcher `launcher` (sh), its log
+    folder tmp_path, its hold 30 s."""
+    from fleetbox.run.backends.kubernetes import HOLD_S, kubelet_unescape
+    _, plan = manifests("indexed")
+    (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+    lines = kubelet_unescape(c["command"][2]).splitlines()
+    at = lines.index("LAUNCHER=$!")
+    script = "\n".join(["set -eu", "NODE_INDEX=0", f"sh -c {shlex.quote(launcher)} &", *lines[at:]])
+    assert f"sleep {HOLD_S} & wait" in script
+    script = script.replace(settings.LOG_DIR, str(tmp_path)).replace(f"sleep {HOLD_S} &", "sleep 30 &")
+    with open(tmp_path / "out.txt", "w") as out:   # a file: a pipe would also wait for what the shell started
+        return subprocess.Popen(["sh", "-c", script], stdout=out, stderr=subprocess.STDOUT)
+
+
+GLOO_TIMEOUT = "[/paddle/third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [10.0.0.2]:1234: TIMEOUT"
+
+
+def test_a_pod_whose_rank_gloos_timeout_ended_is_held_marked_and_a_stop_ends_the_hold_at_once(tmp_path):
+    p = held_node(tmp_path, f"echo {shlex.quote(GLOO_TIMEOUT)} > {tmp_path}/workerlog.0; exit 250")
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "COLLECTIVE-TIMEOUT").exists():   # held: the mark the hang watch reads
+            assert time.monotonic() < deadline and p.poll() is None, (tmp_path / "out.txt").read_text()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert p.poll() is None   # still running: its stuck peers' stacks can be taken
+        stopped = time.monotonic()
+        p.send_signal(signal.SIGTERM)   # the kubelet's, to the shell alone (the pod's PID 1)
+        p.wait(timeout=20)
+    finally:
+        p.kill()
+    out = (tmp_path / "out.txt").read_text()
+    assert time.monotonic() - stopped < 3 and p.returncode == 250, out   # at once, with the launcher's exit
+    assert "fleetbox: node 0: workerlog.0 ended waiting in a collective; holding the node" in out
+
+
+def test_a_pod_whose_rank_crashed_is_not_held_and_ends_with_its_launchers_exit(tmp_path):
+    p = held_node(tmp_path, f"echo 'Traceback: ValueError' > {tmp_path}/workerlog.0; exit 7")
+    p.wait(timeout=10)
+    assert p.returncode == 7 and not (tmp_path / "COLLECTIVE-TIMEOUT").exists(), (tmp_path / "out.txt").read_text()

@@ -41,7 +41,7 @@ from fleetbox.run import hang, hostnet, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Capabilities, Option, Plan
-from fleetbox.run.backends import restarts
+from fleetbox.run.backends import node_script, restarts
 from fleetbox.run.backends.restarts import ClientRestarts
 from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
@@ -425,9 +425,10 @@ class KubernetesBackend(ClientRestarts):
         # the launcher as a child (ours, raw shell): a rank that a collective's own timeout ended holds its pod,
         # still running, until the client's hang watch has its stuck peers' stacks (its controller would end them
         # at the first failed pod); a stop (the kubelet's SIGTERM) is passed on, and holds nothing
-        lines += [f"{launch} &", "LAUNCHER=$!", """trap 'STOPPING=1; kill -TERM "$LAUNCHER" 2>/dev/null' TERM INT""",
-                  *hang.WAIT_LAUNCHER, hang.hold_after_timeout(settings.LOG_DIR, "$NODE_INDEX", HOLD_S, bash=False),
-                  'exit "$rc"']
+        lines += [f"{launch} &", "LAUNCHER=$!",
+                  """trap 'STOPPING=1; kill -TERM "$LAUNCHER" 2>/dev/null || true' TERM INT""",
+                  *node_script.WAIT_LAUNCHER,
+                  node_script.hold_after_timeout(settings.LOG_DIR, "$NODE_INDEX", HOLD_S, bash=False), 'exit "$rc"']
         return "\n".join(lines)
 
     def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> dict:
@@ -572,6 +573,8 @@ class KubernetesBackend(ClientRestarts):
     def submit(self, plan: KubePlan, log=print) -> KubeHandle:
         plan.make_dir()
         (plan.dir / records.SUMMARY).unlink(missing_ok=True)   # an earlier run's (a restart's is kept aside)
+        if plan.attempt == 0:   # an earlier run's cancel (a restart's is this run's: it stops the restarts)
+            (plan.dir / CANCELLED).unlink(missing_ok=True)
         JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
                 plan.spec.image_ref, paddle=plan.spec.paddle_pin).save(plan.dir)
         if plan.client == "podman":
@@ -639,10 +642,10 @@ class KubernetesBackend(ClientRestarts):
         if Path(handle.dir, CANCELLED).exists():
             return JobState.CANCELLED, handle.attempt, ""
         if files.read_json(Path(handle.dir, records.SUMMARY)).get("hang"):   # stopped by hang detection
-            return JobState.HUNG, handle.attempt, ""
+            return self.between_attempts(handle, JobState.HUNG, handle.attempt, "")
         if handle.client == "podman":
             state, _, note = PodmanPlay.of(handle).state(handle)
-            return state, handle.attempt, note
+            return self.between_attempts(handle, state, handle.attempt, note)
         if not handle.objects:
             return JobState.UNKNOWN, handle.attempt, "no object was applied"
         proc = kubectl(*self.ns(handle.namespace), "get", handle.objects[-1], "-o", "json", check=False)
@@ -654,7 +657,17 @@ class KubernetesBackend(ClientRestarts):
         except ValueError:
             return JobState.UNKNOWN, handle.attempt, "kubectl gave no JSON"
         state, attempt, note = state_of(handle.kind, status)
-        return state, attempt if handle.kind == "volcano" else handle.attempt, note
+        return self.between_attempts(handle, state, attempt if handle.kind == "volcano" else handle.attempt, note)
+
+    @staticmethod
+    def between_attempts(handle: KubeHandle, state: JobState, attempt: int, note: str) \
+            -> tuple[JobState, int, str]:
+        """An attempt that ended while the command that follows the job lives (asked from another process): it may
+        restart it, so the job goes on."""
+        if state in (JobState.FAILED, JobState.HUNG) and handle.followed() and handle.supervisor != os.getpid():
+            return JobState.RUNNING, attempt, f"attempt {attempt} {state.value.lower()}; {handle.follower()} may " \
+                                              f"restart it"
+        return state, attempt, note
 
     def status(self, handle: KubeHandle) -> str:
         return self.job_state(handle)[0].value

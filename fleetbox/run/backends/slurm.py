@@ -28,7 +28,7 @@ from fleetbox.run import checkpoints, filesystems, hang, hostnet, output, placeh
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Option, Plan
-from fleetbox.run.backends import runtimes
+from fleetbox.run.backends import node_script, runtimes
 from fleetbox.run.backends.runtimes import template
 from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState
@@ -353,11 +353,12 @@ class SlurmBackend(Backend):
             # sends SIGKILL after KillWait, which may be shorter than podman's 10 s graceful stop).
             rm = rt.remove_now(t.name)
             lines += [f"cleanup() {{ {self.words(rm, job_id)} >/dev/null 2>&1; exit 143; }}", "trap cleanup TERM INT",
-                      f"{run} &", "LAUNCHER=$!", *hang.WAIT_LAUNCHER, *held, 'exit "$rc"']
+                      f"{run} &", "LAUNCHER=$!", *node_script.WAIT_LAUNCHER, *held, 'exit "$rc"']
         elif held:
             # Slurm signals every process of the step, the launcher too: this shell only waits for it to end (a
             # checkpoint save on SIGTERM included), and then holds no node that is being stopped
-            lines += [f"{run} &", "LAUNCHER=$!", "trap 'STOPPING=1' TERM INT", *hang.WAIT_LAUNCHER, *held, 'exit "$rc"']
+            lines += [f"{run} &", "LAUNCHER=$!", "trap 'STOPPING=1' TERM INT", *node_script.WAIT_LAUNCHER, *held,
+                      'exit "$rc"']
         else:
             lines.append("exec " + run)
         return "\n".join(lines) + "\n"
@@ -376,7 +377,7 @@ class SlurmBackend(Backend):
             return []
         return [f"LOGS={self.words([logs], job_id)}",
                 # our own fragment (raw shell): each rank's log end, as run/hang.py's timed_out() reads it
-                Raw(hang.hold_after_timeout('"$LOGS"', "$SLURM_NODEID", HOLD_S))]
+                Raw(node_script.hold_after_timeout('"$LOGS"', "$SLURM_NODEID", HOLD_S))]
 
     def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str,
                       ckpt: Path) -> str:

@@ -1,0 +1,32 @@
+"""Shell fragments (ours, raw shell) that a node's script shares across backends: Slurm's node.sh and the command
+of a Kubernetes pod. Each runs Paddle's launcher as a child ($LAUNCHER) where it must act after the launcher ends.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from fleetbox.run import hang
+
+# wait until the launcher has ended (a signal the shell took ends a wait, not the launcher), its exit in $rc
+WAIT_LAUNCHER = ['rc=0; wait "$LAUNCHER" || rc=$?',
+                 'while kill -0 "$LAUNCHER" 2>/dev/null; do rc=0; wait "$LAUNCHER" || rc=$?; done']
+
+
+def hold_after_timeout(logs: str, node: str, hold_s: float, bash: bool = True) -> str:
+    """After WAIT_LAUNCHER, unless $STOPPING: when one of the node's ranks' logs (in the folder `logs`, a shell
+    word) ends with a collective's own timeout or a peer's end after one, mark the node (hang.TIMED_OUT) and hold
+    it `hold_s` seconds, still running, so that the hang watcher takes its stuck peers' stacks before anything
+    stops them. `node`: how the line names the node (shell text).
+
+    bash (Slurm's node.sh, whose every process Slurm signals): the log's end read by process substitution, the
+    hold a plain sleep. Else (sh, the shell alone signalled, a pod's PID 1): through a pipe (never under pipefail),
+    and the hold a sleep waited for, so that a trap runs at once on a signal rather than after the sleep (which
+    is then ended)."""
+    pattern = shlex.quote(hang.WAITED)
+    found = (f'grep -qsE -- {pattern} <(tail -c 65536 -- "$f" 2>/dev/null)' if bash else
+             f'tail -c 65536 -- "$f" 2>/dev/null | grep -qsE -- {pattern}')
+    hold = f"sleep {hold_s:g}" if bash else f'sleep {hold_s:g} & wait "$!" || {{ kill "$!" 2>/dev/null || true; }}'
+    return (f'if [ "$rc" -ne 0 ] && [ -z "${{STOPPING:-}}" ]; then for f in {logs}/workerlog.*; do if {found}; '
+            f'then echo "fleetbox: node {node}: ${{f##*/}} ended waiting in a collective; holding the node for its '
+            f'peers\' stacks" >&2; : > {logs}/{hang.TIMED_OUT} || true; {hold}; break; fi; done; fi')
