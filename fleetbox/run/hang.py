@@ -228,6 +228,15 @@ class Watch:
             late = [r for r in range(self.world) if idle[r] > self.hang_s]
         return self.stall(d[1], late or list(range(self.world)), now)
 
+    def collective_stall(self, read, ranks, ppn: int) -> Stall | None:
+        """The job as stuck in a collective, where that collective's own timeout ended some of `ranks` (they
+        waited there for a stuck peer, timed_out()) and the job had made no progress for most of that timeout;
+        None otherwise (Gloo names a peer's crash a timeout too: no hang)."""
+        if self.quiet() < TIMEOUT_QUIET_S:
+            return None
+        waited = timed_out(read, ranks, ppn)
+        return self.stall("collective", sorted(waited)) if waited else None
+
     def stall(self, kind: str, ranks: list[int], now: float | None = None) -> Stall:
         """The job as stuck now, `ranks` the ones to name (verdict's, or those a collective's timeout ended)."""
         now = time.monotonic() if now is None else now
@@ -514,8 +523,7 @@ def main(argv: list[str]) -> int:
         if stall is None and now - marked:
             # node.sh holds such a node, so that its peers live on for this; a peer's crash alone is no hang
             marked = now
-            if (waited := timed_out(read, range(w.world), ppn)) and w.quiet() >= TIMEOUT_QUIET_S:
-                stall = w.stall(kind="collective", ranks=sorted(waited))
+            stall = w.collective_stall(read, range(w.world), ppn)
         if stall is None:
             continue
         try:

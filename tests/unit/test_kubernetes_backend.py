@@ -935,7 +935,8 @@ def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_
 def held_node(tmp_path, launcher: str) -> subprocess.Popen:
     """The pod's script from its launch on (as the kubelet gives it to sh), its launcher `launcher` (sh), its log
     folder tmp_path, its hold 30 s."""
-    from fleetbox.run.backends.kubernetes import HOLD_S, kubelet_unescape
+    from fleetbox.run.backends.kubernetes import kubelet_unescape
+    from fleetbox.run.backends.node_script import HOLD_S
     _, plan = manifests("indexed")
     (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
     lines = kubelet_unescape(c["command"][2]).splitlines()

@@ -16,6 +16,7 @@ from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends import node_script as fragments
 from fleetbox.run.backends import runtimes, slurm
 from fleetbox.ship import exports as hpc
 from tests.unit.conftest import REGISTRY, SHIPPED_HASH, fake_env, given_image
@@ -820,7 +821,7 @@ def test_a_node_whose_rank_a_collective_timeout_ended_is_held_for_its_peers_stac
     """srun --kill-on-bad-exit would stop the stuck rank's node at once: the ended rank's node.sh marks its log
     folder (where run/hang.py looks) and waits; any other end is passed on at once, and a node being stopped is
     never held. Run in bash as rendered from the launch on, a stand-in launcher and log folder in their place."""
-    monkeypatch.setattr(slurm, "HOLD_S", 1)
+    monkeypatch.setattr(fragments, "HOLD_S", 1)
     (tmp_path / "image.sqsh").touch()
     image = {"pyxis": str(tmp_path / "image.sqsh"), runtimes.Host.name: None}.get(runtime, "/dev/null")
     text = node_script(job(runtime=runtime, **({"image": image} if image else {})))

@@ -841,14 +841,10 @@ class _Live:
         are taken while that peer is still where it hung, and the job stopped, as after a hang (True)."""
         ppn = self.plan.spec.procs_per_node
         ended = [r for node, code in self.exits if code for r in range(node * ppn, (node + 1) * ppn)]
-        waited = hang.timed_out(self.node_file, ended, ppn)
-        if not waited:
-            return False
         self.see_progress(progress)
-        if progress.quiet() < hang.TIMEOUT_QUIET_S:   # the job was moving: a peer died, none is stuck
+        if (stall := progress.collective_stall(self.node_file, ended, ppn)) is None:   # none, or a peer died
             return False
-        self.stacks(progress.stall("collective", sorted(waited)), log,
-                    gone=[r for node, _ in self.exits for r in range(node * ppn, (node + 1) * ppn)])
+        self.stacks(stall, log, gone=[r for node, _ in self.exits for r in range(node * ppn, (node + 1) * ppn)])
         self.stop_all(timeout=1)
         return True
 

@@ -49,11 +49,11 @@ from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines,
 from fleetbox.run.shell import Raw, line
 
 KINDS = ("indexed", "volcano", "paddlejob")
-# server-side: a client-side apply keeps each object whole in an annotation, 256 KiB at most, and a script's
-# ConfigMap may hold up to 1 MiB; an existing claim (an earlier run's) is taken over, not refused
-ATTEMPT_LABEL = "io.fleetbox.attempt"
+ATTEMPT_LABEL = "io.fleetbox.attempt"   # a pod's attempt, of fleetbox's own restarts
 # how the Job controller (and the Training Operator) says activeDeadlineSeconds ended a job, in its condition
 DEADLINE_SAID = "longer than specified deadline"
+# server-side: a client-side apply keeps each object whole in an annotation, 256 KiB at most, and a script's
+# ConfigMap may hold up to 1 MiB; an existing claim (an earlier run's) is taken over, not refused
 APPLY = ("apply", "--server-side", "--force-conflicts", "--field-manager=fleetbox", "-f", "-")
 CLIENTS = ("kubectl", "podman")
 CONTAINER = "paddle"       # the Training Operator finds a PaddleJob's container, and its port, by these names
@@ -79,10 +79,6 @@ POD_IP_VAR, POD_IP_REF = "NODE_POD_IP", {"fieldRef": {"fieldPath": "status.podIP
 # What the Training Operator gives a PaddleJob's pods (training-operator pkg/controller.v1/paddlepaddle/envvar.go),
 # which Paddle's launcher would take over fleetbox's flags (--master, --nnodes, --job_id)
 PADDLE_OPERATOR_ENV = ("PADDLE_MASTER", "PADDLE_NNODES", "PADDLE_JOB_ID")
-
-# A node that a collective's timeout ended holds its pod this long at most, for the hang watch (it deletes the job
-# once it has the stacks: a look, the stacks' wait, a slow API server)
-HOLD_S = 60
 
 # The master's name resolves once its pod has an address (the headless Service publishes pods not yet ready);
 # its pod may start later than the others (an image pull): wait for it this long.
@@ -428,7 +424,8 @@ class KubernetesBackend(ClientRestarts):
         lines += [f"{launch} &", "LAUNCHER=$!",
                   """trap 'STOPPING=1; kill -TERM "$LAUNCHER" 2>/dev/null || true' TERM INT""",
                   *node_script.WAIT_LAUNCHER,
-                  node_script.hold_after_timeout(settings.LOG_DIR, "$NODE_INDEX", HOLD_S, bash=False), 'exit "$rc"']
+                  node_script.hold_after_timeout(settings.LOG_DIR, "$NODE_INDEX", node_script.HOLD_S, bash=False),
+                  'exit "$rc"']
         return "\n".join(lines)
 
     def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> dict:
@@ -828,7 +825,7 @@ def kubelet_literal(text: str) -> str:
 def kubelet_unescape(text: str) -> str:
     """What the kubelet makes of a $$ (a $), for Podman, which expands nothing: every $ kubelet_literal doubled is
     one again (a $( ) is left as written: kubelet_literal leaves none to expand)."""
-    return re.sub(r"\$\$", "$", text)
+    return text.replace("$$", "$")
 
 
 def kinds_of(docs) -> list[str]:
@@ -968,6 +965,7 @@ class HangWatch:
         on = bool(h.hang_timeout or h.start_timeout)
         self.watch = hang.Watch(h.nodes * h.procs_per_node, h.hang_timeout, h.start_timeout) if on else None
         self.next, self.started = time.monotonic(), False
+        self.held: set[int] = set()   # the nodes held after a collective's timeout, when last asked
 
     def look(self) -> dict | None:
         """The hang's record (JobResult.hang) once the job is stuck; None until then, or between looks."""
@@ -992,18 +990,17 @@ class HangWatch:
         for said in self.watch.new_stragglers(ppn):
             self.log(said)
         stall = self.watch.verdict()
-        # a node held after a collective's own timeout ended a rank of it (hang.hold_after_timeout): a stuck
-        # peer's, where the job had made no progress for most of that timeout (else a peer's crash, not a hang)
-        held = [k for k, datas in enumerate(found) if datas[-1] is not None]
-        if stall is None and held and self.watch.quiet() >= hang.TIMEOUT_QUIET_S:
-            waited = hang.timed_out(self.files.read, range(self.watch.world), ppn)
-            if waited:
-                stall = self.watch.stall("collective", sorted(waited))
+        # a node held after a collective's own timeout ended a rank of it (node_script.hold_after_timeout): asked
+        # once each time another node is held, as run/hang.py's watcher asks
+        held = {k for k, datas in enumerate(found) if datas[-1] is not None}
+        if stall is None and held - self.held:
+            self.held = held
+            stall = self.watch.collective_stall(self.files.read, range(self.watch.world), ppn)
         if stall is None:
             return None
         self.log(hang.announce(stall))
         before = hang.ask_for_stacks(self.files.read, self.files.write, h.nodes, ppn, h.attempt,
-                                     gone=[r for k in held for r in range(k * ppn, (k + 1) * ppn)])
+                                     gone=[r for k in sorted(held) for r in range(k * ppn, (k + 1) * ppn)])
         record = hang.keep(str(Path(h.dir, f"hang-{h.attempt}")), self.files.read, h.nodes, ppn, h.attempt,
                            before, stall)
         self.log(record["text"])
@@ -1124,6 +1121,11 @@ class PodmanPlay:
         names = {self.container(k): k for k in range(self.nodes)}
         return {names[n]: c for c in listed_ for n in c.get("Names", []) if n in names}
 
+    def running(self) -> bool:
+        """Every node's container runs."""
+        ctrs = self.containers()
+        return len(ctrs) == self.nodes and all(c.get("State") == "running" for c in ctrs.values())
+
     def state(self, handle: KubeHandle) -> tuple[JobState, int, str]:
         ctrs = self.containers()
         if not ctrs:   # gone: the job ended here (its result says how) or never started
@@ -1163,9 +1165,8 @@ class PodmanPlay:
     def follow(self, handle: KubeHandle, log=print, timeout: float | None = None) -> JobResult:
         """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`."""
         began, seen, bad, why, timed_out, hung = time.monotonic(), set(), None, "", False, None
-        hangs = HangWatch(handle, PodFiles(lambda k: ["podman", "exec", "-i", self.container(k)], lambda: len(
-            c := self.containers()) == self.nodes and all(x.get("State") == "running" for x in c.values())), log,
-            self.POLL_S)
+        hangs = HangWatch(handle, PodFiles(lambda k: ["podman", "exec", "-i", self.container(k)], self.running),
+                          log, self.POLL_S)
         while True:
             ctrs = self.containers()
             seen |= set(ctrs)

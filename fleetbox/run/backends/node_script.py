@@ -8,6 +8,9 @@ import shlex
 
 from fleetbox.run import hang
 
+# a node held after a collective's timeout, ended by the hang watcher's stop once it has the stacks (its look, the
+# stacks' wait, a slow shared file system or API server); the cap, where no watcher runs
+HOLD_S = 60
 # wait until the launcher has ended (a signal the shell took ends a wait, not the launcher), its exit in $rc
 WAIT_LAUNCHER = ['rc=0; wait "$LAUNCHER" || rc=$?',
                  'while kill -0 "$LAUNCHER" 2>/dev/null; do rc=0; wait "$LAUNCHER" || rc=$?; done']

@@ -54,9 +54,6 @@ ROUTE_SH = template("route_to.sh")
 # last one's stay in the job folder.
 CHAIN_SH = template("chain.sh")
 STRAGGLER_NOTICE = "fleetbox: straggler: "   # run/hang.py's line in the batch output, shown live
-# node.sh's hold after a collective's timeout, ended by the watcher's stop once it has the stacks (its look, the
-# stacks' wait, a slow shared file system); the cap, where no watcher runs
-HOLD_S = 60
 HANG_PY = "hang.py"   # run/hang.py, copied into the job folder at submit: every allocation of a chain runs the same
 # The in-container helpers, copied into the job folder at submit: a fleetbox installed where only the login node
 # sees it (a venv on its local disk) still gives every node the same helpers
@@ -377,7 +374,7 @@ class SlurmBackend(Backend):
             return []
         return [f"LOGS={self.words([logs], job_id)}",
                 # our own fragment (raw shell): each rank's log end, as run/hang.py's timed_out() reads it
-                Raw(node_script.hold_after_timeout('"$LOGS"', "$SLURM_NODEID", HOLD_S))]
+                Raw(node_script.hold_after_timeout('"$LOGS"', "$SLURM_NODEID", node_script.HOLD_S))]
 
     def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str,
                       ckpt: Path) -> str:
