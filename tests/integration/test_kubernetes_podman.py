@@ -128,10 +128,16 @@ def test_a_killed_pod_fails_the_job_named_and_every_node_is_stopped(podman_cpu, 
 
 
 def test_ctrl_c_cancels_the_job_and_leaves_nothing_but_the_claim(podman_cpu, job):
+    # unbuffered, and Ctrl-C only once the client has said it played the pods: an interrupt inside a write to a
+    # buffered stdout drops what was buffered (the client's own lines, which this test reads)
     p = subprocess.Popen(train(job, "--args", "--steps 3000 --step-sleep 0.05"), cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env={**os.environ, **podman_cpu},
+                         stderr=subprocess.STDOUT, text=True, env={**os.environ, **podman_cpu, "PYTHONUNBUFFERED": "1"},
                          preexec_fn=ctrl_c_reaches_it)
+    said = []
     try:
+        while not any(ln.startswith(f"played {job} ") for ln in said):   # it ends in one, or the output ends
+            said.append(p.stdout.readline())
+            assert said[-1], "".join(said)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:   # both nodes' containers run
             running = podman("ps", "-q", "--filter", f"label=io.fleetbox.job={job}", "--filter", "status=running")
@@ -143,6 +149,7 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing_but_the_claim(podman_cpu, job
             pytest.fail("the job's containers never ran")
         p.send_signal(signal.SIGINT)
         out, _ = p.communicate(timeout=120)
+        out = "".join(said) + out
     finally:
         if p.poll() is None:
             p.kill()
