@@ -1,13 +1,81 @@
+import fcntl
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.skips"]
+
+# What an integration test holds, named by the fixtures that hold it (a test holds what its fixtures hold, so a
+# new test is placed by what it uses); a unit test holds nothing. Tests that hold the same resource run one after
+# another in one pytest-xdist worker (--dist loadgroup: the mark's group); groups that share nothing, and tests
+# that hold nothing, run side by side. A test holding several runs in the group of the first of RESOURCES it holds.
+# Where no fixture says it, a module's mark does (pytestmark).
+RESOURCES = {
+    "slurm": {"cluster"},    # the Slurm test cluster, in fabric.SLURM's namespaces
+    "rig": {"hosts"},        # the multi-engine rig: fabric.RIG's namespaces, an engine in each
+    "images": {"bumped", "kit"},   # the default engine's images and verify's containers: builds, `invoke verify`,
+                                   # the engine's images compared before and after (a tampered kit's load, whose
+                                   # site, a namespace and engine of its own, only test_kit uses)
+    "docker": set(),         # the default engine's jobs: their containers, counted by the tests
+    "podman": {"podman_image", "podman_cpu", "podman_built"},   # root Podman's containers and storage
+    "browser": set(),        # Chromium: shares nothing, held beside the engine's jobs
+}
+
+
+def pytest_configure(config):
+    for name in RESOURCES:
+        config.addinivalue_line("markers", f"{name}: holds {', '.join(sorted(RESOURCES[name]))} (tests/conftest.py)")
+    if SHARED not in os.environ:   # the run's first process (xdist's controller, or the only one): the shared folder
+        os.environ[SHARED] = config._fleetbox_shared = tempfile.mkdtemp(prefix="fleetbox-tests-")
+
+
+def pytest_unconfigure(config):
+    if d := getattr(config, "_fleetbox_shared", None):
+        shutil.rmtree(d, ignore_errors=True)
+        del os.environ[SHARED]
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own, which reads the group mark
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.parent.name != "integration":
+            continue
+        held = set(item.fixturenames) | {m.name for m in item.iter_markers()}
+        names = [name for name, fixtures in RESOURCES.items() if held & (fixtures | {name})]
+        for name in names:
+            item.add_marker(name)
+        if names:
+            item.add_marker(pytest.mark.xdist_group(names[0]))
+
+
+SHARED = "FLEETBOX_TEST_SHARED"   # the run's folder that every worker sees (made and removed by the first process)
+
+
+def once(name: str, make):
+    """make() once in this run, by whichever worker asks first; the others wait for it and get what it returned
+    (JSON). A make() that fails writes nothing: the next to ask tries again, and fails as loudly."""
+    d = Path(os.environ[SHARED])
+    done = d / f"{name}.json"
+    with open(d / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            done.write_text(json.dumps(make()))
+        return json.loads(done.read_text())
+
+
+def shared_dir(name: str) -> Path:
+    """A folder of the run's, the same in every worker."""
+    d = Path(os.environ[SHARED]) / name
+    d.mkdir(exist_ok=True)
+    return d
 
 
 def invoke(*args, env=None, timeout=1800, cwd=ROOT):
@@ -24,6 +92,32 @@ def ctrl_c_reaches_it() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def invoke_here(*args, env=None):
+    """`invoke ARGS` as invoke() does, but in this process, for a unit test that needs only the command line's
+    parsing and output: what it prints, its exit code (a CompletedProcess), `env` set while it runs. A task that
+    starts other processes or waits on signals is run by invoke() instead."""
+    import contextlib
+    import io
+
+    from invoke.main import program
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = dict(os.environ), sys.argv, os.getcwd()
+    os.environ.update(env or {})
+    sys.argv = ["invoke", *args]   # as `python -m invoke` has it: tasks.py reads it (_refuse_invokes_own)
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            program.run(["invoke", *args])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.argv = saved[1]
+        os.chdir(saved[2])
+    return subprocess.CompletedProcess(["invoke", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture
 def run_invoke():
-    return invoke
+    return invoke_here

@@ -1,6 +1,6 @@
 """A real 2-node Slurm cluster made by the tests: slurmctld here, one slurmd per node namespace.
 
-Nodes are the fabric's namespaces (fbn1, fbn2 with their own addresses). Each slurmd gets its own UTS
+Nodes are fabric.SLURM's namespaces (fbn1, fbn2 with their own addresses). Each slurmd gets its own UTS
 namespace (hostname nodeN) and enters the node's network namespace with nsenter (not `ip netns exec`,
 which remounts /sys so slurmd finds no cgroup filesystem). Clients use SLURM_CONF.
 
@@ -62,11 +62,12 @@ def conf(d: Path, addrs: list[str]) -> str:
     tasks = "ProctrackType=proctrack/cgroup\nTaskPlugin=task/cgroup,task/affinity" if confines() else \
         "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/affinity"
     return f"""ClusterName=fleetboxtest
-SlurmctldHost={host}({fabric.SUBNET}.1)
+SlurmctldHost={host}({fabric.SLURM.subnet}.1)
 SlurmUser=root
 AuthType=auth/munge
-# a requeued job waits cred_expire before it starts again (default 120 s)
-AuthInfo=cred_expire=30
+# a requeued job waits cred_expire before it starts again (default 120 s; Slurm takes no less than 5): a job
+# step's credential must still reach its node within it, so not the least
+AuthInfo=cred_expire=10
 JobRequeue=1
 {tasks}
 SchedulerType=sched/backfill
@@ -106,7 +107,7 @@ def _names(addrs: list[str] | None) -> None:
 
 
 def start(d: Path, n: int = 2) -> dict:
-    addrs = fabric.network(n)
+    addrs = fabric.SLURM.network(n)
     _names(addrs)
     _munge(d)
     (d / "state").mkdir(parents=True, exist_ok=True)
@@ -122,9 +123,10 @@ def start(d: Path, n: int = 2) -> dict:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "fleetbox-login-only", str(hidden)], check=True)
     subprocess.run(["slurmctld", "-f", str(SITE / "slurm.conf")], check=True, env=env)
     for k in range(1, n + 1):
+        netns = f"/run/netns/{fabric.SLURM.ns(k)}"
         subprocess.run(["unshare", "--uts", "--mount", "--propagation", "slave", "sh", "-c",
                         f"hostname node{k}; mount -t tmpfs -o size=1m fleetbox-node-local {hidden} && "
-                        f"exec nsenter --net=/run/netns/fbn{k} slurmd -N node{k} -f {SITE / 'slurm.conf'}"],
+                        f"exec nsenter --net={netns} slurmd -N node{k} -f {SITE / 'slurm.conf'}"],
                        check=True, env=env)
     deadline = time.monotonic() + 60
     while True:
@@ -166,5 +168,5 @@ def stop(d: Path, n: int = 2) -> None:
     shutil.rmtree(SITE, ignore_errors=True)
     if (d / "started-munged").exists():
         subprocess.run(["pkill", "-x", "munged"], capture_output=True)
-    fabric.teardown(n)
+    fabric.SLURM.teardown(n)
     _names(None)

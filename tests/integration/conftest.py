@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, invoke
+from tests.conftest import ROOT, invoke, once, shared_dir
 
 
 def _engine_up():
@@ -29,19 +29,23 @@ def _ok(proc):
     return proc
 
 
-@pytest.fixture(scope="session")
-def cpu_image():
-    """The real path a user takes: base (bootstrapped when no OS image can be had) -> wheels -> build."""
-    _ok(invoke("base", "--variant", "cpu"))
-    _ok(invoke("wheels", "--variant", "cpu"))
-    # When asked (.ci/run asks) build for real even if an image with the same inputs is cached on this machine.
-    rebuild = os.environ.get("FLEETBOX_TEST_REBUILD")
-    build = _ok(invoke("build", "--variant", "cpu", *(["--force"] if rebuild else [])))
+def _images() -> None:
+    """The images the tests use, made once in this run as a user makes them (base, wheels, build), both before any
+    test uses one: no test sees another's build change the engine's images. .ci/run builds them for real before
+    the tests; here the builds are then up to date."""
+    def make():
+        _ok(invoke("base", "--variant", "cpu"))
+        for variant in ("cpu", GPU_VARIANT):   # the GPU image after the cpu one: the same base
+            _ok(invoke("wheels", "--variant", variant))
+            _ok(invoke("build", "--variant", variant))
+    once("images", make)
+
+
+def _built(variant: str) -> dict:
+    _images()
     from fleetbox import engine
     from fleetbox.image import built, matrix
-    c = engine.client()
-    image = built.resolve(c, matrix.load().get("cpu"))
-    return {"image": image, "build": build, "client": c}
+    return {"image": built.resolve(engine.client(), matrix.load().get(variant))}
 
 
 GPU_VARIANT = "cu118-pypi"   # the GPU image built here (PyPI's paddlepaddle-gpu); its ranks run on CPU here
@@ -49,15 +53,15 @@ ON_CPU = ("--variant", GPU_VARIANT, "--gpus-per-node", "0")
 
 
 @pytest.fixture(scope="session")
-def cuda_image(cpu_image):
+def cpu_image():
+    """The real path a user takes: base (bootstrapped when no OS image can be had) -> wheels -> build."""
+    return _built("cpu")
+
+
+@pytest.fixture(scope="session")
+def cuda_image():
     """The GPU image, built as cpu_image is (after it: the same base)."""
-    _ok(invoke("wheels", "--variant", GPU_VARIANT))
-    rebuild = os.environ.get("FLEETBOX_TEST_REBUILD")
-    build = _ok(invoke("build", "--variant", GPU_VARIANT, *(["--force"] if rebuild else [])))
-    from fleetbox import engine
-    from fleetbox.image import built, matrix
-    c = engine.client()
-    return {"image": built.resolve(c, matrix.load().get(GPU_VARIANT)), "build": build, "client": c}
+    return _built(GPU_VARIANT)
 
 
 @pytest.fixture(params=["cpu", GPU_VARIANT])
@@ -149,22 +153,31 @@ def seeded_flowers(cpu_image, tmp_path_factory):
                                                  "LABEL_MD5": md5["imagelabels.mat"], "SETID_MD5": md5["setid.mat"]}}
 
 
-@pytest.fixture(scope="session")
-def cpu_env(tmp_path_factory):
-    """The cpu variant's locked environment as a venv, made by `invoke venv` from the verified wheelhouse (no
-    container, no network): what a site without containers puts on its shared file system."""
-    _ok(invoke("wheels", "--variant", "cpu"))
-    dest = tmp_path_factory.mktemp("envs")
-    proc = _ok(invoke("venv", "--variant", "cpu", "--dest", str(dest)))
-    return {"path": Path(proc.stdout.strip().splitlines()[-1]), "dest": dest, "proc": proc}
+def _env(variant: str) -> dict:
+    """`invoke venv` of `variant` from its verified wheelhouse (no container, no network), made once in this run
+    into a folder every worker shares."""
+    def make():
+        _ok(invoke("wheels", "--variant", variant))
+        dest = shared_dir(f"envs-{variant}")
+        proc = _ok(invoke("venv", "--variant", variant, "--dest", str(dest)))
+        return {"path": proc.stdout.strip().splitlines()[-1], "dest": str(dest), "stdout": proc.stdout,
+                "stderr": proc.stderr}
+    made = once(f"env-{variant}", make)
+    return {"path": Path(made["path"]), "dest": Path(made["dest"]),
+            "proc": subprocess.CompletedProcess([], 0, made["stdout"], made["stderr"])}
 
 
 @pytest.fixture(scope="session")
-def cuda_env(tmp_path_factory):
+def cpu_env():
+    """The cpu variant's locked environment as a venv: what a site without containers puts on its shared file
+    system."""
+    return _env("cpu")
+
+
+@pytest.fixture(scope="session")
+def cuda_env():
     """The GPU variant's env, made as cpu_env is: its NVIDIA libraries, no container, no GPU."""
-    _ok(invoke("wheels", "--variant", GPU_VARIANT))
-    proc = _ok(invoke("venv", "--variant", GPU_VARIANT, "--dest", str(tmp_path_factory.mktemp("envs"))))
-    return {"path": Path(proc.stdout.strip().splitlines()[-1]), "proc": proc}
+    return _env(GPU_VARIANT)
 
 
 def paddle_opens() -> list[str]:

@@ -19,6 +19,8 @@ import pytest
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.integration.browser import Browser
 
+pytestmark = [pytest.mark.docker, pytest.mark.browser]   # jobs on the default engine, and Chromium
+
 INTERVAL = 2   # the board's --interval: VisualDL's cache follows it, so new points show within twice that
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.docker   # its jobs on the default engine, their containers counted (tests/conftest.py)
+
 
 def steps(image, ckdir, *args, env=(), mounts=(), probe="checkpoint_steps.py", init=False):
     argv = ["docker", "run", "--rm", *(["--init"] if init else []), "--network", "none",

@@ -6,8 +6,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import ROOT, invoke
 from tests.unit.test_cli import one_line_error
+
+pytestmark = pytest.mark.images   # builds, verifies, compares the default engine's images (tests/conftest.py)
 
 
 def docker(*args):

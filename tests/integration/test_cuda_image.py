@@ -5,12 +5,16 @@ test_hangs.py and test_fit.py (image_args), on Slurm in test_hpc.py."""
 import json
 import subprocess
 
+import pytest
+
 from fleetbox import incontainer
 from fleetbox.commands import verify
 from fleetbox.image import images, layers, locks, matrix, wheelhouse
 from tests.conftest import invoke
 from tests.integration.conftest import GPU_VARIANT, ON_CPU, layer_digests
 from tests.integration.test_checkpoints import names, steps
+
+pytestmark = pytest.mark.images   # builds, verifies, compares the default engine's images (tests/conftest.py)
 
 VARIANT = matrix.load().get(GPU_VARIANT)
 SITE = "/opt/venv/lib/python3.11/site-packages"

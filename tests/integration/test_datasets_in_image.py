@@ -2,9 +2,13 @@
 import json
 import subprocess
 
+import pytest
+
 from fleetbox import settings
 from fleetbox.data import datasets as ds
 from tests.conftest import invoke
+
+pytestmark = pytest.mark.images   # builds, verifies, compares the default engine's images (tests/conftest.py)
 
 LOADER_CONSTANTS = r"""
 import inspect, json, re

@@ -14,6 +14,9 @@ import pytest
 from fleetbox.image import images, matrix, wheelhouse
 from tests.conftest import invoke
 
+# podman builds; the image is then loaded into the default engine, where verify runs it (tests/conftest.py)
+pytestmark = pytest.mark.images
+
 TAG = "localhost/fleetbox-test/dockerfile:cpu"
 # What buildah (1.28) itself puts into the layers, whatever the RUN does; `invoke build` has neither:
 BUILDER_OWN = {

@@ -6,9 +6,13 @@ noticed and named from the stacks."""
 import json
 from pathlib import Path
 
+import pytest
+
 from fleetbox.run import metrics
 from tests.conftest import invoke
 from tests.integration.test_train import job_containers, summary_of
+
+pytestmark = pytest.mark.docker   # its jobs on the default engine, their containers counted (tests/conftest.py)
 
 PER_EPOCH = 4096 // 2 // 64   # train/fit.py's defaults on 2 ranks: batches per epoch
 

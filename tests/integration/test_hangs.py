@@ -12,6 +12,8 @@ from fleetbox.run import hang
 from tests.conftest import ROOT, invoke
 from tests.integration.test_train import job_containers, summary_of, when
 
+pytestmark = pytest.mark.docker   # its jobs on the default engine, their containers counted (tests/conftest.py)
+
 
 def metric_times(workerlog) -> dict[int, float]:
     """{step: when its metrics line was printed} of one rank."""

@@ -19,7 +19,7 @@ from fleetbox.run import hostnet, visualdl_logs
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
-from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
+from tests.conftest import ROOT, ctrl_c_reaches_it, invoke, once
 from tests.integration.conftest import GPU_VARIANT, ON_CPU, paddle_opens
 from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.integration.test_hangs import PLAIN, last_metric_time
@@ -41,9 +41,11 @@ LOCAL = ["--image", "fleetbox/paddle:cpu"]
 
 @pytest.fixture(scope="module")
 def charliecloud_image(cpu_image):
-    proc = invoke("export", "--variant", "cpu", "--format", "charliecloud")
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().splitlines()[-1].split(": ")[-1]
+    def make():
+        proc = invoke("export", "--variant", "cpu", "--format", "charliecloud")
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip().splitlines()[-1].split(": ")[-1]
+    return once("charliecloud-cpu", make)
 
 
 def _into_podman(image, tag: str) -> None:
@@ -58,15 +60,22 @@ def _into_podman(image, tag: str) -> None:
             subprocess.run(["podman", "rmi", have.strip()], capture_output=True)
 
 
+def in_podman(cpu_image) -> None:
+    """The cpu image in Podman's storage, once in this run, before any test of the run uses Podman; and what an
+    earlier run left there removed (one killed mid-test left its job containers, which the tests count)."""
+    def make():
+        _into_podman(cpu_image["image"], "fleetbox/paddle:cpu")
+        left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
+                              text=True).stdout.split()
+        if left:
+            print(f"removing {len(left)} podman container(s) an earlier run left")
+            subprocess.run(["podman", "rm", "-f", "--time", "0", *left], capture_output=True)
+    once("podman-cpu", make)
+
+
 @pytest.fixture(scope="module")
 def podman_image(cpu_image):
-    _into_podman(cpu_image["image"], "fleetbox/paddle:cpu")
-    # podman's storage outlives a run: one killed mid-test left its job containers, which the tests count
-    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
-                          text=True).stdout.split()
-    if left:
-        print(f"removing {len(left)} podman container(s) an earlier run left")
-        subprocess.run(["podman", "rm", "-f", "--time", "0", *left], capture_output=True)
+    in_podman(cpu_image)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +106,12 @@ def slurm_train(env, *args):
 def summary(proc):
     job_dir = proc.stdout.split("logs in ")[1].split()[0].rstrip(";")
     return json.loads(open(os.path.join(job_dir, "summary.json")).read()), job_dir
+
+
+def podman_containers(job_id: str, running_only: bool = False) -> list[str]:
+    """The Podman containers of fleetbox's job `job_id` (other tests' jobs may run beside it)."""
+    return subprocess.run(["podman", "ps", *([] if running_only else ["-a"]), "-q", "--filter",
+                           f"label=io.fleetbox.job={job_id}"], capture_output=True, text=True).stdout.split()
 
 
 def test_export_charliecloud_runs_run_check(charliecloud_image):
@@ -190,9 +205,7 @@ def test_slurm_failing_rank_names_the_node(cluster, podman_image):
     assert [n["state"] for n in summary["nodes"]] == ["stopped", "FAILED"] and summary["culprit"] == 1
     assert "nnodes: 2" in summary["launcher_config"]   # the failed node's launcher settings
     assert "    | nnodes: 2" in proc.stdout.split("Paddle's launcher on node1 ran with:")[1], proc.stdout[-3000:]
-    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
-                          text=True).stdout.split()
-    assert left == []
+    assert podman_containers(summary["job_id"]) == []
 
 
 def test_slurm_a_script_that_spawns_its_ranks_runs_them_on_one_node_and_a_failed_rank_is_named(cluster,
@@ -211,8 +224,7 @@ def test_slurm_a_script_that_spawns_its_ranks_runs_them_on_one_node_and_a_failed
                       "--fail-rank 1 --fail-step -1")
     one_line_error(bad, "train failed: node0 (rank 0) on ", " ended: its spawned rank 1 exited with exit code 3 "
                                                            "(log: workerlog.1)", job_output=True)
-    assert not subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
-                              text=True).stdout.split()
+    assert podman_containers(s["job_id"]) == podman_containers(summary(bad)[0]["job_id"]) == []
 
 
 def test_slurm_a_static_program_on_two_nodes_killed_and_restarted_ends_bit_for_bit(cluster, podman_image):
@@ -338,10 +350,10 @@ def test_slurm_podman_runs_the_image_pushed_to_the_sites_registry(cluster, cpu_i
     Docker and Podman through certs.d, as a site's CA is); `invoke push` fills it, and `invoke train` with no --image
     runs on every node the pushed content tag, pulled there by Podman."""
     from tests import fabric
-    addr = f"{fabric.SUBNET}.1:5443"
+    addr = f"{fabric.SLURM.subnet}.1:5443"
     own = {**cluster, "FLEETBOX_EXPORTS": str(tmp_path / "exports")}
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    f"/CN={fabric.SUBNET}.1", "-addext", f"subjectAltName=IP:{fabric.SUBNET}.1",
+                    f"/CN={fabric.SLURM.subnet}.1", "-addext", f"subjectAltName=IP:{fabric.SLURM.subnet}.1",
                     "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
                    check=True, capture_output=True)
     (tmp_path / "registry.yml").write_text(
@@ -413,14 +425,15 @@ def path_without(tool: str, tmp_path) -> str:
 def test_ctrl_c_cancels_the_slurm_job_and_leaves_no_container(cluster, podman_image):
     import signal
     import sys
+    job_id = f"slurm-ctrl-c-{os.getpid()}"
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
-                          "--runtime-args", PODMAN_ARGS, *LOCAL, "--args", "--hang-rank 0 --hang-seconds 600"],
+                          "--runtime-args", PODMAN_ARGS, *LOCAL, "--job-id", job_id,
+                          "--args", "--hang-rank 0 --hang-seconds 600"],
                          cwd=ROOT, env={**os.environ, **cluster}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, preexec_fn=ctrl_c_reaches_it)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:   # wait until both nodes' containers run
-        running = subprocess.run(["podman", "ps", "-q", "--filter", "label=io.fleetbox.job"], capture_output=True,
-                                 text=True).stdout.split()
+        running = podman_containers(job_id, running_only=True)
         if len(running) == 2:
             break
         time.sleep(0.5)
@@ -432,8 +445,7 @@ def test_ctrl_c_cancels_the_slurm_job_and_leaves_no_container(cluster, podman_im
     env = {**os.environ, **cluster}
     for _ in range(60):
         state = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, env=env).stdout
-        left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
-                              text=True).stdout.split()
+        left = podman_containers(job_id)
         if "JobState=CANCELLED" in state and not left:
             break
         time.sleep(1)
@@ -474,18 +486,19 @@ def test_slurm_dry_run_is_what_slurm_got_and_hostile_values_arrive_unchanged(clu
     assert s["smoke"]["env_tag"] == "$(touch /tmp/fleetbox-pwned); `id` $HOME node0"
 
 
-TIME_LIMIT_STEPS = 360
+TIME_LIMIT_STEPS = 200
 
 
 def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_done(cluster, cpu_env):
     """With no container (runtime none: the env's Python on the nodes; the checkpoint folder, the signal path and
     the chain are the same for every runtime, and the container runtimes' checkpoint mounts are held by the requeue
-    and hang tests). Detached, with a 3-minute limit and work for two or three allocations: Slurm warns (USR1, 30 s
-    before the limit, or up to a minute earlier), the job checkpoints and stops, and the next allocation goes on from
-    there, without help and with no client attached, until smoke.py is done; it is judged on the whole run.
-    `invoke jobs` and `invoke logs --follow` work from another shell, across allocations. Each allocation keeps
-    90-150 s for work (the rule: at least 60 s after the grace and Slurm's early minute); 180 s of steps never fit
-    in one (seen: 257 of 300 steps in the first allocation, under load, with Slurm's warning 2 s before the grace)."""
+    and hang tests). Detached, with a 3-minute limit: Slurm warns (USR1, 30 s before the limit, or up to a minute
+    earlier), the job checkpoints and stops, and the next allocation goes on from there, without help and with no
+    client attached, until smoke.py is done; it is judged on the whole run. `invoke jobs` and `invoke logs
+    --follow` work from another shell, across allocations. Once the first allocation has saved a checkpoint, its
+    limit is cut to 2 minutes (`scontrol update TimeLimit`, as a user may cut their own job's): Slurm's own warning
+    then comes within 30-90 s of the allocation's start, too soon for 100 s of steps, which the second allocation's
+    90-150 s of work then finishes (or, with Slurm's earliest warning, a third)."""
     env = {**os.environ, **cluster}
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "none",
                           "--venv", str(cpu_env["path"]), "--time", "3", "--signal-grace", "30",
@@ -503,6 +516,14 @@ def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_don
     row = _slurm_row(job_id, env)
     assert row[1] == "slurm" and row[3] in ("PENDING", "RUNNING") and row[4] == "1", row
     board = BoardReader(job_dir, job_id)   # `invoke board`'s reading, live across the requeues' moves
+    first = json.loads((job_dir / "handle.json").read_text())["scheduler_job"]
+    deadline = time.monotonic() + 240
+    while not list((job_dir / "checkpoints").glob("step-*/COMPLETE")):
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(1)
+    cut = subprocess.run(["scontrol", "update", f"JobId={first}", "TimeLimit=2"], capture_output=True, text=True,
+                         env=env)
+    assert cut.returncode == 0, cut.stderr
     try:
         follow = invoke("logs", job_id, "--follow", env=env, timeout=600)   # until the chain ends
     finally:
@@ -540,9 +561,7 @@ def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_don
     assert {run.split("/")[1] for run, _ in whole} == {f"alloc{a + 1}" for a in range(len(allocs))} | {"events"}
     for a, (first, last) in enumerate(steps):   # each allocation's ranks from where it resumed
         assert live[(f"{job_id}/alloc{a + 1}/rank1", "train/loss")][0][0] == first
-    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.fleetbox.job"], capture_output=True,
-                          text=True).stdout.split()
-    assert left == []
+    assert podman_containers(job_id) == []
 
 
 class BoardReader:
@@ -691,8 +710,7 @@ def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_
     ended = float(out.split("fleetbox: the job step ended at ")[1].split()[0])
     last = last_metric_time(job_dir / "alloc1" / "node1" / "workerlog.0")
     assert 20 <= ended - last <= 30, ended - last
-    assert not subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.fleetbox.job={job_id}"],
-                              capture_output=True, text=True).stdout.split()
+    assert not podman_containers(job_id)
 
 
 def test_slurm_a_plain_script_stuck_past_gloos_timeout_is_a_hang_named_from_the_stacks(cluster, podman_image,
@@ -729,8 +747,7 @@ def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_imag
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.split("job ")[-1].split()[0]
     deadline = time.monotonic() + 120
-    while len(subprocess.run(["podman", "ps", "-q", "--filter", f"label=io.fleetbox.job={job_id}"],
-                             capture_output=True, text=True).stdout.split()) < 2:
+    while len(podman_containers(job_id, running_only=True)) < 2:
         assert time.monotonic() < deadline, "the job's containers never started"
         time.sleep(0.5)
     assert _slurm_row(job_id, env)[3] == "RUNNING"
@@ -745,9 +762,7 @@ def test_slurm_detached_job_is_cancelled_from_another_shell(cluster, podman_imag
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"scancel --user=root {handle['scheduler_job']}" in proc.stdout.splitlines(), proc.stdout
         deadline = time.monotonic() + 60
-        while (row := _slurm_row(job_id, env))[3] != "CANCELLED" or subprocess.run(
-                ["podman", "ps", "-aq", "--filter", f"label=io.fleetbox.job={job_id}"], capture_output=True,
-                text=True).stdout.split():
+        while (row := _slurm_row(job_id, env))[3] != "CANCELLED" or podman_containers(job_id):
             assert time.monotonic() < deadline, row
             time.sleep(1)
         state = subprocess.run(["scontrol", "show", "job", decoy, "-o"], capture_output=True, text=True, env=env)

@@ -6,9 +6,13 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import invoke
 from tests.integration.test_train import job_containers, summary_of
 from tests.unit.test_cli import one_line_error
+
+pytestmark = pytest.mark.docker   # its jobs on the default engine, their containers counted (tests/conftest.py)
 
 SPAWN = ["--script", "train/spawn_smoke.py"]
 

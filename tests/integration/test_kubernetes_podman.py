@@ -18,7 +18,7 @@ import yaml
 from fleetbox.run import metrics
 from fleetbox.run.backends.kubernetes import pods_for_podman
 from tests.conftest import ROOT, ctrl_c_reaches_it
-from tests.integration.test_hpc import LOCAL, _into_podman
+from tests.integration.test_hpc import LOCAL, in_podman
 
 needs = [t for t in ("podman", "catatonit") if not shutil.which(t)]   # catatonit: the pods' pause image
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),   # under CI a skip fails the run
@@ -35,9 +35,8 @@ def podman(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def podman_cpu(cpu_image, tmp_path_factory):
-    """The cpu image in Podman's storage (test_hpc's loader: only when it is not there), and the site's
-    containers.conf."""
-    _into_podman(cpu_image["image"], "fleetbox/paddle:cpu")
+    """The cpu image in Podman's storage (test_hpc's, once in the run), and the site's containers.conf."""
+    in_podman(cpu_image)
     conf = tmp_path_factory.mktemp("podman") / "containers.conf"
     conf.write_text(CONTAINERS_CONF)
     return {"CONTAINERS_CONF": str(conf)}

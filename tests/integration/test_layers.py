@@ -5,9 +5,13 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from fleetbox.image import layers, locks, matrix
 from tests.conftest import invoke
 from tests.integration.conftest import _ok, layer_digests
+
+pytestmark = pytest.mark.images   # builds, verifies, compares the default engine's images (tests/conftest.py)
 
 
 def docker(*args, check=True):

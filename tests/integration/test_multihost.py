@@ -13,31 +13,33 @@ from fleetbox.run import records
 from fleetbox.run.backends.docker import checkpoint_volume
 from tests import fabric
 from tests.conftest import invoke
+from tests.fabric import RIG
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and extra engines need root")
 
 
 @pytest.fixture(scope="module")
 def hosts(cpu_image):
-    urls = fabric.setup(2)
+    urls = fabric.RIG.setup(2)
     try:
         fabric.load_image(urls, "fleetbox/paddle:cpu")
         yield urls
     finally:
-        fabric.teardown(2)
+        fabric.RIG.teardown(2)
 
 
 def test_two_node_job_across_two_engines_with_hosts(hosts):
     proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
-    assert "master 10.213.77.11:" in proc.stdout
+    assert f"master {RIG.addr(1)}:" in proc.stdout
     job_dir = proc.stdout.split("logs in ")[1].split()[0]
     summary = json.loads(open(os.path.join(job_dir, "summary.json")).read())
     assert summary["ok"] and [r["host"] for r in summary["nodes"]] == hosts
     assert summary["smoke"]["world"] == 2 and summary["smoke"]["params_identical"]
     job = json.loads(open(os.path.join(job_dir, "job.json")).read())
     # each node found its own NIC towards the master, inside its own namespace
-    assert "GLOO_SOCKET_IFNAME=fbn1e" in job["commands"][0] and "GLOO_SOCKET_IFNAME=fbn2e" in job["commands"][1]
+    assert f"GLOO_SOCKET_IFNAME={RIG.iface(1)}" in job["commands"][0] and \
+        f"GLOO_SOCKET_IFNAME={RIG.iface(2)}" in job["commands"][1]
     for k in (0, 1):   # logs gathered back from each engine
         assert os.path.exists(os.path.join(job_dir, f"node{k}", "workerlog.0"))
     for url in hosts:
@@ -89,15 +91,15 @@ def test_a_stuck_rank_on_a_remote_engine_is_noticed_and_named_from_its_stacks(ho
 
 
 def test_unreachable_host_is_one_clear_error(hosts):
-    proc = invoke("train", "--nodes", "2", "--hosts", f"{hosts[0]},tcp://10.213.77.99:2375")
-    assert proc.returncode == 2 and "cannot reach the Docker Engine at tcp://10.213.77.99:2375" in proc.stderr
+    proc = invoke("train", "--nodes", "2", "--hosts", f"{hosts[0]},tcp://{RIG.subnet}.99:2375")
+    assert proc.returncode == 2 and f"cannot reach the Docker Engine at tcp://{RIG.subnet}.99:2375" in proc.stderr
 
 
 def test_a_job_across_engines_restarts_from_each_engines_own_checkpoints(hosts):
     """No folder is shared between the hosts: each engine keeps the job's checkpoints in a volume, each node's
     first rank writes the replicated state there, and the restarted job resumes from the newest step every
     node has, ending bit for bit where a run that never failed ends."""
-    ref = invoke("train", "--nodes", "2", "--args", "--checkpoint-every 5")
+    ref = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts), "--args", "--checkpoint-every 5")
     assert ref.returncode == 0, ref.stderr
     reference = json.loads(open(os.path.join(ref.stdout.split("logs in ")[1].split()[0], "summary.json")).read())
     job_id = f"hosts-restart-{os.getpid()}"
@@ -186,7 +188,7 @@ def doctor_port(hosts) -> int:
     """A master port whose block no socket holds on either node now: known before the doctor runs, so a test
     can block it in a node's firewall, and clear of whatever the tests before left in TIME-WAIT (one CI run
     found 29101 so)."""
-    held = held_ports("fbn1") | held_ports("fbn2")
+    held = held_ports(RIG.ns(1)) | held_ports(RIG.ns(2))
     for port in range(below_ephemeral(29100, 3), 31000, 10):
         if not held & set(range(port, port + 8 * 3)):
             return port
@@ -209,10 +211,10 @@ def test_doctor_passes_every_check_on_a_healthy_rig(hosts):
     rows = {(r["node"], r["check"]): r for r in rep["rows"]}
     assert rep["ok"] and failing(rep) == set()
     # measured, in each node's own namespace and container
-    assert rows[("node1", "route to master")]["value"] == "10.213.77.11 via fbn2e 10.213.77.12"
-    assert rows[("node0", "route to master")]["value"] == "10.213.77.11 via fbn1e 10.213.77.11"
+    assert rows[("node1", "route to master")]["value"] == f"{RIG.addr(1)} via {RIG.iface(2)} {RIG.addr(2)}"
+    assert rows[("node0", "route to master")]["value"] == f"{RIG.addr(1)} via {RIG.iface(1)} {RIG.addr(1)}"
     assert rep["facts"]["1"]["iface"]["speed"] == 10000 and rep["facts"]["1"]["iface"]["mtu"] == 1500
-    assert rep["facts"]["0"]["reach"]["1"]["ip"] == "10.213.77.12"
+    assert rep["facts"]["0"]["reach"]["1"]["ip"] == RIG.addr(2)
     assert rows[("node1", "same image")]["ok"] and rows[("node1", "master port")]["ok"]
     assert rep["facts"]["0"]["tcp"]["1"]["bytes"] == 64 << 20
     sweep = rep["sweep"]
@@ -240,15 +242,15 @@ FAULTS = {
                                                                check=False) for u in h],
                                     {("node1", "same image")}),
     "master port blocked": ([],
-                            lambda h, port: _iptables("fbn1", "-I", "INPUT", "-p", "tcp", "--dport", str(port),
+                            lambda h, port: _iptables(RIG.ns(1), "-I", "INPUT", "-p", "tcp", "--dport", str(port),
                                                             "-j", "DROP"),
-                            lambda h, port: _iptables("fbn1", "-D", "INPUT", "-p", "tcp", "--dport", str(port),
+                            lambda h, port: _iptables(RIG.ns(1), "-D", "INPUT", "-p", "tcp", "--dport", str(port),
                                                             "-j", "DROP"),
                             {("node1", "master port"), ("node0", "nodes joined")}),
     "trainer port blocked": ([],   # node0's first pinned port: its launcher's candidate, the trainers' TCP store
-                             lambda h, port: _iptables("fbn1", "-I", "INPUT", "-p", "tcp", "--dport", str(port + 1),
+                             lambda h, port: _iptables(RIG.ns(1), "-I", "INPUT", "-p", "tcp", "--dport", str(port + 1),
                                                              "-j", "DROP"),
-                             lambda h, port: _iptables("fbn1", "-D", "INPUT", "-p", "tcp", "--dport", str(port + 1),
+                             lambda h, port: _iptables(RIG.ns(1), "-D", "INPUT", "-p", "tcp", "--dport", str(port + 1),
                                                              "-j", "DROP"),
                              {("node1", "ports of node0")}),
     "interface that does not route to the master": (["--iface", "lo"], lambda h, port: None,
@@ -289,21 +291,21 @@ def test_doctor_names_each_fault_and_preflight_refuses_the_job(hosts, doctor_por
 
 
 def test_doctor_names_an_engine_it_cannot_reach(hosts):
-    proc = invoke("doctor", "--nodes", "2", "--hosts", f"{hosts[0]},tcp://10.213.77.99:2375", "--quick")
+    proc = invoke("doctor", "--nodes", "2", "--hosts", f"{hosts[0]},tcp://{RIG.subnet}.99:2375", "--quick")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
     assert failing(doctor_report(proc)) == {("node1", "engine")}
-    assert "  ✗ node1 engine: cannot reach the Docker Engine at tcp://10.213.77.99:2375" in proc.stdout
+    assert f"  ✗ node1 engine: cannot reach the Docker Engine at tcp://{RIG.subnet}.99:2375" in proc.stdout
 
 
 def test_preflight_on_a_healthy_rig_starts_the_job_on_the_ports_it_checked(hosts):
     proc = invoke("train", "--nodes", "2", "--hosts", ",".join(hosts), "--preflight")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     checked = doctor_report_in(proc.stdout)["port"]
-    assert f"master 10.213.77.11:{checked}" in proc.stdout
+    assert f"master {RIG.addr(1)}:{checked}" in proc.stdout
     # the job's launchers took exactly the pinned ports doctor probed: node k's block above the master port
     job_dir = proc.stdout.split("logs in ")[1].split()[0]
     peers = open(glob.glob(os.path.join(job_dir, "node0", "default.*.log"))[0]).read()
-    for k, ip in enumerate(("10.213.77.11", "10.213.77.12")):
+    for k, ip in enumerate((RIG.addr(1), RIG.addr(2))):
         used = {int(p) for p in re.findall(rf"'(?:candidate|endpoints)': '{re.escape(ip)}:(\d+)'", peers)}
         first, last = planner.trainer_ports(checked, k, 1)
         assert len(used) == 2 and all(first <= p <= last for p in used), (k, used, peers[-2000:])

@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.unit.test_cli import one_line_error
 
+pytestmark = pytest.mark.docker   # its jobs on the default engine, their containers counted (tests/conftest.py)
+
 
 def job_containers(job_id=None):
     label = f"io.fleetbox.job={job_id}" if job_id else "io.fleetbox.job"
@@ -348,6 +350,7 @@ def test_clean_removes_leftovers_and_keeps_live_jobs(cpu_image):
         subprocess.run(["docker", "rm", "-f", "fleetbox-live", "fleetbox-leftover"], capture_output=True)
 
 
+@pytest.mark.images   # verify's containers, which test_cpu_image counts
 def test_verify_across_two_nodes(cpu_image, tmp_path):
     proc = invoke("verify", "--nodes", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr

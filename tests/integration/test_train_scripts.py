@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import ROOT, invoke
 
+pytestmark = pytest.mark.docker   # its jobs on the default engine, their containers counted (tests/conftest.py)
+
 CACHE = "/root/.cache/paddle/dataset"
 
 

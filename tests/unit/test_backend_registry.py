@@ -17,7 +17,7 @@ from fleetbox.run.backend import Backend, Option, Plan
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult
 from fleetbox.run.spec import new_job_id
-from tests.conftest import ROOT
+from tests.conftest import ROOT, invoke
 from tests.unit.test_cli import one_line_error
 
 
@@ -106,39 +106,40 @@ def plugin(tmp_path):
     return installed(tmp_path, "echo", f"echo = {__name__}:EchoBackend\n")
 
 
-def test_a_backend_from_an_entry_point_is_offered_planned_described_and_run(run_invoke, plugin, tmp_path):
-    helptext = " ".join(run_invoke("--help", "train", env=plugin).stdout.split())   # unwrapped
+# A plugin's entry point is read when fleetbox is imported: these tests run invoke in a new process each time.
+def test_a_backend_from_an_entry_point_is_offered_planned_described_and_run(plugin, tmp_path):
+    helptext = " ".join(invoke("--help", "train", env=plugin).stdout.split())   # unwrapped
     assert "--echo-word=STRING with --backend echo: the word every node says" in helptext
     assert "or echo (a process per node that says a word (a test's backend))" in helptext
-    assert "--echo-word" not in run_invoke("--help", "train").stdout   # without the plugin: not there
+    assert "--echo-word" not in invoke("--help", "train").stdout   # without the plugin: not there
 
-    dry = run_invoke("train", "--backend", "echo", "--echo-word", "hi there", "--nodes", "3", "--dry-run", env=plugin)
+    dry = invoke("train", "--backend", "echo", "--echo-word", "hi there", "--nodes", "3", "--dry-run", env=plugin)
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.splitlines() == ["hi there node0", "hi there node1", "hi there node2"]
 
-    proc = run_invoke("train", "--backend", "echo", "--nodes", "2", "--job-id", "echo-1", env=plugin)
+    proc = invoke("train", "--backend", "echo", "--nodes", "2", "--job-id", "echo-1", env=plugin)
     assert proc.returncode == 0, proc.stderr
     assert "[node1] hello node1" in proc.stdout   # the option's default
     summary = json.loads((tmp_path / "runs" / "echo-1" / "summary.json").read_text())
     assert summary["ok"] and summary["backend"] == "echo"
-    jobs = run_invoke("jobs", env=plugin)
+    jobs = invoke("jobs", env=plugin)
     assert ["echo-1", "echo", "2", "PASSED"] in [ln.split()[:4] for ln in jobs.stdout.splitlines()]
-    logs = run_invoke("logs", "echo-1", "--node", "1", env=plugin)
+    logs = invoke("logs", "echo-1", "--node", "1", env=plugin)
     assert logs.stdout.strip() == "hello node1", logs.stderr
 
-    one_line_error(run_invoke("train", "--echo-word", "x", "--dry-run", env=plugin),
+    one_line_error(invoke("train", "--echo-word", "x", "--dry-run", env=plugin),
                    "--echo-word is for --backend echo")
-    one_line_error(run_invoke("train", "--backend", "echo", "--partition", "gpu", "--dry-run", env=plugin),
+    one_line_error(invoke("train", "--backend", "echo", "--partition", "gpu", "--dry-run", env=plugin),
                    "--partition is for --backend slurm")
 
 
-def test_a_plugin_that_cannot_load_stops_no_task_and_is_named_when_chosen(run_invoke, tmp_path):
+def test_a_plugin_that_cannot_load_stops_no_task_and_is_named_when_chosen(tmp_path):
     env = installed(tmp_path, "broken", f"broken = no_such_module:Broken\necho = {__name__}:EchoBackend\n", "r")
-    listed = run_invoke("--list", env=env)
+    listed = invoke("--list", env=env)
     assert listed.returncode == 0 and "train" in listed.stdout, listed.stderr
-    one_line_error(run_invoke("train", "--backend", "broken", "--dry-run", env=env),
+    one_line_error(invoke("train", "--backend", "broken", "--dry-run", env=env),
                    "backend broken could not be loaded (no_such_module:Broken: ModuleNotFoundError")
-    dry = run_invoke("train", "--backend", "echo", "--dry-run", "--nodes", "1", env=env)   # the good one still works
+    dry = invoke("train", "--backend", "echo", "--dry-run", "--nodes", "1", env=env)   # the good one still works
     assert dry.stdout.strip() == "hello node0", dry.stderr
 
 

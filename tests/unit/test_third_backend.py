@@ -24,6 +24,7 @@ from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult
 from fleetbox.run.spec import new_job_id
+from tests.conftest import invoke
 from tests.unit.test_backend_registry import installed, register_for_the_test
 from tests.unit.test_cli import one_line_error
 
@@ -180,21 +181,22 @@ class ProcBackend(Backend):
 
 @pytest.fixture
 def env(tmp_path):
-    """The entry point as an installed package declares it, and a runs folder of the test's own."""
+    """The entry point as an installed package declares it, and a runs folder of the test's own (read when fleetbox
+    is imported: these tests run invoke in a new process each time)."""
     return installed(tmp_path, "proc", f"proc = {__name__}:ProcBackend\n")
 
 
-def _rows(run_invoke, env) -> dict:
-    proc = run_invoke("jobs", env=env)
+def _rows(env) -> dict:
+    proc = invoke("jobs", env=env)
     assert proc.returncode == 0, proc.stderr
     return {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[1:]}
 
 
-def test_a_third_backend_runs_through_train_jobs_logs_report_with_its_own_handle_and_folder(run_invoke, env, tmp_path,
+def test_a_third_backend_runs_through_train_jobs_logs_report_with_its_own_handle_and_folder(env, tmp_path,
                                                                                           monkeypatch):
     from fleetbox.run import records
     runs = tmp_path / "runs"
-    proc = run_invoke("train", "--backend", "proc", "--nodes", "2", "--proc-steps", "6", "--max-restarts", "1",
+    proc = invoke("train", "--backend", "proc", "--nodes", "2", "--proc-steps", "6", "--max-restarts", "1",
                       "--env", "FAIL_FIRST=1", "--job-id", "p-1", env=env)
     assert proc.returncode == 0, proc.stderr
     job = runs / "p-1"
@@ -204,8 +206,8 @@ def test_a_third_backend_runs_through_train_jobs_logs_report_with_its_own_handle
     register_for_the_test(monkeypatch, ProcBackend)   # here too, as the tasks have it
     assert records.undescribed(job) == []   # what it left is what its layout says, and fleetbox's own records
 
-    assert _rows(run_invoke, env)["p-1"][1:5] == ["proc", "2", "PASSED", "1"]   # one earlier try
-    logs = run_invoke("logs", "p-1", "--node", "1", env=env)
+    assert _rows(env)["p-1"][1:5] == ["proc", "2", "PASSED", "1"]   # one earlier try
+    logs = invoke("logs", "p-1", "--node", "1", env=env)
     assert logs.returncode == 0, logs.stderr
     assert logs.stdout.splitlines() == [f"node 1 step {s}" for s in range(6)]   # the last try's, from n1/out.log
 
@@ -214,7 +216,7 @@ def test_a_third_backend_runs_through_train_jobs_logs_report_with_its_own_handle
     assert sorted((m["attempt"], m["node"], m["step"]) for m in metrics) == sorted(
         [(0, 0, s) for s in range(6)] + [(0, 1, s) for s in range(3)] + [(1, k, s) for k in (0, 1) for s in range(6)])
     (job / "report.md").unlink()
-    rep = run_invoke("report", "p-1", env=env)
+    rep = invoke("report", "p-1", env=env)
     assert rep.returncode == 0, rep.stderr
     md = (job / "report.md").read_text().splitlines()
     assert {"- backend: proc, 2 node(s) x 1 process(es)",
@@ -223,20 +225,20 @@ def test_a_third_backend_runs_through_train_jobs_logs_report_with_its_own_handle
             "- attempt 0: failed", "- attempt 1: passed"} <= set(md), md
 
 
-def test_a_detached_job_of_a_third_backend_is_seen_running_and_cancelled(run_invoke, env, tmp_path):
+def test_a_detached_job_of_a_third_backend_is_seen_running_and_cancelled(env, tmp_path):
     runs = tmp_path / "runs"
     env = {**env, "STEP_S": "0.2"}
-    proc = run_invoke("train", "--backend", "proc", "--nodes", "2", "--proc-steps", "600", "--job-id", "p-2",
+    proc = invoke("train", "--backend", "proc", "--nodes", "2", "--proc-steps", "600", "--job-id", "p-2",
                       "--detach", env=env)
     assert proc.returncode == 0, proc.stderr
     pids = json.loads((runs / "p-2" / "handle.json").read_text())["pids"]
     try:
-        assert _rows(run_invoke, env)["p-2"][1:4] == ["proc", "2", "RUNNING"]
-        stop = run_invoke("cancel", "p-2", env=env)
+        assert _rows(env)["p-2"][1:4] == ["proc", "2", "RUNNING"]
+        stop = invoke("cancel", "p-2", env=env)
         assert stop.returncode == 0, stop.stderr
         assert [ln for ln in stop.stdout.splitlines() if ln.startswith("stopped pid")] == [
             f"stopped pid {p}" for p in pids]
-        assert _rows(run_invoke, env)["p-2"][1:4] == ["proc", "2", "CANCELLED"]
+        assert _rows(env)["p-2"][1:4] == ["proc", "2", "CANCELLED"]
         deadline = time.monotonic() + 10
         while any(process_start(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -250,20 +252,20 @@ def test_a_detached_job_of_a_third_backend_is_seen_running_and_cancelled(run_inv
     shutil.rmtree(runs)
 
 
-def test_a_third_backends_own_option_shapes_the_job_and_is_refused_elsewhere(run_invoke, env):
+def test_a_third_backends_own_option_shapes_the_job_and_is_refused_elsewhere(env):
     """--proc-cores is the proc backend's alone, yet it changes the job (its processes a node), as Docker's
     --devices does: the backend settles and checks the job, with no change to any fleetbox module."""
     def described(*args):
-        proc = run_invoke("train", "--backend", "proc", "--nodes", "2", *args, "--dry-run", env=env)
+        proc = invoke("train", "--backend", "proc", "--nodes", "2", *args, "--dry-run", env=env)
         assert proc.returncode == 0, proc.stderr
         return [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
     assert described("--proc-cores", "4") == ["node 0: 3 steps, 4 process(es)", "node 1: 3 steps, 4 process(es)"]
     assert described("--proc-cores", "4", "--procs-per-node", "2")[0] == "node 0: 3 steps, 2 process(es)"
     assert described()[0] == "node 0: 3 steps, 1 process(es)"
-    one_line_error(run_invoke("train", "--backend", "proc", "--proc-cores", "2", "--procs-per-node", "3", "--dry-run",
-                              env=env), "--procs-per-node 3: a node has 2 cores (--proc-cores)")
-    one_line_error(run_invoke("train", "--proc-cores", "2", "--dry-run", env=env), "--proc-cores is for --backend proc")
-    one_line_error(run_invoke("train", "--backend", "proc", "--hosts", "tcp://a:1", "--dry-run", env=env),
+    one_line_error(invoke("train", "--backend", "proc", "--proc-cores", "2", "--procs-per-node", "3", "--dry-run",
+                          env=env), "--procs-per-node 3: a node has 2 cores (--proc-cores)")
+    one_line_error(invoke("train", "--proc-cores", "2", "--dry-run", env=env), "--proc-cores is for --backend proc")
+    one_line_error(invoke("train", "--backend", "proc", "--hosts", "tcp://a:1", "--dry-run", env=env),
                    "--hosts is for --backend docker")
 
 
