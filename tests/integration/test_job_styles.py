@@ -43,7 +43,7 @@ def test_a_script_that_spawns_its_ranks_runs_them_on_one_node_and_restarted_ends
     assert s2["attempts"][0]["ended"].startswith("node0 (rank 0) ended: its spawned rank "), s2["attempts"]
     assert s2["smoke"]["resumed_from"] == 20 and s2["smoke"]["whole_run"], s2["smoke"]
     assert s2["smoke"]["params_sha256"] == smoke["params_sha256"]   # bit for bit
-    assert job_containers() == []
+    assert job_containers(s["job_id"], s2["job_id"]) == []
 
 
 def test_a_spawned_rank_that_fails_stops_the_script_and_is_named(cpu_image):
@@ -51,7 +51,7 @@ def test_a_spawned_rank_that_fails_stops_the_script_and_is_named(cpu_image):
     one_line_error(proc, "train failed: node0 (rank 0) ended: its spawned rank 1 exited with exit code 3 "
                          "(log: workerlog.1)", job_output=True)
     assert "failing on purpose before joining" in (job_dir_of(proc) / "node0" / "workerlog.1").read_text()
-    assert job_containers() == []
+    assert job_containers(job_dir_of(proc).name) == []
 
 
 def test_a_stuck_spawned_rank_is_named_from_its_stacks(cpu_image):
@@ -61,14 +61,15 @@ def test_a_stuck_spawned_rank_is_named_from_its_stacks(cpu_image):
                    job_output=True)
     d = job_dir_of(proc)
     assert "in load_batch_that_never_returns" in (d / "hang-0" / "rank1.txt").read_text()
-    assert job_containers() == []
+    assert job_containers(d.name) == []
 
 
 def test_a_spawning_script_asked_for_two_nodes_is_one_line_and_starts_nothing(cpu_image):
-    proc = invoke("train", *SPAWN, "--nodes", "2")
+    job_id = f"spawn-two-nodes-{os.getpid()}"
+    proc = invoke("train", *SPAWN, "--nodes", "2", "--job-id", job_id)
     one_line_error(proc, "train/spawn_smoke.py:9 starts its own ranks (paddle.distributed.spawn), on the machine it "
                          "runs on: run it on one node (--nodes 1, one host)")
-    assert job_containers() == []
+    assert job_containers(job_id) == []
 
 
 # Static-graph programs. Paddle's own static collective (fleet's minimize) cannot make its communicator on CPU
@@ -104,7 +105,7 @@ def test_a_static_program_on_two_nodes_killed_and_restarted_ends_bit_for_bit(cpu
     for r in (0, 1):   # every persistable and the whole run's losses, bit for bit
         assert got[r]["first"] == 4 and got[r]["sha256"] == want[r]["sha256"], (got, want)
     assert "fleetbox-checkpoint: resumed from step 4" in (job_dir_of(again) / "node0" / "workerlog.0").read_text()
-    assert job_containers() == []
+    assert job_containers(job_dir_of(ref).name, job_dir_of(again).name) == []
 
 
 def test_the_static_example_run_again_with_its_id_resumes_mid_epoch_and_ends_as_an_uninterrupted_run(

@@ -49,6 +49,27 @@ def test_two_node_job_across_two_engines_with_hosts(hosts):
     assert not os.path.exists(f"/tmp/fleetbox-runs/{summary['job_id']}")
 
 
+def test_verify_across_two_hosts(hosts):
+    """`invoke verify --nodes 2`: the image checks in each node's engine (here, the rig's: verify's containers on
+    the default engine are test_cpu_image's to count), then the smoke job across them."""
+    proc = invoke("verify", "--nodes", "2", "--hosts", ",".join(hosts))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    report = json.loads(open(proc.stdout.split("report: ")[-1].strip()).read())
+    assert report["ok"] and [(r["what"], r["host"]) for r in report["rows"]] == \
+        [("node0", hosts[0]), ("node1", hosts[1]), ("smoke", "2 nodes")]
+    for row in report["rows"][:2]:   # each node's own measured facts
+        assert row["detail"].startswith("10/10 image checks pass; paddle 3.3.1 (commit ")
+        assert "device cpu" in row["detail"]
+    # the smoke row prints the parameter checksums the ranks measured, and they agree
+    summary = json.loads(open(report["rows"][2]["report"]).read())
+    sums = summary["smoke"]["checksums"]
+    assert len(sums) == 2 and abs(sums[0] - sums[1]) <= 1e-6 * max(1.0, abs(sums[0]))
+    assert f"parameter checksums on 2 ranks: {sums[0]:.6f}, {sums[1]:.6f}" in report["rows"][2]["detail"]
+    assert f"{sums[0]:.6f}" in proc.stdout
+    for url in hosts:
+        assert fabric.sh("docker", "-H", url, "ps", "-aq").stdout.split() == []   # nor verify's, nor the job's
+
+
 def test_the_whole_workspace_reaches_remote_hosts(hosts, tmp_path):
     ws, outside = tmp_path / "ws", tmp_path / "outside"
     (ws / "helpers").mkdir(parents=True)
