@@ -24,7 +24,8 @@ RESOURCES = {
     "images": {"bumped", "kit"},   # the default engine's images and verify's containers: builds, `invoke verify`,
                                    # the engine's images compared before and after (a tampered kit's load, whose
                                    # site, a namespace and engine of its own, only test_kit uses)
-    "docker": set(),         # the default engine's jobs: their containers, counted by the tests
+    "docker": set(),         # the default engine's jobs: this machine's ports (their host network; each job picks
+                             # its own, and two at once could pick the same) and `invoke clean`'s engine-wide sweep
     "podman": {"podman_image", "podman_cpu", "podman_built"},   # root Podman's containers and storage
     "browser": set(),        # Chromium: shares nothing, held beside the engine's jobs
 }
