@@ -29,11 +29,12 @@ RESOURCES = {
     "podman": {"podman_image", "podman_cpu", "podman_built"},   # root Podman's containers and storage
     "browser": set(),        # Chromium: shares nothing, held beside the engine's jobs
 }
+SHARED = "FLEETBOX_TEST_SHARED"   # the run's folder that every worker sees (made and removed by the first process)
 
 
 def pytest_configure(config):
     for name in RESOURCES:
-        config.addinivalue_line("markers", f"{name}: holds {', '.join(sorted(RESOURCES[name]))} (tests/conftest.py)")
+        config.addinivalue_line("markers", f"{name}: the test holds this resource (tests/conftest.py: RESOURCES)")
     if SHARED not in os.environ:   # the run's first process (xdist's controller, or the only one): the shared folder
         os.environ[SHARED] = config._fleetbox_shared = tempfile.mkdtemp(prefix="fleetbox-tests-")
 
@@ -56,8 +57,6 @@ def pytest_collection_modifyitems(config, items):
         if names:
             item.add_marker(pytest.mark.xdist_group(names[0]))
 
-
-SHARED = "FLEETBOX_TEST_SHARED"   # the run's folder that every worker sees (made and removed by the first process)
 
 
 def once(name: str, make):

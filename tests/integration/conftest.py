@@ -60,7 +60,7 @@ def cpu_image():
 
 @pytest.fixture(scope="session")
 def cuda_image():
-    """The GPU image, built as cpu_image is (after it: the same base)."""
+    """The GPU image, built with cpu_image (after it: the same base)."""
     return _built(GPU_VARIANT)
 
 
