@@ -21,11 +21,11 @@ pytest_plugins = ["tests.skips"]
 RESOURCES = {
     "slurm": {"cluster"},    # the Slurm test cluster, in fabric.SLURM's namespaces
     "rig": {"hosts"},        # the multi-engine rig: fabric.RIG's namespaces, an engine in each
+    "docker": set(),         # the default engine's jobs: this machine's ports (their host network; each job picks
+                             # its own, and two at once could pick the same) and `invoke clean`'s engine-wide sweep
     "images": {"bumped", "kit"},   # the default engine's images and verify's containers: builds, `invoke verify`,
                                    # the engine's images compared before and after (a tampered kit's load, whose
                                    # site, a namespace and engine of its own, only test_kit uses)
-    "docker": set(),         # the default engine's jobs: this machine's ports (their host network; each job picks
-                             # its own, and two at once could pick the same) and `invoke clean`'s engine-wide sweep
     "podman": {"podman_image", "podman_cpu", "podman_built"},   # root Podman's containers and storage
     "browser": set(),        # Chromium: shares nothing, held beside the engine's jobs
 }

@@ -52,9 +52,16 @@ def _leftovers(job_id: str) -> str:
     return f"`invoke clean --job {job_id} --force` removes its containers" + (f" ({own})" if own else "")
 
 
+def _mtime(path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:   # removed since the folder was listed: skipped below
+        return 0.0
+
+
 def listing(log=print) -> list[dict]:
     rows = []
-    for hj in sorted(settings.runs_root().glob("*/handle.json"), key=lambda p: p.stat().st_mtime):
+    for hj in sorted(settings.runs_root().glob("*/handle.json"), key=_mtime):
         try:
             rows.append(describe(Handle.load(hj.parent)))
         except DamagedRecord as e:

@@ -6,7 +6,18 @@ from pathlib import Path
 
 import pytest
 
+from tests import fabric
 from tests.conftest import ROOT, invoke, once, shared_dir
+
+# test_hpc's site registry (the slurm group), for which `invoke push` tags the cpu image on the default engine while
+# the images group compares that engine's images before and after a build, a clean or a load: its tags are the
+# push's, never theirs
+SITE_REGISTRY = f"{fabric.SLURM.subnet}.1:5443"
+
+
+def without_pushed(lines) -> list[str]:
+    """`docker images` lines less the site registry's tags."""
+    return [ln for ln in lines if f"{SITE_REGISTRY}/" not in ln]
 
 
 def _engine_up():

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, invoke
+from tests.integration.conftest import without_pushed
 from tests.unit.test_cli import one_line_error
 
 pytestmark = pytest.mark.images   # builds, verifies, compares the default engine's images (tests/conftest.py)
@@ -163,8 +164,8 @@ def test_tampered_wheelhouse_stops_the_build_and_builds_nothing(cpu_image, tmp_p
 def _images() -> list[str]:
     """Every image with each of its tags, sorted: `docker images` lists images made in the same second (a
     layer and the image's settings committed onto it) in no fixed order."""
-    return sorted(docker("images", "-a", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}").stdout
-                  .splitlines())
+    return sorted(without_pushed(docker("images", "-a", "--no-trunc", "--format",
+                                        "{{.ID}} {{.Repository}}:{{.Tag}}").stdout.splitlines()))
 
 
 def test_verify_fails_on_a_broken_image(cpu_image, tmp_path):

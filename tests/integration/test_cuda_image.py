@@ -148,6 +148,7 @@ def test_the_libraries_layer_made_again_from_the_base_is_the_same_bytes(cuda_ima
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
 
 
+@pytest.mark.docker   # a 2-node job on this machine's ports
 def test_doctor_checks_two_nodes_of_the_gpu_image_and_its_all_reduce_sweep_runs_on_gloo(cuda_image):
     """The collective benchmark chooses its backend from the devices a rank sees, not from how Paddle was built."""
     proc = invoke("doctor", *ON_CPU, "--nodes", "2", timeout=600)

@@ -20,7 +20,7 @@ from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import slurm as slurm_backend
 from tests import slurmcluster
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke, once
-from tests.integration.conftest import GPU_VARIANT, ON_CPU, paddle_opens
+from tests.integration.conftest import GPU_VARIANT, ON_CPU, SITE_REGISTRY, paddle_opens
 from tests.integration.test_datasets_in_image import READ_MNIST
 from tests.integration.test_hangs import PLAIN, last_metric_time
 from tests.integration.test_job_styles import STATIC, STATIC_ARGS
@@ -121,6 +121,7 @@ def test_export_charliecloud_runs_run_check(charliecloud_image):
     assert proc.returncode == 0 and "installed successfully" in proc.stdout, proc.stderr[-2000:]
 
 
+@pytest.mark.docker   # its node.sh runs on this machine's network, on the plan's port
 def test_charliecloud_run_as_a_user_finds_the_seeded_cache_in_its_home(charliecloud_image, seeded_mnist,
                                                                        monkeypatch):
     """On a cluster the job runs as the user, whose Paddle looks in ~/.cache/paddle/dataset, not /root: the
@@ -350,7 +351,7 @@ def test_slurm_podman_runs_the_image_pushed_to_the_sites_registry(cluster, cpu_i
     Docker and Podman through certs.d, as a site's CA is); `invoke push` fills it, and `invoke train` with no --image
     runs on every node the pushed content tag, pulled there by Podman."""
     from tests import fabric
-    addr = f"{fabric.SLURM.subnet}.1:5443"
+    addr = SITE_REGISTRY
     own = {**cluster, "FLEETBOX_EXPORTS": str(tmp_path / "exports")}
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
                     f"/CN={fabric.SLURM.subnet}.1", "-addext", f"subjectAltName=IP:{fabric.SLURM.subnet}.1",

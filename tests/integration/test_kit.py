@@ -19,7 +19,7 @@ from fleetbox.image import matrix
 from fleetbox.ship import kit_load
 from tests import fabric
 from tests.conftest import invoke
-from tests.integration.conftest import MD5_ATTRS
+from tests.integration.conftest import MD5_ATTRS, without_pushed
 from tests.unit.test_cli import one_line_error
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a network namespace and a second dockerd)")
@@ -135,9 +135,9 @@ def flip(target):
 
 
 def engine_images():
-    return sorted(subprocess.run(["docker", "images", "-a", "--no-trunc",
-                                  "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
-                                 capture_output=True, text=True).stdout.splitlines())
+    return sorted(without_pushed(subprocess.run(["docker", "images", "-a", "--no-trunc",
+                                                 "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
+                                                capture_output=True, text=True).stdout.splitlines()))
 
 
 def test_a_hang_up_during_a_load_undoes_it(kit, tmp_path):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from fleetbox.run import records
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.unit.test_cli import one_line_error
 
@@ -338,10 +339,12 @@ def test_dry_run_prints_every_node_and_starts_nothing(cpu_image):
 def test_clean_removes_leftovers_and_keeps_live_jobs(cpu_image):
     image = cpu_image["image"].id
     try:   # the containers are made inside: one made before the other failed is removed too
-        subprocess.run(["docker", "run", "--label", "io.fleetbox.job=leftover-test", "--name", "fleetbox-leftover",
-                        image, "true"], check=True, capture_output=True)   # a finished job's container
-        subprocess.run(["docker", "run", "-d", "--label", "io.fleetbox.job=live-test", "--name", "fleetbox-live",
-                        image, "sleep", "300"], check=True, capture_output=True)
+        # this runs folder's (records.owner): another runs folder's `invoke clean` leaves them alone
+        mine = f"io.fleetbox.owner={records.owner()}"
+        subprocess.run(["docker", "run", "--label", "io.fleetbox.job=leftover-test", "--label", mine,
+                        "--name", "fleetbox-leftover", image, "true"], check=True, capture_output=True)   # finished
+        subprocess.run(["docker", "run", "-d", "--label", "io.fleetbox.job=live-test", "--label", mine,
+                        "--name", "fleetbox-live", image, "sleep", "300"], check=True, capture_output=True)
         proc = invoke("clean")
         assert proc.returncode == 0 and "removed fleetbox-leftover" in proc.stdout
         assert job_containers("leftover-test") == [] and len(job_containers("live-test")) == 1   # still running

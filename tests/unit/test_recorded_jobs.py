@@ -198,3 +198,12 @@ def test_report_gives_the_figures_the_records_hold(job, run_invoke, env, runs):
     gathered = runs / job / "metrics.jsonl"
     assert (len(gathered.read_text().splitlines()) if gathered.exists() else 0) == METRICS[job]
     assert asked(env) == []
+
+
+def test_a_job_folder_removed_while_jobs_lists_is_left_out(tmp_path, monkeypatch):
+    """Another shell removes a job's folder between the listing of the runs folder and the reading of its record:
+    that job is left out, and the listing goes on."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
+    gone = tmp_path / "train-20261129-000000-gone" / "handle.json"   # listed, then removed
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter([gone]))
+    assert jobs.listing(log=lambda line: None) == []
