@@ -67,7 +67,9 @@ def once(name: str, make):
     with open(d / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            done.write_text(json.dumps(make()))
+            made = done.with_suffix(".part")   # a worker killed while writing leaves no half a result
+            made.write_text(json.dumps(make()))
+            made.replace(done)
         return json.loads(done.read_text())
 
 
