@@ -160,8 +160,10 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing_but_the_claim(podman_cpu, job
 def test_a_hung_rank_is_named_from_its_pods_stacks_and_the_whole_job_restarts_from_the_claim(podman_cpu, job):
     """Hang detection in the command that follows the job (the ranks' progress and stacks read and asked for
     through `podman exec`, as `kubectl exec` does on a cluster), then fleetbox's own restart of the whole job: the
-    same objects played again, FLEETBOX_ATTEMPT 1, resuming from the claim."""
-    proc = subprocess.run(train(job, "--hang-timeout", "20", "--max-restarts", "1", "--args",
+    same objects played again, FLEETBOX_ATTEMPT 1, resuming from the claim. The deadline leaves the stacks 20 s
+    before Gloo's own 30 s timeout ends the waiting rank: at 20 s, `podman exec` under load once reached rank 0
+    after that, and it gave no stack (the record could not tell which rank was stuck)."""
+    proc = subprocess.run(train(job, "--hang-timeout", "10", "--max-restarts", "1", "--args",
                                 "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 "
                                 "--hang-attempt 0"),
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, **podman_cpu}, timeout=400)
