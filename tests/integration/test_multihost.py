@@ -20,12 +20,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces an
 
 @pytest.fixture(scope="module")
 def hosts(cpu_image):
-    urls = fabric.RIG.setup(2)
+    urls = RIG.setup(2)
     try:
         fabric.load_image(urls, "fleetbox/paddle:cpu")
         yield urls
     finally:
-        fabric.RIG.teardown(2)
+        RIG.teardown(2)
 
 
 def test_two_node_job_across_two_engines_with_hosts(hosts):
