@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from fleetbox import settings
 from fleetbox.errors import UserError
+from fleetbox.run import node_log
 from fleetbox.run import plan as planner
 from fleetbox.run.spec import JobSpec
 
@@ -93,14 +94,14 @@ class Expect:
     gpus: int = 1                   # devices each node needs
     procs: int = 1
     port: int = 0
-    runtime: str = "docker"         # what starts the containers (Backend.runtime_name)
+    runtime: str = "docker"         # what starts the containers (Doctoring.runtime)
     runtime_args: tuple = ()
     forced_iface: str = ""
-    shm_settable: bool = True       # --shm-size reaches the container (Capabilities.shm_settable)
+    shm_settable: bool = True       # --shm-size reaches the container (Doctoring.shm_settable)
     check_paddle: bool = False      # no image (an env on the nodes): `import paddle` is checked on every node
     variant: str = ""
     compute_capabilities: tuple = ()  # CUDA variants: the GPU architectures its wheel has kernels for
-    no_driver_fix: str = ""         # what gives the containers the node's NVIDIA driver (Capabilities.no_driver_fix)
+    no_driver_fix: str = ""         # what gives the containers the node's NVIDIA driver (Doctoring.no_driver_fix)
 
 
 def check_shm(node: str, f: dict, e: Expect) -> Row:
@@ -591,14 +592,14 @@ REPORTED_IMAGE = re.compile(r"^fleetbox: image (id|file-sha256|tree-sha256|env-s
 def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str, unreported: str = "") -> list[Row]:
     """What each node's script said of the image there (a backend that reports_image: Slurm's node.sh, with the
     lines of runtimes.Runtime.identify); `unreported`: where to look when a node said nothing, in its backend's
-    words (Capabilities.unreported_fix)."""
+    words (Doctoring.unreported_fix)."""
     rows, ids = [], {}
     for k in range(nodes):
         m = REPORTED_IMAGE.search(outputs.get(k, ""))
         node = f"node{k}"
         if not m:
-            said = [ln for ln in outputs.get(k, "").splitlines() if ln.startswith("fleetbox: node ")][-1:]
-            rows.append(Row(node, "image", False, "not reported", "present", said[0].split(": ", 2)[-1] if said
+            said = node_log.lines(outputs.get(k, ""))[-1:]
+            rows.append(Row(node, "image", False, "not reported", "present", said[0][2] if said
                             else unreported or "the node's script did not run: see its output"))
         elif m.group(1) == "missing":
             env = "invoke venv" in m.group(3) or "interpreter" in m.group(3)   # runtime none: an env, not an image
@@ -619,7 +620,7 @@ def reported_image_rows(outputs: dict[int, str], nodes: int, ref: str, unreporte
     return rows + same_image(ids, nodes, ref)
 
 
-GPU_PREREQUISITE = re.compile(r"^fleetbox: node \d+ on [^:\s]+: GPU prerequisite( missing)?: (.+)$", re.M)
+GPU_PREREQUISITE = node_log.about(r"GPU prerequisite( missing)?: (.+)")
 
 
 def prerequisite_rows(outputs: dict[int, str], nodes: int) -> list[Row]:
@@ -635,7 +636,7 @@ def prerequisite_rows(outputs: dict[int, str], nodes: int) -> list[Row]:
     return rows
 
 
-TASK_GPUS = re.compile(r"^fleetbox: node \d+ on [^:\s]+: GPUs the task sees: (.*)$", re.M)
+TASK_GPUS = node_log.about(r"GPUs the task sees: (.*)")
 
 
 def allocated_gpu_rows(outputs: dict[int, str], facts: dict[int, dict], e: Expect) -> list[Row]:

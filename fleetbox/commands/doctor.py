@@ -41,13 +41,18 @@ from fleetbox.run.jobfolder import JobFolder
 from fleetbox.run.spec import JobSpec, new_job_id
 
 
+def runtime(b) -> str:
+    """What starts the backend's containers (its doctoring's runtime, else the backend's own name)."""
+    return b.doctoring.runtime or b.name
+
+
 def expect(spec: JobSpec, port: int, b) -> Expect:
     """What the job needs of every node, with what the backend says of how it starts containers."""
-    v, caps = spec.variant, b.capabilities
+    v, d = spec.variant, b.doctoring
     return Expect(spec.nodes, spec.shm_size, spec.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
-                  spec.procs_per_node, port, b.runtime_name, tuple(b.runtime_args), spec.iface, caps.shm_settable,
-                  check_paddle=not caps.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities,
-                  no_driver_fix=caps.no_driver_fix)
+                  spec.procs_per_node, port, runtime(b), d.runtime_args, spec.iface, d.shm_settable,
+                  check_paddle=not d.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities,
+                  no_driver_fix=d.no_driver_fix)
 
 
 def _outputs(b, result) -> dict[int, str]:
@@ -80,32 +85,32 @@ def preflight(b, spec: JobSpec, log=print) -> tuple[dict, Plan | None]:
 def check(b, spec: JobSpec, plan_probe, quick: bool = False, wait: float = 30.0, log=print,
           dry_run: bool = False) -> dict:
     """`run` on a backend: the probe job is `spec`'s with its own id and command, planned by `plan_probe`."""
-    caps = b.capabilities
+    caps, d = b.capabilities, b.doctoring
     job_id = new_job_id("doctor")
     facts_here = b.engine_facts(spec)   # what the backend can see from here, before anything starts
     rows = engine_rows(facts_here, spec) if facts_here is not None else []
-    rows += confinement_rows(spec.device, caps.unconfined)
+    rows += confinement_rows(spec.device, d.unconfined)
     base = replace(spec, job_id=job_id, max_restarts=0, resume="auto", checkpoint_dir="")
     facts, master_ip, sweep, job_dir, port = {}, "", None, settings.runs_root() / job_id, None
     if dry_run and not all(r.ok for r in rows):   # what would stop the doctor before its probe
         log(table(rows))
         return {"dry_run": True, "ok": False, "rows": [asdict(r) for r in rows]}
     if all(r.ok for r in rows):
-        probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait, not caps.runs_in_image),
-                        image_identity=caps.reports_image)
+        probe = replace(base, command=probe_command(spec, 0 if quick else BLAST_BYTES, wait, not d.runs_in_image),
+                        image_identity=d.reports_image)
         with stops_as_interrupt():
             plan = plan_probe(probe)
         if dry_run:
             return describe(b, plan, base, quick, log)
-        log(f"doctor {job_id}: probing {spec.nodes} node(s) in the job's own container ({b.label}), "
+        log(f"doctor {job_id}: probing {spec.nodes} node(s) in the job's own container ({d.label or b.name}), "
             f"master port {plan.port}")
         port = plan.port
         # bounded: a node stuck on a hung mount must not hold the doctor (Slurm: the queue's --time does)
         result = b.run(plan, log=lambda m: None, timeout=wait * 3 + 120 if caps.timeout else None)
         outputs = _outputs(b, result)
-        if caps.reports_image:
+        if d.reports_image:
             rows += reported_image_rows(outputs, spec.nodes, getattr(plan, "image", spec.image_ref),
-                                        caps.unreported_fix)
+                                        d.unreported_fix)
             rows += prerequisite_rows(outputs, spec.nodes)
         for k in range(spec.nodes):
             f = parse_probe(outputs.get(k, ""))
@@ -118,14 +123,14 @@ def check(b, spec: JobSpec, plan_probe, quick: bool = False, wait: float = 30.0,
                 master_ip = master_ip or f.get("master_ip", "")
         needs = expect(spec, plan.port, b)
         rows += evaluate(facts, needs, master_ip)
-        if caps.reports_image:
+        if d.reports_image:
             rows += allocated_gpu_rows(outputs, facts, needs)
         if not quick:
             rows += throughput_rows(facts)
             if facts and all(r.ok for r in rows):
                 sweep = run_sweep(b, base, log)
                 rows.append(sweep_row(sweep))
-    report = {"job_id": job_id, "backend": b.name, "runtime": b.runtime_name, "nodes": spec.nodes,
+    report = {"job_id": job_id, "backend": b.name, "runtime": runtime(b), "nodes": spec.nodes,
               "image": spec.image_ref, "port": port,
               "quick": quick, "ok": all(r.ok for r in rows), "rows": [asdict(r) for r in rows], "facts": facts,
               "sweep": sweep.get("sweep") if sweep else None, "path": str(job_dir / "doctor.json")}

@@ -27,7 +27,7 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     for note in b.notes:
         log(f"warning: {note}")
     asked = (spec.hang_timeout, spec.start_timeout) != (JobSpec.hang_timeout, JobSpec.start_timeout)
-    if asked and not b.watches_hangs:
+    if asked and not b.capabilities.watches_hangs:
         log(f"warning: the {b.name} backend does not detect hangs yet: --hang-timeout and --start-timeout have no "
             f"effect")
     if spec.job_id and not dry_run:   # a given id: one start at a time, and a run again starts clean
@@ -60,7 +60,7 @@ def _start(spec: JobSpec, b, dry_run: bool, timeout: float | None, detach: bool,
         with stops_as_interrupt():   # planning starts probe containers on --hosts engines
             plan = b.plan(spec)
     if dry_run:
-        if b.watches_hangs:   # first: what follows is the backend's files, each to its end
+        if b.capabilities.watches_hangs:   # first: what follows is the backend's files, each to its end
             log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout, spec.device, spec.env))
         log(b.describe(plan))
         return None

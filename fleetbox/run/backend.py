@@ -47,29 +47,31 @@ class Plan:
 class Capabilities:
     """What a backend carries out, and what the rest of fleetbox must know of how it runs a job, as one value:
     fleetbox asks this, never the backend's name. A backend declares its own on the class; where they follow
-    its options (Slurm's runtime), its instance holds its own."""
+    its options (Slurm's runtime, Docker's --hosts), its instance holds its own."""
     timeout: bool = False            # `--timeout` stops an attached run; otherwise the backend's own limit does ...
     own_limit: str = ""              # ... set this way (said when --timeout is refused)
     restarts: bool = False           # carries out --max-restarts (else a job asking for restarts is refused)
-    watches_hangs: bool = False      # carries out --hang-timeout / --start-timeout (run/hang.py)
+    watches_hangs: bool = False      # carries out --hang-timeout / --start-timeout (run/hang.py's Watcher)
     attempts_are: str = "restarts"   # what a job's later attempts are called (a scheduler's chain: allocations)
     names_hosts: bool = False        # a failure names the node's host (a scheduler's node names mean something)
-    reports_image: bool = False      # a job with spec.image_identity says which image each node has (doctor) ...
-    unreported_fix: str = ""         # ... and where to look when a node said nothing ("": its output)
+    reads_here: bool = True          # the nodes read this machine's files at their paths (the dataset cache, a
+                                     # checkpoint folder): here, or on a file system they share with it
+
+
+@dataclass(frozen=True)
+class Doctoring:
+    """What `invoke doctor` must know of how a backend runs a job (the core asks none of it). A backend declares
+    its own on the class; where it follows its options (Slurm's runtime), its instance holds its own."""
     runtime: str = ""                # what starts the containers, for doctor's advice ("": the backend's name)
-    no_driver_fix: str = ""          # what gives them the node's NVIDIA driver: doctor's fix where one has none
     label: str = ""                  # how doctor names where its probe runs ("": the backend's name)
+    runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime (doctor's probe shows them)
+    reports_image: bool = False      # a job with spec.image_identity says which image each node has ...
+    unreported_fix: str = ""         # ... and where to look when a node said nothing ("": its output)
+    no_driver_fix: str = ""          # what gives the containers the node's NVIDIA driver, where one has none
     shm_settable: bool = True        # --shm-size reaches the container (else the node's /dev/shm counts)
     runs_in_image: bool = True       # the job runs in an image (else in an env on the nodes: doctor checks that
                                      # Paddle imports there)
     unconfined: str = ""             # why the job's devices are not confined to what the scheduler allocated
-
-
-# The names these had as a backend's own attributes: a backend written for an older fleetbox may still set them
-# on its class (folded into its capabilities), and reading them still works.
-_FORMER = {"timeout_ok": "timeout", "own_limit": "own_limit", "restarts": "restarts", "watches_hangs": "watches_hangs",
-           "attempts_are": "attempts_are", "names_hosts": "names_hosts", "reports_image": "reports_image",
-           "shm_settable": "shm_settable", "runs_in_image": "runs_in_image", "unconfined": "unconfined"}
 
 
 class Backend(ABC):
@@ -84,36 +86,10 @@ class Backend(ABC):
     options: tuple[Option, ...] = ()
     foreign: dict[str, str] = {}         # what it says of another backend's option given to it, by name
     capabilities = Capabilities()
-    runtime_args: tuple[str, ...] = ()   # extra options the user gave the runtime (doctor's probe shows them)
+    doctoring = Doctoring()
     notes: tuple[str, ...] = ()          # what the user should know about the options given (one line each)
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        former = {old: cls.__dict__[old] for old in _FORMER if old in cls.__dict__}
-        for old, value in former.items():
-            if isinstance(value, property):   # its value follows the backend's options
-                raise TypeError(f"{cls.__name__}.{old} is a property: set the backend's capabilities instead "
-                                f"(self.capabilities = replace(self.capabilities, {_FORMER[old]}=...))")
-            delattr(cls, old)
-        if former:
-            cls.capabilities = replace(cls.capabilities, **{_FORMER[old]: v for old, v in former.items()})
-
-    @property
-    def runtime_name(self) -> str:
-        """What starts the containers (doctor's advice depends on it)."""
-        return self.capabilities.runtime or self.name
-
-    @property
-    def label(self) -> str:
-        return self.capabilities.label or self.name
-
     # -- what a job is on this backend: its own options (Docker's --hosts, --devices) with the job's --
-
-    @property
-    def reads_here(self) -> bool:
-        """The nodes read this machine's files at their paths (the dataset cache, a checkpoint folder): here, or on
-        a file system they share with it."""
-        return True
 
     def settle(self, spec: JobSpec, procs_given: bool) -> tuple[JobSpec, str]:
         """The job's defaults that follow from the backend's own options (from_options asks): the spec, and the
@@ -124,7 +100,7 @@ class Backend(ABC):
         """The backend's refusals of a job, its own options' with the job's, each one line (from_options asks,
         and a study for each of its runs)."""
         ck = spec.checkpoint_dir
-        if ck and self.reads_here and Path(ck).exists() and not Path(ck).is_dir():
+        if ck and self.capabilities.reads_here and Path(ck).exists() and not Path(ck).is_dir():
             raise UserError(f"--checkpoint-dir {ck} is not a folder")
 
     @classmethod
@@ -149,12 +125,6 @@ class Backend(ABC):
 
     @abstractmethod
     def follow(self, handle: Handle, log=print, timeout: float | None = None) -> JobResult: ...
-
-    @abstractmethod
-    def status(self, handle: Handle) -> str: ...
-
-    @abstractmethod
-    def logs(self, handle: Handle, node: int) -> str: ...
 
     @abstractmethod
     def cancel(self, handle: Handle, log=print) -> None: ...
@@ -213,11 +183,11 @@ class Backend(ABC):
         scripts (Slurm)."""
         if plan.spec.max_restarts and not self.capabilities.restarts:
             raise UserError(f"the {self.name} backend does not restart jobs: drop --max-restarts")
-        result = self.run_once(plan, log, timeout, on_submit)
+        result = self._run_once(plan, log, timeout, on_submit)
         metrics.collect(plan.dir)
         return result
 
-    def run_once(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
+    def _run_once(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Submit and follow to the end. Ctrl-C, SIGTERM and any error cancel the job before going on up."""
         handle = None
         with stops_as_interrupt():
@@ -237,24 +207,6 @@ class Backend(ABC):
                     with signals_held():
                         self.cancel(handle, log)
                 raise
-
-
-class _Former:
-    """A capability under its former name: read from the class or a backend (its capabilities); set on a backend
-    (as one written for an older fleetbox does in its __init__), it changes that backend's."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __get__(self, obj, cls):
-        return getattr((obj if obj is not None else cls).capabilities, self.name)
-
-    def __set__(self, obj, value):
-        obj.capabilities = replace(obj.capabilities, **{self.name: value})
-
-
-for _old, _new in _FORMER.items():
-    setattr(Backend, _old, _Former(_new))
 
 
 def job_ended(job_dir: Path, asker: Backend | None = None) -> tuple[bool, str]:

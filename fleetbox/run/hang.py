@@ -27,6 +27,7 @@ import signal
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 PROGRESS = "progress-rank{rank}.json"  # what fleetbox_progress writes in each node's log folder
@@ -472,17 +473,97 @@ def _write_whole(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def folder_reader(job_dir: str):
-    """read(node, name) on node folders of one file system (runs/<job>/node<k>/)."""
-    def read(k: int, name: str, last: int | None = None) -> bytes | None:
+class NodeFiles:
+    """How the watcher reaches each node's log folder: the backend's transport. This one: node folders on one file
+    system (runs/<job>/node<k>/: Docker's local nodes, Slurm's shared file system). A backend whose nodes' folders
+    are elsewhere (a container's, a pod's) gives its own read and write, and its own read_many where one call per
+    node is cheaper than one per file."""
+
+    def __init__(self, job_dir: str):
+        self.job_dir = job_dir
+
+    def read(self, k: int, name: str, last: int | None = None) -> bytes | None:
+        """A file of node k's log folder (its `last` bytes); None where it is not there."""
         try:
-            with open(os.path.join(job_dir, f"node{k}", name), "rb") as f:
+            with open(os.path.join(self.job_dir, f"node{k}", name), "rb") as f:
                 if last is not None:
                     f.seek(max(0, os.fstat(f.fileno()).st_size - last))
                 return f.read()
         except OSError:
             return None
-    return read
+
+    def read_many(self, k: int, names: list[str]) -> list[bytes | None]:
+        return [self.read(k, n) for n in names]
+
+    def write(self, k: int, name: str, data: bytes) -> None:
+        _write_whole(os.path.join(self.job_dir, f"node{k}", name), data)
+
+    def running(self) -> bool:
+        """Every node runs: the job's deadlines count from then (a pod still pending is not a rank late to start)."""
+        return True
+
+
+class Watcher:
+    """The one hang watcher, which every backend drives (Slurm's batch script, through main(), too): at each look,
+    at most every `every` seconds, every rank's progress is read through the backend's `files`, new stragglers
+    named; at a deadline (Watch.verdict), or once a collective's own timeout ended a rank of a node (a node held
+    with its mark, node_script.hold_after_timeout, or one the backend saw end), every rank's stacks are asked
+    for and kept in `out` with whom they blame: that record is what look() returns (JobResult.hang), and the
+    backend then stops the job. `extra`: what the record also keeps (Slurm's job id)."""
+
+    def __init__(self, out: str, nodes: int, ppn: int, hang_s: float, start_s: float, attempt: int, files: NodeFiles,
+                 log=print, every: float = 1.0, **extra):
+        self.out, self.nodes, self.ppn, self.attempt, self.files = out, nodes, ppn, attempt, files
+        self.log, self.every, self.extra = log, every, extra
+        self.watch = Watch(nodes * ppn, hang_s, start_s)
+        self.on = bool(hang_s or start_s)
+        self.next, self.started = 0.0, False
+        self.held: set[int] = set()   # the nodes a collective's timeout ended (or holds), when last asked
+
+    def look(self, ended=(), at_once: bool = False) -> dict | None:
+        """The hang's record once the job is stuck (its stacks taken); None until then, or between looks."""
+        stall = self.stuck(ended, at_once)
+        return None if stall is None else self.take(stall)
+
+    def stuck(self, ended=(), at_once: bool = False) -> Stall | None:
+        """Whether the job is stuck, by its ranks' progress read now. `ended`: the nodes the backend saw end (a
+        peer's timeout may have ended them); `at_once`: look now, not at the cadence."""
+        if not self.on or (time.monotonic() < self.next and not at_once):
+            return None
+        self.next = time.monotonic() + self.every
+        if not self.started:
+            if not self.files.running():
+                return None
+            self.started, self.watch.started = True, time.monotonic()
+        ppn = self.ppn
+        with ThreadPoolExecutor(max_workers=min(16, self.nodes)) as pool:   # each node's progress, and its mark
+            found = list(pool.map(lambda k: self.files.read_many(
+                k, [PROGRESS.format(rank=k * ppn + i) for i in range(ppn)] + [TIMED_OUT]), range(self.nodes)))
+        for k, datas in enumerate(found):
+            for i, data in enumerate(datas[:-1]):
+                try:
+                    self.watch.see(k * ppn + i, json.loads(data) if data else None)
+                except ValueError:   # caught mid-write: the next look has it
+                    pass
+        for line in self.watch.new_stragglers(ppn):   # slow, not stuck: named once
+            self.log(line)
+        stall = self.watch.verdict()
+        # a peer's crash alone is no hang: asked once each time another node is held or ended
+        held = {k for k, datas in enumerate(found) if datas[-1] is not None} | set(ended)
+        new, self.held = held - self.held, held
+        if stall is None and new:
+            stall = self.watch.collective_stall(self.files.read, range(self.watch.world), ppn)
+        return stall
+
+    def take(self, stall: Stall) -> dict:
+        """Every rank's stacks (but those of nodes that ended: none will come), kept with whom they blame."""
+        self.log(announce(stall))
+        f, ppn = self.files, self.ppn
+        before = ask_for_stacks(f.read, f.write, self.nodes, ppn, self.attempt,
+                                gone=[r for k in sorted(self.held) for r in range(k * ppn, (k + 1) * ppn)])
+        record = keep(self.out, f.read, self.nodes, ppn, self.attempt, before, stall, **self.extra)
+        self.log(record["text"])
+        return record
 
 
 def clear(node_dir: str) -> None:
@@ -501,41 +582,16 @@ def main(argv: list[str]) -> int:
     Reads the ranks' progress on the shared file system; at a deadline keeps every rank's stacks in
     JOB_DIR/hang-<attempt>/ and stops the job step (SIGTERM to srun, SIGKILL 10 s later); exit 3 then."""
     job_dir, nodes, ppn, hang_s, start_s, attempt, srun = argv
-    nodes, ppn, attempt, srun = int(nodes), int(ppn), int(attempt), int(srun)
-    read = folder_reader(job_dir)
-
-    def write(k: int, name: str, data: bytes) -> None:
-        _write_whole(os.path.join(job_dir, f"node{k}", name), data)
-
-    w = Watch(nodes * ppn, float(hang_s), float(start_s))
-    marked: set[int] = set()   # nodes whose node.sh holds after a rank ended waiting in a collective
-    while True:
-        time.sleep(1.0)
-        for r in range(w.world):
-            try:
-                w.see(r, json.loads(read(r // ppn, PROGRESS.format(rank=r)) or b"null"))
-            except ValueError:   # caught mid-write: the next look has it
-                pass
-        for line in w.new_stragglers(ppn):
-            print(f"fleetbox: {line}", flush=True)
-        stall = w.verdict()
-        now = {k for k in range(nodes) if os.path.exists(os.path.join(job_dir, f"node{k}", TIMED_OUT))}
-        if stall is None and now - marked:
-            # node.sh holds such a node, so that its peers live on for this; a peer's crash alone is no hang
-            marked = now
-            stall = w.collective_stall(read, range(w.world), ppn)
-        if stall is None:
-            continue
-        try:
-            print(f"fleetbox: {announce(stall)}", flush=True)
-            before = ask_for_stacks(read, write, nodes, ppn, attempt,   # an ended node's ranks answer no more
-                                    gone=[r for r in range(w.world) if r // ppn in marked])
-            rec = keep(os.path.join(job_dir, f"hang-{attempt}"), read, nodes, ppn, attempt, before, stall,
-                       slurm_job=os.environ.get("SLURM_JOB_ID", ""))
-            print(f"fleetbox: {rec['text']}", flush=True)
-        finally:   # whatever happened above, the stuck job does not keep its allocation
-            stop(srun)
-        return 3
+    w = Watcher(os.path.join(job_dir, f"hang-{attempt}"), int(nodes), int(ppn), float(hang_s), float(start_s),
+                int(attempt), NodeFiles(job_dir), log=lambda line: print(f"fleetbox: {line}", flush=True),
+                slurm_job=os.environ.get("SLURM_JOB_ID", ""))
+    while (stall := w.stuck()) is None:
+        time.sleep(w.every)
+    try:
+        w.take(stall)
+    finally:   # whatever happened above, the stuck job does not keep its allocation
+        stop(int(srun))
+    return 3
 
 
 def stop(pid: int) -> None:

@@ -8,9 +8,8 @@ import math
 from pathlib import Path
 
 from fleetbox import files
+from fleetbox.incontainer.fleetbox_metrics import PREFIX  # the writer's, so writer and reader stay one protocol
 from fleetbox.run.jobfolder import JobFolder
-
-PREFIX = "FLEETBOX-METRIC "
 
 
 def attempts(job_dir: Path) -> list[tuple[int, Path]]:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import re
 
+from fleetbox.incontainer.fleetbox_metrics import PREFIX
+
 # Paddle's launcher logs every poll of its HTTP master (dozens of lines per job: /healthy, /<job>/info...);
 # the log files keep them. Other HTTP logging (a user's own) is left alone.
 LAUNCHER_POLLING = re.compile(
     r"\[node\d+\] .*HTTP Request: [A-Z]+ http://[\d.:\[\]a-fA-F]+/(healthy|[\w.-]+/info(/\S*)?) \"HTTP/[\d.]+ \d+")
 
 
-METRICS = re.compile(r"\[node\d+\] FLEETBOX-METRIC ")   # one per step per rank: metrics.jsonl has them
+METRICS = re.compile(r"\[node\d+\] " + re.escape(PREFIX))   # one per step per rank: metrics.jsonl has them
 
 
 # The launcher's dump of its ~30 settings, between two dashed lines: half of a 2-node job's live output.

@@ -194,7 +194,7 @@ def from_options(variant: Variant, backend=None, **given) -> JobSpec:
         given.get(name) for name in (*READ_HERE, "gpus_per_node"))
     if data_dir is None:   # the default cache is used when it exists here and the nodes can read it
         default = settings.data_dir()
-        data_dir = str(default) if default.is_dir() and (backend is None or backend.reads_here) else ""
+        data_dir = str(default) if default.is_dir() and (backend is None or backend.capabilities.reads_here) else ""
     elif data_dir and not Path(data_dir).is_dir():
         raise UserError(f"--data-dir {data_dir} is not a folder")
     try:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from fleetbox.run import metrics
-from fleetbox.run.backends.kubernetes import pods_for_podman
+from fleetbox.run.backends.podman_play import pods_for_podman
 from tests.conftest import ROOT, ctrl_c_reaches_it
 from tests.integration.test_hpc import LOCAL, in_podman
 
@@ -89,7 +89,7 @@ def test_two_ranks_pass_under_podman_kube_play_with_the_jobs_own_pod_template(po
         assert sorted(steps) == list(range(steps[0], steps[0] + 20)), steps
     assert metrics.read(d) and recs[-1]["loss"] < recs[0]["loss"]
     for k in (0, 1):
-        assert f"fleetbox: node {k} ({job}-{k})" in (d / f"node{k}" / "container.log").read_text()
+        assert f"fleetbox: node {k} on {job}-{k}: " in (d / f"node{k}" / "container.log").read_text()
     # the checkpoint folder is the claim's volume: the job's checkpoints, step 10 and 20, are on it
     mount = Path(podman("volume", "inspect", "--format", "{{.Mountpoint}}", f"{job}-ckpt").strip())
     assert {"step-00000010", "step-00000020"} <= {p.name for p in mount.iterdir()}

@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -163,31 +163,35 @@ def test_registering_takes_the_class_and_refuses_a_taken_flag(monkeypatch):
         backends.register(Job)
 
 
-def test_a_backends_capabilities_are_one_value_and_the_former_attributes_still_declare_and_read_them():
+def test_a_backends_capabilities_and_doctoring_are_one_value_each_its_instance_holding_its_own():
     from fleetbox.run import backends
-    from fleetbox.run.backend import Capabilities
+    from fleetbox.run.backend import Capabilities, Doctoring
 
-    class Former(EchoBackend):   # written for a fleetbox whose backends set these one by one
-        name = "former"
-        restarts = True
-        timeout_ok = True
-        attempts_are = "tries"
-    assert Former.capabilities == Capabilities(timeout=True, restarts=True, attempts_are="tries")
-    b = Former("x")
-    assert (b.restarts, b.timeout_ok, b.attempts_are, b.watches_hangs) == (True, True, "tries", False)
-    assert EchoBackend.capabilities == Capabilities()   # its parent's are its own
+    class Tries(EchoBackend):
+        name = "tries"
+        capabilities = Capabilities(timeout=True, restarts=True, attempts_are="tries")
+    assert EchoBackend.capabilities == Capabilities() and EchoBackend.doctoring == Doctoring()   # its own
+    assert Tries("x").capabilities.attempts_are == "tries"
     slurm = backends.get("slurm", runtime="apptainer")
-    assert (slurm.capabilities.runtime, slurm.label, slurm.shm_settable) == ("apptainer", "slurm/apptainer", False)
-    assert backends.lookup("slurm").capabilities.runtime == ""   # the class's: before any runtime is chosen
+    assert (slurm.doctoring.runtime, slurm.doctoring.label, slurm.doctoring.shm_settable) == \
+        ("apptainer", "slurm/apptainer", False)
+    assert backends.lookup("slurm").doctoring.runtime == ""   # the class's: before any runtime is chosen
     assert backends.capabilities("nope") == Capabilities() and backends.capabilities(None) == Capabilities()
+    assert (backends.get("docker").capabilities.reads_here, backends.get("docker", hosts="tcp://a,tcp://b")
+            .capabilities.reads_here, backends.lookup("docker").capabilities.reads_here) == (True, False, True)
+
+    class Local(backends.lookup("slurm")):   # a site's Slurm: its own capabilities survive its runtime's doctoring
+        capabilities = replace(backends.lookup("slurm").capabilities, restarts=False)
+    site = Local("none", venv="/x")
+    assert not site.capabilities.restarts and site.doctoring.label == "slurm/none"
 
 
 def test_writing_a_backend_names_every_capability():
     import dataclasses
 
-    from fleetbox.run.backend import Capabilities
+    from fleetbox.run.backend import Capabilities, Doctoring
     page = (ROOT / "docs" / "explanation" / "writing-a-backend.md").read_text()
-    assert [f.name for f in dataclasses.fields(Capabilities) if f"`{f.name}`" not in page] == []
+    assert [f.name for c in (Capabilities, Doctoring) for f in dataclasses.fields(c) if f"`{f.name}`" not in page] == []
 
 
 @pytest.mark.parametrize("taken", sorted(
@@ -203,30 +207,3 @@ def test_a_backend_may_not_take_the_name_of_any_option_a_job_task_has(monkeypatc
     with pytest.raises(UserError, match=f"backend taker: option --{taken.replace('_', '-')} is the job's already"):
         backends.register(Taker)
     assert "taker" not in backends.BACKENDS
-
-
-def test_the_former_capability_names_read_from_the_class_and_set_on_a_backend_as_before():
-    from fleetbox.run import backends
-    slurm = backends.lookup("slurm")
-    assert (slurm.timeout_ok, slurm.attempts_are, backends.lookup("docker").timeout_ok) == (False, "allocations", True)
-    b = EchoBackend("x")
-    b.restarts = True   # as a backend written for an older fleetbox sets it in its __init__
-    assert b.capabilities.restarts and not EchoBackend.capabilities.restarts
-    with pytest.raises(TypeError, match=r"Computed.shm_settable is a property: set the backend's capabilities"):
-        class Computed(EchoBackend):
-            name = "computed"
-
-            @property
-            def shm_settable(self):
-                return False
-
-    class Local(slurm):   # a site's Slurm: its own capabilities survive its runtime's
-        restarts = False
-    assert not Local("none", venv="/x").capabilities.restarts and Local("none", venv="/x").label == "slurm/none"
-
-
-def test_a_backend_that_declares_no_handle_keeps_every_field_a_handle_had(tmp_path, monkeypatch):
-    register_for_the_test(monkeypatch, EchoBackend)
-    Handle("echo", "e", str(tmp_path), 2, ["", "tcp://h:2375"], supervisor=7, scheduler_job="3").save()
-    h = Handle.load(tmp_path)
-    assert (h.hosts, h.supervisor, h.scheduler_job) == (["", "tcp://h:2375"], 7, "3")

@@ -38,7 +38,7 @@ def test_the_supervisor_runs_an_old_hosts_plan_without_touching_a_local_checkpoi
     monkeypatch.setattr(restarts.metrics, "collect", lambda d: None)
     b = DockerBackend(connect=lambda host: (_ for _ in ()).throw(Stop(host)))
     done = types.SimpleNamespace(ok=True, timed_out=False, reason=lambda: "", state="PASSED")
-    monkeypatch.setattr(b, "run_once", lambda *a, **k: done)
+    monkeypatch.setattr(b, "_run_once", lambda *a, **k: done)
     b.run(plan, log=lambda m: None)
     assert touched == []
 

@@ -71,7 +71,7 @@ def expect(**kw):
     """What doctor expects of a backend whose runtime is `runtime` (Docker's by default), with its driver's fix."""
     runtime = kw.get("runtime", "docker")
     b = backends.get("docker") if runtime == "docker" else backends.get("slurm", runtime=runtime)
-    base = dict(nodes=2, shm="8g", device="cpu", port=PORT, no_driver_fix=b.capabilities.no_driver_fix)
+    base = dict(nodes=2, shm="8g", device="cpu", port=PORT, no_driver_fix=b.doctoring.no_driver_fix)
     return checks.Expect(**{**base, **kw})
 
 
@@ -142,8 +142,9 @@ def test_shm_fix_names_the_runtime_args_that_override_it():
 
 def test_shm_advice_follows_what_the_backend_says_of_its_runtime():
     """--shm-size reaches Docker's and Podman's containers; Apptainer's see the node's own /dev/shm."""
-    assert backends.get("docker").shm_settable and backends.get("slurm", runtime="podman").shm_settable
-    assert not backends.get("slurm", runtime="apptainer").shm_settable
+    assert backends.get("docker").doctoring.shm_settable
+    assert backends.get("slurm", runtime="podman").doctoring.shm_settable
+    assert not backends.get("slurm", runtime="apptainer").doctoring.shm_settable
     spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2)
     for b, advice in ((backends.get("slurm", runtime="podman"), "raise the engine's limit"),
                       (backends.get("slurm", runtime="apptainer"), "apptainer uses the node's own /dev/shm")):

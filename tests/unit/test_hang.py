@@ -392,7 +392,7 @@ def collective_verdict(tmp_path, logs: dict[int, str], first: int) -> dict:
     w = hang.Watch(len(logs), 600, 900)
     for r in logs:
         w.see(r, rec(1, step=30 if r == 1 else 29))
-    return hang.keep(str(tmp_path / "hang-0"), hang.folder_reader(str(tmp_path)), len(logs), 1, 0, {},
+    return hang.keep(str(tmp_path / "hang-0"), hang.NodeFiles(str(tmp_path)).read, len(logs), 1, 0, {},
                      w.stall("collective", [first]))
 
 
@@ -424,7 +424,7 @@ def test_the_ranks_that_timed_out_are_not_waited_for_when_taking_stacks(tmp_path
     import time
     (tmp_path / "node0").mkdir()
     (tmp_path / "node1").mkdir()
-    read = hang.folder_reader(str(tmp_path))
+    read = hang.NodeFiles(str(tmp_path)).read
 
     def write(k, name, data):   # node 1's relay answers at once; node 0 has none left
         (tmp_path / f"node{k}" / name).write_bytes(data)
@@ -532,3 +532,54 @@ def test_the_slurm_watcher_takes_the_stacks_when_a_node_says_its_rank_timed_out_
     finally:
         srun.kill()
         watcher.kill()
+
+
+class Answering(hang.NodeFiles):
+    """Node folders on one file system whose nodes' relays answer a request for stacks at once, each rank with its
+    recorded dump (as sitecustomize's relay does); the requests counted per node."""
+
+    def __init__(self, job_dir, dumps: dict[int, str]):
+        super().__init__(job_dir)
+        self.dumps, self.asked = dumps, []
+
+    def write(self, k, name, data):
+        super().write(k, name, data)
+        if name == hang.REQUEST:
+            self.asked.append(k)
+            if k in self.dumps:
+                with open(os.path.join(self.job_dir, f"node{k}", hang.stacks_file(k)), "a") as f:
+                    f.write(self.dumps[k])
+
+
+def test_the_one_watcher_finds_a_rank_late_to_start_through_the_backends_files(tmp_path):
+    """Watcher, as every backend drives it: rank 1 never reports; past the start deadline its stacks are asked
+    of every node through the transport and kept with whom they blame."""
+    for k in (0, 1):
+        (tmp_path / f"node{k}").mkdir()
+    (tmp_path / "node0" / hang.PROGRESS.format(rank=0)).write_text(json.dumps(rec(1)))
+    files = Answering(str(tmp_path), {k: (STACKS / f"at-start-rank{k}.txt").read_text() for k in (0, 1)})
+    said = []
+    w = hang.Watcher(str(tmp_path / "hang-0"), 2, 1, 0, 60, 0, files, said.append)
+    assert w.look() is None and w.look() is None   # the second within its cadence: not even read
+    w.watch.started -= 61   # the start deadline has passed
+    got = w.look(at_once=True)
+    assert (got["kind"], got["ranks"], got["node"], sorted(files.asked)) == ("start", [1], 1, [0, 1]), got
+    assert said[0].startswith("no progress for ") and said[-1] == got["text"]
+    assert json.loads((tmp_path / "hang-0" / "hang.json").read_text())["node"] == 1
+
+
+def test_the_one_watcher_takes_the_stacks_when_a_node_is_held_after_a_collective_timeout(tmp_path):
+    """A node held with its mark (node_script.hold_after_timeout), its rank's log ending with Gloo's timeout, the
+    job quiet for most of that timeout: a hang, decided once the mark is read; its ranks are not waited for."""
+    for k in (0, 1):
+        (tmp_path / f"node{k}").mkdir()
+        (tmp_path / f"node{k}" / hang.PROGRESS.format(rank=k)).write_text(json.dumps(rec(1, step=30 - k)))
+    (tmp_path / "node0" / "workerlog.0").write_text((TIMEOUTS / "gloo-plain-rank0.log").read_text())
+    files = Answering(str(tmp_path), {1: (STACKS / "at-step-rank1.txt").read_text()})
+    w = hang.Watcher(str(tmp_path / "hang-0"), 2, 1, 600, 900, 0, files, lambda _: None)
+    assert w.look() is None
+    w.watch.changed = {r: t - hang.TIMEOUT_QUIET_S for r, t in w.watch.changed.items()}   # quiet since
+    assert w.look(at_once=True) is None   # no node held: a peer's crash is no hang
+    (tmp_path / "node0" / hang.TIMED_OUT).write_text("")
+    got = w.look(at_once=True)
+    assert (got["kind"], got["ranks"], got["node"], got["timed_out_nodes"]) == ("collective", [1], 1, [0]), got

@@ -363,7 +363,7 @@ def test_a_broken_custom_resource_is_refused_by_its_crds_schema(kind):
 def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_the_index_and_names():
     b, plan = manifests("indexed", k8s_namespace="ml")
     job, svc = the(plan, "Job"), the(plan, "Service")
-    from fleetbox.run.backends.kubernetes import pods_for_podman
+    from fleetbox.run.backends.podman_play import pods_for_podman
     pods = pods_for_podman(job, svc, ["10.88.0.10", "10.88.0.11"])
     assert len(pods) == 2
     aliases = [{"ip": "10.88.0.10", "hostnames": [f"{JOB}-0.{JOB}", f"{JOB}-0"]},
@@ -460,7 +460,7 @@ def test_what_the_nodes_cannot_read_here_is_refused():
 
 
 def test_the_yaml_writer_round_trips_what_yaml_would_misread():
-    from fleetbox.run.backends.kubernetes import to_yaml
+    from fleetbox.run.backends.kube_pods import to_yaml
     doc = {"a": ["yes", "no", "on", "null", "1", "0x1", "1e3", "-x", "a: b", "#c", " lead", "tab\there", "", "~"],
            "b": {"c": "line1\nline2", "d": "ends\n", "e": "trailing \nspace", "f": True, "g": 3, "h": {}, "i": []},
            "j": [{"k": 1, "l": [1, 2]}, []]}
@@ -544,7 +544,7 @@ if args[:2] == ["kube", "play"]:
 
 def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play_leaves_nothing(tmp_path,
                                                                                                  monkeypatch):
-    from fleetbox.run.backends.kubernetes import pods_for_podman
+    from fleetbox.run.backends.podman_play import pods_for_podman
     podman_calls = stand_in(tmp_path, monkeypatch, "podman", PODMAN)
     for bad, needle in (({"pass_env": ("HF_TOKEN",)}, "--pass-env reads a Secret"),):
         with pytest.raises(UserError, match=needle):
@@ -935,7 +935,7 @@ def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_
 def held_node(tmp_path, launcher: str) -> subprocess.Popen:
     """The pod's script from its launch on (as the kubelet gives it to sh), its launcher `launcher` (sh), its log
     folder tmp_path, its hold 30 s."""
-    from fleetbox.run.backends.kubernetes import kubelet_unescape
+    from fleetbox.run.backends.kube_pods import kubelet_unescape
     from fleetbox.run.backends.node_script import HOLD_S
     _, plan = manifests("indexed")
     (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
@@ -967,7 +967,8 @@ def test_a_pod_whose_rank_gloos_timeout_ended_is_held_marked_and_a_stop_ends_the
         p.kill()
     out = (tmp_path / "out.txt").read_text()
     assert time.monotonic() - stopped < 3 and p.returncode == 250, out   # at once, with the launcher's exit
-    assert "fleetbox: node 0: workerlog.0 ended waiting in a collective; holding the node" in out
+    assert f"fleetbox: node 0 on {os.uname().nodename}: workerlog.0 ended waiting in a collective; holding the node" \
+        in out
 
 
 def test_a_pod_whose_rank_crashed_is_not_held_and_ends_with_its_launchers_exit(tmp_path):

@@ -2,6 +2,7 @@
 imports only the standard library, and nothing outside run/backends/ chooses behaviour by a backend's or a
 runtime's name."""
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -138,3 +139,61 @@ def test_the_name_check_finds_each_way_of_asking(tmp_path):
         "from fleetbox.run.backends import slurm", "import fleetbox.run.backends.slurm",
         "from fleetbox.run.backends import SlurmBackend", 'h.backend.startswith("slurm")',
         '{"slurm": 1, "docker": 2}[h.backend]', 'match h.backend:\n    case "slurm":\n        pass'])
+
+
+def _judging(path: Path, results: set[str]) -> list[str]:
+    """Where a module decides what its nodes' ends mean (a NodeResult or JobResult made: run/judge.py's work) or
+    watches for hangs itself (hang.Watch's verdicts, stacks asked for and kept: run/hang.py's Watcher's work)."""
+    own = {"verdict", "collective_stall", "ask_for_stacks", "keep", "Watch", "new_stragglers"}
+    source = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name in results or name in own:
+                found.append((node.lineno, f"{path.name}:{node.lineno}: {ast.get_source_segment(source, node)[:60]}"))
+    return [hit for _, hit in sorted(found)]
+
+
+def _result_types() -> set[str]:
+    from fleetbox.run.result import JobResult, NodeResult
+    todo, names = [JobResult], {"NodeResult", NodeResult.__name__}
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return names
+
+
+def test_backends_report_facts_and_neither_judge_them_nor_watch_for_hangs():
+    """run/judge.py alone turns what a backend saw into node states, the blamed node and the JobResult;
+    run/hang.py's Watcher alone watches for hangs, driven by each backend."""
+    mine = sorted((PACKAGE / "run" / "backends").glob("*.py"))
+    assert [hit for p in mine for hit in _judging(p, _result_types())] == []
+
+
+def test_the_judging_check_finds_a_result_made_and_a_hang_loop(tmp_path):
+    p = tmp_path / "probe.py"
+    p.write_text("r = JobResult('j', 'x', True, [])\nn = result.NodeResult('node0', 0)\ns = SlurmResult()\n"
+                 "w = hang.Watch(2, 1, 1)\nif w.verdict() is None: pass\nhang.keep(out)\n")
+    assert [hit.split(": ", 1)[1] for hit in _judging(p, _result_types())] == [
+        "JobResult('j', 'x', True, [])", "result.NodeResult('node0', 0)", "SlurmResult()", "hang.Watch(2, 1, 1)",
+        "w.verdict()", "hang.keep(out)"]
+
+
+def test_the_layout_page_names_every_module_and_no_other():
+    page = (ROOT / "docs" / "explanation" / "layout.md").read_text()
+    tree = page[page.index("```\ntasks.py"):page.index("```", page.index("```\ntasks.py") + 3)]
+    named = set(re.findall(r"\b(\w+)\.py\b", tree)) - {"tasks", "__init__"}
+    modules = {p.stem for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    assert (sorted(modules - named), sorted(named - modules)) == ([], [])
+
+
+@pytest.mark.parametrize(("spelled", "home"), [("fleetbox: node ", "node_log.py"),
+                                               ("FLEETBOX-METRIC", "fleetbox_metrics.py")])
+def test_each_log_line_shape_is_spelled_in_one_module(spelled, home):
+    """The node log protocol and the metrics lines: writers and readers take the shape from its one module (shell
+    templates get it rendered in), so they cannot drift apart."""
+    code = [p for p in sorted(PACKAGE.rglob("*")) if p.suffix in (".py", ".sh")]
+    assert [p.name for p in code if spelled in p.read_text()] == [home]

@@ -163,11 +163,11 @@ def test_cpu_jobs_read_no_allocation(stubs, tmp_path, monkeypatch):
                                               ("charliecloud", True), ("pyxis", True)])
 def test_doctor_says_which_runtimes_slurm_cannot_confine(runtime, confined):
     from fleetbox.commands.checks import confinement_rows
-    rows = confinement_rows("cuda", slurm.SlurmBackend(runtime).unconfined)
+    rows = confinement_rows("cuda", slurm.SlurmBackend(runtime).doctoring.unconfined)
     assert len(rows) == (0 if confined else 1)
     if rows:
         assert rows[0].ok and rows[0].value.startswith(f"none: {runtime} starts the container outside the Slurm task")
-    assert confinement_rows("cpu", slurm.SlurmBackend(runtime).unconfined) == []
+    assert confinement_rows("cpu", slurm.SlurmBackend(runtime).doctoring.unconfined) == []
 
 
 @pytest.mark.parametrize("runtime,said", [
@@ -218,7 +218,9 @@ def test_a_missing_prerequisite_stops_the_node_in_one_line_before_its_container_
     assert prerequisite_said(proc) == said
     assert proc.stderr.strip().splitlines()[-1] == f"fleetbox: node 1 on {os.uname().nodename}: " + \
         said   # the line the job's summary shows (slurm.node_said)
-    assert slurm.NODE_SAID.match(proc.stderr.strip().splitlines()[-1]) and 5 in slurm.NODE_EXITS
+    log = tmp_path / "node1.log"
+    log.write_text(proc.stderr)
+    assert slurm.node_said(log) == said and 5 in slurm.NODE_EXITS
 
 
 def test_runtimes_without_a_node_side_prerequisite_check_none(stubs, tmp_path, monkeypatch):

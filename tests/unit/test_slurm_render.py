@@ -855,8 +855,8 @@ def test_a_node_whose_rank_a_collective_timeout_ended_is_held_for_its_peers_stac
     for log in ("x" * 100_000 + "\n" + gloo, peer, aborted):   # the line in the log's last 64 KiB
         rc, err, took, marked = run("exit 250", log)
         assert (rc, marked) == (250, True) and 1 <= took < 8, (err, took)
-        assert err == "fleetbox: node 0: workerlog.0 ended waiting in a collective; holding the node for its " \
-                      "peers' stacks\n"
+        assert err == f"fleetbox: node 0 on {os.uname().nodename}: workerlog.0 ended waiting in a collective; " \
+                      "holding the node for its peers' stacks\n"
     for code, log in ((1, "Traceback: ValueError\n"), (0, gloo)):   # another failure, or none: not held
         rc, err, took, marked = run(f"exit {code}", log)
         assert (rc, marked, err) == (code, False, "") and took < 2

@@ -19,7 +19,7 @@ from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.options import Option
 from fleetbox.processes import process_start
-from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Plan
+from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Doctoring, Plan
 from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult
@@ -293,13 +293,13 @@ def test_doctor_tells_a_node_that_said_nothing_of_its_image_where_its_backend_ke
 
     class Reporting(Recording):   # its probe's nodes print no `fleetbox: image` line
         name = "reporting"
-        capabilities = Capabilities(reports_image=True, unreported_fix="see what the queue kept (queue/<k>.err)")
+        doctoring = Doctoring(reports_image=True, unreported_fix="see what the queue kept (queue/<k>.err)")
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
     b = Reporting()
     report = doctor.check(b, spec(port=PORT), b.plan, quick=True, log=lambda m: None)
     assert [(r["node"], r["fix"]) for r in report["rows"] if r["check"] == "image"] == [
         ("node0", "see what the queue kept (queue/<k>.err)"), ("node1", "see what the queue kept (queue/<k>.err)")]
-    slurm = backends.get("slurm").capabilities.unreported_fix
+    slurm = backends.get("slurm").doctoring.unreported_fix
     assert checks.reported_image_rows({0: ""}, 1, "img", slurm)[0].fix == \
         "node.sh did not run on this node: see the batch output (slurm-<id>.out)"
     assert checks.reported_image_rows({0: ""}, 1, "img")[0].fix == "the node's script did not run: see its output"
@@ -317,11 +317,11 @@ def test_doctor_tells_a_container_without_the_driver_what_its_backend_says_gives
 
     class Gpus(EchoBackend):
         name = "gpus"
-        capabilities = Capabilities(runtime="podman", no_driver_fix="load the site's GPU module (module load nv)")
+        doctoring = Doctoring(runtime="podman", no_driver_fix="load the site's GPU module (module load nv)")
 
     class Silent(EchoBackend):
         name = "silent"
-        capabilities = Capabilities(runtime="podman")
+        doctoring = Doctoring(runtime="podman")
     job = JobSpec(variant=matrix.load().get("cu126"), nodes=2)
 
     def fix(b) -> str:

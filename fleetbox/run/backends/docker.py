@@ -33,15 +33,16 @@ from fleetbox.archives import safe_extract
 from fleetbox.errors import Failed, UserError
 from fleetbox.options import Option
 from fleetbox.processes import process_start, this_host
-from fleetbox.run import checkpoints, hang, hostnet, output, placeholders, records, shell
+from fleetbox.run import checkpoints, hang, hostnet, placeholders, records, shell
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Capabilities, Plan, job_ended
+from fleetbox.run.backend import CANCELLED, Capabilities, Doctoring, Plan, job_ended
 from fleetbox.run.backends import restarts, runtimes
 from fleetbox.run.backends.restarts import ClientRestarts
 from fleetbox.run.jobfolder import Layout
+from fleetbox.run.judge import JobFacts, NodeFacts, judge
 from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
-from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
+from fleetbox.run.result import JobResult, last_words, smoke_report
 
 GRACE_S = 2.0        # after the first failure, let peers' own exits arrive (to name the real culprit)
 STOP_TIMEOUT_S = 5   # SIGTERM, then SIGKILL: every node is down well within 10 s of the first failure
@@ -142,8 +143,8 @@ class DockerBackend(ClientRestarts):
                      "`invoke cancel` removed them itself"})
     # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
     # ranks' progress files
-    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True,
-                                no_driver_fix=runtimes.Docker.no_driver_fix)   # its containers: Docker Engine's
+    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True)
+    doctoring = Doctoring(no_driver_fix=runtimes.Docker.no_driver_fix)   # its containers: Docker Engine's
     options = (
         Option("hosts", "docker backend: comma-separated Docker Engine URLs, one per node "
                         "(ssh://user@h1,ssh://user@h2); master = first", (), kind=tuple),
@@ -157,15 +158,13 @@ class DockerBackend(ClientRestarts):
         self.connect = connect            # host URL ("" = this machine) -> engine client; tests pass a fake
         self.engines: dict[str, object] = {}
         self.live: dict[str, _Live] = {}
+        if self.hosts:   # each node's engine is another machine's
+            self.capabilities = replace(type(self).capabilities, reads_here=False)
 
     def engine(self, host: str):
         if host not in self.engines:
             self.engines[host] = self.connect(host or None)
         return self.engines[host]
-
-    @property
-    def reads_here(self) -> bool:
-        return not self.hosts
 
     @property
     def sharing(self) -> int:
@@ -721,8 +720,7 @@ class _Live:
         self.oom: dict[int, bool] = {}
         self.gone: set[int] = set()      # containers removed behind our back while the job ran
         self.timed_out = False
-        self.stall: hang.Stall | None = None   # the job hung: its ranks' stacks were asked for ...
-        self.stacks_from: dict[int, int] = {}    # ... each rank's stacks file's size before that (its new part)
+        self.hang: dict | None = None      # the job hung: what the hang watcher kept (JobResult.hang)
 
     def start(self, log=print) -> None:
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
@@ -785,9 +783,10 @@ class _Live:
         deadline = time.monotonic() + timeout if timeout else None
         first_fail = None
         spec = self.plan.spec
-        progress = hang.Watch(len(self.containers) * spec.procs_per_node, spec.hang_timeout, spec.start_timeout)
-        watched = bool(spec.hang_timeout or spec.start_timeout)
-        look, ended = time.monotonic(), 0
+        hangs = hang.Watcher(str(self.plan.dir / f"hang-{self.plan.attempt}"), len(self.containers),
+                             spec.procs_per_node, spec.hang_timeout, spec.start_timeout, self.plan.attempt,
+                             ContainerFiles(self), log)
+        seen = 0
         while True:
             for rank, c in self.containers.items():
                 if rank in dict(self.exits):
@@ -806,10 +805,13 @@ class _Live:
                     if self.exits[-1][1] != 0 and first_fail is None:
                         first_fail = time.monotonic()
                         log(f"node{rank} (rank {rank}) exited with code {self.exits[-1][1]}; stopping the other nodes")
-            if watched and first_fail is not None and len(self.exits) > ended:   # a timeout's cascade: each new end
-                ended = len(self.exits)
-                if self.collective_timeout(progress, log):
-                    return
+            # each new end, at once: a rank that a collective's own timeout ended waited for a stuck peer, whose
+            # stacks are taken while it is still where it hung
+            if (stuck := hangs.look(ended=[k for k, _ in self.exits], at_once=len(self.exits) > seen)) is not None:
+                self.hang = stuck
+                self.stop_all(timeout=1)
+                return
+            seen = len(self.exits)
             if len(self.exits) == len(self.containers):
                 return
             if first_fail is not None and time.monotonic() - first_fail >= GRACE_S:
@@ -820,66 +822,7 @@ class _Live:
                 self.timed_out = True
                 self.stop_all()
                 return
-            if watched and first_fail is None and time.monotonic() >= look:   # progress files: once a second
-                look = time.monotonic() + 1.0
-                self.see_progress(progress)
-                for line in progress.new_stragglers(spec.procs_per_node):   # slow, not stuck: named once
-                    log(line)
-                if (stall := progress.verdict()) is not None:
-                    self.stacks(stall, log)
-                    self.stop_all(timeout=1)
-                    return
             time.sleep(POLL_S)
-
-    def see_progress(self, progress: hang.Watch) -> None:
-        ppn = self.plan.spec.procs_per_node
-        for r in range(progress.world):
-            progress.see(r, _json(self.node_file(r // ppn, hang.PROGRESS.format(rank=r))))
-
-    def collective_timeout(self, progress: hang.Watch, log) -> bool:
-        """At the first failure: a rank that a collective's own timeout ended waited for a stuck peer. The stacks
-        are taken while that peer is still where it hung, and the job stopped, as after a hang (True)."""
-        ppn = self.plan.spec.procs_per_node
-        ended = [r for node, code in self.exits if code for r in range(node * ppn, (node + 1) * ppn)]
-        self.see_progress(progress)
-        if (stall := progress.collective_stall(self.node_file, ended, ppn)) is None:   # none, or a peer died
-            return False
-        self.stacks(stall, log, gone=[r for node, _ in self.exits for r in range(node * ppn, (node + 1) * ppn)])
-        self.stop_all(timeout=1)
-        return True
-
-    def node_file(self, k: int, name: str, last: int | None = None) -> bytes | None:
-        """A file of node k's log folder while the job runs (its `last` bytes): here, or (--hosts) the whole file
-        from its container."""
-        if not self.plan.nodes[k].host:
-            return hang.folder_reader(str(self.plan.dir))(k, name, last)
-        try:
-            bits, _ = self.containers[k].get_archive(f"{settings.LOG_DIR}/{name}")
-            with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
-                member = tar.next()
-                data = tar.extractfile(member).read() if member is not None and member.isfile() else None
-                return data[-last:] if data is not None and last else data
-        except Exception:   # not there (yet), or the container went away
-            return None
-
-    def stacks(self, stall: hang.Stall, log, gone=()) -> None:
-        """Every rank's stacks, asked of each node's launcher (sitecustomize's relay) through a request file in
-        its log folder; the job is stopped after this either way."""
-        log(hang.announce(stall))
-        self.stall = stall
-        self.stacks_from = hang.ask_for_stacks(self.node_file, self.put_node_file, len(self.containers),
-                                               self.plan.spec.procs_per_node, self.plan.attempt, gone=gone)
-
-    def put_node_file(self, k: int, name: str, data: bytes) -> None:
-        if not self.plan.nodes[k].host:
-            files.write_atomic(self.plan.dir / f"node{k}" / name, data)
-            return
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        self.containers[k].put_archive(settings.LOG_DIR, buf.getvalue())
 
     def stop_all(self, timeout: float = STOP_TIMEOUT_S) -> None:
         seen = dict(self.exits)
@@ -917,53 +860,69 @@ class _Live:
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(self.containers)))) as pool:
             list(pool.map(lambda c: _quietly(lambda: c.remove(force=True)), self.containers.values()))
 
-    def result(self) -> JobResult:
-        exits = dict(self.exits)
-        d = self.plan.dir
-        # Only a node that ended by itself can be to blame: one we stopped exits 15 or 137 because we did.
-        # Among those, the workers' own last words decide where we have them (one worker per node, log folder
-        # here with its file times); else the order the engine saw them end.
-        failed = sorted((r for r, c in self.exits if c != 0 and r not in self.stopped),
-                        key=lambda r: (r not in self.gone, finish_time(self.finished.get(r, ""))))
+    def facts(self) -> JobFacts:
+        """What the engines said of each node, in the order their ends were seen."""
+        exits, d = dict(self.exits), self.plan.dir
         one_worker = self.plan.spec.procs_per_node == 1
-        evidence = {r: t for r in failed if one_worker and not self.plan.nodes[r].host and r not in self.gone
-                    and (t := last_words(d / f"node{r}", d / f"node{r}" / OUTPUT)) is not None}
-        bad = None if self.timed_out else culprit(failed, evidence)
-        hung = self.hang_record() if self.stall is not None else None
-        if hung is not None:
-            bad = hung["node"]
+        seen = [r for r, _ in self.exits] + [k for k in range(len(self.plan.nodes)) if k not in exits]
         nodes = []
-        for k, n in enumerate(self.plan.nodes):
-            code = exits.get(k)
-            state = ("hung" if hung and k == bad else "timed out" if hung and k in hung.get("timed_out_nodes", ())
-                     else "ok" if code == 0 else "FAILED" if k == bad
-                     else "stopped" if k in self.stopped
-                     else "gone" if k in self.gone else "aborted" if k in exits else "?")
-            nodes.append(NodeResult(f"node{k}", k, n.host or "local", code, state, str(d / f"node{k}"),
-                                    self.finished.get(k, ""), self.oom.get(k, False),
-                                    "lost its container (removed while the job ran)" if k in self.gone
-                                    else spawned_end(d / f"node{k}" / OUTPUT) if k == bad else ""))
-        ok = not self.timed_out and hung is None and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
-        ended = ""
+        for k in seen:
+            here, n, code = d / f"node{k}", self.plan.nodes[k], exits.get(k)
+            stopped, gone = k in self.stopped, k in self.gone
+            worker = here / "workerlog.0"
+            nodes.append(NodeFacts(
+                k, str(here), n.host or "local", code, finish_time(self.finished.get(k, "")), stopped, gone,
+                self.oom.get(k, False),
+                # a worker's last words are its log file's time: only here (not --hosts), with one worker
+                last_words(here, here / OUTPUT) if one_worker and not n.host and not gone and not stopped
+                and code not in (0, None) else None,
+                self.finished.get(k, ""), output=str(here / OUTPUT),
+                tail_of=str(worker) if worker.exists() and worker.stat().st_size else ""))
         said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.elsewhere else {}
-        if ok and said.get("state") == "continue":   # told to stop from outside (SIGTERM): saved, not finished
-            ok, ended = False, f"stopped at step {said.get('step')} to continue, before its work was done"
+        return JobFacts(nodes, self.timed_out, self.hang,
+                        # told to stop from outside (SIGTERM): saved, not finished
+                        ended=f"stopped at step {said.get('step')} to continue, before its work was done"
+                        if said.get("state") == "continue" else "")
+
+    def result(self) -> JobResult:
         caps = self.backend.capabilities
-        r = JobResult(self.plan.job_id, self.backend.name, ok, nodes, bad, self.timed_out, str(d),
-                      attempts_are=caps.attempts_are, name_host=caps.names_hosts,
-                      smoke=smoke_report(d / "node0" / "workerlog.0"), ended=ended, hang=hung)
-        if r.culprit is not None:
-            r.log_tail = _node_tail(d / f"node{bad}")
-            r.launcher_config = output.config_dump(read_lines(d / f"node{bad}" / OUTPUT))
+        d = self.plan.dir
+        r = judge(self.facts(), self.plan.job_id, self.backend.name, str(d), attempts_are=caps.attempts_are,
+                  name_host=caps.names_hosts, smoke=smoke_report(d / "node0" / "workerlog.0"))
         r.save()
         return r
 
-    def hang_record(self) -> dict:
-        """After a hang, with the logs gathered here: every rank's stacks and last lines kept in hang-<attempt>/,
-        and whom they blame (JobResult.hang)."""
-        return hang.keep(str(self.plan.dir / f"hang-{self.plan.attempt}"), hang.folder_reader(str(self.plan.dir)),
-                         len(self.plan.nodes), self.plan.spec.procs_per_node, self.plan.attempt, self.stacks_from,
-                         self.stall)
+
+class ContainerFiles(hang.NodeFiles):
+    """The hang watcher's transport to each node's log folder while the job runs: here (a local node's is
+    bind-mounted), or (--hosts) in its container on its engine."""
+
+    def __init__(self, live: _Live):
+        super().__init__(str(live.plan.dir))
+        self.live = live
+
+    def read(self, k: int, name: str, last: int | None = None) -> bytes | None:
+        if not self.live.plan.nodes[k].host:
+            return super().read(k, name, last)
+        try:
+            bits, _ = self.live.containers[k].get_archive(f"{settings.LOG_DIR}/{name}")
+            with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
+                member = tar.next()
+                data = tar.extractfile(member).read() if member is not None and member.isfile() else None
+                return data[-last:] if data is not None and last else data
+        except Exception:   # not there (yet), or the container went away
+            return None
+
+    def write(self, k: int, name: str, data: bytes) -> None:
+        if not self.live.plan.nodes[k].host:
+            files.write_atomic(self.live.plan.dir / f"node{k}" / name, data)
+            return
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        self.live.containers[k].put_archive(settings.LOG_DIR, buf.getvalue())
 
 
 class engine_errors:
@@ -999,13 +958,6 @@ def finish_time(ts: str) -> float:
         return float("inf")
     whole = dt.datetime.fromisoformat(m.group(1)).replace(tzinfo=dt.timezone.utc).timestamp()
     return whole + (int(m.group(2)) / 10 ** len(m.group(2)) if m.group(2) else 0.0)
-
-
-def _json(data: bytes | None) -> dict | None:
-    try:
-        return json.loads(data) if data else None
-    except ValueError:   # a file caught mid-write by a reader on another file system: the next look has it
-        return None
 
 
 def _quietly(fn) -> None:
@@ -1058,15 +1010,6 @@ def _pack(folder: Path, out: Path, prefix: str, limit: int, root: str, leaves) -
                                     f"remote engine (reached at {p.relative_to(folder)}): keep data out of it "
                                     f"(--data-dir, --mount)")
                 tar.add(os.path.realpath(p), arcname=str(Path(prefix, Path(top).relative_to(folder), name)))
-
-
-def _node_tail(node_dir: Path) -> list[str]:
-    """The end of the node's most telling log: the launcher's workerlog.0, else the container output."""
-    for name in ("workerlog.0", OUTPUT):
-        p = node_dir / name
-        if p.exists() and p.stat().st_size:
-            return tail(p)
-    return []
 
 
 def _paddle_of(labels: dict) -> str:

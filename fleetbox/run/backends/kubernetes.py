@@ -17,12 +17,12 @@ and address towards it (fleetbox_netinfo, as Slurm's runtimes run it in the imag
 `plan` and `describe` are pure (no cluster, no kubectl): --dry-run prints the manifests as multi-document YAML.
 Running them is the client's (--k8s-client): `kubectl apply` (kubectl()), with the kubeconfig kubectl finds, or,
 on this machine, `podman kube play` (podman(); Podman 4.3 plays no Job or Service: the Indexed Job is lowered to
-one Pod per index, pods_for_podman, on a network of the job's own).
+one Pod per index, podman_play.py, on a network of the job's own).
 """
 
 from __future__ import annotations
 
-import ipaddress
+import datetime as dt
 import json
 import math
 import os
@@ -30,22 +30,33 @@ import re
 import shutil
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 
 from fleetbox import files, settings
 from fleetbox.errors import UserError
-from fleetbox.processes import never_failing, process_start, signals_held, this_host
-from fleetbox.run import hang, hostnet, placeholders, records
+from fleetbox.processes import process_start, signals_held, this_host
+from fleetbox.run import hostnet, node_log, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Capabilities, Option, Plan
+from fleetbox.run.backend import CANCELLED, Capabilities, Doctoring, Option, Plan
 from fleetbox.run.backends import node_script, restarts
+from fleetbox.run.backends.kube_pods import (
+    COMPLETION_INDEX,
+    CONTAINER,
+    INDEX_ANNOTATION,
+    POD_IP_REF,
+    POD_IP_VAR,
+    PodFiles,
+    hang_watcher,
+    to_yaml,
+)
+from fleetbox.run.backends.podman_play import PodmanPlay, podman
 from fleetbox.run.backends.restarts import ClientRestarts
 from fleetbox.run.jobfolder import Layout
+from fleetbox.run.judge import JobFacts, NodeFacts, judge
 from fleetbox.run.records import Handle, JobInfo, JobState, SupervisedHandle
-from fleetbox.run.result import JobResult, NodeResult, exit_meaning, read_lines, smoke_report
+from fleetbox.run.result import JobResult
 from fleetbox.run.shell import Raw, line
 
 KINDS = ("indexed", "volcano", "paddlejob")
@@ -56,14 +67,12 @@ DEADLINE_SAID = "longer than specified deadline"
 # ConfigMap may hold up to 1 MiB; an existing claim (an earlier run's) is taken over, not refused
 APPLY = ("apply", "--server-side", "--force-conflicts", "--field-manager=fleetbox", "-f", "-")
 CLIENTS = ("kubectl", "podman")
-CONTAINER = "paddle"       # the Training Operator finds a PaddleJob's container, and its port, by these names
+SAYS = node_log.says("$NODE_INDEX")   # the node script's line of the node log protocol, its start (run/node_log.py)
 MASTER_PORT_NAME = "master"
 VOLCANO_TASK = "node"      # the Volcano Job's one task: its pods are <job>-node-<k>
 PADDLE_WORKER = "Worker"   # the PaddleJob's one replica type: its pods and Services are <job>-worker-<k>
 
 # What each shape gives a pod, and where it comes from
-COMPLETION_INDEX = "JOB_COMPLETION_INDEX"   # the Job controller's env (set here too, as it sets it: from the
-INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"   # pod's annotation)
 VOLCANO_INDEX = "VK_TASK_INDEX"              # Volcano's env plugin
 VOLCANO_VERSION = "volcano.sh/job-version"   # Volcano's pod annotation: one more each time it restarts the job
 KUBEFLOW_INDEX = "training.kubeflow.org/replica-index"   # the Training Operator's pod label
@@ -74,8 +83,6 @@ NODE_VARS = {"rank": Raw('"$NODE_INDEX"'), "node": Raw('node"$NODE_INDEX"'), "ho
              "iface": Raw('"$IFACE"'), "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'),
              "gpus": ""}   # the device plugin chooses a pod's devices, and shows it only those
 
-# the pod's address (the downward API), by a name of fleetbox's own: Paddle's launcher reads POD_IP over its --host
-POD_IP_VAR, POD_IP_REF = "NODE_POD_IP", {"fieldRef": {"fieldPath": "status.podIP"}}
 # What the Training Operator gives a PaddleJob's pods (training-operator pkg/controller.v1/paddlepaddle/envvar.go),
 # which Paddle's launcher would take over fleetbox's flags (--master, --nnodes, --job_id)
 PADDLE_OPERATOR_ENV = ("PADDLE_MASTER", "PADDLE_NNODES", "PADDLE_JOB_ID")
@@ -190,10 +197,12 @@ class KubernetesBackend(ClientRestarts):
         "attempt<N>": restarts.EARLIER,
         "manifests.yaml": "Kubernetes: the objects applied, as YAML (a Secret's values never)",
         "played.yaml": "Kubernetes, --k8s-client podman: the objects as Podman played them (the Job as Pods)"})
-    # restarts: the whole job, Volcano's (maxRetry) or fleetbox's own (run); hangs: HangWatch, in the command that
-    # follows the job; the time limit is the cluster's
+    # restarts: the whole job, Volcano's (maxRetry) or fleetbox's own (run); hangs: run/hang.py's watcher, in the
+    # command that follows the job; the time limit is the cluster's
     capabilities = Capabilities(own_limit="kubernetes: --k8s-deadline (activeDeadlineSeconds)", restarts=True,
-                                watches_hangs=True, names_hosts=True, runtime="kubernetes")
+                                watches_hangs=True, names_hosts=True,
+                                reads_here=False)   # the nodes read this machine's files only through ConfigMaps
+    doctoring = Doctoring(runtime="kubernetes")
     foreign = {"hosts": "Kubernetes chooses the nodes", "devices": "Kubernetes' device plugins choose the GPUs: "
                "give --gpus-per-node"}
     options = (
@@ -276,13 +285,10 @@ class KubernetesBackend(ClientRestarts):
         self.queue, self.cpu, self.memory = k8s_queue, k8s_cpu, k8s_memory
         self.client = k8s_client
         if k8s_client == "podman":   # the job's nodes are this machine's containers; a failure names a rank
-            self.capabilities = replace(self.capabilities, names_hosts=False, runtime="podman")
+            self.capabilities = replace(self.capabilities, names_hosts=False)
+            self.doctoring = replace(self.doctoring, runtime="podman")
 
     # -- what a job is here --
-
-    @property
-    def reads_here(self) -> bool:
-        return False   # the nodes are the cluster's: they read this machine's files only through the ConfigMaps
 
     def check(self, spec: spec_mod.JobSpec) -> None:
         if spec.checkpoint_dir:
@@ -408,8 +414,7 @@ class KubernetesBackend(ClientRestarts):
         lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface of $(hostname) holds $NODE_IP" >&2; exit 2; }',
                   f'PORT_RANGE="$(({port} + 1 + NODE_INDEX * {width})):$(({port} + {width} + NODE_INDEX * '
                   f'{width}))"',   # planner.trainer_ports, in shell
-                  'echo "fleetbox: node $NODE_INDEX ($(hostname)): $IFACE $NODE_IP -> master $MASTER_NAME = '
-                  f'$MASTER_IP:{port}"']
+                  f'echo "{SAYS}$IFACE $NODE_IP -> master $MASTER_NAME = $MASTER_IP:{port}"']
         lines += [f"export {k}={line([placeholders.to_shell(v, values)])}" for k, v in t.env.items()
                   if placeholders.used(v)]
         if self.kind == "paddlejob":   # the operator's (training-operator pkg/controller.v1/paddlepaddle/envvar.go):
@@ -424,7 +429,7 @@ class KubernetesBackend(ClientRestarts):
         lines += [f"{launch} &", "LAUNCHER=$!",
                   """trap 'STOPPING=1; kill -TERM "$LAUNCHER" 2>/dev/null || true' TERM INT""",
                   *node_script.WAIT_LAUNCHER,
-                  node_script.hold_after_timeout(settings.LOG_DIR, "$NODE_INDEX", node_script.HOLD_S, bash=False),
+                  node_script.hold_after_timeout(settings.LOG_DIR, SAYS, node_script.HOLD_S, bash=False),
                   'exit "$rc"']
         return "\n".join(lines)
 
@@ -575,7 +580,12 @@ class KubernetesBackend(ClientRestarts):
         JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
                 plan.spec.image_ref, paddle=plan.spec.paddle_pin).save(plan.dir)
         if plan.client == "podman":
-            return PodmanPlay(plan.job_id, plan.spec.nodes).submit(plan, self.claim, log)
+            play = PodmanPlay(plan.job_id, plan.spec.nodes)
+            handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
+                                procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim,
+                                owner=records.owner(), kind=plan.kind, client="podman", attempt=plan.attempt,
+                                **following(plan), objects=play.objects(plan.manifests))
+            return play.submit(plan, handle, log)
         docs = list(plan.manifests)
         if plan.secret:   # its values from this environment, on stdin only: never printed or written here
             docs.insert(0, self.meta({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": plan.secret},
@@ -666,9 +676,6 @@ class KubernetesBackend(ClientRestarts):
                                               f"restart it"
         return state, attempt, note
 
-    def status(self, handle: KubeHandle) -> str:
-        return self.job_state(handle)[0].value
-
     def logs(self, handle: KubeHandle, node: int) -> str:
         if handle.client == "podman":
             return PodmanPlay.of(handle).logs(handle, node)
@@ -733,7 +740,7 @@ class KubernetesBackend(ClientRestarts):
         if handle.client == "podman":
             return PodmanPlay.of(handle).follow(handle, log, timeout)
         told, hung = None, None
-        hangs = HangWatch(handle, PodFiles(*self.in_pods(handle)), log, poll)
+        hangs = hang_watcher(handle, PodFiles(*self.in_pods(handle)), log, poll)
         while True:
             state, _, note = self.job_state(handle)
             if state == JobState.UNKNOWN and "(NotFound)" in note:   # its object is gone: it will not end
@@ -756,20 +763,8 @@ class KubernetesBackend(ClientRestarts):
             log(f"{handle.job_id}: hung; deleting {handle.objects[-1]} and its pods")
             kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", "--cascade=foreground",
                     handle.objects[-1], check=False)
-        nodes = []
-        for p in pods:
-            r = pod_rank(p, handle.kind)
-            term = next((s.get("state", {}).get("terminated") for s in p.get("status", {}).get(
-                "containerStatuses", []) if s.get("name") == CONTAINER), None) or {}
-            code = term.get("exitCode")
-            end = ("hung" if r == hung["node"] else "stopped") if hung else "ok" if code == 0 else "FAILED"
-            nodes.append(NodeResult(f"node{r}", r, p.get("spec", {}).get("nodeName", "?"), code, end,
-                                    p["metadata"]["name"], oom_killed=term.get("reason") == "OOMKilled"))
-        # the time limit (--k8s-deadline) ended it: a restart would get a new one
-        timed_out = state == JobState.FAILED and DEADLINE_SAID in note
-        bad = hung["node"] if hung else None if timed_out else next((n.rank for n in nodes if n.exit_code), None)
-        result = JobResult(handle.job_id, self.name, state == JobState.PASSED and not hung, nodes, bad, timed_out,
-                           dir=handle.dir, name_host=True, hang=hung)
+        facts = pod_facts(pods, handle, state, note, hung)
+        result = judge(facts, handle.job_id, self.name, handle.dir, name_host=True)
         result.save()
         return result
 
@@ -822,12 +817,6 @@ def kubelet_literal(text: str) -> str:
     return text.replace("$", "$$")
 
 
-def kubelet_unescape(text: str) -> str:
-    """What the kubelet makes of a $$ (a $), for Podman, which expands nothing: every $ kubelet_literal doubled is
-    one again (a $( ) is left as written: kubelet_literal leaves none to expand)."""
-    return text.replace("$$", "$")
-
-
 def kinds_of(docs) -> list[str]:
     """The kinds of the job's objects, as kubectl names them (kind.group), in order; never a claim's (its
     checkpoints outlive the job)."""
@@ -839,6 +828,38 @@ def label_delete(namespace: str, kinds: list[str], job_id: str) -> list[str]:
     """`kubectl delete` of every object of these kinds that bears the job's label (argv)."""
     return ["kubectl", *KubernetesBackend.ns(namespace), "delete", ",".join(kinds), "-l",
             f"{settings.LABEL_JOB}={job_id}", "--ignore-not-found"]
+
+
+def pod_facts(pods: list[dict], handle: KubeHandle, state: JobState, note: str, hung: dict | None) -> JobFacts:
+    """What the pods' statuses say of each node, and what the job's controller says of the job (`state`,
+    `note`); `hung`: hang detection stopped the job, deleting every pod still running."""
+    by_rank = {pod_rank(p, handle.kind): p for p in pods}
+    nodes = []
+    for k in range(handle.nodes):
+        p = by_rank.get(k, {})
+        term = next((s.get("state", {}).get("terminated") for s in p.get("status", {}).get(
+            "containerStatuses", []) if s.get("name") == CONTAINER), None) or {}
+        code = term.get("exitCode")
+        if not p and state == JobState.PASSED:   # its controller counted it succeeded; its pod is gone since
+            code = 0
+        log = str(Path(handle.dir, f"node{k}", "container.log"))
+        nodes.append(NodeFacts(
+            k, p.get("metadata", {}).get("name", "?"), p.get("spec", {}).get("nodeName", "?"), code,
+            rfc3339(term.get("finishedAt", "")),
+            # the job's controller stops the rest once one pod failed (deleting them); hang detection, all
+            stopped=bool(p.get("metadata", {}).get("deletionTimestamp")) or (hung is not None and code is None),
+            oom=term.get("reason") == "OOMKilled", finished_at=term.get("finishedAt", ""), output=log))
+    timed_out = state == JobState.FAILED and DEADLINE_SAID in note   # --k8s-deadline: a restart gets a new one
+    return JobFacts(nodes, timed_out, hung, completed=state == JobState.PASSED,
+                    ended="" if state == JobState.PASSED or timed_out else note or state.value)
+
+
+def rfc3339(ts: str) -> float | None:
+    """A Kubernetes time (RFC 3339, to the second) as seconds; None where there is none."""
+    try:
+        return dt.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() if ts else None
+    except ValueError:
+        return None
 
 
 def pod_rank(pod: dict, kind: str) -> int | None:
@@ -907,352 +928,3 @@ def state_of(kind: str, status: dict) -> tuple[JobState, int, str]:
                "Restarting": JobState.RUNNING, "Created": JobState.PENDING, "Suspended": JobState.SUSPENDED}
     state = kind_of.get(last.get("type", ""), JobState.PENDING)
     return state, 0, last.get("message", "") if state == JobState.FAILED else ""
-
-
-# -- hang detection, in the client: the ranks' files in the pods, through the client's exec --
-
-class PodFiles:
-    """run/hang.py's reader and writer on each node's log folder in its pod, while it runs: `kubectl exec` or
-    `podman exec` (`argv(k)`: the words that run a command in node k's container; None: no pod of it yet), and
-    `running()`: every node's container runs (the job's deadlines count from then, not from its scheduling)."""
-
-    TIMEOUT_S = 30   # one exec: a busy API server answers late, never forever
-
-    def __init__(self, argv, running):
-        self.argv, self.running = argv, running
-
-    def exec(self, k: int, words: list[str], data: bytes | None = None) -> bytes | None:
-        head = self.argv(k)
-        if head is None:
-            return None
-        try:
-            proc = subprocess.run([*head, *words], input=data, stdin=None if data is not None else subprocess.DEVNULL,
-                                  capture_output=True, timeout=self.TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return None
-        return proc.stdout if proc.returncode == 0 else None
-
-    def read(self, k: int, name: str, last: int | None = None) -> bytes | None:
-        path = f"{settings.LOG_DIR}/{name}"
-        return self.exec(k, ["tail", "-c", str(last), path] if last else ["cat", path])
-
-    def read_many(self, k: int, names: list[str]) -> list[bytes | None]:
-        """Several small files of node k in one exec (a node's ranks' progress: one call per node, not per rank);
-        None for each one that is not there."""
-        # ours (raw shell): for each file, "+" and its bytes where it is there (an empty mark is there too), then a
-        # NUL (JSON holds none); the paths are its arguments
-        out = self.exec(k, ["sh", "-c", 'for f; do [ ! -f "$f" ] || { printf +; cat -- "$f"; }; printf "\\0"; done',
-                            "sh", *(f"{settings.LOG_DIR}/{n}" for n in names)])
-        parts = out.split(b"\0")[:len(names)] if out is not None else []
-        return [p[1:] if p[:1] == b"+" else None for p in parts] + [None] * (len(names) - len(parts))
-
-    def write(self, k: int, name: str, data: bytes) -> None:
-        # ours (raw shell): the file whole or not at all, as run/hang.py writes it; the path is its argument
-        if self.exec(k, ["sh", "-c", 'cat > "$1.tmp" && mv -f "$1.tmp" "$1"', "sh", f"{settings.LOG_DIR}/{name}"],
-                     data) is None:
-            raise OSError(f"node{k}: {name} not written")
-
-
-class HangWatch:
-    """--hang-timeout and --start-timeout, carried out by the command that follows the job (run/hang.py's rules,
-    as the Docker backend's): once every node's container runs, every `every` seconds the ranks' progress files
-    are read in their pods; at a deadline every rank's stacks are asked for, kept in runs/<job>/hang-<attempt>/
-    with whom they blame, and the job is to be stopped."""
-
-    def __init__(self, handle: KubeHandle, files: PodFiles, log, every: float):
-        self.handle, self.files, self.log, self.every = handle, files, log, every
-        h = handle
-        on = bool(h.hang_timeout or h.start_timeout)
-        self.watch = hang.Watch(h.nodes * h.procs_per_node, h.hang_timeout, h.start_timeout) if on else None
-        self.next, self.started = time.monotonic(), False
-        self.held: set[int] = set()   # the nodes held after a collective's timeout, when last asked
-
-    def look(self) -> dict | None:
-        """The hang's record (JobResult.hang) once the job is stuck; None until then, or between looks."""
-        if self.watch is None or time.monotonic() < self.next:
-            return None
-        self.next = time.monotonic() + self.every
-        if not self.started:   # a pod still pending (no free GPU, an image pull) is not a rank late to start
-            if not self.files.running():
-                return None
-            self.started, self.watch.started = True, time.monotonic()
-        h, ppn = self.handle, self.handle.procs_per_node
-        with ThreadPoolExecutor(max_workers=min(16, h.nodes)) as pool:   # each node's progress, and its mark
-            found = list(pool.map(lambda k: self.files.read_many(
-                k, [*(hang.PROGRESS.format(rank=r) for r in range(k * ppn, (k + 1) * ppn)), hang.TIMED_OUT]),
-                range(h.nodes)))
-        for k, datas in enumerate(found):
-            for i, data in enumerate(datas[:-1]):
-                try:
-                    self.watch.see(k * ppn + i, json.loads(data) if data else None)
-                except ValueError:   # caught mid-write: the next look has it
-                    pass
-        for said in self.watch.new_stragglers(ppn):
-            self.log(said)
-        stall = self.watch.verdict()
-        # a node held after a collective's own timeout ended a rank of it (node_script.hold_after_timeout): asked
-        # once each time another node is held, as run/hang.py's watcher asks
-        held = {k for k, datas in enumerate(found) if datas[-1] is not None}
-        if stall is None and held - self.held:
-            self.held = held
-            stall = self.watch.collective_stall(self.files.read, range(self.watch.world), ppn)
-        if stall is None:
-            return None
-        self.log(hang.announce(stall))
-        before = hang.ask_for_stacks(self.files.read, self.files.write, h.nodes, ppn, h.attempt,
-                                     gone=[r for k in sorted(held) for r in range(k * ppn, (k + 1) * ppn)])
-        record = hang.keep(str(Path(h.dir, f"hang-{h.attempt}")), self.files.read, h.nodes, ppn, h.attempt,
-                           before, stall)
-        self.log(record["text"])
-        return record
-
-
-# -- Podman: `podman kube play` (4.3) runs Pods, ConfigMaps, Secrets and claims, but no Job or Service --
-
-def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> list[dict]:
-    """An Indexed Job as one Pod per index: each its pod template, with its index where the Job controller would
-    put it (the annotation, JOB_COMPLETION_INDEX, the hostname <job>-<index>) and hostAliases for the names the
-    headless Service would publish (`ips`: each index's address; default 127.0.0.1, the pods on the host's
-    network). What Podman 4.3 does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
-    address is given, as the kubelet would give it), takes no $$ for $ in the command and env values (undone, as
-    the kubelet undoes it), publishes every containerPort on the host (dropped: each pod
-    has its own address) and makes an emptyDir a volume of its name, which every pod naming it would share (named
-    <pod>-<name>)."""
-    name, nodes, svc = job["metadata"]["name"], job["spec"]["completions"], service["metadata"]["name"]
-    ips = ips or ["127.0.0.1"] * nodes
-    if len(ips) != nodes:
-        raise UserError(f"{len(ips)} address(es) for {nodes} pods")
-    aliases = [{"ip": ip, "hostnames": [f"{name}-{k}.{svc}", f"{name}-{k}"]} for k, ip in enumerate(ips)]
-    pods = []
-    for k in range(nodes):
-        t = json.loads(json.dumps(job["spec"]["template"]))   # a deep copy (plain data)
-        md = t["metadata"]
-        md["name"] = f"{name}-{k}"
-        md.setdefault("annotations", {})[INDEX_ANNOTATION] = str(k)
-        if "namespace" in job["metadata"]:
-            md["namespace"] = job["metadata"]["namespace"]
-        t["spec"]["hostname"] = f"{name}-{k}"
-        t["spec"]["hostAliases"] = aliases
-        own = {v["name"]: f"{name}-{k}-{v['name']}" for v in t["spec"].get("volumes", []) if "emptyDir" in v}
-        for v in t["spec"].get("volumes", []):
-            v["name"] = own.get(v["name"], v["name"])
-        for c in t["spec"]["containers"]:
-            c.pop("ports", None)
-            for m in c.get("volumeMounts", []):
-                m["name"] = own.get(m["name"], m["name"])
-            c["env"] = [{"name": COMPLETION_INDEX, "value": str(k)} if e["name"] == COMPLETION_INDEX
-                        else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == POD_IP_REF
-                        else {**e, "value": kubelet_unescape(e["value"])} if "value" in e else e
-                        for e in c["env"]]
-            # Podman takes the command and env values as written, where the kubelet takes $$ for $
-            for key in ("command", "args"):
-                if key in c:
-                    c[key] = [kubelet_unescape(w) for w in c[key]]
-        pods.append({"apiVersion": "v1", "kind": "Pod", **t})
-    return pods
-
-
-class PodmanPlay:
-    """The Indexed Job on this machine (--k8s-client podman): its pods lowered (pods_for_podman), played with
-    `podman kube play` with its ConfigMaps (volumes, as Podman makes them) and claim (a named volume of the claim's
-    name, kept), each pod at its own address on a network of the job's own (named as the job), which the
-    hostAliases name. Followed as the Docker backend follows its containers: the first node to fail is named,
-    every other one stopped, the logs gathered into runs/<job>/node<k>/, then every pod, volume (the claim's
-    aside) and the network removed."""
-
-    POLL_S = 1.0
-    STOP_S = 5   # seconds a stopped node has to end before it is killed
-
-    def __init__(self, job_id: str, nodes: int):
-        self.job_id, self.nodes = job_id, nodes
-
-    @classmethod
-    def of(cls, handle: KubeHandle) -> PodmanPlay:
-        return cls(handle.job_id, handle.nodes)
-
-    def container(self, rank: int) -> str:
-        return f"{self.job_id}-{rank}-{CONTAINER}"   # Podman names a pod's container <pod>-<container>
-
-    def submit(self, plan: KubePlan, claim: str, log=print) -> KubeHandle:
-        by_kind: dict[str, list[dict]] = {}
-        for m in plan.manifests:
-            by_kind.setdefault(m["kind"], []).append(m)
-        pods = [f"pod/{self.job_id}-{k}" for k in range(self.nodes)]
-        handle = KubeHandle("kubernetes", plan.job_id, str(plan.dir), plan.spec.nodes,
-                            procs_per_node=plan.spec.procs_per_node, checkpoints=claim, owner=records.owner(),
-                            kind=plan.kind, client="podman", attempt=plan.attempt, **following(plan), objects=[
-                                f"network/{self.job_id}", *pods,
-                                *(f"volume/{m['metadata']['name']}" for m in by_kind.get("ConfigMap", [])),
-                                *(f"volume/{self.job_id}-{k}-{v['name']}" for k in range(self.nodes)
-                                  for v in by_kind["Job"][0]["spec"]["template"]["spec"]["volumes"]
-                                  if "emptyDir" in v)])
-        handle.save()   # first: whatever is made from here on, a cancel finds
-        (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))
-        try:
-            podman("network", "create", "--label", f"{settings.LABEL_JOB}={self.job_id}", self.job_id)
-            net = json.loads(podman("network", "inspect", self.job_id).stdout)[0]["subnets"][0]
-            gateway = ipaddress.ip_address(net.get("gateway") or "0.0.0.0")
-            free = (str(a) for a in ipaddress.ip_network(net["subnet"]).hosts() if a != gateway)
-            ips = [next(free) for _ in range(self.nodes)]
-            lowered = pods_for_podman(by_kind["Job"][0], by_kind["Service"][0], ips)
-            # a claim made before (an earlier run's checkpoints) is kept as it is, as `kubectl apply` keeps it:
-            # Podman would refuse to make its volume again
-            claims = [m for m in by_kind.get("PersistentVolumeClaim", [])
-                      if podman("volume", "exists", m["metadata"]["name"], check=False).returncode != 0]
-            docs = by_kind.get("ConfigMap", []) + claims + lowered
-            (plan.dir / "played.yaml").write_text(to_yaml(docs))   # what Podman plays, as played
-            podman("kube", "play", "--quiet", "--network", self.job_id, *(w for ip in ips for w in ("--ip", ip)),
-                   "-", stdin=to_yaml(docs))
-        except BaseException:
-            with signals_held():
-                self.down(handle, never_failing(log))
-            raise
-        log(f"played {plan.job_id} ({self.nodes} pods) with podman; see it with `podman pod ps --filter "
-            f"label={settings.LABEL_JOB}={plan.job_id}`")
-        return handle
-
-    def containers(self) -> dict[int, dict]:
-        """The job's node containers by rank, as `podman ps` sees them (State, ExitCode, ExitedAt)."""
-        out = podman("ps", "-a", "--filter", f"label={settings.LABEL_JOB}={self.job_id}", "--format", "json").stdout
-        try:
-            listed_ = json.loads(out or "[]")
-        except ValueError:
-            raise UserError("podman ps gave no JSON") from None
-        names = {self.container(k): k for k in range(self.nodes)}
-        return {names[n]: c for c in listed_ for n in c.get("Names", []) if n in names}
-
-    def running(self) -> bool:
-        """Every node's container runs."""
-        ctrs = self.containers()
-        return len(ctrs) == self.nodes and all(c.get("State") == "running" for c in ctrs.values())
-
-    def state(self, handle: KubeHandle) -> tuple[JobState, int, str]:
-        ctrs = self.containers()
-        if not ctrs:   # gone: the job ended here (its result says how) or never started
-            try:
-                return (JobState.PASSED if json.loads(Path(handle.dir, records.SUMMARY).read_text())["ok"]
-                        else JobState.FAILED), 0, ""
-            except (OSError, ValueError, KeyError):
-                return JobState.UNKNOWN, 0, "no pod of the job"
-        failed = [k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")]
-        if failed:
-            return JobState.FAILED, 0, f"node{failed[0]} exit {ctrs[failed[0]]['ExitCode']}"
-        if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
-            return JobState.PASSED, 0, ""
-        return (JobState.RUNNING if any(c.get("State") == "running" for c in ctrs.values()) else
-                JobState.PENDING), 0, ""
-
-    def by_end(self, ranks: list[int]) -> list[int]:
-        """The ranks in the order their containers ended (to the nanosecond: ps's ExitedAt is in seconds)."""
-        if len(ranks) < 2:
-            return ranks
-        out = podman("container", "inspect", "--format", "{{.State.FinishedAt.UnixNano}}",
-                     *(self.container(k) for k in ranks), check=False).stdout.split()
-        ends = dict(zip(ranks, (int(t) if t.isdigit() else 0 for t in out), strict=False))
-        return sorted(ranks, key=lambda k: (ends.get(k, 0), k))
-
-    def logs(self, handle: KubeHandle, node: int) -> str:
-        if not 0 <= node < self.nodes:
-            raise UserError(f"job {handle.job_id} has no node {node}")
-        kept = Path(handle.dir, f"node{node}", "container.log")
-        if kept.exists():   # gathered when the job ended
-            return kept.read_text(errors="replace")
-        proc = podman("logs", self.container(node), check=False, merge=True)
-        if proc.returncode != 0:
-            raise UserError(f"job {handle.job_id} has no container of node {node} (yet)")
-        return proc.stdout
-
-    def follow(self, handle: KubeHandle, log=print, timeout: float | None = None) -> JobResult:
-        """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`."""
-        began, seen, bad, why, timed_out, hung = time.monotonic(), set(), None, "", False, None
-        hangs = HangWatch(handle, PodFiles(lambda k: ["podman", "exec", "-i", self.container(k)], self.running),
-                          log, self.POLL_S)
-        while True:
-            ctrs = self.containers()
-            seen |= set(ctrs)
-            lost = sorted(seen - set(ctrs))
-            failed = self.by_end([k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")])
-            if lost:
-                bad, why = lost[0], "lost its container (removed while the job ran)"
-                break
-            if failed:
-                bad = failed[0]
-                break
-            if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
-                break
-            if timeout is not None and time.monotonic() - began > timeout:
-                timed_out = True
-                break
-            if (hung := hangs.look()) is not None:
-                bad = hung["node"]
-                break
-            time.sleep(self.POLL_S)
-        if bad is not None and hung is None:
-            log(f"{handle.job_id}: node{bad} " + (why or f"failed ({exit_meaning(ctrs[bad].get('ExitCode'))})")
-                + ": stopping the others")
-        stopped = [k for k, c in ctrs.items() if c.get("State") != "exited"]
-        if stopped:
-            podman("stop", "--time", str(self.STOP_S), *(self.container(k) for k in stopped), check=False)
-        ends = self.containers()
-        nodes = []
-        for k in range(self.nodes):
-            d = Path(handle.dir, f"node{k}")
-            d.mkdir(parents=True, exist_ok=True)
-            if k in ends:   # its output, and its ranks' logs out of the pod's emptyDir
-                files.write_atomic(d / "container.log", podman("logs", self.container(k), check=False,
-                                                                merge=True).stdout)
-                podman("cp", f"{self.container(k)}:{settings.LOG_DIR}/.", str(d), check=False)
-            code = ends.get(k, {}).get("ExitCode") if ends.get(k, {}).get("State") == "exited" else None
-            state = ("hung" if hung and k == bad else "FAILED" if k == bad else "stopped" if k in stopped else
-                     "ok" if code == 0 else "gone" if k not in ends else "aborted")
-            nodes.append(NodeResult(f"node{k}", k, "local", code, state, str(d), why=why if k == bad else ""))
-        self.down(handle, log=lambda *_: None)
-        ok = bad is None and not timed_out and not hung and all(n.exit_code == 0 for n in nodes)
-        result = JobResult(handle.job_id, "kubernetes", ok, nodes, bad, timed_out, dir=handle.dir, hang=hung,
-                           smoke=smoke_report(Path(handle.dir, "node0", "workerlog.0")))
-        if bad is not None and hung is None:
-            result.log_tail = read_lines(Path(handle.dir, f"node{bad}", "container.log"))[-20:]
-        result.save()
-        return result
-
-    def down(self, handle: KubeHandle, log=print) -> None:
-        """Every pod, ConfigMap volume and the network, whatever is left of them; the claim's volume is kept."""
-        kinds: dict[str, list[str]] = {}
-        for o in handle.objects:
-            kind, _, name = o.partition("/")
-            kinds.setdefault(kind, []).append(name)
-        if kinds.get("pod"):
-            log(line(["podman", "pod", "rm", "--force", "--ignore", "--time", "0", *kinds["pod"]]))
-            podman("pod", "rm", "--force", "--ignore", "--time", "0", *kinds["pod"], check=False)
-        for v in kinds.get("volume", []):
-            podman("volume", "rm", "--force", v, check=False)
-        for n in kinds.get("network", []):
-            podman("network", "rm", "--force", n, check=False)
-
-
-def podman(*args: str, stdin: str | None = None, check: bool = True, merge: bool = False) -> \
-        subprocess.CompletedProcess:
-    """podman with the given words (never a shell); with `check`, a failure is one line, podman's own; `merge`:
-    its stderr in its stdout (a container's output, both streams)."""
-    if not shutil.which("podman"):
-        raise UserError("podman not found: install Podman 4.3 or later (or use --k8s-client kubectl)")
-    proc = subprocess.run(["podman", *args], input=stdin, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT if merge else subprocess.PIPE, errors="replace")
-    if check and proc.returncode != 0:
-        said = [ln.strip() for ln in ((proc.stderr or "") + "\n" + proc.stdout).splitlines() if ln.strip()]
-        first = next((ln for ln in said if "error" in ln.lower() and "level=warning" not in ln), "")
-        last = said[-1] if said else f"exit {proc.returncode}"   # kube play's last: "failed to start 2 containers"
-        raise UserError(f"podman {' '.join(args[:2])} failed: {last}" + (f" ({first})" if first != last else ""))
-    return proc
-
-def to_yaml(docs) -> str:
-    """Multi-document YAML, one document per object, keys in the order they were made; a string of several lines
-    as a block (a node's script reads as written)."""
-    import yaml  # noqa: PLC0415 (deferred: every task loads the backends, only this backend's objects need YAML)
-
-    class Dumper(yaml.SafeDumper):
-        pass
-    Dumper.add_representer(str, lambda d, text: d.represent_scalar("tag:yaml.org,2002:str", text,
-                                                                   style="|" if "\n" in text else None))
-    return yaml.dump_all(list(docs), Dumper=Dumper, sort_keys=False, explicit_start=True, allow_unicode=True,
-                         width=1 << 16)

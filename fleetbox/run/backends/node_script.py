@@ -16,11 +16,11 @@ WAIT_LAUNCHER = ['rc=0; wait "$LAUNCHER" || rc=$?',
                  'while kill -0 "$LAUNCHER" 2>/dev/null; do rc=0; wait "$LAUNCHER" || rc=$?; done']
 
 
-def hold_after_timeout(logs: str, node: str, hold_s: float, bash: bool = True) -> str:
+def hold_after_timeout(logs: str, says: str, hold_s: float, bash: bool = True) -> str:
     """After WAIT_LAUNCHER, unless $STOPPING: when one of the node's ranks' logs (in the folder `logs`, a shell
     word) ends with a collective's own timeout or a peer's end after one, mark the node (hang.TIMED_OUT) and hold
     it `hold_s` seconds, still running, so that the hang watcher takes its stuck peers' stacks before anything
-    stops them. `node`: how the line names the node (shell text).
+    stops them. `says`: the node log protocol's line start, as the node's script says it (node_log.says).
 
     bash (Slurm's node.sh, whose every process Slurm signals): the log's end read by process substitution, the
     hold a plain sleep. Else (sh, the shell alone signalled, a pod's PID 1): through a pipe (never under pipefail),
@@ -31,5 +31,5 @@ def hold_after_timeout(logs: str, node: str, hold_s: float, bash: bool = True) -
              f'tail -c 65536 -- "$f" 2>/dev/null | grep -qsE -- {pattern}')
     hold = f"sleep {hold_s:g}" if bash else f'sleep {hold_s:g} & wait "$!" || {{ kill "$!" 2>/dev/null || true; }}'
     return (f'if [ "$rc" -ne 0 ] && [ -z "${{STOPPING:-}}" ]; then for f in {logs}/workerlog.*; do if {found}; '
-            f'then echo "fleetbox: node {node}: ${{f##*/}} ended waiting in a collective; holding the node for its '
+            f'then echo "{says}${{f##*/}} ended waiting in a collective; holding the node for its '
             f'peers\' stacks" >&2; : > {logs}/{hang.TIMED_OUT} || true; {hold}; break; fi; done; fi')

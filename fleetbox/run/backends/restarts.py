@@ -31,9 +31,9 @@ class ClientRestarts(Backend):
         for attempt in range(restarts + 1):
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             try:
-                result = self.run_once(self.for_attempt(plan, attempt), log, left, on_submit)
+                result = self._run_once(self.for_attempt(plan, attempt), log, left, on_submit)
                 why = result.reason()
-            except Failed as e:   # the engine or cluster failed under the job: run_once has cleaned up
+            except Failed as e:   # the engine or cluster failed under the job: _run_once has cleaned up
                 if attempt == restarts:
                     raise
                 result, why = None, str(e).removeprefix("train failed: ")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fleetbox import settings
 from fleetbox.errors import UserError
-from fleetbox.run import placeholders
+from fleetbox.run import node_log, placeholders
 from fleetbox.run.plan import ALL_RENDER_NODES, HIP_VISIBLE, STACK_BYTES, NodeRun
 from fleetbox.run.shell import Raw, line
 from fleetbox.settings import WORKDIR
@@ -30,9 +30,9 @@ from fleetbox.ship.shipped import REGISTRY
 def template(name: str, **fields: str) -> Raw:
     """Our own shell, kept as a .sh file beside this module (shellcheck reads the rendered scripts in the tests),
     with @FIELD@ filled from `fields` (our own values, never a user's); inlined where it runs, so --dry-run shows
-    every line."""
+    every line. @SAYS@: the node log protocol's line start, as Slurm's node.sh says it (run/node_log.py)."""
     text = resources.files(__package__).joinpath("shell", name).read_text().removesuffix("\n")
-    for key, value in fields.items():
+    for key, value in {"SAYS": node_log.says("$SLURM_NODEID"), **fields}.items():
         text = text.replace(f"@{key}@", value)
     if re.search(r"@[A-Z_]+@", text):
         raise ValueError(f"{name}: a field is left unfilled")

@@ -24,15 +24,16 @@ from typing import NamedTuple
 from fleetbox import files, incontainer, settings
 from fleetbox import options as parse
 from fleetbox.errors import UserError
-from fleetbox.run import checkpoints, filesystems, hang, hostnet, output, placeholders, records
+from fleetbox.run import checkpoints, filesystems, hang, hostnet, node_log, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Option, Plan
+from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Doctoring, Option, Plan
 from fleetbox.run.backends import node_script, runtimes
 from fleetbox.run.backends.runtimes import template
 from fleetbox.run.jobfolder import Layout
+from fleetbox.run.judge import JobFacts, NodeFacts, judge
 from fleetbox.run.records import Handle, JobInfo, JobState
-from fleetbox.run.result import JobResult, NodeResult, culprit, last_words, read_lines, smoke_report, spawned_end, tail
+from fleetbox.run.result import JobResult, last_words, read_lines, smoke_report
 from fleetbox.run.shell import Raw, line
 from fleetbox.ship import shipped
 
@@ -54,6 +55,7 @@ ROUTE_SH = template("route_to.sh")
 # last one's stay in the job folder.
 CHAIN_SH = template("chain.sh")
 STRAGGLER_NOTICE = "fleetbox: straggler: "   # run/hang.py's line in the batch output, shown live
+SAYS = node_log.says("$SLURM_NODEID")   # node.sh's line of the node log protocol, its start (run/node_log.py)
 HANG_PY = "hang.py"   # run/hang.py, copied into the job folder at submit: every allocation of a chain runs the same
 # The in-container helpers, copied into the job folder at submit: a fleetbox installed where only the login node
 # sees it (a venv on its local disk) still gives every node the same helpers
@@ -162,9 +164,9 @@ class SlurmBackend(Backend):
         "started.<N>": "Slurm: when an allocation's job step started"})
     # restarts: in the chain of allocations (job.sbatch); hangs: the batch script runs run/hang.py beside srun
     capabilities = Capabilities(own_limit="Slurm: --time", restarts=True, watches_hangs=True,
-                                attempts_are="allocations", names_hosts=True, reports_image=True,
-                                unreported_fix="node.sh did not run on this node: see the batch output "
-                                               "(slurm-<id>.out)")
+                                attempts_are="allocations", names_hosts=True)
+    doctoring = Doctoring(reports_image=True,
+                          unreported_fix="node.sh did not run on this node: see the batch output (slurm-<id>.out)")
     # another backend's own options, given to this one: why they have no place here
     foreign = {"hosts": "Slurm chooses the nodes", "devices": "Slurm chooses the GPUs: give --gpus-per-node"}
     options = (
@@ -210,10 +212,6 @@ class SlurmBackend(Backend):
                             f"runtime {runtime} runs an image")
         self.runtime = runtimes.get(runtime, venv or "", module_list)
         rt = self.runtime
-        self.capabilities = replace(type(self).capabilities, runtime=rt.name, label=f"slurm/{rt.name}",
-                                    shm_settable=rt.sets_shm, runs_in_image=rt.has_image,
-                                    unconfined="" if rt.confined else rt.unconfined_note(),
-                                    no_driver_fix=rt.no_driver_fix)
         if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
             raise UserError(f"--signal-grace must be between 1 and 65535 seconds (got {signal_grace})")
         if max_allocations < 1:
@@ -244,6 +242,10 @@ class SlurmBackend(Backend):
             self.runtime_args = tuple(shlex.split(runtime_args or ""))
         except ValueError as e:
             raise UserError(f"--runtime-args cannot be split into words: {e}") from None
+        self.doctoring = replace(type(self).doctoring, runtime=rt.name, label=f"slurm/{rt.name}",
+                                 runtime_args=self.runtime_args, shm_settable=rt.sets_shm, runs_in_image=rt.has_image,
+                                 unconfined="" if rt.confined else rt.unconfined_note(),
+                                 no_driver_fix=rt.no_driver_fix)
 
     # -- plan and describe (pure once the spec is given) --
 
@@ -304,7 +306,7 @@ class SlurmBackend(Backend):
     def paths_here(self, spec, t: planner.NodeRun, image: str, job_id: str) -> str:
         """node.sh's check that the node sees every path the job needs: one that is missing stops the node, named."""
         return (f"for p in {self.words(self.node_paths(spec, t, image), job_id)}; do "
-                '[ -e "$p" ] || { echo "fleetbox: node $SLURM_NODEID on $(hostname): $p is not on this node: it must '
+                f'[ -e "$p" ] || {{ echo "{SAYS}$p is not on this node: it must '
                 'be on a file system every node mounts" >&2; exit 3; }; done')
 
     def render_node_script(self, spec, job_id: str, job_dir: Path, t: planner.NodeRun, image: str) -> str:
@@ -326,8 +328,7 @@ class SlurmBackend(Backend):
                          f'$((MASTER_PORT + {width} + SLURM_NODEID * {width}))"'))
         lines += ['[ -n "$IFACE" ] || '
                   '{ echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
-                  'echo "fleetbox: node $SLURM_NODEID on $(hostname): '
-                  '$IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
+                  f'echo "{SAYS}$IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
         if not rt.node_script_inside:   # else node.sh runs in the container, which srun made with the mounts
             lines.append(self.paths_here(spec, t, image, job_id))
         lines += [w if isinstance(w, Raw) else self.words(w, job_id) for w in rt.setup(t)]
@@ -374,7 +375,7 @@ class SlurmBackend(Backend):
             return []
         return [f"LOGS={self.words([logs], job_id)}",
                 # our own fragment (raw shell): each rank's log end, as run/hang.py's timed_out() reads it
-                Raw(node_script.hold_after_timeout('"$LOGS"', "$SLURM_NODEID", node_script.HOLD_S))]
+                Raw(node_script.hold_after_timeout('"$LOGS"', SAYS, node_script.HOLD_S))]
 
     def render_sbatch(self, spec, job_id: str, job_dir: Path, port: int, t: planner.NodeRun, image: str,
                       ckpt: Path) -> str:
@@ -496,13 +497,6 @@ class SlurmBackend(Backend):
             return handle.scheduler_job
         return recs[-1]["next"] or recs[-1]["slurm_job"]
 
-    def status(self, handle: SlurmHandle) -> str:
-        return job_state(self.current(handle))[0]
-
-    def logs(self, handle: SlurmHandle, node: int) -> str:
-        p = Path(handle.dir) / f"node{node}.log"
-        return p.read_text(errors="replace") if p.exists() else ""
-
     def mark_cancelled(self, handle: SlurmHandle) -> None:
         pass   # cancel() marks the chain itself (CANCELLED.<first Slurm job>), which job_state reads
 
@@ -601,52 +595,52 @@ class SlurmBackend(Backend):
         records = allocations(job_dir, chain)
         return self.result(handle, patient_state(current, log)[0], current, records)
 
+    @staticmethod
+    def facts(handle: SlurmHandle, state: str, fails: list[TaskFailure], last: dict | None,
+              slurm_job: str = "") -> JobFacts:
+        """What srun reported of each node's task (in the order it reported them), what the chain recorded of its
+        last allocation, and Slurm's final state of the job (Slurm job `slurm_job`)."""
+        job_dir = Path(handle.dir)
+        one_worker = handle.procs_per_node == 1
+        # the time limit ended it, the chain not going on (it records each allocation it ends: this one, none)
+        timed_out = state == "TIMEOUT" and (last is None or last["slurm_job"] != slurm_job)
+        cancelled = state == "CANCELLED" or bool(last and last["ended"] == "cancelled")
+        nodes, ranks = [], set()
+        for i, f in enumerate(fails):
+            log = job_dir / f"node{f.rank}.log"
+            said = node_said(log) if f.code in NODE_EXITS else ""   # node.sh stopped it, saying why
+            # srun --kill-on-bad-exit stops the other tasks after the first failure: a task it reports after that
+            # was stopped by Slurm, not failing by itself (at the time limit or a cancel, Slurm stopped every one)
+            stopped = (i > 0 or timed_out or cancelled) and f.stopped
+            nodes.append(NodeFacts(f.rank, str(log), f.node or node_host(log), f.code, i, stopped, oom=f.oom,
+                                   last_words=last_words(job_dir / f"node{f.rank}", log)
+                                   if one_worker and not stopped else None,
+                                   said=f"stopped before the training: {said} (exit {f.code})" if said else "",
+                                   output=str(log)))
+            ranks.add(f.rank)
+        for k in range(handle.nodes):   # the others ended well if the job did; else Slurm did not say
+            if k not in ranks:
+                log = job_dir / f"node{k}.log"
+                nodes.append(NodeFacts(k, str(log), node_host(log), 0 if state == "COMPLETED" else None,
+                                       output=str(log)))
+        chain = last["ended"] if last else "finished"
+        return JobFacts(nodes, timed_out, hang_of(job_dir, last) if last else None,   # its stacks blame a node
+                        completed=state == "COMPLETED" and chain == "finished",
+                        ended="" if timed_out or chain in ("finished", "failed", "restart", "hung")
+                        else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
+                                                if chain == REQUEUED_RUN else ""))
+
     def result(self, handle: SlurmHandle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
         job_dir, slurm_job, records = Path(handle.dir), slurm_job or handle.scheduler_job, records or []
         batch = job_dir / f"slurm-{slurm_job}.out"
         fails = failures(this_run(batch.read_text(errors="replace") if batch.exists() else ""))
-        # srun --kill-on-bad-exit stops the other tasks after the first failure: a task it reports after that
-        # was stopped by Slurm, not failing by itself (as the Docker backend leaves out nodes it stopped)
-        suspects = [f for i, f in enumerate(fails) if i == 0 or not f.stopped]
-        one_worker = handle.procs_per_node == 1
-        evidence = {f.rank: t for f in suspects if one_worker
-                    and (t := last_words(job_dir / f"node{f.rank}", job_dir / f"node{f.rank}.log"))}
-        bad = culprit([f.rank for f in suspects], evidence)
         last = records[-1] if records else None
-        hung = hang_of(job_dir, last) if last else None   # its stacks blame a node, not its exit
-        if hung is not None:
-            bad = hung["node"]
-        said = node_said(job_dir / f"node{bad}.log") if bad is not None else ""   # node.sh stopped it, saying why
-        by_rank = {f.rank: (f.code, f.node, f.oom) for f in fails}
-        stopped = {f.rank for f in fails if f not in suspects}
-        nodes = []
-        for k in range(handle.nodes):
-            code, host, oom = by_rank.get(k, (0 if state == "COMPLETED" else None, "", False))
-            nodes.append(NodeResult(f"node{k}", k, host or node_host(job_dir / f"node{k}.log"), code,
-                                    "hung" if hung and k == bad
-                                    else "timed out" if hung and k in hung.get("timed_out_nodes", ())
-                                    else "ok" if code == 0 else "FAILED" if k == bad
-                                    else "stopped" if k in stopped
-                                    else "aborted" if code else "?",
-                                    str(job_dir / f"node{k}.log"), oom_killed=oom,
-                                    why=f"stopped before the training: {said} (exit {code})"
-                                    if said and k == bad and code in NODE_EXITS
-                                    else spawned_end(job_dir / f"node{k}.log") if k == bad else ""))
-        ok = state == "COMPLETED" and not fails and (last is None or last["ended"] == "finished")
         caps = self.capabilities
-        r = SlurmResult(handle.job_id, self.name, ok, nodes, bad, dir=str(job_dir), attempts_are=caps.attempts_are,
-                        name_host=caps.names_hosts,
-                        log_tail=tail(job_dir / f"node{bad}.log") if bad is not None else [],
-                        launcher_config=output.config_dump(read_lines(job_dir / f"node{bad}.log"))
-                        if bad is not None else [],
-                        smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
-                        scheduler=f"Slurm job {slurm_job}, {state}" if slurm_job else "", end_state=state,
-                        scheduler_job=slurm_job, scheduler_state=state,
-                        hang=hung,
-                        ended="" if ok or last is None or hung or bad is not None
-                        or last["ended"] in ("failed", "restart", "hung")
-                        else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
-                                                if last["ended"] == REQUEUED_RUN else ""))
+        r = judge(self.facts(handle, state, fails, last, slurm_job), handle.job_id, self.name, str(job_dir),
+                  SlurmResult, attempts_are=caps.attempts_are, name_host=caps.names_hosts,
+                  smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
+                  scheduler=f"Slurm job {slurm_job}, {state}" if slurm_job else "", end_state=state,
+                  scheduler_job=slurm_job, scheduler_state=state)
         if len(records) > 1 or last and last["ended"] in ("no-progress", "max-allocations", "submit-failed",
                                                           "requeue-refused"):
             r.attempts = [{"attempt": rec["allocation"] - 1, "ok": rec["ended"] in ("finished", "continue"),
@@ -814,22 +808,22 @@ def time_seconds(value: str) -> int | None:
 
 
 NODE_EXITS = (2, 3, 4, 5)   # node.sh's own: no route or allocation, no image or env, modules, GPU prerequisite
-NODE_SAID = re.compile(r"^fleetbox: (?:node \d+ on [^:\s]+: (.+)|(image missing .+))$")
+IMAGE_MISSING = re.compile(r"^fleetbox: (image missing .+)$")   # runtimes.Runtime.identify's own line
 
 
-def node_said(node_log: Path) -> str:
+def node_said(node_log_path: Path) -> str:
     """Why node.sh stopped its node before the training started (a module, the allocation, the image or env), from
     the line it printed last; "" when the training ran."""
-    lines = [ln for ln in (node_log.read_text(errors="replace") if node_log.exists() else "").splitlines() if ln]
-    m = NODE_SAID.match(lines[-1]) if lines else None
-    return (m.group(1) or m.group(2)) if m else ""
+    lines = [ln for ln in (node_log_path.read_text(errors="replace") if node_log_path.exists() else "").splitlines()
+             if ln]
+    last = lines[-1] if lines else ""
+    said = node_log.lines(last)
+    return said[0][2] if said else m.group(1) if (m := IMAGE_MISSING.match(last)) else ""
 
 
-def node_host(node_log: Path) -> str:
+def node_host(node_log_path: Path) -> str:
     """The Slurm node a task ran on, from the line node.sh prints first."""
-    m = re.search(r"^fleetbox: node \d+ on (\S+):", node_log.read_text(errors="replace") if node_log.exists() else "",
-                  re.M)
-    return m.group(1) if m else "?"
+    return node_log.host(node_log_path.read_text(errors="replace") if node_log_path.exists() else "")
 
 
 def _slurm(*argv, check=True) -> subprocess.CompletedProcess:

@@ -5,6 +5,6 @@ GPUS="${SLURM_STEP_GPUS:-}"
 if [ -z "$GPUS" ] && [ "$SLURM_NODEID" = 0 ]; then GPUS="${SLURM_JOB_GPUS:-}"; fi
 GPU_COUNT=$(awk -F, '{print NF}' <<<"$GPUS")
 if [ "$GPU_COUNT" -ne @PROCS@ ]; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): Slurm allocated $GPU_COUNT device(s) (${GPUS:-none}), but the job runs @PROCS@ process(es) per node, one per device: submit with --gpus-per-node @PROCS@" >&2
+  echo "@SAYS@Slurm allocated $GPU_COUNT device(s) (${GPUS:-none}), but the job runs @PROCS@ process(es) per node, one per device: submit with --gpus-per-node @PROCS@" >&2
   exit 2
 fi

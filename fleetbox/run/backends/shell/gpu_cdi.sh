@@ -10,14 +10,14 @@ OWN_DIRS=$(grep -s -l '^[[:space:]]*cdi_spec_dirs' "${CONFS[@]}" || true)
 CDI=""; LISTED=false
 if command -v nvidia-ctk >/dev/null 2>&1 && CDI=$(nvidia-ctk cdi list 2>/dev/null); then LISTED=true; fi
 if [ -n "$OWN_DIRS" ]; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: not checked ($(xargs <<<"$OWN_DIRS") names its own CDI spec folders)"
+  echo "@SAYS@GPU prerequisite: not checked ($(xargs <<<"$OWN_DIRS") names its own CDI spec folders)"
 elif ! $LISTED; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: not checked (no nvidia-ctk here that lists the CDI specs)"
+  echo "@SAYS@GPU prerequisite: not checked (no nvidia-ctk here that lists the CDI specs)"
 else
   MISSING=(); for g in ${GPUS//,/ }; do grep -xF "nvidia.com/gpu=$g" <<<"$CDI" >/dev/null || MISSING+=("nvidia.com/gpu=$g"); done
   if [ "${#MISSING[@]}" -gt 0 ]; then
-    echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite missing: no CDI spec here names ${MISSING[*]} (nvidia-ctk cdi list: $(grep -c '^nvidia\.com/' <<<"$CDI" || true) device(s)): the admins make one with \`nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml\` (again after each driver update)" >&2
+    echo "@SAYS@GPU prerequisite missing: no CDI spec here names ${MISSING[*]} (nvidia-ctk cdi list: $(grep -c '^nvidia\.com/' <<<"$CDI" || true) device(s)): the admins make one with \`nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml\` (again after each driver update)" >&2
     exit 5
   fi
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: a CDI spec names nvidia.com/gpu=${GPUS//,/, nvidia.com/gpu=} (nvidia-ctk cdi list)"
+  echo "@SAYS@GPU prerequisite: a CDI spec names nvidia.com/gpu=${GPUS//,/, nvidia.com/gpu=} (nvidia-ctk cdi list)"
 fi

@@ -3,10 +3,10 @@
 # cache: under pipefail, `grep -q` would cut ldconfig off and fail the test.
 LDCONFIG=$(command -v ldconfig || { for l in /sbin/ldconfig /usr/sbin/ldconfig; do [ -x "$l" ] && echo "$l" && break; done; } || true)
 if [ -z "$LDCONFIG" ]; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: not checked (no ldconfig here to list the driver's libraries)"
+  echo "@SAYS@GPU prerequisite: not checked (no ldconfig here to list the driver's libraries)"
 elif "$LDCONFIG" -p 2>/dev/null | grep 'libcuda\.so\.1 ' >/dev/null; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: the node's driver libraries (apptainer --nv)"
+  echo "@SAYS@GPU prerequisite: the node's driver libraries (apptainer --nv)"
 else
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite missing: the node's loader knows no libcuda.so.1 ($LDCONFIG -p), so apptainer --nv gives the container no NVIDIA driver: check the driver install on this node" >&2
+  echo "@SAYS@GPU prerequisite missing: the node's loader knows no libcuda.so.1 ($LDCONFIG -p), so apptainer --nv gives the container no NVIDIA driver: check the driver install on this node" >&2
   exit 5
 fi

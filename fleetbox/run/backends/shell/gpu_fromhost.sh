@@ -21,17 +21,17 @@ else   # a squashfs image: listed, not mounted; it cannot take libraries
   [ -z "$LINK" ] || IMAGE_DRIVER=${IMAGE_DRIVER:-unnamed}
 fi
 if [ -z "$LINK" ]; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite missing: the image $GPU_IMAGE holds no NVIDIA driver libraries (libcuda.so.1): $FIX" >&2
+  echo "@SAYS@GPU prerequisite missing: the image $GPU_IMAGE holds no NVIDIA driver libraries (libcuda.so.1): $FIX" >&2
   exit 5
 fi
 if [ -n "$HOST_DRIVER" ] && [ "$IMAGE_DRIVER" != unnamed ] && [ "$IMAGE_DRIVER" != "$HOST_DRIVER" ]; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite missing: the image $GPU_IMAGE holds the libraries of driver $IMAGE_DRIVER, this node runs driver $HOST_DRIVER, and they must match: $FIX" >&2
+  echo "@SAYS@GPU prerequisite missing: the image $GPU_IMAGE holds the libraries of driver $IMAGE_DRIVER, this node runs driver $HOST_DRIVER, and they must match: $FIX" >&2
   exit 5
 fi
 if [ "$LINK" = unlisted ]; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: not checked (no unsquashfs here to list the squashfs image)"
+  echo "@SAYS@GPU prerequisite: not checked (no unsquashfs here to list the squashfs image)"
 elif [ "$IMAGE_DRIVER" = unnamed ]; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: the image holds libcuda.so.1 (its driver version unnamed) (ch-fromhost --nvidia)"
+  echo "@SAYS@GPU prerequisite: the image holds libcuda.so.1 (its driver version unnamed) (ch-fromhost --nvidia)"
 else
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: the image's libcuda.so.1 is driver ${IMAGE_DRIVER}'s${HOST_DRIVER:+, which this node runs} (ch-fromhost --nvidia)"
+  echo "@SAYS@GPU prerequisite: the image's libcuda.so.1 is driver ${IMAGE_DRIVER}'s${HOST_DRIVER:+, which this node runs} (ch-fromhost --nvidia)"
 fi

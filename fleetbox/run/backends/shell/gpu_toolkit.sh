@@ -3,8 +3,8 @@
 # info` is read whole, never piped to `grep -q`: under pipefail a writer cut off early fails the test.)
 if command -v nvidia-container-runtime-hook >/dev/null 2>&1 || command -v nvidia-cdi-hook >/dev/null 2>&1 ||
     grep '"nvidia"' <<<"$(docker info --format '{{json .Runtimes}}' 2>/dev/null || true)" >/dev/null; then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite: the NVIDIA Container Toolkit (docker --gpus)"
+  echo "@SAYS@GPU prerequisite: the NVIDIA Container Toolkit (docker --gpus)"
 else
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPU prerequisite missing: Docker here cannot give a container GPUs (no NVIDIA Container Toolkit: no nvidia-container-runtime-hook or nvidia-cdi-hook on PATH, no nvidia runtime): the admins install it and run \`nvidia-ctk runtime configure --runtime=docker\`" >&2
+  echo "@SAYS@GPU prerequisite missing: Docker here cannot give a container GPUs (no NVIDIA Container Toolkit: no nvidia-container-runtime-hook or nvidia-cdi-hook on PATH, no nvidia runtime): the admins install it and run \`nvidia-ctk runtime configure --runtime=docker\`" >&2
   exit 5
 fi

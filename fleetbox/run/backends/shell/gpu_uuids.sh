@@ -2,5 +2,5 @@
 # allocated. invoke doctor holds the container's GPUs to them (an engine takes Slurm's ids as the driver's indices,
 # which a hand-written gres.conf may number otherwise). nvidia-smi says its errors on stdout: only UUIDs count.
 if command -v nvidia-smi >/dev/null 2>&1 && SEEN=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null); then
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): GPUs the task sees: $(grep -E '^(GPU|MIG)-' <<<"$SEEN" | paste -sd, || true)"
+  echo "@SAYS@GPUs the task sees: $(grep -E '^(GPU|MIG)-' <<<"$SEEN" | paste -sd, || true)"
 fi

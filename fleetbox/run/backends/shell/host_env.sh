@@ -19,9 +19,9 @@ if [ "${#MODULES[@]}" -gt 0 ]; then
     done
   fi
   if ! type module >/dev/null 2>&1; then
-    echo "fleetbox: node $SLURM_NODEID on $(hostname): no \`module\` command (neither Lmod nor Environment Modules is set up here) to load: ${MODULES[*]}"; exit 4
+    echo "@SAYS@no \`module\` command (neither Lmod nor Environment Modules is set up here) to load: ${MODULES[*]}"; exit 4
   fi
-  said=$(mktemp) || { echo "fleetbox: node $SLURM_NODEID on $(hostname): no temporary file for the modules' messages"; exit 4; }
+  said=$(mktemp) || { echo "@SAYS@no temporary file for the modules' messages"; exit 4; }
   for m in "${MODULES[@]}"; do   # in this shell (a module changes its environment); its words kept for the summary
     module load "$m" 2>"$said"; rc=$?
     cat "$said" >&2
@@ -29,12 +29,12 @@ if [ "${#MODULES[@]}" -gt 0 ]; then
     # Environment Modules 3.2 returns 0 for a module it cannot find: it must be among the loaded ones too
     case ":${LOADEDMODULES:-}:" in *":$m:"*|*":$m/"*) ;; *) [ "$rc" -ne 0 ] || rc=1 why="${why:-it is not among the loaded modules (${LOADEDMODULES:-none})}";; esac
     if [ "$rc" -ne 0 ]; then
-      echo "fleetbox: node $SLURM_NODEID on $(hostname): \`module load $m\` failed: $why"; rm -f "$said"; exit 4
+      echo "@SAYS@\`module load $m\` failed: $why"; rm -f "$said"; exit 4
     fi
   done
   rm -f "$said"
   set -eu
-  echo "fleetbox: node $SLURM_NODEID on $(hostname): modules loaded: ${MODULES[*]}"
+  echo "@SAYS@modules loaded: ${MODULES[*]}"
 fi
 SITE_PYTHONPATH="${PYTHONPATH:-}"   # a module's (or the caller's): kept after the helpers
 export VIRTUAL_ENV="$FLEETBOX_VENV" PATH="$FLEETBOX_VENV/bin:$PATH"   # as the images have their venv

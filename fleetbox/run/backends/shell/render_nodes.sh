@@ -10,7 +10,7 @@ render_nodes() {
     i=$((i + 1))
   done
   if [ "$found" -ne "$GPU_COUNT" ]; then
-    echo "fleetbox: node $SLURM_NODEID on $(hostname): the KFD topology ($topo) has $i GPU(s); Slurm allocated $GPUS" >&2
+    echo "@SAYS@the KFD topology ($topo) has $i GPU(s); Slurm allocated $GPUS" >&2
     return 2
   fi
 }

@@ -1,0 +1,271 @@
+"""The Kubernetes backend's objects on this machine (--k8s-client podman): `podman kube play` (4.3) runs Pods,
+ConfigMaps, Secrets and claims, but no Job or Service, so the Indexed Job is lowered to one Pod per index
+(pods_for_podman) on a network of the job's own, and PodmanPlay follows its containers as the Docker backend follows
+its own. The Kubernetes backend hands a job to it where its client is podman; the objects are the backend's."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from fleetbox import files, settings
+from fleetbox.errors import UserError
+from fleetbox.processes import never_failing, signals_held
+from fleetbox.run import records
+from fleetbox.run.backend import Plan
+from fleetbox.run.backends import kube_pods as kube
+from fleetbox.run.judge import VANISHED, JobFacts, NodeFacts, judge
+from fleetbox.run.records import JobState, SupervisedHandle
+from fleetbox.run.result import JobResult, exit_meaning, smoke_report
+from fleetbox.run.shell import line
+
+
+def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> list[dict]:
+    """An Indexed Job as one Pod per index: each its pod template, with its index where the Job controller would
+    put it (the annotation, JOB_COMPLETION_INDEX, the hostname <job>-<index>) and hostAliases for the names the
+    headless Service would publish (`ips`: each index's address; default 127.0.0.1, the pods on the host's
+    network). What Podman 4.3 does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
+    address is given, as the kubelet would give it), takes no $$ for $ in the command and env values (undone, as
+    the kubelet undoes it), publishes every containerPort on the host (dropped: each pod
+    has its own address) and makes an emptyDir a volume of its name, which every pod naming it would share (named
+    <pod>-<name>)."""
+    name, nodes, svc = job["metadata"]["name"], job["spec"]["completions"], service["metadata"]["name"]
+    ips = ips or ["127.0.0.1"] * nodes
+    if len(ips) != nodes:
+        raise UserError(f"{len(ips)} address(es) for {nodes} pods")
+    aliases = [{"ip": ip, "hostnames": [f"{name}-{k}.{svc}", f"{name}-{k}"]} for k, ip in enumerate(ips)]
+    pods = []
+    for k in range(nodes):
+        t = json.loads(json.dumps(job["spec"]["template"]))   # a deep copy (plain data)
+        md = t["metadata"]
+        md["name"] = f"{name}-{k}"
+        md.setdefault("annotations", {})[kube.INDEX_ANNOTATION] = str(k)
+        if "namespace" in job["metadata"]:
+            md["namespace"] = job["metadata"]["namespace"]
+        t["spec"]["hostname"] = f"{name}-{k}"
+        t["spec"]["hostAliases"] = aliases
+        own = {v["name"]: f"{name}-{k}-{v['name']}" for v in t["spec"].get("volumes", []) if "emptyDir" in v}
+        for v in t["spec"].get("volumes", []):
+            v["name"] = own.get(v["name"], v["name"])
+        for c in t["spec"]["containers"]:
+            c.pop("ports", None)
+            for m in c.get("volumeMounts", []):
+                m["name"] = own.get(m["name"], m["name"])
+            c["env"] = [{"name": kube.COMPLETION_INDEX, "value": str(k)} if e["name"] == kube.COMPLETION_INDEX
+                        else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == kube.POD_IP_REF
+                        else {**e, "value": kube.kubelet_unescape(e["value"])} if "value" in e else e
+                        for e in c["env"]]
+            # Podman takes the command and env values as written, where the kubelet takes $$ for $
+            for key in ("command", "args"):
+                if key in c:
+                    c[key] = [kube.kubelet_unescape(w) for w in c[key]]
+        pods.append({"apiVersion": "v1", "kind": "Pod", **t})
+    return pods
+
+
+class PodmanPlay:
+    """The Indexed Job on this machine (--k8s-client podman): its pods lowered (pods_for_podman), played with
+    `podman kube play` with its ConfigMaps (volumes, as Podman makes them) and claim (a named volume of the claim's
+    name, kept), each pod at its own address on a network of the job's own (named as the job), which the
+    hostAliases name. Followed as the Docker backend follows its containers: the first node to fail is named,
+    every other one stopped, the logs gathered into runs/<job>/node<k>/, then every pod, volume (the claim's
+    aside) and the network removed."""
+
+    POLL_S = 1.0
+    STOP_S = 5   # seconds a stopped node has to end before it is killed
+
+    def __init__(self, job_id: str, nodes: int):
+        self.job_id, self.nodes = job_id, nodes
+
+    @classmethod
+    def of(cls, handle: SupervisedHandle) -> PodmanPlay:
+        return cls(handle.job_id, handle.nodes)
+
+    def container(self, rank: int) -> str:
+        return f"{self.job_id}-{rank}-{kube.CONTAINER}"   # Podman names a pod's container <pod>-<container>
+
+    def objects(self, manifests) -> list[str]:
+        """What playing the job makes, as `down` removes it: the network, the pods, the ConfigMaps' volumes and
+        each pod's emptyDir volumes (the claim's volume is kept)."""
+        by_kind: dict[str, list[dict]] = {}
+        for m in manifests:
+            by_kind.setdefault(m["kind"], []).append(m)
+        return [f"network/{self.job_id}", *(f"pod/{self.job_id}-{k}" for k in range(self.nodes)),
+                *(f"volume/{m['metadata']['name']}" for m in by_kind.get("ConfigMap", [])),
+                *(f"volume/{self.job_id}-{k}-{v['name']}" for k in range(self.nodes)
+                  for v in by_kind["Job"][0]["spec"]["template"]["spec"]["volumes"] if "emptyDir" in v)]
+
+    def submit(self, plan: Plan, handle: SupervisedHandle, log=print) -> SupervisedHandle:
+        """Play the job (`plan.manifests`); `handle`: the Kubernetes backend's, with objects() as its objects."""
+        by_kind: dict[str, list[dict]] = {}
+        for m in plan.manifests:
+            by_kind.setdefault(m["kind"], []).append(m)
+        handle.save()   # first: whatever is made from here on, a cancel finds
+        (plan.dir / "manifests.yaml").write_text(kube.to_yaml(plan.manifests))
+        try:
+            podman("network", "create", "--label", f"{settings.LABEL_JOB}={self.job_id}", self.job_id)
+            net = json.loads(podman("network", "inspect", self.job_id).stdout)[0]["subnets"][0]
+            gateway = ipaddress.ip_address(net.get("gateway") or "0.0.0.0")
+            free = (str(a) for a in ipaddress.ip_network(net["subnet"]).hosts() if a != gateway)
+            ips = [next(free) for _ in range(self.nodes)]
+            lowered = pods_for_podman(by_kind["Job"][0], by_kind["Service"][0], ips)
+            # a claim made before (an earlier run's checkpoints) is kept as it is, as `kubectl apply` keeps it:
+            # Podman would refuse to make its volume again
+            claims = [m for m in by_kind.get("PersistentVolumeClaim", [])
+                      if podman("volume", "exists", m["metadata"]["name"], check=False).returncode != 0]
+            docs = by_kind.get("ConfigMap", []) + claims + lowered
+            (plan.dir / "played.yaml").write_text(kube.to_yaml(docs))   # what Podman plays, as played
+            podman("kube", "play", "--quiet", "--network", self.job_id, *(w for ip in ips for w in ("--ip", ip)),
+                   "-", stdin=kube.to_yaml(docs))
+        except BaseException:
+            with signals_held():
+                self.down(handle, never_failing(log))
+            raise
+        log(f"played {plan.job_id} ({self.nodes} pods) with podman; see it with `podman pod ps --filter "
+            f"label={settings.LABEL_JOB}={plan.job_id}`")
+        return handle
+
+    def containers(self) -> dict[int, dict]:
+        """The job's node containers by rank, as `podman ps` sees them (State, ExitCode, ExitedAt)."""
+        out = podman("ps", "-a", "--filter", f"label={settings.LABEL_JOB}={self.job_id}", "--format", "json").stdout
+        try:
+            listed_ = json.loads(out or "[]")
+        except ValueError:
+            raise UserError("podman ps gave no JSON") from None
+        names = {self.container(k): k for k in range(self.nodes)}
+        return {names[n]: c for c in listed_ for n in c.get("Names", []) if n in names}
+
+    def running(self) -> bool:
+        """Every node's container runs."""
+        ctrs = self.containers()
+        return len(ctrs) == self.nodes and all(c.get("State") == "running" for c in ctrs.values())
+
+    def state(self, handle: SupervisedHandle) -> tuple[JobState, int, str]:
+        ctrs = self.containers()
+        if not ctrs:   # gone: the job ended here (its result says how) or never started
+            try:
+                return (JobState.PASSED if json.loads(Path(handle.dir, records.SUMMARY).read_text())["ok"]
+                        else JobState.FAILED), 0, ""
+            except (OSError, ValueError, KeyError):
+                return JobState.UNKNOWN, 0, "no pod of the job"
+        failed = [k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")]
+        if failed:
+            return JobState.FAILED, 0, f"node{failed[0]} exit {ctrs[failed[0]]['ExitCode']}"
+        if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
+            return JobState.PASSED, 0, ""
+        return (JobState.RUNNING if any(c.get("State") == "running" for c in ctrs.values()) else
+                JobState.PENDING), 0, ""
+
+    def ends(self, ranks) -> dict[int, tuple[float, bool]]:
+        """When each rank's container ended, to the nanosecond (ps's ExitedAt is in seconds), and whether the
+        OOM killer ended it."""
+        ranks = list(ranks)
+        out = podman("container", "inspect", "--format", "{{.State.FinishedAt.UnixNano}} {{.State.OOMKilled}}",
+                     *(self.container(k) for k in ranks), check=False).stdout.splitlines() if ranks else []
+        return {k: (int(t) / 1e9, oom == "true") for k, (t, _, oom) in
+                zip(ranks, (ln.partition(" ") for ln in out), strict=False) if t.isdigit() and int(t) > 0}
+
+    def logs(self, handle: SupervisedHandle, node: int) -> str:
+        if not 0 <= node < self.nodes:
+            raise UserError(f"job {handle.job_id} has no node {node}")
+        kept = Path(handle.dir, f"node{node}", "container.log")
+        if kept.exists():   # gathered when the job ended
+            return kept.read_text(errors="replace")
+        proc = podman("logs", self.container(node), check=False, merge=True)
+        if proc.returncode != 0:
+            raise UserError(f"job {handle.job_id} has no container of node {node} (yet)")
+        return proc.stdout
+
+    def follow(self, handle: SupervisedHandle, log=print, timeout: float | None = None) -> JobResult:
+        """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`."""
+        began, seen, timed_out, hung = time.monotonic(), set(), False, None
+        hangs = kube.hang_watcher(handle, kube.PodFiles(lambda k: ["podman", "exec", "-i", self.container(k)],
+                                               self.running), log, self.POLL_S)
+        while True:
+            ctrs = self.containers()
+            seen |= set(ctrs)
+            if lost := sorted(seen - set(ctrs)):
+                log(f"{handle.job_id}: node{lost[0]} {VANISHED}: stopping the others")
+                break
+            if failed := [k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")]:
+                at = self.ends(failed)
+                k = min(failed, key=lambda k: at.get(k, (math.inf,))[0])
+                log(f"{handle.job_id}: node{k} failed ({exit_meaning(ctrs[k].get('ExitCode'))}): stopping the others")
+                break
+            if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
+                break
+            if timeout is not None and time.monotonic() - began > timeout:
+                timed_out = True
+                break
+            if (hung := hangs.look()) is not None:
+                break
+            time.sleep(self.POLL_S)
+        stopped = [k for k, c in ctrs.items() if c.get("State") != "exited"]
+        if stopped:
+            podman("stop", "--time", str(self.STOP_S), *(self.container(k) for k in stopped), check=False)
+        ends = self.containers()
+        for k in range(self.nodes):
+            d = Path(handle.dir, f"node{k}")
+            d.mkdir(parents=True, exist_ok=True)
+            if k not in ends:
+                continue
+            # its output, and its ranks' logs out of the pod's emptyDir
+            files.write_atomic(d / "container.log", podman("logs", self.container(k), check=False,
+                                                            merge=True).stdout)
+            podman("cp", f"{self.container(k)}:{settings.LOG_DIR}/.", str(d), check=False)
+        facts = played_facts(handle, ends, self.ends(ends), stopped, timed_out, hung)
+        self.down(handle, log=lambda *_: None)
+        result = judge(facts, handle.job_id, "kubernetes", handle.dir,
+                       smoke=smoke_report(Path(handle.dir, "node0", "workerlog.0")))
+        result.save()
+        return result
+
+    def down(self, handle: SupervisedHandle, log=print) -> None:
+        """Every pod, ConfigMap volume and the network, whatever is left of them; the claim's volume is kept."""
+        kinds: dict[str, list[str]] = {}
+        for o in handle.objects:
+            kind, _, name = o.partition("/")
+            kinds.setdefault(kind, []).append(name)
+        if kinds.get("pod"):
+            log(line(["podman", "pod", "rm", "--force", "--ignore", "--time", "0", *kinds["pod"]]))
+            podman("pod", "rm", "--force", "--ignore", "--time", "0", *kinds["pod"], check=False)
+        for v in kinds.get("volume", []):
+            podman("volume", "rm", "--force", v, check=False)
+        for n in kinds.get("network", []):
+            podman("network", "rm", "--force", n, check=False)
+
+
+def played_facts(handle: SupervisedHandle, ctrs: dict[int, dict], ends: dict[int, tuple[float, bool]], stopped,
+                 timed_out: bool, hung: dict | None) -> JobFacts:
+    """What Podman says of each node's container once the job ended (`ctrs`: as `podman ps` lists them; `ends`:
+    when each ended, and whether the OOM killer ended it); `stopped`: the nodes fleetbox stopped; a node whose
+    container is not there was removed while the job ran."""
+    nodes = []
+    for k in range(handle.nodes):
+        c, (at, oom) = ctrs.get(k, {}), ends.get(k, (None, False))
+        d = Path(handle.dir, f"node{k}")
+        nodes.append(NodeFacts(k, str(d), exit_code=c.get("ExitCode") if c.get("State") == "exited" else None,
+                               ended=at, stopped=k in stopped, vanished=k not in ctrs, oom=oom,
+                               output=str(d / "container.log")))
+    return JobFacts(nodes, timed_out, hung)
+
+
+def podman(*args: str, stdin: str | None = None, check: bool = True, merge: bool = False) -> \
+        subprocess.CompletedProcess:
+    """podman with the given words (never a shell); with `check`, a failure is one line, podman's own; `merge`:
+    its stderr in its stdout (a container's output, both streams)."""
+    if not shutil.which("podman"):
+        raise UserError("podman not found: install Podman 4.3 or later (or use --k8s-client kubectl)")
+    proc = subprocess.run(["podman", *args], input=stdin, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merge else subprocess.PIPE, errors="replace")
+    if check and proc.returncode != 0:
+        said = [ln.strip() for ln in ((proc.stderr or "") + "\n" + proc.stdout).splitlines() if ln.strip()]
+        first = next((ln for ln in said if "error" in ln.lower() and "level=warning" not in ln), "")
+        last = said[-1] if said else f"exit {proc.returncode}"   # kube play's last: "failed to start 2 containers"
+        raise UserError(f"podman {' '.join(args[:2])} failed: {last}" + (f" ({first})" if first != last else ""))
+    return proc
