@@ -77,11 +77,9 @@ VOLCANO_INDEX = "VK_TASK_INDEX"              # Volcano's env plugin
 VOLCANO_VERSION = "volcano.sh/job-version"   # Volcano's pod annotation: one more each time it restarts the job
 KUBEFLOW_INDEX = "training.kubeflow.org/replica-index"   # the Training Operator's pod label
 
-# The shell's own variables in the node script, as run/placeholders.py names them (cf. Slurm's NODE_VARS)
-NODE_VARS = {"rank": Raw('"$NODE_INDEX"'), "node": Raw('node"$NODE_INDEX"'), "home": Raw('"$HOME"'),
-             "user": Raw('"$(id -un)"'), "master_ip": Raw('"$MASTER_IP"'), "node_ip": Raw('"$NODE_IP"'),
-             "iface": Raw('"$IFACE"'), "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'),
-             "gpus": ""}   # the device plugin chooses a pod's devices, and shows it only those
+# The shell's own variables in the node script, as run/placeholders.py names them; a pod's user may have no $USER,
+# and the device plugin chooses a pod's devices, and shows it only those
+NODE_VARS = node_script.node_vars("NODE_INDEX", user=Raw('"$(id -un)"'), gpus="")
 
 # What the Training Operator gives a PaddleJob's pods (training-operator pkg/controller.v1/paddlepaddle/envvar.go),
 # which Paddle's launcher would take over fleetbox's flags (--master, --nnodes, --job_id)
@@ -394,7 +392,6 @@ class KubernetesBackend(ClientRestarts):
         """What the container runs: the node's values found in the pod, then Paddle's launcher (exec: it is the
         container's process, and gets its signals)."""
         rank_from = {"indexed": COMPLETION_INDEX, "volcano": VOLCANO_INDEX, "paddlejob": "KUBEFLOW_REPLICA_INDEX"}
-        width = planner.block_width(spec.procs_per_node)
         values = {**NODE_VARS, "nnodes": str(spec.nodes), "job_id": names.job, "master_port": str(port)}
         lines = [
             "set -eu",
@@ -412,8 +409,7 @@ class KubernetesBackend(ClientRestarts):
         if spec.iface:
             lines.append(f"IFACE={line([spec.iface])}")
         lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface of $(hostname) holds $NODE_IP" >&2; exit 2; }',
-                  f'PORT_RANGE="$(({port} + 1 + NODE_INDEX * {width})):$(({port} + {width} + NODE_INDEX * '
-                  f'{width}))"',   # planner.trainer_ports, in shell
+                  node_script.port_range("NODE_INDEX", str(port), spec.procs_per_node),
                   f'echo "{SAYS}$IFACE $NODE_IP -> master $MASTER_NAME = $MASTER_IP:{port}"']
         lines += [f"export {k}={line([placeholders.to_shell(v, values)])}" for k, v in t.env.items()
                   if placeholders.used(v)]

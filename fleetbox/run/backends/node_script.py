@@ -1,5 +1,6 @@
 """Shell fragments (ours, raw shell) that a node's script shares across backends: Slurm's node.sh and the command
-of a Kubernetes pod. Each runs Paddle's launcher as a child ($LAUNCHER) where it must act after the launcher ends.
+of a Kubernetes pod: the placeholders as its variables, its ports, and the launcher run as a child ($LAUNCHER)
+where it must act after the launcher ends.
 """
 
 from __future__ import annotations
@@ -7,6 +8,24 @@ from __future__ import annotations
 import shlex
 
 from fleetbox.run import hang
+from fleetbox.run import plan as planner
+from fleetbox.run.shell import Raw
+
+
+def node_vars(index: str, **own) -> dict:
+    """The placeholders (run/placeholders.py) as the node script's shell variables, `index` the one holding the
+    node's number; `own`: the backend's own (Slurm's nnodes, a pod's user)."""
+    return {"rank": Raw(f'"${index}"'), "node": Raw(f'node"${index}"'), "home": Raw('"$HOME"'), "user": Raw('"$USER"'),
+            "master_ip": Raw('"$MASTER_IP"'), "node_ip": Raw('"$NODE_IP"'), "iface": Raw('"$IFACE"'),
+            "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'), **own}
+
+
+def port_range(index: str, master_port: str, procs_per_node: int) -> str:
+    """PORT_RANGE, the node's ranks' ports (planner.trainer_ports, in shell): `index` the variable holding the
+    node's number, `master_port` the master's port (a number, or a variable's name)."""
+    width = planner.block_width(procs_per_node)
+    return (f'PORT_RANGE="$(({master_port} + 1 + {index} * {width})):'
+            f'$(({master_port} + {width} + {index} * {width}))"')
 
 # a node held after a collective's timeout, ended by the hang watcher's stop once it has the stacks (its look, the
 # stacks' wait, a slow shared file system or API server); the cap, where no watcher runs

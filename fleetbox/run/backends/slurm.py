@@ -38,10 +38,8 @@ from fleetbox.run.shell import Raw, line
 from fleetbox.ship import shipped
 
 # The placeholders on a Slurm node: shell variables of the node script (the job id is known in advance).
-NODE_VARS = {"rank": Raw('"$SLURM_NODEID"'), "node": Raw('node"$SLURM_NODEID"'), "nnodes": Raw('"$SLURM_NNODES"'),
-             "home": Raw('"$HOME"'), "user": Raw('"$USER"'), "master_ip": Raw('"$MASTER_IP"'),
-             "master_port": Raw('"$MASTER_PORT"'), "node_ip": Raw('"$NODE_IP"'), "iface": Raw('"$IFACE"'),
-             "attempt": Raw('"$FLEETBOX_ATTEMPT"'), "port_range": Raw('"$PORT_RANGE"'), "gpus": Raw('"${GPUS:-}"')}
+NODE_VARS = node_script.node_vars("SLURM_NODEID", nnodes=Raw('"$SLURM_NNODES"'), master_port=Raw('"$MASTER_PORT"'),
+                                  gpus=Raw('"${GPUS:-}"'))
 
 # The node's NIC and own address towards the master, found on the node (iproute2); on the master itself
 # `ip route get` answers "local ... dev lo", so the interface holding the address is looked up instead.
@@ -323,9 +321,7 @@ class SlurmBackend(Backend):
             lines += [ROUTE_SH, 'read -r IFACE NODE_IP <<<"$(route_to "$MASTER_IP")"']
         if spec.iface:
             lines.append(f"IFACE={shlex.quote(spec.iface)}")
-        width = planner.block_width(spec.procs_per_node)   # planner.trainer_ports, in shell
-        lines.append(Raw(f'PORT_RANGE="$((MASTER_PORT + 1 + SLURM_NODEID * {width})):'
-                         f'$((MASTER_PORT + {width} + SLURM_NODEID * {width}))"'))
+        lines.append(Raw(node_script.port_range("SLURM_NODEID", "MASTER_PORT", spec.procs_per_node)))
         lines += ['[ -n "$IFACE" ] || '
                   '{ echo "fleetbox: no interface on $(hostname) routes to $MASTER_IP" >&2; exit 2; }',
                   f'echo "{SAYS}$IFACE $NODE_IP -> master $MASTER_IP:$MASTER_PORT"']
