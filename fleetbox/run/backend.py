@@ -18,7 +18,7 @@ from fleetbox.options import Option
 from fleetbox.processes import never_failing, signals_held, stops_as_interrupt
 from fleetbox.run import metrics
 from fleetbox.run.jobfolder import Layout
-from fleetbox.run.records import DamagedRecord, FormerHandle, Handle, JobState
+from fleetbox.run.records import DamagedRecord, Handle, JobState, SupervisedHandle
 from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
 
@@ -80,7 +80,7 @@ class Backend(ABC):
     name = ""
     about = ""                     # a few words for `--backend` in `invoke --help train`
     plan_type: type[Plan] = Plan   # what `plan` returns (a detached job's plan is read back as one)
-    handle_type: type[Handle] = FormerHandle   # what `submit` returns, with the backend's own fields (handle.json)
+    handle_type: type[Handle] = SupervisedHandle   # what `submit` returns, with the backend's own fields (handle.json)
     layout = Layout()                    # where its jobs' files are in their folders: fleetbox's default layout
                                          # unless it declares its own (run/jobfolder.py)
     options: tuple[Option, ...] = ()

@@ -477,7 +477,9 @@ class NodeFiles:
     """How the watcher reaches each node's log folder: the backend's transport. This one: node folders on one file
     system (runs/<job>/node<k>/: Docker's local nodes, Slurm's shared file system). A backend whose nodes' folders
     are elsewhere (a container's, a pod's) gives its own read and write, and its own read_many where one call per
-    node is cheaper than one per file."""
+    node is cheaper than one per file; `parallel`: the nodes are read side by side (each a slow exec)."""
+
+    parallel = False
 
     def __init__(self, job_dir: str):
         self.job_dir = job_dir
@@ -518,16 +520,19 @@ class Watcher:
         self.watch = Watch(nodes * ppn, hang_s, start_s)
         self.on = bool(hang_s or start_s)
         self.next, self.started = 0.0, False
-        self.held: set[int] = set()   # the nodes a collective's timeout ended (or holds), when last asked
+        self.held: set[int] = set()    # the nodes a collective's timeout may have ended (held, failed), last look
+        self.ended: set[int] = set()   # ... and every node that ended: none answers for its stacks
 
-    def look(self, ended=(), at_once: bool = False) -> dict | None:
+    def look(self, ended=(), failed=(), at_once: bool = False, deadlines: bool = True) -> dict | None:
         """The hang's record once the job is stuck (its stacks taken); None until then, or between looks."""
-        stall = self.stuck(ended, at_once)
+        stall = self.stuck(ended, failed, at_once, deadlines)
         return None if stall is None else self.take(stall)
 
-    def stuck(self, ended=(), at_once: bool = False) -> Stall | None:
-        """Whether the job is stuck, by its ranks' progress read now. `ended`: the nodes the backend saw end (a
-        peer's timeout may have ended them); `at_once`: look now, not at the cadence."""
+    def stuck(self, ended=(), failed=(), at_once: bool = False, deadlines: bool = True) -> Stall | None:
+        """Whether the job is stuck, by its ranks' progress read now. `ended`: the nodes the backend saw end (no
+        stacks will come from them); `failed`: those of them that failed (a peer's timeout may have ended them);
+        `at_once`: look now, not at the cadence; `deadlines`: judge the deadlines too (a backend that has seen a
+        node fail asks only whether a collective's timeout ended it)."""
         if not self.on or (time.monotonic() < self.next and not at_once):
             return None
         self.next = time.monotonic() + self.every
@@ -536,9 +541,14 @@ class Watcher:
                 return None
             self.started, self.watch.started = True, time.monotonic()
         ppn = self.ppn
-        with ThreadPoolExecutor(max_workers=min(16, self.nodes)) as pool:   # each node's progress, and its mark
-            found = list(pool.map(lambda k: self.files.read_many(
-                k, [PROGRESS.format(rank=k * ppn + i) for i in range(ppn)] + [TIMED_OUT]), range(self.nodes)))
+
+        def node(k: int) -> list[bytes | None]:   # its ranks' progress, and its mark
+            return self.files.read_many(k, [PROGRESS.format(rank=k * ppn + i) for i in range(ppn)] + [TIMED_OUT])
+        if self.files.parallel and self.nodes > 1:   # one exec or request per node, side by side
+            with ThreadPoolExecutor(max_workers=min(16, self.nodes)) as pool:
+                found = list(pool.map(node, range(self.nodes)))
+        else:
+            found = [node(k) for k in range(self.nodes)]
         for k, datas in enumerate(found):
             for i, data in enumerate(datas[:-1]):
                 try:
@@ -547,12 +557,14 @@ class Watcher:
                     pass
         for line in self.watch.new_stragglers(ppn):   # slow, not stuck: named once
             self.log(line)
-        stall = self.watch.verdict()
-        # a peer's crash alone is no hang: asked once each time another node is held or ended
-        held = {k for k, datas in enumerate(found) if datas[-1] is not None} | set(ended)
-        new, self.held = held - self.held, held
+        stall = self.watch.verdict() if deadlines else None
+        # a node held after a collective's timeout ended a rank of it, or one that failed: asked once each time
+        # another is (a peer's crash alone is no hang)
+        held = {k for k, datas in enumerate(found) if datas[-1] is not None} | set(failed)
+        new, self.held, self.ended = held - self.held, held, held | set(ended)
         if stall is None and new:
-            stall = self.watch.collective_stall(self.files.read, range(self.watch.world), ppn)
+            stall = self.watch.collective_stall(self.files.read, [r for k in sorted(held)
+                                                                   for r in range(k * ppn, (k + 1) * ppn)], ppn)
         return stall
 
     def take(self, stall: Stall) -> dict:
@@ -560,7 +572,7 @@ class Watcher:
         self.log(announce(stall))
         f, ppn = self.files, self.ppn
         before = ask_for_stacks(f.read, f.write, self.nodes, ppn, self.attempt,
-                                gone=[r for k in sorted(self.held) for r in range(k * ppn, (k + 1) * ppn)])
+                                gone=[r for k in sorted(self.ended) for r in range(k * ppn, (k + 1) * ppn)])
         record = keep(self.out, f.read, self.nodes, ppn, self.attempt, before, stall, **self.extra)
         self.log(record["text"])
         return record

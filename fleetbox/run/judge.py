@@ -62,16 +62,11 @@ def blamed(facts: JobFacts) -> int | None:
     return culprit([n.rank for n in failed], evidence)
 
 
-def waited(n: NodeFacts, last: int = 64 << 10) -> bool:
-    """The node's own output ends saying it waited for a peer that was gone (a collective's timeout, a peer's
-    connection closed): it noticed another node's failure, and failed of it. Its launcher shows its failed
-    worker's last lines at its end; a log may be GiBs: Paddle's words are at its end."""
-    try:
-        with open(n.output, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - last))
-            return re.search(WAITED, f.read().decode(errors="replace")) is not None
-    except OSError:
-        return False
+def waited(n: NodeFacts, lines: int = 60) -> bool:
+    """The node's own words end saying it waited for a peer that was gone (a collective's timeout, a peer's
+    connection closed): it noticed another node's failure, and failed of it. Its worker's log (`tail_of`), and its
+    output, where Paddle's launcher shows its failed worker's last lines: their last `lines` each."""
+    return any(re.search(WAITED, "\n".join(tail(Path(p), lines))) for p in {n.tail_of, n.output} if p)
 
 
 def state(n: NodeFacts, bad: int | None, hang: dict | None) -> str:

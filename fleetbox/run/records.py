@@ -6,7 +6,7 @@
     summary.json  JobResult (run/result.py): how the job ended, every node's exit, the node to blame
     run-<time>/   an earlier run of the same job id, set aside whole (set_aside)
 
-Every record is written whole or not at all (files.write_atomic). A record from an older fleetbox still reads:
+Every record is written whole or not at all (files.write_atomic). A record missing a field or holding another reads:
 missing fields take their defaults, unknown ones are left aside; one that cannot be read is DamagedRecord,
 a UserError that says which file and what to do. States a job can be in are one vocabulary, JobState.
 """
@@ -149,15 +149,6 @@ class SupervisedHandle(Handle):
 
     def follower(self) -> str:
         return f"supervisor pid {self.supervisor}" if self.supervisor else ""
-
-
-@dataclass
-class FormerHandle(SupervisedHandle):
-    """Every field a handle had before each backend declared its own: the handle of a backend that declares none
-    (Backend.handle_type), so that one written for an older fleetbox keeps its fields."""
-    hosts: list[str] = field(default_factory=list)
-    _: KW_ONLY
-    scheduler_job: str = ""
 
 
 @dataclass

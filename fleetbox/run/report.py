@@ -222,10 +222,8 @@ def _paddle(job: dict) -> str:
 
 
 def _failure(summary: dict) -> str:
-    """The failure line; a summary from before it said how its backend words it takes the backend's ways."""
-    caps = backends.capabilities(summary.get("backend"))
-    told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts}
+    """The failure line, as the job's summary says it."""
     try:
-        return JobResult.from_summary(summary, **told).reason()
+        return JobResult.from_summary(summary).reason()
     except TypeError:
         return "see summary.json"

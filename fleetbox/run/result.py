@@ -108,20 +108,11 @@ class JobResult:
         files.write_json(Path(self.dir, SUMMARY), asdict(self))
 
     @classmethod
-    def from_summary(cls, summary: dict, **told) -> JobResult:
-        """A summary.json read back (`told`: what an older one did not say). Fields of a backend's own result
-        type, or that this fleetbox no longer has, are left out; one an older fleetbox named otherwise is read
-        under its name now."""
-        names, data = {f.name for f in fields(cls)}, dict(told)
-        for key, value in summary.items():
-            name = FORMER.get(key, key)
-            if name in names and (name == key or name not in summary):   # a former name, where the new one is not
-                data[name] = value
+    def from_summary(cls, summary: dict) -> JobResult:
+        """A summary.json read back; the fields of a backend's own result type (SlurmResult's) are left out."""
+        names = {f.name for f in fields(cls)}
+        data = {k: v for k, v in summary.items() if k in names}
         return cls(**{**data, "nodes": [NodeResult(**n) for n in data.get("nodes", [])]})
-
-
-# fields an older fleetbox's summary.json named otherwise: {former name: name now}
-FORMER = {"scheduler_state": "end_state"}
 
 
 def exit_meaning(code: int | None, oom_killed: bool = False) -> str:
@@ -210,5 +201,14 @@ def read_lines(path: Path) -> list[str]:
     return path.read_text(errors="replace").rstrip().splitlines() if path.exists() else []
 
 
-def tail(path: Path, lines: int = 15) -> list[str]:
-    return read_lines(path)[-lines:]
+def tail(path: Path, lines: int = 15, last: int = 64 << 10) -> list[str]:
+    """A log's last lines, from its last `last` bytes at most (a log may be GiBs); [] when it is not there."""
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, 2) - last)
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    got = text.rstrip().splitlines()
+    return (got[1:] if start and got else got)[-lines:]   # the first line cut where the read began

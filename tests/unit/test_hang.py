@@ -583,3 +583,19 @@ def test_the_one_watcher_takes_the_stacks_when_a_node_is_held_after_a_collective
     (tmp_path / "node0" / hang.TIMED_OUT).write_text("")
     got = w.look(at_once=True)
     assert (got["kind"], got["ranks"], got["node"], got["timed_out_nodes"]) == ("collective", [1], 1, [0]), got
+
+
+def test_the_one_watcher_asks_of_a_node_that_ended_well_nothing_and_after_a_failure_no_deadline(tmp_path):
+    """A node that ended well is no sign of a collective's timeout, even with one in its log; a backend that saw
+    a node fail asks only whether a collective's timeout ended it, not the deadlines (its own grace decides)."""
+    for k in (0, 1):
+        (tmp_path / f"node{k}").mkdir()
+        (tmp_path / f"node{k}" / hang.PROGRESS.format(rank=k)).write_text(json.dumps(rec(1, step=5)))
+    (tmp_path / "node1" / "workerlog.0").write_text((TIMEOUTS / "gloo-plain-rank0.log").read_text())
+    files = Answering(str(tmp_path), {})
+    w = hang.Watcher(str(tmp_path / "hang-0"), 2, 1, 600, 900, 0, files, lambda _: None)
+    assert w.look() is None
+    w.watch.changed = {r: t - 601 for r, t in w.watch.changed.items()}   # past the hang deadline, and quiet
+    assert w.look(ended=[1], at_once=True, deadlines=False) is None and files.asked == []
+    got = w.look(ended=[1], failed=[1], at_once=True, deadlines=False)
+    assert (got["kind"], files.asked) == ("collective", [0, 1]), got

@@ -214,3 +214,40 @@ def test_the_judge_alone_ranks_a_peers_abort_after_a_crash_in_one_tick(tmp_path)
     assert judge(facts, "j", "x", str(tmp_path)).culprit == 1
     out[1].write_text(PEER_GONE)   # both waited: the order seen, as before
     assert judge(facts, "j", "x", str(tmp_path)).culprit == 0
+
+
+def test_a_time_limit_that_made_the_job_save_to_continue_is_still_a_time_limit(tmp_path):
+    """--timeout's stop is a SIGTERM: the script saves, says it will continue and exits 0. The job timed out; only
+    a job every node of which ended well, told to stop from outside, is 'stopped to continue'."""
+    case = Case({k: End("stopped", 0, 20.0) for k in range(NODES)}, ["ok"] * NODES, None, timed_out=True)
+    engine = FakeEngine()
+    b, plan = job(engine, NODES)
+    Path(plan.checkpoints).mkdir(parents=True, exist_ok=True)
+    (Path(plan.checkpoints) / "STATE").write_text(json.dumps({"state": "continue", "step": 40}))
+    r = docker_result(case, tmp_path)
+    assert (r.timed_out, r.reason()) == (True, "timed out")
+    (tmp_path / "told").mkdir()
+    live = docker_backend._Live(b, dataclasses.replace(plan, dir=tmp_path / "told"))
+    live.exits = [(k, 0) for k in range(NODES)]
+    assert live.result().reason() == "stopped at step 40 to continue, before its work was done"
+
+
+def test_slurm_takes_each_tasks_first_report_and_only_the_jobs_tasks(tmp_path):
+    d = tmp_path / "slurm"
+    d.mkdir()
+    (d / "slurm-77.out").write_text("srun: error: n2: task 1: Exited with exit code 3\n"
+                                    "srun: error: n2: task 1: Exited with exit code 3\n"
+                                    "srun: error: n9: task 8: Exited with exit code 1\n")
+    h = slurm.SlurmHandle("slurm", "train-j", str(d), nodes=2, scheduler_job="77")
+    r = slurm.SlurmBackend(runtime="podman").result(h, "FAILED", "77", [])
+    assert ([n.state for n in r.nodes], r.culprit) == (["?", "FAILED"], 1)
+
+
+def test_the_hold_after_a_collective_timeout_is_not_why_node_sh_stopped_its_node(tmp_path):
+    from fleetbox.run.backends import node_script
+    log = tmp_path / "node0.log"
+    log.write_text(f"fleetbox: node 0 on n1: eth0 10.0.0.1 -> master 10.0.0.1:29555\nTraceback ...\n"
+                   f"fleetbox: node 0 on n1: workerlog.0 {node_script.HELD}\n")
+    assert slurm.node_said(log) == ""
+    log.write_text("fleetbox: node 0 on n1: `module load dtk/9` failed: no such module\n")
+    assert slurm.node_said(log) == "`module load dtk/9` failed: no such module"

@@ -94,15 +94,6 @@ def test_restarts_are_reported_per_attempt_and_an_empty_folder_still_draws(tmp_p
                                     "no summary.json (the job is still running, or was killed before it ended)"]
 
 
-def test_a_summary_from_before_it_said_its_wording_takes_its_backends():
-    """Summaries written before attempts_are and name_host: a Slurm one still names the failing node's host."""
-    from fleetbox.run import report
-    node = {"node": "node1", "rank": 1, "host": "gpu07", "exit_code": 3, "state": "FAILED", "logs": "x"}
-    old = {"job_id": "j", "backend": "slurm", "ok": False, "nodes": [node], "culprit": 1}
-    assert report._failure(old) == "node1 (rank 1) on gpu07 exited with exit code 3"
-    assert report._failure({**old, "backend": "docker"}) == "node1 (rank 1) exited with exit code 3"
-
-
 def test_a_run_whose_script_counts_no_samples_has_an_unknown_throughput(tmp_path):
     """A script that logs loss but no samples (paddle.Model.fit's own loop, say): 'unknown', never 0.0."""
     job = tmp_path / "train-e"
@@ -169,14 +160,3 @@ def test_the_throughput_plot_runs_from_the_jobs_first_start_with_a_line_per_atte
     assert [round(seg[0][0], 1) for seg in lines[0]] == [2.0, 13.5]   # from the first start, each attempt apart
     drawn = report.draw(job)
     assert drawn["node_legend"] == ["node0", "node1"]   # one entry a node, not one an attempt
-
-
-def test_a_summary_written_with_the_former_scheduler_fields_still_says_how_the_job_ended():
-    """Before JobResult's scheduler and end_state, a summary kept Slurm's job id and state as scheduler_job and
-    scheduler_state: the state still reads as how the job ended; a backend's own fields are left out."""
-    from fleetbox.run import report
-    old = {"job_id": "j", "backend": "slurm", "ok": False, "nodes": [], "scheduler_job": "7",
-           "scheduler_state": "TIMEOUT"}
-    assert report._failure(old) == "job ended TIMEOUT"
-    assert report._failure({**old, "end_state": "NODE_FAIL"}) == "job ended NODE_FAIL"   # the new name wins
-    assert report._failure({**old, "queue_slot": 3}) == "job ended TIMEOUT"

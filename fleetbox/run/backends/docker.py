@@ -805,13 +805,16 @@ class _Live:
                     if self.exits[-1][1] != 0 and first_fail is None:
                         first_fail = time.monotonic()
                         log(f"node{rank} (rank {rank}) exited with code {self.exits[-1][1]}; stopping the other nodes")
-            # each new end, at once: a rank that a collective's own timeout ended waited for a stuck peer, whose
-            # stacks are taken while it is still where it hung
-            if (stuck := hangs.look(ended=[k for k, _ in self.exits], at_once=len(self.exits) > seen)) is not None:
+            # the deadlines until the first failure; then, at each new end, at once: a rank that a collective's own
+            # timeout ended waited for a stuck peer, whose stacks are taken while it is still where it hung
+            ended = len(self.exits) > seen
+            seen = len(self.exits)
+            if (first_fail is None or ended) and (stuck := hangs.look(
+                    ended=[k for k, _ in self.exits], failed=[k for k, c in self.exits if c], at_once=ended,
+                    deadlines=first_fail is None)) is not None:
                 self.hang = stuck
                 self.stop_all(timeout=1)
                 return
-            seen = len(self.exits)
             if len(self.exits) == len(self.containers):
                 return
             if first_fail is not None and time.monotonic() - first_fail >= GRACE_S:
@@ -878,9 +881,10 @@ class _Live:
                 and code not in (0, None) else None,
                 self.finished.get(k, ""), output=str(here / OUTPUT),
                 tail_of=str(worker) if worker.exists() and worker.stat().st_size else ""))
-        said = checkpoints.state(Path(self.plan.checkpoints)) if not self.plan.elsewhere else {}
+        # every node ended well, but told to stop from outside (SIGTERM): saved, not finished
+        well = not self.timed_out and self.hang is None and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
+        said = checkpoints.state(Path(self.plan.checkpoints)) if well and not self.plan.elsewhere else {}
         return JobFacts(nodes, self.timed_out, self.hang,
-                        # told to stop from outside (SIGTERM): saved, not finished
                         ended=f"stopped at step {said.get('step')} to continue, before its work was done"
                         if said.get("state") == "continue" else "")
 

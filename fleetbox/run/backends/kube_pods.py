@@ -31,6 +31,7 @@ class PodFiles(hang.NodeFiles):
     `running()`: every node's container runs (the job's deadlines count from then, not from its scheduling)."""
 
     TIMEOUT_S = 30   # one exec: a busy API server answers late, never forever
+    parallel = True
 
     def __init__(self, argv, running):
         super().__init__("")

@@ -92,9 +92,7 @@ class PodmanPlay:
     def objects(self, manifests) -> list[str]:
         """What playing the job makes, as `down` removes it: the network, the pods, the ConfigMaps' volumes and
         each pod's emptyDir volumes (the claim's volume is kept)."""
-        by_kind: dict[str, list[dict]] = {}
-        for m in manifests:
-            by_kind.setdefault(m["kind"], []).append(m)
+        by_kind = kinds(manifests)
         return [f"network/{self.job_id}", *(f"pod/{self.job_id}-{k}" for k in range(self.nodes)),
                 *(f"volume/{m['metadata']['name']}" for m in by_kind.get("ConfigMap", [])),
                 *(f"volume/{self.job_id}-{k}-{v['name']}" for k in range(self.nodes)
@@ -102,9 +100,7 @@ class PodmanPlay:
 
     def submit(self, plan: Plan, handle: SupervisedHandle, log=print) -> SupervisedHandle:
         """Play the job (`plan.manifests`); `handle`: the Kubernetes backend's, with objects() as its objects."""
-        by_kind: dict[str, list[dict]] = {}
-        for m in plan.manifests:
-            by_kind.setdefault(m["kind"], []).append(m)
+        by_kind = kinds(plan.manifests)
         handle.save()   # first: whatever is made from here on, a cancel finds
         (plan.dir / "manifests.yaml").write_text(kube.to_yaml(plan.manifests))
         try:
@@ -238,6 +234,14 @@ class PodmanPlay:
             podman("volume", "rm", "--force", v, check=False)
         for n in kinds.get("network", []):
             podman("network", "rm", "--force", n, check=False)
+
+
+def kinds(manifests) -> dict[str, list[dict]]:
+    """The job's objects by kind, each kind's in order."""
+    by_kind: dict[str, list[dict]] = {}
+    for m in manifests:
+        by_kind.setdefault(m["kind"], []).append(m)
+    return by_kind
 
 
 def played_facts(handle: SupervisedHandle, ctrs: dict[int, dict], ends: dict[int, tuple[float, bool]], stopped,

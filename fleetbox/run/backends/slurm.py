@@ -553,9 +553,7 @@ class SlurmBackend(Backend):
             return JobState.PASSED, attempt, ""
         if summary.get("hang"):
             return JobState.HUNG, attempt, summary["hang"].get("text", "")
-        caps = self.capabilities
-        told = {"attempts_are": caps.attempts_are, "name_host": caps.names_hosts}   # an older summary's
-        return JobState.FAILED, attempt, JobResult.from_summary({**summary, "nodes": []}, **told).reason()
+        return JobState.FAILED, attempt, JobResult.from_summary({**summary, "nodes": []}).reason()
 
     def show_logs(self, handle: SlurmHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """The node's log file on the shared file system, followed across allocations."""
@@ -603,6 +601,8 @@ class SlurmBackend(Backend):
         cancelled = state == "CANCELLED" or bool(last and last["ended"] == "cancelled")
         nodes, ranks = [], set()
         for i, f in enumerate(fails):
+            if f.rank in ranks or not 0 <= f.rank < handle.nodes:   # srun's first word of each of the job's tasks
+                continue
             log = job_dir / f"node{f.rank}.log"
             said = node_said(log) if f.code in NODE_EXITS else ""   # node.sh stopped it, saying why
             # srun --kill-on-bad-exit stops the other tasks after the first failure: a task it reports after that
@@ -812,7 +812,7 @@ def node_said(node_log_path: Path) -> str:
     the line it printed last; "" when the training ran."""
     lines = [ln for ln in (node_log_path.read_text(errors="replace") if node_log_path.exists() else "").splitlines()
              if ln]
-    last = lines[-1] if lines else ""
+    last = next((ln for ln in reversed(lines) if node_script.HELD not in ln), "")   # the hold's line is after it
     said = node_log.lines(last)
     return said[0][2] if said else m.group(1) if (m := IMAGE_MISSING.match(last)) else ""
 
