@@ -5,6 +5,11 @@ class UserError(Exception):
     """A problem with input or environment, explained in one line that says what to do."""
 
 
+class LeftRunning(UserError):
+    """The command stops following a job that goes on (its scheduler cannot be asked now): nothing is cancelled, and
+    the line says how to ask again."""
+
+
 class Failed(Exception):
     """The work ran and did not pass (a job, a check): one line saying what failed and where the logs are."""
 

@@ -39,6 +39,15 @@ def exports_dir() -> Path:
     return _path("FLEETBOX_EXPORTS", ROOT / "exports")
 
 
+def slurm_patience() -> float:
+    """Seconds a command that follows a Slurm job waits for a controller that does not answer (FLEETBOX_SLURM_PATIENCE,
+    default 900) before it stops following the job, which goes on."""
+    try:
+        return max(0.0, float(os.environ.get("FLEETBOX_SLURM_PATIENCE") or 900))
+    except ValueError:
+        return 900.0
+
+
 def board_envs() -> Path:
     """Where `invoke board` makes VisualDL's environment, one folder per lock (the user's cache: no root)."""
     return _path("FLEETBOX_BOARD_ENVS", Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleetbox")
@@ -93,6 +102,9 @@ ENVIRONMENT = {
     "FLEETBOX_EXPORTS": ("you", "where exports and their records go (default exports/)"),
     "FLEETBOX_BOARD_ENVS": ("you", "where `invoke board` makes VisualDL's environment, board-<lock hash>/ "
                                    "(default ~/.cache/fleetbox/)"),
+    "FLEETBOX_SLURM_PATIENCE": ("you", "seconds `invoke train` and `invoke logs --follow` wait for a Slurm controller "
+                                       "that does not answer before they stop following the job, which goes on "
+                                       "(default 900)"),
     "FLEETBOX_JOB": ("job", "the job's id"),
     "FLEETBOX_NODE": ("job", "the node's rank (0 .. nodes - 1)"),
     "FLEETBOX_ATTEMPT": ("job", "0, then one more per restart or Slurm allocation"),

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fleetbox.errors import UserError
+from fleetbox.errors import LeftRunning, UserError
 from fleetbox.options import Option
 from fleetbox.processes import never_failing, signals_held, stops_as_interrupt
 from fleetbox.run import metrics
@@ -196,6 +196,8 @@ class Backend(ABC):
                 if on_submit is not None:
                     on_submit(handle)
                 return self.follow(handle, log, timeout)
+            except LeftRunning:   # the job goes on: this command only stopped following it
+                raise
             except BaseException as e:
                 if handle is not None:
                     log = never_failing(log)   # the terminal may be gone (a closed pipe): clean up all the same

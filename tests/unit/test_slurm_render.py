@@ -901,3 +901,33 @@ def test_slurm_words_its_own_job_id_and_state_and_its_summary_keeps_them(tmp_pat
     assert r.reason() == "job ended NODE_FAIL"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["scheduler_job"], summary["scheduler_state"]) == ("77", "NODE_FAIL")
+
+
+def test_the_shells_sbatch_and_srun_variables_never_steer_the_job_fleetbox_planned(tmp_path, monkeypatch, stubs):
+    """Slurm takes SBATCH_* over the script's #SBATCH lines, and srun in the job reads SLURM_*: a site's module set
+    them silently. Those that would change what fleetbox planned are left out of sbatch's (and so the job's)
+    environment and named in one line; a site's default the script does not set is taken, and said."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    (stubs / "sbatch").write_text('#!/bin/sh\nenv > "$(dirname "$0")/sbatch.env"\necho 42\n')
+    (stubs / "sbatch").chmod(0o755)
+    steering = {"SBATCH_PARTITION": "debug", "SBATCH_OPEN_MODE": "truncate", "SBATCH_ARRAY_INX": "0-3",
+                "SBATCH_EXPORT": "NONE", "SLURM_CPU_BIND": "none", "SLURM_NTASKS": "64"}
+    kept = {"SBATCH_ACCOUNT": "proj42", "SBATCH_QOS": "long", "SLURM_CONF": "/etc/slurm/slurm.conf",
+            "SLURM_TIME_FORMAT": "relative"}
+    for k, v in {**steering, **kept}.items():
+        monkeypatch.setenv(k, v)
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-0001", port=29555,
+                            image=given_image("podman", tmp_path))
+    b = slurm.SlurmBackend("podman", partition="gpu")
+    plan = b.plan(spec)
+    said = []
+    b.submit(plan, log=said.append)
+    env = dict(ln.split("=", 1) for ln in (stubs / "sbatch.env").read_text().splitlines() if "=" in ln)
+    assert [k for k in steering if k in env] == [] and all(env.get(k) == v for k, v in kept.items())
+    line = ("ignored from the environment: SBATCH_ARRAY_INX=0-3 (--array would change the job fleetbox planned), "
+            "SBATCH_EXPORT=NONE (--export would change the job fleetbox planned), SBATCH_OPEN_MODE=truncate "
+            "(fleetbox passes --open-mode), SBATCH_PARTITION=debug (fleetbox passes --partition), "
+            "SLURM_CPU_BIND=none (the job's srun would read it), SLURM_NTASKS=64 (the job's srun would read it); "
+            "taken from the environment: SBATCH_ACCOUNT=proj42, SBATCH_QOS=long")
+    assert line in said and b.describe(plan).splitlines()[1] == f"# {line}"

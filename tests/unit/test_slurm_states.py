@@ -3,6 +3,7 @@ scontrol and scancel that answer as Slurm does and record what they were asked."
 import getpass
 import json
 import sys
+import types
 
 import pytest
 
@@ -21,7 +22,9 @@ left = json.load(open(busy)) if os.path.exists(busy) else {{}}
 if left.get(job, 0) > 0:
     left[job] -= 1
     json.dump(left, open(busy, "w"))
-    print("slurm_load_jobs error: Socket timed out on send/recv operation", file=sys.stderr)
+    said = os.environ["STUB_DIR"] + "/said.txt"   # what it says then (default: a busy controller's words)
+    print(open(said).read() if os.path.exists(said) else "slurm_load_jobs error: Socket timed out on send/recv "
+          "operation", file=sys.stderr)
     sys.exit(1)
 if job in states:
     print(f"JobId={{job}} JobName=fleetbox-x JobState={{states[job]}} Reason=None ExitCode=0:0")
@@ -307,3 +310,52 @@ def test_while_slurm_does_not_answer_a_job_is_unknown_and_its_id_is_refused(stub
     with pytest.raises(UserError, match=r"^job train-x is in a state that cannot be told \(slurm; Slurm did not "
                                         r"answer about job 7: slurm_load_jobs error: Socket timed out"):
         train.refuse_live("train-x")
+
+
+@pytest.mark.parametrize("said", [
+    "scontrol: error: Couldn't find the specified plugin name for auth/munge looking at all files\n"
+    "scontrol: fatal: failed to initialize auth plugin",
+    "scontrol: error: s_p_parse_file: unable to status file /nowhere/slurm.conf: No such file or directory",
+    "slurm_load_jobs error: Protocol authentication error",
+])
+def test_a_failure_that_asking_again_will_not_change_is_one_line_at_once(stub_slurm, waits, said):
+    """Only a busy or restarting controller's words are asked again: an auth plugin that cannot start, a wrong
+    SLURM_CONF or an expired credential was asked forever. Nothing is known of the job: never an end."""
+    d, states = stub_slurm
+    states(j7="RUNNING")
+    busy(d, j7=100)
+    (d / "said.txt").write_text(said)
+    with pytest.raises(slurm.SlurmRefused) as e:
+        slurm.patient_state("7", lambda m: None)
+    assert str(e.value) == f"Slurm cannot be asked about job 7: {said.splitlines()[-1]}" and waits == []
+    assert slurm.alive_or_unanswered("7")   # cancel still asks scancel
+
+
+@pytest.mark.parametrize("said", [f"slurm_load_jobs error: {b}" for b in slurm.BUSY])
+def test_each_busy_controllers_words_are_asked_again(stub_slurm, waits, said):
+    d, states = stub_slurm
+    states(j7="RUNNING")
+    busy(d, j7=2)
+    (d / "said.txt").write_text(said)
+    assert slurm.job_state("7") == ("RUNNING", "0:0") and waits == [1, 2]
+
+
+def test_following_stops_after_its_patience_leaving_the_job_as_it_is(stub_slurm, waits, tmp_path, monkeypatch):
+    """FLEETBOX_SLURM_PATIENCE bounds even a busy controller's outage: the command stops following, says how to
+    ask again, and neither cancels the job nor writes a result (`invoke jobs`: unknown, never FAILED)."""
+    from fleetbox.errors import LeftRunning
+    d, states = stub_slurm
+    states(j7="RUNNING")
+    busy(d, j7=10**6)
+    monkeypatch.setenv("FLEETBOX_SLURM_PATIENCE", "0")
+    with pytest.raises(LeftRunning, match=r"^Slurm did not answer about job 7: .*, for 0 s "
+                                          r"\(FLEETBOX_SLURM_PATIENCE\): stopped following Slurm job 7, which may "
+                                          r"still run; ask again with "):
+        slurm.patient_state("7", lambda m: None)
+    assert waits == list(slurm.QUERY_WAITS)   # one query's waits, then no more
+    h = chain(tmp_path)
+    monkeypatch.setattr(slurm.SlurmBackend, "submit", lambda self, plan, log=print: h)
+    monkeypatch.setattr(slurm, "tail_file", lambda path, running, log, poll: running())
+    with pytest.raises(LeftRunning):
+        slurm.SlurmBackend()._run_once(types.SimpleNamespace(job_id="train-x", dir=tmp_path), log=lambda m: None)
+    assert not (d / "scancel.jsonl").exists() and not (tmp_path / "train-x" / "summary.json").exists()

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from fleetbox import files, incontainer, settings
 from fleetbox import options as parse
-from fleetbox.errors import UserError
+from fleetbox.errors import LeftRunning, UserError
 from fleetbox.run import checkpoints, filesystems, hang, hostnet, node_log, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
@@ -104,6 +104,75 @@ OWN_SBATCH = {   # what fleetbox writes itself, and the option of ours that asks
 }
 
 
+# sbatch's input variables (sbatch(1), INPUT ENVIRONMENT VARIABLES; Slurm 22.05's sbatch reads each): the option
+# each sets. Slurm takes them over the script's #SBATCH lines, so a site's module or a user's shell would steer the
+# job fleetbox planned (SBATCH_OPEN_MODE=truncate loses a requeued run's output, SBATCH_PARTITION another queue).
+SBATCH_ENV = {f"SBATCH_{k}": v for k, v in {
+    "ACCOUNT": "account", "ACCTG_FREQ": "acctg-freq", "ARRAY_INX": "array", "BATCH": "batch", "BURST_BUFFER": "bb",
+    "CLUSTERS": "clusters", "CLUSTER_CONSTRAINT": "cluster-constraint", "CONSTRAINT": "constraint",
+    "CONTAINER": "container", "CORE_SPEC": "core-spec", "CPUS_PER_GPU": "cpus-per-gpu", "CPU_FREQ_REQ": "cpu-freq",
+    "DEBUG": "verbose", "DELAY_BOOT": "delay-boot", "DISTRIBUTION": "distribution", "ERROR": "error",
+    "EXCLUSIVE": "exclusive", "EXPORT": "export", "GET_USER_ENV": "get-user-env", "GPUS": "gpus",
+    "GPUS_PER_NODE": "gpus-per-node", "GPUS_PER_SOCKET": "gpus-per-socket", "GPUS_PER_TASK": "gpus-per-task",
+    "GPU_BIND": "gpu-bind", "GPU_FREQ": "gpu-freq", "GRES": "gres", "GRES_FLAGS": "gres-flags", "HINT": "hint",
+    "IGNORE_PBS": "ignore-pbs", "INPUT": "input", "JOB_NAME": "job-name", "MEM_BIND": "mem-bind",
+    "MEM_PER_CPU": "mem-per-cpu", "MEM_PER_GPU": "mem-per-gpu", "MEM_PER_NODE": "mem", "NETWORK": "network",
+    "NO_KILL": "no-kill", "NO_REQUEUE": "no-requeue", "OPEN_MODE": "open-mode", "OUTPUT": "output",
+    "OVERCOMMIT": "overcommit", "PARTITION": "partition", "POWER": "power", "PROFILE": "profile", "QOS": "qos",
+    "REQUEUE": "requeue", "REQ_SWITCH": "switches", "RESERVATION": "reservation", "SIGNAL": "signal",
+    "SPREAD_JOB": "spread-job", "THREADS_PER_CORE": "threads-per-core", "THREAD_SPEC": "thread-spec",
+    "TIMELIMIT": "time", "USE_MIN_NODES": "use-min-nodes", "WAIT": "wait", "WAIT4SWITCH": "switches",
+    "WAIT_ALL_NODES": "wait-all-nodes", "WCKEY": "wckey"}.items()}
+# a site's defaults that fleetbox may take where the job's script does not set the option itself: the queue, the
+# account, the limit, and what --sbatch-args may pass (they leave the job's shape, files and outcome to fleetbox)
+SBATCH_DEFAULTS = {"partition", "account", "qos", "reservation", "constraint", "time", *SBATCH_PASSED}
+# srun's input variables (srun(1), INPUT ENVIRONMENT VARIABLES, Slurm 22.05): exported into the job (--export=ALL),
+# they would reach the srun in its batch script; only where the configuration is stays
+SRUN_ENV = frozenset(f"SLURM_{k}" for k in (
+    "ACCOUNT ACCTG_FREQ BCAST BCAST_EXCLUDE BURST_BUFFER CLUSTERS COMPRESS CONSTRAINT CORE_SPEC CPUS_PER_GPU "
+    "CPU_BIND CPU_FREQ_REQ DEBUG DEBUG_FLAGS DELAY_BOOT DEPENDENCY DISABLE_STATUS DISTRIBUTION DIST_PLANESIZE EPILOG "
+    "EXACT EXCLUSIVE EXIT_ERROR EXIT_IMMEDIATE EXPORT_ENV GPUS GPUS_PER_NODE GPUS_PER_TASK GPU_BIND GPU_FREQ GRES "
+    "GRES_FLAGS HINT IMMEDIATE JOB_ID JOB_NAME JOB_NUM_NODES KILL_BAD_EXIT LABELIO MEM_BIND MEM_PER_CPU MEM_PER_GPU "
+    "MEM_PER_NODE MPI_TYPE NETWORK NNODES NO_KILL NPROCS NTASKS NTASKS_PER_CORE NTASKS_PER_GPU NTASKS_PER_NODE "
+    "NTASKS_PER_SOCKET OPEN_MODE OVERCOMMIT OVERLAP PARTITION PMI_KVS_NO_DUP_KEYS POWER PROFILE PROLOG QOS "
+    "REMOTE_CWD REQ_SWITCH RESERVATION RESV_PORTS SEND_LIBS SIGNAL SPREAD_JOB SRUN_REDUCE_TASK_EXIT_MSG STDERRMODE "
+    "STDINMODE STDOUTMODE STEP_GRES STEP_KILLED_MSG_NODE_ID TASK_EPILOG TASK_PROLOG TEST_EXEC THREADS "
+    "THREADS_PER_CORE THREAD_SPEC TIMELIMIT UMASK UNBUFFEREDIO USE_MIN_NODES WAIT WAIT4SWITCH WCKEY "
+    "WORKING_DIR").split())
+
+
+def submit_environment(environ, script: str) -> tuple[tuple[str, str, str], ...]:
+    """What of the submitting shell's environment would steer the job (sbatch's SBATCH_* and srun's SLURM_* input
+    variables), each (name, value, why it is left out; "": taken, a site's default the script does not set), by
+    name. Pure: `script` is the job's batch script, whose #SBATCH lines are what fleetbox planned."""
+    planned = set(re.findall(r"^#SBATCH --([a-z0-9-]+)", script, re.M))
+    out = []
+    for name in sorted(environ):
+        if name.startswith("SBATCH_MEM_BIND_"):   # libslurm's parts of --mem-bind
+            option = "mem-bind"
+        elif name in SBATCH_ENV:
+            option = SBATCH_ENV[name]
+        elif name in SRUN_ENV:
+            out.append((name, environ[name], "the job's srun would read it"))
+            continue
+        else:
+            continue
+        why = (f"fleetbox passes --{option}" if option in planned else "" if option in SBATCH_DEFAULTS
+               else f"--{option} would change the job fleetbox planned")
+        out.append((name, environ[name], why))
+    return tuple(out)
+
+
+def environment_line(env: tuple[tuple[str, str, str], ...]) -> str:
+    """The one line that says what of the environment was taken and what left out ("" where nothing counts)."""
+    def shown(name, value):
+        return f"{name}={value[:60]}"
+    left = [f"{shown(n, v)} ({why})" for n, v, why in env if why]
+    taken = [shown(n, v) for n, v, why in env if not why]
+    return "; ".join(([f"ignored from the environment: {', '.join(left)}"] if left else []) +
+                     ([f"taken from the environment: {', '.join(taken)}"] if taken else []))
+
+
 @dataclass(frozen=True)
 class SlurmPlan(Plan):
     runtime: str
@@ -111,6 +180,7 @@ class SlurmPlan(Plan):
     files: tuple[tuple[str, str], ...]    # (name in the job folder, text): job.sbatch, node.sh
     checkpoints: str = ""                 # the job's checkpoint folder (shared file system)
     image_why: str = ""                   # how the image was chosen (--image, or which export or push)
+    environment: tuple[tuple[str, str, str], ...] = ()   # what of the environment steers it (submit_environment)
 
 
 @dataclass
@@ -263,7 +333,8 @@ class SlurmBackend(Backend):
         self.runtime.check(t, image)
         files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
                  ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
-        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt), image_why)
+        return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt), image_why,
+                         submit_environment(os.environ, files[0][1]))
 
     def node_run(self, spec: spec_mod.JobSpec, job_id: str, job_dir: Path, ckpt: Path,
                  owner: str = "") -> planner.NodeRun:
@@ -443,7 +514,8 @@ class SlurmBackend(Backend):
         return "\n".join(head + body) + "\n"
 
     def describe(self, plan: SlurmPlan) -> str:
-        return "\n".join([f"# image: {plan.image} ({plan.image_why})"] +
+        said = environment_line(plan.environment)
+        return "\n".join([f"# image: {plan.image} ({plan.image_why})"] + ([f"# {said}"] if said else []) +
                          [f"# {plan.dir / name}\n{text}" for name, text in plan.files])
 
     # -- acting --
@@ -461,9 +533,12 @@ class SlurmBackend(Backend):
         for src in sorted(settings.HELPERS.glob("*.py")):
             files.write_atomic(plan.dir / HELPERS / src.name, src.read_bytes())
         self.warn_unshared(plan, log)
+        if said := environment_line(plan.environment):
+            log(said)
+        left = {name for name, _, why in plan.environment if why}
         # SLURM_RESTART_COUNT=0: a requeue count of the shell's own Slurm job is not this job's (chain.sh)
-        out = _slurm("sbatch", "--parsable", "--export=ALL,SLURM_RESTART_COUNT=0",
-                     str(plan.dir / "job.sbatch")).stdout.strip()
+        out = _slurm("sbatch", "--parsable", "--export=ALL,SLURM_RESTART_COUNT=0", str(plan.dir / "job.sbatch"),
+                     env={k: v for k, v in os.environ.items() if k not in left}).stdout.strip()
         handle = SlurmHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes, scheduler_job=out.split(";")[0],
                         procs_per_node=plan.spec.procs_per_node, checkpoints=plan.checkpoints,
                         owner=records.owner())
@@ -822,10 +897,10 @@ def node_host(node_log_path: Path) -> str:
     return node_log.host(node_log_path.read_text(errors="replace") if node_log_path.exists() else "")
 
 
-def _slurm(*argv, check=True) -> subprocess.CompletedProcess:
+def _slurm(*argv, check=True, env=None) -> subprocess.CompletedProcess:
     if not shutil.which(argv[0]):
         raise UserError(f"{argv[0]} not found: run on a Slurm login node (or install Slurm's client tools)")
-    proc = subprocess.run(argv, capture_output=True, text=True)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     if check and proc.returncode != 0:
         msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
         raise UserError(f"{argv[0]} failed: {msg[-1] if msg else f'exit {proc.returncode}'}")
@@ -837,10 +912,22 @@ def _slurm(*argv, check=True) -> subprocess.CompletedProcess:
 QUERY_WAITS = (1, 2, 4, 8, 15)
 START_WAITS = (1, 2, 4, 8)   # the batch script's own question at its start (the master's address), the same way
 NOT_KNOWN = "Invalid job id specified"   # scontrol's own answer for a job it does not (or no longer) know
+# scontrol's words for a controller that is busy, restarting or out of reach now, as Slurm's libslurm gives them
+# (src/common/slurm_errno.c; read from Debian 12's libslurmfull 22.05.8): asked again. Any other failure (an auth
+# plugin that cannot start, a wrong SLURM_CONF, an expired credential) stays until someone fixes it: said at once.
+BUSY = ("Unable to contact slurm controller", "Socket timed out on send/recv operation",
+        "Slurm backup controller in standby mode", "Zero Bytes were transmitted or received",
+        "Communication connection failure", "Communication shutdown failure", "Message receive failure",
+        "Message send failure", "Resource temporarily unavailable")
 
 
 class SlurmUnanswered(UserError):
     """Slurm gave no answer about a job (its controller busy or down): nothing is known of the job."""
+
+
+class SlurmRefused(LeftRunning):
+    """Slurm's tools answered with an error that asking again will not change: nothing is known of the job, which
+    is left as it is (a command that follows it stops following it)."""
 
 
 def job_state(job_id: str, waits=QUERY_WAITS) -> tuple[str, str]:
@@ -855,6 +942,9 @@ def job_state(job_id: str, waits=QUERY_WAITS) -> tuple[str, str]:
         said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
         if any(NOT_KNOWN in ln for ln in said):
             return accounted(job_id)
+        if not any(b in ln for ln in said for b in BUSY):
+            raise SlurmRefused(f"Slurm cannot be asked about job {job_id}: "
+                               f"{said[-1] if said else f'scontrol exit {proc.returncode}'}")
         if wait is None:
             raise SlurmUnanswered(f"Slurm did not answer about job {job_id}: "
                                   f"{said[-1] if said else f'scontrol exit {proc.returncode}'}")
@@ -882,20 +972,27 @@ def accounted(job_id: str) -> tuple[str, str]:
 
 
 def alive_or_unanswered(job_id: str) -> bool:
-    """Slurm has not ended the job, or gave no answer about it when asked once (nothing known: not an end)."""
+    """Slurm has not ended the job, or gave no answer about it when asked once, or cannot be asked (nothing known:
+    not an end)."""
     try:
         return alive(job_state(job_id, waits=())[0])
-    except SlurmUnanswered:
+    except (SlurmUnanswered, SlurmRefused):
         return True
 
 
 def patient_state(job_id: str, log) -> tuple[str, str]:
-    """job_state, asked until Slurm answers: while it does not, one line says so, once each time it stops."""
-    told = False
+    """job_state, asked until Slurm answers, for settings.slurm_patience() seconds at most: while it does not, one
+    line says so; then LeftRunning (the job goes on; this command stops following it). Any other failure to ask is
+    SlurmRefused at once."""
+    told, give_up = False, time.monotonic() + settings.slurm_patience()
     while True:
         try:
             return job_state(job_id)
         except SlurmUnanswered as e:
+            if time.monotonic() >= give_up:
+                raise LeftRunning(f"{e}, for {settings.slurm_patience():g} s (FLEETBOX_SLURM_PATIENCE): stopped "
+                                  f"following Slurm job {job_id}, which may still run; ask again with `invoke jobs` "
+                                  f"or `invoke logs --follow`") from None
             if not told:
                 log(f"{e}; asking again (a busy or restarting controller is not the job's end)")
                 told = True
