@@ -17,7 +17,7 @@ median of the last WINDOW such times, from which fleetbox names a straggler whil
 
 Each rank keeps one small file, $FLEETBOX_PROGRESS_DIR/progress-rank<r>.json, rewritten whole (a rename) by a
 background thread at most once a second and only when something changed: a step never waits on the file
-system (entering a phase writes at once: a phase is long anyway). The thread writes what the loop last
+system (entering a phase wakes the thread to write at once: the phase may be long). The thread writes what the loop last
 reported, so a stuck loop stops the file changing even though the thread lives on. A rank's child processes
 (a subprocess, a data loader's workers) write nothing: the rank's own pid is in FLEETBOX_PROGRESS_PID.
 """
@@ -38,7 +38,7 @@ WINDOW = 20   # steps whose own time a rank's file gives the median of (a stragg
 WARM_UP = 5   # steps whose own time is left out
 
 _lock = threading.Lock()          # the state
-_writing = threading.Lock()       # the file: the flusher and phase() may write at once
+_writing = threading.Lock()       # the file: the flusher and started()/exit may write at once
 _state = {"seq": 0, "step": None, "phase": None, "phase_limit": None, "reports": False, "done": False,
           "explicit": False}   # explicit: the script reports its own steps (step(), or the helpers imported)
 _auto = 0   # the steps sitecustomize saw in the training itself (auto_step)
@@ -46,6 +46,7 @@ _own = collections.deque(maxlen=WINDOW)   # this rank's own seconds of its last 
 _warm = 0   # own times seen and left out
 _written = -1       # the seq last written
 _thread = None
+_soon = threading.Event()   # a phase began: the flusher writes now, not at its next second
 
 
 def rank() -> int:
@@ -83,7 +84,8 @@ def _write() -> None:
 
 def _flusher() -> None:
     while True:
-        time.sleep(EVERY_S)
+        _soon.wait(EVERY_S)   # a second, or less where a phase began
+        _soon.clear()
         _write()
 
 
@@ -150,7 +152,9 @@ def phase(name: str, limit: float | None = None):
     inside, no progress is expected for `limit` seconds (default: the job's --start-timeout)."""
     outer = (_state["phase"], _state["phase_limit"])
     _changed(phase=str(name), phase_limit=limit, reports=True)
-    _write()   # at once: the phase may be long from its first second
+    if path() is not None:   # the rank itself (a forked child's copy of the event may hold a lock it never frees)
+        _soon.set()   # written at once, by the flusher: the phase may be long from its first second, and the
+                      # training thread never waits on the file system (every paddle.save and load is a phase)
     try:
         yield
     finally:

@@ -64,7 +64,12 @@ def may_take(folder: str, found: dict | None, me: dict, ended) -> dict | None:
     runs, job, host = Path(str(found.get("runs", ""))), str(found["job"]), str(found.get("host", ""))
     who = f"job {_word(job)} of {_word(found.get('user'))} on {_word(host)} (runs folder {_word(runs)})"
     here, pid = host == this_host(), found.get("pid")
-    recorded = JOB_ID.fullmatch(job) and runs.is_absolute() and (runs / job / records.HANDLE).exists()
+    try:
+        recorded = JOB_ID.fullmatch(job) and runs.is_absolute() and (runs / job / records.HANDLE).exists()
+    except OSError as e:   # another user's runs folder, say: whether the job has ended cannot be asked from here
+        raise UserError(f"checkpoint folder {folder} belongs to {who}, whose record cannot be read from here "
+                        f"({e.strerror or e}): if that job has ended, remove {Path(folder, layout.OWNER)}; else "
+                        f"give another --checkpoint-dir") from None
     if not recorded:   # the job's record is not written yet, or not seen from here
         if here and isinstance(pid, int) and pid > 0 and process_start(pid) == found.get("pid_start"):
             raise UserError(f"checkpoint folder {folder} belongs to {who}, which is starting (its fleetbox, pid "

@@ -14,6 +14,8 @@ from pathlib import Path
 
 SPAWN_MODULES = ("paddle.distributed", "paddle.distributed.spawn")   # where `spawn` is imported from
 NPROCS_AT = 2   # spawn(func, args=(), nprocs=-1, ...): nprocs's position
+MAX_SOURCE = 4 << 20   # characters: a bigger script is generated, not one that starts its own ranks (2M lines of
+                       # `x = 1` took 61 s to parse and walk)
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,12 @@ def _names(tree: ast.AST) -> tuple[set[str], set[str]]:
 
 
 def _dotted(e: ast.AST) -> str:
-    if isinstance(e, ast.Name):
-        return e.id
-    if isinstance(e, ast.Attribute):
-        inner = _dotted(e.value)
-        return f"{inner}.{e.attr}" if inner else ""
-    return ""
+    """`a.b.c` as written; "" where it is not a dotted name (a chain of any length: no recursion)."""
+    attrs = []
+    while isinstance(e, ast.Attribute):
+        attrs.append(e.attr)
+        e = e.value
+    return ".".join([e.id, *reversed(attrs)]) if isinstance(e, ast.Name) else ""
 
 
 def _is_spawn(call: ast.Call, modules: set[str], functions: set[str]) -> bool:
@@ -76,17 +78,20 @@ def _nprocs(call: ast.Call) -> tuple[int, str]:
 
 
 def of_source(text: str, filename: str = "<script>") -> Style:
-    """The style of a script's source; one that does not parse is left to Python to report, as launched."""
+    """The style of a script's source; one that does not parse, or is too big or too deep to read here, is left to
+    Python (run as launched). A script that never says `spawn` is not parsed at all."""
+    if "spawn" not in text or len(text) > MAX_SOURCE:
+        return LAUNCHED
     try:
         tree = ast.parse(text, filename)
+        modules, functions = _names(tree)
+        calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and _is_spawn(n, modules, functions)),
+                       key=lambda n: n.lineno)
+        if not calls:
+            return LAUNCHED
+        n, text_ = _nprocs(calls[0])
     except (SyntaxError, ValueError, RecursionError, MemoryError):   # nested too deep for the parser: Python's
         return LAUNCHED
-    modules, functions = _names(tree)
-    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and _is_spawn(n, modules, functions)),
-                   key=lambda n: n.lineno)
-    if not calls:
-        return LAUNCHED
-    n, text_ = _nprocs(calls[0])
     return Style(True, n, calls[0].lineno, text_)
 
 

@@ -32,6 +32,13 @@ class Shipped:
     size: int = -1       # an export file's size and mtime when it was made (-1: a folder, or a registry)
     mtime_ns: int = -1
 
+    def well_formed(self) -> bool:
+        """Every field of the type it is declared with (a record edited by hand, or damaged, is none)."""
+        numbers = (self.made, self.size, self.mtime_ns)
+        return all(isinstance(v, str) for v in (self.variant, self.kind, self.content_tag, self.where)) and \
+            all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) and \
+            all(isinstance(v, int) for v in numbers[1:])
+
     def present(self) -> bool:
         """What the record names is still there, unchanged (a file replaced since is not this export)."""
         if self.kind == REGISTRY:
@@ -72,6 +79,8 @@ def load(variant: Variant) -> list[Shipped]:
         try:
             s = Shipped(**data)
         except TypeError:
+            continue
+        if not s.well_formed():
             continue
         if s.variant == variant.name and s.content_tag and s.present():
             out.append(s)

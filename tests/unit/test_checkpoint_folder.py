@@ -266,3 +266,31 @@ def test_a_folder_only_named_like_a_cut_short_aside_is_left_alone(runs, tmp_path
     assert checkpoints.steps(ck) == [10] and (ck / "before-upload.partial").is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "runs") == \
         ["ck", "ck.before-20240101-000000.copy.partial"]
+
+
+def test_a_folder_whose_owner_runs_folder_this_user_cannot_read_is_refused_in_one_line(runs, tmp_path):
+    """Another user's job on this host: its runs folder is theirs (0700). Asking whether it ended raised a
+    PermissionError traceback; it is one line naming the file to remove. Run without root's power to read any
+    folder (as a user is), the runs folder another user's."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    theirs = tmp_path / "theirs"
+    (theirs / "train-them").mkdir(parents=True)
+    (theirs / "train-them" / "handle.json").write_text("{}")
+    os.chown(theirs, 65534, 65534)   # nobody's
+    theirs.chmod(0o700)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    files.write_json(ck / layout.OWNER, {"job": "train-them", "runs": str(theirs), "user": "ann",
+                                         "host": this_host(), "pid": 1, "pid_start": 1})
+    probe = ("from pathlib import Path\nfrom fleetbox.errors import UserError\nfrom fleetbox.run import backends, "
+             "checkpoints\ntry:\n    checkpoints.prepare(Path(%r), 'auto', 'mine', log=print)\nexcept UserError as e:\n"
+             "    print(e)\n" % str(ck))
+    proc = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-c", probe],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FLEETBOX_RUNS": str(runs)})
+    assert proc.stdout == (f"checkpoint folder {ck} belongs to job train-them of ann on {this_host()} (runs folder "
+                           f"{theirs}), whose record cannot be read from here (Permission denied): if that job has "
+                           f"ended, remove {ck}/OWNER; else give another --checkpoint-dir\n"), proc.stderr[-2000:]
+    assert layout.owner(str(ck))["job"] == "train-them"

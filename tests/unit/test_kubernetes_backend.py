@@ -554,7 +554,10 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
     (ckpt,) = [m for m in pods_for_podman(the(plan, "Job"), the(plan, "Service"))[0]["spec"]["containers"][0][
         "volumeMounts"] if m["mountPath"] == settings.CHECKPOINT_DIR]
     assert (ckpt["name"], ckpt["subPath"]) == ("checkpoints", JOB)   # the job's own folder of the claim's volume
-    with pytest.raises(UserError, match=r"podman kube play failed: Error: failed to start 2 containers \(.*rlimits"):
+    with pytest.raises(UserError, match=r"podman kube play failed: Error: failed to start 2 containers \(.*rlimits"
+                                        r".*: Podman gives every container its default open-file and process limits "
+                                        r"\(nofile, nproc\), above what this machine allows; set lower ones as "
+                                        r"default_ulimits in containers.conf"):
         b.submit(plan, log=lambda *_: None)
     calls = podman_calls()
     play = next(c for c in calls if c["argv"][:2] == ["kube", "play"])
@@ -571,6 +574,11 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
     assert removed == {f"{JOB}-helpers", f"{JOB}-script", JOB} | {f"{JOB}-{k}-{v}" for k in (0, 1)
                                                                   for v in ("dshm", "logs")}
     assert "ckpt" not in removed
+    # its record says it never started: the id is free again (it was "a state that cannot be told" until a cancel)
+    from fleetbox.commands import train
+    assert b.job_state(Handle.load(plan.dir))[0] == "FAILED"
+    assert json.loads((plan.dir / "summary.json").read_text())["ended"].startswith("its pods did not start: ")
+    train.refuse_live(JOB)
 
 
 @pytest.mark.parametrize("kind,status,state", [
@@ -975,3 +983,15 @@ def test_a_pod_whose_rank_crashed_is_not_held_and_ends_with_its_launchers_exit(t
     p = held_node(tmp_path, f"echo 'Traceback: ValueError' > {tmp_path}/workerlog.0; exit 7")
     p.wait(timeout=10)
     assert p.returncode == 7 and not (tmp_path / "COLLECTIVE-TIMEOUT").exists(), (tmp_path / "out.txt").read_text()
+
+
+@pytest.mark.parametrize("breaking", ["\x85", "\u2028", "\u2029"], ids=["NEL", "LS", "PS"])
+def test_a_character_yaml_reads_as_a_line_break_comes_back_as_itself(breaking):
+    """U+0085 in a job's --args came back from manifests.yaml (and what `podman kube play` reads) as a newline."""
+    import yaml
+
+    from fleetbox.run.backends.kube_pods import to_yaml
+    b = backend(k8s_kind="indexed")
+    plan = b.plan(spec(args=("--note", f"a{breaking}b")))
+    assert list(yaml.safe_load_all(to_yaml(plan.manifests))) == json.loads(json.dumps(plan.manifests))
+    assert f"a{breaking}b" in json.dumps(plan.manifests, ensure_ascii=False)

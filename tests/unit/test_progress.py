@@ -244,3 +244,19 @@ def test_a_visualdl_logdir_of_the_script_lands_in_the_nodes_log_folder_unless_ab
     assert site.visualdl_logdir("/data/vdl", folder, "0") == "/data/vdl"
     assert site.visualdl_logdir("bos://bucket/vdl", folder, "0") == "bos://bucket/vdl"
     assert site.visualdl_logdir(b"vdl", folder, "0") == "/fleetbox/logs/visualdl/rank0/vdl"
+
+
+def test_a_phase_is_written_at_once_by_the_flusher_never_by_the_training_thread(tmp_path):
+    """Every paddle.save and paddle.load is a phase: its write (244 µs a call on a local disk, more on the shared
+    file system of a Slurm job's log folder) ran in the training thread."""
+    probe = ("import json, os, threading, time\nimport fleetbox_progress as fp\nwho, real = [], os.replace\n"
+             "def replace(a, b):\n    who.append(threading.current_thread().name)\n    return real(a, b)\n"
+             "os.replace = replace\nfp.step(1)\nwith fp.phase('paddle.save'):\n    end = time.monotonic() + 10\n"
+             "    while time.monotonic() < end:\n        try:\n            if json.load(open(fp.path()))['phase']:\n"
+             "                break\n        except (OSError, ValueError):\n            pass\n"
+             "        time.sleep(0.01)\nprint(json.dumps([json.load(open(fp.path()))['phase'], who]))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(settings.HELPERS),
+                              "FLEETBOX_PROGRESS_DIR": str(tmp_path)}).stdout
+    phase, who = json.loads(out)
+    assert phase == "paddle.save" and who and set(who) == {"fleetbox-progress"}, who

@@ -87,6 +87,21 @@ def test_an_export_replaced_or_removed_since_its_record_is_not_run(shipped_here,
         plan("apptainer", tmp_path, monkeypatch)
 
 
+@pytest.mark.parametrize("damage", [{"made": "yesterday"}, {"size": "5"}, {"where": None}, {"mtime_ns": 1.5}])
+def test_a_record_with_a_field_of_another_type_is_skipped_as_damaged(shipped_here, tmp_path, monkeypatch, damage):
+    """Its docstring said so; a field of the wrong type raised TypeError in `train` instead."""
+    import json
+    shipped_here.clear()
+    sif = export("sif", NEW, tmp_path / "e")
+    shipped_here.built = NEW
+    (rec,) = shipped.records_dir().glob("cpu-sif-*.json")
+    good = json.loads(rec.read_text())
+    rec.write_text(json.dumps({**good, **damage}))
+    assert shipped.load(CPU) == []
+    rec.write_text(json.dumps(good))
+    assert [s.where for s in shipped.load(CPU)] == [str(sif)]
+
+
 def test_a_push_is_run_in_each_runtimes_own_syntax_and_a_file_is_preferred(shipped_here, tmp_path, monkeypatch):
     shipped_here.clear()
     shipped_here.built = NEW

@@ -37,9 +37,26 @@ def test_a_spawn_call_is_seen_however_it_is_imported_with_its_nprocs(source, npr
     "def spawn(f, nprocs): pass\nspawn(train, nprocs=2)",   # the script's own function
     "this is not python (",
     pytest.param("x = " + "1+" * 100000 + "1", id="nested-too-deep-for-the-parser"),   # Python says so when run
+    pytest.param("import paddle.distributed as d\nd.spawn(f, nprocs=" + "-" * 900 + "1)",
+                 id="a-count-too-deep-to-write-back"),   # left to Python: too deep to read here
 ])
 def test_a_script_without_paddles_spawn_is_launched(source):
+    """Also one too deep to read here: never a RecursionError (its count written back raised one)."""
     assert styles.of_source(source) == styles.LAUNCHED
+
+
+def test_a_name_of_any_length_is_read():
+    """A call on a name of 1500 attributes raised RecursionError; the spawn call after it is still seen."""
+    s = styles.of_source("import paddle\n(a" + ".b" * 1500 + ")()\npaddle.distributed.spawn(f, nprocs=2)")
+    assert (s.spawns, s.nprocs, s.line) == (True, 2, 3)
+
+
+def test_a_script_bigger_than_a_training_script_is_left_to_python():
+    """Generated, not written: parsing 2 million lines took a minute. One that spawns is then run as launched,
+    where Paddle's spawn says in one line that it refuses to."""
+    spawning = "import paddle.distributed as dist\ndist.spawn(train, nprocs=2)\n"
+    assert styles.of_source(spawning + "x = 1\n" * 1000).spawns
+    assert styles.of_source(spawning + "#" * styles.MAX_SOURCE) == styles.LAUNCHED
 
 
 def test_the_examples_are_told_apart():

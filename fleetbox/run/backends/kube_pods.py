@@ -77,14 +77,20 @@ def hang_watcher(handle: SupervisedHandle, files: PodFiles, log, every: float) -
                         h.start_timeout, h.attempt, files, log, every)
 
 
+YAML_BREAKS = ("\x85", "\u2028", "\u2029")   # line breaks to YAML (NEL, LS, PS), where Python's text has none
+
+
 def to_yaml(docs) -> str:
     """Multi-document YAML, one document per object, keys in the order they were made; a string of several lines
-    as a block (a node's script reads as written)."""
+    as a block (a node's script reads as written). A string holding a character YAML reads as a line break
+    (U+0085, U+2028, U+2029) is double-quoted, where it is escaped: read back, it is the same string."""
     import yaml  # noqa: PLC0415 (deferred: every task loads the backends, only this backend's objects need YAML)
 
     class Dumper(yaml.SafeDumper):
         pass
-    Dumper.add_representer(str, lambda d, text: d.represent_scalar("tag:yaml.org,2002:str", text,
-                                                                   style="|" if "\n" in text else None))
+
+    def style(text: str) -> str | None:
+        return '"' if any(c in text for c in YAML_BREAKS) else "|" if "\n" in text else None
+    Dumper.add_representer(str, lambda d, text: d.represent_scalar("tag:yaml.org,2002:str", text, style=style(text)))
     return yaml.dump_all(list(docs), Dumper=Dumper, sort_keys=False, explicit_start=True, allow_unicode=True,
                          width=1 << 16)

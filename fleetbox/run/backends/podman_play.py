@@ -118,9 +118,16 @@ class PodmanPlay:
             (plan.dir / "played.yaml").write_text(kube.to_yaml(docs))   # what Podman plays, as played
             podman("kube", "play", "--quiet", "--network", self.job_id, *(w for ip in ips for w in ("--ip", ip)),
                    "-", stdin=kube.to_yaml(docs))
-        except BaseException:
+        except BaseException as e:
             with signals_held():
                 self.down(handle, never_failing(log))
+                # its record says it never started: the job has ended, and its id is free again
+                judge(JobFacts([], ended=f"its pods did not start: {str(e) or type(e).__name__}"[:400]),
+                      handle.job_id, "kubernetes", handle.dir).save()
+            if isinstance(e, UserError) and "setting rlimit" in str(e):
+                raise UserError(f"{e}: Podman gives every container its default open-file and process limits "
+                                f"(nofile, nproc), above what this machine allows; set lower ones as default_ulimits "
+                                f"in containers.conf (docs/explanation/kubernetes.md)") from None
             raise
         log(f"played {plan.job_id} ({self.nodes} pods) with podman; see it with `podman pod ps --filter "
             f"label={settings.LABEL_JOB}={plan.job_id}`")
