@@ -38,7 +38,7 @@ class NodeFacts:
 @dataclass(frozen=True)
 class JobFacts:
     """What a backend saw of the whole job."""
-    nodes: list[NodeFacts]
+    nodes: list[NodeFacts]             # where their ends tie, in the order the backend saw them end
     timed_out: bool = False            # the job's own time limit (--timeout, --k8s-deadline) ended it
     hang: dict | None = None           # the hang watcher's record (run/hang.py), where it stopped the job
     completed: bool = True             # the scheduler saw the job complete (no scheduler: every exit code says)
