@@ -807,10 +807,10 @@ class _Live:
                         log(f"node{rank} (rank {rank}) exited with code {self.exits[-1][1]}; stopping the other nodes")
             # the deadlines until the first failure; then, at each new end, at once: a rank that a collective's own
             # timeout ended waited for a stuck peer, whose stacks are taken while it is still where it hung
-            ended = len(self.exits) > seen
+            new_end = len(self.exits) > seen
             seen = len(self.exits)
-            if (first_fail is None or ended) and (stuck := hangs.look(
-                    ended=[k for k, _ in self.exits], failed=[k for k, c in self.exits if c], at_once=ended,
+            if (first_fail is None or new_end) and (stuck := hangs.look(
+                    ended=[k for k, _ in self.exits], failed=[k for k, c in self.exits if c], at_once=new_end,
                     deadlines=first_fail is None)) is not None:
                 self.hang = stuck
                 self.stop_all(timeout=1)
@@ -919,7 +919,7 @@ class ContainerFiles(hang.NodeFiles):
 
     def write(self, k: int, name: str, data: bytes) -> None:
         if not self.live.plan.nodes[k].host:
-            files.write_atomic(self.live.plan.dir / f"node{k}" / name, data)
+            super().write(k, name, data)
             return
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:

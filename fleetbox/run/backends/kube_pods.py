@@ -18,6 +18,13 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"   # pod's annotati
 POD_IP_VAR, POD_IP_REF = "NODE_POD_IP", {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
+def kubelet_literal(text: str) -> str:
+    """`text` as the kubelet gives it back: it expands $(NAME) in an env value, a command and its args, and takes
+    $$ for $; every $ doubled, the container gets the text as written (a user's value, the node script's own
+    $(...) and $((...)), which the shell is to expand)."""
+    return text.replace("$", "$$")
+
+
 def kubelet_unescape(text: str) -> str:
     """What the kubelet makes of a $$ (a $), for Podman, which expands nothing: every $ kubelet_literal doubled is
     one again (a $( ) is left as written: kubelet_literal leaves none to expand)."""

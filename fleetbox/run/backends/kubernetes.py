@@ -49,6 +49,7 @@ from fleetbox.run.backends.kube_pods import (
     POD_IP_VAR,
     PodFiles,
     hang_watcher,
+    kubelet_literal,
     to_yaml,
 )
 from fleetbox.run.backends.podman_play import PodmanPlay, podman
@@ -804,13 +805,6 @@ def following(plan: KubePlan) -> dict:
     return {"supervisor": os.getpid(), "supervisor_start": process_start(os.getpid()),
             "supervisor_host": this_host(), "hang_timeout": plan.spec.hang_timeout,
             "start_timeout": plan.spec.start_timeout}
-
-
-def kubelet_literal(text: str) -> str:
-    """`text` as the kubelet gives it back: it expands $(NAME) in an env value, a command and its args, and takes
-    $$ for $; every $ doubled, the container gets the text as written (a user's value, the node script's own
-    $(...) and $((...)), which the shell is to expand)."""
-    return text.replace("$", "$$")
 
 
 def kinds_of(docs) -> list[str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import math
 import shutil
 import subprocess
 import time
@@ -195,10 +194,10 @@ class PodmanPlay:
             if lost := sorted(seen - set(ctrs)):
                 log(f"{handle.job_id}: node{lost[0]} {VANISHED}: stopping the others")
                 break
-            if failed := [k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")]:
-                at = self.ends(failed)
-                k = min(failed, key=lambda k: at.get(k, (math.inf,))[0])
-                log(f"{handle.job_id}: node{k} failed ({exit_meaning(ctrs[k].get('ExitCode'))}): stopping the others")
+            if failed := sorted(k for k, c in ctrs.items() if c.get("State") == "exited" and c.get("ExitCode")):
+                # which of them is to blame is the judge's, once their ends are read
+                log(f"{handle.job_id}: " + "; ".join(f"node{k} failed ({exit_meaning(ctrs[k].get('ExitCode'))})"
+                                                     for k in failed) + ": stopping the others")
                 break
             if len(ctrs) == self.nodes and all(c.get("State") == "exited" for c in ctrs.values()):
                 break

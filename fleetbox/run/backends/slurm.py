@@ -675,15 +675,15 @@ class SlurmBackend(Backend):
         timed_out = state == "TIMEOUT" and (last is None or last["slurm_job"] != slurm_job)
         cancelled = state == "CANCELLED" or bool(last and last["ended"] == "cancelled")
         nodes, ranks = [], set()
-        for i, f in enumerate(fails):
+        for f in fails:
             if f.rank in ranks or not 0 <= f.rank < handle.nodes:   # srun's first word of each of the job's tasks
                 continue
             log = job_dir / f"node{f.rank}.log"
             said = node_said(log) if f.code in NODE_EXITS else ""   # node.sh stopped it, saying why
             # srun --kill-on-bad-exit stops the other tasks after the first failure: a task it reports after that
             # was stopped by Slurm, not failing by itself (at the time limit or a cancel, Slurm stopped every one)
-            stopped = (i > 0 or timed_out or cancelled) and f.stopped
-            nodes.append(NodeFacts(f.rank, str(log), f.node or node_host(log), f.code, i, stopped, oom=f.oom,
+            stopped = (bool(nodes) or timed_out or cancelled) and f.stopped
+            nodes.append(NodeFacts(f.rank, str(log), f.node or node_host(log), f.code, len(nodes), stopped, oom=f.oom,
                                    last_words=last_words(job_dir / f"node{f.rank}", log)
                                    if one_worker and not stopped else None,
                                    said=f"stopped before the training: {said} (exit {f.code})" if said else "",
