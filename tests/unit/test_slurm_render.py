@@ -931,3 +931,6 @@ def test_the_shells_sbatch_and_srun_variables_never_steer_the_job_fleetbox_plann
             "SLURM_CPU_BIND=none (the job's srun would read it), SLURM_NTASKS=64 (the job's srun would read it); "
             "taken from the environment: SBATCH_ACCOUNT=proj42, SBATCH_QOS=long")
     assert line in said and b.describe(plan).splitlines()[1] == f"# {line}"
+    monkeypatch.setenv("SBATCH_QOS", "long\n#SBATCH --partition=evil")   # still one line, in the log and dry-run
+    assert slurm.environment_line(b.plan(spec).environment).endswith(
+        "taken from the environment: SBATCH_ACCOUNT=proj42, SBATCH_QOS=long #SBATCH --partition=evil")

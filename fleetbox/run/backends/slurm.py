@@ -165,8 +165,8 @@ def submit_environment(environ, script: str) -> tuple[tuple[str, str, str], ...]
 
 def environment_line(env: tuple[tuple[str, str, str], ...]) -> str:
     """The one line that says what of the environment was taken and what left out ("" where nothing counts)."""
-    def shown(name, value):
-        return f"{name}={value[:60]}"
+    def shown(name, value):   # one line whatever the value holds (a newline, a tab)
+        return f"{name}={' '.join(value.split())[:60]}"
     left = [f"{shown(n, v)} ({why})" for n, v, why in env if why]
     taken = [shown(n, v) for n, v, why in env if not why]
     return "; ".join(([f"ignored from the environment: {', '.join(left)}"] if left else []) +
