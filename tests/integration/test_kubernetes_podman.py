@@ -19,6 +19,7 @@ from fleetbox.run import metrics
 from fleetbox.run.backends.podman_play import pods_for_podman
 from tests.conftest import ROOT, ctrl_c_reaches_it
 from tests.integration.test_hpc import LOCAL, in_podman
+from tests.unit.test_cli import one_line_error
 
 needs = [t for t in ("podman", "catatonit") if not shutil.which(t)]   # catatonit: the pods' pause image
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),   # under CI a skip fails the run
@@ -70,10 +71,26 @@ def assert_nothing_left(job: str) -> None:
     assert job not in podman("network", "ls", "--format", "{{.Name}}").split()
 
 
-def test_two_ranks_pass_under_podman_kube_play_with_the_jobs_own_pod_template(podman_cpu, job):
-    proc = subprocess.run(train(job, "--args", "--steps 20 --checkpoint-every 10"), cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, **podman_cpu}, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_two_ranks_pass_under_podman_kube_play_with_the_jobs_own_pod_template(podman_cpu, job, tmp_path):
+    """...and another owner's job of the same id (another runs folder: another user's, or this user's other
+    project) is refused while it runs, nothing of it touched."""
+    p = subprocess.Popen(train(job, "--args", "--steps 20 --checkpoint-every 10 --step-sleep 0.2"), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, **podman_cpu, "PYTHONUNBUFFERED": "1"})
+    try:
+        said = []
+        while not any(ln.startswith(f"played {job} ") for ln in said):
+            said.append(p.stdout.readline())
+            assert said[-1], "".join(said)
+        theirs = subprocess.run(train(job), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                env={**os.environ, **podman_cpu, "FLEETBOX_RUNS": str(tmp_path / "runs")})
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    one_line_error(theirs, f"job id {job} is taken on this machine's Podman: pod {job}-0 is ",
+                   "nothing of theirs was touched")
+    assert p.returncode == 0, "".join(said) + out
     d = ROOT / "runs" / job
     # what Podman played is the Job's pod template, lowered (pods_for_podman) at the addresses it was given
     job_obj, svc = (next(m for m in yaml.safe_load_all((d / "manifests.yaml").read_text()) if m["kind"] == kind)
@@ -188,8 +205,14 @@ def test_a_hung_rank_is_named_from_its_pods_stacks_and_the_whole_job_restarts_fr
 def test_gloos_own_timeout_holds_the_waiting_pod_and_the_stuck_rank_is_blamed(podman_cpu, job):
     """The default deadlines (10 min): Gloo's own 30 s timeout ends rank 0, which waits for stuck rank 1. Rank 0's
     pod is held, still running (hang.hold_after_timeout in the node script), until the hang watch has rank 1's
-    stacks: rank 1 is named, never rank 0; the job restarts and passes."""
-    proc = subprocess.run(train(job, "--max-restarts", "1", "--args",
+    stacks: rank 1 is named, never rank 0; the job restarts and passes. With --resume never, from its own
+    checkpoint: an earlier run's newer one on the claim was set aside by the first pod (Podman 4.3 mounts the
+    claim's volume whole: its root is the job's folder)."""
+    subprocess.run(["podman", "volume", "create", f"{job}-ckpt"], check=True, capture_output=True)
+    claim = Path(podman("volume", "inspect", "--format", "{{.Mountpoint}}", f"{job}-ckpt").strip())
+    (claim / "step-00000050").mkdir()
+    (claim / "step-00000050" / "COMPLETE").touch()
+    proc = subprocess.run(train(job, "--max-restarts", "1", "--resume", "never", "--args",
                                 "--steps 60 --checkpoint-every 10 --hang-rank 1 --hang-step 30 --hang-attempt 0"),
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, **podman_cpu}, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -203,4 +226,8 @@ def test_gloos_own_timeout_holds_the_waiting_pod_and_the_stuck_rank_is_blamed(po
     assert "in `load_batch_that_never_returns` (smoke.py:" in h["text"], h["text"]
     assert "ended waiting in a collective; holding the node" in (d / "attempt0" / "node0" / "container.log").read_text()
     assert s["smoke"]["resumed_from"] == 30 and s["smoke"]["whole_run"], s["smoke"]
+    (aside,) = claim.glob("before-*")   # inside the folder: the claim's is a mount point in the pod
+    assert [p.name for p in aside.iterdir()] == ["step-00000050"]
+    assert "--resume never: moved the earlier checkpoints to /fleetbox/checkpoints/before-" in (
+        d / "attempt0" / "node0" / "container.log").read_text()
     assert_nothing_left(job)

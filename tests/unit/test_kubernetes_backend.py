@@ -7,6 +7,7 @@ running the container's own script with a stand-in python; kubectl is a stand-in
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,9 +24,10 @@ import yaml
 from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.image import matrix
-from fleetbox.run import backends
+from fleetbox.run import backends, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
+from fleetbox.run.backends.kube_pods import owner_label
 from fleetbox.run.backends.kubernetes import APPLY, KubeHandle
 from fleetbox.run.records import Handle
 from tests.conftest import ROOT
@@ -133,9 +135,13 @@ def test_each_shape_renders_for_each_device_and_a_cluster_would_take_every_objec
     assert vols["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     mounted = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounted[settings.CHECKPOINT_DIR] == "checkpoints" and mounted["/dev/shm"] == "dshm"
-    # the claim is shared by every job naming it: each job has its own folder of it
+    # the claim is shared by every job naming it: each owner's job has its own folder of it; every object, and
+    # every pod, bears the owner
     (ckpt,) = [m for m in c["volumeMounts"] if m["mountPath"] == settings.CHECKPOINT_DIR]
-    assert ckpt["subPath"] == JOB
+    mine = owner_label(records.owner())
+    assert ckpt["subPath"] == f"{mine}/{JOB}"
+    assert {m["metadata"]["labels"][settings.LABEL_OWNER] for m in plan.manifests} == {mine}
+    assert template_of(job)["metadata"]["labels"][settings.LABEL_OWNER] == mine
     assert ({"hostPath": {"path": "/opt/hyhal"}} in [{k: v for k, v in x.items() if k != "name"}
                                                       for x in vols.values()]) == (variant == "dcu")
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -195,7 +201,10 @@ def test_the_paddlejob_is_what_the_training_operator_finds():
 
 PYTHON = r'''#!{py}
 import json, os, sys
-if sys.argv[1:2] == ["-c"]:   # the master's name, resolved
+if sys.argv[1:2] == ["-c"] and "fleetbox_checkpoint_folder" in sys.argv[2]:   # the claim's folder taken, for real
+    code = sys.argv[2].replace({helpers_dir!r}, os.environ["HELPERS"])
+    os.execv(sys.executable, [sys.executable, "-c", code, os.environ["CLAIM"], *sys.argv[4:]])
+elif sys.argv[1:2] == ["-c"]:   # the master's name, resolved
     print(json.dumps({{"resolve": sys.argv[3:]}}), file=open(os.environ["OUT"] + ".resolve", "a"))
     print("10.0.0.1")
 elif sys.argv[1].endswith("fleetbox_netinfo.py"):
@@ -229,7 +238,7 @@ def run_script(container: dict, env: dict, tmp_path) -> dict:
     downward API's, `env`) and its command expanded as it expands them."""
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
-    (bin_ / "python").write_text(PYTHON.format(py=sys.executable))
+    (bin_ / "python").write_text(PYTHON.format(py=sys.executable, helpers_dir=settings.HELPERS_DIR))
     (bin_ / "python").chmod(0o755)
     out = tmp_path / "launch.json"
     values = dict(env)
@@ -277,6 +286,42 @@ def test_a_node_takes_its_rank_from_its_shapes_index_and_the_master_from_rank_0s
     # rank 0 is the master: its own address, as its launcher must see it to know itself
     assert (zopt["--rank"], zopt["--master"], zopt["--host"], zero["resolved"]) == ("0", f"10.0.0.9:{PORT}",
                                                                                      "10.0.0.9", [])
+
+
+@pytest.mark.parametrize("kind,index_env,version", [("indexed", "JOB_COMPLETION_INDEX", None),
+                                                     ("volcano", "VK_TASK_INDEX", "VOLCANO_JOB_VERSION")])
+def test_the_first_pod_of_a_run_takes_the_claims_folder_and_resume_never_sets_the_earlier_run_aside(
+        kind, index_env, version, tmp_path):
+    """Before any rank trains: rank 0's pod of attempt 0 clears the earlier run's markers and, with --resume never,
+    moves its checkpoints aside, as fleetbox does for a folder here (beside it; in a pod, where the claim's subPath
+    is a mount point, inside it: the integration test); no other pod, and no restart, touches them."""
+    from fleetbox.incontainer import fleetbox_checkpoint_folder as folder
+    claim = tmp_path / "claim"
+
+    def earlier_run():
+        for step in (40, 50):
+            (claim / f"step-{step:08d}").mkdir(parents=True)
+            (claim / f"step-{step:08d}" / folder.COMPLETE).touch()
+        (claim / folder.STATE).write_text('{"state": "done", "step": 50}')
+
+    def node(resume: str, rank: int, attempt: int) -> list[str]:
+        b = backend(k8s_kind=kind, k8s_checkpoint_claim="ckpt")
+        plan = b.for_attempt(b.plan(spec(resume=resume)), attempt) if not version else b.plan(spec(resume=resume))
+        (c,) = template_of(plan.manifests[-1])["spec"]["containers"]
+        run_script(c, {index_env: str(rank), "NODE_POD_IP": "10.0.0.9", "CLAIM": str(claim),
+                       "HELPERS": str(settings.HELPERS), **({version: str(attempt)} if version else {})}, tmp_path)
+        return sorted(p.name for p in claim.iterdir())
+
+    earlier_run()
+    assert node("never", 1, 0) == node("never", 0, 1) == ["STATE", "step-00000040", "step-00000050"]
+    assert node("never", 0, 0) == sorted([folder.OWNER, folder.LOCK])
+    (aside,) = tmp_path.glob("claim.before-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-00000040", "step-00000050"]   # (its STATE cleared)
+    assert folder.complete_steps(str(claim)) == []   # a restart resumes from this run's own checkpoints only
+    shutil.rmtree(claim)
+    earlier_run()   # --resume auto: the steps stay, to resume from; the earlier run's state goes
+    assert node("auto", 0, 0) == sorted([folder.OWNER, folder.LOCK, "step-00000040", "step-00000050"])
+    assert json.loads((claim / folder.OWNER).read_text())["job"] == JOB
 
 
 @pytest.mark.parametrize("kind,index_env", [("indexed", "JOB_COMPLETION_INDEX"), ("volcano", "VK_TASK_INDEX"),
@@ -475,7 +520,11 @@ args = sys.argv[1:]
 stdin = sys.stdin.read() if "-f" in args else ""
 with open(os.environ["KUBECTL_OUT"], "a") as f:
     f.write(json.dumps({{"argv": args, "stdin": stdin}}) + "\n")
-if "get" in args and "json" in args:
+if args[:2] == ["config", "current-context"]:
+    print(os.environ.get("KUBECTL_CONTEXT", ""))
+elif "get" in args and "-l" in args and "pods" not in args:   # a job id's objects, of every kind: whose they are
+    print(os.environ.get("KUBECTL_TAKEN", '{{"items": []}}'))
+elif "get" in args and "json" in args:
     print(os.environ.get("KUBECTL_SAYS", "{{}}"))
 '''
 
@@ -499,30 +548,103 @@ def kubectl(tmp_path, monkeypatch):
     return stand_in(tmp_path, monkeypatch, "kubectl", KUBECTL)
 
 
-def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_by_name(kubectl, monkeypatch):
+def test_submit_applies_the_plan_and_the_secret_on_stdin_then_asks_and_deletes_by_owner_where_it_was_applied(
+        kubectl, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "s3cret")
+    monkeypatch.setenv("KUBECTL_CONTEXT", "site-a")
     b = backend(k8s_kind="volcano", k8s_namespace="ml")
     plan = b.plan(spec(pass_env=("HF_TOKEN",)))
     h = b.submit(plan, log=lambda *_: None)
-    earlier, apply = kubectl()
-    # what an earlier run of the same id left is deleted first (and waited for), the claim never
-    assert earlier["argv"] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh,pod", "-l",
-                               f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found", "--cascade=foreground", "--wait"]
-    assert apply["argv"] == ["--namespace", "ml", *APPLY]
+    context, taken, earlier, apply = kubectl()
+    assert context["argv"] == ["config", "current-context"]
+    where, mine = ["--context", "site-a", "--namespace", "ml"], owner_label(records.owner())
+    # whose the id's objects are is asked first; then what an earlier run of it left, this owner's, is deleted (and
+    # waited for), the claim never
+    assert taken["argv"] == [*where, "get", "secret,configmap,job.batch.volcano.sh,pod", "-l",
+                             f"{settings.LABEL_JOB}={JOB}", "-o", "json"]
+    assert earlier["argv"] == [*where, "delete", "secret,configmap,job.batch.volcano.sh,pod", "-l",
+                               f"{settings.LABEL_JOB}={JOB},{settings.LABEL_OWNER}={mine}", "--ignore-not-found",
+                               "--cascade=foreground", "--wait"]
+    assert apply["argv"] == [*where, *APPLY]
     applied = json.loads(apply["stdin"])["items"]
     assert applied[0] == {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": {"HF_TOKEN": "s3cret"},
-                          "metadata": {"name": f"{JOB}-env", "labels": {settings.LABEL_JOB: JOB}, "namespace": "ml"}}
+                          "metadata": {"name": f"{JOB}-env", "namespace": "ml",
+                                       "labels": {settings.LABEL_JOB: JOB, settings.LABEL_OWNER: mine}}}
     assert applied[1:] == list(plan.manifests)
     assert "s3cret" not in (plan.dir / "manifests.yaml").read_text() + (plan.dir / "handle.json").read_text()
     assert h.objects == [f"secret/{JOB}-env", f"configmap/{JOB}-helpers", f"configmap/{JOB}-script",
                          f"job.batch.volcano.sh/{JOB}"]
 
+    # kubectl's context changed since: the job is still asked, and cancelled, where it was applied
+    monkeypatch.setenv("KUBECTL_CONTEXT", "site-b")
     monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"status": {"state": {"phase": "Running"}, "retryCount": 1}}))
+    h = Handle.load(plan.dir)
     assert b.job_state(h)[:2] == ("RUNNING", 1)
-    assert kubectl()[-1]["argv"] == ["--namespace", "ml", "get", f"job.batch.volcano.sh/{JOB}", "-o", "json"]
+    assert kubectl()[-1]["argv"] == [*where, "get", f"job.batch.volcano.sh/{JOB}", "-o", "json"]
     b.cancel(h, log=lambda *_: None)
-    assert kubectl()[-1]["argv"] == ["--namespace", "ml", "delete", "--ignore-not-found", *h.objects]
+    assert kubectl()[-1]["argv"] == [*where, "delete", "secret,configmap,job.batch.volcano.sh", "-l",
+                                     f"{settings.LABEL_JOB}={JOB},{settings.LABEL_OWNER}={mine}",
+                                     "--ignore-not-found"]
     assert b.job_state(h)[0] == "CANCELLED"
+
+
+def test_an_id_another_owner_holds_in_the_namespace_is_refused_and_nothing_of_theirs_is_touched(kubectl, tmp_path,
+                                                                                                monkeypatch):
+    theirs = {"kind": "Job", "metadata": {"name": JOB, "labels": {settings.LABEL_JOB: JOB,
+                                                                   settings.LABEL_OWNER: "bob.0123456789ab"}}}
+    monkeypatch.setenv("KUBECTL_TAKEN", json.dumps({"items": [theirs]}))
+    short_sleeps(monkeypatch, "another owner's job was applied and followed")
+    b = backend()
+    with pytest.raises(UserError, match=rf"^job id {JOB} is taken in namespace default: job/{JOB} are "
+                                        r"bob.0123456789ab's \(another user, or another runs folder\); nothing of "
+                                        r"theirs was touched: give another --job-id$"):
+        b.run(b.plan(spec()), log=lambda *_: None)
+    # kubectl's context and namespace asked, then whose the id's objects are; nothing deleted or applied
+    assert [c["argv"][:2] for c in kubectl()] == [["config", "current-context"], ["config", "view"],
+                                                  ["--namespace", "default"]] and kubectl()[-1]["argv"][2] == "get"
+    # this user's own objects of the id, from another runs folder, are another owner's too
+    mine = {settings.LABEL_JOB: JOB, settings.LABEL_OWNER: owner_label(records.owner())}
+    monkeypatch.setenv("KUBECTL_TAKEN", json.dumps({"items": [{**theirs, "metadata": {**theirs["metadata"],
+                                                                                     "labels": mine}}]}))
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "other-runs"))
+    with pytest.raises(UserError, match=f"job id {JOB} is taken"):
+        b.submit(b.plan(spec()), log=lambda *_: None)
+
+
+def test_a_secret_the_user_made_is_read_never_written_labelled_or_deleted(kubectl, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "from-this-shell")
+    b = backend(k8s_secret="team-tokens")
+    plan = b.plan(spec(pass_env=("HF_TOKEN", "WANDB_API_KEY")))
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"data": {"HF_TOKEN": "eA=="}}))
+    with pytest.raises(UserError, match=r"^--k8s-secret team-tokens has no key WANDB_API_KEY for --pass-env \(its "
+                                        r"keys: HF_TOKEN\)$"):
+        b.submit(plan, log=lambda *_: None)
+    assert [c["argv"][2:] for c in kubectl()[2:]] == [["get", "secret", "team-tokens", "-o", "json"]]
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"data": {"HF_TOKEN": "eA==", "WANDB_API_KEY": "eQ=="},
+                                                   "items": [], "status": {"conditions": [
+                                                       {"type": "Complete", "status": "True"}]}}))
+    short_sleeps(monkeypatch, "a completed job was followed as if it ran")
+    assert b.run(plan, log=lambda *_: None).ok
+    calls = kubectl()
+    apply = next(c for c in calls if "apply" in c["argv"])
+    assert [i["kind"] for i in json.loads(apply["stdin"])["items"]] == ["ConfigMap", "ConfigMap", "Service", "Job"]
+    assert "from-this-shell" not in json.dumps(calls)
+    assert not [c for c in calls if "delete" in c["argv"] and "secret" in c["argv"][c["argv"].index("delete") + 1]]
+    b.cancel(Handle.load(plan.dir), log=lambda *_: None)
+    assert "secret" not in kubectl()[-1]["argv"][kubectl()[-1]["argv"].index("delete") + 1]
+
+
+def test_the_secret_fleetbox_made_is_deleted_when_the_job_ends(kubectl, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "s3cret")
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": [], "status": {"conditions": [
+        {"type": "Complete", "status": "True"}]}}))
+    b = backend()
+    plan = b.plan(spec(pass_env=("HF_TOKEN",)))
+    short_sleeps(monkeypatch, "a completed job was followed as if it ran")
+    assert b.run(plan, log=lambda *_: None).ok
+    assert kubectl()[-1]["argv"] == ["--namespace", "default", "delete", "secret", "-l",
+                                     f"{settings.LABEL_JOB}={JOB},{settings.LABEL_OWNER}="
+                                     f"{owner_label(records.owner())}", "--ignore-not-found"]
 
 
 PODMAN = r'''#!{py}
@@ -535,6 +657,8 @@ if args[:2] == ["network", "inspect"]:
     print(json.dumps([{{"subnets": [{{"subnet": "10.89.7.0/24", "gateway": "10.89.7.1"}}]}}]))
 if args[:2] == ["volume", "exists"]:
     sys.exit(1)
+if args[:2] == ["pod", "ps"]:   # a pod of the job id left here, whoever's
+    print(os.environ.get("PODMAN_PODS", "[]"))
 if args[:2] == ["kube", "play"]:
     print("[starting container 1f: runc create failed: error setting rlimits]", file=sys.stderr)
     print("Error: failed to start 2 containers", file=sys.stderr)
@@ -553,7 +677,8 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
     plan = b.plan(spec(args=("--tag", "a b;$(id)")))
     (ckpt,) = [m for m in pods_for_podman(the(plan, "Job"), the(plan, "Service"))[0]["spec"]["containers"][0][
         "volumeMounts"] if m["mountPath"] == settings.CHECKPOINT_DIR]
-    assert (ckpt["name"], ckpt["subPath"]) == ("checkpoints", JOB)   # the job's own folder of the claim's volume
+    # the owner's job's own folder of the claim's volume (Podman 4.3 mounts the volume whole: docs)
+    assert (ckpt["name"], ckpt["subPath"]) == ("checkpoints", f"{owner_label(records.owner())}/{JOB}")
     with pytest.raises(UserError, match=r"podman kube play failed: Error: failed to start 2 containers \(.*rlimits"
                                         r".*: Podman gives every container its default open-file and process limits "
                                         r"\(nofile, nproc\), above what this machine allows; set lower ones as "
@@ -579,6 +704,28 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
     assert b.job_state(Handle.load(plan.dir))[0] == "FAILED"
     assert json.loads((plan.dir / "summary.json").read_text())["ended"].startswith("its pods did not start: ")
     train.refuse_live(JOB)
+
+
+def test_an_id_another_owner_holds_on_podman_is_refused_and_this_owners_leftovers_are_removed(tmp_path,
+                                                                                              monkeypatch):
+    podman_calls = stand_in(tmp_path, monkeypatch, "podman", PODMAN)
+    b = backend(k8s_client="podman")
+    pod = {"Name": f"{JOB}-0", "Labels": {settings.LABEL_JOB: JOB, settings.LABEL_OWNER: "bob.0123456789ab"}}
+    monkeypatch.setenv("PODMAN_PODS", json.dumps([pod]))
+    with pytest.raises(UserError, match=rf"^job id {JOB} is taken on this machine's Podman: pod {JOB}-0 is "
+                                        r"bob.0123456789ab's \(another user, or another runs folder\); nothing of "
+                                        r"theirs was touched: give another --job-id$"):
+        b.run(b.plan(spec()), log=lambda *_: None)
+    assert [c["argv"][:2] for c in podman_calls()] == [["pod", "ps"], ["network", "ls"]]   # asked, nothing removed
+    pod["Labels"][settings.LABEL_OWNER] = owner_label(records.owner())   # this owner's, an earlier run's
+    monkeypatch.setenv("PODMAN_PODS", json.dumps([pod]))
+    said = []
+    with pytest.raises(UserError, match="podman kube play failed"):
+        b.run(b.plan(spec()), log=said.append)
+    argvs = [c["argv"] for c in podman_calls()]
+    assert argvs[4] == ["pod", "rm", "--force", "--ignore", "--time", "0", f"{JOB}-0", f"{JOB}-1"]
+    assert argvs.index(argvs[4]) < argvs.index(next(a for a in argvs if a[:2] == ["network", "create"]))
+    assert f"{JOB}: removed what an earlier run of it left" in said
 
 
 @pytest.mark.parametrize("kind,status,state", [
@@ -628,11 +775,16 @@ def test_a_failed_apply_deletes_what_it_made_by_the_jobs_label_and_keeps_the_han
     argvs = [c["argv"] for c in kubectl() if c["argv"][-1] != "--wait"]   # the earlier run's, deleted first
     apply = argvs.index(["--namespace", "ml", *APPLY])
     assert argvs[apply + 1] == ["--namespace", "ml", "delete", "secret,configmap,job.batch.volcano.sh", "-l",
-                                f"{settings.LABEL_JOB}={JOB}", "--ignore-not-found"]   # never the claim
+                                selector(), "--ignore-not-found"]   # never the claim
     assert (plan.dir / "handle.json").exists()
     from fleetbox.run.backends.kubernetes import KubernetesBackend
     assert f"kubectl delete secret,configmap,service,job.batch,job.batch.volcano.sh,paddlejob.kubeflow.org -l " \
-           f"{settings.LABEL_JOB}={JOB} --ignore-not-found" in KubernetesBackend.leftovers(JOB)
+           f"{selector()} --ignore-not-found" in KubernetesBackend.leftovers(JOB)
+
+
+def selector() -> str:
+    """The label selector of the test job's objects, this owner's (the owner is the runs folder's: the test's)."""
+    return f"{settings.LABEL_JOB}={JOB},{settings.LABEL_OWNER}={owner_label(records.owner())}"
 
 
 LEFT_BEFORE = KUBECTL + r'''
@@ -648,9 +800,9 @@ def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kub
     b = backend(k8s_checkpoint_claim="ckpt", k8s_checkpoint_size="1Gi")
     said = []
     b.run(b.plan(spec()), log=said.append)
-    argvs = [c["argv"] for c in kubectl()]
-    assert argvs[:2] == [["delete", "configmap,service,job.batch,pod", "-l", f"{settings.LABEL_JOB}={JOB}",
-                          "--ignore-not-found", "--cascade=foreground", "--wait"], list(APPLY)]
+    argvs = [c["argv"][2:] for c in kubectl() if "config" not in c["argv"]]
+    assert argvs[1:3] == [["delete", "configmap,service,job.batch,pod", "-l", selector(), "--ignore-not-found",
+                           "--cascade=foreground", "--wait"], list(APPLY)]
     assert [s for s in said if "earlier run" in s] == [
         f"{JOB}: deleted what an earlier run of it left (configmap, job.batch)"]
     said.clear()
@@ -659,10 +811,10 @@ def test_the_same_job_id_again_deletes_what_the_earlier_run_left_and_says_so(kub
     assert not [s for s in said if "earlier run" in s]   # nothing was left: nothing said
 
 
-GONE = KUBECTL.replace("if \"get\" in args and \"json\" in args:", r'''if "get" in args and "pods" not in args:
+GONE = KUBECTL.replace("elif \"get\" in args and \"json\" in args:", r'''elif "get" in args and "pods" not in args:
     print('Error from server (NotFound): jobs.batch "fb-job" not found', file=sys.stderr)
     sys.exit(1)
-if "get" in args and "json" in args:''')
+elif "get" in args and "json" in args:''')
 
 
 def test_a_job_whose_object_was_deleted_while_it_ran_is_followed_to_failed(kubectl, tmp_path, monkeypatch):
@@ -694,11 +846,13 @@ def test_the_docs_put_no_secret_on_argv_and_say_what_a_restart_is_per_shape():
 # for stacks is answered with that job's recorded dumps, as sitecustomize's relay answers it.
 CLUSTER = r"""#!{py}
 import json, os, re, shutil, sys
-args = sys.argv[1:]
+args, scope = sys.argv[1:], []
+while args[:1] in (["--namespace"], ["--context"]):   # where the job is: recorded on its own
+    scope, args = scope + args[:2], args[2:]
 stdin = sys.stdin.buffer.read() if (args[:1] == ["apply"] or "cat >" in " ".join(args)) else b""
 with open(os.environ["KUBECTL_OUT"], "a") as f:
-    f.write(json.dumps({{"argv": args, "stdin": stdin.decode(errors="replace") if "-f" in args else ""}}) + "\n")
-args = args[2:] if args[:1] == ["--namespace"] else args
+    f.write(json.dumps({{"argv": args, "scope": scope,
+                        "stdin": stdin.decode(errors="replace") if "-f" in args else ""}}) + "\n")
 state, recorded = os.environ["KUBECTL_STATE"], os.environ.get("KUBECTL_RECORDED", "")
 attempt = int(open(os.path.join(state, "attempt")).read()) if os.path.exists(os.path.join(state, "attempt")) else 0
 # every attempt's pods: an earlier attempt's still on their way out (deleted in the background)
@@ -719,7 +873,8 @@ elif args[:2] == ["get", "pods"]:
     want = dict(kv.split("=") for kv in args[args.index("-l") + 1].split(","))
     items = []
     for n, (k, a) in pods.items():
-        labels = {{"io.fleetbox.job": "fb-job", "io.fleetbox.attempt": str(a)}}
+        labels = {{"io.fleetbox.job": "fb-job", "io.fleetbox.owner": os.environ["KUBECTL_OWNER"],
+                  "io.fleetbox.attempt": str(a)}}
         if any(labels.get(key) != v for key, v in want.items()):
             continue
         done = os.environ.get(f"KUBECTL_PODS_{{a}}") == "done"
@@ -731,6 +886,8 @@ elif args[:2] == ["get", "pods"]:
                           {{"name": "paddle", "state": {{"terminated": {{"exitCode": 0}}}} if done else
                            {{"running": {{}}}}}}]}}}})
     print(json.dumps({{"items": items}}))
+elif args[:1] == ["get"] and "-l" in args:   # a job id's objects, of every kind: none but this owner's
+    print('{{"items": []}}')
 elif args[:1] == ["get"]:
     print(os.environ.get(f"KUBECTL_JOB_{{attempt}}", '{{"status": {{"active": 2}}}}'))
 elif args[:1] == ["exec"]:
@@ -759,6 +916,7 @@ def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts
     (tmp_path / "bin" / "kubectl").write_text(CLUSTER.format(py=sys.executable))
     (tmp_path / "cluster").mkdir()
     monkeypatch.setenv("KUBECTL_STATE", str(tmp_path / "cluster"))
+    monkeypatch.setenv("KUBECTL_OWNER", owner_label(records.owner()))
     monkeypatch.setenv("KUBECTL_RECORDED", str(ROOT / "tests" / "recorded" / "jobs" / "train-20261127-201444-43d0"))
     monkeypatch.setenv("KUBECTL_JOB_1", COMPLETE)
     monkeypatch.setenv("KUBECTL_PODS_1", "done")
@@ -781,7 +939,7 @@ def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts
             f"{settings.LOG_DIR}/progress-rank1.json", f"{settings.LOG_DIR}/COLLECTIVE-TIMEOUT"] in calls
     assert ["exec", "-i", "fb-job-0-x0", "-c", "paddle", "--", "sh", "-c", 'cat > "$1.tmp" && mv -f "$1.tmp" "$1"',
             "sh", f"{settings.LOG_DIR}/STACKS-REQUEST"] in calls
-    hung_delete = calls.index(["delete", "--ignore-not-found", "--cascade=foreground", f"job.batch/{JOB}"])
+    hung_delete = calls.index(["delete", "job.batch", "-l", selector(), "--ignore-not-found", "--cascade=foreground"])
     # the restart: what the attempt left deleted by label, then the same objects applied, FLEETBOX_ATTEMPT 1
     applies = [k for k, c in enumerate(calls) if c == list(APPLY)]
     assert len(applies) == 2 and applies[0] < hung_delete < applies[1]
@@ -820,6 +978,7 @@ def cluster(kubectl, tmp_path, monkeypatch):
     (tmp_path / "bin" / "kubectl").write_text(CLUSTER.format(py=sys.executable))
     (tmp_path / "cluster").mkdir()
     monkeypatch.setenv("KUBECTL_STATE", str(tmp_path / "cluster"))
+    monkeypatch.setenv("KUBECTL_OWNER", owner_label(records.owner()))
     return kubectl
 
 
@@ -828,7 +987,7 @@ def test_the_hang_watch_never_reads_an_earlier_attempts_pods_on_their_way_out(cl
     (tmp_path / "cluster" / "attempt").write_text("1")   # attempt 0's pods terminating; attempt 1's just applied
     monkeypatch.setenv("KUBECTL_PODS_1", "done")          # (or, here, already ended: not running either)
     b = backend()
-    h = KubeHandle("kubernetes", JOB, str(tmp_path), 2, objects=[f"job.batch/{JOB}"], attempt=1)
+    h = KubeHandle("kubernetes", JOB, str(tmp_path), 2, owner=records.owner(), objects=[f"job.batch/{JOB}"], attempt=1)
     argv, running = KubernetesBackend.in_pods(b, h)
     assert (running(), argv(0), argv(1)) == (False, None, None)
     monkeypatch.delenv("KUBECTL_PODS_1")
@@ -846,8 +1005,8 @@ def test_an_attempt_that_ended_while_its_client_lives_is_running_to_another_shel
     client = subprocess.Popen(["sleep", "30"])
     try:
         for pid, seen in ((client.pid, "RUNNING"), (os.getpid(), "FAILED")):   # (the client itself: its end)
-            h = KubeHandle("kubernetes", JOB, str(tmp_path), 2, objects=[f"job.batch/{JOB}"], supervisor=pid,
-                           supervisor_start=process_start(pid), supervisor_host=this_host())
+            h = KubeHandle("kubernetes", JOB, str(tmp_path), 2, owner=records.owner(), objects=[f"job.batch/{JOB}"],
+                           supervisor=pid, supervisor_start=process_start(pid), supervisor_host=this_host())
             state, attempt, note = b.job_state(h)
             assert (state, attempt) == (seen, 0), note
         live = replace(h, supervisor=client.pid, supervisor_start=process_start(client.pid))
@@ -880,8 +1039,7 @@ def test_a_cancel_while_a_restart_is_applied_deletes_it_and_ends_the_job(cluster
     calls = [c["argv"] for c in cluster()]
     applies = [k for k, c in enumerate(calls) if c == list(APPLY)]
     assert len(applies) == 2 and not result.ok   # attempt 1 applied, then cancelled: no attempt 2
-    assert calls[applies[1] + 1] == ["delete", "configmap,service,job.batch", "-l", f"{settings.LABEL_JOB}={JOB}",
-                                     "--ignore-not-found"]
+    assert calls[applies[1] + 1] == ["delete", "configmap,service,job.batch", "-l", selector(), "--ignore-not-found"]
     assert b.job_state(Handle.load(plan.dir))[0] == "CANCELLED"
 
 
@@ -920,8 +1078,9 @@ def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_
     plan = b.plan(spec())
     plan.make_dir()
     from fleetbox.processes import process_start, this_host
-    h = KubeHandle("kubernetes", JOB, str(plan.dir), 2, objects=[f"job.batch/{JOB}"], namespace="ml",
-                   supervisor=os.getpid(), supervisor_start=process_start(os.getpid()), supervisor_host=this_host())
+    h = KubeHandle("kubernetes", JOB, str(plan.dir), 2, owner=records.owner(), objects=[f"job.batch/{JOB}"],
+                   namespace="ml", supervisor=os.getpid(), supervisor_start=process_start(os.getpid()),
+                   supervisor_host=this_host())
     h.save()
     slept = []
 
@@ -936,8 +1095,8 @@ def test_following_a_nodes_logs_streams_each_of_its_pods_across_a_restart_until_
     said = []
     b.show_logs(Handle.load(plan.dir), 1, follow=True, log=said.append, poll=0.01)
     assert said == ["the output of fb-job-1-x0", "the output of fb-job-1-x1"]
-    assert [c["argv"] for c in cluster() if "logs" in c["argv"]] == [
-        ["--namespace", "ml", "logs", "-f", f"fb-job-1-x{k}", "-c", "paddle"] for k in (0, 1)]
+    assert [(c["scope"], c["argv"]) for c in cluster() if "logs" in c["argv"]] == [
+        (["--namespace", "ml"], ["logs", "-f", f"fb-job-1-x{k}", "-c", "paddle"]) for k in (0, 1)]
 
 
 def held_node(tmp_path, launcher: str) -> subprocess.Popen:

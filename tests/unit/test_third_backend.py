@@ -344,7 +344,8 @@ def test_a_job_whose_record_cannot_be_read_is_told_how_each_backend_stops_its_le
     from fleetbox.run import backends
     from tests.unit.test_backend_registry import EchoBackend
     k8s = backends.lookup("kubernetes").leftovers   # fleetbox's own third backend says its own too
-    assert k8s("j-1").startswith("Kubernetes objects: `kubectl delete ") and "-l io.fleetbox.job=j-1 " in k8s("j-1")
+    assert k8s("j-1").startswith("Kubernetes objects: `kubectl delete ") and \
+        "-l io.fleetbox.job=j-1,io.fleetbox.owner=" in k8s("j-1")
     assert jobs._leftovers("j-1") == ("`invoke clean --job j-1 --force` removes its containers "
                                       f"(a Slurm job: `scancel --user=$USER --name=fleetbox-j-1`; {k8s('j-1')})")
 

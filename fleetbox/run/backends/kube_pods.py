@@ -1,9 +1,10 @@
 """What the Kubernetes backend's two clients (kubectl, and `podman kube play`: podman_play.py) share of a job's
-pods: the names the controllers give a pod, what the kubelet does to its words, the objects as YAML, and the hang
-watcher's way into a running pod (PodFiles, through the client's exec)."""
+pods: the names the controllers give a pod, whose they are (owner_label), what the kubelet does to its words, the
+objects as YAML, and the hang watcher's way into a running pod (PodFiles, through the client's exec)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -29,6 +30,14 @@ def kubelet_unescape(text: str) -> str:
     """What the kubelet makes of a $$ (a $), for Podman, which expands nothing: every $ kubelet_literal doubled is
     one again (a $( ) is left as written: kubelet_literal leaves none to expand)."""
     return text.replace("$$", "$")
+
+
+def owner_label(owner: str) -> str:
+    """records.owner() (user@<runs folder id>) as a label value can hold it (no '@', at most 63): the user's name
+    in the characters a label takes, then the runs folder's id, which alone tells owners apart."""
+    user, _, digest = owner.rpartition("@")
+    user = re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:50].strip("_.-")
+    return f"{user}.{digest}" if user else digest
 
 
 

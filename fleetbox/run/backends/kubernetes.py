@@ -23,6 +23,7 @@ one Pod per index, podman_play.py, on a network of the job's own).
 from __future__ import annotations
 
 import datetime as dt
+import getpass
 import json
 import math
 import os
@@ -50,6 +51,7 @@ from fleetbox.run.backends.kube_pods import (
     PodFiles,
     hang_watcher,
     kubelet_literal,
+    owner_label,
     to_yaml,
 )
 from fleetbox.run.backends.podman_play import PodmanPlay, podman
@@ -94,6 +96,19 @@ RESOLVE_PY = ("import socket, sys, time\n"
               "    try: print(socket.gethostbyname(sys.argv[1])); break\n"
               "    except OSError: time.sleep(2)\n"
               "else: sys.exit(\"fleetbox: the master \" + sys.argv[1] + \" does not resolve\")")
+# The checkpoint folder on the claim taken by the first pod of a run (rank 0, attempt 0), as fleetbox takes a
+# folder here (run/checkpoints.py): the earlier run's markers cleared and, for --resume never, its checkpoints set
+# aside (inside the folder: the claim's subPath is a mount point), before any rank can train or save
+TAKE_PY = ("import json, sys\n"
+           f"sys.path.insert(0, {settings.HELPERS_DIR!r})\n"
+           "import fleetbox_checkpoint_folder as folder\n"
+           "where, me, resume, says = sys.argv[1:5]\n"
+           "try: got = folder.take(where, json.loads(me), None, resume)\n"
+           "except OSError as e: sys.exit(f'{says}checkpoint folder {where}: {e.strerror or e}')\n"
+           "o = got['owner'] or {}\n"
+           "if not got['taken']: sys.exit(f'{says}checkpoint folder {where} belongs to job {o.get(\"job\")} of '\n"
+           "                              f'{o.get(\"user\")} (runs folder {o.get(\"runs\")})')\n"
+           "if got['aside']: print(f'{says}--resume never: moved the earlier checkpoints to {got[\"aside\"]}')")
 
 # Kubernetes' own rules for what becomes a name or a label (apimachinery's validation)
 RFC1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -133,6 +148,7 @@ class Names:
     """Every name the job's objects take, and the master's, for one shape."""
     job: str
     kind: str
+    owner: str = ""   # its objects' owner label (owner_label)
 
     @property
     def service(self) -> str:   # the headless Service (Volcano's svc plugin names its own the job's name)
@@ -147,6 +163,12 @@ class Names:
     def master(self) -> str:
         # the Training Operator makes a Service per pod, named as the pod: no subdomain
         return self.pod(0) if self.kind == "paddlejob" else f"{self.pod(0)}.{self.service}"
+
+    @property
+    def claim_folder(self) -> str:
+        """The job's folder on the checkpoint claim: its owner's and its own (another owner's job of the same id
+        neither resumes from it nor writes into it)."""
+        return f"{self.owner}/{self.job}"
 
     @property
     def helpers(self) -> str:
@@ -171,6 +193,7 @@ class KubePlan(Plan):
     namespace: str = ""
     manifests: tuple = ()     # the objects, in the order they are applied (dicts, as JSON would hold them)
     secret: str = ""          # the Secret --pass-env reads from ("": none)
+    secret_made: bool = False  # ... fleetbox's own, made from this environment (not one --k8s-secret names)
     client: str = "kubectl"   # what runs them (--k8s-client)
     attempt: int = 0          # fleetbox's own restarts: which attempt these manifests run (FLEETBOX_ATTEMPT)
 
@@ -179,12 +202,17 @@ class KubePlan(Plan):
 class KubeHandle(SupervisedHandle):   # its supervisor: the command that follows it (restarts, hangs), if attached
     _: KW_ONLY
     kind: str = "indexed"
-    namespace: str = ""
+    namespace: str = ""                                # where its objects are, and the kubeconfig context
+    context: str = ""                                  # (kubectl's at submit; every later call uses these)
     objects: list[str] = field(default_factory=list)   # each object applied, as kubectl names it (the job last);
     client: str = "kubectl"                            # podman's: pod/, volume/ and network/<name>
     attempt: int = 0
     hang_timeout: float = 0.0   # the job's deadlines, for the client's hang watch (follow)
     start_timeout: float = 0.0
+
+    def scope(self) -> list[str]:
+        """kubectl's words for where the job is (at)."""
+        return at(self.context, self.namespace)
 
 
 class KubernetesBackend(ClientRestarts):
@@ -313,7 +341,7 @@ class KubernetesBackend(ClientRestarts):
 
     def plan(self, spec: spec_mod.JobSpec) -> KubePlan:
         job_id = spec.job_id or spec_mod.new_job_id()
-        names = Names(job_id, self.kind)
+        names = self.names(job_id)
         names.check(spec.nodes)
         # on the pod network every pod has its own address: one port fits every job (the Training Operator's);
         # on the nodes' own network it may be taken: a random one, as for Slurm's nodes
@@ -321,14 +349,17 @@ class KubernetesBackend(ClientRestarts):
         secret = (self.secret or f"{job_id}-env") if spec.pass_env else ""
         manifests = self.render(spec, names, port, secret)
         return KubePlan(spec, job_id, settings.runs_root() / job_id, port, self.kind, self.namespace,
-                        tuple(manifests), secret, self.client)
+                        tuple(manifests), secret, bool(secret) and not self.secret, self.client)
+
+    def names(self, job_id: str) -> Names:
+        return Names(job_id, self.kind, owner_label(records.owner()))
 
     def for_attempt(self, plan: KubePlan, attempt: int) -> KubePlan:
         """The same objects, their pods' FLEETBOX_ATTEMPT the restart's (fleetbox's own restarts)."""
         if attempt == plan.attempt:
             return plan
         return replace(plan, attempt=attempt, manifests=tuple(self.render(
-            plan.spec, Names(plan.job_id, self.kind), plan.port, plan.secret, attempt)))
+            plan.spec, self.names(plan.job_id), plan.port, plan.secret, attempt)))
 
     def render(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> list[dict]:
         """Every object of the job, in the order they are applied: the ConfigMaps and the claim before the pods
@@ -351,9 +382,9 @@ class KubernetesBackend(ClientRestarts):
         return objs
 
     def meta(self, obj: dict, names: Names) -> dict:
-        """The labels every object of the job has, and its namespace where one is given."""
+        """The labels every object of the job has (its id, its owner), and its namespace where one is given."""
         md = obj["metadata"]
-        md["labels"] = {settings.LABEL_JOB: names.job, **md.get("labels", {})}
+        md["labels"] = {settings.LABEL_JOB: names.job, settings.LABEL_OWNER: names.owner, **md.get("labels", {})}
         if self.namespace:
             md["namespace"] = self.namespace
         return obj
@@ -412,6 +443,11 @@ class KubernetesBackend(ClientRestarts):
         lines += ['[ -n "$IFACE" ] || { echo "fleetbox: no interface of $(hostname) holds $NODE_IP" >&2; exit 2; }',
                   node_script.port_range("NODE_INDEX", str(port), spec.procs_per_node),
                   f'echo "{SAYS}$IFACE $NODE_IP -> master $MASTER_NAME = $MASTER_IP:{port}"']
+        if self.claim:
+            me = {"job": names.job, "runs": str(settings.runs_root().resolve()), "user": getpass.getuser()}
+            lines.append('if [ "$NODE_INDEX" = 0 ] && [ "$FLEETBOX_ATTEMPT" = 0 ]; then '
+                         f'python -c {line([TAKE_PY, settings.CHECKPOINT_DIR, json.dumps(me), spec.resume])} '
+                         f'"{SAYS}"; fi')
         lines += [f"export {k}={line([placeholders.to_shell(v, values)])}" for k, v in t.env.items()
                   if placeholders.used(v)]
         if self.kind == "paddlejob":   # the operator's (training-operator pkg/controller.v1/paddlepaddle/envvar.go):
@@ -461,9 +497,9 @@ class KubernetesBackend(ClientRestarts):
                 vol = {"name": f"host{i}", "hostPath": {"path": m.src}}
             volumes.append(vol)
             mounts.append({"name": vol["name"], "mountPath": m.dst, **({"readOnly": True} if m.ro else {}),
-                           # each job its own folder of the claim (as Docker's runs/<job>/checkpoints): every job
-                           # naming the claim shares it
-                           **({"subPath": names.job} if m.dst == settings.CHECKPOINT_DIR else {})})
+                           # each owner's job its own folder of the claim (as Docker's runs/<job>/checkpoints):
+                           # every job naming the claim shares it
+                           **({"subPath": names.claim_folder} if m.dst == settings.CHECKPOINT_DIR else {})})
         resources = {}
         if t.accelerator:   # one device per process, as the device plugin counts them
             resources[self.resource[t.accelerator]] = str(spec.gpus_each)
@@ -484,7 +520,8 @@ class KubernetesBackend(ClientRestarts):
             pod["subdomain"] = names.service
         if self.host_network:   # and still the cluster's DNS, for the master's name
             pod.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
-        labels = {settings.LABEL_JOB: names.job, settings.LABEL_VARIANT: spec.variant.name}
+        labels = {settings.LABEL_JOB: names.job, settings.LABEL_OWNER: names.owner,
+                  settings.LABEL_VARIANT: spec.variant.name}
         if self.kind != "volcano":   # fleetbox's own restarts: which attempt a pod is of
             labels[ATTEMPT_LABEL] = str(attempt)
         return {"metadata": {"labels": labels}, "spec": pod}
@@ -543,9 +580,16 @@ class KubernetesBackend(ClientRestarts):
     def run(self, plan: KubePlan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Volcano restarts the whole job itself (RestartJob, its version the attempt); a Job or a PaddleJob
         would make a failed pod again alone: fleetbox restarts the whole job instead, from this client."""
-        if self.kind == "volcano":
-            return super().run(plan, log, timeout, on_submit)
-        return self.restarting(plan, log, timeout, on_submit)
+        try:
+            if self.kind == "volcano":
+                return super().run(plan, log, timeout, on_submit)
+            return self.restarting(plan, log, timeout, on_submit)
+        finally:   # the Secret fleetbox made (its values are this shell's): no longer needed once the job ended
+            if plan.secret_made and (plan.dir / records.HANDLE).exists():   # none: refused before any apply
+                h = Handle.load(plan.dir)
+                with signals_held():
+                    kubectl(*label_delete(h.scope(), ["secret"], plan.job_id,
+                                          owner_label(records.owner()))[1:], check=False)
 
     def detach(self, plan: KubePlan, log=print) -> KubeHandle:
         if plan.client == "podman":
@@ -583,29 +627,36 @@ class KubernetesBackend(ClientRestarts):
                                 owner=records.owner(), kind=plan.kind, client="podman", attempt=plan.attempt,
                                 **following(plan), objects=play.objects(plan.manifests))
             return play.submit(plan, handle, log)
+        context, namespace = where(plan.namespace)
+        scope = at(context, namespace)
+        mine = owner_label(records.owner())
         docs = list(plan.manifests)
-        if plan.secret:   # its values from this environment, on stdin only: never printed or written here
+        if plan.secret_made:   # its values from this environment, on stdin only: never printed or written here
             docs.insert(0, self.meta({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": plan.secret},
                                       "type": "Opaque",
                                       "stringData": {k: os.environ[k] for k in plan.spec.pass_env}},
-                                     Names(plan.job_id, plan.kind)))
+                                     self.names(plan.job_id)))
+        elif plan.secret:   # the user's own: read, never written, labelled or deleted
+            has_keys(scope, plan.secret, plan.spec.pass_env)
+        kinds = kinds_of(docs)
+        refuse_taken(scope, [*kinds, "pod"], plan.job_id, mine, namespace)
         (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
         handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
                             procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim, owner=records.owner(),
-                            kind=plan.kind, namespace=plan.namespace, attempt=plan.attempt, **following(plan),
-                            objects=(["secret/" + plan.secret] if plan.secret else []) + self.objects(plan))
+                            kind=plan.kind, namespace=namespace, context=context, attempt=plan.attempt,
+                            **following(plan),
+                            objects=(["secret/" + plan.secret] if plan.secret_made else []) + self.objects(plan))
         handle.save()   # first: whatever is applied from here on, a cancel finds
-        by_label = label_delete(plan.namespace, kinds_of(docs), plan.job_id)
+        by_label = label_delete(scope, kinds, plan.job_id, mine)
         # an earlier run of this job id left its objects (a finished job's are kept): applied again they would be
         # "unchanged", and the old job's status read as this one's. Deleted first, and waited for, their pods too
-        # (an earlier attempt's, still on their way out), the claim kept
-        gone = kubectl(*label_delete(plan.namespace, [*kinds_of(docs), "pod"], plan.job_id)[1:],
+        # (an earlier attempt's, still on their way out), the claim kept; only this owner's (refuse_taken)
+        gone = kubectl(*label_delete(scope, [*kinds, "pod"], plan.job_id, mine)[1:],
                        "--cascade=foreground", "--wait").stdout.strip().splitlines()
         if gone and not plan.attempt:   # a restart's are its earlier attempt's
             log(f"{plan.job_id}: deleted what an earlier run of it left ({', '.join(w.split()[0] for w in gone)})")
         try:
-            kubectl(*self.ns(plan.namespace), *APPLY,
-                    stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+            kubectl(*scope, *APPLY, stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
         except BaseException:   # a failed or interrupted apply may have made some objects: none is left
             with signals_held():
                 kubectl(*by_label[1:], check=False)
@@ -615,25 +666,22 @@ class KubernetesBackend(ClientRestarts):
                 kubectl(*by_label[1:], check=False)
             log(f"{plan.job_id}: cancelled while it was applied; deleted")
             return handle
-        log(f"applied {plan.job_id} ({plan.kind}, {plan.spec.nodes} nodes); see it with "
-            f"`kubectl get pods -l {settings.LABEL_JOB}={plan.job_id}`")
+        log(f"applied {plan.job_id} ({plan.kind}, {plan.spec.nodes} nodes) in namespace {namespace}"
+            + (f" of context {context}" if context else "") + f"; see it with `{line(['kubectl', *scope])} get "
+            f"pods -l {settings.LABEL_JOB}={plan.job_id}`")
         return handle
 
     @classmethod
     def leftovers(cls, job_id: str) -> str:
         kinds = ["secret", "configmap", "service", "job.batch", "job.batch.volcano.sh", "paddlejob.kubeflow.org"]
-        return (f"Kubernetes objects: `{line(label_delete('', kinds, job_id))}` (with --namespace where it ran; "
-                f"a kind the cluster lacks, left out)")
-
-    @staticmethod
-    def ns(namespace: str) -> list[str]:
-        return ["--namespace", namespace] if namespace else []
+        return (f"Kubernetes objects: `{line(label_delete([], kinds, job_id, owner_label(records.owner())))}` "
+                f"(with --namespace and --context where it ran; a kind the cluster lacks, left out)")
 
     def pods(self, handle: KubeHandle) -> list[dict]:
         """The job's pods, by rank (the newest of a rank's pods where its controller made it again)."""
-        selector = f"{settings.LABEL_JOB}={handle.job_id}" + (
+        selector = selector_of(handle.job_id, owner_label(handle.owner)) + (
             f",{ATTEMPT_LABEL}={handle.attempt}" if handle.kind != "volcano" else "")   # never an earlier attempt's
-        out = kubectl(*self.ns(handle.namespace), "get", "pods", "-l", selector, "-o", "json")
+        out = kubectl(*handle.scope(), "get", "pods", "-l", selector, "-o", "json")
         by_rank: dict[int, dict] = {}
         for p in sorted(listed(out, "pods"), key=lambda p: p.get("metadata", {}).get("creationTimestamp", "")):
             r = pod_rank(p, handle.kind)
@@ -652,7 +700,7 @@ class KubernetesBackend(ClientRestarts):
             return self.between_attempts(handle, state, handle.attempt, note)
         if not handle.objects:
             return JobState.UNKNOWN, handle.attempt, "no object was applied"
-        proc = kubectl(*self.ns(handle.namespace), "get", handle.objects[-1], "-o", "json", check=False)
+        proc = kubectl(*handle.scope(), "get", handle.objects[-1], "-o", "json", check=False)
         if proc.returncode != 0:
             said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
             return JobState.UNKNOWN, handle.attempt, said[-1] if said else f"kubectl exit {proc.returncode}"
@@ -682,7 +730,7 @@ class KubernetesBackend(ClientRestarts):
         pods = {pod_rank(p, handle.kind): p["metadata"]["name"] for p in self.pods(handle)}
         if node not in pods:
             raise UserError(f"job {handle.job_id} has no pod of rank {node} (yet)")
-        return kubectl(*self.ns(handle.namespace), "logs", pods[node], "-c", CONTAINER).stdout
+        return kubectl(*handle.scope(), "logs", pods[node], "-c", CONTAINER).stdout
 
     def show_logs(self, handle: KubeHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """A node's output; with `follow`, each of its pods' in turn (a restart makes new ones), as it comes, until
@@ -728,7 +776,7 @@ class KubernetesBackend(ClientRestarts):
         if pod is None:
             return None, []
         md = pod["metadata"]
-        return md.get("uid") or md["name"], ["kubectl", *self.ns(handle.namespace), "logs", "-f", md["name"], "-c",
+        return md.get("uid") or md["name"], ["kubectl", *handle.scope(), "logs", "-f", md["name"], "-c",
                                              CONTAINER]
 
     def follow(self, handle: KubeHandle, log=print, timeout: float | None = None, poll: float = 5.0) -> JobResult:
@@ -752,14 +800,14 @@ class KubernetesBackend(ClientRestarts):
             time.sleep(poll)
         pods = self.pods(handle)
         for p in pods:   # what `invoke logs` shows once the pods are gone
-            out = kubectl(*self.ns(handle.namespace), "logs", p["metadata"]["name"], "-c", CONTAINER, check=False)
+            out = kubectl(*handle.scope(), "logs", p["metadata"]["name"], "-c", CONTAINER, check=False)
             d = Path(handle.dir, f"node{pod_rank(p, handle.kind)}")
             d.mkdir(parents=True, exist_ok=True)
             files.write_atomic(d / "container.log", out.stdout)
         if hung is not None:   # the job's object, and its pods with it: they would wait for the stuck rank
             log(f"{handle.job_id}: hung; deleting {handle.objects[-1]} and its pods")
-            kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", "--cascade=foreground",
-                    handle.objects[-1], check=False)
+            kubectl(*label_delete(handle.scope(), [handle.objects[-1].partition("/")[0]],
+                                  handle.job_id, owner_label(handle.owner))[1:], "--cascade=foreground", check=False)
         facts = pod_facts(pods, handle, state, note, hung)
         result = judge(facts, handle.job_id, self.name, handle.dir, name_host=True)
         result.save()
@@ -784,7 +832,7 @@ class KubernetesBackend(ClientRestarts):
         def argv(k: int) -> list[str] | None:
             if k not in names:
                 running()
-            return ["kubectl", *self.ns(handle.namespace), "exec", "-i", names[k], "-c", CONTAINER, "--"] \
+            return ["kubectl", *handle.scope(), "exec", "-i", names[k], "-c", CONTAINER, "--"] \
                 if k in names else None
         return argv, running
 
@@ -795,8 +843,11 @@ class KubernetesBackend(ClientRestarts):
             return PodmanPlay.of(handle).down(handle, log)
         if not handle.objects:
             return
-        log(line(["kubectl", *self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects]))
-        kubectl(*self.ns(handle.namespace), "delete", "--ignore-not-found", *handle.objects)
+        # by its id and owner, never by name alone: a stale handle's names may be another owner's job's now
+        argv = label_delete(handle.scope(), kinds_of_names(handle.objects), handle.job_id,
+                            owner_label(handle.owner))
+        log(line(argv))
+        kubectl(*argv[1:])
 
 
 def following(plan: KubePlan) -> dict:
@@ -814,10 +865,69 @@ def kinds_of(docs) -> list[str]:
     return list(dict.fromkeys(kinds))
 
 
-def label_delete(namespace: str, kinds: list[str], job_id: str) -> list[str]:
-    """`kubectl delete` of every object of these kinds that bears the job's label (argv)."""
-    return ["kubectl", *KubernetesBackend.ns(namespace), "delete", ",".join(kinds), "-l",
-            f"{settings.LABEL_JOB}={job_id}", "--ignore-not-found"]
+def kinds_of_names(objects: list[str]) -> list[str]:
+    """The kinds of objects named kind/name, in order."""
+    return list(dict.fromkeys(o.partition("/")[0] for o in objects))
+
+
+def at(context: str, namespace: str) -> list[str]:
+    """kubectl's words for where a job's objects are: its kubeconfig context and namespace (each where known)."""
+    return (["--context", context] if context else []) + (["--namespace", namespace] if namespace else [])
+
+
+def where(namespace: str) -> tuple[str, str]:
+    """The context and namespace a submit acts in, kubectl's now (`namespace`: the one given): the handle keeps
+    them, so a later cancel, log or follow acts there, whatever kubectl's are then."""
+    context = kubectl("config", "current-context", check=False).stdout.strip()
+    if not namespace:
+        namespace = kubectl(*at(context, ""), "config", "view", "--minify", "-o", "jsonpath={..namespace}",
+                            check=False).stdout.strip() or "default"
+    return context, namespace
+
+
+def selector_of(job_id: str, owner: str) -> str:
+    """The label selector of one job's objects: its id and its owner (owner_label)."""
+    return f"{settings.LABEL_JOB}={job_id},{settings.LABEL_OWNER}={owner}"
+
+
+def label_delete(scope: list[str], kinds: list[str], job_id: str, owner: str) -> list[str]:
+    """`kubectl delete` of every object of these kinds that bears the job's id and owner (argv)."""
+    return ["kubectl", *scope, "delete", ",".join(kinds), "-l", selector_of(job_id, owner), "--ignore-not-found"]
+
+
+def refuse_taken(scope: list[str], kinds: list[str], job_id: str, mine: str, namespace: str) -> None:
+    """An id whose objects another owner holds (another user, or this user's other runs folder) is theirs: one line
+    naming them, and nothing of theirs touched (Docker's _refuse_taken, for a namespace)."""
+    found = listed(kubectl(*scope, "get", ",".join(kinds), "-l", f"{settings.LABEL_JOB}={job_id}", "-o", "json"),
+                   ",".join(kinds))
+    theirs: dict[str, list[str]] = {}
+    for o in found:
+        who = o.get("metadata", {}).get("labels", {}).get(settings.LABEL_OWNER, "")
+        if who != mine:
+            theirs.setdefault(who or "no owner (not fleetbox's)", []).append(
+                f"{o.get('kind', '?').lower()}/{o.get('metadata', {}).get('name', '?')}")
+    if theirs:
+        who, objs = next(iter(theirs.items()))
+        raise UserError(f"job id {job_id} is taken in namespace {namespace}: {', '.join(objs[:4])}"
+                        f"{' ...' if len(objs) > 4 else ''} are {who}'s (another user, or another runs folder); "
+                        f"nothing of theirs was touched: give another --job-id")
+
+
+def has_keys(scope: list[str], secret: str, keys) -> None:
+    """The Secret --k8s-secret names (the user's own) holds a key for each --pass-env variable: else one line, before
+    anything is applied (its pods would wait in CreateContainerConfigError)."""
+    proc = kubectl(*scope, "get", "secret", secret, "-o", "json", check=False)
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        raise UserError(f"--k8s-secret {secret}: {said[-1] if said else 'kubectl cannot read it'} (make it first, "
+                        f"e.g. kubectl create secret generic {secret} --from-env-file=FILE)")
+    try:
+        data = json.loads(proc.stdout).get("data") or {}
+    except (ValueError, AttributeError):
+        raise UserError(f"kubectl get secret {secret} gave no JSON object") from None
+    if missing := [k for k in keys if k not in data]:
+        raise UserError(f"--k8s-secret {secret} has no key {', '.join(missing)} for --pass-env (its keys: "
+                        f"{', '.join(sorted(data)) or 'none'})")
 
 
 def pod_facts(pods: list[dict], handle: KubeHandle, state: JobState, note: str, hung: dict | None) -> JobFacts:
@@ -873,7 +983,8 @@ def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> subproc
     proc = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True)
     if check and proc.returncode != 0:
         said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        verb = args[2] if args[:1] == ("--namespace",) else args[0]
+        verb = next((a for a, before in zip(args, ("", *args), strict=False)
+                     if not a.startswith("--") and before not in ("--namespace", "--context")), "")
         raise UserError(f"kubectl {verb} failed: {said[-1] if said else f'exit {proc.returncode}'}")
     return proc
 

@@ -100,10 +100,15 @@ class PodmanPlay:
     def submit(self, plan: Plan, handle: SupervisedHandle, log=print) -> SupervisedHandle:
         """Play the job (`plan.manifests`); `handle`: the Kubernetes backend's, with objects() as its objects."""
         by_kind = kinds(plan.manifests)
+        mine = kube.owner_label(handle.owner)
+        if self.refuse_taken(mine):   # an earlier run's, this owner's: removed
+            self.down(handle, log=lambda *_: None)
+            log(f"{plan.job_id}: removed what an earlier run of it left")
         handle.save()   # first: whatever is made from here on, a cancel finds
         (plan.dir / "manifests.yaml").write_text(kube.to_yaml(plan.manifests))
         try:
-            podman("network", "create", "--label", f"{settings.LABEL_JOB}={self.job_id}", self.job_id)
+            podman("network", "create", "--label", f"{settings.LABEL_JOB}={self.job_id}", "--label",
+                   f"{settings.LABEL_OWNER}={mine}", self.job_id)
             net = json.loads(podman("network", "inspect", self.job_id).stdout)[0]["subnets"][0]
             gateway = ipaddress.ip_address(net.get("gateway") or "0.0.0.0")
             free = (str(a) for a in ipaddress.ip_network(net["subnet"]).hosts() if a != gateway)
@@ -132,15 +137,28 @@ class PodmanPlay:
             f"label={settings.LABEL_JOB}={plan.job_id}`")
         return handle
 
+    def refuse_taken(self, mine: str) -> bool:
+        """Whether pods or the network of this job id are left here; refused in one line, nothing of theirs touched,
+        where another owner's (its labels: kube.owner_label) are among them. The network's name is the job's: it
+        counts whatever its labels say."""
+        pods, nets = (listed(podman(*argv, "--format", "json").stdout, argv[0]) for argv in (
+            ("pod", "ps", "--filter", f"label={settings.LABEL_JOB}={self.job_id}"),
+            ("network", "ls", "--filter", f"name=^{self.job_id}$")))
+        found = [(f"{what} {o.get(name, '?')}", (o.get(labels) or {}).get(settings.LABEL_OWNER, ""))
+                 for what, name, labels, objs in (("pod", "Name", "Labels", pods), ("network", "name", "labels", nets))
+                 for o in sorted(objs, key=lambda o, name=name: str(o.get(name)))]
+        if theirs := [(what, who) for what, who in found if who != mine]:
+            what, who = theirs[0]
+            who = who or "no owner (not fleetbox's)"
+            raise UserError(f"job id {self.job_id} is taken on this machine's Podman: {what} is {who}'s (another "
+                            f"user, or another runs folder); nothing of theirs was touched: give another --job-id")
+        return bool(found)
+
     def containers(self) -> dict[int, dict]:
         """The job's node containers by rank, as `podman ps` sees them (State, ExitCode, ExitedAt)."""
         out = podman("ps", "-a", "--filter", f"label={settings.LABEL_JOB}={self.job_id}", "--format", "json").stdout
-        try:
-            listed_ = json.loads(out or "[]")
-        except ValueError:
-            raise UserError("podman ps gave no JSON") from None
         names = {self.container(k): k for k in range(self.nodes)}
-        return {names[n]: c for c in listed_ for n in c.get("Names", []) if n in names}
+        return {names[n]: c for c in listed(out, "ps") for n in c.get("Names", []) if n in names}
 
     def running(self) -> bool:
         """Every node's container runs."""
@@ -263,6 +281,17 @@ def played_facts(handle: SupervisedHandle, ctrs: dict[int, dict], ends: dict[int
                                ended=at, stopped=k in stopped, vanished=k not in ctrs, oom=oom,
                                output=str(d / "container.log")))
     return JobFacts(nodes, timed_out, hung)
+
+
+def listed(out: str, what: str) -> list[dict]:
+    """podman's JSON list of `what`; one line where it gave none."""
+    try:
+        found = json.loads(out or "[]")
+    except ValueError:
+        found = None
+    if not isinstance(found, list):
+        raise UserError(f"podman {what} gave no JSON list")
+    return [f for f in found if isinstance(f, dict)]
 
 
 def podman(*args: str, stdin: str | None = None, check: bool = True, merge: bool = False) -> \
