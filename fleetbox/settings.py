@@ -48,9 +48,14 @@ def slurm_patience() -> float:
         return 900.0
 
 
+def user_cache() -> Path:
+    """fleetbox's folder of the user's cache (XDG's): what this user's tools taught it, no root needed."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleetbox"
+
+
 def board_envs() -> Path:
     """Where `invoke board` makes VisualDL's environment, one folder per lock (the user's cache: no root)."""
-    return _path("FLEETBOX_BOARD_ENVS", Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleetbox")
+    return _path("FLEETBOX_BOARD_ENVS", user_cache())
 
 
 DEFAULT_SCRIPT = ROOT / "train" / "smoke.py"

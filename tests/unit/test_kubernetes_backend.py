@@ -447,6 +447,29 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
     assert {"name": "A", "value": "a$$b"} in c["env"] and "'$(NODE_POD_IP)'" in c["command"][2]
     assert '"$NODE_INDEX"' in c["command"][2] and "$$" not in c["command"][2]
     assert pods_for_podman(job, svc)[1]["spec"]["hostAliases"][0]["ip"] == "127.0.0.1"
+    # a Podman that takes $$ for $ as the kubelet does (4.7 and later) gets the words as the kubelet would
+    (c,) = pods_for_podman(the(plan, "Job"), the(plan, "Service"), expands=True)[0]["spec"]["containers"]
+    assert c["command"] == template_of(the(plan, "Job"))["spec"]["containers"][0]["command"]
+    assert {"name": "A", "value": "a$$$$b"} in c["env"] and "$$" in c["command"][2]
+
+
+@pytest.mark.parametrize("version,echoes,expands", [("4.3.1", "$$", False), ("5.2.0", "$", True)])
+def test_whether_podman_takes_dollars_as_the_kubelet_is_asked_of_it_once_per_version(version, echoes, expands,
+                                                                                     tmp_path, monkeypatch):
+    from fleetbox.run.backends.podman_play import expands_like_the_kubelet
+    calls = stand_in(tmp_path, monkeypatch, "podman", PODMAN)
+    monkeypatch.setenv("PODMAN_VERSION", version)
+    monkeypatch.setenv("PODMAN_ECHOES", echoes)
+    assert expands_like_the_kubelet("img") is expands
+    (play,) = [c for c in calls() if c["argv"][:2] == ["kube", "play"]]
+    probe = yaml.safe_load(play["stdin"])
+    assert probe["spec"]["containers"][0]["command"] == ["echo", "$$"] and play["argv"][3:5] == ["--network", "none"]
+    assert calls()[-1]["argv"][:2] == ["pod", "rm"] and calls()[-1]["argv"][-1] == probe["metadata"]["name"]
+    assert expands_like_the_kubelet("img") is expands and len(calls()) == 6   # known: only the version asked
+    monkeypatch.setenv("PODMAN_ECHOES", "$(echo)")
+    monkeypatch.setenv("PODMAN_VERSION", "9.9")
+    with pytest.raises(UserError, match=r"gave '\$\(echo\)' for a command that echoes \$\$"):
+        expands_like_the_kubelet("img")
 
 
 # -- names and options --
@@ -540,6 +563,7 @@ def stand_in(tmp_path, monkeypatch, name: str, source: str):
     monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
     monkeypatch.setenv(f"{name.upper()}_OUT", str(out))
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return lambda: [json.loads(ln) for ln in out.read_text().splitlines()] if out.exists() else []
 
 
@@ -659,6 +683,12 @@ if args[:2] == ["volume", "exists"]:
     sys.exit(1)
 if args[:2] == ["pod", "ps"]:   # a pod of the job id left here, whoever's
     print(os.environ.get("PODMAN_PODS", "[]"))
+if args[:1] == ["version"]:
+    print(os.environ.get("PODMAN_VERSION", "4.3.1"))
+if args[:1] == ["logs"]:   # what the probe's command, `echo $$`, printed
+    print(os.environ.get("PODMAN_ECHOES", "$$"))
+if args[:2] == ["kube", "play"] and "none" in args:   # the probe: played
+    sys.exit(0)
 if args[:2] == ["kube", "play"]:
     print("[starting container 1f: runc create failed: error setting rlimits]", file=sys.stderr)
     print("Error: failed to start 2 containers", file=sys.stderr)
@@ -666,10 +696,13 @@ if args[:2] == ["kube", "play"]:
 '''
 
 
-def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play_leaves_nothing(tmp_path,
-                                                                                                 monkeypatch):
+@pytest.mark.parametrize("echoes,expands", [("$$", False), ("$", True)])
+def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play_leaves_nothing(echoes, expands,
+                                                                                                 tmp_path, monkeypatch):
+    """...the pods lowered for what this Podman does with $$ (it was asked: the probe's echo)."""
     from fleetbox.run.backends.podman_play import pods_for_podman
     podman_calls = stand_in(tmp_path, monkeypatch, "podman", PODMAN)
+    monkeypatch.setenv("PODMAN_ECHOES", echoes)
     for bad, needle in (({"pass_env": ("HF_TOKEN",)}, "--pass-env reads a Secret"),):
         with pytest.raises(UserError, match=needle):
             backend(k8s_client="podman").check(spec(**bad))
@@ -685,13 +718,13 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
                                         r"default_ulimits in containers.conf"):
         b.submit(plan, log=lambda *_: None)
     calls = podman_calls()
-    play = next(c for c in calls if c["argv"][:2] == ["kube", "play"])
+    play = next(c for c in calls if c["argv"][:2] == ["kube", "play"] and JOB in c["argv"])
     assert play["argv"] == ["kube", "play", "--quiet", "--network", JOB, "--ip", "10.89.7.2", "--ip", "10.89.7.3",
                             "-"]
     played = list(yaml.safe_load_all(play["stdin"]))
     job, svc = the(plan, "Job"), the(plan, "Service")
     assert [m["kind"] for m in played] == ["ConfigMap", "ConfigMap", "PersistentVolumeClaim", "Pod", "Pod"]
-    assert played[3:] == pods_for_podman(job, svc, ["10.89.7.2", "10.89.7.3"])
+    assert played[3:] == pods_for_podman(job, svc, ["10.89.7.2", "10.89.7.3"], expands)
     # whatever was made is removed: the pods, the ConfigMaps' and emptyDirs' volumes, the network; never the claim
     after = [c["argv"] for c in calls[calls.index(play) + 1:]]
     assert after[0] == ["pod", "rm", "--force", "--ignore", "--time", "0", f"{JOB}-0", f"{JOB}-1"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
+import secrets
 import shutil
 import subprocess
 import time
@@ -24,15 +26,15 @@ from fleetbox.run.result import JobResult, exit_meaning, smoke_report
 from fleetbox.run.shell import line
 
 
-def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> list[dict]:
+def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None, expands: bool = False) -> list[dict]:
     """An Indexed Job as one Pod per index: each its pod template, with its index where the Job controller would
     put it (the annotation, JOB_COMPLETION_INDEX, the hostname <job>-<index>) and hostAliases for the names the
     headless Service would publish (`ips`: each index's address; default 127.0.0.1, the pods on the host's
-    network). What Podman 4.3 does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
-    address is given, as the kubelet would give it), takes no $$ for $ in the command and env values (undone, as
-    the kubelet undoes it), publishes every containerPort on the host (dropped: each pod
-    has its own address) and makes an emptyDir a volume of its name, which every pod naming it would share (named
-    <pod>-<name>)."""
+    network). What Podman does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
+    address is given, as the kubelet would give it), publishes every containerPort on the host (dropped: each pod
+    has its own address), makes an emptyDir a volume of its name, which every pod naming it would share (named
+    <pod>-<name>), and, unless `expands` (expands_like_the_kubelet: Podman 4.7 and later), takes no $$ for $ in the
+    command and env values (undone, as the kubelet undoes it)."""
     name, nodes, svc = job["metadata"]["name"], job["spec"]["completions"], service["metadata"]["name"]
     ips = ips or ["127.0.0.1"] * nodes
     if len(ips) != nodes:
@@ -55,14 +57,14 @@ def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None) -> l
             c.pop("ports", None)
             for m in c.get("volumeMounts", []):
                 m["name"] = own.get(m["name"], m["name"])
+            as_given = (lambda w: w) if expands else kube.kubelet_unescape
             c["env"] = [{"name": kube.COMPLETION_INDEX, "value": str(k)} if e["name"] == kube.COMPLETION_INDEX
                         else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == kube.POD_IP_REF
-                        else {**e, "value": kube.kubelet_unescape(e["value"])} if "value" in e else e
+                        else {**e, "value": as_given(e["value"])} if "value" in e else e
                         for e in c["env"]]
-            # Podman takes the command and env values as written, where the kubelet takes $$ for $
             for key in ("command", "args"):
                 if key in c:
-                    c[key] = [kube.kubelet_unescape(w) for w in c[key]]
+                    c[key] = [as_given(w) for w in c[key]]
         pods.append({"apiVersion": "v1", "kind": "Pod", **t})
     return pods
 
@@ -113,7 +115,8 @@ class PodmanPlay:
             gateway = ipaddress.ip_address(net.get("gateway") or "0.0.0.0")
             free = (str(a) for a in ipaddress.ip_network(net["subnet"]).hosts() if a != gateway)
             ips = [next(free) for _ in range(self.nodes)]
-            lowered = pods_for_podman(by_kind["Job"][0], by_kind["Service"][0], ips)
+            lowered = pods_for_podman(by_kind["Job"][0], by_kind["Service"][0], ips,
+                                      expands_like_the_kubelet(plan.spec.image_ref))
             # a claim made before (an earlier run's checkpoints) is kept as it is, as `kubectl apply` keeps it:
             # Podman would refuse to make its volume again
             claims = [m for m in by_kind.get("PersistentVolumeClaim", [])
@@ -258,6 +261,41 @@ class PodmanPlay:
             podman("volume", "rm", "--force", v, check=False)
         for n in kinds.get("network", []):
             podman("network", "rm", "--force", n, check=False)
+
+
+# A pod whose command is one word, $$: the kubelet (and Podman 4.7 and later: containers/podman#19630, "Expand env
+# variables for cmds/entrypoint with format $(ENV)") gives the container $, Podman 4.3 gives it $$
+VERSION = re.compile(r"[0-9A-Za-z.+~-]{1,40}")
+
+
+def expands_like_the_kubelet(image: str) -> bool:
+    """Whether this machine's Podman takes $$ for $ in a kube play's commands, as the kubelet does: asked of it, by
+    playing one pod of `image` whose command echoes $$, never assumed from its version; the answer kept per
+    version in the user's cache."""
+    version = podman("version", "--format", "{{.Client.Version}}").stdout.strip()
+    known = settings.user_cache() / f"podman-{version}-expands.json" if VERSION.fullmatch(version) else None
+    if known and isinstance(said := files.read_json(known).get("expands"), bool):
+        return said
+    probe = f"fleetbox-probe-{secrets.token_hex(4)}"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": probe},
+           "spec": {"restartPolicy": "Never", "containers": [{"name": "echo", "image": image,
+                                                                "command": ["echo", "$$"]}]}}
+    try:
+        podman("kube", "play", "--quiet", "--network", "none", "-", stdin=kube.to_yaml([pod]))
+        podman("wait", f"{probe}-echo")
+        out = podman("logs", f"{probe}-echo").stdout.strip()
+    finally:
+        podman("pod", "rm", "--force", "--ignore", "--time", "0", probe, check=False)
+    if out not in ("$", "$$"):
+        raise UserError(f"podman kube play gave {out[:80]!r} for a command that echoes $$: neither $ (as the "
+                        f"kubelet) nor $$ (as Podman 4.3)")
+    if known:
+        try:
+            known.parent.mkdir(parents=True, exist_ok=True)
+            files.write_json(known, {"expands": out == "$", "podman": version})
+        except OSError:   # a home that cannot be written: asked again next time
+            pass
+    return out == "$"
 
 
 def kinds(manifests) -> dict[str, list[dict]]:
