@@ -2,6 +2,7 @@
 the export's name and in its record), a user's --image in the runtime's own form, and never a name that only a
 public registry could answer; else one line naming the command that makes one."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from fleetbox import ROOT
 from fleetbox.errors import UserError
-from fleetbox.image import matrix
+from fleetbox.image import layers, matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
 from fleetbox.ship import exports, shipped
@@ -31,7 +32,12 @@ def export(kind, tag, folder):
     fmt, squash = exports.KINDS[kind]
     path = exports.export_path(CPU, fmt, squash, folder, exports.content_part(CPU, tag))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.mkdir() if kind == "charliecloud" else path.write_bytes(b"image")
+    if kind == "charliecloud":   # the image's folder: its packages' freeze file in it
+        freeze = path / layers.FREEZE.lstrip("/")
+        freeze.parent.mkdir(parents=True)
+        freeze.write_text(f"paddlepaddle==3.3.1  # {tag}\n")
+    else:
+        path.write_bytes(b"image")
     shipped.record(CPU, kind, tag, str(path))
     return path
 
@@ -85,6 +91,21 @@ def test_an_export_replaced_or_removed_since_its_record_is_not_run(shipped_here,
     sif.unlink()
     with pytest.raises(UserError, match="apptainer has no image of"):
         plan("apptainer", tmp_path, monkeypatch)
+
+
+def test_a_folder_export_counts_only_while_it_holds_the_image_it_was_made_of(shipped_here, tmp_path, monkeypatch):
+    shipped_here.clear()
+    folder = export("charliecloud", NEW, tmp_path / "e")
+    shipped_here.built = NEW
+    assert plan("charliecloud", tmp_path, monkeypatch).image == str(folder)
+    freeze = folder / layers.FREEZE.lstrip("/")
+    freeze.write_text("paddlepaddle==2.6.2\n")   # another image unpacked there since
+    with pytest.raises(UserError, match="charliecloud has no image of"):
+        plan("charliecloud", tmp_path, monkeypatch)
+    export("charliecloud", NEW, tmp_path / "f")
+    shutil.rmtree(tmp_path / "f" / folder.name / "opt")   # emptied: the folder alone is no image
+    with pytest.raises(UserError, match="charliecloud has no image of"):
+        plan("charliecloud", tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("damage", [{"made": "yesterday"}, {"size": "5"}, {"where": None}, {"mtime_ns": 1.5}])
