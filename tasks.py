@@ -386,9 +386,11 @@ def report(c, job):
 @task(help={"job": "the job's id, or a scaling study's (its runs), as `invoke jobs` lists it; several: a,b",
             "host": "the address VisualDL listens on (default 127.0.0.1: this machine only; reach it with ssh -L)",
             "port": "its port (default 8040, VisualDL's)",
-            "interval": "how often the jobs' new metrics are written for it (default 10s)"})
+            "interval": "how often the jobs' new metrics are written for it (default 10s)",
+            "private": "serve on a Unix socket only you can open, not on a port: on a shared login node, 127.0.0.1 "
+                       "is every user's (reach it with the ssh -L line it prints)"})
 @_fleetbox
-def board(c, job, host="127.0.0.1", port=8040, interval="10s"):
+def board(c, job, host="127.0.0.1", port=8040, interval="10s", private=False):
     """Watch jobs in VisualDL, Paddle's dashboard, while they run: every rank's loss, samples/s, step time.
 
     Own time, communication share and stragglers too; a run per rank and attempt (Slurm: allocation), with
@@ -396,7 +398,7 @@ def board(c, job, host="127.0.0.1", port=8040, interval="10s"):
     from fleetbox import options
     from fleetbox.commands import board as board_mod
     board_mod.serve(job, host, options.integer("--port", port, 1, 65535), options.seconds("--interval", interval),
-                    log=_log)
+                    private=private, log=_log)
 
 
 @task(help={"job": JOB_HELP})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import http.client
 import os
 import platform
 import re
@@ -42,6 +43,7 @@ READY = "fleetbox-board.json"     # written last: a folder with it is a whole en
 SERVER = ["-c", "import sys; from visualdl.server.app import main; sys.exit(main())"]   # its console script's
 TABS = ("scalar", "text")
 NO_PROXY = {"no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1"}   # its own checks
+RUNS_API = "/app/api/runs"        # what VisualDL answers once it serves
 START_S = 60.0                    # VisualDL's first start imports matplotlib and pandas: seconds, not minutes
 
 
@@ -158,39 +160,47 @@ def _tail(path: Path) -> str:
     return " | ".join(lines[-3:]) or "no output"
 
 
-def serve(names: str, host: str = "127.0.0.1", port: int = 8040, interval: float = 10.0, log=print) -> None:
+def serve(names: str, host: str = "127.0.0.1", port: int = 8040, interval: float = 10.0, private: bool = False,
+          log=print) -> None:
     """Show the jobs on VisualDL at http://host:port until Ctrl-C (SIGTERM, SIGHUP): the server stopped and the
-    board's logs removed on every way out (after a SIGKILL the server still stops: _die_with_us)."""
+    board's logs removed on every way out (after a SIGKILL the server still stops: _die_with_us). `private`: on a
+    Unix socket in the board's own folder (0700) instead of a port, which no other user of the machine can open
+    (127.0.0.1 is every user's); `port` is then the one the ssh line forwards from."""
+    if private and host != "127.0.0.1":
+        raise UserError(f"--private serves on a socket, not on an address: give no --host (got {host})")
     jobs = targets(names)
     if not interval or interval <= 0:
         raise UserError(f"--interval {interval}: give a number of seconds above 0")
     if not host.strip():
         raise UserError("--host: give an address to listen on (127.0.0.1, or 0.0.0.0 for every network)")
-    _port_free(host, port)
+    if not private:
+        _port_free(host, port)
     root, server = None, None
     try:
         with stops_as_interrupt():
             env = environment(log)
-            root = Path(tempfile.mkdtemp(prefix="fleetbox-board-"))
+            root = Path(tempfile.mkdtemp(prefix="fleetbox-board-"))   # 0700: this user's alone
             logs, said = visualdl_logs.Logs(root / "logs"), {}
             runs = {name: visualdl_logs.JobRuns(job_dir, name) for name, job_dir in jobs.items()}
             (root / "logs").mkdir()
             while refresh(logs, runs, said, log) and any(r.behind for r in runs.values()):
                 pass   # a long job's history, a bounded part at a time, before the server reads it
-            server_log = root / "visualdl.log"
+            server_log, sock = root / "visualdl.log", root / "board.sock"
             with open(server_log, "wb") as out:
-                server = subprocess.Popen(
-                    [str(env / "bin" / "python"), *SERVER, "--logdir", str(root / "logs"), "--host", host,
+                server = subprocess.Popen(   # werkzeug, VisualDL's server, takes unix://PATH for a Unix socket
+                    [str(env / "bin" / "python"), *SERVER, "--logdir", str(root / "logs"), "--host",
+                     f"unix://{sock}" if private else host,
                      "--port", str(port), "--disable-telemetry", "--component_tabs", *TABS,
                      "--cache-timeout", str(max(1.0, interval))],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     preexec_fn=_die_with_us, env={**os.environ, "PYTHONNOUSERSITE": "1", **NO_PROXY})
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            _wait_up(server, url, server_log)
-            log(f"board: {url}/app/scalar shows {', '.join(jobs)}; new points every {interval:g} s; Ctrl-C stops")
-            if host in ("127.0.0.1", "localhost", "::1"):
-                log(f"board: from another machine: ssh -N -L {port}:127.0.0.1:{port} {socket.gethostname()}, "
-                    f"then open http://127.0.0.1:{port}")
+            _wait_up(server, (lambda: _ask_socket(sock)) if private else (lambda: _ask(url)), server_log)
+            shown = f"{sock} (a socket only you can open)" if private else f"{url}/app/scalar"
+            log(f"board: {shown} shows {', '.join(jobs)}; new points every {interval:g} s; Ctrl-C stops")
+            if private or host in ("127.0.0.1", "localhost", "::1"):
+                log(f"board: from another machine: ssh -N -L {port}:{sock if private else f'127.0.0.1:{port}'} "
+                    f"{socket.gethostname()}, then open http://127.0.0.1:{port}/app/scalar")
             while True:
                 time.sleep(interval)
                 if server.poll() is not None:
@@ -220,15 +230,47 @@ def _stop(proc: subprocess.Popen, grace: float = 10) -> None:
             continue
 
 
-def _wait_up(server: subprocess.Popen, url: str, server_log: Path) -> None:
+def _ask(url: str) -> None:
+    """VisualDL's list of runs at `url`, asked directly (never through a site's http_proxy); OSError until it
+    answers."""
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{url}{RUNS_API}", timeout=2):
+        pass
+
+
+class _OnSocket(http.client.HTTPConnection):
+    """HTTP over a Unix socket (the board's with --private)."""
+
+    def __init__(self, path: Path):
+        super().__init__("localhost", timeout=2)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self.socket_path))
+
+
+def _ask_socket(path: Path) -> bytes:
+    """What VisualDL's list of runs says on the socket; OSError until it answers."""
+    conn = _OnSocket(path)
+    try:
+        conn.request("GET", RUNS_API)
+        answer = conn.getresponse()
+        if answer.status != 200:
+            raise OSError(f"HTTP {answer.status}")
+        return answer.read()
+    finally:
+        conn.close()
+
+
+def _wait_up(server: subprocess.Popen, ask, server_log: Path) -> None:
     deadline = time.monotonic() + START_S
-    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never a site's http_proxy
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise UserError(f"board: VisualDL's server did not start (exit {server.returncode}): {_tail(server_log)}")
         try:
-            with direct.open(f"{url}/app/api/runs", timeout=2):
-                return
-        except (urllib.error.URLError, OSError):
+            ask()
+            return
+        except (urllib.error.URLError, http.client.HTTPException, OSError):
             time.sleep(0.3)
     raise UserError(f"board: VisualDL's server did not answer within {START_S:.0f} s: {_tail(server_log)}")

@@ -207,6 +207,8 @@ def board_pids(port: int) -> list[int]:
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_a_stopped_or_killed_board_takes_its_server_with_it(tmp_path, how):
+    """...and (SIGHUP's case) a --private board serves on a socket in a folder only its user can open, no port."""
+    private = how == signal.SIGHUP
     runs = tmp_path / "runs"
     (runs / "j" / "node0").mkdir(parents=True)
     (runs / "j" / "handle.json").write_text("{}")
@@ -215,16 +217,27 @@ def test_a_stopped_or_killed_board_takes_its_server_with_it(tmp_path, how):
         "".join('FLEETBOX-METRIC {"rank": 0, "step": %d, "time": %d.5, "loss": 1.0}\n' % (s, 1000 + s)
                 for s in range(5)))
     port, boards_before = free_port(), set(Path(tempfile.gettempdir()).glob("fleetbox-board-*"))
-    board = subprocess.Popen([sys.executable, "-m", "invoke", "board", "j", "--port", str(port)], cwd=ROOT,
+    board = subprocess.Popen([sys.executable, "-m", "invoke", "board", "j", "--port", str(port),
+                              *(["--private"] if private else [])], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "FLEETBOX_RUNS": str(runs)})
     try:
         lines = []
-        while not any(ln.startswith("board: http://") for ln in lines):
+        while not any(" shows j; " in ln for ln in lines):
             line = board.stdout.readline()
             assert line, "".join(lines) + board.stderr.read()
             lines.append(line)
         (server,) = board_pids(port)
+        if private:
+            from fleetbox.commands.board import _ask_socket
+            sock = Path(lines[-1].split()[1])
+            assert lines[-1] == f"board: {sock} (a socket only you can open) shows j; new points every 10 s; " \
+                                "Ctrl-C stops\n" and sock.is_socket()
+            assert sock.parent.stat().st_mode & 0o777 == 0o700   # no other user reaches the socket in it
+            assert b"rank0" in _ask_socket(sock)   # VisualDL answers there, with the job's run
+            with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+                pass   # and on no port
+            assert f"ssh -N -L {port}:{sock} " in board.stdout.readline()
         board.send_signal(how)
         board.wait(30)
         deadline = time.monotonic() + 15

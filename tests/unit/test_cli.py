@@ -82,6 +82,7 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--backend", "slurm", "--time", "2 hours", "--dry-run"],
      "--time '2 hours' is not a value Slurm accepts"),
     (["cache", "--datasets", "mnist", "--jobs", "x"], "--jobs takes a whole number"),
+    (["board", "j", "--private", "--host", "0.0.0.0"], "--private serves on a socket, not on an address"),
 ])
 def test_bad_values_are_one_line(run_invoke, args, needle):
     one_line_error(run_invoke(*args), needle)
