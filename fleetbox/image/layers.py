@@ -34,10 +34,10 @@ from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.image import locks
 from fleetbox.image.matrix import Variant
+from fleetbox.settings import FREEZE, VENV  # where the images' environment and its freeze file are
 
 WHEELS = "/mnt"   # the wheelhouse's mount point: a folder every base has, so no layer records a new one
 MOUNT = f"type=bind,dst={WHEELS},readonly"   # how the wheelhouse reaches a layer's container (no VOLUME)
-VENV = "/opt/venv"
 CMD = 'CMD ["python"]'   # every layer's image's command and the image's, as commit and a Dockerfile take it
 
 
@@ -168,7 +168,6 @@ def _compile(names: str = "") -> str:
             f"|| [ $? -eq 1 ] || exit 255' sh {names}< {NEW} > /dev/null || [ $? -eq 123 ]")
 
 
-FREEZE = f"{VENV}/fleetbox-freeze.txt"   # pip's freeze of the environment, written by the last layer
 
 
 def _finish() -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fleetbox import engine, files, settings
 from fleetbox.errors import UserError
-from fleetbox.image import built, layers
+from fleetbox.image import built
 from fleetbox.image.matrix import Variant
 
 REGISTRY = "registry"   # a record's kind for a pushed reference; the others are export kinds (export_kind)
@@ -32,7 +32,7 @@ class Shipped:
     made: float          # when (epoch seconds)
     size: int = -1       # an export file's size and mtime when it was made (-1: a folder, or a registry)
     mtime_ns: int = -1
-    freeze: str = ""     # a folder export's: the sha256 of its image's freeze file (layers.FREEZE), "" if none
+    freeze: str = ""     # a folder export's: the sha256 of its image's freeze file (settings.FREEZE), "" if none
 
     def well_formed(self) -> bool:
         """Every field of the type it is declared with (a record edited by hand, or damaged, is none)."""
@@ -60,7 +60,7 @@ def freeze_digest(folder: Path) -> str:
     """The sha256 of the freeze file in an image's folder (its packages, as the last layer wrote them), "" where it
     has none."""
     try:
-        return hashlib.sha256((folder / layers.FREEZE.lstrip("/")).read_bytes()).hexdigest()
+        return hashlib.sha256((folder / settings.FREEZE.lstrip("/")).read_bytes()).hexdigest()
     except OSError:
         return ""
 

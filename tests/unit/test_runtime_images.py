@@ -10,9 +10,10 @@ import pytest
 
 from fleetbox import ROOT
 from fleetbox.errors import UserError
-from fleetbox.image import layers, matrix
+from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import runtimes, slurm
+from fleetbox.settings import FREEZE
 from fleetbox.ship import exports, shipped
 from tests.unit.conftest import REGISTRY, SHIPPED_HASH, run_node
 
@@ -33,7 +34,7 @@ def export(kind, tag, folder):
     path = exports.export_path(CPU, fmt, squash, folder, exports.content_part(CPU, tag))
     path.parent.mkdir(parents=True, exist_ok=True)
     if kind == "charliecloud":   # the image's folder: its packages' freeze file in it
-        freeze = path / layers.FREEZE.lstrip("/")
+        freeze = path / FREEZE.lstrip("/")
         freeze.parent.mkdir(parents=True)
         freeze.write_text(f"paddlepaddle==3.3.1  # {tag}\n")
     else:
@@ -98,7 +99,7 @@ def test_a_folder_export_counts_only_while_it_holds_the_image_it_was_made_of(shi
     folder = export("charliecloud", NEW, tmp_path / "e")
     shipped_here.built = NEW
     assert plan("charliecloud", tmp_path, monkeypatch).image == str(folder)
-    freeze = folder / layers.FREEZE.lstrip("/")
+    freeze = folder / FREEZE.lstrip("/")
     freeze.write_text("paddlepaddle==2.6.2\n")   # another image unpacked there since
     with pytest.raises(UserError, match="charliecloud has no image of"):
         plan("charliecloud", tmp_path, monkeypatch)
