@@ -102,8 +102,8 @@ def logs(job_id: str, node: int = 0, follow: bool = False, log=print, poll: floa
         log(f"stopped following; job {job_id} goes on (`invoke cancel {job_id}` stops it)")
 
 
-def cancel(job_id: str, log=print, wait: float = 60) -> None:
+def cancel(job_id: str, log=print) -> None:
     """Stop a job from any shell: a Docker job's supervisor is asked (SIGTERM) and cleans up as on Ctrl-C;
     without one, the job's containers are removed; a Slurm chain is cancelled whole."""
     h = find(job_id)
-    backends.get(h.backend).stop(h, log, wait)
+    backends.get(h.backend).cancel(h, log)

@@ -23,6 +23,15 @@ from fleetbox.run.result import JobResult
 from fleetbox.run.spec import JobSpec
 
 CANCELLED = "CANCELLED"   # in the job folder: the job was stopped, not failed (a backend may name one per chain)
+
+
+def mark_cancelled(job_dir: str | Path) -> None:
+    """The job was stopped by its user, not failed (CANCELLED); never in the way of the stop itself (a folder that
+    cannot be written)."""
+    try:
+        Path(job_dir, CANCELLED).touch()
+    except OSError:
+        pass
 BACKENDS: dict[str, type[Backend]] = {}   # by name; run/backends registers them
 
 
@@ -127,7 +136,10 @@ class Backend(ABC):
     def follow(self, handle: Handle, log=print, timeout: float | None = None) -> JobResult: ...
 
     @abstractmethod
-    def cancel(self, handle: Handle, log=print) -> None: ...
+    def cancel(self, handle: Handle, log=print, asked: bool = True) -> None:
+        """Stop the job, every node, logs kept: from this process or any shell (`invoke cancel`). `asked`: the user
+        stopped it (Ctrl-C, SIGTERM, a hang-up, `invoke cancel`), so it is marked cancelled (`invoke jobs` says
+        CANCELLED, and no restart follows); else an error under the job ended it, and it is only removed."""
 
     # -- from any shell, through the job's handle.json --
 
@@ -138,18 +150,6 @@ class Backend(ABC):
     @abstractmethod
     def show_logs(self, handle: Handle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """`invoke logs`: a node's output; with `follow`, until the job ends (across restarts and allocations)."""
-
-    def stop(self, handle: Handle, log=print, wait: float = 60) -> None:
-        """`invoke cancel`: stop the job from any shell, every node, logs kept."""
-        self.cancel(handle, log)
-
-    def mark_cancelled(self, handle: Handle) -> None:
-        """The job was stopped (Ctrl-C, SIGTERM, a hang-up), not failed: `invoke jobs` says CANCELLED. Never in
-        the way of the cancel itself (a folder that cannot be written)."""
-        try:
-            Path(handle.dir, CANCELLED).touch()
-        except OSError:
-            pass
 
     def detach(self, plan: Plan, log=print) -> Handle:
         """`--detach`: start the job and return; by default the backend's own scheduler carries it."""
@@ -201,13 +201,11 @@ class Backend(ABC):
             except BaseException as e:
                 if handle is not None:
                     log = never_failing(log)   # the terminal may be gone (a closed pipe): clean up all the same
-                    why = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped by an error"
-                    if isinstance(e, KeyboardInterrupt):   # Ctrl-C, SIGTERM, a hang-up: stopped, not failed
-                        with signals_held():
-                            self.mark_cancelled(handle)
-                    log(f"{why}: cancelling {plan.job_id} (another Ctrl-C will not stop the cleanup)")
+                    asked = isinstance(e, KeyboardInterrupt)   # Ctrl-C, SIGTERM, a hang-up: stopped, not failed
+                    log(f"{'interrupted' if asked else 'stopped by an error'}: cancelling {plan.job_id} (another "
+                        f"Ctrl-C will not stop the cleanup)")
                     with signals_held():
-                        self.cancel(handle, log)
+                        self.cancel(handle, log, asked)
                 raise
 
 

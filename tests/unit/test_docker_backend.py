@@ -893,7 +893,7 @@ def test_jobs_tells_running_orphaned_died_passed_and_cancelled_apart(monkeypatch
     (plan.dir / "summary.json").write_text(json.dumps({"ok": True}))
     assert jobs.describe(gone)["state"] == "PASSED"
     (plan.dir / "summary.json").unlink()
-    b.cancel(h, log=lambda _: None)                          # stopped: its summary says how
+    b.cancel(h, log=lambda _: None, asked=False)             # stopped by an error: its summary says how
     assert jobs.describe(gone)["state"] == "FAILED"
     (plan.dir / "summary.json").unlink()
     assert jobs.describe(gone)["state"] == "DIED"             # no containers, no summary, no supervisor
@@ -919,15 +919,16 @@ def test_a_job_followed_from_another_machine_says_where_and_is_not_removed_behin
     row = jobs.describe(h)
     assert (row["state"], row["note"]) == (
         JobState.UNKNOWN, f"its supervisor (pid {os.getpid()}) runs on {here}: `invoke jobs` there tells its state")
+    elsewhere = DockerBackend(connect=engine.connect)   # `invoke cancel` on that machine: not the job's process
     with pytest.raises(UserError, match=f"^job {JOB} is followed by its supervisor on {here} .*cancel it there"):
-        b.stop(h, log=lambda _: None)
+        elsewhere.cancel(h, log=lambda _: None)
     with pytest.raises(UserError, match=f"^job {JOB} is in a state .*runs on {here}"):   # nor is its id reused there
         train.refuse_live(JOB)
     assert all(c.status == "running" and not c.removes for c in engine.made.values())
     (plan.dir / "summary.json").write_text(json.dumps({"ok": False}))   # it ended there
     assert jobs.describe(h)["state"] == "FAILED"
     with pytest.raises(UserError, match="has already ended"):
-        b.stop(h, log=lambda _: None)
+        elsewhere.cancel(h, log=lambda _: None)
 
 
 def test_a_hosts_job_followed_from_another_machine_is_asked_of_its_engines(monkeypatch):
@@ -1077,5 +1078,5 @@ def test_a_cancel_that_removes_the_containers_itself_says_so_for_other_machines(
     starter.submit(plan, log=lambda _: None)
     h = Handle.load(plan.dir)
     h.supervisor = 0   # nothing follows it (a dead supervisor): cancel removes the containers itself
-    DockerBackend(connect=engine.connect).stop(h, log=lambda _: None)
+    DockerBackend(connect=engine.connect).cancel(h, log=lambda _: None)
     assert (plan.dir / "CANCELLED").read_text().strip() == docker_backend.REMOVED

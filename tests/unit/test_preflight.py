@@ -76,7 +76,7 @@ class Recording(Backend):
     def logs(self, handle, node: int) -> str:
         return ""
 
-    def cancel(self, handle, log=print) -> None:
+    def cancel(self, handle, log=print, asked=True) -> None:
         self.calls.append(("cancel", handle.job_id))
 
     def job_state(self, handle):

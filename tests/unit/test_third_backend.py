@@ -19,7 +19,7 @@ from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.options import Option
 from fleetbox.processes import process_start
-from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Doctoring, Plan
+from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Doctoring, Plan, mark_cancelled
 from fleetbox.run.jobfolder import Layout
 from fleetbox.run.records import Handle, JobInfo, JobState
 from fleetbox.run.result import JobResult, NodeResult
@@ -154,8 +154,9 @@ class ProcBackend(Backend):
     def _running(self, handle: ProcHandle) -> list[int]:
         return [p for p, t in zip(handle.pids, handle.starts) if t and process_start(p) == t]
 
-    def cancel(self, handle: ProcHandle, log=print) -> None:
-        Path(handle.dir, CANCELLED).touch()
+    def cancel(self, handle: ProcHandle, log=print, asked: bool = True) -> None:
+        if asked:
+            mark_cancelled(handle.dir)
         for pid in self._running(handle):
             os.killpg(pid, signal.SIGTERM)
             log(f"stopped pid {pid}")

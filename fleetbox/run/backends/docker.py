@@ -36,7 +36,7 @@ from fleetbox.processes import process_start, this_host
 from fleetbox.run import checkpoints, hang, hostnet, placeholders, records, shell
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Capabilities, Doctoring, Plan, job_ended
+from fleetbox.run.backend import CANCELLED, Capabilities, Doctoring, Plan, job_ended, mark_cancelled
 from fleetbox.run.backends import restarts, runtimes
 from fleetbox.run.backends.restarts import ClientRestarts
 from fleetbox.run.jobfolder import Layout
@@ -145,6 +145,7 @@ class DockerBackend(ClientRestarts):
     # ranks' progress files
     capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True)
     doctoring = Doctoring(no_driver_fix=runtimes.Docker.no_driver_fix)   # its containers: Docker Engine's
+    SUPERVISOR_STOP_S = 60   # `invoke cancel`: how long a job's supervisor has to clean up before this does
     options = (
         Option("hosts", "docker backend: comma-separated Docker Engine URLs, one per node "
                         "(ssh://user@h1,ssh://user@h2); master = first", (), kind=tuple),
@@ -467,19 +468,48 @@ class DockerBackend(ClientRestarts):
         p = Path(handle.dir) / f"node{node}" / OUTPUT
         return p.read_text(errors="replace") if p.exists() else ""
 
-    def cancel(self, handle: DockerHandle, log=print) -> None:
+    def cancel(self, handle: DockerHandle, log=print, asked: bool = True) -> None:
+        """This process's job: stopped, its logs kept, removed. Another's (`invoke cancel` from any shell): its
+        supervisor (a detached job's, or another shell's `invoke train`) is asked (SIGTERM) and cleans up as on
+        Ctrl-C; without one, or when it does not stop in time, the job's containers are removed here."""
         live = self.live.pop(handle.job_id, None)
         if live is not None:   # this process started it: stop, keep the logs, remove
+            if asked:
+                mark_cancelled(handle.dir)
             live.stop_all()
             live.gather()
             live.remove_all()
             live.result()
             return
+        if where := handle.elsewhere():   # its containers are not ours to remove behind its supervisor
+            if files.read_json(Path(handle.dir) / records.SUMMARY):
+                raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
+            raise UserError(f"job {handle.job_id} is followed by its supervisor on {where} (pid {handle.supervisor}), "
+                            f"not this machine: cancel it there; were {where} gone for good, `invoke clean --job "
+                            f"{handle.job_id} --force` on the machines that run its containers removes them")
+        following = handle.followed() and handle.supervisor != os.getpid()
+        if not following and self.status(handle) == "GONE":
+            raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
+        if asked:
+            mark_cancelled(handle.dir)   # first: a supervisor between attempts does not start another
+        if following:
+            log(f"asking the supervisor (pid {handle.supervisor}) to stop job {handle.job_id}")
+            os.kill(handle.supervisor, signal.SIGTERM)
+            end = time.monotonic() + self.SUPERVISOR_STOP_S
+            while handle.followed() and time.monotonic() < end:
+                time.sleep(0.2)
+            if not handle.followed():
+                log(f"job {handle.job_id} cancelled; logs in {handle.dir}")
+                return
+            log(f"the supervisor did not stop within {self.SUPERVISOR_STOP_S:g} s; removing the job's containers")
         for c in self._containers(handle):   # not ours: keep what each said, then remove it
             rank = c.labels.get(settings.LABEL_RANK, "x")
             d = Path(handle.dir) / f"node{rank}"
             _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), files.write_atomic(d / OUTPUT, c.logs())))
             _quietly(lambda: c.remove(force=True))
+        if asked:
+            files.write_atomic(Path(handle.dir) / CANCELLED, REMOVED + "\n")   # ended: no supervisor writes a summary
+            log(f"job {handle.job_id}: containers removed; logs in {handle.dir}")
 
     def detach(self, plan: DockerPlan, log=print) -> DockerHandle:
         """A supervisor process carries the job (python -m fleetbox.run.supervisor): this returns once it has
@@ -601,33 +631,6 @@ class DockerBackend(ClientRestarts):
             if not follow or not handle.followed():
                 return
             time.sleep(poll)
-
-    def stop(self, handle: DockerHandle, log=print, wait: float = 60) -> None:
-        """The job's supervisor (a detached job's, or another shell's `invoke train`) is asked (SIGTERM) and cleans
-        up as on Ctrl-C; without one, or when it does not stop in time, the job's containers are removed here."""
-        if where := handle.elsewhere():   # its containers are not ours to remove behind its supervisor
-            if files.read_json(Path(handle.dir) / records.SUMMARY):
-                raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
-            raise UserError(f"job {handle.job_id} is followed by its supervisor on {where} (pid {handle.supervisor}), "
-                            f"not this machine: cancel it there; were {where} gone for good, `invoke clean --job "
-                            f"{handle.job_id} --force` on the machines that run its containers removes them")
-        following = handle.followed() and handle.supervisor != os.getpid()
-        if not following and self.status(handle) == "GONE":
-            raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
-        (Path(handle.dir) / CANCELLED).touch()   # first: a supervisor between attempts does not start another
-        if following:
-            log(f"asking the supervisor (pid {handle.supervisor}) to stop job {handle.job_id}")
-            os.kill(handle.supervisor, signal.SIGTERM)
-            end = time.monotonic() + wait
-            while handle.followed() and time.monotonic() < end:
-                time.sleep(0.2)
-            if not handle.followed():
-                log(f"job {handle.job_id} cancelled; logs in {handle.dir}")
-                return
-            log(f"the supervisor did not stop within {wait:g} s; removing the job's containers")
-        self.cancel(handle, log)
-        files.write_atomic(Path(handle.dir) / CANCELLED, REMOVED + "\n")   # ended: no supervisor writes a summary
-        log(f"job {handle.job_id}: containers removed; logs in {handle.dir}")
 
     def _containers(self, handle: DockerHandle) -> list:
         found = []

@@ -40,7 +40,7 @@ from fleetbox.processes import process_start, signals_held, this_host
 from fleetbox.run import hostnet, node_log, placeholders, records
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backend import CANCELLED, Capabilities, Doctoring, Option, Plan
+from fleetbox.run.backend import CANCELLED, Capabilities, Doctoring, Option, Plan, mark_cancelled
 from fleetbox.run.backends import node_script, restarts
 from fleetbox.run.backends.kube_pods import (
     COMPLETION_INDEX,
@@ -836,9 +836,10 @@ class KubernetesBackend(ClientRestarts):
                 if k in names else None
         return argv, running
 
-    def cancel(self, handle: KubeHandle, log=print) -> None:
+    def cancel(self, handle: KubeHandle, log=print, asked: bool = True) -> None:
         """The job's objects, deleted (their pods with them); a claim is left: it holds the checkpoints."""
-        Path(handle.dir, CANCELLED).touch()   # first: its state is no longer the controller's to say
+        if asked:
+            mark_cancelled(handle.dir)   # first: its state is no longer the controller's to say, no restart follows
         if handle.client == "podman":
             return PodmanPlay.of(handle).down(handle, log)
         if not handle.objects:

@@ -568,13 +568,11 @@ class SlurmBackend(Backend):
             return handle.scheduler_job
         return recs[-1]["next"] or recs[-1]["slurm_job"]
 
-    def mark_cancelled(self, handle: SlurmHandle) -> None:
-        pass   # cancel() marks the chain itself (CANCELLED.<first Slurm job>), which job_state reads
-
-    def cancel(self, handle: SlurmHandle, log=print) -> None:
+    def cancel(self, handle: SlurmHandle, log=print, asked: bool = True) -> None:
         """The marker first (an allocation about to submit the next one reads it, and a next one that was
         already submitted ends at once), then the chain's own Slurm jobs that are still alive, as this user:
-        never every job that happens to carry the job's name."""
+        never every job that happens to carry the job's name. The marker is the chain's stop: written whether
+        `asked` or not."""
         Path(handle.dir, f"{CANCELLED}.{handle.scheduler_job}").touch()   # per chain: job.sbatch reads it
         asked: list[str] = []
         for _ in range(5):   # an allocation may submit the next one meanwhile: read the chain again
