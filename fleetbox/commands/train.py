@@ -24,8 +24,6 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
     if timeout and detach:
         raise UserError("--timeout needs an attached job; a detached one ends with `invoke cancel`")
     b = backends.get(backend, **(backend_options or {}))
-    for note in b.notes:
-        log(f"warning: {note}")
     asked = (spec.hang_timeout, spec.start_timeout) != (JobSpec.hang_timeout, JobSpec.start_timeout)
     if asked and not b.capabilities.watches_hangs:
         log(f"warning: the {b.name} backend does not detect hangs yet: --hang-timeout and --start-timeout have no "
@@ -59,9 +57,11 @@ def _start(spec: JobSpec, b, dry_run: bool, timeout: float | None, detach: bool,
     else:
         with stops_as_interrupt():   # planning starts probe containers on --hosts engines
             plan = b.plan(spec)
+    if dry_run and b.capabilities.watches_hangs:   # first: what follows is the backend's files, each to its end
+        log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout, spec.device, spec.env))
+    for note in plan.notes:   # what it settled for, or was given, that the user should know: before it runs
+        log(note)
     if dry_run:
-        if b.capabilities.watches_hangs:   # first: what follows is the backend's files, each to its end
-            log("# " + hang.describe_deadlines(spec.hang_timeout, spec.start_timeout, spec.device, spec.env))
         log(b.describe(plan))
         return None
     if detach:

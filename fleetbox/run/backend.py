@@ -10,7 +10,7 @@ so a dry-run shows exactly what runs. `run` is submit + follow, with cancel on e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 from pathlib import Path
 
 from fleetbox.errors import LeftRunning, UserError
@@ -42,6 +42,8 @@ class Plan:
     job_id: str
     dir: Path          # runs/<job-id>/ on this machine
     port: int
+    _: KW_ONLY
+    notes: tuple[str, ...] = ()   # what the user should know of what it settled for or was given (a line each)
 
     def make_dir(self) -> Path:
         """The job's folder; private to the user (0700) when the job has --env values, which its scripts and
@@ -96,7 +98,6 @@ class Backend(ABC):
     foreign: dict[str, str] = {}         # what it says of another backend's option given to it, by name
     capabilities = Capabilities()
     doctoring = Doctoring()
-    notes: tuple[str, ...] = ()          # what the user should know about the options given (one line each)
 
     # -- what a job is on this backend: its own options (Docker's --hosts, --devices) with the job's --
 

@@ -227,7 +227,7 @@ def test_an_engine_failure_or_fresh_hosts_volumes_say_how_to_go_on(monkeypatch, 
 
     class Lost(backends.lookup("docker")):   # Docker's, its engine lost while the job ran
         def plan(self, spec):
-            return types.SimpleNamespace(job_id="J", dir=tmp_path)
+            return types.SimpleNamespace(job_id="J", dir=tmp_path, notes=())
 
         def run(self, plan, log, timeout):
             raise Failed("train failed: the Docker Engine at tcp://h1:2375 failed")

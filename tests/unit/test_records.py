@@ -68,9 +68,8 @@ def _docker_plan(tmp_path) -> DockerPlan:
     values = tuple(planner.node_values(k, 2, "train-1", "10.0.0.1", 23456, f"10.0.0.{k + 1}", "eth0")
                    for k in range(2))
     nodes = tuple(planner.replace(t, host=f"ssh://u@h{k + 1}").fill(x) for k, x in enumerate(values))   # --hosts
-    return DockerPlan(s, "train-1", tmp_path, 23456, nodes, ("a note",),
-                      "fleetbox-train-1-{node}-checkpoints", t, values, attempt=1, image_id="sha256:abc",
-                      content_tag="c0ffee", paddle="3.3.1")
+    return DockerPlan(s, "train-1", tmp_path, 23456, nodes, "fleetbox-train-1-{node}-checkpoints", t, values,
+                      attempt=1, image_id="sha256:abc", content_tag="c0ffee", paddle="3.3.1", notes=("a note",))
 
 
 def test_a_plan_goes_to_the_supervisor_as_json_and_comes_back_equal(tmp_path):

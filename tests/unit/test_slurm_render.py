@@ -450,8 +450,9 @@ def test_a_time_limit_that_leaves_under_a_minute_of_work_is_refused(time, grace,
 @pytest.mark.parametrize("time,grace,notes", [("3", 60, 1), ("6", 60, 1), ("7", 60, 0), ("1:00:00", 120, 0),
                                               ("", 120, 0)])
 def test_a_time_limit_that_leaves_under_five_minutes_is_warned_about(time, grace, notes):
-    b = slurm.SlurmBackend("podman", time=time, signal_grace=grace)
-    assert len(b.notes) == notes and all("of work per allocation" in n for n in b.notes)
+    plan = slurm.SlurmBackend("podman", time=time, signal_grace=grace).plan(spec_mod.JobSpec(
+        variant=matrix.load().get("cpu"), nodes=2, job_id="train-x", image="localhost/fleetbox/paddle:cpu"))
+    assert len(plan.notes) == notes and all("of work per allocation" in n for n in plan.notes)
 
 
 def test_the_warning_is_shown_before_the_plan(tmp_path, monkeypatch):
@@ -460,8 +461,9 @@ def test_the_warning_is_shown_before_the_plan(tmp_path, monkeypatch):
     said = []
     train.train(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-x"), "slurm",
                 {"runtime": "podman", "time": "3", "signal_grace": 60}, dry_run=True, log=said.append)
-    assert said[0] == ("warning: --time 3 (180 s) less --signal-grace 60 s and the minute Slurm may warn early "
-                       "leaves 60 s of work per allocation: start-up and the checkpoint take part of it")
+    warning = ("warning: --time 3 (180 s) less --signal-grace 60 s and the minute Slurm may warn early leaves 60 s of "
+               "work per allocation: start-up and the checkpoint take part of it")
+    assert said[1] == warning and "#SBATCH" in said[2]   # after the deadlines, before the batch script
 
 
 def test_a_runs_folder_with_a_percent_is_refused(tmp_path, monkeypatch):

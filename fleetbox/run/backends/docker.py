@@ -54,7 +54,6 @@ OUTPUT = "container.log"   # a node's container output, in its node folder (the 
 @dataclass(frozen=True)
 class DockerPlan(Plan):
     nodes: tuple[planner.NodeRun, ...]    # every node's container, placeholders filled
-    notes: tuple[str, ...] = ()            # facts the plan had to settle for (e.g. a memlock cap)
     checkpoints: str = ""                  # the checkpoint folder here, or (--hosts) each engine's volume
     template: planner.NodeRun | None = None   # the nodes before their placeholders were filled ...
     values: tuple[dict, ...] = ()             # ... with these values (a restart fills them again)
@@ -312,8 +311,8 @@ class DockerBackend(ClientRestarts):
         notes = () if t.memlock == -1 else (
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
-        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, notes, str(ckpt), t, values,
-                          image_id=image_id, content_tag=content_tag, paddle=paddle)
+        return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, str(ckpt), t, values,
+                          image_id=image_id, content_tag=content_tag, paddle=paddle, notes=notes)
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
@@ -402,7 +401,7 @@ class DockerBackend(ClientRestarts):
             for n, v in zip(plan.nodes, plan.values)))
 
     def describe(self, plan: DockerPlan) -> str:
-        out = list(plan.notes)
+        out = []
         for k, n in enumerate(plan.nodes):
             out += [f"# node{k} (rank {k}) on {n.host or 'this machine'}", shell_line(n)]
         return "\n".join(out)
@@ -410,8 +409,6 @@ class DockerBackend(ClientRestarts):
     # -- acting --
 
     def submit(self, plan: DockerPlan, log=print) -> DockerHandle:
-        for note in plan.notes:
-            log(note)
         plan.make_dir()
         spec = plan.spec
         if plan.attempt == 0:   # a restart goes on with the same folders

@@ -295,7 +295,7 @@ class SlurmBackend(Backend):
         if self.cpus_per_node == WHOLE_NODE and not self.sbatch["mem"]:
             self.sbatch["mem"] = "0"   # an exclusive job gets only the memory it asks for: all of it
         self.sbatch_args = sbatch_args_option(sbatch_args)
-        self.notes: tuple[str, ...] = ()
+        self.time_note = ""   # a time limit that leaves little work per allocation, said with each plan
         limit = time_seconds(self.sbatch["time"])
         if limit is not None:
             work = limit - signal_grace - EARLY_WARNING
@@ -305,7 +305,7 @@ class SlurmBackend(Backend):
                 raise UserError(f"{said}, under the {MIN_WORK} s a job needs to start and save: raise --time or "
                                 f"lower --signal-grace")
             if work < SHORT_WORK:
-                self.notes = (f"{said}: start-up and the checkpoint take part of it",)
+                self.time_note = f"warning: {said}: start-up and the checkpoint take part of it"
         try:
             self.runtime_args = tuple(shlex.split(runtime_args or ""))
         except ValueError as e:
@@ -334,7 +334,7 @@ class SlurmBackend(Backend):
         files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
                  ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
         return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt), image_why,
-                         submit_environment(os.environ, files[0][1]))
+                         submit_environment(os.environ, files[0][1]), notes=(self.time_note,) if self.time_note else ())
 
     def node_run(self, spec: spec_mod.JobSpec, job_id: str, job_dir: Path, ckpt: Path,
                  owner: str = "") -> planner.NodeRun:
