@@ -1016,12 +1016,12 @@ def cluster(kubectl, tmp_path, monkeypatch):
 
 
 def test_the_hang_watch_never_reads_an_earlier_attempts_pods_on_their_way_out(cluster, tmp_path, monkeypatch):
-    from fleetbox.run.backends.kubernetes import KubernetesBackend
+    from fleetbox.run.backends.kubernetes import Kubectl
     (tmp_path / "cluster" / "attempt").write_text("1")   # attempt 0's pods terminating; attempt 1's just applied
     monkeypatch.setenv("KUBECTL_PODS_1", "done")          # (or, here, already ended: not running either)
     b = backend()
     h = KubeHandle("kubernetes", JOB, str(tmp_path), 2, owner=records.owner(), objects=[f"job.batch/{JOB}"], attempt=1)
-    argv, running = KubernetesBackend.in_pods(b, h)
+    argv, running = Kubectl(b).in_pods(h)
     assert (running(), argv(0), argv(1)) == (False, None, None)
     monkeypatch.delenv("KUBECTL_PODS_1")
     monkeypatch.setenv("KUBECTL_NOT_YET", "1")           # rank 1's new pod not made yet: its old one is not it

@@ -15,9 +15,10 @@ numeric IP from its name (Paddle's launcher needs an IP to tell that it is the m
 and address towards it (fleetbox_netinfo, as Slurm's runtimes run it in the image).
 
 `plan` and `describe` are pure (no cluster, no kubectl): --dry-run prints the manifests as multi-document YAML.
-Running them is the client's (--k8s-client): `kubectl apply` (kubectl()), with the kubeconfig kubectl finds, or,
-on this machine, `podman kube play` (podman(); Podman 4.3 plays no Job or Service: the Indexed Job is lowered to
-one Pod per index, podman_play.py, on a network of the job's own).
+Running them is the client's (--k8s-client, client_of), each with the same verbs (submit, state, logs, streaming,
+follow, down): Kubectl, `kubectl apply` with the kubeconfig kubectl finds, or, on this machine, PodmanPlay,
+`podman kube play` (podman_play.py: Podman 4.3 plays no Job or Service, so the Indexed Job is lowered to one Pod
+per index, on a network of the job's own).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from fleetbox.run.backends.kube_pods import (
     owner_label,
     to_yaml,
 )
-from fleetbox.run.backends.podman_play import PodmanPlay, podman
+from fleetbox.run.backends.podman_play import PodmanPlay
 from fleetbox.run.backends.restarts import ClientRestarts
 from fleetbox.run.jobfolder import Layout
 from fleetbox.run.judge import JobFacts, NodeFacts, judge
@@ -274,11 +275,6 @@ class KubernetesBackend(ClientRestarts):
             raise UserError(f"--k8s-kind {k8s_kind!r}: choose {', '.join(KINDS)}")
         if k8s_client not in CLIENTS:
             raise UserError(f"--k8s-client {k8s_client!r}: choose {', '.join(CLIENTS)}")
-        if k8s_client == "podman" and k8s_kind != "indexed":
-            raise UserError(f"--k8s-client podman runs the indexed kind only (Podman has no {k8s_kind} controller)")
-        if k8s_client == "podman" and k8s_host_network:
-            raise UserError("--k8s-client podman takes no --k8s-host-network: Podman 4.3 drops hostAliases on the "
-                            "host's network, and the master's name would not resolve")
         if k8s_files not in ("configmap", "image"):
             raise UserError(f"--k8s-files {k8s_files!r}: choose configmap or image")
         if k8s_namespace:
@@ -303,8 +299,6 @@ class KubernetesBackend(ClientRestarts):
             dns_subdomain("--k8s-queue", k8s_queue)
         if k8s_deadline < 0:
             raise UserError(f"--k8s-deadline must be positive (got {k8s_deadline:g})")
-        if k8s_client == "podman" and k8s_deadline:
-            raise UserError("--k8s-deadline is the Job controller's; Podman has none: give --k8s-client kubectl")
         self.kind, self.namespace, self.host_network, self.files = k8s_kind, k8s_namespace, k8s_host_network, k8s_files
         self.resource = {"cuda": k8s_gpu_resource, "rocm": k8s_dcu_resource}
         self.claim, self.claim_size, self.secret = k8s_checkpoint_claim, k8s_checkpoint_size, k8s_secret
@@ -312,6 +306,8 @@ class KubernetesBackend(ClientRestarts):
         self.queue, self.cpu, self.memory = k8s_queue, k8s_cpu, k8s_memory
         self.client = k8s_client
         if k8s_client == "podman":   # the job's nodes are this machine's containers; a failure names a rank
+            if why := PodmanPlay.cannot(kind=k8s_kind, host_network=k8s_host_network, deadline=k8s_deadline):
+                raise UserError(why)
             self.capabilities = replace(self.capabilities, names_hosts=False)
             self.doctoring = replace(self.doctoring, runtime="podman")
 
@@ -328,9 +324,8 @@ class KubernetesBackend(ClientRestarts):
             if placeholders.used(m.src) or not m.src.startswith("/"):
                 raise UserError(f"--mount {m.src}:{m.dst}: on Kubernetes the source is a path on each node: give "
                                 f"it absolute, without placeholders")
-        if self.client == "podman" and spec.pass_env:
-            raise UserError("--pass-env reads a Secret, which `podman kube play` (4.3) does not make: run it with "
-                            "--k8s-client kubectl")
+        if self.client == "podman" and (why := PodmanPlay.cannot(pass_env=spec.pass_env)):
+            raise UserError(why)
 
     def checkpoints_note(self, spec: spec_mod.JobSpec, job_id: str) -> str:
         if self.claim:
@@ -593,8 +588,7 @@ class KubernetesBackend(ClientRestarts):
 
     def detach(self, plan: KubePlan, log=print) -> KubeHandle:
         if plan.client == "podman":
-            raise UserError("--detach with --k8s-client podman: nothing would follow the pods (stop the others at "
-                            "a failure, gather the logs, remove them); stay attached")
+            raise UserError(PodmanPlay.cannot(detach=True))
         if plan.spec.max_restarts and self.kind != "volcano":
             raise UserError(f"--max-restarts with --detach: the {self.kind} kind's restarts are fleetbox's own, "
                             f"made by the command that follows the job; stay attached, or give --k8s-kind volcano "
@@ -620,56 +614,10 @@ class KubernetesBackend(ClientRestarts):
             (plan.dir / CANCELLED).unlink(missing_ok=True)
         JobInfo(plan.job_id, self.name, plan.spec.variant.name, plan.spec.nodes, plan.spec.procs_per_node,
                 plan.spec.image_ref, paddle=plan.spec.paddle_pin).save(plan.dir)
-        if plan.client == "podman":
-            play = PodmanPlay(plan.job_id, plan.spec.nodes)
-            handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
-                                procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim,
-                                owner=records.owner(), kind=plan.kind, client="podman", attempt=plan.attempt,
-                                **following(plan), objects=play.objects(plan.manifests))
-            return play.submit(plan, handle, log)
-        context, namespace = where(plan.namespace)
-        scope = at(context, namespace)
-        mine = owner_label(records.owner())
-        docs = list(plan.manifests)
-        if plan.secret_made:   # its values from this environment, on stdin only: never printed or written here
-            docs.insert(0, self.meta({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": plan.secret},
-                                      "type": "Opaque",
-                                      "stringData": {k: os.environ[k] for k in plan.spec.pass_env}},
-                                     self.names(plan.job_id)))
-        elif plan.secret:   # the user's own: read, never written, labelled or deleted
-            has_keys(scope, plan.secret, plan.spec.pass_env)
-        kinds = kinds_of(docs)
-        refuse_taken(scope, [*kinds, "pod"], plan.job_id, mine, namespace)
-        (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
         handle = KubeHandle(self.name, plan.job_id, str(plan.dir), plan.spec.nodes,
                             procs_per_node=plan.spec.procs_per_node, checkpoints=self.claim, owner=records.owner(),
-                            kind=plan.kind, namespace=namespace, context=context, attempt=plan.attempt,
-                            **following(plan),
-                            objects=(["secret/" + plan.secret] if plan.secret_made else []) + self.objects(plan))
-        handle.save()   # first: whatever is applied from here on, a cancel finds
-        by_label = label_delete(scope, kinds, plan.job_id, mine)
-        # an earlier run of this job id left its objects (a finished job's are kept): applied again they would be
-        # "unchanged", and the old job's status read as this one's. Deleted first, and waited for, their pods too
-        # (an earlier attempt's, still on their way out), the claim kept; only this owner's (refuse_taken)
-        gone = kubectl(*label_delete(scope, [*kinds, "pod"], plan.job_id, mine)[1:],
-                       "--cascade=foreground", "--wait").stdout.strip().splitlines()
-        if gone and not plan.attempt:   # a restart's are its earlier attempt's
-            log(f"{plan.job_id}: deleted what an earlier run of it left ({', '.join(w.split()[0] for w in gone)})")
-        try:
-            kubectl(*scope, *APPLY, stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
-        except BaseException:   # a failed or interrupted apply may have made some objects: none is left
-            with signals_held():
-                kubectl(*by_label[1:], check=False)
-            raise
-        if (plan.dir / CANCELLED).exists():   # `invoke cancel` came while this applied (a restart): it found none
-            with signals_held():
-                kubectl(*by_label[1:], check=False)
-            log(f"{plan.job_id}: cancelled while it was applied; deleted")
-            return handle
-        log(f"applied {plan.job_id} ({plan.kind}, {plan.spec.nodes} nodes) in namespace {namespace}"
-            + (f" of context {context}" if context else "") + f"; see it with `{line(['kubectl', *scope])} get "
-            f"pods -l {settings.LABEL_JOB}={plan.job_id}`")
-        return handle
+                            kind=plan.kind, client=plan.client, attempt=plan.attempt, **following(plan))
+        return self.client_of(plan).submit(plan, handle, log)
 
     @classmethod
     def leftovers(cls, job_id: str) -> str:
@@ -677,38 +625,13 @@ class KubernetesBackend(ClientRestarts):
         return (f"Kubernetes objects: `{line(label_delete([], kinds, job_id, owner_label(records.owner())))}` "
                 f"(with --namespace and --context where it ran; a kind the cluster lacks, left out)")
 
-    def pods(self, handle: KubeHandle) -> list[dict]:
-        """The job's pods, by rank (the newest of a rank's pods where its controller made it again)."""
-        selector = selector_of(handle.job_id, owner_label(handle.owner)) + (
-            f",{ATTEMPT_LABEL}={handle.attempt}" if handle.kind != "volcano" else "")   # never an earlier attempt's
-        out = kubectl(*handle.scope(), "get", "pods", "-l", selector, "-o", "json")
-        by_rank: dict[int, dict] = {}
-        for p in sorted(listed(out, "pods"), key=lambda p: p.get("metadata", {}).get("creationTimestamp", "")):
-            r = pod_rank(p, handle.kind)
-            if r is not None:
-                by_rank[r] = p
-        return [by_rank[r] for r in sorted(by_rank)]
-
     def job_state(self, handle: KubeHandle) -> tuple[JobState, int, str]:
         """What the job's controller says of it (its object is the last one applied)."""
         if Path(handle.dir, CANCELLED).exists():
             return JobState.CANCELLED, handle.attempt, ""
         if files.read_json(Path(handle.dir, records.SUMMARY)).get("hang"):   # stopped by hang detection
             return self.between_attempts(handle, JobState.HUNG, handle.attempt, "")
-        if handle.client == "podman":
-            state, _, note = PodmanPlay.of(handle).state(handle)
-            return self.between_attempts(handle, state, handle.attempt, note)
-        if not handle.objects:
-            return JobState.UNKNOWN, handle.attempt, "no object was applied"
-        proc = kubectl(*handle.scope(), "get", handle.objects[-1], "-o", "json", check=False)
-        if proc.returncode != 0:
-            said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-            return JobState.UNKNOWN, handle.attempt, said[-1] if said else f"kubectl exit {proc.returncode}"
-        try:
-            status = json.loads(proc.stdout).get("status") or {}
-        except ValueError:
-            return JobState.UNKNOWN, handle.attempt, "kubectl gave no JSON"
-        state, attempt, note = state_of(handle.kind, status)
+        state, attempt, note = self.client_of(handle).state(handle)
         return self.between_attempts(handle, state, attempt if handle.kind == "volcano" else handle.attempt, note)
 
     @staticmethod
@@ -722,15 +645,7 @@ class KubernetesBackend(ClientRestarts):
         return state, attempt, note
 
     def logs(self, handle: KubeHandle, node: int) -> str:
-        if handle.client == "podman":
-            return PodmanPlay.of(handle).logs(handle, node)
-        kept = Path(handle.dir, f"node{node}", "container.log")
-        if kept.exists():   # gathered when the job ended (its pods may be gone)
-            return kept.read_text(errors="replace")
-        pods = {pod_rank(p, handle.kind): p["metadata"]["name"] for p in self.pods(handle)}
-        if node not in pods:
-            raise UserError(f"job {handle.job_id} has no pod of rank {node} (yet)")
-        return kubectl(*handle.scope(), "logs", pods[node], "-c", CONTAINER).stdout
+        return self.client_of(handle).logs(handle, node)
 
     def show_logs(self, handle: KubeHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """A node's output; with `follow`, each of its pods' in turn (a restart makes new ones), as it comes, until
@@ -765,10 +680,102 @@ class KubernetesBackend(ClientRestarts):
 
     def streaming(self, handle: KubeHandle, node: int) -> tuple[str | None, list[str]]:
         """(which container it is, the words that stream its output) for node's pod now; (None, []): none yet."""
-        if handle.client == "podman":
-            name = PodmanPlay.of(handle).container(node)
-            found = podman("container", "inspect", "--format", "{{.Id}}", name, check=False).stdout.strip()
-            return (found, ["podman", "logs", "-f", name]) if found else (None, [])
+        return self.client_of(handle).streaming(handle, node)
+
+    def follow(self, handle: KubeHandle, log=print, timeout: float | None = None,
+               poll: float | None = None) -> JobResult:
+        """Until the job ended, as its client tells (the job's controller, or Podman's containers), or hang detection
+        stopped it; then each node's output kept in node<k>/container.log, and each node's end."""
+        return self.client_of(handle).follow(handle, log, timeout, poll)
+
+    def cancel(self, handle: KubeHandle, log=print, asked: bool = True) -> None:
+        """The job's objects, deleted (their pods with them); a claim is left: it holds the checkpoints."""
+        if asked:
+            mark_cancelled(handle.dir)   # first: its state is no longer the controller's to say, no restart follows
+        self.client_of(handle).down(handle, log)
+
+    def client_of(self, of: KubePlan | KubeHandle) -> Kubectl | PodmanPlay:
+        """What runs the job's objects (--k8s-client): kubectl, or this machine's Podman."""
+        if of.client == "podman":
+            return PodmanPlay(of.job_id, of.nodes if isinstance(of, KubeHandle) else of.spec.nodes)
+        return Kubectl(self)
+
+
+class Kubectl:
+    """The kubectl client: the job's objects applied to the cluster of kubectl's kubeconfig (its context and
+    namespace at submit, kept in the handle), and followed through its API server."""
+
+    POLL_S = 5.0   # an API server's answers, asked no more often than this
+
+    def __init__(self, backend: KubernetesBackend):
+        self.backend = backend
+
+    def submit(self, plan: KubePlan, handle: KubeHandle, log=print) -> KubeHandle:
+        context, namespace = where(plan.namespace)
+        scope = at(context, namespace)
+        mine = owner_label(records.owner())
+        docs = list(plan.manifests)
+        if plan.secret_made:   # its values from this environment, on stdin only: never printed or written here
+            docs.insert(0, self.backend.meta({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": plan.secret},
+                                      "type": "Opaque",
+                                      "stringData": {k: os.environ[k] for k in plan.spec.pass_env}},
+                                     self.backend.names(plan.job_id)))
+        elif plan.secret:   # the user's own: read, never written, labelled or deleted
+            has_keys(scope, plan.secret, plan.spec.pass_env)
+        kinds = kinds_of(docs)
+        refuse_taken(scope, [*kinds, "pod"], plan.job_id, mine, namespace)
+        (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
+        handle = replace(handle, namespace=namespace, context=context, objects=(
+            ["secret/" + plan.secret] if plan.secret_made else []) + self.backend.objects(plan))
+        handle.save()   # first: whatever is applied from here on, a cancel finds
+        by_label = label_delete(scope, kinds, plan.job_id, mine)
+        # an earlier run of this job id left its objects (a finished job's are kept): applied again they would be
+        # "unchanged", and the old job's status read as this one's. Deleted first, and waited for, their pods too
+        # (an earlier attempt's, still on their way out), the claim kept; only this owner's (refuse_taken)
+        gone = kubectl(*label_delete(scope, [*kinds, "pod"], plan.job_id, mine)[1:],
+                       "--cascade=foreground", "--wait").stdout.strip().splitlines()
+        if gone and not plan.attempt:   # a restart's are its earlier attempt's
+            log(f"{plan.job_id}: deleted what an earlier run of it left ({', '.join(w.split()[0] for w in gone)})")
+        try:
+            kubectl(*scope, *APPLY, stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        except BaseException:   # a failed or interrupted apply may have made some objects: none is left
+            with signals_held():
+                kubectl(*by_label[1:], check=False)
+            raise
+        if (plan.dir / CANCELLED).exists():   # `invoke cancel` came while this applied (a restart): it found none
+            with signals_held():
+                kubectl(*by_label[1:], check=False)
+            log(f"{plan.job_id}: cancelled while it was applied; deleted")
+            return handle
+        log(f"applied {plan.job_id} ({plan.kind}, {plan.spec.nodes} nodes) in namespace {namespace}"
+            + (f" of context {context}" if context else "") + f"; see it with `{line(['kubectl', *scope])} get "
+            f"pods -l {settings.LABEL_JOB}={plan.job_id}`")
+        return handle
+
+    def state(self, handle: KubeHandle) -> tuple[JobState, int, str]:
+        """What the job's controller says of it (its object is the last one applied)."""
+        if not handle.objects:
+            return JobState.UNKNOWN, handle.attempt, "no object was applied"
+        proc = kubectl(*handle.scope(), "get", handle.objects[-1], "-o", "json", check=False)
+        if proc.returncode != 0:
+            said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            return JobState.UNKNOWN, handle.attempt, said[-1] if said else f"kubectl exit {proc.returncode}"
+        try:
+            status = json.loads(proc.stdout).get("status") or {}
+        except ValueError:
+            return JobState.UNKNOWN, handle.attempt, "kubectl gave no JSON"
+        return state_of(handle.kind, status)
+
+    def logs(self, handle: KubeHandle, node: int) -> str:
+        kept = Path(handle.dir, f"node{node}", "container.log")
+        if kept.exists():   # gathered when the job ended (its pods may be gone)
+            return kept.read_text(errors="replace")
+        pods = {pod_rank(p, handle.kind): p["metadata"]["name"] for p in self.pods(handle)}
+        if node not in pods:
+            raise UserError(f"job {handle.job_id} has no pod of rank {node} (yet)")
+        return kubectl(*handle.scope(), "logs", pods[node], "-c", CONTAINER).stdout
+
+    def streaming(self, handle: KubeHandle, node: int) -> tuple[str | None, list[str]]:
         try:
             pod = next((p for p in self.pods(handle) if pod_rank(p, handle.kind) == node), None)
         except UserError:   # a busy API server: asked again
@@ -779,15 +786,15 @@ class KubernetesBackend(ClientRestarts):
         return md.get("uid") or md["name"], ["kubectl", *handle.scope(), "logs", "-f", md["name"], "-c",
                                              CONTAINER]
 
-    def follow(self, handle: KubeHandle, log=print, timeout: float | None = None, poll: float = 5.0) -> JobResult:
-        """Until the job's controller says it ended (Volcano's restarts included), or hang detection stopped it;
-        then each node's output kept in node<k>/container.log, and each node's end."""
-        if handle.client == "podman":
-            return PodmanPlay.of(handle).follow(handle, log, timeout)
+    def follow(self, handle: KubeHandle, log=print, timeout: float | None = None,
+               poll: float | None = None) -> JobResult:
+        """Until the job's controller says it ended (Volcano's restarts included), or hang detection stopped it,
+        asking every `poll` seconds (default POLL_S); the time limit is the controller's (--k8s-deadline)."""
+        poll = poll or self.POLL_S
         told, hung = None, None
         hangs = hang_watcher(handle, PodFiles(*self.in_pods(handle)), log, poll)
         while True:
-            state, _, note = self.job_state(handle)
+            state, _, note = self.backend.job_state(handle)
             if state == JobState.UNKNOWN and "(NotFound)" in note:   # its object is gone: it will not end
                 state, note = JobState.FAILED, "gone (deleted while the job ran)"
             if state != told:
@@ -809,9 +816,21 @@ class KubernetesBackend(ClientRestarts):
             kubectl(*label_delete(handle.scope(), [handle.objects[-1].partition("/")[0]],
                                   handle.job_id, owner_label(handle.owner))[1:], "--cascade=foreground", check=False)
         facts = pod_facts(pods, handle, state, note, hung)
-        result = judge(facts, handle.job_id, self.name, handle.dir, name_host=True)
+        result = judge(facts, handle.job_id, self.backend.name, handle.dir, name_host=True)
         result.save()
         return result
+
+    def pods(self, handle: KubeHandle) -> list[dict]:
+        """The job's pods, by rank (the newest of a rank's pods where its controller made it again)."""
+        selector = selector_of(handle.job_id, owner_label(handle.owner)) + (
+            f",{ATTEMPT_LABEL}={handle.attempt}" if handle.kind != "volcano" else "")   # never an earlier attempt's
+        out = kubectl(*handle.scope(), "get", "pods", "-l", selector, "-o", "json")
+        by_rank: dict[int, dict] = {}
+        for p in sorted(listed(out, "pods"), key=lambda p: p.get("metadata", {}).get("creationTimestamp", "")):
+            r = pod_rank(p, handle.kind)
+            if r is not None:
+                by_rank[r] = p
+        return [by_rank[r] for r in sorted(by_rank)]
 
     def in_pods(self, handle: KubeHandle):
         """For PodFiles: `kubectl exec` into node k's pod, and whether every node's pod runs (asked again until they
@@ -836,12 +855,8 @@ class KubernetesBackend(ClientRestarts):
                 if k in names else None
         return argv, running
 
-    def cancel(self, handle: KubeHandle, log=print, asked: bool = True) -> None:
+    def down(self, handle: KubeHandle, log=print) -> None:
         """The job's objects, deleted (their pods with them); a claim is left: it holds the checkpoints."""
-        if asked:
-            mark_cancelled(handle.dir)   # first: its state is no longer the controller's to say, no restart follows
-        if handle.client == "podman":
-            return PodmanPlay.of(handle).down(handle, log)
         if not handle.objects:
             return
         # by its id and owner, never by name alone: a stale handle's names may be another owner's job's now

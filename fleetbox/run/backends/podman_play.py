@@ -12,6 +12,7 @@ import secrets
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from fleetbox import files, settings
@@ -80,6 +81,25 @@ class PodmanPlay:
     POLL_S = 1.0
     STOP_S = 5   # seconds a stopped node has to end before it is killed
 
+    @staticmethod
+    def cannot(kind: str = "indexed", host_network: bool = False, deadline: float = 0.0, pass_env=(),
+               detach: bool = False) -> str:
+        """What of a Kubernetes job this machine's Podman cannot run, in one line ("": nothing)."""
+        if kind != "indexed":
+            return f"--k8s-client podman runs the indexed kind only (Podman has no {kind} controller)"
+        if host_network:
+            return ("--k8s-client podman takes no --k8s-host-network: Podman 4.3 drops hostAliases on the host's "
+                    "network, and the master's name would not resolve")
+        if deadline:
+            return "--k8s-deadline is the Job controller's; Podman has none: give --k8s-client kubectl"
+        if pass_env:
+            return ("--pass-env reads a Secret, which `podman kube play` (4.3) does not make: run it with "
+                    "--k8s-client kubectl")
+        if detach:
+            return ("--detach with --k8s-client podman: nothing would follow the pods (stop the others at a failure, "
+                    "gather the logs, remove them); stay attached")
+        return ""
+
     def __init__(self, job_id: str, nodes: int):
         self.job_id, self.nodes = job_id, nodes
 
@@ -100,8 +120,10 @@ class PodmanPlay:
                   for v in by_kind["Job"][0]["spec"]["template"]["spec"]["volumes"] if "emptyDir" in v)]
 
     def submit(self, plan: Plan, handle: SupervisedHandle, log=print) -> SupervisedHandle:
-        """Play the job (`plan.manifests`); `handle`: the Kubernetes backend's, with objects() as its objects."""
+        """Play the job (`plan.manifests`); `handle`: the Kubernetes backend's, which gets objects() as its
+        objects."""
         by_kind = kinds(plan.manifests)
+        handle = replace(handle, objects=self.objects(plan.manifests))
         mine = kube.owner_label(handle.owner)
         if self.refuse_taken(mine):   # an earlier run's, this owner's: removed
             self.down(handle, log=lambda *_: None)
@@ -193,6 +215,13 @@ class PodmanPlay:
         return {k: (int(t) / 1e9, oom == "true") for k, (t, _, oom) in
                 zip(ranks, (ln.partition(" ") for ln in out), strict=False) if t.isdigit() and int(t) > 0}
 
+    def streaming(self, handle: SupervisedHandle, node: int) -> tuple[str | None, list[str]]:
+        """(which container it is, the words that stream its output) for node's container now; (None, []): none
+        yet."""
+        name = self.container(node)
+        found = podman("container", "inspect", "--format", "{{.Id}}", name, check=False).stdout.strip()
+        return (found, ["podman", "logs", "-f", name]) if found else (None, [])
+
     def logs(self, handle: SupervisedHandle, node: int) -> str:
         if not 0 <= node < self.nodes:
             raise UserError(f"job {handle.job_id} has no node {node}")
@@ -204,11 +233,14 @@ class PodmanPlay:
             raise UserError(f"job {handle.job_id} has no container of node {node} (yet)")
         return proc.stdout
 
-    def follow(self, handle: SupervisedHandle, log=print, timeout: float | None = None) -> JobResult:
-        """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`."""
+    def follow(self, handle: SupervisedHandle, log=print, timeout: float | None = None,
+               poll: float | None = None) -> JobResult:
+        """Until every node ended well, one failed (the first to end so), one was lost, or `timeout`; asking every
+        `poll` seconds (default POLL_S)."""
+        poll = poll or self.POLL_S
         began, seen, timed_out, hung = time.monotonic(), set(), False, None
         hangs = kube.hang_watcher(handle, kube.PodFiles(lambda k: ["podman", "exec", "-i", self.container(k)],
-                                               self.running), log, self.POLL_S)
+                                               self.running), log, poll)
         while True:
             ctrs = self.containers()
             seen |= set(ctrs)
@@ -227,7 +259,7 @@ class PodmanPlay:
                 break
             if (hung := hangs.look()) is not None:
                 break
-            time.sleep(self.POLL_S)
+            time.sleep(poll)
         stopped = [k for k, c in ctrs.items() if c.get("State") != "exited"]
         if stopped:
             podman("stop", "--time", str(self.STOP_S), *(self.container(k) for k in stopped), check=False)
