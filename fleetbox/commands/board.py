@@ -40,7 +40,11 @@ from fleetbox.run.spec import JOB_ID
 
 LOCK = Path(__file__).with_name("board.lock")
 READY = "fleetbox-board.json"     # written last: a folder with it is a whole environment
-SERVER = ["-c", "import sys; from visualdl.server.app import main; sys.exit(main())"]   # its console script's
+# VisualDL's server as its console script starts it (visualdl.server.app._run), but for the thread that asks
+# http://HOST:PORT/ until it answers, which on a Unix socket (--private) never does: a DNS lookup of "unix" every
+# 0.5 s for the board's life. fleetbox asks once itself (_wait_up).
+SERVER = ["-c", "from visualdl.server.app import ParseArgs, create_app, parse_args; a = ParseArgs(**parse_args()); "
+                "create_app(a).run(debug=False, host=a.host, port=a.port, threaded=False)"]
 TABS = ("scalar", "text")
 NO_PROXY = {"no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1"}   # its own checks
 RUNS_API = "/app/api/runs"        # what VisualDL answers once it serves

@@ -901,6 +901,17 @@ def test_jobs_tells_running_orphaned_died_passed_and_cancelled_apart(monkeypatch
     assert jobs.describe(gone)["state"] == "CANCELLED"
 
 
+def test_a_ctrl_c_just_after_the_follow_let_go_of_the_job_still_removes_it_marked_cancelled():
+    """The follow hands its live part back before it reads the result: a Ctrl-C then finds this process's job with
+    no live part. It is still this process's to remove, never "already ended" in place of the interrupt."""
+    engine = FakeEngine({0: Life(code=None), 1: Life(code=None)})
+    b, plan = job(engine)
+    h = b.submit(plan, log=lambda _: None)
+    b.live.pop(h.job_id)
+    b.cancel(Handle.load(plan.dir), log=lambda _: None)
+    assert engine.all_removed() and (plan.dir / "CANCELLED").read_text() == ""
+
+
 def test_a_job_followed_from_another_machine_says_where_and_is_not_removed_behind_its_supervisor(monkeypatch):
     """Login nodes share the runs folder: from another one, the supervisor's pid cannot be asked and this
     machine's engine is not the job's; the job is neither DIED nor ORPHANED, and cancel leaves it alone."""

@@ -447,29 +447,41 @@ def test_the_indexed_job_lowers_to_one_pod_per_index_equal_to_its_template_but_t
     assert {"name": "A", "value": "a$$b"} in c["env"] and "'$(NODE_POD_IP)'" in c["command"][2]
     assert '"$NODE_INDEX"' in c["command"][2] and "$$" not in c["command"][2]
     assert pods_for_podman(job, svc)[1]["spec"]["hostAliases"][0]["ip"] == "127.0.0.1"
-    # a Podman that takes $$ for $ as the kubelet does (4.7 and later) gets the words as the kubelet would
-    (c,) = pods_for_podman(the(plan, "Job"), the(plan, "Service"), expands=True)[0]["spec"]["containers"]
+    # a Podman that takes $$ for $ in commands as the kubelet does (4.7 and later), but not in env values, gets
+    # the command as the kubelet would, the env values undone
+    from fleetbox.run.backends.podman_play import Dollars
+    (c,) = pods_for_podman(the(plan, "Job"), the(plan, "Service"), takes=Dollars(command=True))[0]["spec"][
+        "containers"]
     assert c["command"] == template_of(the(plan, "Job"))["spec"]["containers"][0]["command"]
-    assert {"name": "A", "value": "a$$$$b"} in c["env"] and "$$" in c["command"][2]
+    assert {"name": "A", "value": "a$$b"} in c["env"] and "$$" in c["command"][2]
+    (c,) = pods_for_podman(the(plan, "Job"), the(plan, "Service"), takes=Dollars(env=True))[0]["spec"]["containers"]
+    assert {"name": "A", "value": "a$$$$b"} in c["env"] and "$$" not in c["command"][2]
 
 
-@pytest.mark.parametrize("version,echoes,expands", [("4.3.1", "$$", False), ("5.2.0", "$", True)])
-def test_whether_podman_takes_dollars_as_the_kubelet_is_asked_of_it_once_per_version(version, echoes, expands,
-                                                                                     tmp_path, monkeypatch):
-    from fleetbox.run.backends.podman_play import expands_like_the_kubelet
+@pytest.mark.parametrize("version,echoes,taken", [("4.3.1", "$$ $$", (False, False)),
+                                                  ("5.2.0", "$ $$", (True, False)), ("6.0", "$ $", (True, True))])
+def test_where_podman_takes_dollars_as_the_kubelet_is_asked_of_it_once_per_version(version, echoes, taken,
+                                                                                   tmp_path, monkeypatch):
+    from fleetbox.run.backends.podman_play import PROBE_SCRIPT, dollars_taken
     calls = stand_in(tmp_path, monkeypatch, "podman", PODMAN)
     monkeypatch.setenv("PODMAN_VERSION", version)
     monkeypatch.setenv("PODMAN_ECHOES", echoes)
-    assert expands_like_the_kubelet("img") is expands
+    assert dollars_taken("img") == taken
     (play,) = [c for c in calls() if c["argv"][:2] == ["kube", "play"]]
-    probe = yaml.safe_load(play["stdin"])
-    assert probe["spec"]["containers"][0]["command"] == ["echo", "$$"] and play["argv"][3:5] == ["--network", "none"]
-    assert calls()[-1]["argv"][:2] == ["pod", "rm"] and calls()[-1]["argv"][-1] == probe["metadata"]["name"]
-    assert expands_like_the_kubelet("img") is expands and len(calls()) == 6   # known: only the version asked
+    (probe,) = yaml.safe_load(play["stdin"])["spec"]["containers"]
+    assert (probe["command"], probe["env"]) == (["sh", "-c", PROBE_SCRIPT, "$$"], [{"name": "F", "value": "$$"}])
+    assert play["argv"][3:5] == ["--network", "none"]
+    assert calls()[-1]["argv"][:2] == ["pod", "rm"] and calls()[-1]["argv"][-1] == \
+        yaml.safe_load(play["stdin"])["metadata"]["name"]
+    assert dollars_taken("img") == taken and len(calls()) == 6   # known: only the version asked
+    # what the probe's script prints, run as each would give it its words
+    argv_env = {"4.3.1": ("$$", "$$"), "5.2.0": ("$", "$$"), "6.0": ("$", "$")}[version]
+    assert subprocess.run(["sh", "-c", PROBE_SCRIPT, argv_env[0]], env={"F": argv_env[1]}, capture_output=True,
+                          text=True).stdout.strip() == echoes
     monkeypatch.setenv("PODMAN_ECHOES", "$(echo)")
     monkeypatch.setenv("PODMAN_VERSION", "9.9")
-    with pytest.raises(UserError, match=r"gave '\$\(echo\)' for a command that echoes \$\$"):
-        expands_like_the_kubelet("img")
+    with pytest.raises(UserError, match=r"gave '\$\(echo\)' for an argument and an env value written \$\$"):
+        dollars_taken("img")
 
 
 # -- names and options --
@@ -624,8 +636,8 @@ def test_an_id_another_owner_holds_in_the_namespace_is_refused_and_nothing_of_th
                                         r"theirs was touched: give another --job-id$"):
         b.run(b.plan(spec()), log=lambda *_: None)
     # kubectl's context and namespace asked, then whose the id's objects are; nothing deleted or applied
-    assert [c["argv"][:2] for c in kubectl()] == [["config", "current-context"], ["config", "view"],
-                                                  ["--namespace", "default"]] and kubectl()[-1]["argv"][2] == "get"
+    assert [c["argv"][:2] for c in kubectl()] == [["config", "current-context"], ["--namespace", "default"]] \
+        and kubectl()[-1]["argv"][2] == "get"
     # this user's own objects of the id, from another runs folder, are another owner's too
     mine = {settings.LABEL_JOB: JOB, settings.LABEL_OWNER: owner_label(records.owner())}
     monkeypatch.setenv("KUBECTL_TAKEN", json.dumps({"items": [{**theirs, "metadata": {**theirs["metadata"],
@@ -633,6 +645,33 @@ def test_an_id_another_owner_holds_in_the_namespace_is_refused_and_nothing_of_th
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "other-runs"))
     with pytest.raises(UserError, match=f"job id {JOB} is taken"):
         b.submit(b.plan(spec()), log=lambda *_: None)
+
+
+def test_kubectls_namespace_is_the_kubeconfigs_else_in_a_pod_its_service_accounts(kubectl, tmp_path, monkeypatch):
+    from fleetbox.run.backends import kubernetes
+    monkeypatch.setattr(kubernetes, "SERVICE_ACCOUNT_NAMESPACE", str(tmp_path / "namespace"))
+    assert kubernetes.where("") == ("", "default")   # no context, no service account: kubectl's default
+    (tmp_path / "namespace").write_text("team-a\n")
+    assert kubernetes.where("") == ("", "team-a") and kubernetes.where("ml") == ("", "ml")
+    monkeypatch.setenv("KUBECTL_CONTEXT", "site-a")   # a kubeconfig's context: its namespace (none here: default)
+    assert kubernetes.where("") == ("site-a", "default")
+
+
+FORBIDDEN = KUBECTL.replace("if args[:2] == [\"config\", \"current-context\"]:",
+                            r'''if args[-4:-2] == ["secret", "team-tokens"]:
+    print('Error from server (Forbidden): secrets "team-tokens" is forbidden', file=sys.stderr)
+    sys.exit(1)
+elif args[:2] == ["config", "current-context"]:''')
+
+
+def test_a_secret_the_user_may_use_but_not_read_is_said_and_used(kubectl, tmp_path, monkeypatch):
+    assert FORBIDDEN != KUBECTL
+    (tmp_path / "bin" / "kubectl").write_text(FORBIDDEN.format(py=sys.executable))
+    said, b = [], backend(k8s_secret="team-tokens")
+    b.submit(b.plan(spec(pass_env=("HF_TOKEN",))), log=said.append)
+    assert said[0] == "note: --k8s-secret team-tokens: kubectl may not read it here, so its keys are not checked " \
+                      "(HF_TOKEN must be among them)"
+    assert any("apply" in c["argv"] for c in kubectl())
 
 
 def test_a_secret_the_user_made_is_read_never_written_labelled_or_deleted(kubectl, monkeypatch):
@@ -643,7 +682,7 @@ def test_a_secret_the_user_made_is_read_never_written_labelled_or_deleted(kubect
     with pytest.raises(UserError, match=r"^--k8s-secret team-tokens has no key WANDB_API_KEY for --pass-env \(its "
                                         r"keys: HF_TOKEN\)$"):
         b.submit(plan, log=lambda *_: None)
-    assert [c["argv"][2:] for c in kubectl()[2:]] == [["get", "secret", "team-tokens", "-o", "json"]]
+    assert [c["argv"][2:] for c in kubectl()[1:]] == [["get", "secret", "team-tokens", "-o", "json"]]
     monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"data": {"HF_TOKEN": "eA==", "WANDB_API_KEY": "eQ=="},
                                                    "items": [], "status": {"conditions": [
                                                        {"type": "Complete", "status": "True"}]}}))
@@ -660,10 +699,19 @@ def test_a_secret_the_user_made_is_read_never_written_labelled_or_deleted(kubect
 
 def test_the_secret_fleetbox_made_is_deleted_when_the_job_ends(kubectl, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "s3cret")
-    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": [], "status": {"conditions": [
-        {"type": "Complete", "status": "True"}]}}))
     b = backend()
     plan = b.plan(spec(pass_env=("HF_TOKEN",)))
+    # a run refused before it applied anything deletes nothing, whatever an earlier run's handle says
+    plan.make_dir()
+    KubeHandle("kubernetes", JOB, str(plan.dir), 2, owner=records.owner(), namespace="theirs").save()
+    monkeypatch.setenv("KUBECTL_TAKEN", json.dumps({"items": [{"kind": "Job", "metadata": {
+        "name": JOB, "labels": {settings.LABEL_OWNER: "bob.0123456789ab"}}}]}))
+    with pytest.raises(UserError, match="is taken"):
+        b.run(plan, log=lambda *_: None)
+    assert not [c for c in kubectl() if "delete" in c["argv"]]
+    monkeypatch.delenv("KUBECTL_TAKEN")
+    monkeypatch.setenv("KUBECTL_SAYS", json.dumps({"items": [], "status": {"conditions": [
+        {"type": "Complete", "status": "True"}]}}))
     short_sleeps(monkeypatch, "a completed job was followed as if it ran")
     assert b.run(plan, log=lambda *_: None).ok
     assert kubectl()[-1]["argv"] == ["--namespace", "default", "delete", "secret", "-l",
@@ -686,7 +734,7 @@ if args[:2] == ["pod", "ps"]:   # a pod of the job id left here, whoever's
 if args[:1] == ["version"]:
     print(os.environ.get("PODMAN_VERSION", "4.3.1"))
 if args[:1] == ["logs"]:   # what the probe's command, `echo $$`, printed
-    print(os.environ.get("PODMAN_ECHOES", "$$"))
+    print(os.environ.get("PODMAN_ECHOES", "$$ $$"))
 if args[:2] == ["kube", "play"] and "none" in args:   # the probe: played
     sys.exit(0)
 if args[:2] == ["kube", "play"]:
@@ -696,8 +744,8 @@ if args[:2] == ["kube", "play"]:
 '''
 
 
-@pytest.mark.parametrize("echoes,expands", [("$$", False), ("$", True)])
-def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play_leaves_nothing(echoes, expands,
+@pytest.mark.parametrize("echoes,taken", [("$$ $$", (False, False)), ("$ $$", (True, False))])
+def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play_leaves_nothing(echoes, taken,
                                                                                                  tmp_path, monkeypatch):
     """...the pods lowered for what this Podman does with $$ (it was asked: the probe's echo)."""
     from fleetbox.run.backends.podman_play import pods_for_podman
@@ -724,7 +772,7 @@ def test_podman_plays_the_lowered_pods_on_the_jobs_own_network_and_a_failed_play
     played = list(yaml.safe_load_all(play["stdin"]))
     job, svc = the(plan, "Job"), the(plan, "Service")
     assert [m["kind"] for m in played] == ["ConfigMap", "ConfigMap", "PersistentVolumeClaim", "Pod", "Pod"]
-    assert played[3:] == pods_for_podman(job, svc, ["10.89.7.2", "10.89.7.3"], expands)
+    assert played[3:] == pods_for_podman(job, svc, ["10.89.7.2", "10.89.7.3"], taken)
     # whatever was made is removed: the pods, the ConfigMaps' and emptyDirs' volumes, the network; never the claim
     after = [c["argv"] for c in calls[calls.index(play) + 1:]]
     assert after[0] == ["pod", "rm", "--force", "--ignore", "--time", "0", f"{JOB}-0", f"{JOB}-1"]
@@ -891,7 +939,9 @@ attempt = int(open(os.path.join(state, "attempt")).read()) if os.path.exists(os.
 # every attempt's pods: an earlier attempt's still on their way out (deleted in the background)
 pods = {{f"fb-job-{{k}}-x{{a}}": (k, a) for a in range(attempt + 1) for k in (0, 1)
         if a < attempt or not (k == 1 and os.environ.get("KUBECTL_NOT_YET"))}}   # a pod not made yet
-if args[:1] == ["apply"]:
+if args[:2] == ["config", "current-context"]:   # kubectl's context: another one once the job was applied
+    print("site-b" if os.path.exists(os.path.join(state, "attempt")) else "site-a")
+elif args[:1] == ["apply"]:
     job = next(i for i in json.loads(stdin)["items"] if i["kind"] == "Job")
     attempt = re.search(r"FLEETBOX_ATTEMPT=(\d+)", job["spec"]["template"]["spec"]["containers"][0]["command"][2])[1]
     open(os.path.join(state, "attempt"), "w").write(attempt)
@@ -983,6 +1033,9 @@ def test_a_hang_on_a_cluster_is_found_through_kubectl_exec_and_fleetbox_restarts
     assert [j["spec"]["backoffLimit"] for j in jobs] == [0, 0]
     assert scripts[0].replace("FLEETBOX_ATTEMPT=0", "FLEETBOX_ATTEMPT=1") == scripts[1]
     assert b.job_state(Handle.load(plan.dir))[:2] == ("PASSED", 1)
+    # kubectl's context changed once the job was applied: the restart, and everything since, acted where the job is
+    assert {tuple(c["scope"]) for c in kubectl() if c["argv"][0] != "config"} == {
+        ("--context", "site-a", "--namespace", "default")}
 
 
 def own_sleep(monkeypatch, sleep) -> None:

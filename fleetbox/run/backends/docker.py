@@ -478,14 +478,15 @@ class DockerBackend(ClientRestarts):
             live.remove_all()
             live.result()
             return
+        ours = handle.supervisor == os.getpid() and not handle.elsewhere()   # its follow here ended just now
         if where := handle.elsewhere():   # its containers are not ours to remove behind its supervisor
             if files.read_json(Path(handle.dir) / records.SUMMARY):
                 raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
             raise UserError(f"job {handle.job_id} is followed by its supervisor on {where} (pid {handle.supervisor}), "
                             f"not this machine: cancel it there; were {where} gone for good, `invoke clean --job "
                             f"{handle.job_id} --force` on the machines that run its containers removes them")
-        following = handle.followed() and handle.supervisor != os.getpid()
-        if not following and self.status(handle) == "GONE":
+        following = handle.followed() and not ours
+        if not (following or ours) and self.status(handle) == "GONE":
             raise UserError(f"job {handle.job_id} has already ended (see `invoke jobs`)")
         if asked:
             mark_cancelled(handle.dir)   # first: a supervisor between attempts does not start another
@@ -504,7 +505,7 @@ class DockerBackend(ClientRestarts):
             d = Path(handle.dir) / f"node{rank}"
             _quietly(lambda: (d.mkdir(parents=True, exist_ok=True), files.write_atomic(d / OUTPUT, c.logs())))
             _quietly(lambda: c.remove(force=True))
-        if asked:
+        if asked and not ours:
             files.write_atomic(Path(handle.dir) / CANCELLED, REMOVED + "\n")   # ended: no supervisor writes a summary
             log(f"job {handle.job_id}: containers removed; logs in {handle.dir}")
 

@@ -67,6 +67,7 @@ KINDS = ("indexed", "volcano", "paddlejob")
 ATTEMPT_LABEL = "io.fleetbox.attempt"   # a pod's attempt, of fleetbox's own restarts
 # how the Job controller (and the Training Operator) says activeDeadlineSeconds ended a job, in its condition
 DEADLINE_SAID = "longer than specified deadline"
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"   # kubectl's in a pod
 # server-side: a client-side apply keeps each object whole in an annotation, 256 KiB at most, and a script's
 # ConfigMap may hold up to 1 MiB; an existing claim (an earlier run's) is taken over, not refused
 APPLY = ("apply", "--server-side", "--force-conflicts", "--field-manager=fleetbox", "-f", "-")
@@ -575,15 +576,20 @@ class KubernetesBackend(ClientRestarts):
     def run(self, plan: KubePlan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """Volcano restarts the whole job itself (RestartJob, its version the attempt); a Job or a PaddleJob
         would make a failed pod again alone: fleetbox restarts the whole job instead, from this client."""
+        applied: list[KubeHandle] = []   # each attempt's, once applied (a refused one has none)
+
+        def submitted(handle: KubeHandle) -> None:
+            applied.append(handle)
+            if on_submit is not None:
+                on_submit(handle)
         try:
             if self.kind == "volcano":
-                return super().run(plan, log, timeout, on_submit)
-            return self.restarting(plan, log, timeout, on_submit)
+                return super().run(plan, log, timeout, submitted)
+            return self.restarting(plan, log, timeout, submitted)
         finally:   # the Secret fleetbox made (its values are this shell's): no longer needed once the job ended
-            if plan.secret_made and (plan.dir / records.HANDLE).exists():   # none: refused before any apply
-                h = Handle.load(plan.dir)
+            if plan.secret_made and applied:
                 with signals_held():
-                    kubectl(*label_delete(h.scope(), ["secret"], plan.job_id,
+                    kubectl(*label_delete(applied[-1].scope(), ["secret"], plan.job_id,
                                           owner_label(records.owner()))[1:], check=False)
 
     def detach(self, plan: KubePlan, log=print) -> KubeHandle:
@@ -711,7 +717,11 @@ class Kubectl:
         self.backend = backend
 
     def submit(self, plan: KubePlan, handle: KubeHandle, log=print) -> KubeHandle:
-        context, namespace = where(plan.namespace)
+        if plan.attempt == 0:
+            context, namespace = where(plan.namespace)
+        else:   # a restart acts where the job's first attempt did, whatever kubectl's context is by then
+            first = Handle.load(plan.dir)
+            context, namespace = first.context, first.namespace
         scope = at(context, namespace)
         mine = owner_label(records.owner())
         docs = list(plan.manifests)
@@ -721,7 +731,7 @@ class Kubectl:
                                       "stringData": {k: os.environ[k] for k in plan.spec.pass_env}},
                                      self.backend.names(plan.job_id)))
         elif plan.secret:   # the user's own: read, never written, labelled or deleted
-            has_keys(scope, plan.secret, plan.spec.pass_env)
+            has_keys(scope, plan.secret, plan.spec.pass_env, log)
         kinds = kinds_of(docs)
         refuse_taken(scope, [*kinds, "pod"], plan.job_id, mine, namespace)
         (plan.dir / "manifests.yaml").write_text(to_yaml(plan.manifests))   # what was applied, the Secret aside
@@ -893,12 +903,18 @@ def at(context: str, namespace: str) -> list[str]:
 
 def where(namespace: str) -> tuple[str, str]:
     """The context and namespace a submit acts in, kubectl's now (`namespace`: the one given): the handle keeps
-    them, so a later cancel, log or follow acts there, whatever kubectl's are then."""
+    them, so a later cancel, log or follow acts there, whatever kubectl's are then. With no kubeconfig context (in
+    a pod), kubectl's namespace is its service account's."""
     context = kubectl("config", "current-context", check=False).stdout.strip()
-    if not namespace:
+    if not namespace and context:
         namespace = kubectl(*at(context, ""), "config", "view", "--minify", "-o", "jsonpath={..namespace}",
-                            check=False).stdout.strip() or "default"
-    return context, namespace
+                            check=False).stdout.strip()
+    elif not namespace:
+        try:
+            namespace = Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip()
+        except OSError:
+            pass
+    return context, namespace or "default"
 
 
 def selector_of(job_id: str, owner: str) -> str:
@@ -929,10 +945,15 @@ def refuse_taken(scope: list[str], kinds: list[str], job_id: str, mine: str, nam
                         f"nothing of theirs was touched: give another --job-id")
 
 
-def has_keys(scope: list[str], secret: str, keys) -> None:
+def has_keys(scope: list[str], secret: str, keys, log=print) -> None:
     """The Secret --k8s-secret names (the user's own) holds a key for each --pass-env variable: else one line, before
-    anything is applied (its pods would wait in CreateContainerConfigError)."""
+    anything is applied (its pods would wait in CreateContainerConfigError). A Secret this user may use but not read
+    (an admin's) is said so, and used."""
     proc = kubectl(*scope, "get", "secret", secret, "-o", "json", check=False)
+    if proc.returncode != 0 and "(Forbidden)" in proc.stderr:
+        log(f"note: --k8s-secret {secret}: kubectl may not read it here, so its keys are not checked "
+            f"({', '.join(keys)} must be among them)")
+        return
     if proc.returncode != 0:
         said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
         raise UserError(f"--k8s-secret {secret}: {said[-1] if said else 'kubectl cannot read it'} (make it first, "

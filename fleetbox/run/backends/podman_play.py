@@ -14,6 +14,7 @@ import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from fleetbox import files, settings
 from fleetbox.errors import UserError
@@ -27,15 +28,23 @@ from fleetbox.run.result import JobResult, exit_meaning, smoke_report
 from fleetbox.run.shell import line
 
 
-def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None, expands: bool = False) -> list[dict]:
+class Dollars(NamedTuple):
+    """Where this Podman takes $$ for $ in a kube play, as the kubelet does (dollars_taken): in a container's
+    command and args, in its env values."""
+    command: bool = False
+    env: bool = False
+
+
+def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None,
+                    takes: Dollars = Dollars()) -> list[dict]:
     """An Indexed Job as one Pod per index: each its pod template, with its index where the Job controller would
     put it (the annotation, JOB_COMPLETION_INDEX, the hostname <job>-<index>) and hostAliases for the names the
     headless Service would publish (`ips`: each index's address; default 127.0.0.1, the pods on the host's
     network). What Podman does otherwise than a kubelet is lowered too: it resolves no status.podIP (the pod's
     address is given, as the kubelet would give it), publishes every containerPort on the host (dropped: each pod
     has its own address), makes an emptyDir a volume of its name, which every pod naming it would share (named
-    <pod>-<name>), and, unless `expands` (expands_like_the_kubelet: Podman 4.7 and later), takes no $$ for $ in the
-    command and env values (undone, as the kubelet undoes it)."""
+    <pod>-<name>), and, where it takes no $$ for $ in the command or the env values (`takes`, as dollars_taken
+    found: Podman 4.3 in neither, 4.7 and later in commands), undoes it there as the kubelet would."""
     name, nodes, svc = job["metadata"]["name"], job["spec"]["completions"], service["metadata"]["name"]
     ips = ips or ["127.0.0.1"] * nodes
     if len(ips) != nodes:
@@ -58,14 +67,14 @@ def pods_for_podman(job: dict, service: dict, ips: list[str] | None = None, expa
             c.pop("ports", None)
             for m in c.get("volumeMounts", []):
                 m["name"] = own.get(m["name"], m["name"])
-            as_given = (lambda w: w) if expands else kube.kubelet_unescape
+            in_command, in_env = ((lambda w: w) if taken else kube.kubelet_unescape for taken in takes)
             c["env"] = [{"name": kube.COMPLETION_INDEX, "value": str(k)} if e["name"] == kube.COMPLETION_INDEX
                         else {"name": e["name"], "value": ips[k]} if e.get("valueFrom") == kube.POD_IP_REF
-                        else {**e, "value": as_given(e["value"])} if "value" in e else e
+                        else {**e, "value": in_env(e["value"])} if "value" in e else e
                         for e in c["env"]]
             for key in ("command", "args"):
                 if key in c:
-                    c[key] = [as_given(w) for w in c[key]]
+                    c[key] = [in_command(w) for w in c[key]]
         pods.append({"apiVersion": "v1", "kind": "Pod", **t})
     return pods
 
@@ -138,7 +147,7 @@ class PodmanPlay:
             free = (str(a) for a in ipaddress.ip_network(net["subnet"]).hosts() if a != gateway)
             ips = [next(free) for _ in range(self.nodes)]
             lowered = pods_for_podman(by_kind["Job"][0], by_kind["Service"][0], ips,
-                                      expands_like_the_kubelet(plan.spec.image_ref))
+                                      dollars_taken(plan.spec.image_ref))
             # a claim made before (an earlier run's checkpoints) is kept as it is, as `kubectl apply` keeps it:
             # Podman would refuse to make its volume again
             claims = [m for m in by_kind.get("PersistentVolumeClaim", [])
@@ -295,39 +304,44 @@ class PodmanPlay:
             podman("network", "rm", "--force", n, check=False)
 
 
-# A pod whose command is one word, $$: the kubelet (and Podman 4.7 and later: containers/podman#19630, "Expand env
-# variables for cmds/entrypoint with format $(ENV)") gives the container $, Podman 4.3 gives it $$
+# The probe: a pod whose container echoes an argument and an env value, each written $$. The kubelet gives the
+# container $ for both; Podman 4.3 gives $$ for both; Podman 4.7 and later expand commands (containers/podman#19630,
+# "Expand env variables for cmds/entrypoint with format $(ENV)"), and env values, as far as its issues say
+# (containers/podman#24181), not
+PROBE_SCRIPT = 'echo "$0 $F"'
 VERSION = re.compile(r"[0-9A-Za-z.+~-]{1,40}")
 
 
-def expands_like_the_kubelet(image: str) -> bool:
-    """Whether this machine's Podman takes $$ for $ in a kube play's commands, as the kubelet does: asked of it, by
-    playing one pod of `image` whose command echoes $$, never assumed from its version; the answer kept per
-    version in the user's cache."""
+def dollars_taken(image: str) -> Dollars:
+    """Where this machine's Podman takes $$ for $ in a kube play, as the kubelet does: asked of it, by playing one
+    pod of `image` (the probe), never assumed from its version; the answer kept per version in the user's cache."""
     version = podman("version", "--format", "{{.Client.Version}}").stdout.strip()
-    known = settings.user_cache() / f"podman-{version}-expands.json" if VERSION.fullmatch(version) else None
-    if known and isinstance(said := files.read_json(known).get("expands"), bool):
-        return said
+    known = settings.user_cache() / f"podman-{version}-dollars.json" if VERSION.fullmatch(version) else None
+    said = files.read_json(known) if known else {}
+    if isinstance(said.get("command"), bool) and isinstance(said.get("env"), bool):
+        return Dollars(said["command"], said["env"])
     probe = f"fleetbox-probe-{secrets.token_hex(4)}"
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": probe},
-           "spec": {"restartPolicy": "Never", "containers": [{"name": "echo", "image": image,
-                                                                "command": ["echo", "$$"]}]}}
+           "spec": {"restartPolicy": "Never", "containers": [{
+               "name": "echo", "image": image, "command": ["sh", "-c", PROBE_SCRIPT, "$$"],
+               "env": [{"name": "F", "value": "$$"}]}]}}
     try:
         podman("kube", "play", "--quiet", "--network", "none", "-", stdin=kube.to_yaml([pod]))
         podman("wait", f"{probe}-echo")
-        out = podman("logs", f"{probe}-echo").stdout.strip()
+        out = podman("logs", f"{probe}-echo").stdout.split()
     finally:
         podman("pod", "rm", "--force", "--ignore", "--time", "0", probe, check=False)
-    if out not in ("$", "$$"):
-        raise UserError(f"podman kube play gave {out[:80]!r} for a command that echoes $$: neither $ (as the "
-                        f"kubelet) nor $$ (as Podman 4.3)")
+    if len(out) != 2 or not set(out) <= {"$", "$$"}:
+        raise UserError(f"podman kube play gave {' '.join(out)[:80]!r} for an argument and an env value written "
+                        f"$$: neither $ (as the kubelet) nor $$ (as Podman 4.3)")
+    taken = Dollars(out[0] == "$", out[1] == "$")
     if known:
         try:
             known.parent.mkdir(parents=True, exist_ok=True)
-            files.write_json(known, {"expands": out == "$", "podman": version})
+            files.write_json(known, {**taken._asdict(), "podman": version})
         except OSError:   # a home that cannot be written: asked again next time
             pass
-    return out == "$"
+    return taken
 
 
 def kinds(manifests) -> dict[str, list[dict]]:
