@@ -798,13 +798,13 @@ def test_an_id_another_owner_holds_on_podman_is_refused_and_this_owners_leftover
                                         r"theirs was touched: give another --job-id$"):
         b.run(b.plan(spec()), log=lambda *_: None)
     assert [c["argv"][:2] for c in podman_calls()] == [["pod", "ps"], ["network", "ls"]]   # asked, nothing removed
-    pod["Labels"][settings.LABEL_OWNER] = owner_label(records.owner())   # this owner's, an earlier run's
-    monkeypatch.setenv("PODMAN_PODS", json.dumps([pod]))
+    pod["Labels"][settings.LABEL_OWNER] = owner_label(records.owner())   # this owner's, an earlier run's (of 3 nodes)
+    monkeypatch.setenv("PODMAN_PODS", json.dumps([pod, {**pod, "Name": f"{JOB}-2"}]))
     said = []
     with pytest.raises(UserError, match="podman kube play failed"):
         b.run(b.plan(spec()), log=said.append)
     argvs = [c["argv"] for c in podman_calls()]
-    assert argvs[4] == ["pod", "rm", "--force", "--ignore", "--time", "0", f"{JOB}-0", f"{JOB}-1"]
+    assert argvs[4] == ["pod", "rm", "--force", "--ignore", "--time", "0", f"{JOB}-0", f"{JOB}-1", f"{JOB}-2"]
     assert argvs.index(argvs[4]) < argvs.index(next(a for a in argvs if a[:2] == ["network", "create"]))
     assert f"{JOB}: removed what an earlier run of it left" in said
 

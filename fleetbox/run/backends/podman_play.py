@@ -134,8 +134,8 @@ class PodmanPlay:
         by_kind = kinds(plan.manifests)
         handle = replace(handle, objects=self.objects(plan.manifests))
         mine = kube.owner_label(handle.owner)
-        if self.refuse_taken(mine):   # an earlier run's, this owner's: removed
-            self.down(handle, log=lambda *_: None)
+        if left := self.refuse_taken(mine):   # an earlier run's, this owner's (of any size): removed
+            self.down(replace(handle, objects=list(dict.fromkeys([*handle.objects, *left]))), log=lambda *_: None)
             log(f"{plan.job_id}: removed what an earlier run of it left")
         handle.save()   # first: whatever is made from here on, a cancel finds
         (plan.dir / "manifests.yaml").write_text(kube.to_yaml(plan.manifests))
@@ -171,22 +171,23 @@ class PodmanPlay:
             f"label={settings.LABEL_JOB}={plan.job_id}`")
         return handle
 
-    def refuse_taken(self, mine: str) -> bool:
-        """Whether pods or the network of this job id are left here; refused in one line, nothing of theirs touched,
-        where another owner's (its labels: kube.owner_label) are among them. The network's name is the job's: it
-        counts whatever its labels say."""
+    def refuse_taken(self, mine: str) -> list[str]:
+        """The pods and network of this job id left here (pod/<name>, network/<name>); refused in one line, nothing
+        of theirs touched, where another owner's (its labels: kube.owner_label) are among them. The network's name
+        is the job's: it counts whatever its labels say."""
         pods, nets = (listed(podman(*argv, "--format", "json").stdout, argv[0]) for argv in (
             ("pod", "ps", "--filter", f"label={settings.LABEL_JOB}={self.job_id}"),
             ("network", "ls", "--filter", f"name=^{self.job_id}$")))
-        found = [(f"{what} {o.get(name, '?')}", (o.get(labels) or {}).get(settings.LABEL_OWNER, ""))
+        found = [(f"{what}/{o.get(name, '?')}", (o.get(labels) or {}).get(settings.LABEL_OWNER, ""))
                  for what, name, labels, objs in (("pod", "Name", "Labels", pods), ("network", "name", "labels", nets))
                  for o in sorted(objs, key=lambda o, name=name: str(o.get(name)))]
         if theirs := [(what, who) for what, who in found if who != mine]:
             what, who = theirs[0]
             who = who or "no owner (not fleetbox's)"
-            raise UserError(f"job id {self.job_id} is taken on this machine's Podman: {what} is {who}'s (another "
-                            f"user, or another runs folder); nothing of theirs was touched: give another --job-id")
-        return bool(found)
+            raise UserError(f"job id {self.job_id} is taken on this machine's Podman: {what.replace('/', ' ')} is "
+                            f"{who}'s (another user, or another runs folder); nothing of theirs was touched: give "
+                            f"another --job-id")
+        return list(dict.fromkeys(what for what, _ in found))
 
     def containers(self) -> dict[int, dict]:
         """The job's node containers by rank, as `podman ps` sees them (State, ExitCode, ExitedAt)."""
