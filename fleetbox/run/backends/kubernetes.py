@@ -329,9 +329,8 @@ class KubernetesBackend(ClientRestarts):
             raise UserError(why)
 
     def checkpoints_note(self, spec: spec_mod.JobSpec, job_id: str) -> str:
-        if self.claim:
-            return f"its checkpoints are on the claim {self.claim}"
-        return "it had no --k8s-checkpoint-claim: its checkpoints went with its pods"
+        """With a claim, the job's own command, run again, goes on from its folder of it; without, nothing can."""
+        return "" if self.claim else "it had no --k8s-checkpoint-claim: its checkpoints went with its pods"
 
     # -- plan and describe (pure) --
 
