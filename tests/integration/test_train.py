@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from fleetbox import settings
 from fleetbox.run import records
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.unit.test_cli import one_line_error
@@ -480,8 +481,10 @@ def test_a_detached_job_outlives_its_client_restarts_after_a_failure_and_is_canc
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--nodes", "2", "--job-id", job_id, "--detach",
                           "--max-restarts", "1", "--args", "--steps 2000 --step-sleep 0.1 --checkpoint-every 10"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = p.stdout.readline()
-    assert line.startswith(f"job {job_id} detached (supervisor pid "), line + p.stderr.read()
+    said = [p.stdout.readline()]
+    while said[-1].startswith("note: "):   # what the plan settled for (this machine's locked-memory cap)
+        said.append(p.stdout.readline())
+    assert said[-1].startswith(f"job {job_id} detached (supervisor pid "), "".join(said) + p.stderr.read()
     p.kill()                                    # the client is gone; the job is not
     p.wait()
     row = _jobs_row(job_id)
@@ -542,6 +545,13 @@ def test_a_dead_supervisor_shows_in_jobs_and_cancel_still_removes_the_job(cpu_im
     assert proc.returncode == 0, proc.stdout + proc.stderr
     try:
         pid = int(proc.stdout.split("supervisor pid ")[1].split(")")[0])
+        deadline = time.monotonic() + 120   # node 0 has said something (Paddle's launcher: seconds under load)
+        node0 = subprocess.run(["docker", "ps", "-q", "--filter", f"label=io.fleetbox.job={job_id}", "--filter",
+                                f"label={settings.LABEL_RANK}=0"], capture_output=True, text=True).stdout.strip()
+        while not subprocess.run(["docker", "logs", node0], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True).stdout.strip():
+            assert time.monotonic() < deadline, "node 0 said nothing in 120 s"
+            time.sleep(0.2)
         os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
         row = _jobs_row(job_id)
