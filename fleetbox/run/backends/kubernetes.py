@@ -725,10 +725,9 @@ class Kubectl:
         mine = owner_label(records.owner())
         docs = list(plan.manifests)
         if plan.secret_made:   # its values from this environment, on stdin only: never printed or written here
-            docs.insert(0, self.backend.meta({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": plan.secret},
-                                      "type": "Opaque",
-                                      "stringData": {k: os.environ[k] for k in plan.spec.pass_env}},
-                                     self.backend.names(plan.job_id)))
+            secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": plan.secret}, "type": "Opaque",
+                      "stringData": {k: os.environ[k] for k in plan.spec.pass_env}}
+            docs.insert(0, self.backend.meta(secret, self.backend.names(plan.job_id)))
         elif plan.secret:   # the user's own: read, never written, labelled or deleted
             has_keys(scope, plan.secret, plan.spec.pass_env, log)
         kinds = kinds_of(docs)
