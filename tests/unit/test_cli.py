@@ -243,6 +243,22 @@ def test_an_engine_failure_or_fresh_hosts_volumes_say_how_to_go_on(monkeypatch, 
         assert any(ln.startswith(said) for ln in lines), lines
 
 
+@pytest.mark.parametrize("claim,said", [("ckpt", "to go on from its newest checkpoint: invoke train --job-id J "
+                                                 "--backend kubernetes"),
+                                         ("", "it had no --k8s-checkpoint-claim: its checkpoints went with its pods")])
+def test_a_failed_kubernetes_job_says_the_command_that_goes_on_from_its_claim(claim, said):
+    """With a claim, the same id finds its folder of it again: the command is said, not only where they are."""
+    from fleetbox.commands import train
+    from fleetbox.image import matrix
+    from fleetbox.run import backends
+    from fleetbox.run.spec import JobSpec
+    lines = []
+    train.say_how_to_resume(JobSpec(variant=matrix.load().get("cpu")),
+                            backends.get("kubernetes", k8s_checkpoint_claim=claim), "J",
+                            "invoke train --backend kubernetes", lines.append)
+    assert lines == [said]
+
+
 def test_doctor_and_scale_show_their_jobs_and_start_nothing_with_dry_run(run_invoke, tmp_path):
     """Both submit jobs (doctor --backend slurm to the queue); neither had a --dry-run."""
     runs = tmp_path / "runs"
