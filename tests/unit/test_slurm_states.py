@@ -359,3 +359,61 @@ def test_following_stops_after_its_patience_leaving_the_job_as_it_is(stub_slurm,
     with pytest.raises(LeftRunning):
         slurm.SlurmBackend()._run_once(types.SimpleNamespace(job_id="train-x", dir=tmp_path), log=lambda m: None)
     assert not (d / "scancel.jsonl").exists() and not (tmp_path / "train-x" / "summary.json").exists()
+
+
+def test_following_goes_on_to_the_next_allocation_its_batch_script_recorded_while_slurm_was_asked(
+        stub_slurm, tmp_path, monkeypatch):
+    """Allocation 1's batch script records the next allocation (job 8) and exits between the chain's read and
+    Slurm's answer about job 7. Following must read job 7's record, go on to job 8 and end only with it (it
+    ended once job 7's record was written, asking for job 8's record, which did not exist yet)."""
+    d, states = stub_slurm
+    states(j7="RUNNING", j8="RUNNING")
+    h = chain(tmp_path)
+    asked = []
+
+    def record(**rec):
+        with open(tmp_path / "train-x" / "allocations.jsonl", "a") as f:
+            f.write(json.dumps({"chain": "7", "max_allocations": 3, "from_step": 0, "state": "", **rec}) + "\n")
+
+    def patient_state(job, log):
+        asked.append(job)
+        if asked == ["7"]:   # the chain was read (no record yet); the script records job 8 and exits
+            record(allocation=1, slurm_job="7", ended="restart", next="8", to_step=30, exit=1)
+            states(j7="COMPLETED", j8="RUNNING")
+        elif asked.count("8") == 3:   # job 8 runs a while, then finishes
+            record(allocation=2, slurm_job="8", ended="finished", next="", to_step=60, exit=0)
+            states(j7="COMPLETED", j8="COMPLETED")
+        return slurm.job_state(job)
+
+    monkeypatch.setattr(slurm, "patient_state", patient_state)
+    monkeypatch.setattr(slurm, "_record_of", lambda job_dir, chain, job: next(
+        (r for r in slurm.allocations(job_dir, chain) if r["slurm_job"] == job), None))   # no wait for a record
+    monkeypatch.setattr(slurm.SlurmBackend, "result", lambda self, handle, state, current, records: (state, current))
+    said = []
+    assert slurm.SlurmBackend().follow(h, said.append, poll=0) == ("COMPLETED", "8")
+    assert said == ["allocation 1 (Slurm job 7) ended: failed (exit 1); restarted from step 30 in Slurm job 8",
+                    "allocation 2 (Slurm job 8) ended: finished at checkpoint step 60"]
+
+
+def test_a_chain_that_goes_on_while_slurm_is_asked_is_listed_running_and_given_no_result(stub_slurm, tmp_path,
+                                                                                        monkeypatch):
+    """`invoke jobs` in the same window: job 7 records job 8 and exits between the read and Slurm's answer. The
+    job is allocation 2, running, and no summary is written (it judged allocation 1's end as the job's)."""
+    d, states = stub_slurm
+    states(j7="RUNNING", j8="RUNNING")
+    h = chain(tmp_path)
+    real, asked = slurm.job_state, []
+
+    def job_state(job, waits=slurm.QUERY_WAITS):
+        asked.append(job)
+        if asked == ["7"]:
+            with open(tmp_path / "train-x" / "allocations.jsonl", "a") as f:
+                f.write(json.dumps({"chain": "7", "allocation": 1, "slurm_job": "7", "ended": "restart", "next": "8",
+                                    "max_allocations": 3, "from_step": 0, "to_step": 30, "state": "", "exit": 1})
+                        + "\n")
+            states(j7="COMPLETED", j8="RUNNING")
+        return real(job, waits)
+
+    monkeypatch.setattr(slurm, "job_state", job_state)
+    assert slurm.SlurmBackend().job_state(h) == (JobState.RUNNING, 2, "") and asked == ["7", "8"]
+    assert not (tmp_path / "train-x" / "summary.json").exists()

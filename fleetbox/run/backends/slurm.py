@@ -568,6 +568,20 @@ class SlurmBackend(Backend):
             return handle.scheduler_job
         return recs[-1]["next"] or recs[-1]["slurm_job"]
 
+    def newest(self, handle: SlurmHandle, ask) -> tuple[list[dict], str, str]:
+        """The chain's records, its newest Slurm job and that job's state (`ask(job)`). An allocation records
+        its next one just before its batch script exits, which may fall between the read of the records and
+        Slurm's answer that the job ended: then the records are read again, and the next one asked."""
+        recs = allocations(Path(handle.dir), handle.scheduler_job)
+        while True:
+            current = self.current(handle, recs)
+            state = ask(current)
+            if alive(state):
+                return recs, current, state
+            recs = allocations(Path(handle.dir), handle.scheduler_job)
+            if self.current(handle, recs) == current:
+                return recs, current, state
+
     def cancel(self, handle: SlurmHandle, log=print, asked: bool = True) -> None:
         """The marker first (an allocation about to submit the next one reads it, and a next one that was
         already submitted ends at once), then the chain's own Slurm jobs that are still alive, as this user:
@@ -607,11 +621,12 @@ class SlurmBackend(Backend):
         cancelled = (d / f"{CANCELLED}.{handle.scheduler_job}").exists()
         summary = files.read_json(d / records.SUMMARY)
         if not summary or chained:
-            current = self.current(handle, recs)
-            try:
-                state = job_state(current, QUERY_WAITS[:2])[0]   # `invoke jobs` lists many: it waits less
+            try:   # `invoke jobs` lists many: it waits less
+                recs, current, state = self.newest(handle, lambda j: job_state(j, QUERY_WAITS[:2])[0])
             except UserError as e:
                 return JobState.UNKNOWN, attempt, str(e)
+            chained = bool(recs and (recs[-1]["next"] or recs[-1]["ended"] == REQUEUED_RUN))
+            attempt = len(recs) + 1 if chained or not recs else len(recs)
             if alive(state):
                 return STATES.get(state, (JobState.UNKNOWN,))[0], attempt, "" if state in STATES else state
             if state == FORGOTTEN:   # Slurm has forgotten it (MinJobAge): what the chain recorded, else nothing
@@ -631,30 +646,29 @@ class SlurmBackend(Backend):
     def show_logs(self, handle: SlurmHandle, node: int, follow: bool = False, log=print, poll: float = 0.5) -> None:
         """The node's log file on the shared file system, followed across allocations."""
         tail_file(Path(handle.dir) / f"node{node}.log",
-                  lambda: follow and alive(patient_state(self.current(handle), log)[0]), log, poll)
+                  lambda: follow and alive(self.newest(handle, lambda j: patient_state(j, log)[0])[2]), log, poll)
 
     def follow(self, handle: SlurmHandle, log=print, timeout: float | None = None, poll: float = 1.0) -> JobResult:
         """Stream node 0's output until the chain of allocations ends (each one's time limit is Slurm's: --time),
         saying how each allocation of a chain ended."""
         job_dir, chain, shown, noticed = Path(handle.dir), handle.scheduler_job, 0, set()
+        current = chain
 
         def running() -> bool:
-            nonlocal shown
-            recs = allocations(job_dir, chain)
+            nonlocal shown, current
+            recs, current, state = self.newest(handle, lambda j: patient_state(j, log)[0])
             for rec in recs[shown:]:
                 if rec["next"] or rec["allocation"] > 1:
                     log(f"allocation {rec['allocation']} (Slurm job {rec['slurm_job']}) ended: {chain_end(rec)}")
             shown = len(recs)
-            current = self.current(handle, recs)
             for ln in read_lines(job_dir / f"slurm-{current}.out"):   # what the batch script's watcher noticed
                 if ln.startswith(STRAGGLER_NOTICE) and (current, ln) not in noticed:
                     noticed.add((current, ln))
                     log(ln.removeprefix("fleetbox: "))
-            return alive(patient_state(current, log)[0])
+            return alive(state)
 
         while True:
             tail_file(job_dir / "node0.log", running, lambda ln: log(f"[node0] {ln}"), poll)
-            current = self.current(handle)
             rec = _record_of(job_dir, chain, current)   # written just before its batch script exits
             if not (rec and rec["next"]):
                 break
