@@ -11,6 +11,7 @@ from fleetbox.commands import doctor, jobs
 from fleetbox.errors import Failed, UserError
 from fleetbox.processes import never_failing, stops_as_interrupt
 from fleetbox.run import backends, checkpoints, hang, records, report
+from fleetbox.run.backend import Plan
 from fleetbox.run.output import quiet
 from fleetbox.run.records import DamagedRecord, Handle, JobState
 from fleetbox.run.result import JobResult
@@ -73,25 +74,21 @@ def _start(spec: JobSpec, b, dry_run: bool, timeout: float | None, detach: bool,
     try:
         result = b.run(plan, log=log if spec.debug else quiet(log), timeout=timeout)
     except (KeyboardInterrupt, Failed):   # stopped, or the engine failed under it
-        say_how_to_resume(spec, b, plan.job_id, command, never_failing(log))
+        say_how_to_resume(plan, command, never_failing(log))
         raise
     log(result.table())
     draw_report(Path(result.dir), log)
     if not result.ok:
-        say_how_to_resume(spec, b, plan.job_id, command, log)
+        say_how_to_resume(plan, command, log)
         raise Failed(f"train failed: {result.failure()}")
     return result
 
 
-def say_how_to_resume(spec: JobSpec, b, job_id: str, command: str, log) -> None:
+def say_how_to_resume(plan: Plan, command: str, log) -> None:
     """The one command that goes on from the job's newest checkpoint. Where that cannot be said in a command
-    (Docker's --hosts volumes made fresh for --resume never), where its checkpoints are (the backend says)."""
-    if not command:
-        return
-    if note := b.checkpoints_note(spec, job_id):
-        log(note)
-        return
-    log(f"to go on from its newest checkpoint: {resume_command(command, job_id)}")
+    (Docker's --hosts volumes made fresh for --resume never), where its checkpoints are (its plan says)."""
+    if command:
+        log(plan.resume_note or f"to go on from its newest checkpoint: {resume_command(command, plan.job_id)}")
 
 
 def resume_command(command: str, job_id: str) -> str:

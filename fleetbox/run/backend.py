@@ -44,6 +44,8 @@ class Plan:
     port: int
     _: KW_ONLY
     notes: tuple[str, ...] = ()   # what the user should know of what it settled for or was given (a line each)
+    resume_note: str = ""   # where a stopped job's checkpoints are, where no command can go on from them ("": the
+    #                         job's own command, run again, does)
 
     def make_dir(self) -> Path:
         """The job's folder; private to the user (0700) when the job has --env values, which its scripts and
@@ -118,11 +120,6 @@ class Backend(ABC):
         """The backend's own options for a run of the job at `nodes` nodes (a study's smaller runs), or a refusal
         where they cannot give one."""
         return options
-
-    def checkpoints_note(self, spec: JobSpec, job_id: str) -> str:
-        """Where a stopped job's checkpoints are, where no command can go on from them ("": the job's own command,
-        run again, does)."""
-        return ""
 
     @abstractmethod
     def plan(self, spec: JobSpec) -> Plan: ...

@@ -1,6 +1,6 @@
 """The front door as a user meets it: `invoke ...` in a subprocess."""
 import subprocess
-import types
+from dataclasses import replace
 
 import pytest
 
@@ -218,7 +218,8 @@ def test_a_stopped_job_says_the_command_that_goes_on_from_its_checkpoint(given, 
 
 def test_an_engine_failure_or_fresh_hosts_volumes_say_how_to_go_on(monkeypatch, tmp_path):
     """An engine lost under the job raises Failed from the backend: it said nothing of a resume. With --hosts and
-    --resume never, the job's checkpoints are in fresh volumes a rerun does not read: said so, not a command."""
+    --resume never (no shared --checkpoint-dir), the job's checkpoints are in fresh volumes a rerun does not read:
+    said so, not a command. The plan is Docker's own, made of what the engines would have said."""
     from fleetbox.commands import train
     from fleetbox.errors import Failed
     from fleetbox.image import matrix
@@ -227,23 +228,30 @@ def test_an_engine_failure_or_fresh_hosts_volumes_say_how_to_go_on(monkeypatch, 
 
     class Lost(backends.lookup("docker")):   # Docker's, its engine lost while the job ran
         def plan(self, spec):
-            return types.SimpleNamespace(job_id="J", dir=tmp_path, notes=())
+            facts = [{"iface": "eth0", "local": f"10.0.0.{k + 1}"} for k in range(spec.nodes)]
+            return self._settled(replace(spec, port=29500), "J", "10.0.0.1", 29500, facts, -1, "sha256:x", "",
+                                 "3.2.0")
 
         def run(self, plan, log, timeout):
             raise Failed("train failed: the Docker Engine at tcp://h1:2375 failed")
     monkeypatch.setattr(backends, "get", lambda name, **kw: Lost(**kw))
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
-    for hosts, resume, said in ((("",), "auto", "to go on from its newest checkpoint: invoke train --job-id J"),
-                                (("tcp://h1:2375",), "never", "its checkpoints are in a fresh volume per node")):
+    command = "to go on from its newest checkpoint: invoke train --job-id J"
+    fresh = "its checkpoints are in a fresh volume per node (fleetbox-J-*-checkpoints-*) on each host"
+    for hosts, resume, shared, said in (((), "never", "", command),
+                                        (("tcp://h1:2375", "tcp://h2:2375"), "auto", "", command),
+                                        (("tcp://h1:2375", "tcp://h2:2375"), "never", "/shared/ck", command),
+                                        (("tcp://h1:2375", "tcp://h2:2375"), "never", "", fresh)):
         lines = []
-        spec = JobSpec(variant=matrix.load().get("cpu"), nodes=1, resume=resume)
+        spec = JobSpec(variant=matrix.load().get("cpu"), nodes=2, resume=resume, checkpoint_dir=shared)
         with pytest.raises(Failed):
-            train.train(spec, "docker", {"hosts": hosts if hosts != ("",) else ()}, log=lines.append,
-                        command="invoke train --resume never")
+            train.train(spec, "docker", {"hosts": hosts}, log=lines.append, command="invoke train --resume never")
+        assert [ln for ln in lines if ln.startswith(("to go on", "its checkpoints"))] == [
+            ln for ln in lines if ln.startswith(said)], (hosts, resume, shared, lines)
         assert any(ln.startswith(said) for ln in lines), lines
 
 
-@pytest.mark.parametrize("claim,said", [("ckpt", "to go on from its newest checkpoint: invoke train --job-id J "
+@pytest.mark.parametrize("claim,said", [("ckpt", "to go on from its newest checkpoint: invoke train --job-id j "
                                                  "--backend kubernetes"),
                                          ("", "it had no --k8s-checkpoint-claim: its checkpoints went with its pods")])
 def test_a_failed_kubernetes_job_says_the_command_that_goes_on_from_its_claim(claim, said):
@@ -253,9 +261,9 @@ def test_a_failed_kubernetes_job_says_the_command_that_goes_on_from_its_claim(cl
     from fleetbox.run import backends
     from fleetbox.run.spec import JobSpec
     lines = []
-    train.say_how_to_resume(JobSpec(variant=matrix.load().get("cpu")),
-                            backends.get("kubernetes", k8s_checkpoint_claim=claim), "J",
-                            "invoke train --backend kubernetes", lines.append)
+    plan = backends.get("kubernetes", k8s_checkpoint_claim=claim).plan(
+        JobSpec(variant=matrix.load().get("cpu"), job_id="j"))
+    train.say_how_to_resume(plan, "invoke train --backend kubernetes", lines.append)
     assert lines == [said]
 
 

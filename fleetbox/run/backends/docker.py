@@ -212,12 +212,6 @@ class DockerBackend(ClientRestarts):
                             f"for N nodes)")
         return {**options, "hosts": hosts[:nodes]}
 
-    def checkpoints_note(self, spec: spec_mod.JobSpec, job_id: str) -> str:
-        if self.hosts and not spec.checkpoint_dir and spec.resume == "never":
-            return (f"its checkpoints are in a fresh volume per node (fleetbox-{job_id}-*-checkpoints-*) on each host; "
-                    f"a run of the same id without --resume never reads the job's first ones, not these")
-        return ""
-
     # -- plan: read the hosts' facts, decide everything --
 
     def plan(self, spec: spec_mod.JobSpec) -> DockerPlan:
@@ -277,12 +271,12 @@ class DockerBackend(ClientRestarts):
         """The plan, once what the engines said is settled: `facts` per node its interface and own address
         ({iface, local}), `memlock` what its containers may lock."""
         hosts = list(self.hosts) or [""] * spec.nodes
-        owner = records.owner()
+        owner, fresh = records.owner(), ""
         if self.hosts:
             # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
             # one for --resume never), unless --checkpoint-dir names a folder every host shares
             shared = bool(spec.checkpoint_dir)
-            fresh = f"-{secrets.token_hex(3)}" if spec.resume == "never" else ""
+            fresh = f"-{secrets.token_hex(3)}" if spec.resume == "never" and not shared else ""
             ckpt = os.path.normpath(spec.checkpoint_dir) if spec.checkpoint_dir else \
                 checkpoint_volume(job_id, owner) + fresh   # a volume per node, even on a shared engine
             t = planner.template(spec, job_id, None, workspace=False, hyhal_present=Path("/opt/hyhal").exists(),
@@ -311,8 +305,12 @@ class DockerBackend(ClientRestarts):
         notes = () if t.memlock == -1 else (
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
+        resume_note = "" if not fresh else (
+            f"its checkpoints are in a fresh volume per node (fleetbox-{job_id}-*-checkpoints-*) on each host; a run "
+            f"of the same id without --resume never reads the job's first ones, not these")
         return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, str(ckpt), t, values,
-                          image_id=image_id, content_tag=content_tag, paddle=paddle, notes=notes)
+                          image_id=image_id, content_tag=content_tag, paddle=paddle, notes=notes,
+                          resume_note=resume_note)
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,

@@ -328,10 +328,6 @@ class KubernetesBackend(ClientRestarts):
         if self.client == "podman" and (why := PodmanPlay.cannot(pass_env=spec.pass_env)):
             raise UserError(why)
 
-    def checkpoints_note(self, spec: spec_mod.JobSpec, job_id: str) -> str:
-        """With a claim, the job's own command, run again, goes on from its folder of it; without, nothing can."""
-        return "" if self.claim else "it had no --k8s-checkpoint-claim: its checkpoints went with its pods"
-
     # -- plan and describe (pure) --
 
     def plan(self, spec: spec_mod.JobSpec) -> KubePlan:
@@ -344,7 +340,9 @@ class KubernetesBackend(ClientRestarts):
         secret = (self.secret or f"{job_id}-env") if spec.pass_env else ""
         manifests = self.render(spec, names, port, secret)
         return KubePlan(spec, job_id, settings.runs_root() / job_id, port, self.kind, self.namespace,
-                        tuple(manifests), secret, bool(secret) and not self.secret, self.client)
+                        tuple(manifests), secret, bool(secret) and not self.secret, self.client,
+                        resume_note="" if self.claim else "it had no --k8s-checkpoint-claim: its checkpoints went "
+                                                          "with its pods")
 
     def names(self, job_id: str) -> Names:
         return Names(job_id, self.kind, owner_label(records.owner()))
