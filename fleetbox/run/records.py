@@ -322,6 +322,22 @@ def owner() -> str:
     return f"{getpass.getuser()}@{digest}"
 
 
+def refuse_taken(job_id: str, where: str, held: list[tuple[str, str]], mine: str) -> None:
+    """A job id whose objects (`held`: each one's name and LABEL_OWNER, "" where it has none) another owner holds
+    is theirs, wherever they are (an engine, a namespace, a Podman): one line naming theirs, before anything of
+    this run is made or removed."""
+    theirs: dict[str, list[str]] = {}
+    for what, who in held:
+        if who != mine:
+            theirs.setdefault(who, []).append(what)
+    if theirs:
+        who, objs = next(iter(theirs.items()))
+        whose = f"{who}'s (another user, or another runs folder)" if who else "no fleetbox job's (no owner label)"
+        raise UserError(f"job id {job_id} is taken {where}: {', '.join(objs[:4])}{' ...' if len(objs) > 4 else ''} "
+                        f"{'is' if len(objs) == 1 else 'are'} {whose}; nothing of theirs was touched: give another "
+                        f"--job-id")
+
+
 # What a job's folder may hold, for the docs' page (commands/docs.py makes it from job_folder()); tests hold real
 # jobs' folders to it, so a file a job starts to leave gets its line here, or in its backend's layout. <k>: a
 # node's rank, <N>: a number, <time>: YYYYmmdd-HHMMSS.

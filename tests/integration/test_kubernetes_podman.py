@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetbox.run import metrics
+from fleetbox.run import metrics, records
+from fleetbox.run.backends.kube_pods import owner_label
 from fleetbox.run.backends.podman_play import pods_for_podman
 from tests.conftest import ROOT, ctrl_c_reaches_it
 from tests.integration.test_hpc import LOCAL, in_podman
@@ -88,7 +89,8 @@ def test_two_ranks_pass_under_podman_kube_play_with_the_jobs_own_pod_template(po
     finally:
         if p.poll() is None:
             p.kill()
-    one_line_error(theirs, f"job id {job} is taken on this machine's Podman: pod {job}-0 is ",
+    one_line_error(theirs, f"job id {job} is taken on this machine's Podman: pod/{job}-0, pod/{job}-1, network/{job} "
+                                  f"are {owner_label(records.owner())}'s",
                    "nothing of theirs was touched")
     assert p.returncode == 0, "".join(said) + out
     d = ROOT / "runs" / job

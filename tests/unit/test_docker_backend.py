@@ -1031,8 +1031,9 @@ def test_a_job_id_another_owner_has_containers_of_is_refused_naming_them():
         settings.LABEL_JOB: JOB, settings.LABEL_RANK: "0", settings.LABEL_OWNER: "ann@0123456789ab"}}, Life(code=0))
     twin.status = "exited"   # left behind, not running: it still holds the name
     engine.made[99] = twin
-    with pytest.raises(UserError, match=rf"^job id {JOB} is taken on this machine's engine by containers of "
-                                        r"ann@0123456789ab; give another --job-id$"):
+    with pytest.raises(UserError, match=rf"^job id {JOB} is taken on this machine's engine: container/fleetbox-{JOB}-"
+                                        r"node0 is ann@0123456789ab's \(another user, or another runs folder\); "
+                                        r"nothing of theirs was touched: give another --job-id$"):
         job(engine)
     twin.labels[settings.LABEL_OWNER] = records.owner()   # this user's own, ended: no refusal
     b, plan = job(engine)

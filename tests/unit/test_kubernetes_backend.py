@@ -631,7 +631,7 @@ def test_an_id_another_owner_holds_in_the_namespace_is_refused_and_nothing_of_th
     monkeypatch.setenv("KUBECTL_TAKEN", json.dumps({"items": [theirs]}))
     short_sleeps(monkeypatch, "another owner's job was applied and followed")
     b = backend()
-    with pytest.raises(UserError, match=rf"^job id {JOB} is taken in namespace default: job/{JOB} are "
+    with pytest.raises(UserError, match=rf"^job id {JOB} is taken in namespace default: job/{JOB} is "
                                         r"bob.0123456789ab's \(another user, or another runs folder\); nothing of "
                                         r"theirs was touched: give another --job-id$"):
         b.run(b.plan(spec()), log=lambda *_: None)
@@ -793,7 +793,7 @@ def test_an_id_another_owner_holds_on_podman_is_refused_and_this_owners_leftover
     b = backend(k8s_client="podman")
     pod = {"Name": f"{JOB}-0", "Labels": {settings.LABEL_JOB: JOB, settings.LABEL_OWNER: "bob.0123456789ab"}}
     monkeypatch.setenv("PODMAN_PODS", json.dumps([pod]))
-    with pytest.raises(UserError, match=rf"^job id {JOB} is taken on this machine's Podman: pod {JOB}-0 is "
+    with pytest.raises(UserError, match=rf"^job id {JOB} is taken on this machine's Podman: pod/{JOB}-0 is "
                                         r"bob.0123456789ab's \(another user, or another runs folder\); nothing of "
                                         r"theirs was touched: give another --job-id$"):
         b.run(b.plan(spec()), log=lambda *_: None)

@@ -342,3 +342,16 @@ def test_a_plan_written_when_hosts_and_devices_were_the_specs_still_reads():
     assert [(n.host, n.gpus) for n in plan.nodes] == [("ssh://u@h1", "device=4,5"), ("ssh://u@h2", "device=4,5")]
     assert plan.elsewhere and (plan.spec.nodes, plan.spec.procs_per_node, plan.spec.gpus_per_node) == (2, 2, 2)
     assert not hasattr(plan.spec, "hosts") and not hasattr(plan.spec, "devices")
+
+
+def test_an_id_another_owner_holds_is_refused_naming_theirs_and_one_without_an_owner_is_nobodys_ours():
+    """The one refusal Docker's engines, a Kubernetes namespace and Podman's pods share."""
+    from fleetbox.errors import UserError
+    records.refuse_taken("j", "here", [("pod/j-0", "me"), ("network/j", "me")], "me")   # all ours: no refusal
+    with pytest.raises(UserError, match=r"^job id j is taken here: pod/j-1, pod/j-2, pod/j-3, pod/j-4 \.\.\. are "
+                                        r"bob's \(another user, or another runs folder\); nothing of theirs was "
+                                        r"touched: give another --job-id$"):
+        records.refuse_taken("j", "here", [("pod/j-0", "me"), *((f"pod/j-{k}", "bob") for k in range(1, 6))], "me")
+    with pytest.raises(UserError, match=r"^job id j is taken here: network/j is no fleetbox job's \(no owner label\); "
+                                        r"nothing of theirs"):
+        records.refuse_taken("j", "here", [("network/j", "")], "me")

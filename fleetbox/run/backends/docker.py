@@ -333,14 +333,11 @@ class DockerBackend(ClientRestarts):
     def _refuse_taken(self, host: str, job_id: str, owner: str) -> None:
         """A job id whose containers run here is refused. Containers are named by job id and an engine's names are
         unique: another owner's of this id, running or left, would collide half way through the start, so it is
-        named now. (A container without an owner label is an older fleetbox's, taken as this user's.)"""
+        named now."""
         found = self.engine(host).containers.list(all=True, ignore_removed=True,
                                                   filters={"label": labelled(job_id, "")})
-        theirs = sorted({c.labels[settings.LABEL_OWNER] for c in found
-                         if c.labels.get(settings.LABEL_OWNER, owner) != owner})
-        if theirs:
-            raise UserError(f"job id {job_id} is taken on {host or 'this machine'}'s engine by containers of "
-                            f"{', '.join(theirs)}; give another --job-id")
+        records.refuse_taken(job_id, f"on {host or 'this machine'}'s engine", sorted(
+            (f"container/{c.name}", c.labels.get(settings.LABEL_OWNER, "")) for c in found), owner)
         if any(c.status in ("created", "running", "restarting", "paused") for c in found):
             raise UserError(f"job {job_id} is running (see `invoke jobs`); wait for it or "
                             f"`invoke cancel {job_id}` before running it again")

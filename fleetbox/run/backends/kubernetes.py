@@ -928,17 +928,9 @@ def refuse_taken(scope: list[str], kinds: list[str], job_id: str, mine: str, nam
     naming them, and nothing of theirs touched (Docker's _refuse_taken, for a namespace)."""
     found = listed(kubectl(*scope, "get", ",".join(kinds), "-l", f"{settings.LABEL_JOB}={job_id}", "-o", "json"),
                    ",".join(kinds))
-    theirs: dict[str, list[str]] = {}
-    for o in found:
-        who = o.get("metadata", {}).get("labels", {}).get(settings.LABEL_OWNER, "")
-        if who != mine:
-            theirs.setdefault(who or "no owner (not fleetbox's)", []).append(
-                f"{o.get('kind', '?').lower()}/{o.get('metadata', {}).get('name', '?')}")
-    if theirs:
-        who, objs = next(iter(theirs.items()))
-        raise UserError(f"job id {job_id} is taken in namespace {namespace}: {', '.join(objs[:4])}"
-                        f"{' ...' if len(objs) > 4 else ''} are {who}'s (another user, or another runs folder); "
-                        f"nothing of theirs was touched: give another --job-id")
+    records.refuse_taken(job_id, f"in namespace {namespace}", [
+        (f"{o.get('kind', '?').lower()}/{o.get('metadata', {}).get('name', '?')}",
+         o.get("metadata", {}).get("labels", {}).get(settings.LABEL_OWNER, "")) for o in found], mine)
 
 
 def has_keys(scope: list[str], secret: str, keys, log=print) -> None:

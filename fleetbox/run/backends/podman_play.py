@@ -181,12 +181,7 @@ class PodmanPlay:
         found = [(f"{what}/{o.get(name, '?')}", (o.get(labels) or {}).get(settings.LABEL_OWNER, ""))
                  for what, name, labels, objs in (("pod", "Name", "Labels", pods), ("network", "name", "labels", nets))
                  for o in sorted(objs, key=lambda o, name=name: str(o.get(name)))]
-        if theirs := [(what, who) for what, who in found if who != mine]:
-            what, who = theirs[0]
-            who = who or "no owner (not fleetbox's)"
-            raise UserError(f"job id {self.job_id} is taken on this machine's Podman: {what.replace('/', ' ')} is "
-                            f"{who}'s (another user, or another runs folder); nothing of theirs was touched: give "
-                            f"another --job-id")
+        records.refuse_taken(self.job_id, "on this machine's Podman", found, mine)
         return list(dict.fromkeys(what for what, _ in found))
 
     def containers(self) -> dict[int, dict]:
