@@ -154,7 +154,7 @@ def test_no_task_has_one_letter_flags():
     import importlib.util
 
     from invoke import Collection
-    spec = importlib.util.spec_from_file_location("front_door_flags", ROOT / "tasks.py")
+    spec = importlib.util.spec_from_file_location("front_door_flags", ROOT / "fleetbox" / "tasks.py")
     tasks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tasks)
     short = [(name, n) for name, t in Collection.from_module(tasks).tasks.items() for a in t.get_arguments()
@@ -289,14 +289,65 @@ def test_doctor_and_scale_show_their_jobs_and_start_nothing_with_dry_run(run_inv
      "python3 -m invoke train --nodes 2"),
     (["/opt/venv/bin/python", "/opt/venv/bin/invoke", "-e", "build", "--dry-run", "train", "--nodes", "2"],
      ["invoke", "-e", "build", "--dry-run", "train", "--nodes", "2"], "invoke -e train --nodes 2"),
+    (["/opt/venv/bin/python", "/opt/venv/bin/fleetbox", "train", "--nodes", "2"],
+     ["/opt/venv/bin/fleetbox", "train", "--nodes", "2"], "fleetbox train --nodes 2"),
 ])
 def test_the_command_to_go_on_is_as_it_was_typed_and_this_tasks_only(monkeypatch, orig, argv, want):
     """Not `invoke` where `python3 -m invoke` (a venv's) was typed; not another task of the same line (a real
     build, its --dry-run dropped)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("front_door_typed", ROOT / "tasks.py")
+    spec = importlib.util.spec_from_file_location("front_door_typed", ROOT / "fleetbox" / "tasks.py")
     tasks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tasks)
     monkeypatch.setattr(tasks.sys, "orig_argv", orig)
     monkeypatch.setattr(tasks.sys, "argv", argv)
     assert tasks._as_typed() == want
+
+
+def fleetbox_here(*args, cwd):
+    """`fleetbox ARGS` in this process, run from `cwd`: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    import os
+    import sys
+
+    from fleetbox import cli
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = sys.argv, os.getcwd()
+    sys.argv = ["fleetbox", *args]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.program.run(["fleetbox", *args])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        sys.argv = saved[0]
+        os.chdir(saved[1])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_the_fleetbox_command_runs_the_tasks_from_a_folder_outside_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    code, out, err = fleetbox_here("train", "--backend", "slurm", "--runtime", "podman", "--image",
+                                   "fleetbox/paddle:cpu", "--nodes", "2", "--dry-run", cwd=tmp_path)
+    assert code == 0 and "#SBATCH --nodes=2" in out, err
+    assert not (tmp_path / "runs").exists()   # a dry run makes nothing
+
+
+@pytest.mark.parametrize("args,said", [
+    (("train", "--gpus", "4"), "train has no option --gpus; did you mean --gpus-per-node? (`fleetbox --help train` "
+                               "lists them)"),
+    (("train", "--gres=gpu:4"), "train has no option --gres; did you mean --gpus-per-node? (`fleetbox --help "
+                                "train` lists them)"),
+    (("scale", "--nodez", "2"), "scale has no option --nodez; did you mean --nodes? (`fleetbox --help scale` lists "
+                                "them)"),
+    (("train", "--colour"), "train has no option --colour (`fleetbox --help train` lists them)"),
+    (("board",), "board needs JOB: `fleetbox board JOB`"),
+    (("train", "--nodes"), "--nodes needs a value"),
+    (("trian",), "no task 'trian'; did you mean train? (base, board, build, cache, cancel, clean, docs, doctor, "
+                 "export, jobs, kit, lock, logs, pull-cmd, push, report, scale, train, up, venv, verify, wheels)"),
+])
+def test_invokes_parse_errors_are_one_line_of_fleetbox_with_what_was_likely_meant(tmp_path, args, said):
+    code, out, err = fleetbox_here(*args, cwd=tmp_path)
+    assert (code, out, err) == (2, "", f"fleetbox: error: {said}\n")

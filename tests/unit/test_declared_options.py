@@ -48,7 +48,7 @@ def test_from_options_refuses_an_option_it_does_not_declare():
 def _front_door():
     """tasks.py, loaded afresh (invoke hands each option's help to its parser once, taking it out of the task)."""
     from invoke import Collection
-    spec = importlib.util.spec_from_file_location("front_door_declared", ROOT / "tasks.py")
+    spec = importlib.util.spec_from_file_location("front_door_declared", ROOT / "fleetbox" / "tasks.py")
     tasks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tasks)
     return Collection.from_module(tasks).tasks
@@ -106,7 +106,7 @@ def test_a_job_task_called_from_python_gets_its_declared_defaults(monkeypatch):
     """invoke's pre=/post= and scripts call a task's body with what they give; the rest take their defaults."""
     import invoke
 
-    import tasks
+    from fleetbox import tasks
     monkeypatch.setattr("sys.argv", ["invoke", "verify"])   # what the task checks its flags against
     with pytest.raises(invoke.exceptions.Exit, match="unknown variant 'nope'"):
         tasks.verify(invoke.Context(), variant="nope")

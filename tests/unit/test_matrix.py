@@ -73,7 +73,7 @@ def test_base_tag_depends_on_packages_not_mirror():
 
 
 def test_the_variant_help_and_the_cpu_only_error_name_every_variant_the_matrix_has():
-    import tasks
+    from fleetbox import tasks
     from fleetbox.run import spec as spec_mod
     m = matrix.load()
     assert tasks.VARIANT_HELP == "matrix variant (images/matrix.toml): cpu (default), " + ", ".join(
