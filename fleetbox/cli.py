@@ -1,6 +1,5 @@
 """The `fleetbox` command: fleetbox's tasks (fleetbox/tasks.py) from any folder, as `invoke` runs them in the
 checkout, with the same options and help; invoke's own parse errors said as fleetbox's one line."""
-import difflib
 import os
 import re
 import sys
@@ -8,26 +7,8 @@ from importlib.metadata import version
 
 from invoke import Exit, ParseError, Program
 
-from fleetbox import errors
+from fleetbox import errors, options
 from fleetbox.tasks import ns
-
-# Other tools' words for fleetbox's options (Slurm's, torchrun's, paddle.distributed.launch's)
-MEANT = {"--gres": "--gpus-per-node", "--gpus": "--gpus-per-node", "--ntasks-per-node": "--procs-per-node",
-         "--nproc-per-node": "--procs-per-node", "--nproc_per_node": "--procs-per-node", "--nnodes": "--nodes",
-         "--ntasks": "--nodes", "--time-limit": "--time"}
-
-
-def nearest(word: str, known) -> str:
-    """The one a mistyped option or task most likely meant: another tool's word for it, the only one it begins
-    (`--gpus`: --gpus-per-node), else the closest spelling; "" where none is close."""
-    known = sorted(known)
-    if MEANT.get(word) in known:
-        return MEANT[word]
-    begun = [k for k in known if k.startswith(word)]
-    if len(begun) == 1:
-        return begun[0]
-    close = difflib.get_close_matches(word, known, n=1, cutoff=0.75)
-    return close[0] if close else ""
 
 
 def parse_error_line(message: str, task: str, flags, tasks) -> str:
@@ -37,11 +18,11 @@ def parse_error_line(message: str, task: str, flags, tasks) -> str:
         word = m[1]
         if word.startswith("-"):
             name = word.split("=", 1)[0]
-            guess = nearest(name, [f for f in flags if f.startswith("--")])
+            guess = options.nearest(name, [f for f in flags if f.startswith("--")])
             where = f"{task} has no option {name}" if task else f"no option {name} before a task"
             return (where + (f"; did you mean {guess}?" if guess else "") +
                     f" (`fleetbox --help {task}` lists them)" if task else where)
-        guess = nearest(word, tasks)
+        guess = options.nearest(word, tasks)
         return (f"no task {word!r}" + (f"; did you mean {guess}?" if guess else "") +
                 f" ({', '.join(sorted(tasks))})")
     if m := re.fullmatch(r"'(.*)' did not receive required positional arguments: (.*)", message):

@@ -4,6 +4,7 @@ its default and how its value is read (a job's: run/spec.py; a backend's own: Ba
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable
@@ -52,6 +53,25 @@ def duration(option: str, value, default: float) -> float:
     if value in (None, ""):
         return default
     return _duration(option, value, "; 0 turns it off")
+
+
+# Other tools' words for fleetbox's options (Slurm's, torchrun's, paddle.distributed.launch's)
+MEANT = {"--gres": "--gpus-per-node", "--gpus": "--gpus-per-node", "--ntasks-per-node": "--procs-per-node",
+         "--nproc-per-node": "--procs-per-node", "--nproc_per_node": "--procs-per-node", "--nnodes": "--nodes",
+         "--ntasks": "--nodes", "--time-limit": "--time"}
+
+
+def nearest(word: str, known) -> str:
+    """The one a mistyped option or task most likely meant: another tool's word for it, the only one it begins
+    (`--gpus`: --gpus-per-node), else the closest spelling; "" where none is close."""
+    known = sorted(known)
+    if MEANT.get(word) in known:
+        return MEANT[word]
+    begun = [k for k in known if k.startswith(word)]
+    if len(begun) == 1:
+        return begun[0]
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.75)
+    return close[0] if close else ""
 
 
 def items(value) -> list[str]:

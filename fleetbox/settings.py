@@ -1,5 +1,5 @@
 """Facts in one place: where fleetbox keeps things on this machine (every FLEETBOX_* variable with its
-default) and the fixed paths and labels inside job containers.
+default, the site files that may set them) and the fixed paths and labels inside job containers.
 
 Paths are functions, not constants: a variable set after import (a test, a wrapper script) still counts.
 """
@@ -7,36 +7,126 @@ Paths are functions, not constants: a variable set after import (a test, a wrapp
 from __future__ import annotations
 
 import os
+import re
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from fleetbox import ROOT
+from fleetbox.errors import UserError
+
+PROJECT_FILE = "fleetbox.toml"   # a project's defaults: in the current folder or the nearest one above it
 
 
-def _path(var: str, default: Path) -> Path:
-    return Path(os.environ.get(var) or default)
+@dataclass(frozen=True)
+class SiteFile:
+    """A file of defaults: what it holds, and where each key is in it (for the one line that names it)."""
+    path: Path
+    data: dict
+    text: str
+
+    def line(self, section: str, key: str = "") -> int:
+        """The line of `key` in `[section]`, or of the section's header (0 where it is written some other way: an
+        inline table)."""
+        current = ""
+        for n, ln in enumerate(self.text.splitlines(), 1):
+            if m := re.match(r"\s*\[\s*([^\]]+?)\s*\]\s*(#.*)?$", ln):
+                current = re.sub(r"\s*\.\s*", ".", m[1]).replace('"', "")
+                if current == section and not key:
+                    return n
+            elif current == section and key and re.match(rf"\s*[\"']?{re.escape(key)}[\"']?\s*=", ln):
+                return n
+        return 0
+
+    def where(self, section: str, key: str = "") -> str:
+        n = self.line(section, key)
+        return f"{self.path}:{n}" if n else str(self.path)
+
+
+def user_file() -> Path:
+    """The user's defaults: FLEETBOX_CONFIG, else under XDG's config folder: $XDG_CONFIG_HOME/fleetbox/config.toml."""
+    return Path(os.environ.get("FLEETBOX_CONFIG") or
+                Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "fleetbox" / "config.toml")
+
+
+def project_file() -> Path | None:
+    """fleetbox.toml in the current folder or the nearest folder above it that has one."""
+    here = Path.cwd()
+    return next((d / PROJECT_FILE for d in (here, *here.parents) if (d / PROJECT_FILE).is_file()), None)
+
+
+_read: dict[tuple[Path, int], SiteFile] = {}
+
+
+def site_files() -> list[SiteFile]:
+    """The files of defaults that exist, the first one winning: the project's, then the user's. A file TOML cannot
+    read is one line naming it."""
+    out = []
+    for path in (project_file(), user_file()):
+        if path is None or not path.is_file():
+            continue
+        key = (path.resolve(), path.stat().st_mtime_ns)
+        if key not in _read:
+            text = path.read_text()
+            try:
+                f = SiteFile(path.resolve(), tomllib.loads(text), text)
+            except tomllib.TOMLDecodeError as e:
+                raise UserError(f"{path}: not TOML that fleetbox can read: {e}") from None
+            for k, value in (f.data.get("paths") or {}).items():
+                if k in PATHS and not (isinstance(value, str) and value):
+                    raise UserError(f"{f.where('paths', k)}: [paths] {k} must be a folder's path, as a string")
+            _read[key] = f
+        out.append(_read[key])
+    return out
+
+
+# where fleetbox keeps things: the variable, the [paths] key of a site file, the default
+PATHS = {
+    "runs": ("FLEETBOX_RUNS", ROOT / "runs"),
+    "wheelhouse": ("FLEETBOX_WHEELHOUSE", ROOT / "wheelhouse"),
+    "data": ("FLEETBOX_DATA", ROOT / "offline_cache" / "dataset"),
+    "datasets-manifest": ("FLEETBOX_DATASETS_MANIFEST", ROOT / "offline_cache" / "datasets.toml"),
+    "exports": ("FLEETBOX_EXPORTS", ROOT / "exports"),
+}
+
+
+def path_of(key: str) -> tuple[Path, str]:
+    """Where fleetbox keeps `key` (PATHS), and what said so: its FLEETBOX_* variable, else a site file's [paths]
+    (relative to the file's folder), else fleetbox's default (in the checkout)."""
+    var, default = PATHS[key]
+    if os.environ.get(var):
+        return Path(os.environ[var]), var
+    for f in site_files():
+        if value := f.data.get("paths", {}).get(key):
+            return f.path.parent / Path(value).expanduser(), f.where("paths", key)
+    return default, "default"
 
 
 def runs_root() -> Path:
     """Every run's logs and reports: runs/<task>-<variant>-<time>/ and runs/<job-id>/."""
-    return _path("FLEETBOX_RUNS", ROOT / "runs")
+    return path_of("runs")[0]
 
 
 def wheelhouse_root() -> Path:
     """Offline wheelhouses, one folder per variant."""
-    return _path("FLEETBOX_WHEELHOUSE", ROOT / "wheelhouse")
+    return path_of("wheelhouse")[0]
 
 
 def data_dir() -> Path:
     """The seeded dataset cache (Paddle's ~/.cache/paddle/dataset layout)."""
-    return _path("FLEETBOX_DATA", ROOT / "offline_cache" / "dataset")
+    return path_of("data")[0]
 
 
 def datasets_manifest() -> Path:
-    return _path("FLEETBOX_DATASETS_MANIFEST", ROOT / "offline_cache" / "datasets.toml")
+    return path_of("datasets-manifest")[0]
 
 
 def exports_dir() -> Path:
-    return _path("FLEETBOX_EXPORTS", ROOT / "exports")
+    return path_of("exports")[0]
+
+
+def _path(var: str, default: Path) -> Path:
+    return Path(os.environ.get(var) or default)
 
 
 def slurm_patience() -> float:
@@ -102,6 +192,8 @@ ENVIRONMENT_KINDS = {
     "internal": "Between fleetbox's own parts (named here so none is a surprise)",
 }
 ENVIRONMENT = {
+    "FLEETBOX_CONFIG": ("you", "the user's file of defaults (default $XDG_CONFIG_HOME/fleetbox/config.toml, "
+                               "~/.config/fleetbox/config.toml); `fleetbox config` says what is in effect"),
     "FLEETBOX_RUNS": ("you", "where runs keep their logs, records and reports (default runs/)"),
     "FLEETBOX_WHEELHOUSE": ("you", "where offline wheelhouses are kept, one folder per variant (default wheelhouse/)"),
     "FLEETBOX_DATA": ("you", "the seeded dataset cache (default offline_cache/dataset/)"),

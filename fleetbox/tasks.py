@@ -30,10 +30,21 @@ DECLARED = {**spec_mod.OPTIONS, **{o.name: o for _, o in backends.all_options()}
 VARIANT_HELP = DECLARED["variant"].help
 
 
+class Task(invoke.Task):
+    """invoke's Task, whose options keep their help once a parser has it (invoke's takes it out of the task: a
+    second parse in one process, the docs' pages or a test's, found none)."""
+    def get_arguments(self, ignore_unknown_help=None):
+        kept = dict(self.help)
+        try:
+            return super().get_arguments(ignore_unknown_help)
+        finally:
+            self.help = kept
+
+
 def task(*args, **kwargs):
     """invoke's @task, without one-letter flags: invoke made them from each task's own option names, so `-d` was
     --dry-run for build and --debug for train, and `-p gpu` was --procs-per-node. Every option is spelled out."""
-    return invoke.task(*args, auto_shortflags=False, **kwargs)
+    return invoke.task(*args, auto_shortflags=False, klass=Task, **kwargs)
 
 
 def _refuse_invokes_own(argv: list[str], fn) -> None:
@@ -57,15 +68,54 @@ def _refuse_invokes_own(argv: list[str], fn) -> None:
         i += 2 if takes and "=" not in w else 1   # the value of one of ours is passed over, whatever it looks like
 
 
+def _options_of(fn) -> dict:
+    """A task's options as declared (DECLARED), or as its own parameter's default says (a flag, a number, a
+    string)."""
+    out = {}
+    for name, p in list(inspect.signature(fn).parameters.items())[1:]:
+        if p.kind is p.VAR_KEYWORD or p.default is p.empty:   # a positional (a job's id) is always given
+            continue
+        kind = type(p.default) if isinstance(p.default, (bool, int)) else str
+        out[name] = replace(DECLARED[name], default=p.default) if name in DECLARED else Option(name, "", p.default,
+                                                                                               kind)
+    return out
+
+
+def _site_defaults(fn, args, kwargs) -> tuple[dict, dict]:
+    """The task's values with what the site files give the options the command line did not: (values, what came
+    from the files by name). Given: named on this command line, or a value other than the default (a Python
+    caller's)."""
+    from fleetbox.commands import config
+    name = fn.__name__.rstrip("_").replace("_", "-")
+    bound = inspect.signature(fn).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    values = dict(list(bound.arguments.items())[1:])
+    params = _options_of(fn)
+    words = sys.argv[sys.argv.index(name) + 1:] if name in sys.argv else []
+    words = words[:words.index("--")] if "--" in words else words
+    named = {w[2:].split("=", 1)[0].replace("-", "_") for w in words if w.startswith("--")}
+    given = {n for n in params if n in named or f"no_{n}" in named or values[n] != params[n].default}
+    tasks = {t.name: _options_of(t.body) for t in ns.tasks.values()}
+    found = config.defaults(name, params, values, given, tasks)
+    return {**values, **{n: f.value for n, f in found.items()}}, found
+
+
 def _fleetbox(fn):
-    """Turn a UserError (or Ctrl-C) into one clear line and a non-zero exit, never a traceback."""
+    """Turn a UserError (or Ctrl-C) into one clear line and a non-zero exit, never a traceback. The options the
+    command line did not give take the site files' values (commands/config.py); a dry-run says which."""
     @functools.wraps(fn)
     def wrapper(c, *args, **kwargs):
+        found = {}
         try:
             _refuse_invokes_own(sys.argv, wrapper)   # the task's options, as invoke has them (_job_task's)
-            return fn(c, *args, **kwargs)
+            kwargs, found = _site_defaults(wrapper, args, kwargs)
+            if found and kwargs.get("dry_run"):
+                _log("# from the site files: " + ", ".join(f.said() for f in found.values()))
+            return fn(c, **kwargs)
         except UserError as e:
-            raise Exit(f"fleetbox: error: {e}", code=errors.USER_ERROR) from None
+            came = [f"{f.option.flag} came from {f.where}" for f in found.values() if f.named_in(str(e))]
+            raise Exit(f"fleetbox: error: {e}" + (f" ({'; '.join(came)})" if came else ""),
+                       code=errors.USER_ERROR) from None
         except Failed as e:
             raise Exit(f"fleetbox: {e}", code=errors.FAILED) from None
         except KeyboardInterrupt:
@@ -514,21 +564,26 @@ def pull_cmd(c, variant=None, runtime="apptainer", registry=None, insecure=False
 
 
 def _task_facts():
-    """What invoke knows of every task here, for the reference pages (commands/docs.py). From a fresh load of
-    this file: invoke hands each option's help to its parser once, taking it out of the task."""
-    import importlib.util
-
+    """What invoke knows of every task here, for the reference pages (commands/docs.py)."""
     from fleetbox.commands import docs as docs_mod
-    spec = importlib.util.spec_from_file_location("fleetbox_front_door", __file__)
-    fresh = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fresh)
     out = []
-    for name, t in sorted(Collection.from_module(fresh).tasks.items()):
+    for name, t in sorted(ns.tasks.items()):
         params = [p for p in list(inspect.signature(t.body).parameters.values())[1:] if p.kind is not p.VAR_KEYWORD]
         out.append(docs_mod.Task(name, inspect.getdoc(t.body) or "", tuple(
             docs_mod.Opt(p.name, None if p.default is p.empty else p.default, (t.help or {}).get(p.name, ""),
                          positional=p.default is p.empty) for p in params)))
     return out
+
+
+@task
+@_fleetbox
+def config(c):
+    """Say the defaults in effect, from the site files (a project's fleetbox.toml, the user's), and their sources.
+
+    Where fleetbox keeps things (runs, exports, the dataset cache), and each option's value from a file, with the
+    file and line it came from."""
+    from fleetbox.commands import config as config_mod
+    config_mod.show({t.name: _options_of(t.body) for t in ns.tasks.values()}, log=_log)
 
 
 @task(help={"check": "say which reference page is stale instead of writing it (CI)"})

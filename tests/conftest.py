@@ -29,6 +29,8 @@ RESOURCES = {
     "podman": {"podman_image", "podman_cpu", "podman_built"},   # root Podman's containers and storage
     "browser": set(),        # Chromium: shares nothing, held beside the engine's jobs
 }
+# the user's own file of defaults (~/.config/fleetbox/config.toml) never reaches a test: tests that read one set it
+os.environ["FLEETBOX_CONFIG"] = "/nonexistent/fleetbox-tests/config.toml"
 SHARED = "FLEETBOX_TEST_SHARED"   # the run's folder that every worker sees (made and removed by the first process)
 
 
@@ -94,22 +96,26 @@ def ctrl_c_reaches_it() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def invoke_here(*args, env=None):
+def invoke_here(*args, env=None, cwd=ROOT, command="invoke"):
     """`invoke ARGS` as invoke() does, but in this process, for a unit test that needs only the command line's
     parsing and output: what it prints, its exit code (a CompletedProcess), `env` set while it runs. A task that
-    starts other processes or waits on signals is run by invoke() instead."""
+    starts other processes or waits on signals is run by invoke() instead. `command`: "fleetbox" runs the
+    fleetbox command instead (from `cwd`)."""
     import contextlib
     import io
 
-    from invoke.main import program
+    if command == "fleetbox":
+        from fleetbox.cli import program
+    else:
+        from invoke.main import program
     out, err, code = io.StringIO(), io.StringIO(), 0
     saved = dict(os.environ), sys.argv, os.getcwd()
     os.environ.update(env or {})
-    sys.argv = ["invoke", *args]   # as `python -m invoke` has it: tasks.py reads it (_refuse_invokes_own)
-    os.chdir(ROOT)
+    sys.argv = [command, *args]   # as `python -m invoke` has it: tasks.py reads it (_refuse_invokes_own)
+    os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            program.run(["invoke", *args])
+            program.run([command, *args])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
     finally:
@@ -117,7 +123,7 @@ def invoke_here(*args, env=None):
         os.environ.update(saved[0])
         sys.argv = saved[1]
         os.chdir(saved[2])
-    return subprocess.CompletedProcess(["invoke", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([command, *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ from dataclasses import replace
 
 import pytest
 
-from fleetbox import ROOT
-
 
 def one_line_error(proc, *needles, job_output=False):
     """Non-zero exit, one `fleetbox: error:` line on stderr, no Python traceback of ours. With job_output,
@@ -151,13 +149,8 @@ def test_every_tasks_description_in_the_list_is_whole(run_invoke):
 
 def test_no_task_has_one_letter_flags():
     """invoke made them from each task's own names: -d was --dry-run for build but --debug for train."""
-    import importlib.util
-
-    from invoke import Collection
-    spec = importlib.util.spec_from_file_location("front_door_flags", ROOT / "fleetbox" / "tasks.py")
-    tasks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tasks)
-    short = [(name, n) for name, t in Collection.from_module(tasks).tasks.items() for a in t.get_arguments()
+    from fleetbox.tasks import ns
+    short = [(name, n) for name, t in ns.tasks.items() for a in t.get_arguments()
              for n in a.names if len(n) == 1]
     assert short == []
 
@@ -283,7 +276,6 @@ def test_doctor_and_scale_show_their_jobs_and_start_nothing_with_dry_run(run_inv
     assert study.stdout.count("\ndocker run ") == 3 and not runs.exists()   # nothing made, nothing submitted
 
 
-
 @pytest.mark.parametrize("orig,argv,want", [
     (["python3", "-m", "invoke", "train", "--nodes", "2"], ["m", "train", "--nodes", "2"],
      "python3 -m invoke train --nodes 2"),
@@ -295,10 +287,7 @@ def test_doctor_and_scale_show_their_jobs_and_start_nothing_with_dry_run(run_inv
 def test_the_command_to_go_on_is_as_it_was_typed_and_this_tasks_only(monkeypatch, orig, argv, want):
     """Not `invoke` where `python3 -m invoke` (a venv's) was typed; not another task of the same line (a real
     build, its --dry-run dropped)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("front_door_typed", ROOT / "fleetbox" / "tasks.py")
-    tasks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tasks)
+    from fleetbox import tasks
     monkeypatch.setattr(tasks.sys, "orig_argv", orig)
     monkeypatch.setattr(tasks.sys, "argv", argv)
     assert tasks._as_typed() == want
@@ -306,25 +295,9 @@ def test_the_command_to_go_on_is_as_it_was_typed_and_this_tasks_only(monkeypatch
 
 def fleetbox_here(*args, cwd):
     """`fleetbox ARGS` in this process, run from `cwd`: (exit code, stdout, stderr)."""
-    import contextlib
-    import io
-    import os
-    import sys
-
-    from fleetbox import cli
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    saved = sys.argv, os.getcwd()
-    sys.argv = ["fleetbox", *args]
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            cli.program.run(["fleetbox", *args])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    finally:
-        sys.argv = saved[0]
-        os.chdir(saved[1])
-    return code, out.getvalue(), err.getvalue()
+    from tests.conftest import invoke_here
+    p = invoke_here(*args, cwd=cwd, command="fleetbox")
+    return p.returncode, p.stdout, p.stderr
 
 
 def test_the_fleetbox_command_runs_the_tasks_from_a_folder_outside_the_checkout(tmp_path, monkeypatch):
@@ -345,8 +318,9 @@ def test_the_fleetbox_command_runs_the_tasks_from_a_folder_outside_the_checkout(
     (("train", "--colour"), "train has no option --colour (`fleetbox --help train` lists them)"),
     (("board",), "board needs JOB: `fleetbox board JOB`"),
     (("train", "--nodes"), "--nodes needs a value"),
-    (("trian",), "no task 'trian'; did you mean train? (base, board, build, cache, cancel, clean, docs, doctor, "
-                 "export, jobs, kit, lock, logs, pull-cmd, push, report, scale, train, up, venv, verify, wheels)"),
+    (("trian",), "no task 'trian'; did you mean train? (base, board, build, cache, cancel, clean, config, docs, "
+                 "doctor, export, jobs, kit, lock, logs, pull-cmd, push, report, scale, train, up, venv, verify, "
+                 "wheels)"),
 ])
 def test_invokes_parse_errors_are_one_line_of_fleetbox_with_what_was_likely_meant(tmp_path, args, said):
     code, out, err = fleetbox_here(*args, cwd=tmp_path)

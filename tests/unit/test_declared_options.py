@@ -1,7 +1,6 @@
 """Every option of the tasks that run a job is declared once (run/spec.py; a backend's own on its class): the
 tasks' options and help are made from the declarations, from_options reads them, and an option without help,
 a JobSpec field no option sets or a value read otherwise than before fails here."""
-import importlib.util
 import inspect
 from dataclasses import fields
 
@@ -12,7 +11,6 @@ from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import backend, backends
 from fleetbox.run import spec as spec_mod
-from tests.conftest import ROOT
 
 
 def declared() -> list[options.Option]:
@@ -46,12 +44,8 @@ def test_from_options_refuses_an_option_it_does_not_declare():
 
 
 def _front_door():
-    """tasks.py, loaded afresh (invoke hands each option's help to its parser once, taking it out of the task)."""
-    from invoke import Collection
-    spec = importlib.util.spec_from_file_location("front_door_declared", ROOT / "fleetbox" / "tasks.py")
-    tasks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tasks)
-    return Collection.from_module(tasks).tasks
+    from fleetbox.tasks import ns
+    return ns.tasks
 
 
 @pytest.mark.parametrize("name", ["train", "doctor", "scale"])

@@ -1,0 +1,177 @@
+"""Site and project defaults: what a task's options take where the command line gave none, from the site files
+(settings.site_files: the project's fleetbox.toml, then the user's), and `fleetbox config`, which says what is in
+effect and where each value came from.
+
+A file holds `[paths]` (where fleetbox keeps things: settings.PATHS), `[job]` (any option of the tasks that run a
+job), `[backends.<name>]` (that backend's own options, where it is the job's backend) and a section per task
+(`[train]`, `[build]`, ...). Keys are the options' flags without the dashes. The first file that sets a value
+wins; within one file, the task's section, then the backend's, then [job]. The command line beats them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetbox import options, settings
+from fleetbox.errors import UserError
+from fleetbox.options import Option
+from fleetbox.run import backends
+from fleetbox.run import spec as spec_mod
+
+JOB_SECTION, BACKENDS_SECTION, PATHS_SECTION = "job", "backends", "paths"
+
+
+@dataclass(frozen=True)
+class FromFile:
+    """A value a site file gave an option."""
+    option: Option
+    value: object   # as the command line would have given it
+    where: str      # FILE:LINE
+
+    def named_in(self, message: str) -> bool:
+        """A refusal names this value: by its flag, or the value itself (`unknown runtime 'singularity'`)."""
+        return self.option.flag in message or isinstance(self.value, str) and f"'{self.value}'" in message
+
+    def said(self) -> str:
+        shown = ("" if self.value else "false") if isinstance(self.value, bool) else f" {self.value}"
+        return f"{self.option.flag}{shown} ({self.where})"
+
+
+def key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def job_options() -> dict[str, Option]:
+    """What [job] may set: every option of the tasks that run a job but the backends' own."""
+    return {key(o.name): o for o in (*spec_mod.JOB_OPTIONS, *spec_mod.TASK_OPTIONS, backends.BACKEND)}
+
+
+def check(f: settings.SiteFile, tasks: dict[str, dict[str, Option]]) -> None:
+    """Every section and key of the file is one fleetbox has: else one line naming the file and line, with the
+    nearest name."""
+    def refuse(section: str, name: str, known, what: str) -> None:
+        guess = options.nearest(name, known)
+        raise UserError(f"{f.where(section, name)}: {what} {name!r}" + (f"; did you mean {guess}?" if guess else ""))
+
+    for section, body in f.data.items():
+        if section == BACKENDS_SECTION:
+            for b, table in body.items():
+                if b not in backends.BACKENDS:
+                    refuse(section, b, backends.BACKENDS, "[backends] has no backend")
+                own = {key(o.name) for o in backends.BACKENDS[b].options}
+                for k in _table(f, f"{section}.{b}", table):
+                    if k not in own:
+                        refuse(f"{section}.{b}", k, own, f"the {b} backend has no option")
+            continue
+        known = (set(settings.PATHS) if section == PATHS_SECTION else set(job_options()) if section == JOB_SECTION
+                 else {key(n) for n in tasks.get(section, {})})
+        if section not in (PATHS_SECTION, JOB_SECTION, *tasks):
+            raise UserError(f"{f.where(section)}: no section [{section}] in fleetbox's files" + (
+                f"; did you mean [{g}]?" if (g := options.nearest(section, [PATHS_SECTION, JOB_SECTION,
+                                                                               BACKENDS_SECTION, *tasks])) else ""))
+        for k in _table(f, section, body):
+            if k not in known:
+                refuse(section, k, known, f"[{section}] has no option")
+
+
+def _table(f: settings.SiteFile, section: str, body) -> dict:
+    if not isinstance(body, dict):
+        raise UserError(f"{f.path}: {section} must be a [section] of keys")
+    return body
+
+
+def as_given(o: Option, value, where: str):
+    """A file's value as the command line would give it, checked as the option checks a given one."""
+    kind = o.kind
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{where}: {key(o.name)} takes true or false (got {value!r})")
+        return value
+    if kind is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
+    elif kind is dict and isinstance(value, dict):
+        value = ",".join(f"{k}={v}" for k, v in value.items())
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = value if kind is int else str(value)
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise UserError(f"{where}: {key(o.name)} takes {kind.__name__ if kind in (int, str) else 'a string'} "
+                        f"(got {value!r})")
+    try:
+        o.parse(value)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    return value
+
+
+def defaults(task: str, params: dict[str, Option], values: dict, given: set[str],
+             tasks: dict[str, dict[str, Option]]) -> dict[str, FromFile]:
+    """What the site files give the task's options that the command line did not (`given`; `values`: the task's
+    values as given), by name. The backend comes first: its section counts only where it is the job's."""
+    files = settings.site_files()
+    for f in files:
+        check(f, tasks)
+
+    def first(name: str, backend: str = "") -> FromFile | None:
+        for f in files:
+            for section in (task, f"{BACKENDS_SECTION}.{backend}" if backend else "",
+                            JOB_SECTION if "backend" in params else ""):
+                table = f.data.get(section, {}) if "." not in section else \
+                    f.data.get(BACKENDS_SECTION, {}).get(backend, {})
+                if section and key(name) in table and (section != JOB_SECTION or key(name) in job_options()):
+                    where = f.where(section, key(name))
+                    return FromFile(params[name], as_given(params[name], table[key(name)], where), where)
+        return None
+
+    out: dict[str, FromFile] = {}
+    backend = ""
+    if "backend" in params:
+        got = None if "backend" in given else first("backend")
+        if got:
+            out["backend"] = got
+        backend = str(got.value) if got else values["backend"] or backends.DEFAULT
+    for name in params:
+        if name in given or name in out:
+            continue
+        if got := first(name, backend):
+            out[name] = got
+    return out
+
+
+def show(tasks: dict[str, dict[str, Option]], log=print) -> None:
+    """`fleetbox config`: the files, where fleetbox keeps things, and every default the files give, each with
+    where it came from (a value a nearer file sets again is said to be overridden)."""
+    files = settings.site_files()
+    for f in files:
+        check(f, tasks)
+    project, user = settings.project_file(), settings.user_file()
+    log(f"project file: {project or f'none ({settings.PROJECT_FILE} here or above)'}")
+    log(f"user file:    {user}{'' if user.is_file() else ' (none)'}")
+    log("paths:")
+    for k in settings.PATHS:
+        path, where = settings.path_of(k)
+        log(f"  {k:<18} {path}  ({where})")
+    rows: dict[tuple[str, str], list[str]] = {}
+    for f in files:
+        for section, body in f.data.items():
+            if section == PATHS_SECTION:
+                continue
+            tables = body.items() if section == BACKENDS_SECTION else [("", body)]
+            for b, table in tables:
+                name = f"{section}.{b}" if b else section
+                for k, v in table.items():
+                    rows.setdefault((name, k), []).append(f"{_toml(v)}  ({f.where(name, k)})")
+    log("defaults:" if rows else "defaults: none (the command line's and fleetbox's own)")
+    for (section, k), said in sorted(rows.items()):
+        log(f"  [{section}] {k} = {said[0]}" + "".join(f"; overrides {s}" for s in said[1:]))
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    return str(value)
