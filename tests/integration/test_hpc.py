@@ -502,12 +502,12 @@ def test_slurm_time_limit_checkpoints_and_continues_in_new_allocations_until_don
     90-150 s of work then finishes (or, with Slurm's earliest warning, a third)."""
     env = {**os.environ, **cluster}
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "none",
-                          "--venv", str(cpu_env["path"]), "--time", "3", "--signal-grace", "30",
+                          "--venv", str(cpu_env["path"]), "--time", "3m", "--signal-grace", "30",
                           "--max-allocations", "6", "--detach",
                           "--args", f"--steps {TIME_LIMIT_STEPS} --step-sleep 0.5 --checkpoint-every 10"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = p.stdout.readline() + p.stdout.readline() + p.stdout.readline()
-    assert out.startswith("warning: --time 3 (180 s) less --signal-grace 30 s and the minute Slurm may warn early "
+    assert out.startswith("warning: --time 3m (180 s) less --signal-grace 30 s and the minute Slurm may warn early "
                           "leaves 90 s of work per allocation"), out
     assert " detached; see it with `invoke jobs`" in out, out + p.stderr.read()
     p.kill()   # the client is gone; Slurm carries the job
@@ -609,7 +609,7 @@ def test_slurm_a_real_failure_in_a_later_allocation_ends_the_chain_and_is_named(
     has a checkpoint), stops and continues; allocation 2 fails for real: the chain ends and names the node."""
     env = {**os.environ, **cluster}
     p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--backend", "slurm", "--runtime", "podman",
-                          "--runtime-args", PODMAN_ARGS, *LOCAL, "--time", "5", "--signal-grace", "60",
+                          "--runtime-args", PODMAN_ARGS, *LOCAL, "--time", "5m", "--signal-grace", "60",
                           "--max-allocations", "4",
                           # rank 1 fails before joining, as in test_slurm_failing_rank_names_the_node: once the group
                           # has formed, rank 0's launcher can end first (250) and srun then stops rank 1's task (143)

@@ -54,8 +54,10 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--timeout", "abc"], "--timeout takes seconds, or minutes or hours like 90, 90s, 20m, 1h"),
     (["train", "--timeout", "0"], "--timeout must be positive: seconds, or minutes or hours like"),
     (["train", "--timeout", "nan"], "--timeout takes seconds, or minutes or hours like"),
-    (["train", "--backend", "slurm", "--runtime", "podman", "--image", "fleetbox/paddle:cpu", "--time", "5m",
-      "--dry-run"], "is not a value Slurm accepts for --time (MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"),
+    (["train", "--backend", "slurm", "--runtime", "podman", "--image", "fleetbox/paddle:cpu", "--time", "5",
+      "--dry-run"], "--time 5: give its unit (5m, or 5h) or Slurm's HH:MM:SS: Slurm reads a bare number as minutes, "
+                    "fleetbox's other durations as seconds"),
+    (["train", "--backend", "slurm", "--time", "0m", "--dry-run"], "--time must be positive"),
     (["train", "--timeout", "-5"], "--timeout takes seconds, or minutes or hours like"),
     (["train", "--variant", "", "--dry-run"], "--variant is empty"),
     (["train", "--data-dir", "/nonexistent/cache", "--dry-run"], "--data-dir /nonexistent/cache is not a folder"),
@@ -78,7 +80,7 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--partition", "gpu", "--signal-grace", "60", "--dry-run"],
      "--partition and --signal-grace are for --backend slurm"),
     (["train", "--backend", "slurm", "--time", "2 hours", "--dry-run"],
-     "--time '2 hours' is not a value Slurm accepts"),
+     "--time '2 hours' is not a value Slurm accepts for --time (a duration like 90m or 48h, or Slurm's MM:SS, "),
     (["cache", "--datasets", "mnist", "--jobs", "x"], "--jobs takes a whole number"),
     (["board", "j", "--private", "--host", "0.0.0.0"], "--private serves on a socket, not on an address"),
 ])

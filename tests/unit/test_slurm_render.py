@@ -422,10 +422,10 @@ def test_an_allocation_of_a_cancelled_chain_ends_at_once(tmp_path):
 
 
 def test_slurm_is_asked_to_warn_before_the_time_limit_and_the_chain_is_bounded(tmp_path):
-    b = slurm.SlurmBackend("podman", time="4", signal_grace=90, max_allocations=4)
+    b = slurm.SlurmBackend("podman", time="4m", signal_grace=90, max_allocations=4)
     p = b.plan(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-x", max_restarts=2))
     sbatch = dict(p.files)["job.sbatch"]
-    assert "#SBATCH --signal=B:USR1@90\n" in sbatch and "#SBATCH --time=4\n" in sbatch
+    assert "#SBATCH --signal=B:USR1@90\n" in sbatch and "#SBATCH --time=00:04:00\n" in sbatch
     assert "MAX_ALLOCATIONS=4 MAX_RESTARTS=2\n" in sbatch and sbatch.rstrip().endswith('next_allocation\nexit "$rc"')
     assert "#SBATCH --requeue\n" in sbatch   # a node failure or preemption is a restart
     assert f"CHECKPOINTS={p.checkpoints}" in sbatch and p.checkpoints == str(p.dir / "checkpoints")
@@ -439,7 +439,14 @@ def test_slurm_time_limits_in_seconds(value, seconds):
     assert slurm.time_seconds(value) == seconds
 
 
-@pytest.mark.parametrize("time,grace,work", [("2", 120, 0), ("2", 90, 0), ("3", 90, 30), ("2:59", 60, 59)])
+@pytest.mark.parametrize("value,slurms", [("48h", "2-00:00:00"), ("90m", "01:30:00"), ("1.5h", "01:30:00"),
+                                          ("90s", "00:01:30"), ("100.5s", "00:01:41"), ("2-12", "2-12"),
+                                          ("4:00:00", "4:00:00"), ("unlimited", "unlimited"), ("", "")])
+def test_time_takes_fleetboxs_durations_in_slurms_form_and_slurms_own_as_they_are(value, slurms):
+    assert slurm.slurm_time(value) == slurms
+
+
+@pytest.mark.parametrize("time,grace,work", [("2m", 120, 0), ("2m", 90, 0), ("3m", 90, 30), ("2:59", 60, 59)])
 def test_a_time_limit_that_leaves_under_a_minute_of_work_is_refused(time, grace, work):
     """Slurm may warn up to a minute before the grace: --time - grace - 60 s is what an allocation keeps."""
     with pytest.raises(UserError, match=rf"leaves {work} s of work per allocation, under the 60 s") as e:
@@ -447,7 +454,7 @@ def test_a_time_limit_that_leaves_under_a_minute_of_work_is_refused(time, grace,
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("time,grace,notes", [("3", 60, 1), ("6", 60, 1), ("7", 60, 0), ("1:00:00", 120, 0),
+@pytest.mark.parametrize("time,grace,notes", [("3m", 60, 1), ("6m", 60, 1), ("7m", 60, 0), ("1:00:00", 120, 0),
                                               ("", 120, 0)])
 def test_a_time_limit_that_leaves_under_five_minutes_is_warned_about(time, grace, notes):
     plan = slurm.SlurmBackend("podman", time=time, signal_grace=grace).plan(spec_mod.JobSpec(
@@ -460,8 +467,8 @@ def test_the_warning_is_shown_before_the_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path))
     said = []
     train.train(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-x"), "slurm",
-                {"runtime": "podman", "time": "3", "signal_grace": 60}, dry_run=True, log=said.append)
-    warning = ("warning: --time 3 (180 s) less --signal-grace 60 s and the minute Slurm may warn early leaves 60 s of "
+                {"runtime": "podman", "time": "3m", "signal_grace": 60}, dry_run=True, log=said.append)
+    warning = ("warning: --time 3m (180 s) less --signal-grace 60 s and the minute Slurm may warn early leaves 60 s of "
                "work per allocation: start-up and the checkpoint take part of it")
     assert said[1] == warning and "#SBATCH" in said[2]   # after the deadlines, before the batch script
 

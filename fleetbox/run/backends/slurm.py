@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import re
 import shlex
@@ -72,7 +73,7 @@ SBATCH_VALUES = {
 SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+-]+")   # no '%': Slurm expands it in --output
 
 # Slurm may send the warning up to a minute before the grace it was asked for (its event loop's resolution):
-TIME_FORMS = "MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 90, 4:00:00, 2-12"
+TIME_FORMS = "a duration like 90m or 48h, or Slurm's MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 4:00:00, 2-12"
 # an allocation whose --time leaves less than this after the grace and that minute cannot start a job and save.
 EARLY_WARNING = 60
 MIN_WORK, SHORT_WORK = 60, 300   # seconds of work an allocation keeps at worst: refused below, warned below
@@ -285,8 +286,9 @@ class SlurmBackend(Backend):
         if max_allocations < 1:
             raise UserError(f"--max-allocations must be at least 1 (got {max_allocations})")
         self.signal_grace, self.max_allocations = signal_grace, max_allocations
-        self.sbatch = {"partition": partition or "", "time": time or "", "account": account or "", "qos": qos or "",
-                       "constraint": constraint or "", "reservation": reservation or "", "mem": str(mem or "")}
+        self.sbatch = {"partition": partition or "", "time": slurm_time(time or ""), "account": account or "",
+                       "qos": qos or "", "constraint": constraint or "", "reservation": reservation or "",
+                       "mem": str(mem or "")}
         for key, value in self.sbatch.items():
             if value and not SBATCH_VALUES[key].fullmatch(value):
                 raise UserError(f"--{key} {value!r} is not a value Slurm accepts for --{key}"
@@ -299,7 +301,7 @@ class SlurmBackend(Backend):
         limit = time_seconds(self.sbatch["time"])
         if limit is not None:
             work = limit - signal_grace - EARLY_WARNING
-            said = (f"--time {self.sbatch['time']} ({limit} s) less --signal-grace {signal_grace} s and the minute "
+            said = (f"--time {time} ({limit} s) less --signal-grace {signal_grace} s and the minute "
                     f"Slurm may warn early leaves {max(work, 0)} s of work per allocation")
             if work < MIN_WORK:
                 raise UserError(f"{said}, under the {MIN_WORK} s a job needs to start and save: raise --time or "
@@ -869,6 +871,21 @@ def resources(cpus_per_node: int | str, procs_per_node: int, accelerator: bool) 
         raise UserError(f"--cpus-per-node {cpus} is fewer than the {procs_per_node} ranks on each node: each rank "
                         f"needs a CPU at least")
     return [f"#SBATCH --cpus-per-task={cpus}"], [f"--cpus-per-task={cpus}"]
+
+
+def slurm_time(value: str) -> str:
+    """--time as sbatch takes it: a duration as every other fleetbox option takes one (90s, 20m, 48h) in Slurm's
+    [D-]HH:MM:SS, Slurm's own forms (a colon, a day, unlimited) as they are. A bare number is refused: Slurm reads
+    it as minutes, fleetbox's other durations as seconds."""
+    m = parse.DURATION.fullmatch(value)
+    if not m:
+        return value
+    if not m[2]:
+        raise UserError(f"--time {value}: give its unit ({value.strip()}m, or {value.strip()}h) or Slurm's "
+                        f"HH:MM:SS: Slurm reads a bare number as minutes, fleetbox's other durations as seconds")
+    s = math.ceil(parse.seconds("--time", value))
+    days, s = divmod(s, 86400)
+    return (f"{days}-" if days else "") + f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def time_seconds(value: str) -> int | None:
