@@ -547,7 +547,8 @@ def push(c, variant=None, registry=None):
         _log(f"pushed {ref}")
 
 
-@task(name="pull-cmd", help={"variant": VARIANT_HELP, "runtime": "apptainer, pyxis, charliecloud, podman or docker",
+@task(name="pull-cmd", help={"variant": VARIANT_HELP,
+                             "runtime": "apptainer, singularity, pyxis, charliecloud, podman or docker",
                              "registry": "HOST[:PORT]/NAMESPACE it was pushed to",
                              "insecure": "the registry speaks plain HTTP"})
 @_fleetbox

@@ -21,7 +21,7 @@ with open(os.environ["STUB_OUT"], "a") as f:
 def stubs(tmp_path):
     d = tmp_path / "bin"
     d.mkdir()
-    for tool in ("docker", "podman", "ch-run", "apptainer", "python", "srun"):
+    for tool in ("docker", "podman", "ch-run", "apptainer", "singularity", "python", "srun"):
         (d / tool).write_text(STUB.format(py=sys.executable))
         (d / tool).chmod(0o755)
     (d / "scontrol").write_text('#!/bin/sh\n'

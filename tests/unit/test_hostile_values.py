@@ -40,7 +40,7 @@ def carried(call, runtime):
         return argv, call["env"], None
     env, mounts = {}, []
     flags = {"docker": ("-e", "-v"), "podman": ("-e", "-v"), "apptainer": (None, "--bind"),
-             "charliecloud": (None, "-b")}
+             "singularity": (None, "--bind"), "charliecloud": (None, "-b")}
     e_flag, v_flag = flags[runtime]
     for i, a in enumerate(argv):
         if a == e_flag:
@@ -51,8 +51,9 @@ def carried(call, runtime):
             env[k] = v
         if a == v_flag:
             mounts.append(argv[i + 1])
-    if runtime == "apptainer":
-        env = {k[len("APPTAINERENV_"):]: v for k, v in call["env"].items() if k.startswith("APPTAINERENV_")}
+    if runtime in ("apptainer", "singularity"):
+        prefix = f"{runtime.upper()}ENV_"   # what each takes off on the way in
+        env = {k[len(prefix):]: v for k, v in call["env"].items() if k.startswith(prefix)}
     cmd = argv[argv.index("python"):]
     return cmd, env, mounts
 
@@ -70,7 +71,7 @@ def test_a_hostile_value_never_runs_and_arrives_unchanged(runtime, raw, stubs, t
         plan = backend.plan(spec)
     except UserError as e:   # refused for this runtime: one line that names the field
         assert "\n" not in str(e) and ("--env EVIL" in str(e) or "mount" in str(e)), e
-        assert runtime in ("apptainer", "charliecloud", "pyxis") or "\n" in payload
+        assert runtime in ("apptainer", "singularity", "charliecloud", "pyxis") or "\n" in payload
         return
     files = dict(plan.files)
     calls = run_node_script(files["node.sh"], stubs, tmp_path)

@@ -40,6 +40,7 @@ def test_a_passed_variable_reaches_each_runtime_by_name_and_no_script_holds_it(r
         "podman": lambda: "HF_TOKEN" in [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
         and env["HF_TOKEN"] == SECRET,
         "apptainer": lambda: env["APPTAINERENV_HF_TOKEN"] == SECRET,           # --cleanenv keeps these
+        "singularity": lambda: env["SINGULARITYENV_HF_TOKEN"] == SECRET,
         # ch-run passes its environment through: no value on its command line, where every user could read it
         "charliecloud": lambda: env["HF_TOKEN"] == SECRET and not any("HF_TOKEN" in a or "s3cret" in a for a in argv),
         "pyxis": lambda: env["HF_TOKEN"] == SECRET,                             # node.sh runs in the container

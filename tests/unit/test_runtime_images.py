@@ -54,6 +54,7 @@ def test_with_nothing_shipped_no_runtime_renders_an_image_and_the_line_names_the
     said = str(e.value)
     assert "\n" not in said
     want = {"apptainer": ["invoke export --variant cpu --format sif", "invoke push --variant cpu"],
+            "singularity": ["invoke export --variant cpu --format sif", "invoke push --variant cpu"],
             "pyxis": ["invoke export --variant cpu --format sqsh", "invoke push --variant cpu"],
             "charliecloud": ["invoke export --variant cpu --format charliecloud --squash",
                              "invoke export --variant cpu --format charliecloud`"],

@@ -143,8 +143,8 @@ def test_runtime_args_go_before_the_image():
 
 
 def test_unknown_runtime():
-    with pytest.raises(UserError, match="unknown runtime 'singularity'; choose one of: apptainer"):
-        job(runtime="singularity")
+    with pytest.raises(UserError, match="unknown runtime 'singularty'; choose one of: apptainer, singularity, "):
+        job(runtime="singularty")
 
 
 def test_failures_are_read_from_sruns_messages():
@@ -250,6 +250,7 @@ def test_registry_refs_and_pull_commands():
         return lines[1:lines.index("# alias")]
     assert pull("apptainer") == [f"apptainer pull p.sif docker://{ref}"]
     assert pull("apptainer", insecure=True) == [f"env APPTAINER_NOHTTPS=1 apptainer pull p.sif docker://{ref}"]
+    assert pull("singularity", insecure=True) == [f"env SINGULARITY_NOHTTPS=1 singularity pull p.sif docker://{ref}"]
     assert pull("pyxis")[0] == "enroot import -o p.sqsh 'docker://reg.example:5000#team/paddle:cpu-0123456789ab'"
     assert pull("charliecloud", insecure=True)[0] == f"ch-image pull --tls-no-verify {ref}"
     assert pull("podman", insecure=True) == [f"podman pull --tls-verify=false {ref}"]

@@ -122,7 +122,7 @@ class Runtime:
         there, else one line naming the node and what to do, and exit 5 (invoke doctor makes a row of either)."""
         if accelerator != "cuda" or not self.gpu_check:
             return []
-        check = template(self.gpu_check)
+        check = template(self.gpu_check, RUNTIME=self.name)
         return [Raw(f"GPU_IMAGE={shlex.quote(image)}")] * ("$GPU_IMAGE" in check) + [check]   # where it reads it
 
     def for_allocation(self, n: NodeRun) -> NodeRun:
@@ -302,6 +302,8 @@ class Podman(Engine):
 
 class Apptainer(Runtime):
     name = "apptainer"
+    command = "apptainer"
+    env_prefix = "APPTAINERENV_"   # what it passes into the container, the prefix taken off
     runs_as_user = True
     bind_separators = ":,"        # --bind SRC:DST[:OPTS][,...]
     # Environment goes in as APPTAINERENV_<NAME> (--env splits on commas); whether Apptainer then expands
@@ -311,22 +313,22 @@ class Apptainer(Runtime):
     no_driver_fix = "check the node's driver install: apptainer --nv binds the libraries the node's loader knows"
 
     def launch(self, n, image, extra=()):
-        a = ["apptainer", "exec", "--cleanenv", "--pwd", WORKDIR]
+        a = [self.command, "exec", "--cleanenv", "--pwd", WORKDIR]
         a += {"cuda": ["--nv"], "rocm": ["--rocm"]}.get(n.accelerator, [])
         for m in n.mounts:
             a += ["--bind", f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}"]
         return a + [*extra, image, *n.command]
 
     def exports(self, n):
-        return {f"APPTAINERENV_{k}": v for k, v in n.env.items()}
+        return {f"{self.env_prefix}{k}": v for k, v in n.env.items()}
 
     def prelude_for(self, n):   # a variable passed by name: its value from the task's environment, never written
-        return [Raw(f'export APPTAINERENV_{k}="${{{k}}}"') for k in n.pass_env]
+        return [Raw(f'export {self.env_prefix}{k}="${{{k}}}"') for k in n.pass_env]
 
     def allocation(self, device, procs):   # --cleanenv drops them: pass them on by name
         lines, words = super().allocation(device, procs)
         return lines + [Raw(f'for v in {" ".join(self.VISIBLE)}; do [ -z "${{!v+x}}" ] || '
-                            'export "APPTAINERENV_$v=${!v}"; done')], words
+                            f'export "{self.env_prefix}$v=${{!v}}"; done')], words
 
     kinds = ("sif", REGISTRY)
     URI = re.compile(r"(docker|oras|library|shub|https?)://(.+)|(docker-archive|docker-daemon|oci|oci-archive):(.+)")
@@ -340,16 +342,26 @@ class Apptainer(Runtime):
         m = self.URI.fullmatch(image)
         if not m:
             hint = f" (docker://{image} for a registry image)" if registry_host(image) else ""
-            raise UserError(f"--image {image!r}: apptainer runs an existing SIF file or sandbox folder, or a URI with "
-                            f"its transport{hint}; no such file here")
+            raise UserError(f"--image {image!r}: {self.name} runs an existing SIF file or sandbox folder, or a URI "
+                            f"with its transport{hint}; no such file here")
         if m.group(1) in ("docker", "oras") and not registry_host(m.group(2)):
-            raise UserError(f"--image {image!r} names no registry, so apptainer would pull it from Docker Hub: "
+            raise UserError(f"--image {image!r} names no registry, so {self.name} would pull it from Docker Hub: "
                             f"write {m.group(1)}://HOST[:PORT]/{m.group(2)} (docker.io for Docker Hub itself)")
         return image
 
     def pull_commands(self, ref, out_name, insecure=False):
-        return [[*(["env", "APPTAINER_NOHTTPS=1"] if insecure else []), "apptainer", "pull", f"{out_name}.sif",
-                 self.registry_form(ref)]]
+        return [[*(["env", f"{self.command.upper()}_NOHTTPS=1"] if insecure else []), self.command, "pull",
+                 f"{out_name}.sif", self.registry_form(ref)]]
+
+
+class Singularity(Apptainer):
+    """SingularityCE (Sylabs), the project Apptainer was forked from and what many sites still run: the same
+    command line (exec --cleanenv --pwd --nv --rocm --bind, pull, SIF files) as `singularity`, environment passed
+    as SINGULARITYENV_<NAME>. SingularityCE 3.5 or newer (--rocm; SIF)."""
+    name = "singularity"
+    command = "singularity"
+    env_prefix = "SINGULARITYENV_"
+    no_driver_fix = "check the node's driver install: singularity --nv binds the libraries the node's loader knows"
 
 
 class Charliecloud(Runtime):
@@ -612,7 +624,7 @@ def default_image(rt: Runtime, variant, built: str | None, records: list[shipped
                     f"{' or '.join(make)}, or give --image")
 
 
-RUNTIMES = {r.name: r for r in (Apptainer(), Pyxis(), Charliecloud(), Podman(), Docker(), Host())}
+RUNTIMES = {r.name: r for r in (Apptainer(), Singularity(), Pyxis(), Charliecloud(), Podman(), Docker(), Host())}
 
 
 def get(name: str, venv: str = "", modules: tuple[str, ...] = ()) -> Runtime:

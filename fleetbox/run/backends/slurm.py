@@ -239,8 +239,8 @@ class SlurmBackend(Backend):
     # another backend's own options, given to this one: why they have no place here
     foreign = {"hosts": "Slurm chooses the nodes", "devices": "Slurm chooses the GPUs: give --gpus-per-node"}
     options = (
-        Option("runtime", "with --backend slurm: apptainer, pyxis, charliecloud, podman, docker (default), or none: no "
-                          "container, the env given with --venv", "docker"),
+        Option("runtime", "with --backend slurm: apptainer, singularity (SingularityCE), pyxis, charliecloud, podman, "
+                          "docker (default), or none: no container, the env given with --venv", "docker"),
         Option("venv", "with --runtime none: an env made by `invoke venv`, on a file system every node sees "
                        "(placeholders such as {node} allowed)", ""),
         Option("modules", "with --runtime none: environment modules each node loads first (Lmod or Environment "
