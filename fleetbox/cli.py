@@ -22,13 +22,15 @@ def parse_error_line(message: str, task: str, flags, tasks) -> str:
             where = f"{task} has no option {name}" if task else f"no option {name} before a task"
             return (where + (f"; did you mean {guess}?" if guess else "") +
                     f" (`fleetbox --help {task}` lists them)" if task else where)
+        if word.lower() in ("true", "false", "yes", "no", "on", "off") and task:
+            return f"{task}'s flags take no value ({word!r}): give the flag where you want it, leave it out where not"
         guess = options.nearest(word, tasks)
         return (f"no task {word!r}" + (f"; did you mean {guess}?" if guess else "") +
                 f" ({', '.join(sorted(tasks))})")
     if m := re.fullmatch(r"'(.*)' did not receive required positional arguments: (.*)", message):
         missing = [n.strip("'").upper() for n in m[2].split(", ")]
         return f"{m[1]} needs {' and '.join(missing)}: `fleetbox {m[1]} {' '.join(missing)}`"
-    if m := re.fullmatch(r"Flag <Argument: ([^ ]+?)(?: \(.*\))?>? needed value and was not given one!", message):
+    if m := re.fullmatch(r"Flag <Argument: ([^ >]+)[^>]*> needed value and was not given one!", message):
         return f"--{m[1].replace('_', '-')} needs a value"
     return message
 

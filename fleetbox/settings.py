@@ -50,9 +50,14 @@ def user_file() -> Path:
 
 
 def project_file() -> Path | None:
-    """fleetbox.toml in the current folder or the nearest folder above it that has one."""
+    """fleetbox.toml in the current folder or the nearest folder above it that has one, yours or root's (as git
+    trusts a repository: another user's /tmp/fleetbox.toml must not choose your engines, mounts or image)."""
     here = Path.cwd()
-    return next((d / PROJECT_FILE for d in (here, *here.parents) if (d / PROJECT_FILE).is_file()), None)
+    for d in (here, *here.parents):
+        f = d / PROJECT_FILE
+        if f.is_file() and f.stat().st_uid in (os.getuid(), 0):
+            return f
+    return None
 
 
 _read: dict[tuple[Path, int], SiteFile] = {}
@@ -72,6 +77,9 @@ def site_files() -> list[SiteFile]:
                 f = SiteFile(path.resolve(), tomllib.loads(text), text)
             except tomllib.TOMLDecodeError as e:
                 raise UserError(f"{path}: not TOML that fleetbox can read: {e}") from None
+            if not isinstance(f.data.get("paths", {}), dict):
+                raise UserError(f"{f.where('paths') if f.line('paths') else f.where('', 'paths')}: [paths] must be "
+                                f"a section of keys")
             for k, value in (f.data.get("paths") or {}).items():
                 if k in PATHS and not (isinstance(value, str) and value):
                     raise UserError(f"{f.where('paths', k)}: [paths] {k} must be a folder's path, as a string")
@@ -90,12 +98,27 @@ PATHS = {
 }
 
 
+_pinned: dict[str, tuple[str, str]] = {}   # variable: (the path a site file gave, where)
+
+
+def pin_paths() -> None:
+    """What the site files say of the paths, set in this process's environment: read once, so an edit to a file
+    or another current folder does not move the runs folder (and the owner it makes) under a running command, and
+    every process it starts (a supervisor runs from the checkout) keeps the same."""
+    for key, (var, _) in PATHS.items():
+        path, where = path_of(key)
+        if where not in (var, "default"):
+            os.environ[var] = str(path)
+            _pinned[var] = (str(path), where)
+
+
 def path_of(key: str) -> tuple[Path, str]:
     """Where fleetbox keeps `key` (PATHS), and what said so: its FLEETBOX_* variable, else a site file's [paths]
     (relative to the file's folder), else fleetbox's default (in the checkout)."""
     var, default = PATHS[key]
     if os.environ.get(var):
-        return Path(os.environ[var]), var
+        said = _pinned.get(var, ("", ""))
+        return Path(os.environ[var]), said[1] if said[0] == os.environ[var] else var
     for f in site_files():
         if value := f.data.get("paths", {}).get(key):
             return f.path.parent / Path(value).expanduser(), f.where("paths", key)

@@ -19,7 +19,7 @@ from pathlib import Path
 import invoke
 from invoke import Collection, Exit
 
-from fleetbox import errors
+from fleetbox import errors, settings
 from fleetbox.errors import Failed, UserError
 from fleetbox.options import Option
 from fleetbox.run import backends
@@ -71,13 +71,12 @@ def _refuse_invokes_own(argv: list[str], fn) -> None:
 def _options_of(fn) -> dict:
     """A task's options as declared (DECLARED), or as its own parameter's default says (a flag, a number, a
     string)."""
-    out = {}
+    declared, out = getattr(fn, "__options__", {}), {}
     for name, p in list(inspect.signature(fn).parameters.items())[1:]:
         if p.kind is p.VAR_KEYWORD or p.default is p.empty:   # a positional (a job's id) is always given
             continue
         kind = type(p.default) if isinstance(p.default, (bool, int)) else str
-        out[name] = replace(DECLARED[name], default=p.default) if name in DECLARED else Option(name, "", p.default,
-                                                                                               kind)
+        out[name] = declared.get(name) or Option(name.rstrip("_"), "", p.default, kind)
     return out
 
 
@@ -93,10 +92,13 @@ def _site_defaults(fn, args, kwargs) -> tuple[dict, dict]:
     params = _options_of(fn)
     words = sys.argv[sys.argv.index(name) + 1:] if name in sys.argv else []
     words = words[:words.index("--")] if "--" in words else words
+    words = words[:next((i for i, w in enumerate(words) if w in ns.task_names), len(words))]   # this task's
     named = {w[2:].split("=", 1)[0].replace("-", "_") for w in words if w.startswith("--")}
+    named |= {"args"} if "--" in sys.argv else set()   # the script's arguments, after --
     given = {n for n in params if n in named or f"no_{n}" in named or values[n] != params[n].default}
     tasks = {t.name: _options_of(t.body) for t in ns.tasks.values()}
     found = config.defaults(name, params, values, given, tasks)
+    settings.pin_paths()
     return {**values, **{n: f.value for n, f in found.items()}}, found
 
 
@@ -265,6 +267,7 @@ def _job_task(*declared):
                 if o.name == after:
                     made += [(b, None) for _, b in backends.all_options() if b.train_only == long_run]
         inspect.signature(fn).bind(None, **{o.name: None for o, _ in made})   # the body takes every one of them
+        fn.__options__ = {o.name: replace(o, default=default) for o, default in made}   # as this task reads them
         P = inspect.Parameter
         sig = fn.__signature__ = inspect.Signature([P("c", P.POSITIONAL_OR_KEYWORD)] + [
             P(o.name, P.POSITIONAL_OR_KEYWORD, default=default) for o, default in made])
@@ -379,8 +382,8 @@ def doctor(c, variant, backend, quick, wait, json_out, dry_run, **job):
 
 
 @_job_task(_as("nodes", "comma-separated node counts to run at, e.g. 1,2,4 (default 1,2); with --hosts, N nodes use "
-                        "the first N hosts", default="1,2"),
-           _as("procs_per_node", "comma-separated processes per node, e.g. 1,2 (default 1)"),
+                        "the first N hosts", default="1,2", kind=str, low=None),
+           _as("procs_per_node", "comma-separated processes per node, e.g. 1,2 (default 1)", kind=str, low=None),
            _as("image", "comma-separated images to compare, each run at every size (default "
                         "fleetbox/paddle:<variant>)"),
            "variant", "script", "args", "iface", "ib_hca", "gpus_per_node", "port", "env", "mount",

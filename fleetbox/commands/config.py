@@ -10,6 +10,8 @@ wins; within one file, the task's section, then the backend's, then [job]. The c
 
 from __future__ import annotations
 
+import re
+import shlex
 from dataclasses import dataclass
 
 from fleetbox import options, settings
@@ -29,16 +31,18 @@ class FromFile:
     where: str      # FILE:LINE
 
     def named_in(self, message: str) -> bool:
-        """A refusal names this value: by its flag, or the value itself (`unknown runtime 'singularity'`)."""
-        return self.option.flag in message or isinstance(self.value, str) and f"'{self.value}'" in message
+        """A refusal names this value: by its flag (a whole one: not --time in --timeout), or the value itself
+        (`unknown runtime 'singularity'`)."""
+        return bool(re.search(rf"{re.escape(self.option.flag)}(?![\w-])", message)) or \
+            isinstance(self.value, str) and f"'{self.value}'" in message
 
     def said(self) -> str:
-        shown = ("" if self.value else "false") if isinstance(self.value, bool) else f" {self.value}"
-        return f"{self.option.flag}{shown} ({self.where})"
+        return f"{self.option.flag}{'' if self.value is True else ' ' + shlex.quote(str(self.value))} ({self.where})"
 
 
 def key(name: str) -> str:
-    return name.replace("_", "-")
+    """An option's key in a site file: its flag without the dashes (`from_`: from)."""
+    return name.rstrip("_").replace("_", "-")
 
 
 def job_options() -> dict[str, Option]:
@@ -46,22 +50,30 @@ def job_options() -> dict[str, Option]:
     return {key(o.name): o for o in (*spec_mod.JOB_OPTIONS, *spec_mod.TASK_OPTIONS, backends.BACKEND)}
 
 
-def check(f: settings.SiteFile, tasks: dict[str, dict[str, Option]]) -> None:
+def check(f: settings.SiteFile, tasks: dict[str, dict[str, Option]], task: str = "") -> None:
     """Every section and key of the file is one fleetbox has: else one line naming the file and line, with the
-    nearest name."""
+    nearest name. For a `task`, another task's section goes unread (its own run, or `config`, checks it): a slip
+    there does not stop `cancel`."""
     def refuse(section: str, name: str, known, what: str) -> None:
         guess = options.nearest(name, known)
         raise UserError(f"{f.where(section, name)}: {what} {name!r}" + (f"; did you mean {guess}?" if guess else ""))
 
     for section, body in f.data.items():
+        if not isinstance(body, dict):   # a key outside any section
+            raise UserError(f"{f.where('', section)}: {section} is outside any section: put it under [job], "
+                            f"[backends.<name>] or a task's section")
         if section == BACKENDS_SECTION:
             for b, table in body.items():
                 if b not in backends.BACKENDS:
-                    refuse(section, b, backends.BACKENDS, "[backends] has no backend")
+                    guess = options.nearest(b, backends.BACKENDS)
+                    raise UserError(f"{f.where(f'{section}.{b}')}: no backend {b!r}" +
+                                    (f"; did you mean [backends.{guess}]?" if guess else ""))
                 own = {key(o.name) for o in backends.BACKENDS[b].options}
                 for k in _table(f, f"{section}.{b}", table):
                     if k not in own:
                         refuse(f"{section}.{b}", k, own, f"the {b} backend has no option")
+            continue
+        if task and section in tasks and section != task:
             continue
         known = (set(settings.PATHS) if section == PATHS_SECTION else set(job_options()) if section == JOB_SECTION
                  else {key(n) for n in tasks.get(section, {})})
@@ -76,21 +88,24 @@ def check(f: settings.SiteFile, tasks: dict[str, dict[str, Option]]) -> None:
 
 def _table(f: settings.SiteFile, section: str, body) -> dict:
     if not isinstance(body, dict):
-        raise UserError(f"{f.path}: {section} must be a [section] of keys")
+        raise UserError(f"{f.where(section)}: [{section}] must be a section of keys")
     return body
 
 
 def as_given(o: Option, value, where: str):
     """A file's value as the command line would give it, checked as the option checks a given one."""
     kind = o.kind
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"{where}: {key(o.name)} takes true or false (got {value!r})")
-        return value
-    if kind is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        value = ",".join(value)
-    elif kind is dict and isinstance(value, dict):
-        value = ",".join(f"{k}={v}" for k, v in value.items())
+    if kind is bool:   # the command line could not turn it off again: flags are the command line's
+        raise UserError(f"{where}: {key(o.name)} is a flag, which a file may not set (the command line could not "
+                        f"turn it off again): give {o.flag} where you want it")
+    words = value if kind is tuple and isinstance(value, list) else \
+        [f"{k}={v}" if isinstance(v, str) else None for k, v in value.items()] if kind is dict and \
+        isinstance(value, dict) else None
+    if words is not None:   # a TOML array or table: the command line's comma-separated words
+        if not all(isinstance(w, str) and "," not in w for w in words):
+            raise UserError(f"{where}: {key(o.name)}'s items are strings without commas (the command line "
+                            f"separates them with commas; got {value!r})")
+        value = ",".join(words)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         value = value if kind is int else str(value)
     if not isinstance(value, (str, int)) or isinstance(value, bool):
@@ -100,7 +115,8 @@ def as_given(o: Option, value, where: str):
         o.parse(value)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
-    return value
+    return int(value) if isinstance(o.default, int) else str(value)   # as invoke gives it: a number where the
+    #                                                                   task's default is one, else the words
 
 
 def defaults(task: str, params: dict[str, Option], values: dict, given: set[str],
@@ -109,7 +125,7 @@ def defaults(task: str, params: dict[str, Option], values: dict, given: set[str]
     values as given), by name. The backend comes first: its section counts only where it is the job's."""
     files = settings.site_files()
     for f in files:
-        check(f, tasks)
+        check(f, tasks, task)
 
     def first(name: str, backend: str = "") -> FromFile | None:
         for f in files:

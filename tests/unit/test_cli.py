@@ -320,6 +320,9 @@ def test_the_fleetbox_command_runs_the_tasks_from_a_folder_outside_the_checkout(
     (("train", "--colour"), "train has no option --colour (`fleetbox --help train` lists them)"),
     (("board",), "board needs JOB: `fleetbox board JOB`"),
     (("train", "--nodes"), "--nodes needs a value"),
+    (("board", "--port"), "--port needs a value"),
+    (("train", "--detach", "false"), "train's flags take no value ('false'): give the flag where you want it, leave "
+                                     "it out where not"),
     (("trian",), "no task 'trian'; did you mean train? (base, board, build, cache, cancel, clean, config, docs, "
                  "doctor, export, jobs, kit, lock, logs, pull-cmd, push, report, scale, train, up, venv, verify, "
                  "wheels)"),

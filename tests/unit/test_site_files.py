@@ -98,7 +98,14 @@ def test_the_project_file_beats_the_users_and_the_variable_beats_both(project, m
     (("[train]", "[trian]"), "fleetbox.toml:16: no section [trian] in fleetbox's files; did you mean [train]?"),
     (("nodes = 2", "nodes = 0"), "fleetbox.toml:17: --nodes must be at least 1 (got 0)"),
     (("nodes = 2", 'nodes = "two"'), "fleetbox.toml:17: --nodes takes a whole number (got 'two')"),
-    (("[job]", "[job]\ndebug = \"yes\""), "fleetbox.toml:5: debug takes true or false (got 'yes')"),
+    (("[job]", "[job]\ndebug = true"), "fleetbox.toml:5: debug is a flag, which a file may not set (the command "
+                                      "line could not turn it off again): give --debug where you want it"),
+    (("[job]", "[job]\nenv = {A = \"1,2\"}"), "fleetbox.toml:5: env's items are strings without commas"),
+    (("[job]", "[job]\nenv = {A = true}"), "fleetbox.toml:5: env's items are strings without commas"),
+    (("[job]", "[jb]"), "fleetbox.toml:4: no section [jb] in fleetbox's files; did you mean [job]?"),
+    (("[backends.kubernetes]", "[backends.kubernets]"), "fleetbox.toml:13: no backend 'kubernets'; did you mean "
+                                                        "[backends.kubernetes]?"),
+    (("[paths]", "nodes = 3\n[paths]"), "fleetbox.toml:1: nodes is outside any section"),
     (('runs = "my-runs"', "runs = 3"), "fleetbox.toml:2: [paths] runs must be a folder's path, as a string"),
     (('runtime = "podman"', 'runtime = "singularty"'), "unknown runtime 'singularty'; choose one of: "),
     (('"my-runs"', '"my-runs'), "fleetbox.toml: not TOML that fleetbox can read: "),
@@ -130,3 +137,34 @@ def test_the_guides_example_file_is_one_fleetbox_reads_as_the_guide_says(tmp_pat
         "2", "gpu", "proj123", "24:00:00", "4"]
     assert sbatch(p.stdout, "output").startswith(f"{tmp_path}/runs/train-")   # [paths] runs, beside the file
     assert "--variant cu126 (" in p.stdout.splitlines()[0]
+
+
+def test_a_studys_lists_and_numbers_from_the_files_are_taken_as_its_command_line_would_take_them(project):
+    """scale's --nodes and --procs-per-node are comma-separated lists: [job]'s number 4 and [scale]'s "1,2" (a
+    traceback, then a refusal, before)."""
+    site = project / "proj" / "fleetbox.toml"
+    site.write_text(site.read_text() + '\n[scale]\nnodes = "1,2"\nprocs-per-node = 1\nimage = "fleetbox/paddle:cpu"\n')
+    p = fleetbox(project, "scale", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert [ln.split(" (job ")[0] for ln in p.stdout.splitlines() if ln.startswith("# scale: run")] == [
+        "# scale: run 1/2: fleetbox/paddle:cpu, 1 node(s) x 1 process(es)",
+        "# scale: run 2/2: fleetbox/paddle:cpu, 2 node(s) x 1 process(es)"]
+
+
+def test_what_the_command_line_gives_after_a_double_dash_or_for_another_task_is_not_this_tasks(project):
+    site = project / "proj" / "fleetbox.toml"
+    site.write_text(site.read_text() + 'args = "--epochs 1"\n[cache]\nfrom = "seed.tar"\n')   # [cache]'s from_
+    p = fleetbox(project, "train", "--dry-run", "--", "--lr", "0.1")
+    assert p.returncode == 0, p.stderr
+    assert "--args" not in p.stdout.splitlines()[0] and "/workspace/smoke.py --lr 0.1 &\n" in p.stdout
+
+
+def test_a_project_file_another_user_owns_is_not_read(project):
+    """As git trusts a repository: someone's /tmp/fleetbox.toml must not choose your engines, mounts or image."""
+    import os
+    site = project / "proj" / "fleetbox.toml"
+    os.chown(site, 12345, 12345)
+    p = fleetbox(project, "config")
+    assert p.returncode == 0 and p.stdout.startswith("project file: none"), p.stdout
+    os.chown(site, os.getuid(), os.getgid())
+    assert fleetbox(project, "config").stdout.startswith(f"project file: {site}")
