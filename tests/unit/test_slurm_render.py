@@ -583,11 +583,41 @@ def test_the_env_is_checked_for_every_node_before_anything_is_submitted(tmp_path
     assert _none(tmp_path, venv=str(tmp_path / "envs" / "{node_ip}")).plan(spec)
 
 
-@pytest.mark.parametrize("kw", [{"venv": "/x"}, {"modules": "dtk/24.04"}])
-def test_venv_and_modules_are_for_runtime_none(kw):
-    with pytest.raises(UserError, match=r"^--venv and --modules are for --runtime none \(no container\); runtime "
-                                        r"podman runs an image$"):
-        slurm.SlurmBackend("podman", **kw)
+def test_venv_is_for_runtime_none_and_modules_for_every_runtime_srun_does_not_start():
+    with pytest.raises(UserError, match=r"^--venv is for --runtime none \(no container\); runtime podman runs an "
+                                        r"image$"):
+        slurm.SlurmBackend("podman", venv="/x")
+    with pytest.raises(UserError, match=r"^--modules: pyxis starts the container from srun itself"):
+        slurm.SlurmBackend("pyxis", modules="enroot")
+
+
+@pytest.mark.parametrize("runtime", ["apptainer", "singularity", "podman", "charliecloud"])
+def test_a_runtime_from_a_module_is_loaded_before_the_node_looks_for_it(runtime, tmp_path, stubs, monkeypatch):
+    """node.sh run as node 1 with the runtime only where its module puts it (a module system whose `module load`
+    adds that folder to PATH, as Lmod's does): it starts the container. Without the module system it stops first,
+    in one line of the node's log."""
+    monkeypatch.setenv("FLEETBOX_RUNS", str(tmp_path / "runs"))
+    from tests.unit.conftest import run_node
+    tool = {"charliecloud": "ch-run"}.get(runtime, runtime)
+    site, home = tmp_path / "site", tmp_path / "modules"
+    site.mkdir()
+    (stubs / tool).rename(site / tool)
+    (home / "init").mkdir(parents=True)
+    (home / "init" / "bash").write_text(f'module() {{ [ "$1" = load ] && export PATH="{site}:$PATH" '
+                                        'LOADEDMODULES="${LOADEDMODULES:+$LOADEDMODULES:}$2"; }\n')
+    spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555,
+                            image=given_image(runtime, tmp_path))
+    node = dict(slurm.SlurmBackend(runtime, modules=f"{runtime}/1.3").plan(spec).files)["node.sh"]
+    node = node.replace("/usr/share/lmod/lmod/init/bash /usr/share/modules/init/bash", "").replace(
+        "/etc/profile.d/lmod.sh /etc/profile.d/modules.sh", "")   # this host's own module system, if any: hidden
+    proc, calls = run_node(node, stubs, tmp_path, {"MODULESHOME": str(home)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"modules loaded: {runtime}/1.3" in proc.stdout and [c["tool"] for c in calls][-1:] == [tool]
+    proc, calls = run_node(node, stubs, tmp_path, {"MODULESHOME": str(tmp_path / "nowhere")})
+    assert proc.returncode == 4 and calls == []
+    assert proc.stdout.splitlines()[-1] == (f"fleetbox: node 1 on {os.uname().nodename}: no `module` command "
+                                            f"(neither Lmod nor Environment Modules is set up here) to load: "
+                                            f"{runtime}/1.3")
 
 
 def test_with_no_container_a_missing_env_or_module_system_is_one_line_in_the_nodes_log(tmp_path, stubs, monkeypatch):
@@ -598,8 +628,11 @@ def test_with_no_container_a_missing_env_or_module_system_is_one_line_in_the_nod
     spec = spec_mod.JobSpec(variant=matrix.load().get("cpu"), job_id="train-t-1", port=29555)
     node = dict(_none(tmp_path, venv=str(env), modules="dtk/24.04").plan(spec).files)["node.sh"]
     (env / "fleetbox-env.json").unlink()
-    proc, calls = run_node(node, stubs, tmp_path)
-    assert proc.returncode == 3 and calls == []
+    (tmp_path / "modules" / "init").mkdir(parents=True)   # a module system that loads it
+    (tmp_path / "modules" / "init" / "bash").write_text('module() { export LOADEDMODULES="$2"; }\n')
+    proc, calls = run_node(node.replace("/usr/share/lmod/lmod/init/bash /usr/share/modules/init/bash", ""),
+                           stubs, tmp_path, {"MODULESHOME": str(tmp_path / "modules")})
+    assert proc.returncode == 3 and calls == [], proc.stdout
     assert proc.stdout.splitlines()[-1] == (f"fleetbox: image missing {env} is not an env made by invoke venv on "
                                             f"{os.uname().nodename} (no fleetbox-env.json)")
     fake_env(env, python=stubs / "python")

@@ -8,6 +8,7 @@ hold placeholders that the node script fills from shell variables; `Raw` words a
 
 from __future__ import annotations
 
+import copy
 import getpass
 import json
 import os
@@ -48,6 +49,7 @@ class Runtime:
     unverified_env = ""           # characters we cannot show this runtime keeps in an --env value
     sets_shm = False              # --shm-size reaches the container (else it has the node's own /dev/shm)
     node_script_inside = False    # srun starts the container, and node.sh runs in it (Pyxis), not on the node
+    modules: tuple[str, ...] = ()   # environment modules each node loads first (--modules), e.g. the runtime's own
 
     # -- what the runtime can carry --
 
@@ -98,8 +100,8 @@ class Runtime:
 
     def setup(self, n: NodeRun) -> list:
         """Node-script lines before the image is identified: word lists (user values, placeholders filled on
-        the node) or our own Raw shell."""
-        return []
+        the node) or our own Raw shell. The site's modules first."""
+        return [["set", "--", *self.modules], template("modules.sh")] if self.modules else []
 
     # -- the devices Slurm allocated --
 
@@ -557,10 +559,8 @@ class Host(Runtime):
 
     def setup(self, n):
         work = next(m.src for m in n.mounts if m.dst == WORKDIR)
-        out = [["export", f"FLEETBOX_VENV={self.venv}"]]
-        if self.modules:
-            out.append(["set", "--", *self.modules])   # the modules, as the template's "$@"
-        return out + [template("host_env.sh", RECORD=ENV_RECORD, LIBRARIES=settings.ENV_LIBRARIES), ["cd", work]]
+        return [*super().setup(n), ["export", f"FLEETBOX_VENV={self.venv}"],
+                template("host_env.sh", RECORD=ENV_RECORD, LIBRARIES=settings.ENV_LIBRARIES), ["cd", work]]
 
     def identify(self, image):
         return template("identify_env.sh", RECORD=ENV_RECORD)
@@ -628,11 +628,17 @@ RUNTIMES = {r.name: r for r in (Apptainer(), Singularity(), Pyxis(), Charlieclou
 
 
 def get(name: str, venv: str = "", modules: tuple[str, ...] = ()) -> Runtime:
+    """The runtime, loading `modules` first on each node."""
     if name not in RUNTIMES:
         raise UserError(f"unknown runtime {name!r}; choose one of: {', '.join(RUNTIMES)}")
     if name == Host.name:
         return Host(venv, modules)
-    return RUNTIMES[name]
+    if modules and RUNTIMES[name].node_script_inside:
+        raise UserError(f"--modules: {name} starts the container from srun itself, before anything runs on the "
+                        f"node; load what it needs before submitting")
+    rt = copy.copy(RUNTIMES[name])
+    rt.modules = tuple(modules)
+    return rt
 
 
 def pull_commands(runtime: str, content_ref: str | None, alias_ref: str, out_name: str,

@@ -243,10 +243,11 @@ class SlurmBackend(Backend):
                           "docker (default), or none: no container, the env given with --venv", "docker"),
         Option("venv", "with --runtime none: an env made by `invoke venv`, on a file system every node sees "
                        "(placeholders such as {node} allowed)", ""),
-        Option("modules", "with --runtime none: environment modules each node loads first (Lmod or Environment "
-                          "Modules), e.g. \"compiler/dtk/24.04.1\"", ""),
+        Option("modules", "with --backend slurm: environment modules each node loads first (Lmod or Environment "
+                          "Modules), e.g. \"compiler/dtk/24.04.1\", or the runtime's own (\"apptainer/1.3\"; not "
+                          "pyxis, which srun starts)", ""),
         Option("partition", "with --backend slurm: the partition (-p)", ""),
-        Option("time", f"with --backend slurm: the time limit, in Slurm's own forms: {TIME_FORMS}", ""),
+        Option("time", f"with --backend slurm: the time limit: {TIME_FORMS}", ""),
         Option("account", "with --backend slurm: the account (-A)", ""),
         Option("runtime_args", "with --backend slurm: extra options for the runtime, e.g. "
                                "\"--ulimit nproc=32768:32768\"", ""),
@@ -276,9 +277,9 @@ class SlurmBackend(Backend):
             module_list = tuple(shlex.split(modules or ""))
         except ValueError as e:
             raise UserError(f"--modules cannot be split into words: {e}") from None
-        if (venv or module_list) and runtime != runtimes.Host.name:
-            raise UserError(f"--venv and --modules are for --runtime {runtimes.Host.name} (no container); "
-                            f"runtime {runtime} runs an image")
+        if venv and runtime != runtimes.Host.name:
+            raise UserError(f"--venv is for --runtime {runtimes.Host.name} (no container); runtime {runtime} runs "
+                            f"an image")
         self.runtime = runtimes.get(runtime, venv or "", module_list)
         rt = self.runtime
         if not 1 <= signal_grace <= 65535:   # Slurm's --signal takes at most 65535 s
