@@ -149,7 +149,10 @@ def _docker_archive(img, image: str, out: Path, log) -> Path:
 
 def registry_refs(variant: Variant, registry: str, content_tag: str | None) -> list[str]:
     """HOST[:PORT]/NAMESPACE/paddle:<tag> for the content tag (when known) and every alias."""
-    if not registry or "/" not in registry.strip("/"):
+    if not registry:
+        raise UserError("--registry is missing: give the HOST[:PORT]/NAMESPACE the image was pushed to (`invoke "
+                        "push --registry`)")
+    if "/" not in registry.strip("/"):
         raise UserError(f"--registry must be HOST[:PORT]/NAMESPACE (got {registry!r})")
     base = registry.rstrip("/") + "/" + variant.image.split("/")[-1]
     tags = [content_tag.split(":", 1)[1]] if content_tag else []

@@ -244,6 +244,8 @@ def test_registry_refs_and_pull_commands():
                     "reg.example:5000/team/paddle:3.3.1-cpu-py311"]
     with pytest.raises(UserError, match="HOST\\[:PORT\\]/NAMESPACE"):
         hpc.registry_refs(v, "reg.example", "x:y")
+    with pytest.raises(UserError, match="^--registry is missing: give the HOST"):   # as a guide once left it out
+        hpc.registry_refs(v, "", "x:y")
     ref = refs[0]
     def pull(rt, **kw):   # the content tag's commands
         lines = runtimes.pull_commands(rt, refs[0], refs[1], "p", **kw)
