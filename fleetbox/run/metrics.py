@@ -28,16 +28,27 @@ def node_files(job_dir: Path, pattern: str) -> list[tuple[int, int, Path]]:
     return JobFolder.at(job_dir).node_files(pattern)
 
 
-def parse(line: str) -> dict | None:
+class Record(dict):
+    """A metrics record, with its JSON as the rank printed it: the gather writes that again rather than encode the
+    record anew (a long job has a million)."""
+    __slots__ = ("text",)
+
+
+def parse(line: str) -> Record | None:
     """A worker log line's metrics record, or None (another line, one cut short by a killed worker, a malformed
     one)."""
     if not line.startswith(PREFIX):
         return None
+    text = line[len(PREFIX):].strip()
     try:
-        rec = json.loads(line[len(PREFIX):])
+        rec = json.loads(text)
     except ValueError:
         return None
-    return rec if well_formed(rec) else None
+    if not well_formed(rec):
+        return None
+    out = Record(rec)
+    out.text = text
+    return out
 
 
 def read(job_dir: Path) -> list[dict]:
@@ -45,9 +56,11 @@ def read(job_dir: Path) -> list[dict]:
     order."""
     out = []
     for attempt, node, log in worker_logs(job_dir):
-        for line in log.read_text(errors="replace").splitlines():
-            if (rec := parse(line)) is not None:
-                out.append({**rec, "node": node, "attempt": attempt})
+        with open(log, errors="replace") as f:   # a line at a time: a week's log is not held whole
+            for line in f:
+                if (rec := parse(line.rstrip("\n"))) is not None:
+                    rec["node"], rec["attempt"] = node, attempt
+                    out.append(rec)
     out.sort(key=lambda r: (r["attempt"], r["time"]))
     return out
 
@@ -56,17 +69,38 @@ def read(job_dir: Path) -> list[dict]:
 NUMBERS = ("loss", "samples_per_s", "comm_seconds", "own_seconds", "samples", "seconds")
 
 
+INT64 = (-2**63, 2**63)
+
+
+def number(x) -> bool:
+    """A JSON number a float holds (NaN passes: a loss that went NaN is worth seeing); not a bool."""
+    if type(x) is float:
+        return True
+    if type(x) is not int:
+        return False
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
+
+
 def well_formed(rec) -> bool:
     """A metrics record the report can use: whole rank and step (int64, as VisualDL keeps them), a finite time, and
-    numbers where it gives numbers (a script's malformed line is left out, never a traceback after the job)."""
-    def number(x):   # NaN passes (a loss that went NaN is worth seeing); a number no float holds does not
-        try:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and (float(x) or True)
-        except OverflowError:
+    numbers where it gives numbers (a script's malformed line is left out, never a traceback after the job). Once
+    for every line of a long job: plain tests, no generators."""
+    if type(rec) is not dict:
+        return False
+    rank, step, t = rec.get("rank"), rec.get("step"), rec.get("time")
+    if type(rank) is not int or type(step) is not int or not (INT64[0] <= rank < INT64[1] and
+                                                               INT64[0] <= step < INT64[1]):
+        return False
+    if not number(t) or not math.isfinite(t):
+        return False
+    for k in NUMBERS:
+        if k in rec and not number(rec[k]):
             return False
-    return isinstance(rec, dict) and all(isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool)
-                                         and -2**63 <= rec[k] < 2**63 for k in ("rank", "step")) \
-        and number(rec.get("time")) and math.isfinite(rec["time"]) and all(number(rec[k]) for k in NUMBERS if k in rec)
+    return True
 
 
 def collect(job_dir: Path, recs: list[dict] | None = None) -> Path | None:
@@ -75,4 +109,9 @@ def collect(job_dir: Path, recs: list[dict] | None = None) -> Path | None:
     recs = read(job_dir) if recs is None else recs
     if not recs:
         return None
-    return files.write_atomic(job_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
+    with files.atomic(job_dir / "metrics.jsonl") as part, open(part, "w") as f:
+        for r in recs:   # a line at a time: never the whole file in memory
+            text = getattr(r, "text", None)   # the rank's own object (never empty: it has a rank), ours added
+            f.write(f'{text[:-1]}, "node": {r["node"]}, "attempt": {r["attempt"]}}}\n' if text else
+                    json.dumps(r) + "\n")
+    return job_dir / "metrics.jsonl"

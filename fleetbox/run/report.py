@@ -38,6 +38,21 @@ def rate_lines(recs: list[dict], t0: float) -> dict[int, list[list[tuple[float, 
     return dict(out)
 
 
+def node_rates(recs: list[dict], t0: float) -> dict[int, list[tuple[float, float]]]:
+    """Each node's samples/s at each step (its ranks added up), against one time per step for every node (the
+    nodes' median seconds since t0), so that the nodes' rates at a step fall on one x."""
+    by = defaultdict(lambda: defaultdict(list))   # (attempt, step): node: [(time, samples/s)]
+    for r in recs:
+        if "samples_per_s" in r:
+            by[(r["attempt"], r["step"])][r["node"]].append((r["time"], r["samples_per_s"]))
+    out = defaultdict(list)
+    for _, nodes in sorted(by.items()):
+        x = statistics.median(max(t for t, _ in v) for v in nodes.values()) - t0
+        for node, v in nodes.items():
+            out[node].append((x, sum(s for _, s in v)))
+    return dict(sorted(out.items()))
+
+
 def job_start(job_dir: Path, job: dict) -> float | None:
     """When the job's last attempt began, as its folder says."""
     return JobFolder.at(job_dir).starts(job)[1]
@@ -62,12 +77,13 @@ def throughput(recs: list[dict]) -> dict:
 def timing(recs: list[dict]) -> dict:
     """Mean seconds per step over every rank's steps, and the share of it the script spent communicating (its
     `comm_seconds` metric; None when it does not report one)."""
-    timed = [r for r in recs if "seconds" in r]
-    total = sum(r["seconds"] for r in timed)
-    comm = [r for r in timed if "comm_seconds" in r]
-    return {"step_seconds": total / len(timed) if timed else None,
-            "comm_share": sum(r["comm_seconds"] for r in comm) / sum(r["seconds"] for r in comm)
-            if comm and sum(r["seconds"] for r in comm) > 0 else None}
+    n = total = comm = comm_of = 0.0
+    for r in recs:   # one pass
+        if "seconds" in r:
+            n, total = n + 1, total + r["seconds"]
+            if "comm_seconds" in r:
+                comm, comm_of = comm + r["comm_seconds"], comm_of + r["seconds"]
+    return {"step_seconds": total / n if n else None, "comm_share": comm / comm_of if comm_of > 0 else None}
 
 
 def straggling(recs: list[dict]) -> dict:
@@ -81,19 +97,101 @@ def straggling(recs: list[dict]) -> dict:
     return {"own": medians, "stragglers": hang.stragglers(medians)}
 
 
+SMALL = 8   # up to this many ranks (or nodes), every one drawn and named; beyond, a band and the ranks outside it
+NAMED = 8   # at most this many ranks named in one line of report.md, then how many more
+
+
+def by_rank(recs: list[dict]) -> dict[int, list[dict]]:
+    """Each rank's records, in the order given: the one pass every per-rank figure reads."""
+    out = defaultdict(list)
+    for r in recs:
+        out[r["rank"]].append(r)
+    return dict(sorted(out.items()))
+
+
+def some(items: list[str]) -> str:
+    """At most NAMED of them, then how many more: a line a person reads at any size."""
+    return ", ".join(items[:NAMED]) + (f" and {len(items) - NAMED} more" if len(items) > NAMED else "")
+
+
+def outliers(values: dict[int, float]) -> list[int]:
+    """The ranks whose value is far outside the others' (Tukey's fences: 3 interquartile ranges beyond the
+    quartiles, and more than 1% of the median away, so identical ranks with a rounding's difference are not)."""
+    finite = sorted(v for v in values.values() if math.isfinite(v))
+    if len(finite) < 4:
+        return []
+    q1, _, q3 = statistics.quantiles(finite, n=4)
+    mid, reach = statistics.median(finite), 3 * (q3 - q1)
+    return sorted(k for k, v in values.items()
+                  if not math.isfinite(v) or abs(v - mid) > 0.01 * abs(mid) and not q1 - reach <= v <= q3 + reach)
+
+
+def band(points: dict[int, list[tuple[float, float]]], leave_out=()) -> list[tuple[float, float, float, float]]:
+    """(x, median, min, max) over the series at each x, those in `leave_out` left out."""
+    at = defaultdict(list)
+    for k, pts in points.items():
+        if k not in leave_out:
+            for x, y in pts:
+                at[x].append(y)
+    return [(x, statistics.median(ys), min(ys), max(ys)) for x, ys in sorted(at.items())]
+
+
+def draw_band(ax, points: dict[int, list[tuple[float, float]]], named: list[int], what: str, fmt: str = "-",
+              **kw) -> None:
+    """The series as a band (their median, their range) with each of `named` drawn on its own."""
+    b = band(points, named)
+    if b:
+        ax.fill_between([x for x, *_ in b], [lo for *_, lo, _ in b], [hi for *_, hi in b], alpha=0.25, lw=0,
+                        label=f"range of {len(points) - len(named)} {what}s")
+        ax.plot([x for x, *_ in b], [m for _, m, *_ in b], fmt, lw=1, label=f"median of {len(points) - len(named)} "
+                                                                             f"{what}s", **kw)
+    for k in named:
+        ax.plot([x for x, _ in points[k]], [y for _, y in points[k]], fmt, lw=1, label=f"{what} {k}", **kw)
+
+
 def straggler_text(s: dict, ppn: int) -> str:
     if not s["own"]:
         return "unknown (the script reports no own time per step: fleetbox_metrics' Meter gives it from " \
                "comm_seconds, or log own_seconds)"
     if not s["stragglers"]:
+        if len(s["own"]) > SMALL:
+            ms = sorted(1000 * t for t in s["own"].values())
+            return (f"none (own work per step: median {statistics.median(ms):.1f} ms over {len(ms)} ranks, "
+                    f"{ms[0]:.1f} to {ms[-1]:.1f} ms)")
         return "none (own work per step: " + ", ".join(f"rank {k} {1000 * t:.1f} ms" for k, t in s["own"].items()) + ")"
-    return "; ".join(f"node{k // ppn} (rank {k}): {1000 * s['own'][k]:.1f} ms a step of its own work against "
-                     f"{1000 * m:.1f} ms for the other ranks" + (f" ({s['own'][k] / m:.1f}x)" if m > 0 else "")
-                     for k, m in s["stragglers"].items())
+    return some([f"node{k // ppn} (rank {k}): {1000 * s['own'][k]:.1f} ms a step of its own work against "
+                 f"{1000 * m:.1f} ms for the other ranks" + (f" ({s['own'][k] / m:.1f}x)" if m > 0 else "")
+                 for k, m in s["stragglers"].items()]).replace(", node", "; node")
+
+
+def final_loss_text(final: dict[int, tuple[int, float]], odd: list[int]) -> str:
+    """Each rank's last loss; beyond SMALL ranks, their median and range and the ranks outside it."""
+    if len(final) <= SMALL:
+        return ", ".join(f"rank {k} {v:.4f} (step {s})" for k, (s, v) in sorted(final.items())) or "none"
+    usual = sorted(v for k, (_, v) in final.items() if k not in odd)
+    steps = sorted({s for s, _ in final.values()})
+    at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
+    return (f"median {statistics.median(usual):.4f} over {len(usual)} ranks ({usual[0]:.4f} to {usual[-1]:.4f}, "
+            f"{at})" + (f"; outside it: {some([f'rank {k} {final[k][1]:.4f}' for k in odd])}" if odd else ""))
+
+
+def steps_text(ranks: dict[int, list[dict]]) -> str:
+    """How many steps each rank logged and its last: one figure where every rank has the same, else each
+    different count with its ranks."""
+    counts = {k: (len(rs), max(r["step"] for r in rs)) for k, rs in ranks.items()}
+    if len(counts) <= SMALL:
+        return ", ".join(f"rank {k} {n} (last {last})" for k, (n, last) in counts.items())
+    groups = defaultdict(list)
+    for k, c in counts.items():
+        groups[c].append(k)
+    (usual, most), *others = sorted(groups.items(), key=lambda g: -len(g[1]))
+    return (f"{usual[0]} (last {usual[1]}) for {'all ' if not others else ''}{len(most)} ranks"
+            + "".join(f"; {n} (last {last}): {some([f'rank {k}' for k in ks])}" for (n, last), ks in others))
 
 
 def draw(job_dir: Path) -> dict:
-    """Write report.png and report.md for the job; returns what was drawn and what was missing."""
+    """Write report.png and report.md for the job; returns what was drawn and what was missing. The records are
+    grouped once; beyond SMALL ranks (nodes) the figures are bands with the ranks outside them drawn and named."""
     import matplotlib  # noqa: PLC0415 (deferred: matplotlib takes a second to load; only drawing needs it)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415 (deferred: matplotlib takes a second to load; only drawing needs it)
@@ -111,35 +209,49 @@ def draw(job_dir: Path) -> dict:
     last = max((r["attempt"] for r in recs), default=0)
     start = job_start(job_dir, job)
     nranks = job.get("nodes", 0) * job.get("procs_per_node", 1)
-    seen = {r["rank"] for r in recs}
+    ranks = by_rank(recs)
     for k in range(nranks):
-        if k not in seen:
+        if k not in ranks:
             missing.append(f"rank {k} printed no metrics")
+    lines_last = [r for r in recs if r["attempt"] == last]
+    ranks_last = by_rank(lines_last)
+    final = {k: max(((r["step"], r["loss"]) for r in rs if "loss" in r), default=None, key=lambda p: p[0])
+             for k, rs in ranks_last.items()}
+    final = {k: v for k, v in final.items() if v is not None}
+    odd = outliers({k: v for k, (_, v) in final.items()}) if len(final) > SMALL else []
 
     fig, (ax_loss, ax_rate, ax_own) = plt.subplots(3, 1, figsize=(9, 11))
-    by_rank = defaultdict(list)
-    for r in recs:
-        if "loss" in r:
-            by_rank[r["rank"]].append((r["step"], r["loss"]))
-    for k, pts in sorted(by_rank.items()):
-        ax_loss.plot([s for s, _ in pts], [v for _, v in pts], ".-", ms=2, lw=1, label=f"rank {k}")
+    loss = {k: [(r["step"], r["loss"]) for r in rs if "loss" in r] for k, rs in ranks.items()}
+    loss = {k: pts for k, pts in loss.items() if pts}
+    if len(loss) <= SMALL:
+        for k, pts in loss.items():
+            ax_loss.plot([s for s, _ in pts], [v for _, v in pts], ".-", ms=2, lw=1, label=f"rank {k}")
+    else:
+        draw_band(ax_loss, loss, odd, "rank")
     ax_loss.set(xlabel="step", ylabel="loss", title=f"{job_dir.name}: loss by rank")
     began = first_start(job_dir, job)   # the plot's time runs from the job's first start, over every attempt
     t0 = min([r["time"] for r in recs] + ([began] if began is not None else []), default=0.0)
-    for node, lines in sorted(rate_lines(recs, t0).items()):
-        color = None   # the node's one color, over each attempt's own line
-        for pts in lines:
-            (drawn,) = ax_rate.plot([t for t, _ in pts], [x for _, x in pts], lw=1, color=color,
-                                    label=None if color else f"node{node}")
-            color = drawn.get_color()
+    rates = rate_lines(recs, t0)
+    if len(rates) <= SMALL:
+        for node, lines in sorted(rates.items()):
+            color = None   # the node's one color, over each attempt's own line
+            for pts in lines:
+                (drawn,) = ax_rate.plot([t for t, _ in pts], [x for _, x in pts], lw=1, color=color,
+                                        label=None if color else f"node{node}")
+                color = drawn.get_color()
+    else:
+        draw_band(ax_rate, node_rates(recs, t0), [], "node")
     ax_rate.set(xlabel="seconds since the job started" if began is not None else "seconds since the first step",
                 ylabel="samples/s", title="throughput by node")
-    lines_last = [r for r in recs if r["attempt"] == last]
     slow = straggling(lines_last)
-    for k in slow["own"]:
-        pts = [(r["step"], 1000 * r["own_seconds"]) for r in lines_last if r["rank"] == k and "own_seconds" in r]
-        ax_own.plot([s for s, _ in pts], [v for _, v in pts], ".", ms=2, label=f"rank {k}"
-                    + (" (straggler)" if k in slow["stragglers"] else ""))
+    own = {k: [(r["step"], 1000 * r["own_seconds"]) for r in ranks_last[k] if "own_seconds" in r]
+           for k in slow["own"]}
+    if len(own) <= SMALL:
+        for k, pts in own.items():
+            ax_own.plot([s for s, _ in pts], [v for _, v in pts], ".", ms=2, label=f"rank {k}"
+                        + (" (straggler)" if k in slow["stragglers"] else ""))
+    else:
+        draw_band(ax_own, own, sorted(slow["stragglers"])[:NAMED], "rank", fmt=".", ms=2)
     ax_own.set(xlabel="step", ylabel="ms", title="own work per step by rank (not waiting for the others)"
                + (f" (attempt {last})" if last else ""))
     word = backends.attempts_are(job, summary).removesuffix("s")
@@ -164,13 +276,18 @@ def draw(job_dir: Path) -> dict:
     plt.close(fig)
 
     rate, times = throughput(lines_last), timing(lines_last)
-    final = {}
-    for r in lines_last:
-        if "loss" in r and r["step"] >= final.get(r["rank"], (-1, 0))[0]:
-            final[r["rank"]] = (r["step"], r["loss"])
     first_step = min((r["time"] for r in lines_last), default=None)
     ok = summary.get("ok")
     state = "PASSED" if ok else "HUNG" if summary.get("hang") else "FAILED" if summary else "unfinished"
+    per_node = "".join(f"; node{n} {x:.1f}" for n, x in rate["nodes"].items()) if len(rate["nodes"]) <= SMALL \
+        else (lambda xs: f"; per node: median {statistics.median(xs.values()):.1f} over {len(xs)} nodes "
+                         f"(node{min(xs, key=xs.get)} {min(xs.values()):.1f} to node{max(xs, key=xs.get)} "
+                         f"{max(xs.values()):.1f})")(rate["nodes"])
+    plotted = (f"loss of {', '.join(legend) or 'no rank'}" if len(loss) <= SMALL else
+               f"loss: the median and range of {len(loss) - len(odd)} ranks" + (
+                   f", and {some([f'rank {k}' for k in odd])} on their own" if odd else ""))
+    plotted += (f"; samples/s of {', '.join(node_legend) or 'no node'}" if len(rates) <= SMALL else
+                f"; samples/s: the median and range of {len(rates)} nodes")
     md = [f"# {job_dir.name}: {state}", "",
           f"- backend: {job.get('backend', summary.get('backend', '?'))}"
           + (f" ({job['runtime']})" if job.get("runtime") else "")
@@ -181,20 +298,17 @@ def draw(job_dir: Path) -> dict:
           f"- variant: {job.get('variant', '?')}, Paddle {_paddle(job)}",
           "- started: " + (dt.datetime.fromtimestamp(start).isoformat(timespec="seconds") if start else "unknown")
           + (f"; time to first step: {first_step - start:.1f} s" if start and first_step else ""),
-          "- final loss: " + (", ".join(f"rank {k} {v:.4f} (step {s})" for k, (s, v) in sorted(final.items()))
-                                or "none"),
+          "- final loss: " + final_loss_text(final, odd),
           ("- throughput: " + (f"{rate['total']:.1f} samples/s" if rate["ranks"] else
                                 "unknown (the script reported no samples; fleetbox_metrics' Meter counts them)"))
-          + (f" (attempt {last})" if last and rate["ranks"] else "")
-          + "".join(f"; node{n} {x:.1f}" for n, x in rate["nodes"].items()),
+          + (f" (attempt {last})" if last and rate["ranks"] else "") + (per_node if rate["ranks"] else ""),
           "- step time: " + (f"{1000 * times['step_seconds']:.1f} ms (mean over ranks and steps)"
                               if times["step_seconds"] is not None else "unknown")
           + (f", {100 * times['comm_share']:.1f}% in the script's own all-reduce"
              if times["comm_share"] is not None else ""),
           "- stragglers: " + straggler_text(slow, job.get("procs_per_node", 1)),
-          "- steps: " + ", ".join(f"rank {k} {len(mine)} (last {max(mine)})"
-                                  for k in sorted(seen) for mine in [[r["step"] for r in recs if r["rank"] == k]]),
-          f"- plotted: loss of {', '.join(legend) or 'no rank'}; samples/s of {', '.join(node_legend) or 'no node'}"]
+          "- steps: " + steps_text(ranks),
+          f"- plotted: {plotted}"]
     for a in summary.get("attempts", []):
         md.append(f"- attempt {a['attempt']}" + (f" ({a['state']})" if a.get("state") else "") + f": {a['ended']}")
     if summary and not ok:
@@ -206,7 +320,7 @@ def draw(job_dir: Path) -> dict:
     md += ["", "![report](report.png)", ""]
     files.write_atomic(job_dir / "report.md", "\n".join(md))
     return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "node_legend": node_legend,
-            "missing": missing, "throughput": rate, "stragglers": slow["stragglers"], **times}
+            "missing": missing, "throughput": rate, "stragglers": slow["stragglers"], "outliers": odd, **times}
 
 
 def _paddle(job: dict) -> str:

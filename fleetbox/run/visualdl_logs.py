@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import math
 import os
 import re
@@ -61,18 +62,32 @@ class Point:
 
 # -- the format --
 
+_ONE_BYTE = [bytes((n,)) for n in range(128)]   # most varints are a field's key or a short length: looked up
+
+
 def _varint(n: int) -> bytes:
+    if 0 <= n < 128:
+        return _ONE_BYTE[n]
     n &= (1 << 64) - 1   # int64 as protobuf sends it: a negative step is ten bytes, as VisualDL's own writer makes
     out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def _bytes(field: int, data: bytes) -> bytes:
     return _varint(field << 3 | 2) + _varint(len(data)) + data
+
+
+_STEP, _MS, _FLOAT = _varint(1 << 3), _varint(3 << 3), _varint(4 << 3 | 5)   # the keys of a Value's fields
+
+
+@functools.lru_cache(maxsize=4096)
+def _tag_field(tag: str) -> bytes:
+    """A tag's field, once per tag (a long job writes millions of points under a handful of tags)."""
+    return _bytes(2, tag.encode())
 
 
 def _float32(x: float) -> bytes:
@@ -85,8 +100,8 @@ def _float32(x: float) -> bytes:
 def _record(tag: str, step: int, ms: int, one_value: bytes) -> bytes:
     """One record of a vdlrecords file: its length, then Record{values: [Value{step, tag, ms, one_value}]} (a zero
     step or time left out, as protobuf leaves out a field at its default)."""
-    value = (_varint(1 << 3) + _varint(step) if step else b"") + _bytes(2, tag.encode()) \
-        + (_varint(3 << 3) + _varint(ms) if ms else b"") + one_value
+    value = (_STEP + _varint(step) if step else b"") + _tag_field(tag) + (_MS + _varint(ms) if ms else b"") \
+        + one_value
     rec = _bytes(1, value)
     return struct.pack("<Q", len(rec)) + rec
 
@@ -94,7 +109,7 @@ def _record(tag: str, step: int, ms: int, one_value: bytes) -> bytes:
 def record(p: Point) -> bytes:
     if isinstance(p.value, str):
         return _record(p.tag, p.step, p.ms, _bytes(12, _bytes(1, p.value.encode())))   # Text
-    return _record(p.tag, p.step, p.ms, _varint(4 << 3 | 5) + _float32(p.value))       # float value
+    return _record(p.tag, p.step, p.ms, _FLOAT + _float32(p.value))                    # float value
 
 
 def display_name(name: str, ms: int) -> bytes:

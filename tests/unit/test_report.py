@@ -160,3 +160,48 @@ def test_the_throughput_plot_runs_from_the_jobs_first_start_with_a_line_per_atte
     assert [round(seg[0][0], 1) for seg in lines[0]] == [2.0, 13.5]   # from the first start, each attempt apart
     drawn = report.draw(job)
     assert drawn["node_legend"] == ["node0", "node1"]   # one entry a node, not one an attempt
+
+
+class Counted(dict):
+    """A record that counts every read of one of its fields."""
+    reads = 0
+
+    def __getitem__(self, key):
+        Counted.reads += 1
+        return super().__getitem__(key)
+
+
+def reads_per_record(tmp_path, monkeypatch, ranks: int, steps: int = 40) -> float:
+    from fleetbox.run import metrics
+    job = tmp_path / f"train-{ranks}"
+    job.mkdir()
+    (job / "job.json").write_text(json.dumps({"backend": "slurm", "nodes": ranks // 4, "procs_per_node": 4}))
+    recs = [Counted(rank=k, step=s, time=1000.0 + s + 0.001 * k, loss=1.0 / (s + 1) + (0.5 if k == 3 else 0.0),
+                    samples_per_s=100.0, samples=8.0, seconds=0.05, comm_seconds=0.01, own_seconds=0.04,
+                    node=k // 4, attempt=0) for s in range(steps) for k in range(ranks)]
+    monkeypatch.setattr(metrics, "read", lambda job_dir: recs)
+    Counted.reads = 0
+    drawn = report.draw(job)
+    assert drawn["outliers"] == [3], drawn["outliers"]   # the band's own check: rank 3's loss is off the others'
+    return Counted.reads / len(recs)
+
+
+def test_the_report_reads_each_record_a_fixed_number_of_times_at_any_number_of_ranks(tmp_path, monkeypatch):
+    """Every figure from one grouping: the reads per record stay the same from 40 ranks to 160 (both beyond 8 ranks
+    and 8 nodes: the same figures), where they grew with the ranks (256 ranks took 43 s)."""
+    few, many = (reads_per_record(tmp_path, monkeypatch, n) for n in (40, 160))
+    assert many <= 1.1 * few, (few, many)
+
+
+def test_a_large_jobs_report_reads_as_summaries_with_the_ranks_outside_them_named(tmp_path):
+    """Beyond 8 ranks: final loss as median and range with the odd ranks named, steps as one figure, every line
+    short whatever the size."""
+    job = tmp_path / "train-big"
+    write_job(job, ranks=tuple(range(12)))
+    drawn = report.draw(job)
+    text = (job / "report.md").read_text()
+    assert "- steps: 60 (last 59) for all 12 ranks\n" in text
+    assert "- final loss: median 0.0833 over 12 ranks (0.0833 to 0.0833, step 59)\n" in text
+    assert "- throughput: " in text and "; per node: median " in text and "over 12 nodes" in text
+    assert drawn["legend"] == ["range of 12 ranks", "median of 12 ranks"] and not_blank(drawn["png"])
+    assert max(map(len, text.splitlines())) <= 300

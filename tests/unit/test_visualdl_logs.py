@@ -6,9 +6,11 @@ import struct
 
 import pytest
 
-from fleetbox.run import metrics
+from fleetbox.run import backends, metrics
 from fleetbox.run import visualdl_logs as vdl
 from fleetbox.run.visualdl_logs import Point
+
+assert backends.BACKENDS   # every backend's layout registered, as `invoke board` has them: alone, this file had none
 
 # Record.SerializeToString() of VisualDL's own component functions (visualdl/component/base_component.py):
 # scalar('loss', 0.5, 3, 1795796252123), scalar('loss', 1e39, -2, 5), text('events', 'attempt1 began at step 20',
