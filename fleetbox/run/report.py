@@ -231,8 +231,9 @@ def draw(job_dir: Path) -> dict:
     ax_loss.set(xlabel="step", ylabel="loss", title=f"{job_dir.name}: loss by rank")
     began = first_start(job_dir, job)   # the plot's time runs from the job's first start, over every attempt
     t0 = min([r["time"] for r in recs] + ([began] if began is not None else []), default=0.0)
-    rates = rate_lines(recs, t0)
-    if len(rates) <= SMALL:
+    nodes = {rs[0]["node"] for rs in ranks.values()}
+    rates = rate_lines(recs, t0) if len(nodes) <= SMALL else node_rates(recs, t0)
+    if len(nodes) <= SMALL:
         for node, lines in sorted(rates.items()):
             color = None   # the node's one color, over each attempt's own line
             for pts in lines:
@@ -240,7 +241,7 @@ def draw(job_dir: Path) -> dict:
                                         label=None if color else f"node{node}")
                 color = drawn.get_color()
     else:
-        draw_band(ax_rate, node_rates(recs, t0), [], "node")
+        draw_band(ax_rate, rates, [], "node")
     ax_rate.set(xlabel="seconds since the job started" if began is not None else "seconds since the first step",
                 ylabel="samples/s", title="throughput by node")
     slow = straggling(lines_last)
