@@ -39,6 +39,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from fleetbox import files, settings
 from fleetbox.run import hang, metrics, records
@@ -52,8 +53,7 @@ COMPUTED = ("comm_share", "straggler")                 # ours: a script's own sc
 READ_LIMIT = 4 << 20   # bytes of one log per read: a long job's history is caught up over reads, memory bounded
 
 
-@dataclass(frozen=True)
-class Point:
+class Point(NamedTuple):   # a tuple: a long job's board makes millions of them
     tag: str
     step: int
     ms: int                  # wall clock, milliseconds
@@ -84,6 +84,12 @@ def _bytes(field: int, data: bytes) -> bytes:
 _STEP, _MS, _FLOAT = _varint(1 << 3), _varint(3 << 3), _varint(4 << 3 | 5)   # the keys of a Value's fields
 
 
+@functools.lru_cache(maxsize=64)
+def _when(step: int, ms: int) -> tuple[bytes, bytes]:
+    """A Value's step and time fields (a zero one left out), once for the scalars of one line."""
+    return (_STEP + _varint(step) if step else b""), (_MS + _varint(ms) if ms else b"")
+
+
 @functools.lru_cache(maxsize=4096)
 def _tag_field(tag: str) -> bytes:
     """A tag's field, once per tag (a long job writes millions of points under a handful of tags)."""
@@ -100,8 +106,8 @@ def _float32(x: float) -> bytes:
 def _record(tag: str, step: int, ms: int, one_value: bytes) -> bytes:
     """One record of a vdlrecords file: its length, then Record{values: [Value{step, tag, ms, one_value}]} (a zero
     step or time left out, as protobuf leaves out a field at its default)."""
-    value = (_STEP + _varint(step) if step else b"") + _tag_field(tag) + (_MS + _varint(ms) if ms else b"") \
-        + one_value
+    before, after = _when(step, ms)
+    value = before + _tag_field(tag) + after + one_value
     rec = _bytes(1, value)
     return struct.pack("<Q", len(rec)) + rec
 
@@ -133,13 +139,20 @@ def _tag(name: str) -> str | None:
     return None if "%" in name or not name.strip() else GROUP + name
 
 
+@functools.lru_cache(maxsize=4096)
+def _tag_of(name: str) -> str | None:
+    """A metrics line's field as its VisualDL tag; None for the line's place and our own tags (a script's field
+    of one of their names is left out). Once per name."""
+    return None if name in FIXED or name in COMPUTED else _tag(RENAMED.get(name, name))
+
+
 def scalars(rec: dict) -> dict[str, float]:
     """The scalars of one metrics line, by their VisualDL tag (a number no float holds is left out)."""
     out = {}
     for k, v in rec.items():
-        if k in FIXED or k in COMPUTED or any(k == to and src in rec for src, to in RENAMED.items()) \
-                or not _number(v) or (tag := _tag(RENAMED.get(k, k))) is None:
-            continue   # the line's place; our own tags (and the Meter's step time) over a script's of the name
+        if (tag := _tag_of(k)) is None or not _number(v) or \
+                any(k == to and src in rec for src, to in RENAMED.items()):
+            continue   # the Meter's step time over a script's own of the name
         try:
             out[tag] = float(v)
         except OverflowError:
@@ -322,8 +335,9 @@ class JobRuns:
             if a:
                 event(f"{label}/began", Point(EVENTS, rec["step"], ms, f"{label} began at step {rec['step']}"))
             att.last = max(att.last, (rec["step"], ms))
-            for tag, v in scalars(rec).items():
-                add(f"{label}/rank{rec['rank']}", tag, Point(tag, rec["step"], ms, v))
+            series, step = runs.setdefault(f"{self.prefix}/{label}/rank{rec['rank']}", {}), rec["step"]
+            for tag, v in scalars(rec).items():   # a line's run named once, not once a scalar
+                series.setdefault(tag, []).append(Point(tag, step, ms, v))
             own = rec.get("own_seconds")
             if _number(own) and math.isfinite(own) and own >= 0:
                 att.own.setdefault(rec["rank"], []).append((rec["step"], float(own), ms))
