@@ -74,6 +74,12 @@ def nearest(word: str, known) -> str:
     return close[0] if close else ""
 
 
+def spelled(name: str) -> str:
+    """A parameter's name as the command line (and a site file) spells it: `procs_per_node` procs-per-node, and
+    `from_` (a Python keyword's stand-in) from."""
+    return name.rstrip("_").replace("_", "-")
+
+
 def items(value) -> list[str]:
     """A comma-separated list, blanks dropped."""
     return [v.strip() for v in (value or "").split(",") if v.strip()]
@@ -114,7 +120,7 @@ class Option:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + spelled(self.name)
 
     def parse(self, value):
         """A value given on the command line, as its kind; a bad one is one line (a UserError)."""

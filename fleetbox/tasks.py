@@ -21,7 +21,7 @@ from invoke import Collection, Exit
 
 from fleetbox import errors, settings
 from fleetbox.errors import Failed, UserError
-from fleetbox.options import Option
+from fleetbox.options import Option, spelled
 from fleetbox.run import backends
 from fleetbox.run import spec as spec_mod
 
@@ -54,8 +54,8 @@ def _refuse_invokes_own(argv: list[str], fn) -> None:
     import invoke
     words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
     named = next((i for i, w in enumerate(words) if not w.startswith("-")), len(words))
-    params = {n.rstrip("_").replace("_", "-"): p for n, p in list(inspect.signature(fn).parameters.items())[1:]}
-    params |= {o.name.replace("_", "-"): None for _, o in backends.all_options()}
+    params = {spelled(n): p for n, p in list(inspect.signature(fn).parameters.items())[1:]}
+    params |= {spelled(o.name): None for _, o in backends.all_options()}
     invokes = {n for a in invoke.Program().core_args() for n in a.names} - set(params)
     rest, i = words[named + 1:], 0
     while i < len(rest):
@@ -85,7 +85,7 @@ def _site_defaults(fn, args, kwargs) -> tuple[dict, dict]:
     from the files by name). Given: named on this command line, or a value other than the default (a Python
     caller's)."""
     from fleetbox.commands import config
-    name = fn.__name__.rstrip("_").replace("_", "-")
+    name = spelled(fn.__name__)
     bound = inspect.signature(fn).bind(None, *args, **kwargs)
     bound.apply_defaults()
     values = dict(list(bound.arguments.items())[1:])

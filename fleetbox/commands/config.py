@@ -4,8 +4,9 @@ effect and where each value came from.
 
 A file holds `[paths]` (where fleetbox keeps things: settings.PATHS), `[job]` (any option of the tasks that run a
 job), `[backends.<name>]` (that backend's own options, where it is the job's backend) and a section per task
-(`[train]`, `[build]`, ...). Keys are the options' flags without the dashes. The first file that sets a value
-wins; within one file, the task's section, then the backend's, then [job]. The command line beats them all.
+(`[train]`, `[build]`, ...). Keys are the options' flags without the dashes (options.spelled). The first file
+that sets a value wins; within one file, the task's section, then the backend's, then [job]. The command line beats
+them all.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from fleetbox import options, settings
 from fleetbox.errors import UserError
-from fleetbox.options import Option
+from fleetbox.options import Option, spelled
 from fleetbox.run import backends
 from fleetbox.run import spec as spec_mod
 
@@ -40,14 +41,9 @@ class FromFile:
         return f"{self.option.flag}{'' if self.value is True else ' ' + shlex.quote(str(self.value))} ({self.where})"
 
 
-def key(name: str) -> str:
-    """An option's key in a site file: its flag without the dashes (`from_`: from)."""
-    return name.rstrip("_").replace("_", "-")
-
-
 def job_options() -> dict[str, Option]:
     """What [job] may set: every option of the tasks that run a job but the backends' own."""
-    return {key(o.name): o for o in (*spec_mod.JOB_OPTIONS, *spec_mod.TASK_OPTIONS, backends.BACKEND)}
+    return {spelled(o.name): o for o in (*spec_mod.JOB_OPTIONS, *spec_mod.TASK_OPTIONS, backends.BACKEND)}
 
 
 def check(f: settings.SiteFile, tasks: dict[str, dict[str, Option]], task: str = "") -> None:
@@ -68,48 +64,44 @@ def check(f: settings.SiteFile, tasks: dict[str, dict[str, Option]], task: str =
                     guess = options.nearest(b, backends.BACKENDS)
                     raise UserError(f"{f.where(f'{section}.{b}')}: no backend {b!r}" +
                                     (f"; did you mean [backends.{guess}]?" if guess else ""))
-                own = {key(o.name) for o in backends.BACKENDS[b].options}
-                for k in _table(f, f"{section}.{b}", table):
+                if not isinstance(table, dict):
+                    raise UserError(f"{f.where(f'{section}.{b}')}: [{section}.{b}] must be a section of keys")
+                own = {spelled(o.name) for o in backends.BACKENDS[b].options}
+                for k in table:
                     if k not in own:
                         refuse(f"{section}.{b}", k, own, f"the {b} backend has no option")
             continue
         if task and section in tasks and section != task:
             continue
         known = (set(settings.PATHS) if section == PATHS_SECTION else set(job_options()) if section == JOB_SECTION
-                 else {key(n) for n in tasks.get(section, {})})
+                 else {spelled(n) for n in tasks.get(section, {})})
         if section not in (PATHS_SECTION, JOB_SECTION, *tasks):
             raise UserError(f"{f.where(section)}: no section [{section}] in fleetbox's files" + (
                 f"; did you mean [{g}]?" if (g := options.nearest(section, [PATHS_SECTION, JOB_SECTION,
                                                                                BACKENDS_SECTION, *tasks])) else ""))
-        for k in _table(f, section, body):
+        for k in body:
             if k not in known:
                 refuse(section, k, known, f"[{section}] has no option")
-
-
-def _table(f: settings.SiteFile, section: str, body) -> dict:
-    if not isinstance(body, dict):
-        raise UserError(f"{f.where(section)}: [{section}] must be a section of keys")
-    return body
 
 
 def as_given(o: Option, value, where: str):
     """A file's value as the command line would give it, checked as the option checks a given one."""
     kind = o.kind
     if kind is bool:   # the command line could not turn it off again: flags are the command line's
-        raise UserError(f"{where}: {key(o.name)} is a flag, which a file may not set (the command line could not "
+        raise UserError(f"{where}: {spelled(o.name)} is a flag, which a file may not set (the command line could not "
                         f"turn it off again): give {o.flag} where you want it")
     words = value if kind is tuple and isinstance(value, list) else \
         [f"{k}={v}" if isinstance(v, str) else None for k, v in value.items()] if kind is dict and \
         isinstance(value, dict) else None
     if words is not None:   # a TOML array or table: the command line's comma-separated words
         if not all(isinstance(w, str) and "," not in w for w in words):
-            raise UserError(f"{where}: {key(o.name)}'s items are strings without commas (the command line "
+            raise UserError(f"{where}: {spelled(o.name)}'s items are strings without commas (the command line "
                             f"separates them with commas; got {value!r})")
         value = ",".join(words)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         value = value if kind is int else str(value)
     if not isinstance(value, (str, int)) or isinstance(value, bool):
-        raise UserError(f"{where}: {key(o.name)} takes {kind.__name__ if kind in (int, str) else 'a string'} "
+        raise UserError(f"{where}: {spelled(o.name)} takes {kind.__name__ if kind in (int, str) else 'a string'} "
                         f"(got {value!r})")
     try:
         o.parse(value)
@@ -128,14 +120,16 @@ def defaults(task: str, params: dict[str, Option], values: dict, given: set[str]
         check(f, tasks, task)
 
     def first(name: str, backend: str = "") -> FromFile | None:
-        for f in files:
-            for section in (task, f"{BACKENDS_SECTION}.{backend}" if backend else "",
-                            JOB_SECTION if "backend" in params else ""):
-                table = f.data.get(section, {}) if "." not in section else \
-                    f.data.get(BACKENDS_SECTION, {}).get(backend, {})
-                if section and key(name) in table and (section != JOB_SECTION or key(name) in job_options()):
-                    where = f.where(section, key(name))
-                    return FromFile(params[name], as_given(params[name], table[key(name)], where), where)
+        for f in files:   # check() held each section's keys to what it may set
+            sections = [(task, f.data.get(task, {}))]
+            if backend:
+                sections.append((f"{BACKENDS_SECTION}.{backend}", f.data.get(BACKENDS_SECTION, {}).get(backend, {})))
+            if "backend" in params:   # a task that runs a job
+                sections.append((JOB_SECTION, f.data.get(JOB_SECTION, {})))
+            for section, table in sections:
+                if spelled(name) in table:
+                    where = f.where(section, spelled(name))
+                    return FromFile(params[name], as_given(params[name], table[spelled(name)], where), where)
         return None
 
     out: dict[str, FromFile] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetbox import ROOT, files, settings
+from fleetbox import ROOT, files, options, settings
 from fleetbox.errors import EXIT_CODES, UserError
 from fleetbox.image import matrix
 from fleetbox.run import records
@@ -26,8 +26,7 @@ class Opt:
 
     @property
     def flag(self) -> str:
-        return self.name.rstrip("_").replace("_", "-") if self.positional else \
-            "--" + self.name.rstrip("_").replace("_", "-")
+        return options.spelled(self.name) if self.positional else "--" + options.spelled(self.name)
 
 
 @dataclass(frozen=True)

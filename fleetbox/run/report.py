@@ -25,31 +25,34 @@ def first_start(job_dir: Path, job: dict) -> float | None:
     return JobFolder.at(job_dir).starts(job)[0]
 
 
+def step_rates(recs: list[dict]) -> dict[tuple[int, int], dict[int, tuple[float, float]]]:
+    """(attempt, step): node: (when its last rank logged the step, its ranks' samples/s added up)."""
+    by = defaultdict(lambda: defaultdict(lambda: [-math.inf, 0.0]))
+    for r in recs:
+        if "samples_per_s" in r:
+            at = by[(r["attempt"], r["step"])][r["node"]]
+            at[0], at[1] = max(at[0], r["time"]), at[1] + r["samples_per_s"]
+    return {k: {node: (t, x) for node, (t, x) in nodes.items()} for k, nodes in by.items()}
+
+
 def rate_lines(recs: list[dict], t0: float) -> dict[int, list[list[tuple[float, float]]]]:
     """Each node's samples/s against seconds since t0: one line per attempt (none drawn across the gap between
     a failure and its restart), each point the node's ranks added up at a step."""
-    by = defaultdict(lambda: defaultdict(list))
-    for r in recs:
-        if "samples_per_s" in r:
-            by[(r["node"], r["attempt"])][r["step"]].append((r["time"], r["samples_per_s"]))
-    out = defaultdict(list)
-    for (node, _), steps in sorted(by.items()):
-        out[node].append(sorted((max(t for t, _ in v) - t0, sum(x for _, x in v)) for v in steps.values()))
-    return dict(out)
+    lines = defaultdict(lambda: defaultdict(list))   # node: attempt: points
+    for (attempt, _), nodes in step_rates(recs).items():
+        for node, (t, x) in nodes.items():
+            lines[node][attempt].append((t - t0, x))
+    return {node: [sorted(pts) for _, pts in sorted(by.items())] for node, by in sorted(lines.items())}
 
 
 def node_rates(recs: list[dict], t0: float) -> dict[int, list[tuple[float, float]]]:
     """Each node's samples/s at each step (its ranks added up), against one time per step for every node (the
     nodes' median seconds since t0), so that the nodes' rates at a step fall on one x."""
-    by = defaultdict(lambda: defaultdict(list))   # (attempt, step): node: [(time, samples/s)]
-    for r in recs:
-        if "samples_per_s" in r:
-            by[(r["attempt"], r["step"])][r["node"]].append((r["time"], r["samples_per_s"]))
     out = defaultdict(list)
-    for _, nodes in sorted(by.items()):
-        x = statistics.median(max(t for t, _ in v) for v in nodes.values()) - t0
-        for node, v in nodes.items():
-            out[node].append((x, sum(s for _, s in v)))
+    for _, nodes in sorted(step_rates(recs).items()):
+        x = statistics.median(t for t, _ in nodes.values()) - t0
+        for node, (_, rate) in nodes.items():
+            out[node].append((x, rate))
     return dict(sorted(out.items()))
 
 

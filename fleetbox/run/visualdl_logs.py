@@ -126,10 +126,6 @@ def display_name(name: str, ms: int) -> bytes:
 
 # -- a job's runs --
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _tag(name: str) -> str | None:
     """A script's scalar name as a tag, or None where VisualDL cannot hold it ('%', not UTF-8)."""
     try:
@@ -150,14 +146,11 @@ def scalars(rec: dict) -> dict[str, float]:
     """The scalars of one metrics line, by their VisualDL tag (a number no float holds is left out)."""
     out = {}
     for k, v in rec.items():
-        if (tag := _tag_of(k)) is None or not _number(v) or \
+        if (tag := _tag_of(k)) is None or not metrics.number(v) or \
                 any(k == to and src in rec for src, to in RENAMED.items()):
-            continue   # the Meter's step time over a script's own of the name
-        try:
-            out[tag] = float(v)
-        except OverflowError:
-            continue
-    if _number(rec.get("comm_seconds")) and _number(rec.get("seconds")) and rec["seconds"] > 0:
+            continue   # the Meter's step time over a script's own of the name; a number no float holds
+        out[tag] = float(v)
+    if metrics.number(rec.get("comm_seconds")) and metrics.number(rec.get("seconds")) and rec["seconds"] > 0:
         try:
             out[GROUP + "comm_share"] = float(rec["comm_seconds"] / rec["seconds"])
         except OverflowError:
@@ -339,7 +332,7 @@ class JobRuns:
             for tag, v in scalars(rec).items():   # a line's run named once, not once a scalar
                 series.setdefault(tag, []).append(Point(tag, step, ms, v))
             own = rec.get("own_seconds")
-            if _number(own) and math.isfinite(own) and own >= 0:
+            if metrics.number(own) and math.isfinite(own) and own >= 0:
                 att.own.setdefault(rec["rank"], []).append((rec["step"], float(own), ms))
         for a, att in sorted(self.attempts.items()):
             label = name(a)
