@@ -178,9 +178,13 @@ def lock(c, variant=None, upgrade=False):
 @task(help={"variant": VARIANT_HELP, "dest": "wheelhouse folder (default wheelhouse/<variant>/)"})
 @_fleetbox
 def wheels(c, variant=None, dest=None):
-    """Download the lock's wheels into an offline wheelhouse (hash-checked; reused when complete)."""
+    """Download the lock's wheels into an offline wheelhouse (hash-checked; reused when complete).
+
+    A CUDA variant's Paddle wheel is measured once: the GPUs its kernels run on, kept beside its lock."""
+    from fleetbox.image import kernels
     from fleetbox.image import wheelhouse as wheelhouse_mod
-    wheelhouse_mod.ensure(_variant(variant), Path(dest) if dest else None, log=_log)
+    v = _variant(variant)
+    kernels.ensure(v, wheelhouse_mod.ensure(v, Path(dest) if dest else None, log=_log), log=_log)
 
 
 @task(help={"variant": VARIANT_HELP,

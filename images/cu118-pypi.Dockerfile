@@ -87,6 +87,7 @@ CMD ["python"]
 LABEL "io.fleetbox.cuda"="11.8" \
       "io.fleetbox.cudnn"="8.6" \
       "io.fleetbox.device"="cuda" \
+      "io.fleetbox.gpu-architectures"="6.1,7.0,7.5,8.0,8.6 measured" \
       "io.fleetbox.inputs-sha256"="${CONTENT_HASH}" \
       "io.fleetbox.lock-sha256"="2183affd5a713204859fe7cb35a31f8ab14b0861d985462e4d36f546c5368c68" \
       "io.fleetbox.pip-freeze"="anyio==4.16.0 astor==0.8.1 certifi==2026.10.19.post1 decorator==5.3.1 h11==0.16.0 httpcore==1.0.9 httpx==0.28.1 idna==3.20 numpy==1.26.4 nvidia-cublas-cu11==11.11.3.6 nvidia-cuda-cupti-cu11==11.8.87 nvidia-cuda-nvrtc-cu11==11.8.89 nvidia-cuda-runtime-cu11==11.8.89 nvidia-cudnn-cu11==8.6.0.163 nvidia-cufft-cu11==10.9.0.58 nvidia-curand-cu11==10.3.0.86 nvidia-cusolver-cu11==11.4.1.48 nvidia-cusparse-cu11==11.7.5.86 nvidia-nccl-cu11==2.19.3 nvidia-nvtx-cu11==11.8.86 opencv-python-headless==4.10.0.84 opt-einsum==3.3.0 paddlepaddle-gpu==2.6.2 pillow==13.0.0 pip==25.3 protobuf==7.36.2 scipy==1.17.1 setuptools==80.9.0 typing-extensions==4.16.0 visualdl==2.5.3" \

@@ -100,7 +100,8 @@ class Expect:
     shm_settable: bool = True       # --shm-size reaches the container (Doctoring.shm_settable)
     check_paddle: bool = False      # no image (an env on the nodes): `import paddle` is checked on every node
     variant: str = ""
-    compute_capabilities: tuple = ()  # CUDA variants: the GPU architectures its wheel has kernels for
+    kernels: object = None          # CUDA variants: the GPUs its wheel has kernels for (image/kernels.Kernels)
+    instead: tuple = ()             # ... and every other CUDA variant's, (name, Kernels): which one a GPU could use
     no_driver_fix: str = ""         # what gives the containers the node's NVIDIA driver (Doctoring.no_driver_fix)
 
 
@@ -216,29 +217,32 @@ def capability(text: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def runs_on(cap: tuple[int, int], built: tuple[str, ...]) -> bool:
-    """Whether a GPU of compute capability `cap` runs kernels built (SASS) for one of `built`: CUDA's binary
-    compatibility, the same major version and a minor no newer than the GPU's (sm_80 runs on 8.6, not on 9.0)."""
-    return any(b and b[0] == cap[0] and b[1] <= cap[1] for b in map(capability, built))
-
-
 def check_capability(node: str, gpus: list[dict], e: Expect) -> list[Row]:
-    """Each GPU's compute capability against the architectures the variant's wheel has kernels for."""
+    """Each GPU's compute capability against the kernels the variant's wheel has (measured, or published); a GPU it
+    has none for names the variants that have them."""
     if not gpus:
         return []
-    want = ", ".join(e.compute_capabilities) + " (the wheel's kernels)" if e.compute_capabilities else \
-        "the variant's kernels (not listed for it)"
+    k = e.kernels
+    want = (f"{', '.join(k.architectures)} (the wheel's kernels, {'measured' if k.measured else 'published'})" if k
+            else "the variant's kernels (not known: `invoke wheels` measures them)")
     caps = {(g["index"], g["name"], g.get("compute_cap", "")) for g in gpus}
     if not any(capability(c) for _, _, c in caps):
         return [Row(node, "compute capability", True, "not reported (this driver's nvidia-smi has no compute_cap)",
                     want)]
     seen = ", ".join(sorted({f"{c if capability(c) else 'not reported'} ({n})" for _, n, c in caps}))
-    bad = sorted((i, n, c) for i, n, c in caps if e.compute_capabilities and capability(c)
-                 and not runs_on(capability(c), e.compute_capabilities))
-    return [Row(node, "compute capability", not bad, seen, want, "" if not bad else
-                f"GPU {', '.join(str(i) for i, _, _ in bad)} ({bad[0][1]}, compute capability {bad[0][2]}): the "
-                f"{e.variant} wheel has no kernels for it (built for {', '.join(e.compute_capabilities)}); Paddle "
-                f"stops at its first GPU kernel: use a variant built for {bad[0][2]}")]
+    how = {(i, n, c): k.how(c) for i, n, c in caps if k and capability(c)}
+    bad = sorted(g for g, h in how.items() if not h)
+    if slow := sorted({c for (_, _, c), h in how.items() if h == "ptx"}):
+        seen += f"; {', '.join(slow)} through PTX compiled at first run (a slow first start)"
+    if not bad:
+        return [Row(node, "compute capability", True, seen, want)]
+    cc = bad[0][2]
+    others = [name + ("" if o.measured else " (published)") for name, o in e.instead if o.how(cc) == "native"]
+    return [Row(node, "compute capability", False, seen, want,
+                f"GPU {', '.join(str(i) for i, _, _ in bad)} ({bad[0][1]}, compute capability {cc}): the "
+                f"{e.variant} wheel has no kernels for it (built for {', '.join(k.architectures)}); Paddle stops at "
+                f"its first GPU kernel: " + (f"use {' or '.join(others)}, built for {cc}" if others else
+                                             f"no variant of the matrix is built for {cc}"))]
 
 
 def confinement_rows(device: str, unconfined: str) -> list[Row]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fleetbox import ROOT, files, options, settings
 from fleetbox.errors import EXIT_CODES, UserError
-from fleetbox.image import matrix
+from fleetbox.image import kernels, matrix
 from fleetbox.run import records
 
 REFERENCE = ROOT / "docs" / "reference"
@@ -104,6 +104,22 @@ def matrix_page() -> str:
         out.append(f"| `{v.name}` | {_cell(v.description)} | `{v.paddle}` | {_cell(where)} | "
                    f"{_cell(v.base.description)} | {v.python_version} | {_cell(_installed(v))} | "
                    f"{driver} | {lock} |")
+    out += ["", "## Which GPUs each CUDA variant runs on", "",
+            "Measured from the variant's Paddle wheel by `invoke wheels` (its libraries' fat binaries: the SASS and "
+            "PTX of every one of Paddle's own kernels), or, for a variant not measured yet, what Paddle publishes "
+            "for its CUDA. A GPU runs SASS of its own major version and a minor no newer (sm_80 runs on an 8.6 "
+            "card, none on a 9.0 one); PTX is compiled by the driver at the first start. `invoke doctor` holds "
+            "each node's GPUs to it.", "",
+            "| variant | SASS | runs on | through PTX only | not on | how it is known |", "|---|---|---|---|---|---|"]
+    for v in m.variants.values():
+        if v.device == "cuda":
+            k = kernels.load(v)
+            g = k.gpus() if k else {}
+            known = "not known yet: `invoke wheels --variant " + v.name + "` measures it" if not k else \
+                f"measured from `{k.wheel}`" if k.measured else f"published, not measured: {k.source}"
+            out.append(f"| `{v.name}` | {', '.join(k.architectures) if k else '–'} | "
+                       + " | ".join(_cell(", ".join(g.get(w, [])) or "–") for w in ("native", "ptx", "none"))
+                       + f" | {_cell(known)} |")
     return "\n".join(out) + "\n"
 
 

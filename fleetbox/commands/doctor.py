@@ -34,6 +34,7 @@ from fleetbox.commands.checks import (
     tcp_gbps,
     throughput_rows,
 )
+from fleetbox.image import kernels, matrix
 from fleetbox.processes import stops_as_interrupt
 from fleetbox.run import backends
 from fleetbox.run.backend import Plan
@@ -51,7 +52,9 @@ def expect(spec: JobSpec, port: int, b) -> Expect:
     v, d = spec.variant, b.doctoring
     return Expect(spec.nodes, spec.shm_size, spec.device, spec.ib_hca, v.min_driver, v.toolkit_driver, spec.gpus_each,
                   spec.procs_per_node, port, runtime(b), d.runtime_args, spec.iface, d.shm_settable,
-                  check_paddle=not d.runs_in_image, variant=v.name, compute_capabilities=v.compute_capabilities,
+                  check_paddle=not d.runs_in_image, variant=v.name, kernels=kernels.load(v),
+                  instead=tuple((o.name, k) for o in matrix.load().variants.values()
+                                if o.name != v.name and (k := kernels.load(o)) is not None),
                   no_driver_fix=d.no_driver_fix)
 
 

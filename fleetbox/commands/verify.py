@@ -9,7 +9,9 @@ from pathlib import Path
 from fleetbox import engine, files, incontainer, settings
 from fleetbox.engine import device_kwargs, image_or_none, run_dir
 from fleetbox.errors import UserError
+from fleetbox.image import kernels
 from fleetbox.image.built import resolve
+from fleetbox.image.images import LABEL_GPUS
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import signals_held, stops_as_interrupt
 from fleetbox.run.plan import device_options
@@ -100,10 +102,13 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     files.write_atomic(rd / "verify.log", output)
     report = parse_report(output)
     report.update(variant=variant.name, image=image.id, tags=image.tags, exit_code=ended.get("StatusCode"),
-                  lock_sha256=labels.get(settings.LABEL_LOCK, ""), path=str(rd / "report.json"), no_gpu=no_gpu)
+                  lock_sha256=labels.get(settings.LABEL_LOCK, ""), path=str(rd / "report.json"), no_gpu=no_gpu,
+                  gpu_architectures=labels.get(LABEL_GPUS, ""))
     report["ok"] = report["ok"] and ended.get("StatusCode") == 0
     files.write_json(rd / "report.json", report)
     log(table(variant.name, image.tags[0] if image.tags else image.id, report["checks"]))
+    if labels.get(LABEL_GPUS) and (k := kernels.load(variant)) and k.label() == labels[LABEL_GPUS]:
+        log(f"GPUs: {k.said()}")
     log(f"{verdict(report)}; report: {rd / 'report.json'}")
     return report
 

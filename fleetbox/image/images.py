@@ -23,13 +23,14 @@ from fleetbox import ROOT, engine, files, settings
 from fleetbox.data import datasets
 from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
-from fleetbox.image import layers, locks, wheelhouse
+from fleetbox.image import kernels, layers, locks, wheelhouse
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import process_start, signals_held, stops_as_interrupt, this_host
 
 DATA_DOCKERFILE = ROOT / "images" / "data.Dockerfile"
 
 UNKNOWN = "<unknown until the base exists>"
+LABEL_GPUS = "io.fleetbox.gpu-architectures"   # the SASS architectures of Paddle's kernels, measured or published
 BUILD_PREFIX = "fleetbox-layer-"   # a build's containers and scratch volume: what `clean --images` removes when
                                   # a killed build left them
 PROFILE = "fleetbox-layer-profile"   # build.log's line per layer made: where its time went (bench/build.py)
@@ -84,6 +85,7 @@ class BuildPlan:
             f"extras    {' '.join([*v.extras, *v.tools])} from {v.pypi}",
             *([f"no deps   {' '.join(v.no_deps)} (without their dependencies)"] if v.no_deps else []),
             f"python    {v.python_version} on {v.platform}",
+            *(gpus_lines(kernels.load(v)) if v.device == "cuda" else []),
             f"base      {self.base_ref} (id {short_id(self.base_id)})",
             f"lock      {v.lock_path.relative_to(ROOT)} "
             + (f"sha256 {self.lock_sha256[:16]}…" if self.lock_sha256 else "MISSING: "
@@ -102,6 +104,15 @@ class BuildPlan:
             "runs/build-<variant>-*/by-hand.sh; invoke build installs the layers after the first beside it and "
             "copies them in: the same bytes)",
         ]
+
+
+def gpus_lines(k: kernels.Kernels | None) -> list[str]:
+    """What `build --dry-run` says of the GPUs a CUDA variant runs on."""
+    if k is None:
+        return ["gpus      not known: `invoke wheels` measures them from the wheel"]
+    others = "; ".join(f"{p.rsplit('/', 1)[-1]} {', '.join(a) or 'none in common'}" for p, a in k.others().items())
+    return [f"gpus      {k.said()}", *([f"          other kernel libraries (only the ops that call them): {others}"]
+                                      if others else [])]
 
 
 def pip_wheel(entries: list[locks.Locked]) -> str:
@@ -157,6 +168,7 @@ def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, r
         settings.LABEL_INPUTS: chash,
         settings.LABEL_FREEZE: freeze(entries),
         **{f"io.fleetbox.{k}": v for k, v in variant.accel.items()},
+        **({LABEL_GPUS: k.label()} if (k := kernels.load(variant)) else {}),
     }
 
 

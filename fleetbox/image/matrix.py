@@ -65,8 +65,10 @@ class Variant:
     runtime: dict = field(default_factory=dict)  # devices, groups, mounts a container needs
     min_driver: str = ""            # CUDA variants: the oldest host driver that runs it (minor-version compatibility)
     toolkit_driver: str = ""        # ... and the driver of its own CUDA release (PTX JIT needs it); invoke doctor
-    compute_capabilities: tuple[str, ...] = ()   # CUDA variants: the GPU architectures Paddle's kernels are built
-                                                 # for ("8.0"); invoke doctor holds each node's GPUs to them
+    # CUDA variants: the architectures Paddle publishes its wheel as built for ("8.0"), and where it says so; what
+    # a variant runs on is measured from its wheel by `invoke wheels` (image/kernels.py), these stand in until then
+    published_capabilities: tuple[str, ...] = ()
+    published_source: str = ""
 
     @property
     def paddle_name(self) -> str:
@@ -147,7 +149,8 @@ def parse(data: dict) -> Matrix:
             paddle_index=v.get("paddle_index", ""), pypi=data.get("pypi", "https://pypi.org/simple"),
             image=data.get("image", "fleetbox/paddle"), base_repo=data.get("base_image", "fleetbox/base"),
             accel=accel, runtime=v.get("runtime", {}), min_driver=v.get("min_driver", ""),
-            toolkit_driver=v.get("toolkit_driver", ""), compute_capabilities=_capabilities(name, v))
+            toolkit_driver=v.get("toolkit_driver", ""), published_capabilities=_capabilities(name, v),
+            published_source=v.get("published_source", ""))
     default = data.get("default_variant", next(iter(variants), ""))
     if default not in variants:
         raise UserError(f"matrix: default_variant {default!r} is not a variant")
@@ -155,10 +158,16 @@ def parse(data: dict) -> Matrix:
 
 
 def _capabilities(name: str, v: dict) -> tuple[str, ...]:
-    caps = tuple(v.get("compute_capabilities", []))
+    if "compute_capabilities" in v:
+        raise UserError(f"matrix: variant {name!r}: compute_capabilities are measured from the wheel (`invoke "
+                        f"wheels`), never written here; give what Paddle publishes as published_capabilities, with "
+                        f"its published_source")
+    caps = tuple(v.get("published_capabilities", []))
     bad = [c for c in caps if not re.fullmatch(r"\d+\.\d+", str(c))]
     if bad:
         raise UserError(f"matrix: variant {name!r}: compute capability {bad[0]!r} is not MAJOR.MINOR (e.g. 8.0)")
+    if caps and not v.get("published_source"):
+        raise UserError(f"matrix: variant {name!r}: published_capabilities need their published_source")
     return caps
 
 

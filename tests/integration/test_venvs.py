@@ -10,8 +10,8 @@ import sys
 import pytest
 from packaging.utils import canonicalize_name
 
-from fleetbox.image import locks, matrix
-from tests import cubins
+from fleetbox.data import fetch
+from fleetbox.image import kernels, locks, matrix, wheelhouse
 from tests.conftest import ROOT, invoke
 from tests.integration.conftest import GPU_VARIANT, _ok, paddle_opens
 from tests.unit.test_cli import one_line_error
@@ -148,16 +148,19 @@ def test_the_gpu_variants_env_opens_every_library_paddle_opens_by_name_once_acti
     assert proc.stdout.strip().splitlines()[-1] == f"{matrix.load().get(GPU_VARIANT).paddle_version} True 11.8"
 
 
-def test_the_gpu_variants_compute_capabilities_are_those_its_wheels_kernels_are_built_for(cuda_env):
-    """What `invoke doctor` holds a node's GPUs to (the matrix's compute_capabilities) is read from the wheel
-    itself: the architectures every kernel in libpaddle.so has a SASS image for (no PTX to fall back on), and
-    libphi.so's kernels but a few."""
-    paddle = cuda_env["path"] / "lib" / "python3.11" / "site-packages" / "paddle"
-    want = list(matrix.load().get(GPU_VARIANT).compute_capabilities)
-    found = cubins.fatbins(paddle / "base" / "libpaddle.so")
-    assert len(found) > 100 and not any(kind == "ptx" for images in found for kind, _ in images)
-    assert cubins.built_for(paddle / "base" / "libpaddle.so") == want
-    # libphi.so, most of the kernels: the same, but for 8 of its 673 fat binaries (a library of its own, which also
-    # holds 3.5 to 9.0); its few PTX images (7.0 to 8.0) are no JIT path to 9.0 for the rest
-    assert len(cubins.fatbins(paddle / "libs" / "libphi.so")) > 600
-    assert cubins.built_for(paddle / "libs" / "libphi.so", share=0.98) == want
+def test_the_gpu_variants_kernels_are_measured_from_its_wheel_as_its_record_says(cuda_env):
+    """What `invoke doctor` holds a node's GPUs to is measured from the wheel, never typed: the wheelhouse's Paddle
+    wheel read again gives the record kept beside the lock, and the list once written by hand into the matrix (and
+    named by Paddle's own warning on a P100, "arch: 61 70 75 80 86", Paddle #54713). libpaddle.so has no PTX: no
+    first-run compilation for a newer GPU."""
+    v = matrix.load().get(GPU_VARIANT)
+    entry = kernels.paddle_entry(v, locks.read(v)[1])
+    (wheel,) = [w for w in wheelhouse.default_dir(v).glob("paddlepaddle_gpu-*.whl") if fetch.file_digest(w)
+                in entry.hashes]
+    k = kernels.measure(wheel, log=lambda *_: None)
+    assert k == kernels.load(v) and k.measured
+    assert k.architectures == ("6.1", "7.0", "7.5", "8.0", "8.6")
+    assert [k.how(c) for c in ("8.0", "8.9", "9.0", "10.0")] == ["native", "native", "", ""]
+    libpaddle = k.libraries["paddle/base/libpaddle.so"]
+    assert sum(libpaddle.values()) > 100 and not any(kind == "ptx" for images in libpaddle for kind, _ in images)
+    assert sum(k.libraries["paddle/libs/libphi.so"].values()) > 600 and k.strays()[0] < 10

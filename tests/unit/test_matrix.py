@@ -56,8 +56,15 @@ def test_bad_matrix_is_a_user_error(tmp_path):
         matrix.load(p)
     p.write_text("[bases.b]\npython='x'\n[variants.v]\nbase='b'\ndevice='cuda'\npython_version='3.11'\n"
                  "platform='manylinux_2_36_x86_64'\npaddle='paddlepaddle-gpu==2.6.2'\n"
-                 "compute_capabilities=['8.0', 'sm_90']\n")
+                 "published_capabilities=['8.0', 'sm_90']\npublished_source='x'\n")
     with pytest.raises(UserError, match=r"^matrix: variant 'v': compute capability 'sm_90' is not MAJOR.MINOR"):
+        matrix.load(p)
+    gpu = p.read_text().split("published_capabilities")[0]
+    p.write_text(gpu + "published_capabilities=['8.0']\n")
+    with pytest.raises(UserError, match=r"^matrix: variant 'v': published_capabilities need their published_source"):
+        matrix.load(p)
+    p.write_text(gpu + "compute_capabilities=['8.0']\n")   # measured, never typed
+    with pytest.raises(UserError, match=r"^matrix: variant 'v': compute_capabilities are measured from the wheel"):
         matrix.load(p)
     p.write_text("not toml [")
     with pytest.raises(UserError):
