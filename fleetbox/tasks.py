@@ -164,14 +164,17 @@ def _log(msg):
 
 @task(help={"variant": VARIANT_HELP,
             "upgrade": "resolve every package afresh (default: keep the versions the lock pins where the matrix "
-                       "still allows them, so one changed pin moves nothing else)"})
+                       "still allows them, so one changed pin moves nothing else)",
+            "paddle_index": "a mirror of the variant's Paddle index (the same pages, e.g. a site's proxy) to "
+                            "resolve Paddle from instead; the lock names where each wheel came from",
+            "out": "write the lock here instead of images/locks/<variant>.lock"})
 @_fleetbox
-def lock(c, variant=None, upgrade=False):
+def lock(c, variant=None, upgrade=False, paddle_index="", out=""):
     """Resolve the variant's pins across PyPI and Paddle's index into images/locks/<variant>.lock (sha256)."""
     from fleetbox.image import locks
     v = _variant(variant)
-    path = locks.make(v, upgrade=upgrade)
-    _, entries = locks.read(v)
+    path = locks.make(v, Path(out) if out else None, upgrade=upgrade, paddle_index=paddle_index)
+    entries = locks.parse(path.read_text())
     _log(f"wrote {path} ({len(entries)} packages, sha256 hashes, Python {v.python_version}, {v.platform})")
 
 

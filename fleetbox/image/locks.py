@@ -51,15 +51,16 @@ def uv_platform(platform_tag: str) -> str:
     return f"{m.group(2)}-{m.group(1)}"
 
 
-def project_file(variant: Variant) -> str:
-    """A throwaway pyproject whose [tool.uv] tables pin Paddle's wheel to Paddle's own index
-    (explicit: nothing else may come from it) and leave everything else to PyPI."""
+def project_file(variant: Variant, paddle_index: str = "") -> str:
+    """A throwaway pyproject whose [tool.uv] tables pin Paddle's wheel to Paddle's own index (`paddle_index`: a
+    mirror of it; explicit: nothing else may come from it) and leave everything else to PyPI."""
     deps = ", ".join(json.dumps(r) for r in variant.requirements)
     text = (f'[project]\nname = "fleetbox-lock-{variant.name}"\nversion = "0"\n'
             f'requires-python = "=={variant.python_version}.*"\ndependencies = [{deps}]\n')
     if variant.paddle_index:
         text += (f'\n[tool.uv.sources]\n"{variant.paddle_name}" = {{ index = "paddle" }}\n'
-                 f'\n[[tool.uv.index]]\nname = "paddle"\nurl = "{variant.paddle_index}"\nexplicit = true\n')
+                 f'\n[[tool.uv.index]]\nname = "paddle"\nurl = "{paddle_index or variant.paddle_index}"\n'
+                 f'explicit = true\n')
     return text
 
 
@@ -131,19 +132,25 @@ def _check_reachable(url: str) -> None:
                         f"and commit the lock") from None
 
 
-def make(variant: Variant, out: Path | None = None, upgrade: bool = False) -> Path:
+def make(variant: Variant, out: Path | None = None, upgrade: bool = False, paddle_index: str = "") -> Path:
     """Resolve and write the lock atomically to `out` (default images/locks/<variant>.lock).
     The versions the lock already pins are kept where the new inputs allow them (uv reads its output file as
     preferences), so changing one pin does not move others, nor the image layers they are in; `upgrade`
-    resolves every package afresh."""
+    resolves every package afresh. `paddle_index`: a mirror of the variant's Paddle index (the same pages; a
+    site's proxy), resolved from instead; the lock's inputs stay the matrix's, and it names where each wheel came
+    from."""
+    if paddle_index and not variant.paddle_index:
+        raise UserError(f"--paddle-index: variant {variant.name} takes Paddle from {variant.pypi}, not Paddle's index")
+    if paddle_index and not re.fullmatch(r"https?://[^\s\"\\]+", paddle_index):
+        raise UserError(f"--paddle-index {paddle_index!r} is not an http(s) URL")
     _check_reachable(variant.pypi)
     if variant.paddle_index:
-        _check_reachable(variant.paddle_index)
+        _check_reachable(paddle_index or variant.paddle_index)
     path = out or variant.lock_path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fleetbox-lock-") as tmp:
         project, compiled = Path(tmp) / "pyproject.toml", Path(tmp) / "out.lock"
-        project.write_text(project_file(variant))
+        project.write_text(project_file(variant, paddle_index))
         constraints = None
         if variant.constraints:
             constraints = Path(tmp) / "constraints.txt"
