@@ -311,12 +311,12 @@ class Apptainer(Runtime):
     # Environment goes in as APPTAINERENV_<NAME> (--env splits on commas); whether Apptainer then expands
     # `$` or drops quotes we could not run here to see, so such values are refused rather than guessed.
     unverified_env = "$`\\\"'\n"
-    gpu_check = "gpu_driver_libraries.sh"
+    gpu_check = "gpu_apptainer.sh"   # it chooses how the GPUs are given (GPU_ARGS: CDI, --nvccli or --nv)
     no_driver_fix = "check the node's driver install: apptainer --nv binds the libraries the node's loader knows"
 
     def launch(self, n, image, extra=()):
         a = [self.command, "exec", "--cleanenv", "--pwd", WORKDIR]
-        a += {"cuda": ["--nv"], "rocm": ["--rocm"]}.get(n.accelerator, [])
+        a += {"cuda": [Raw('"${GPU_ARGS[@]}"')], "rocm": ["--rocm"]}.get(n.accelerator, [])
         for m in n.mounts:
             a += ["--bind", f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}"]
         return a + [*extra, image, *n.command]
