@@ -229,7 +229,8 @@ def test_a_missing_prerequisite_stops_the_node_in_one_line_before_its_container_
     ("apptainer", "apptainer version 1.5.0", {}, ["--device", "nvidia.com/gpu=1", "--device", "nvidia.com/gpu=3"],
      "a CDI spec names nvidia.com/gpu=1, nvidia.com/gpu=3 (apptainer 1.5.0 --device, CDI)"),
     # the spec names GPUs 0 to 3, the task was given 3 and 5: not every one by CDI, so none
-    ("apptainer", "apptainer version 1.5.0", dict(task="3,5"), ["--nv"], "the node's driver libraries (apptainer --nv)"),
+    ("apptainer", "apptainer version 1.5.0", dict(task="3,5"), ["--nv"],
+     "the node's driver libraries (apptainer --nv)"),
     # no spec names the allocated GPUs (an empty list): --nv, as before 1.5
     ("apptainer", "apptainer version 1.5.0", dict(cdi="nvidia-ctk-cdi-list-empty.txt"), ["--nv"],
      "the node's driver libraries (apptainer --nv)"),
