@@ -54,6 +54,9 @@ def test_verify_without_a_gpu_says_what_it_checked_and_what_only_a_gpu_can(cuda_
     assert checks["import scipy"]["detail"] == "scipy 1.17.1, numpy 1.26.4"
     assert checks["installed == lock"]["detail"] == f"{len(locks.read(VARIANT)[1])} packages match"
     assert "NO GPU  GPU libraries" in proc.stdout and "PASS    compiled device" in proc.stdout
+    # the GPUs its kernels run on, as measured from its wheel: in the image's label, the report and what verify says
+    assert report["gpu_architectures"] == "6.1,7.0,7.5,8.0,8.6 measured"
+    assert "GPUs: SASS 6.1, 7.0, 7.5, 8.0, 8.6: runs on 6.1 (P40/GTX 10), " in proc.stdout
     assert "PASSED without a GPU (not run on one: device count, GPU libraries, paddle.utils.run_check())" in proc.stdout
     left = subprocess.run(["docker", "ps", "-aq", "--filter", "label=io.fleetbox.role=verify"], capture_output=True,
                           text=True).stdout.split()
