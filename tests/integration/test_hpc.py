@@ -22,7 +22,7 @@ from tests import slurmcluster
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke, once
 from tests.integration.conftest import GPU_VARIANT, ON_CPU, SITE_REGISTRY, paddle_opens
 from tests.integration.test_datasets_in_image import READ_MNIST
-from tests.integration.test_hangs import PLAIN, last_metric_time
+from tests.integration.test_hangs import HANG_S, PLAIN, last_metric_time
 from tests.integration.test_job_styles import STATIC, STATIC_ARGS
 from tests.integration.test_train import assert_rows_are_the_runs_own_figures, study_of
 from tests.unit.test_cli import one_line_error
@@ -685,7 +685,7 @@ def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_
     env = {**os.environ, **cluster}
     proc = invoke("train", "--backend", "slurm", "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL,
                   "--detach",
-                  "--max-restarts", "1", "--hang-timeout", "20", "--args",
+                  "--max-restarts", "1", "--hang-timeout", str(HANG_S), "--args",
                   "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 --hang-attempt 0",
                   env=env)
     assert proc.returncode == 0, proc.stderr
@@ -710,7 +710,7 @@ def test_slurm_a_stuck_rank_is_named_from_its_stacks_and_the_chain_restarts_and_
     # every node's task ended within the deadline plus 10 s of the stuck rank's last progress
     ended = float(out.split("fleetbox: the job step ended at ")[1].split()[0])
     last = last_metric_time(job_dir / "alloc1" / "node1" / "workerlog.0")
-    assert 20 <= ended - last <= 30, ended - last
+    assert HANG_S <= ended - last <= HANG_S + 10, ended - last
     assert not podman_containers(job_id)
 
 
