@@ -28,16 +28,12 @@ def node_files(job_dir: Path, pattern: str) -> list[tuple[int, int, Path]]:
     return JobFolder.at(job_dir).node_files(pattern)
 
 
+# the optional fields the report adds up
+NUMBERS = ("loss", "samples_per_s", "comm_seconds", "own_seconds", "samples", "seconds")
 _scan = json.JSONDecoder().scan_once
 
 
-class Record(dict):
-    """A metrics record, with its JSON as the rank printed it: the gather writes that again rather than encode the
-    record anew (a long job has a million)."""
-    __slots__ = ("text",)
-
-
-def parse(line: str) -> Record | None:
+def parse(line: str) -> dict | None:
     """A worker log line's metrics record, or None (another line, one cut short by a killed worker, a malformed
     one)."""
     if not line.startswith(PREFIX):
@@ -47,32 +43,70 @@ def parse(line: str) -> Record | None:
         rec, end = _scan(text, 0)   # json.loads without its checks around the C scanner: a million lines
     except (StopIteration, ValueError):
         return None
-    if end != len(text) or not well_formed(rec):
-        return None
-    out = Record()
-    for k, v in rec.items():   # the names every record shares, shared: a long job's records are most of memory
-        out[_KEYS.get(k, k)] = v
-    out.text = text
-    return out
+    return rec if end == len(text) and well_formed(rec) else None
 
 
-def read(job_dir: Path) -> list[dict]:
+FIELDS = ("rank", "step", "time", "node", "attempt", *NUMBERS)   # what a Record holds in its own slots
+_FIELDS = frozenset(FIELDS)
+
+
+class Record:
+    """A metrics record as the report holds a long job's (a million): its fields in slots, where a dict each was
+    most of the report's memory, read as a mapping (r["loss"], "loss" in r, r.get) at attribute speed; the script's
+    own fields in `_extra`. `_text`: its JSON as the rank printed it, which the gather writes again rather than
+    encode the record anew."""
+    __slots__ = (*FIELDS, "_extra", "_text")
+
+    def __init__(self, rec: dict, text: str, node: int, attempt: int, _set=object.__setattr__):
+        extra = None
+        for k, v in rec.items():
+            if k in _FIELDS:
+                _set(self, k, v)
+            elif extra is None:
+                extra = {k: v}
+            else:
+                extra[k] = v
+        if extra is not None:
+            self._extra = extra
+        self.node, self.attempt, self._text = node, attempt, text
+
+    def __getitem__(self, key: str):
+        try:
+            return getattr(self, key) if key in _FIELDS else self._extras()[key]
+        except AttributeError:   # an unset slot
+            raise KeyError(key) from None
+
+    def __contains__(self, key: str) -> bool:
+        return hasattr(self, key) if key in _FIELDS else key in self._extras()
+
+    def _extras(self) -> dict:
+        return getattr(self, "_extra", {})
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
+    def items(self) -> list[tuple[str, object]]:
+        return [(k, getattr(self, k)) for k in FIELDS if hasattr(self, k)] + list(self._extras().items())
+
+    def __eq__(self, other):
+        return dict(self.items()) == (dict(other.items()) if isinstance(other, Record) else other)
+
+    __hash__ = None
+
+
+def read(job_dir: Path) -> list[Record]:
     """The job's metrics lines, each with its node and attempt (the folder's, whatever the line says), in time
     order."""
     out = []
     for attempt, node, log in worker_logs(job_dir):
         with open(log, errors="replace") as f:   # a line at a time: a week's log is not held whole
             for line in f:
-                if (rec := parse(line.rstrip("\n"))) is not None:
-                    rec["node"], rec["attempt"] = node, attempt
-                    out.append(rec)
-    out.sort(key=lambda r: (r["attempt"], r["time"]))
+                if (rec := parse(line)) is not None:
+                    out.append(Record(rec, line[len(PREFIX):].strip(), node, attempt))
+    out.sort(key=lambda r: (r.attempt, r.time))
     return out
 
 
-# the optional fields the report adds up
-NUMBERS = ("loss", "samples_per_s", "comm_seconds", "own_seconds", "samples", "seconds")
-_KEYS = {k: k for k in ("rank", "step", "time", "node", "attempt", *NUMBERS)}
 
 
 INT64 = (-2**63, 2**63)
@@ -104,20 +138,22 @@ def well_formed(rec) -> bool:
     if not number(t) or not math.isfinite(t):
         return False
     for k in NUMBERS:
-        if k in rec and not number(rec[k]):
+        if type(v := rec.get(k, 0.0)) is not float and not number(v):   # most are floats (absent: one)
             return False
     return True
 
 
 def collect(job_dir: Path, recs: list[dict] | None = None) -> Path | None:
-    """Write runs/<job>/metrics.jsonl (complete or absent) from `recs` (default: read them); None when no script
-    printed metrics."""
+    """Write runs/<job>/metrics.jsonl (complete or absent) from `recs` (default: read them), each record's JSON
+    text let go once written; None when no script printed metrics."""
     recs = read(job_dir) if recs is None else recs
     if not recs:
         return None
     with files.atomic(job_dir / "metrics.jsonl") as part, open(part, "w") as f:
         for r in recs:   # a line at a time: never the whole file in memory
-            text = getattr(r, "text", None)   # the rank's own object (never empty: it has a rank), ours added
+            text = getattr(r, "_text", None)   # the rank's own object (never empty: it has a rank), ours added
             f.write(f'{text[:-1]}, "node": {r["node"]}, "attempt": {r["attempt"]}}}\n' if text else
-                    json.dumps(r) + "\n")
+                    json.dumps(dict(r.items())) + "\n")
+            if text:   # written: what reads the records from here on reads their fields (the text was a third)
+                del r._text
     return job_dir / "metrics.jsonl"

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from fleetbox.incontainer import fleetbox_metrics
-from fleetbox.run import metrics
+from fleetbox.run import backends, metrics
 
 
 def test_the_helper_prints_one_line_per_step_with_rank_time_and_scalars(capsys, monkeypatch):
@@ -44,6 +44,9 @@ def test_collect_reads_every_node_worker_and_attempt_in_time_order(tmp_path):
 
 
 def test_slurm_allocations_count_as_attempts_and_no_metrics_writes_nothing(tmp_path):
+    """Slurm's alloc<N> folders are its layout's, which the backends register as every command loads them (run
+    alone, this test once read the job with the default layout only)."""
+    assert backends.lookup("slurm").layout.earlier == "alloc<N>"
     job = tmp_path / "job"
     (job / "alloc1" / "node0").mkdir(parents=True)
     (job / "alloc1" / "node0" / "workerlog.0").write_text(line(0, 0, 1.0))
@@ -83,3 +86,23 @@ def test_a_bad_checkpoint_interval_ends_the_rank_in_one_line(monkeypatch, value)
     assert fleetbox_checkpoint._positive("FLEETBOX_CHECKPOINT_EVERY", 100) == 25
     monkeypatch.delenv("FLEETBOX_CHECKPOINT_EVERY")
     assert fleetbox_checkpoint._positive("FLEETBOX_CHECKPOINT_EVERY", 100) == 100
+
+
+def test_a_record_reads_as_the_line_it_was_in_slots_not_a_dict(tmp_path):
+    """The report holds a long job's records (a million): each in slots, read as the mapping the line was, the
+    script's own fields too; its text let go once the gather wrote it."""
+    line = ('{"rank": 3, "step": 7, "time": 1795797000.5, "loss": 0.25, "samples_per_s": 900.0, "lr": 0.1, '
+            '"phase": "warmup"}')
+    rec = metrics.parse(metrics.PREFIX + line)
+    r = metrics.Record(rec, line, node=1, attempt=2)
+    assert dict(r.items()) == {**rec, "node": 1, "attempt": 2} and r == {**rec, "node": 1, "attempt": 2}
+    assert (r["loss"], r["lr"], r.get("seconds"), r.get("lr"), "loss" in r, "seconds" in r, "_text" in r) == \
+        (0.25, 0.1, None, 0.1, True, False, False)
+    for absent in ("seconds", "nope"):
+        with pytest.raises(KeyError):
+            r[absent]
+    job = tmp_path / "job"
+    job.mkdir()
+    assert metrics.collect(job, [r]).read_text() == line[:-1] + ', "node": 1, "attempt": 2}\n'
+    assert not hasattr(r, "_text") and r["loss"] == 0.25   # written: the text let go, the fields kept
+
