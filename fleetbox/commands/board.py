@@ -187,8 +187,7 @@ def serve(names: str, host: str = "127.0.0.1", port: int = 8040, interval: float
             logs, said = visualdl_logs.Logs(root / "logs"), {}
             runs = {name: visualdl_logs.JobRuns(job_dir, name) for name, job_dir in jobs.items()}
             (root / "logs").mkdir()
-            while refresh(logs, runs, said, log) and any(r.behind for r in runs.values()):
-                pass   # a long job's history, a bounded part at a time, before the server reads it
+            refresh(logs, runs, said, log)   # a long job's history: its first bounded part, then served at once
             server_log, sock = root / "visualdl.log", root / "board.sock"
             with open(server_log, "wb") as out:
                 server = subprocess.Popen(   # werkzeug, VisualDL's server, takes unix://PATH for a Unix socket
@@ -205,11 +204,16 @@ def serve(names: str, host: str = "127.0.0.1", port: int = 8040, interval: float
             if private or host in ("127.0.0.1", "localhost", "::1"):
                 log(f"board: from another machine: ssh -N -L {port}:{sock if private else f'127.0.0.1:{port}'} "
                     f"{socket.gethostname()}, then open http://127.0.0.1:{port}/app/scalar")
+            if behind := any(r.behind for r in runs.values()):
+                log("board: the rest of the history follows while it serves")
             while True:
-                time.sleep(interval)
+                if not behind:   # the rest of a long history, a bounded part at a time, with no wait between
+                    time.sleep(interval)
                 if server.poll() is not None:
                     raise UserError(f"board: VisualDL's server ended (exit {server.returncode}): {_tail(server_log)}")
                 refresh(logs, runs, said, log)
+                if behind and not (behind := any(r.behind for r in runs.values())):
+                    log("board: the whole history is shown")
     except KeyboardInterrupt:
         log("board: stopped")
     finally:

@@ -18,13 +18,13 @@ our helpers).
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import math
 import os
 import re
 import signal
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -132,17 +132,32 @@ STRAGGLER_RATIO = 1.5       # a straggler's own time per step against the other 
 STRAGGLER_FLOOR_S = 0.005   # ... and this much more at least (2 ms against 1 ms is noise, not a straggler)
 
 
-def stragglers(own: dict[int, float]) -> dict[int, float]:
-    """The ranks whose own work per step (seconds: not waiting for their peers) is at least STRAGGLER_RATIO times
-    the other ranks' median and STRAGGLER_FLOOR_S more, with that median: {rank: others' median}. Collective
-    training waits for its slowest rank every step, so every rank's whole step is the straggler's; only the
-    part a rank works on its own tells them apart. Pure."""
-    out = {}
+def median(values) -> float:
+    """statistics.median of numbers, without its generality (the board asks it a million times in a long job's
+    first fill)."""
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def others_medians(own: dict[int, float]) -> dict[int, float]:
+    """Each rank's other ranks' median (none where it is alone), from one sort of them all."""
+    ordered, out = sorted(own.values()), {}
     for r, mine in own.items():
-        others = [t for k, t in own.items() if k != r]
-        if others and mine >= STRAGGLER_RATIO * (m := statistics.median(others)) and mine - m >= STRAGGLER_FLOOR_S:
-            out[r] = m
+        i = bisect.bisect_left(ordered, mine)   # one occurrence of its own value left out
+        rest = ordered[:i] + ordered[i + 1:]
+        if n := len(rest):
+            out[r] = rest[n // 2] if n % 2 else (rest[n // 2 - 1] + rest[n // 2]) / 2
     return out
+
+
+def stragglers(own: dict[int, float], others: dict[int, float] | None = None) -> dict[int, float]:
+    """The ranks whose own work per step (seconds: not waiting for their peers) is at least STRAGGLER_RATIO times
+    the other ranks' median and STRAGGLER_FLOOR_S more, with that median: {rank: others' median} (`others`: each
+    rank's, where known already). Collective training waits for its slowest rank every step, so every rank's whole
+    step is the straggler's; only the part a rank works on its own tells them apart. Pure."""
+    others = others_medians(own) if others is None else others
+    return {r: m for r, m in others.items() if own[r] >= STRAGGLER_RATIO * m and own[r] - m >= STRAGGLER_FLOOR_S}
 
 
 def straggler_line(rank: int, own: float, others: float, ppn: int, steps: int) -> str:

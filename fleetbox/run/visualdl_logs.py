@@ -34,7 +34,6 @@ import functools
 import math
 import os
 import re
-import statistics
 import struct
 import time
 from dataclasses import dataclass, field
@@ -118,6 +117,35 @@ def record(p: Point) -> bytes:
     return _record(p.tag, p.step, p.ms, _FLOAT + _float32(p.value))                    # float value
 
 
+_LENGTH, _SINGLE = struct.Struct("<Q").pack, struct.Struct("<f").pack
+new_point = tuple.__new__   # Point(...) without its Python-level __new__: a long job's board makes millions
+_VALUES = _varint(1 << 3 | 2)   # a Record's values field: its key
+
+
+def encode(points: list[Point]) -> bytes:
+    """The points as records, as record() makes each, in one pass: a run's points come a tag at a time, so each
+    step's and time's fields are made once for all its tags (a long job's first fill writes millions)."""
+    out, when = [], {}
+    for p in points:
+        tag, step, ms, value = p
+        if type(value) is not float:
+            out.append(record(p))
+            continue
+        try:
+            before, after = when[step, ms]
+        except KeyError:
+            before, after = when[step, ms] = ((_STEP + _varint(step) if step else b""),
+                                              (_MS + _varint(ms) if ms else b""))
+        try:
+            one = _SINGLE(value)
+        except OverflowError:   # beyond float32: VisualDL's protobuf stores it as infinity
+            one = _float32(value)
+        v = before + _tag_field(tag) + after + _FLOAT + one
+        rec = _VALUES + _ONE_BYTE[len(v)] + v if len(v) < 128 else _bytes(1, v)
+        out.append(_LENGTH(len(rec)) + rec)
+    return b"".join(out)
+
+
 def display_name(name: str, ms: int) -> bytes:
     """The record VisualDL's LogWriter(display_name=...) starts a file with: the name its run is listed by (else
     the folder's whole path)."""
@@ -142,17 +170,24 @@ def _tag_of(name: str) -> str | None:
     return None if name in FIXED or name in COMPUTED else _tag(RENAMED.get(name, name))
 
 
+_RENAMED_FROM = {to: src for src, to in RENAMED.items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def line_tags(fields: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(field, tag) for each field of a metrics line with these fields that is a scalar on the board: once per
+    shape of line, not once a line (a long job's lines have one or two shapes)."""
+    return tuple((k, tag) for k in fields if (tag := _tag_of(k)) is not None
+                 and not (k in _RENAMED_FROM and _RENAMED_FROM[k] in fields))   # the Meter's step time wins
+
+
 def scalars(rec: dict) -> dict[str, float]:
     """The scalars of one metrics line, by their VisualDL tag (a number no float holds is left out)."""
-    out = {}
-    for k, v in rec.items():
-        if (tag := _tag_of(k)) is None or not metrics.number(v) or \
-                any(k == to and src in rec for src, to in RENAMED.items()):
-            continue   # the Meter's step time over a script's own of the name; a number no float holds
-        out[tag] = float(v)
-    if metrics.number(rec.get("comm_seconds")) and metrics.number(rec.get("seconds")) and rec["seconds"] > 0:
+    out = {tag: float(v) for k, tag in line_tags(tuple(rec)) if type(v := rec[k]) is float or metrics.number(v)}
+    seconds, comm = rec.get("seconds"), rec.get("comm_seconds")
+    if metrics.number(comm) and metrics.number(seconds) and seconds > 0:
         try:
-            out[GROUP + "comm_share"] = float(rec["comm_seconds"] / rec["seconds"])
+            out[GROUP + "comm_share"] = float(comm / seconds)
         except OverflowError:
             pass
     return out
@@ -177,20 +212,19 @@ def mark_stragglers(att: _Attempt, nranks: int) -> list[tuple[int, int, int, boo
     for mine in att.own.values():
         mine.sort(key=lambda e: e[0])   # stable: a step logged twice keeps its order
     keys = {k: [t for t, _, _ in mine] for k, mine in att.own.items()}
-    out = []
+    values = {k: [o for _, o, _ in mine] for k, mine in att.own.items()}
+    n, out = hang.STRAGGLER_STEPS, []
     for s in steps:
         window, ms = {}, {}
         for k, mine in att.own.items():
-            i = bisect.bisect_right(keys[k], s)
-            upto = mine[max(0, i - hang.STRAGGLER_STEPS):i]
-            if len(upto) < hang.STRAGGLER_STEPS:
+            if (i := bisect.bisect_right(keys[k], s)) < n:
                 break
-            window[k], ms[k] = statistics.median(o for _, o, _ in upto), upto[-1][2]
+            window[k], ms[k] = hang.median(values[k][i - n:i]), mine[i - 1][2]
         else:
-            found = hang.stragglers(window)
+            others = hang.others_medians(window)
+            found = hang.stragglers(window, others)
             for k in sorted(window):
-                others = statistics.median([t for j, t in window.items() if j != k])
-                out.append((k, s, ms[k], k in found, window[k], others))
+                out.append((k, s, ms[k], k in found, window[k], others[k]))
     if steps:
         att.done = steps[-1]
         for k, mine in att.own.items():   # keep what later windows can still need
@@ -322,22 +356,31 @@ class JobRuns:
                 add(EVENTS, key, Point(EVENTS, p.step, p.ms, p.value))
 
         new = self._new_lines()
+        places = {}   # (attempt, rank): its attempt and its run's series, found once, not once a line
         for a, rec in new:
-            att = self.attempts.setdefault(a, _Attempt())
-            label, ms = name(a), int(rec["time"] * 1000)
-            if a:
-                event(f"{label}/began", Point(EVENTS, rec["step"], ms, f"{label} began at step {rec['step']}"))
-            att.last = max(att.last, (rec["step"], ms))
-            series, step = runs.setdefault(f"{self.prefix}/{label}/rank{rec['rank']}", {}), rec["step"]
+            rank, step, ms = rec["rank"], rec["step"], int(rec["time"] * 1000)
+            if (place := places.get((a, rank))) is None:
+                att = self.attempts.get(a) or self.attempts.setdefault(a, _Attempt())
+                place = places[a, rank] = (att, runs.setdefault(f"{self.prefix}/{name(a)}/rank{rank}", {}))
+            att, series = place
+            if a and f"{name(a)}/began" not in self.said:
+                event(f"{name(a)}/began", Point(EVENTS, step, ms, f"{name(a)} began at step {step}"))
+            if (step, ms) > att.last:
+                att.last = (step, ms)
             for tag, v in scalars(rec).items():   # a line's run named once, not once a scalar
-                series.setdefault(tag, []).append(Point(tag, step, ms, v))
+                if (points := series.get(tag)) is None:
+                    points = series[tag] = []
+                points.append(new_point(Point, (tag, step, ms, v)))
             own = rec.get("own_seconds")
-            if metrics.number(own) and math.isfinite(own) and own >= 0:
-                att.own.setdefault(rec["rank"], []).append((rec["step"], float(own), ms))
+            if type(own) is float and 0 <= own < math.inf or metrics.number(own) and math.isfinite(own) and own >= 0:
+                att.own.setdefault(rank, []).append((step, float(own), ms))
+        straggler = GROUP + "straggler"
         for a, att in sorted(self.attempts.items()):
-            label = name(a)
+            label, marks = name(a), {}
             for k, s, ms, straggles, own, others in mark_stragglers(att, nranks):
-                add(f"{label}/rank{k}", GROUP + "straggler", Point(GROUP + "straggler", s, ms, float(straggles)))
+                if (at := marks.get(k)) is None:
+                    at = marks[k] = runs.setdefault(f"{self.prefix}/{label}/rank{k}", {}).setdefault(straggler, [])
+                at.append(new_point(Point, (straggler, s, ms, float(straggles))))
                 if straggles and k not in att.flagged:
                     att.flagged.add(k)
                     event(f"{label}/straggler/rank{k}", Point(EVENTS, s, ms, f"from step {s}: " + hang.straggler_line(
@@ -398,7 +441,7 @@ class Logs:
         for run in sorted(set(runs) | set(self.pending)):
             points = [p for ps in runs.get(run, {}).values() for p in ps]
             left, n = self.pending.pop(run, (b"", 0))
-            data, n = left + b"".join(record(p) for p in points), n + len(points)
+            data, n = left + encode(points), n + len(points)
             if not data:
                 continue
             try:

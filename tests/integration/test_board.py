@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetbox.run import visualdl_logs
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.integration.browser import Browser
 
@@ -207,15 +208,19 @@ def board_pids(port: int) -> list[int]:
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_a_stopped_or_killed_board_takes_its_server_with_it(tmp_path, how):
-    """...and (SIGHUP's case) a --private board serves on a socket in a folder only its user can open, no port."""
-    private = how == signal.SIGHUP
+    """...and (SIGHUP's case) a --private board serves on a socket in a folder only its user can open, no port;
+    (SIGTERM's) a history longer than one read (READ_LIMIT) is served from its first part, the rest caught up on
+    while it serves."""
+    private, long = how == signal.SIGHUP, how == signal.SIGTERM
     runs = tmp_path / "runs"
     (runs / "j" / "node0").mkdir(parents=True)
     (runs / "j" / "handle.json").write_text("{}")
     (runs / "j" / "job.json").write_text(json.dumps({"backend": "docker", "nodes": 1, "procs_per_node": 1}))
+    steps = 80_000 if long else 5   # 80,000 lines: 5.3 MB, beyond one read of a log
     (runs / "j" / "node0" / "workerlog.0").write_text(
         "".join('FLEETBOX-METRIC {"rank": 0, "step": %d, "time": %d.5, "loss": 1.0}\n' % (s, 1000 + s)
-                for s in range(5)))
+                for s in range(steps)))
+    assert (os.path.getsize(runs / "j" / "node0" / "workerlog.0") > visualdl_logs.READ_LIMIT) == long
     port, boards_before = free_port(), set(Path(tempfile.gettempdir()).glob("fleetbox-board-*"))
     board = subprocess.Popen([sys.executable, "-m", "invoke", "board", "j", "--port", str(port),
                               *(["--private"] if private else [])], cwd=ROOT,
@@ -238,6 +243,13 @@ def test_a_stopped_or_killed_board_takes_its_server_with_it(tmp_path, how):
             with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
                 pass   # and on no port
             assert f"ssh -N -L {port}:{sock} " in board.stdout.readline()
+        if long:   # served on the history's first part: the rest comes into the run VisualDL reads meanwhile
+            (written,) = (set(Path(tempfile.gettempdir()).glob("fleetbox-board-*")) - boards_before)
+            (records,) = written.glob("logs/j/attempt0/rank0/vdlrecords.*.log")
+            deadline = time.monotonic() + 60
+            while len(file_scalars(records, "train/loss")) < steps:
+                assert time.monotonic() < deadline, len(file_scalars(records, "train/loss"))
+                time.sleep(0.5)
         board.send_signal(how)
         board.wait(30)
         deadline = time.monotonic() + 15
@@ -248,7 +260,11 @@ def test_a_stopped_or_killed_board_takes_its_server_with_it(tmp_path, how):
         if how == signal.SIGKILL:   # nothing of ours runs after SIGKILL: only the server is stopped, by Linux
             assert board.returncode == -signal.SIGKILL
         else:
-            assert board.returncode == 0 and "board: stopped" in board.stdout.read() and not left
+            after = board.stdout.read()
+            assert board.returncode == 0 and "board: stopped" in after and not left
+            caught_up = ("board: the rest of the history follows while it serves\nboard: the whole history is "
+                         "shown\n")
+            assert (caught_up in after) == long, lines + [after]
     finally:
         if board.poll() is None:
             board.kill()
