@@ -5,9 +5,9 @@
 #  - else --nv, which binds the driver libraries the node's loader knows.
 # ldconfig is in /sbin, which a user's PATH may lack (Apptainer runs /sbin/ldconfig itself). grep reads the whole
 # cache: under pipefail, `grep -q` would cut ldconfig off and fail the test.
-GPU_ARGS=(--nv)
+GPU_ARGS=(--nv); TAKES_CDI=@TAKES_CDI@; TAKES_NVCCLI=@TAKES_NVCCLI@
 RT_VERSION=$(@RUNTIME@ --version 2>/dev/null | grep -oE '[0-9]+\.[0-9]+(\.[0-9]+)?' | head -n 1 || true)
-if [ @RUNTIME@ = apptainer ] && [ -n "$RT_VERSION" ] \
+if $TAKES_CDI && [ -n "$RT_VERSION" ] \
     && [ "$(printf '1.5\n%s\n' "$RT_VERSION" | sort -V | head -n 1)" = 1.5 ] \
     && command -v nvidia-ctk >/dev/null 2>&1 && CDI=$(nvidia-ctk cdi list 2>/dev/null); then
   NAMED=(); for g in ${GPUS//,/ }; do grep -xF "nvidia.com/gpu=$g" <<<"$CDI" >/dev/null && NAMED+=(--device "nvidia.com/gpu=$g"); done
@@ -16,7 +16,7 @@ fi
 if [ "${GPU_ARGS[0]}" = --device ]; then
   echo "@SAYS@GPU prerequisite: a CDI spec names nvidia.com/gpu=${GPUS//,/, nvidia.com/gpu=} (@RUNTIME@ $RT_VERSION --device, CDI)"
 else
-  if [ @RUNTIME@ = singularity ] && command -v nvidia-container-cli >/dev/null 2>&1; then GPU_ARGS=(--nv --nvccli); fi
+  if $TAKES_NVCCLI && command -v nvidia-container-cli >/dev/null 2>&1; then GPU_ARGS=(--nv --nvccli); fi
   LDCONFIG=$(command -v ldconfig || { for l in /sbin/ldconfig /usr/sbin/ldconfig; do [ -x "$l" ] && echo "$l" && break; done; } || true)
   if [ -z "$LDCONFIG" ]; then
     echo "@SAYS@GPU prerequisite: not checked (no ldconfig here to list the driver's libraries; @RUNTIME@ ${GPU_ARGS[*]})"
