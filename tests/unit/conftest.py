@@ -6,15 +6,11 @@ import sys
 import pytest
 
 # Records argv and environment as JSON; for pyxis the node script itself runs inside the container, so the
-# same stub stands in for `python` (the route probe answers "lo 127.0.0.1", the launcher records). `--version`
-# answers what the test set, and is not recorded.
+# same stub stands in for `python` (the route probe answers "lo 127.0.0.1", the launcher records).
 STUB = r'''#!{py}
 import json, os, sys
 if sys.argv[1:2] == ["-c"]:
     print("lo 127.0.0.1")
-    sys.exit(0)
-if sys.argv[1:] == ["--version"]:   # as the test gives it (STUB_VERSION_<tool>); none: an old runtime's silence
-    print(os.environ.get("STUB_VERSION_" + os.path.basename(sys.argv[0]), ""))
     sys.exit(0)
 with open(os.environ["STUB_OUT"], "a") as f:
     f.write(json.dumps({{"tool": os.path.basename(sys.argv[0]), "argv": sys.argv[1:], "env": dict(os.environ)}}) + "\n")

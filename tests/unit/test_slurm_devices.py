@@ -33,7 +33,7 @@ RECORDED = ROOT / "tests" / "recorded" / "gpu-node"
 DRIVER = "575.51.03"   # the driver of the recorded ldconfig line
 
 
-def gpu_node(stubs, cdi="nvidia-ctk-cdi-list__1.17.8.txt", hook=True, libcuda=True, task_uuids=(), nvccli=False):
+def gpu_node(stubs, cdi="nvidia-ctk-cdi-list__1.17.8.txt", hook=True, libcuda=True, task_uuids=()):
     """The node's NVIDIA tools as stubs answering what real ones answered: nvidia-ctk's CDI list (its count on
     stderr, the names on stdout, as list.go prints them), the toolkit's hook, the loader's cache, the driver."""
     def tool(name, text):
@@ -45,8 +45,6 @@ def gpu_node(stubs, cdi="nvidia-ctk-cdi-list__1.17.8.txt", hook=True, libcuda=Tr
              "".join(f"echo '{ln}'\n" for ln in said[1:]))
     if hook:
         tool("nvidia-container-runtime-hook", "#!/bin/sh\nexit 0\n")
-    if nvccli:   # libnvidia-container's CLI, which SingularityCE's --nvccli runs
-        tool("nvidia-container-cli", "#!/bin/sh\nexit 0\n")
     lines = RECORDED.joinpath("ldconfig-p-libcuda__575.51.03.txt").read_text() if libcuda else ""
     tool("ldconfig", f"#!/bin/sh\nprintf '%s' '{lines}'\n")
     uuids = "".join(f"echo {u}\n" for u in task_uuids)
@@ -223,39 +221,6 @@ def test_a_missing_prerequisite_stops_the_node_in_one_line_before_its_container_
     log = tmp_path / "node1.log"
     log.write_text(proc.stderr)
     assert slurm.node_said(log) == said and 5 in slurm.NODE_EXITS
-
-
-@pytest.mark.parametrize("runtime,version,setup,given,said", [
-    ("apptainer", "apptainer version 1.5.0", {}, ["--device", "nvidia.com/gpu=1", "--device", "nvidia.com/gpu=3"],
-     "a CDI spec names nvidia.com/gpu=1, nvidia.com/gpu=3 (apptainer 1.5.0 --device, CDI)"),
-    # the spec names GPUs 0 to 3, the task was given 3 and 5: not every one by CDI, so none
-    ("apptainer", "apptainer version 1.5.0", dict(task="3,5"), ["--nv"],
-     "the node's driver libraries (apptainer --nv)"),
-    # no spec names the allocated GPUs (an empty list): --nv, as before 1.5
-    ("apptainer", "apptainer version 1.5.0", dict(cdi="nvidia-ctk-cdi-list-empty.txt"), ["--nv"],
-     "the node's driver libraries (apptainer --nv)"),
-    ("apptainer", "apptainer version 1.4.5-1.el8", {}, ["--nv"], "the node's driver libraries (apptainer --nv)"),
-    ("singularity", "singularity-ce version 4.3.1", dict(nvccli=True), ["--nv", "--nvccli"],
-     "the node's driver libraries (singularity --nv --nvccli)"),
-    ("singularity", "singularity-ce version 4.3.1", {}, ["--nv"], "the node's driver libraries (singularity --nv)"),
-])
-def test_apptainer_and_singularity_give_the_gpus_the_newest_way_the_node_has_and_say_which(
-        runtime, version, setup, given, said, stubs, tmp_path, monkeypatch):
-    """Apptainer 1.5's CDI devices where the node's CDI specs name the allocated GPUs, SingularityCE's --nvccli
-    where NVIDIA's CLI is installed, --nv otherwise: chosen on each node, and the line doctor makes its row of."""
-    from fleetbox.commands import checks
-    setup = dict(setup)
-    task = {**TASK, "SLURM_STEP_GPUS": setup.pop("task", TASK["SLURM_STEP_GPUS"]), f"STUB_VERSION_{runtime}": version}
-    gpu_node(stubs, **setup)
-    node = node_script("cu126", runtime, tmp_path, monkeypatch)
-    proc, calls = run_node(node, stubs, tmp_path, task)
-    assert proc.returncode == 0, proc.stderr
-    argv, env = the_call(calls, runtime)
-    i = argv.index("--pwd") + 2   # the GPUs' words, then the binds
-    assert argv[i:i + len(given)] == given and argv[i + len(given)] == "--bind", argv
-    assert env[f"{runtime.upper()}ENV_CUDA_VISIBLE_DEVICES"] == "0,1"   # the task's own, as with --nv
-    (row,) = checks.prerequisite_rows({1: proc.stdout + proc.stderr}, 2)
-    assert (row.ok, row.value) == (True, said)
 
 
 def test_runtimes_without_a_node_side_prerequisite_check_none(stubs, tmp_path, monkeypatch):

@@ -117,7 +117,6 @@ class Runtime:
     gpu_check = ""   # the shell template (shell/gpu_*.sh) that checks this runtime's NVIDIA prerequisite; "": none
                      # (the node script runs in the container, or there is none)
     no_driver_fix = ""   # what gives its container the node's NVIDIA driver: doctor's fix where one has none
-    gpu_check_fields: dict[str, str] = {}   # what else its template is filled with
 
     def gpu_prerequisite(self, accelerator: str, image: str) -> list:
         """Node-script lines (ours), after the allocation ($GPUS), that check what this runtime needs on the node
@@ -125,7 +124,7 @@ class Runtime:
         there, else one line naming the node and what to do, and exit 5 (invoke doctor makes a row of either)."""
         if accelerator != "cuda" or not self.gpu_check:
             return []
-        check = template(self.gpu_check, RUNTIME=self.name, **self.gpu_check_fields)
+        check = template(self.gpu_check, RUNTIME=self.name)
         return [Raw(f"GPU_IMAGE={shlex.quote(image)}")] * ("$GPU_IMAGE" in check) + [check]   # where it reads it
 
     def for_allocation(self, n: NodeRun) -> NodeRun:
@@ -312,13 +311,12 @@ class Apptainer(Runtime):
     # Environment goes in as APPTAINERENV_<NAME> (--env splits on commas); whether Apptainer then expands
     # `$` or drops quotes we could not run here to see, so such values are refused rather than guessed.
     unverified_env = "$`\\\"'\n"
-    gpu_check = "gpu_apptainer.sh"   # it chooses how the GPUs are given (GPU_ARGS: CDI, --nvccli or --nv)
-    gpu_check_fields = {"TAKES_CDI": "true", "TAKES_NVCCLI": "false"}   # CDI devices from Apptainer 1.5 on
+    gpu_check = "gpu_driver_libraries.sh"
     no_driver_fix = "check the node's driver install: apptainer --nv binds the libraries the node's loader knows"
 
     def launch(self, n, image, extra=()):
         a = [self.command, "exec", "--cleanenv", "--pwd", WORKDIR]
-        a += {"cuda": [Raw('"${GPU_ARGS[@]}"')], "rocm": ["--rocm"]}.get(n.accelerator, [])
+        a += {"cuda": ["--nv"], "rocm": ["--rocm"]}.get(n.accelerator, [])
         for m in n.mounts:
             a += ["--bind", f"{m.src}:{m.dst}:{'ro' if m.ro else 'rw'}"]
         return a + [*extra, image, *n.command]
@@ -365,7 +363,6 @@ class Singularity(Apptainer):
     name = "singularity"
     command = "singularity"
     env_prefix = "SINGULARITYENV_"
-    gpu_check_fields = {"TAKES_CDI": "false", "TAKES_NVCCLI": "true"}   # CDI only in its --oci mode; --nvccli
     no_driver_fix = "check the node's driver install: singularity --nv binds the libraries the node's loader knows"
 
 
