@@ -169,11 +169,11 @@ def _log(msg):
                             "resolve Paddle from instead; the lock names where each wheel came from",
             "out": "write the lock here instead of images/locks/<variant>.lock"})
 @_fleetbox
-def lock(c, variant=None, upgrade=False, paddle_index="", out=""):
+def lock(c, variant=None, upgrade=False, paddle_index=None, out=None):
     """Resolve the variant's pins across PyPI and Paddle's index into images/locks/<variant>.lock (sha256)."""
     from fleetbox.image import locks
     v = _variant(variant)
-    path = locks.make(v, Path(out) if out else None, upgrade=upgrade, paddle_index=paddle_index)
+    path = locks.make(v, Path(out) if out else None, upgrade=upgrade, paddle_index=paddle_index or "")
     entries = locks.parse(path.read_text())
     _log(f"wrote {path} ({len(entries)} packages, sha256 hashes, Python {v.python_version}, {v.platform})")
 

@@ -204,16 +204,20 @@ def serve(names: str, host: str = "127.0.0.1", port: int = 8040, interval: float
             if private or host in ("127.0.0.1", "localhost", "::1"):
                 log(f"board: from another machine: ssh -N -L {port}:{sock if private else f'127.0.0.1:{port}'} "
                     f"{socket.gethostname()}, then open http://127.0.0.1:{port}/app/scalar")
-            if behind := any(r.behind for r in runs.values()):
+            if catching := any(r.behind for r in runs.values()):
                 log("board: the rest of the history follows while it serves")
+            wait = not catching
             while True:
-                if not behind:   # the rest of a long history, a bounded part at a time, with no wait between
+                if wait:   # the rest of a long history comes a bounded part at a time, with no wait between
                     time.sleep(interval)
                 if server.poll() is not None:
                     raise UserError(f"board: VisualDL's server ended (exit {server.returncode}): {_tail(server_log)}")
-                refresh(logs, runs, said, log)
-                if behind and not (behind := any(r.behind for r in runs.values())):
+                gained = refresh(logs, runs, said, log)
+                behind = any(r.behind for r in runs.values())
+                if catching and not behind:
                     log("board: the whole history is shown")
+                    catching = False
+                wait = not (behind and gained)   # a job that cannot be read now waits, as on every refresh
     except KeyboardInterrupt:
         log("board: stopped")
     finally:

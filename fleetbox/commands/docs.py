@@ -106,10 +106,11 @@ def matrix_page() -> str:
                    f"{driver} | {lock} |")
     out += ["", "## Which GPUs each CUDA variant runs on", "",
             "Measured from the variant's Paddle wheel by `invoke wheels` (its libraries' fat binaries: the SASS and "
-            "PTX of every one of Paddle's own kernels), or, for a variant not measured yet, what Paddle publishes "
+            "PTX that Paddle's build gave its own kernels, what most of them hold; the few linked in from projects "
+            "built otherwise are counted apart), or, for a variant not measured yet, what Paddle publishes "
             "for its CUDA. A GPU runs SASS of its own major version and a minor no newer (sm_80 runs on an 8.6 "
             "card, none on a 9.0 one); PTX is compiled by the driver at the first start. `invoke doctor` holds "
-            "each node's GPUs to it.", "",
+            "each node's GPUs to a measured list, and says where a published one leaves a GPU out.", "",
             "| variant | SASS | runs on | through PTX only | not on | how it is known |", "|---|---|---|---|---|---|"]
     for v in m.variants.values():
         if v.device == "cuda":

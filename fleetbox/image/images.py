@@ -175,7 +175,9 @@ def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, r
 def recipe(variant: Variant, split: list, entries: list) -> str:
     """What the image is made from besides the lock and base: the layer split and each layer's script."""
     return json.dumps({"layers": [(x.name, x.script, [e.name for e in x.entries]) for x in split],
-                       "settings": layers.changes(variant, [], {}), "freeze": freeze(entries), "mount": layers.MOUNT})
+                       "settings": layers.changes(variant, [], {}), "freeze": freeze(entries), "mount": layers.MOUNT,
+                       # the GPUs label: a wheel measured since the last build is a new image, not a stale label
+                       **({"gpus": k.label()} if (k := kernels.load(variant)) else {})})
 
 
 # The labels that differ by machine or commit: a rendered Dockerfile takes them as build arguments

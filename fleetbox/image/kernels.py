@@ -22,6 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+
 from fleetbox import files
 from fleetbox.data import fetch
 from fleetbox.errors import UserError
@@ -40,10 +42,18 @@ GPUS = {"6.0": "P100", "6.1": "P40/GTX 10", "7.0": "V100", "7.5": "T4/RTX 20", "
         "12.0": "RTX 50/RTX PRO 6000"}
 
 
+def capability(text: str) -> tuple[int, int] | None:
+    """"8.6" -> (8, 6); None for what is not one ("[N/A]")."""
+    m = re.fullmatch(r"(\d+)\.(\d+)", text.strip())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def arch(text: str) -> tuple[int, int]:
-    """"8.6" -> (8, 6)."""
-    major, _, minor = text.partition(".")
-    return int(major), int(minor)
+    """A compute capability fleetbox wrote itself ("8.6", checked where it was read) as (8, 6)."""
+    return capability(text)
+
+
+IMAGE = re.compile(r"(sass|ptx) (\d+\.\d+)")   # a kernel image as the record keeps it
 
 
 def fatbins(path: Path) -> Counter:
@@ -55,7 +65,10 @@ def fatbins(path: Path) -> Counter:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             pos = m.find(MAGIC)
             while pos != -1 and pos + 16 <= len(m):
-                header_size, size = struct.unpack_from("<HQ", m, pos + 6)
+                version, header_size, size = struct.unpack_from("<HHQ", m, pos + 4)
+                if (version, header_size) != (1, 16):   # four bytes that only look like the magic
+                    pos = m.find(MAGIC, pos + 4)
+                    continue
                 p, end, images = pos + header_size, min(pos + header_size + size, len(m)), set()
                 while p + 32 <= end:
                     kind, _, entry_size, payload = struct.unpack_from("<HHIQ", m, p)
@@ -163,9 +176,19 @@ class Kernels:
 
     @classmethod
     def of_json(cls, data: dict) -> Kernels:
-        libs = {p: Counter({frozenset(tuple(i.split(" ", 1)) for i in e["images"]): int(e["count"]) for e in entries})
-                for p, entries in data["libraries"].items()}
-        return cls(libs, str(data["wheel"]), str(data["sha256"]))
+        """The record as as_json() wrote it; ValueError for anything else (an edit, another version's)."""
+        libs = {}
+        for p, entries in data["libraries"].items():
+            libs[p] = Counter()
+            for e in entries:
+                images = [IMAGE.fullmatch(i) for i in e["images"]]
+                if not all(images) or type(e["count"]) is not int or e["count"] < 1:
+                    raise ValueError(f"{p}: {e}")
+                libs[p][frozenset(m.groups() for m in images)] += e["count"]
+        k = cls(libs, str(data["wheel"]), str(data["sha256"]))
+        if not k.build:
+            raise ValueError("no kernel of Paddle's own in it")
+        return k
 
 
 def measure(wheel: Path, log=print) -> Kernels:
@@ -192,7 +215,7 @@ def record_path(variant: Variant) -> Path:
 
 
 def paddle_entry(variant: Variant, entries) -> locks.Locked:
-    return next(e for e in entries if e.name.lower().replace("_", "-") == variant.paddle_name.lower())
+    return next(e for e in entries if canonicalize_name(e.name) == canonicalize_name(variant.paddle_name))
 
 
 def load(variant: Variant) -> Kernels | None:
@@ -222,11 +245,14 @@ def ensure(variant: Variant, wheelhouse: Path, log=print) -> Kernels | None:
     known = load(variant)
     if known is not None and known.measured and known.sha256 in entry.hashes:
         return known
-    wheel = next((p for p in sorted(wheelhouse.glob("*.whl")) if p.name.lower().startswith(
-        entry.name.lower().replace("-", "_") + "-") and fetch.file_digest(p) in entry.hashes), None)
+    wheel = next((p for p in sorted(wheelhouse.glob("*.whl")) if canonicalize_name(p.name.split("-")[0]) ==
+                  canonicalize_name(entry.name) and fetch.file_digest(p) in entry.hashes), None)
     if wheel is None:
         raise UserError(f"wheelhouse {wheelhouse} has no {entry.name} wheel of the lock to measure")
     k = measure(wheel, log)
+    if not k.build:
+        raise UserError(f"{wheel.name} holds no GPU kernel of Paddle's own (no fat binary in libpaddle, libphi or "
+                        f"libcommon): not a CUDA build of Paddle?")
     files.write_json(record_path(variant), k.as_json())
     log(f"{record_path(variant).name}: {k.said()}")
     return k

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,7 +142,10 @@ def median(values) -> float:
 
 
 def others_medians(own: dict[int, float]) -> dict[int, float]:
-    """Each rank's other ranks' median (none where it is alone), from one sort of them all."""
+    """Each rank's other ranks' median (none where it is alone), from one sort of them all (a NaN, which no sort
+    places, the slow way)."""
+    if any(v != v for v in own.values()):
+        return {r: statistics.median([t for k, t in own.items() if k != r]) for r in own if len(own) > 1}
     ordered, out = sorted(own.values()), {}
     for r, mine in own.items():
         i = bisect.bisect_left(ordered, mine)   # one occurrence of its own value left out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 from fleetbox import files
@@ -50,7 +51,7 @@ FIELDS = ("rank", "step", "time", "node", "attempt", *NUMBERS)   # what a Record
 _FIELDS = frozenset(FIELDS)
 
 
-class Record:
+class Record(Mapping):
     """A metrics record as the report holds a long job's (a million): its fields in slots, where a dict each was
     most of the report's memory, read as a mapping (r["loss"], "loss" in r, r.get) at attribute speed; the script's
     own fields in `_extra`. `_text`: its JSON as the rank printed it, which the gather writes again rather than
@@ -88,13 +89,19 @@ class Record:
     def items(self) -> list[tuple[str, object]]:
         return [(k, getattr(self, k)) for k in FIELDS if hasattr(self, k)] + list(self._extras().items())
 
+    def __iter__(self):
+        return (k for k, _ in self.items())
+
+    def __len__(self) -> int:
+        return len(self.items())
+
     def __eq__(self, other):
-        return dict(self.items()) == (dict(other.items()) if isinstance(other, Record) else other)
+        return dict(self.items()) == (dict(other.items()) if isinstance(other, Mapping) else other)
 
     __hash__ = None
 
 
-def read(job_dir: Path) -> list[Record]:
+def read(job_dir: Path) -> list[Record]:   # each a Mapping, as the dicts it was
     """The job's metrics lines, each with its node and attempt (the folder's, whatever the line says), in time
     order."""
     out = []

@@ -83,10 +83,12 @@ def _bytes(field: int, data: bytes) -> bytes:
 _STEP, _MS, _FLOAT = _varint(1 << 3), _varint(3 << 3), _varint(4 << 3 | 5)   # the keys of a Value's fields
 
 
-@functools.lru_cache(maxsize=64)
-def _when(step: int, ms: int) -> tuple[bytes, bytes]:
+def _step_and_time(step: int, ms: int) -> tuple[bytes, bytes]:
     """A Value's step and time fields (a zero one left out), once for the scalars of one line."""
     return (_STEP + _varint(step) if step else b""), (_MS + _varint(ms) if ms else b"")
+
+
+_when = functools.lru_cache(maxsize=64)(_step_and_time)   # once for the scalars of one line
 
 
 @functools.lru_cache(maxsize=4096)
@@ -134,8 +136,7 @@ def encode(points: list[Point]) -> bytes:
         try:
             before, after = when[step, ms]
         except KeyError:
-            before, after = when[step, ms] = ((_STEP + _varint(step) if step else b""),
-                                              (_MS + _varint(ms) if ms else b""))
+            before, after = when[step, ms] = _step_and_time(step, ms)
         try:
             one = _SINGLE(value)
         except OverflowError:   # beyond float32: VisualDL's protobuf stores it as infinity

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import invoke
+from tests.integration.test_hangs import HANG_S
 from tests.integration.test_train import job_containers, summary_of
 from tests.unit.test_cli import one_line_error
 
@@ -55,7 +56,7 @@ def test_a_spawned_rank_that_fails_stops_the_script_and_is_named(cpu_image):
 
 
 def test_a_stuck_spawned_rank_is_named_from_its_stacks(cpu_image):
-    proc = invoke("train", *SPAWN, "--hang-timeout", "10", "--args", "--steps 30 --hang-rank 1 --hang-step 10")
+    proc = invoke("train", *SPAWN, "--hang-timeout", str(HANG_S), "--args", "--steps 30 --hang-rank 1 --hang-step 10")
     one_line_error(proc, "train failed: node0 (rank 1) hung: no progress since step 10",
                    "in `load_batch_that_never_returns` (smoke.py:", "rank 0 waiting in `fused_allreduce_gradients`",
                    job_output=True)

@@ -67,7 +67,7 @@ def lock(*args, timeout=600):
 def test_the_paddle_3_gpu_lock_pins_and_hashes_every_nvidia_package_from_an_index_laid_out_as_paddles(
         variant, tmp_path):
     v = matrix.load().get(variant)
-    cuda = v.accel["cuda"]
+    cuda, before = v.accel["cuda"], locks_here()
     name, wheel = stand_in(v.paddle_version, paddle_requires() + [r + LINUX for r in NVIDIA[cuda]])
     root = tmp_path / "index"
     page = root / "packages" / "stable" / f"cu{cuda.replace('.', '')}" / "paddlepaddle-gpu"
@@ -95,12 +95,18 @@ def test_the_paddle_3_gpu_lock_pins_and_hashes_every_nvidia_package_from_an_inde
         e = entries[pkg]
         assert (e.version, e.index) == (version, v.pypi) and e.hashes, e
         assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in e.hashes)
-    assert not (ROOT / "images" / "locks" / f"{variant}.lock").exists()   # the stand-in's lock is never the real one
+    assert locks_here() == before   # the stand-in's lock is never the checkout's
 
 
 def test_the_lock_without_paddles_index_is_one_line():
     """This machine reaches PyPI and not Paddle's index: the same command, as the GPU guide gives it."""
+    before = locks_here()
     proc = lock("--variant", "cu126", timeout=120)
     one_line_error(proc, "cannot reach https://www.paddlepaddle.org.cn/packages/stable/cu126/ (",
                    "); run `invoke lock` where it is reachable and commit the lock")
-    assert not (ROOT / "images" / "locks" / "cu126.lock").exists()
+    assert locks_here() == before
+
+
+def locks_here() -> dict[str, bytes]:
+    """The checkout's locks and records, as they are."""
+    return {p.name: p.read_bytes() for p in (ROOT / "images" / "locks").iterdir()}

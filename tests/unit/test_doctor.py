@@ -13,7 +13,7 @@ import pytest
 
 from fleetbox import settings
 from fleetbox.commands import checks, doctor
-from fleetbox.image import matrix
+from fleetbox.image import kernels, matrix
 from fleetbox.image.kernels import Kernels
 from fleetbox.incontainer import fleetbox_doctor
 from fleetbox.run import backends
@@ -308,6 +308,14 @@ def test_each_gpus_compute_capability_against_the_kernels_measured_from_the_whee
     if instead:
         assert row.fix == (f"GPU 0 ({name}, compute capability {cap}): the cu118-pypi wheel has no kernels for it "
                            f"(built for 6.1, 7.0, 7.5, 8.0, 8.6); Paddle stops at its first GPU kernel: {instead}")
+    # what Paddle publishes (not measured) may leave out what its wheel has: said, not failed
+    cu129 = matrix.load().get("cu129")
+    rows = rows_of(gpu_facts({"rc": 0, "out": out, "err": "", "fields": list(fleetbox_doctor.GPU_FIELDS)}),
+                   **{**cu118_pypi(), "variant": "cu129", "kernels": kernels.load(cu129)})
+    row = next(r for r in rows if r.node == "node0" and r.check == "compute capability")
+    assert row.ok and row.threshold.endswith(" (the wheel's kernels, published)")
+    assert row.value.endswith("; 10.0 is not among the architectures Paddle publishes for cu129 (`invoke wheels` "
+                              "measures its wheel)") == (cap == "10.0"), row.value
     # a variant nobody has measured or published: said, not failed
     rows = rows_of(gpu_facts({"rc": 0, "out": out, "err": "", "fields": list(fleetbox_doctor.GPU_FIELDS)}),
                    device="cuda", variant="cu118")

@@ -118,3 +118,27 @@ def test_the_record_counts_only_for_the_wheel_the_lock_allows_else_the_published
     (tmp_path / "cu126.kernels.json").write_text("{damaged")
     assert not kernels.load(locked).measured
     assert kernels.load(matrix.load().get("cpu")) is None
+
+
+def test_four_bytes_that_only_look_like_the_magic_are_passed_over(tmp_path):
+    """A stray 0xBA55ED50 (not version 1, a 16-byte header) claiming a terabyte is not a fat binary."""
+    lib = tmp_path / "libphi.so"
+    stray = kernels.MAGIC + struct.pack("<HHQ", 7, 99, 1 << 40)
+    lib.write_bytes(library(stray, fatbin(*COMMON), fatbin(*COMMON)))
+    assert sum(kernels.fatbins(lib).values()) == 2
+
+
+@pytest.mark.parametrize("damage", [{"images": ["sass 8.0 x"], "count": 1}, {"images": ["sass8.0"], "count": 1},
+                                    {"images": ["sass 8"], "count": 1}, {"images": ["sass 8.0"], "count": 0},
+                                    {"images": ["sass 8.0"], "count": "3"}])
+def test_a_record_edited_or_of_no_paddle_kernel_is_not_read_and_doctor_holds_nothing_to_it(locked, tmp_path, damage):
+    k = measured([fatbin(*COMMON)])
+    data = {**k.as_json(), "sha256": "a" * 64}
+    data["libraries"]["paddle/base/libpaddle.so"].append(damage)
+    kernels.files.write_json(tmp_path / "cu126.kernels.json", data)
+    assert not kernels.load(locked).measured   # the published list instead: never a traceback in build or doctor
+    flash_only = {"wheel": "w.whl", "sha256": "a" * 64, "libraries": {"paddle/libs/libflashattn.so": [
+        {"images": ["sass 8.0"], "count": 3}]}}
+    kernels.files.write_json(tmp_path / "cu126.kernels.json", flash_only)
+    assert not kernels.load(locked).measured
+
