@@ -232,10 +232,10 @@ def check_capability(node: str, gpus: list[dict], e: Expect) -> list[Row]:
     if not bad:
         return [Row(node, "compute capability", True, seen, want)]
     cc = bad[0][2]
-    others = [name + ("" if o.measured else " (published)") for name, o in e.instead if o.how(cc) == "native"]
     if not k.measured:   # what Paddle publishes may leave out what its wheel has: said, not failed
         return [Row(node, "compute capability", True, f"{seen}; {cc} is not among the architectures Paddle publishes "
                     f"for {e.variant} (`invoke wheels` measures its wheel)", want)]
+    others = [name + ("" if o.measured else " (published)") for name, o in e.instead if o.how(cc) == "native"]
     return [Row(node, "compute capability", False, seen, want,
                 f"GPU {', '.join(str(i) for i, _, _ in bad)} ({bad[0][1]}, compute capability {cc}): the "
                 f"{e.variant} wheel has no kernels for it (built for {', '.join(k.architectures)}); Paddle stops at "

@@ -11,6 +11,7 @@ Paddle publishes for its CUDA (matrix.toml's published_capabilities), said as pu
 
 from __future__ import annotations
 
+import functools
 import mmap
 import re
 import shutil
@@ -48,11 +49,6 @@ def capability(text: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def arch(text: str) -> tuple[int, int]:
-    """A compute capability fleetbox wrote itself ("8.6", checked where it was read) as (8, 6)."""
-    return capability(text)
-
-
 IMAGE = re.compile(r"(sass|ptx) (\d+\.\d+)")   # a kernel image as the record keeps it
 
 
@@ -88,9 +84,9 @@ def runs(images, gpu: tuple[int, int]) -> str:
     """How a GPU of compute capability `gpu` runs one fat binary's kernel: "native" (a SASS image of its major
     version and a minor no newer: CUDA's binary compatibility, sm_80 runs on 8.6, not on 9.0), "ptx" (compiled
     from PTX of an architecture no newer, by the driver at first use), or "" (not at all)."""
-    if any(k == "sass" and arch(a)[0] == gpu[0] and arch(a)[1] <= gpu[1] for k, a in images):
+    if any(k == "sass" and (c := capability(a))[0] == gpu[0] and c[1] <= gpu[1] for k, a in images):
         return "native"
-    return "ptx" if any(k == "ptx" and arch(a) <= gpu for k, a in images) else ""
+    return "ptx" if any(k == "ptx" and capability(a) <= gpu for k, a in images) else ""
 
 
 @dataclass(frozen=True)
@@ -107,35 +103,36 @@ class Kernels:
     def measured(self) -> bool:
         return not self.published
 
+    @functools.cached_property
     def core(self) -> Counter:
+        """Paddle's own libraries' fat binaries, counted together."""
         return sum((c for p, c in self.libraries.items() if CORE.fullmatch(p.rsplit("/", 1)[-1])), Counter())
 
-    @property
+    @functools.cached_property
     def build(self) -> frozenset:
         """What Paddle's build compiled its kernels for (nvcc's -gencode list, what Paddle itself says it was
-        "compiled for"): the images most of its fat binaries hold. The few others are code its libraries link in
-        from projects built with their own lists (libphi.so's 8 of 673, in Paddle 2.6.2)."""
-        common = self.core().most_common(1)
+        "compiled for"): the images most of its fat binaries hold (the few others are code its libraries link in
+        from projects built with their own lists: libphi.so's 8 of 673, in Paddle 2.6.2); where published, SASS of
+        each published architecture."""
+        if not self.measured:
+            return frozenset(("sass", a) for a in self.published)
+        common = self.core.most_common(1)
         return common[0][0] if common else frozenset()
 
     def how(self, gpu: str) -> str:
         """"native", "ptx" (compiled from PTX by the driver at the first start) or "" for a GPU of compute
         capability `gpu`."""
-        if not self.measured:
-            return runs({("sass", a) for a in self.published}, arch(gpu))
-        return runs(self.build, arch(gpu))
+        return runs(self.build, capability(gpu))
 
     @property
     def architectures(self) -> tuple[str, ...]:
         """The SASS architectures of Paddle's kernels ("8.0"), lowest first."""
-        found = self.published if not self.measured else {a for k, a in self.build if k == "sass"}
-        return tuple(sorted(found, key=arch))
+        return tuple(sorted({a for k, a in self.build if k == "sass"}, key=capability))
 
     def strays(self) -> tuple[int, int]:
         """(how many of Paddle's fat binaries hold other images than its build's, of how many)."""
-        core = self.core()
-        total = sum(core.values())
-        return total - core.get(self.build, 0), total
+        total = sum(self.core.values())
+        return total - self.core.get(self.build, 0), total
 
     def gpus(self) -> dict[str, list[str]]:
         """The known GPUs (GPUS), each "cc (names)", by how they run the wheel: native, ptx, none."""
@@ -150,7 +147,7 @@ class Kernels:
         for p, c in sorted(self.libraries.items()):
             if not CORE.fullmatch(p.rsplit("/", 1)[-1]) and c:
                 common = set.intersection(*({a for k, a in images if k == "sass"} for images in c))
-                out[p] = sorted(common, key=arch)
+                out[p] = sorted(common, key=capability)
         return out
 
     def said(self) -> str:

@@ -53,9 +53,9 @@ _FIELDS = frozenset(FIELDS)
 
 class Record(Mapping):
     """A metrics record as the report holds a long job's (a million): its fields in slots, where a dict each was
-    most of the report's memory, read as a mapping (r["loss"], "loss" in r, r.get) at attribute speed; the script's
-    own fields in `_extra`. `_text`: its JSON as the rank printed it, which the gather writes again rather than
-    encode the record anew."""
+    most of the report's memory, read as a mapping (r["loss"], "loss" in r at attribute speed; Mapping gives get,
+    keys, values and ==); the script's own fields in `_extra`. `_text`: its JSON as the rank printed it, which the
+    gather writes again rather than encode the record anew."""
     __slots__ = (*FIELDS, "_extra", "_text")
 
     def __init__(self, rec: dict, text: str, node: int, attempt: int, _set=object.__setattr__):
@@ -83,9 +83,6 @@ class Record(Mapping):
     def _extras(self) -> dict:
         return getattr(self, "_extra", {})
 
-    def get(self, key: str, default=None):
-        return self[key] if key in self else default
-
     def items(self) -> list[tuple[str, object]]:
         return [(k, getattr(self, k)) for k in FIELDS if hasattr(self, k)] + list(self._extras().items())
 
@@ -95,10 +92,6 @@ class Record(Mapping):
     def __len__(self) -> int:
         return len(self.items())
 
-    def __eq__(self, other):
-        return dict(self.items()) == (dict(other.items()) if isinstance(other, Mapping) else other)
-
-    __hash__ = None
 
 
 def read(job_dir: Path) -> list[Record]:   # each a Mapping, as the dicts it was
