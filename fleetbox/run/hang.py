@@ -9,7 +9,8 @@ The deadlines (nvidia-resiliency-ext's initial and heartbeat timeouts, and its s
 job's progress (collective training moves in lock step, see Watch):
 - start: from the task's start to the first progress;
 - hang: from the last progress of any rank to the next;
-- a phase declared on any rank (an evaluation, a checkpoint save): its own limit, else the start deadline.
+- a phase declared on any rank (an evaluation, a checkpoint save): its own limit, else the start deadline;
+- every rank's script ended (each said so at its exit): the start deadline, for the processes' and nodes' exits.
 Progress is when fleetbox saw a rank's file change (this machine's clock: nodes' clocks may differ). A script
 that reports no progress at all (no rank ever said it would) gets the start deadline only for ranks whose
 process never started; a job from which no file at all arrives is never called hung (its image may not run
@@ -224,6 +225,10 @@ class Watch:
                 # that off (a phase is never unbounded: a rank stuck in a save is still found)
                 limit = rec["phase_limit"] or self.start_s or START_TIMEOUT_S
                 phases.append(self.changed[r] + limit)
+        if len(recs) == self.world and all(rec["done"] for rec in recs.values()):
+            # every rank ended its script: what is left (its processes', launchers' and nodes' exits, slow under
+            # load) is no step, bounded all the same (a process stuck at its exit is still found)
+            return max(self.changed.values()) + (self.start_s or START_TIMEOUT_S), "hang"
         if any(rec["step"] is not None for rec in recs.values()):   # it has made progress: the hang deadline
             if not self.hang_s:
                 return None

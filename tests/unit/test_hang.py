@@ -599,3 +599,17 @@ def test_the_one_watcher_asks_of_a_node_that_ended_well_nothing_and_after_a_fail
     assert w.look(ended=[1], at_once=True, deadlines=False) is None and files.asked == []
     got = w.look(ended=[1], failed=[1], at_once=True, deadlines=False)
     assert (got["kind"], files.asked) == ("collective", [0, 1]), got
+
+
+def test_once_every_rank_ended_its_script_the_exits_get_the_start_deadline_not_the_hang_one():
+    """After its last step a rank saves, reports and says it is done at its exit; its processes' and node's exits
+    follow, seconds later under load, and are no step: no hang at --hang-timeout (a clean-clone run saw one
+    declared there, the job's containers exiting 0). A process stuck at its exit is still found, later."""
+    w = hang.Watch(2, hang_s=10, start_s=100, started=0)
+    for r in (0, 1):
+        w.see(r, rec(1, step=60), now=1)
+    w.see(0, {**rec(2, step=60), "done": True}, now=2)
+    assert w.verdict(now=12.5).kind == "hang"     # one rank still in its script: the hang deadline holds
+    w.see(1, {**rec(2, step=60), "done": True}, now=3)
+    assert w.verdict(now=13.5) is None and w.verdict(now=102.9) is None
+    assert w.verdict(now=103.5).kind == "hang"
