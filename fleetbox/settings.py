@@ -95,6 +95,7 @@ PATHS = {
     "data": ("FLEETBOX_DATA", ROOT / "offline_cache" / "dataset"),
     "datasets-manifest": ("FLEETBOX_DATASETS_MANIFEST", ROOT / "offline_cache" / "datasets.toml"),
     "exports": ("FLEETBOX_EXPORTS", ROOT / "exports"),
+    "receipts": ("FLEETBOX_RECEIPTS", ROOT / "receipts"),   # images' SBOMs and provenance (image/receipts.py)
 }
 
 
@@ -222,6 +223,8 @@ ENVIRONMENT = {
     "FLEETBOX_DATA": ("you", "the seeded dataset cache (default offline_cache/dataset/)"),
     "FLEETBOX_DATASETS_MANIFEST": ("you", "the dataset manifest (default offline_cache/datasets.toml)"),
     "FLEETBOX_EXPORTS": ("you", "where exports and their records go (default exports/)"),
+    "FLEETBOX_RECEIPTS": ("you", "where `invoke build` keeps each image's SBOM and provenance statement (default "
+                                 "receipts/)"),
     "FLEETBOX_BOARD_ENVS": ("you", "where `invoke board` makes VisualDL's environment, board-<lock hash>/ "
                                    "(default ~/.cache/fleetbox/)"),
     "FLEETBOX_SLURM_PATIENCE": ("you", "seconds `invoke train` and `invoke logs --follow` wait for a Slurm controller "
@@ -250,6 +253,7 @@ ENVIRONMENT = {
     "FLEETBOX_CHAIN": ("internal", "a Slurm chain's first Slurm job id, for its next allocation"),
     "FLEETBOX_PROGRESS_PID": ("internal", "the rank's own process, so its children report no progress of their own"),
     "FLEETBOX_EXPECT_FREEZE": ("internal", "the package list verify expects in the image"),
+    "FLEETBOX_EXPECT_SBOM": ("internal", "the Python packages of the image's SBOM, which verify holds it to"),
     "FLEETBOX_NO_GPU": ("internal", "why verify's container got no GPU (the engine has none to give)"),
     "FLEETBOX_KFD_TOPOLOGY": ("internal", "where a DCU node's devices are read from (a test points it at a recording)"),
 }

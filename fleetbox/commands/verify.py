@@ -9,7 +9,7 @@ from pathlib import Path
 from fleetbox import engine, files, incontainer, settings
 from fleetbox.engine import device_kwargs, image_or_none, run_dir
 from fleetbox.errors import UserError
-from fleetbox.image import kernels
+from fleetbox.image import kernels, receipts
 from fleetbox.image.built import resolve
 from fleetbox.image.images import LABEL_GPUS
 from fleetbox.image.matrix import Variant
@@ -22,14 +22,15 @@ from fleetbox.settings import CONTAINER_CACHE
 MARK = "FLEETBOX-REPORT "
 
 
-def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None, no_gpu: str = "") -> dict:
+def container_kwargs(variant: Variant, image_labels: dict, data_dir: Path | None = None, no_gpu: str = "",
+                     expect_sbom: str = "") -> dict:
     """Pure: how the verify container is run: no network; the variant's devices, every GPU of the machine (none
     where `no_gpu` says why the engine cannot give one); the seeded dataset cache mounted read-only at Paddle's
     cache path when there is one."""
     dev = device_options(JobSpec(variant=variant, on_cpu=bool(no_gpu)))
     kw = {"network_mode": "none", "environment": {
         "FLEETBOX_DEVICE": variant.device, "FLEETBOX_NO_GPU": no_gpu,
-        "FLEETBOX_EXPECT_FREEZE": image_labels.get(settings.LABEL_FREEZE, "")},
+        "FLEETBOX_EXPECT_FREEZE": image_labels.get(settings.LABEL_FREEZE, ""), "FLEETBOX_EXPECT_SBOM": expect_sbom},
           **device_kwargs(dev.get("devices", ()), dev.get("group_add", ()), dev.get("security_opt", ()),
                           "all" if dev.get("gpus") else "")}
     if data_dir is not None:
@@ -91,8 +92,9 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     mount = data_dir if data_dir.is_dir() and any(data_dir.iterdir()) else None
     if mount:
         log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
+    held, expect = receipt_checks(c, image, variant)
     with stops_as_interrupt():   # a `kill` or a hang-up removes the probe container as Ctrl-C does
-        container, no_gpu = _start(c, image.id, variant, labels, mount, log)
+        container, no_gpu = _start(c, image.id, variant, labels, mount, log, expect)
         try:
             ended = container.wait(timeout=600)
             output = container.logs().decode(errors="replace")
@@ -104,7 +106,8 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     report.update(variant=variant.name, image=image.id, tags=image.tags, exit_code=ended.get("StatusCode"),
                   lock_sha256=labels.get(settings.LABEL_LOCK, ""), path=str(rd / "report.json"), no_gpu=no_gpu,
                   gpu_architectures=labels.get(LABEL_GPUS, ""))
-    report["ok"] = report["ok"] and ended.get("StatusCode") == 0
+    report["checks"] += held
+    report["ok"] = report["ok"] and ended.get("StatusCode") == 0 and all(r["ok"] for r in held)
     files.write_json(rd / "report.json", report)
     log(table(variant.name, image.tags[0] if image.tags else image.id, report["checks"]))
     if labels.get(LABEL_GPUS) and (k := kernels.load(variant)) and k.label() == labels[LABEL_GPUS]:
@@ -113,7 +116,41 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     return report
 
 
-def _start(c, image_id: str, variant: Variant, labels: dict, mount, log):
+def receipt_checks(c, image, variant: Variant) -> tuple[list[dict], str]:
+    """The image held to its receipts (image/receipts.py), as report rows: its SBOM valid CycloneDX naming the
+    Debian packages the image has (its dpkg database, read here), and its provenance statement valid and of this
+    image; and what the probe holds its Python packages to (the SBOM's, as JSON). An image fleetbox did not build
+    (no inputs label) has none to be held to."""
+    inputs = (image.labels or {}).get(settings.LABEL_INPUTS)
+    if not inputs:
+        return [], ""
+    path = receipts.sbom_path(inputs)
+    if not path.exists():
+        return [{"check": "SBOM", "ok": False, "detail": f"none of inputs {inputs[:12]} in {receipts.folder()}; "
+                 f"`invoke build --variant {variant.name}` keeps one"}], ""
+    try:
+        want = receipts.expected(receipts.check_sbom(path.read_text()))
+    except UserError as e:
+        return [{"check": "SBOM", "ok": False, "detail": f"{path}: {e}"}], ""
+    have = {d.name: d.version for d in receipts.base_packages(c, image.id)}
+    wrong = [f"{n} {v} is not installed" + (f" ({have[n]} is)" if n in have else "")
+             for n, v in sorted(want["deb"].items()) if have.get(n) != v]
+    wrong += [f"{n} {v} is installed and not in it" for n, v in sorted(have.items()) if n not in want["deb"]]
+    rows = [{"check": "SBOM", "ok": not wrong, "detail": f"{len(wrong)} Debian packages differ from it: "
+             + "; ".join(wrong[:5]) if wrong else f"CycloneDX 1.6, {len(want['deb'])} Debian packages as it says "
+             f"({path})"}]
+    statement = files.read_json(receipts.provenance_path(image.id))
+    try:
+        ok = bool(statement) and image.id in receipts.subject_digests(receipts.check_statement(statement))
+        detail = (f"in-toto statement (SLSA provenance v1) of {image.id[:19]}" if ok else
+                  f"none of {image.id[:19]} in {receipts.folder()}" if not statement else
+                  f"its subject is not this image ({image.id[:19]})")
+    except UserError as e:
+        ok, detail = False, str(e)
+    return [*rows, {"check": "provenance", "ok": ok, "detail": detail}], json.dumps({"python": want["python"]})
+
+
+def _start(c, image_id: str, variant: Variant, labels: dict, mount, log, expect_sbom: str = ""):
     """The probe container, given every GPU; where the engine has none to give, without: (container, why not).
     A container the engine made but could not start is removed."""
     import docker.errors  # noqa: PLC0415 (deferred, as in engine.device_kwargs)
@@ -122,7 +159,7 @@ def _start(c, image_id: str, variant: Variant, labels: dict, mount, log):
     while True:
         with signals_held():   # made and known, or not made: a Ctrl-C while it is made is ignored
             container = c.containers.create(image_id, source, labels={settings.LABEL_ROLE: "verify"},
-                                            **container_kwargs(variant, labels, mount, no_gpu))
+                                            **container_kwargs(variant, labels, mount, no_gpu, expect_sbom))
         try:
             container.start()
             return container, no_gpu

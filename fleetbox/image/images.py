@@ -7,6 +7,7 @@ Same inputs, same tag: when it exists, nothing is rebuilt (and nothing is sent t
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ from fleetbox import ROOT, engine, files, settings
 from fleetbox.data import datasets
 from fleetbox.engine import image_or_none, run_dir
 from fleetbox.errors import UserError
-from fleetbox.image import kernels, layers, locks, wheelhouse
+from fleetbox.image import kernels, layers, locks, receipts, wheelhouse
 from fleetbox.image.matrix import Variant
 from fleetbox.processes import process_start, signals_held, stops_as_interrupt, this_host
 
@@ -261,11 +262,14 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
         raise UserError(f"base {variant.base_ref} is missing; run `invoke base --variant {variant.name}`")
     p = plan(variant, base.id, (lock_text, entries), source_revision(), data=list(data))
     existing = image_or_none(c, p.tag)
+    wheel_dir = wheel_dir or wheelhouse.default_dir(variant)
     if existing and not force:
         _alias(existing, p.aliases)
         log(f"{p.tag} is up to date (same layers, lock, base and args); nothing to build")
+        if not receipts.provenance_path(existing.id).exists():   # built before, by another checkout, or a kit's
+            keep_receipts(c, p, lock_text, entries, wheel_dir, existing, None, None, force, log)
     else:
-        _build_main(c, p, lock_text, entries, wheel_dir or wheelhouse.default_dir(variant), existing, force, log)
+        _build_main(c, p, lock_text, entries, wheel_dir, existing, force, log)
     if data:
         _bake(c, p, data_dir or settings.data_dir(), force, log)
     return p
@@ -287,6 +291,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     for line in p.describe():
         log(line)
     rd = run_dir(f"build-{variant.name}")
+    started = datetime.datetime.now(datetime.UTC)
     base = c.images.get(p.base_id)   # by ID, as every layer after: the keys name IDs, and a tag can move
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
     files.write_atomic(rd / "by-hand.sh", layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
@@ -334,6 +339,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     _tidy(c, existing, image)
     files.write_json(rd / "plan.json", {"tags": p.tags, "build_args": p.build_args, "labels": p.labels,
                                         "layers": [(x.name, x.key) for x in split]})
+    keep_receipts(c, p, lock_text, entries, wheel_dir, image, started, rd, force, log)
     log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}; "
         f"by hand: {rd / 'by-hand.sh'}")
 
@@ -660,6 +666,35 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     unused = [t for tags, fs in images.values() for t in tags
               if layer(t) and not any(on(fs, u, False) for u in users)]
     return content, untag(unused), len(stopped)
+
+
+def keep_receipts(c, p: BuildPlan, lock_text: str, entries, wheel_dir: Path, image, started, rd: Path | None,
+                  force: bool, log) -> None:
+    """The image's SBOM and provenance statement (image/receipts.py), kept in receipts/ and the build's run folder.
+    An image already built (`started` None: by an earlier build, another checkout, a kit) gets them from its
+    inputs, which its content tag proves the same, and its own creation time."""
+    v = p.variant
+    manifest = files.read_json(wheel_dir / wheelhouse.MANIFEST).get("files") or {}
+    base = c.images.get(p.base_id)
+    said = base.labels or {}
+    debs = receipts.base_packages(c, p.base_id)
+    sbom_text = receipts.sbom(v, p.tag, entries, manifest, debs,
+                              said.get("io.fleetbox.base.mirror", ""), said.get("io.fleetbox.base.suite", ""),
+                              p.labels.get(LABEL_GPUS, ""))
+    created = datetime.datetime.fromisoformat(image.attrs["Created"][:19]).replace(tzinfo=datetime.UTC)
+    statement = receipts.check_statement(receipts.provenance(
+        image=p.tag, image_id=image.id, layers=image.attrs["RootFS"]["Layers"], variant=v, lock_text=lock_text,
+        lock_path=str(v.lock_path.relative_to(ROOT)), base_ref=v.base_ref, base_id=p.base_id,
+        dockerfile=dockerfile_text(v, lock_text, entries), sbom_text=sbom_text, wheels=manifest,
+        engine=f"Docker Engine {c.version().get('Version', '?')}", started=started or created,
+        finished=datetime.datetime.now(datetime.UTC) if started else created,
+        invocation=rd.name if rd else f"existing-{image.id.removeprefix('sha256:')[:12]}", force=force))
+    receipts.keep(p.labels[settings.LABEL_INPUTS], sbom_text, statement, image.id)
+    if rd is not None:
+        files.write_atomic(rd / "sbom.cdx.json", sbom_text)
+        files.write_json(rd / "provenance.json", statement)
+    log(f"receipts: SBOM of {len(entries)} Python and {len(debs)} Debian packages, "
+        f"provenance of {image.id[:19]}: {receipts.folder()}")
 
 
 def _alias(image, aliases: list[str]) -> None:

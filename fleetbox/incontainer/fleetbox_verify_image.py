@@ -14,6 +14,7 @@ import traceback
 
 EXPECT_DEVICE = os.environ.get("FLEETBOX_DEVICE", "cpu")
 EXPECT_FREEZE = os.environ.get("FLEETBOX_EXPECT_FREEZE", "")
+EXPECT_SBOM = os.environ.get("FLEETBOX_EXPECT_SBOM", "")   # the image's SBOM's packages, by kind: {"python": {...}}
 NO_GPU = os.environ.get("FLEETBOX_NO_GPU", "")   # why the engine gave this container no GPU; "": it gave them all
 checks = []
 # The libraries Paddle 2.6 opens by unversioned name at run time on CUDA (paddle/phi/backends/dynload/
@@ -206,6 +207,45 @@ def _freeze():
     if diff or extra:
         raise RuntimeError("; ".join(diff + [f"unlocked: {', '.join(extra)}"] * bool(extra)))
     return f"{len(want)} packages match"
+
+
+@check("SBOM: Python")
+def _sbom():
+    """Every Python package the image's SBOM names is the one installed, at its version with every file as its
+    RECORD hashes it (its wheel's hash was checked when it was installed), and nothing installed that it does not
+    name. (Its Debian packages are checked from the host, by receipts.py's reading of dpkg's database.)"""
+    import base64
+    import hashlib
+    import sysconfig
+    from importlib import metadata
+    if not EXPECT_SBOM:
+        return "no SBOM given"
+    want = json.loads(EXPECT_SBOM)
+    def norm(name):
+        return name.lower().replace("_", "-").replace(".", "-")
+    site = sysconfig.get_paths()["purelib"]
+    dists = {norm(d.metadata["Name"]): d for d in metadata.distributions(path=[site])}
+    wrong = [f"{n}=={v} is not installed" + (f" ({dists[n].version} is)" if n in dists else "")
+             for n, v in sorted(want["python"].items()) if n not in dists or dists[n].version != v]
+    wrong += [f"{n} {d.version} is installed and not in the SBOM" for n, d in sorted(dists.items())
+              if n not in want["python"]]
+    files = 0
+    for n in sorted(set(want["python"]) & set(dists)):
+        for f in dists[n].files or ():
+            if f.hash is None or f.suffix == ".pyc":   # the build compiles every .py again, a wheel's .pyc too
+                continue
+            try:
+                with open(f.locate(), "rb") as fh:
+                    got = hashlib.file_digest(fh, f.hash.mode).digest()
+            except OSError:
+                wrong.append(f"{n}: {f} is missing")
+                continue
+            files += 1
+            if base64.urlsafe_b64encode(got).rstrip(b"=").decode() != f.hash.value:
+                wrong.append(f"{n}: {f} differs from its RECORD")
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} differ from the SBOM: " + "; ".join(wrong[:5]))
+    return f"{len(want['python'])} packages as the SBOM says, {files} files as their RECORDs hash them"
 
 
 @check("dataset cache")

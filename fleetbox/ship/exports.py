@@ -13,7 +13,7 @@ from pathlib import Path
 from fleetbox import files, settings
 from fleetbox.engine import image_or_none
 from fleetbox.errors import UserError
-from fleetbox.image import built
+from fleetbox.image import built, receipts
 from fleetbox.image.matrix import Variant
 from fleetbox.ship import shipped
 
@@ -91,14 +91,20 @@ def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest
     out = export_path(variant, fmt, squash, dest.resolve() if dest else None, tag)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "docker-archive":
-        _docker_archive(img, content or image, out, log)
+        digest = _docker_archive(img, content or image, out, log)
     else:
         _convert(fmt, image, out, export_name(variant, tag), variant, log)
+        digest = _file_sha256(out) if out.is_file() else None
     if content:
+        said = receipts.beside(out, (img.labels or {}).get(settings.LABEL_INPUTS, ""), img.id, digest)
+        log(f"receipts beside it: {', '.join(p.name for p in said)}" if said else
+            f"note: no receipts of {content} here (receipts/); `invoke build --variant {variant.name}` keeps them")
         shipped.record(variant, export_kind(fmt, squash), content, str(out))
     else:
         log(f"note: {image} is not the {variant.name} image built here (no content tag): `train` uses it only "
             f"when given --image {out}")
+    log(f"exported {out} ({out.stat().st_size / 1e6:.0f} MB), sha256 {digest[:16]}… in {out.name}.sha256"
+        if fmt == "docker-archive" else f"exported {image} as {fmt}: {out}")
     return out
 
 
@@ -118,7 +124,6 @@ def _convert(fmt: str, image: str, out: Path, name: str, variant: Variant, log) 
         raise UserError(f"{tool} failed: {last[0][:300]}")
     _remove(out)
     part.rename(out)
-    log(f"exported {image} as {fmt}: {out}")
 
 
 def _remove(p: Path) -> None:
@@ -128,7 +133,15 @@ def _remove(p: Path) -> None:
         p.unlink()
 
 
-def _docker_archive(img, image: str, out: Path, log) -> Path:
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _docker_archive(img, image: str, out: Path, log) -> str:
     """`docker save` with a sha256 file beside it, for air-gapped transfer (sha256sum -c checks it); the image is
     named in it by `image` (its content tag, where it has one: what `docker load` on a node then holds)."""
     h = hashlib.sha256()
@@ -141,8 +154,7 @@ def _docker_archive(img, image: str, out: Path, log) -> Path:
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror}") from None
     files.write_atomic(Path(f"{out}.sha256"), f"{h.hexdigest()}  {out.name}\n")
-    log(f"exported {out} ({out.stat().st_size / 1e6:.0f} MB), sha256 {h.hexdigest()[:16]}… in {out.name}.sha256")
-    return out
+    return h.hexdigest()
 
 
 # ---- registries ----

@@ -1,6 +1,7 @@
 """Real Docker Engine, real Paddle: bootstrap base -> hermetic build -> verify -> no-op rebuild."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,12 @@ def test_verify_passes_and_writes_a_report(cpu_image, tmp_path):
     assert checks["import scipy"]["detail"].startswith("scipy ") and checks["import cv2"]["detail"].startswith("opencv")
     assert checks["VisualDL's LogWriter"]["detail"] == "visualdl 2.5.3"
     assert "packages match" in checks["installed == lock"]["detail"]
+    # held to its receipts: every Python package's files as its RECORD hashes them, the Debian ones from dpkg's
+    # database, the statement of this very image
+    assert re.fullmatch(r"\d+ packages as the SBOM says, \d{4,} files as their RECORDs hash them",
+                        checks["SBOM: Python"]["detail"]), checks["SBOM: Python"]
+    assert re.match(r"CycloneDX 1.6, \d{2,} Debian packages as it says", checks["SBOM"]["detail"]), checks["SBOM"]
+    assert checks["provenance"]["detail"] == f"in-toto statement (SLSA provenance v1) of {cpu_image['image'].id[:19]}"
     assert "PASS  paddle.utils.run_check()" in proc.stdout
     assert os.path.exists(report["path"])   # the run keeps its own copy under runs/
 
@@ -145,6 +152,28 @@ def test_image_carries_provenance(cpu_image):
     assert any(t.startswith("fleetbox/paddle:cpu-") and len(t) == len("fleetbox/paddle:cpu-") + 12 for t in tags)
 
 
+def test_the_build_keeps_a_valid_sbom_of_every_locked_package_and_a_statement_of_the_image(cpu_image):
+    from fleetbox import settings
+    from fleetbox.image import locks, matrix, receipts
+    image = cpu_image["image"]
+    v = matrix.load().get("cpu")
+    _, entries = locks.read(v)
+    doc = receipts.check_sbom(receipts.sbom_path(image.labels[settings.LABEL_INPUTS]).read_text())   # its schema
+    comps = {c["bom-ref"]: c for c in doc["components"]}
+    manifest = json.loads((ROOT / "wheelhouse" / "cpu" / "manifest.json").read_text())["files"]
+    for e in entries:   # each with the sha256 of the very wheel the wheelhouse holds, one the lock allows
+        (h,) = comps[f"pypi:{e.name}"]["hashes"]
+        assert comps[f"pypi:{e.name}"]["version"] == e.version and h["content"] in e.hashes
+        assert h["content"] in manifest.values()
+    debs = docker("run", "--rm", "--network", "none", image.id, "dpkg-query", "-W", "-f", "${Package} ${Version}\n")
+    assert {(c["name"], c["version"]) for c in doc["components"] if c["purl"].startswith("pkg:deb/")} == \
+        {tuple(ln.split()) for ln in debs.stdout.splitlines()}
+    statement = receipts.check_statement(json.loads(receipts.provenance_path(image.id).read_text()))
+    assert receipts.subject_digests(statement) == {image.id}
+    assert [b["digest"]["sha256"] for b in statement["predicate"]["runDetails"]["byproducts"]] == \
+        [d.removeprefix("sha256:") for d in image.attrs["RootFS"]["Layers"]]
+
+
 def test_tampered_wheelhouse_stops_the_build_and_builds_nothing(cpu_image, tmp_path):
     from fleetbox.image import matrix, wheelhouse
     src = wheelhouse.default_dir(matrix.load().get("cpu"))
@@ -170,13 +199,18 @@ def _images() -> list[str]:
 
 def test_verify_fails_on_a_broken_image(cpu_image, tmp_path):
     (tmp_path / "Dockerfile").write_text(
-        f"FROM {cpu_image['image'].id}\nRUN rm -rf /opt/venv/lib/python3.11/site-packages/cv2\n")
+        f"FROM {cpu_image['image'].id}\nRUN rm -rf /opt/venv/lib/python3.11/site-packages/cv2 "
+        f"/opt/venv/lib/python3.11/site-packages/opencv_python_headless-*.dist-info\n")
     tag = "fleetbox-test/broken:cv2"
     assert docker("build", "--network", "none", "-q", "-t", tag, str(tmp_path)).returncode == 0
     try:
         proc = invoke("verify", "--variant", "cpu", "--image", tag)
         assert proc.returncode == 1
         assert "FAIL  import cv2" in proc.stdout and "PASS  import paddle" in proc.stdout
+        # the package gone from the image, named by its SBOM in one line; the statement is of another image
+        assert re.search(r"FAIL +SBOM: Python +RuntimeError: 1 differ from the SBOM: "
+                         r"opencv-python-headless==[0-9.]+ is not installed\n", proc.stdout), proc.stdout
+        assert re.search(r"FAIL +provenance +none of sha256:", proc.stdout), proc.stdout
         assert "verify failed for cpu" in proc.stderr and "Traceback" not in proc.stderr
     finally:
         docker("rmi", "-f", tag)

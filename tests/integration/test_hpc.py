@@ -114,11 +114,18 @@ def podman_containers(job_id: str, running_only: bool = False) -> list[str]:
                            f"label=io.fleetbox.job={job_id}"], capture_output=True, text=True).stdout.split()
 
 
-def test_export_charliecloud_runs_run_check(charliecloud_image):
+def test_export_charliecloud_runs_run_check_with_the_images_receipts_beside_it(charliecloud_image, cpu_image):
     proc = subprocess.run(["ch-run", "--set-env", charliecloud_image, "--", "python", "-c",
                            "import paddle; paddle.utils.run_check()"], capture_output=True, text=True,
                           env={**os.environ, "USER": "root"}, timeout=300)
     assert proc.returncode == 0 and "installed successfully" in proc.stdout, proc.stderr[-2000:]
+    # the image's receipts beside the export: its SBOM, and its statement (a folder has no digest to add)
+    from fleetbox.image import receipts
+    image = cpu_image["image"]
+    sbom = Path(f"{charliecloud_image}.sbom.json").read_text()
+    assert sbom == receipts.sbom_path(image.labels["io.fleetbox.inputs-sha256"]).read_text()
+    statement = receipts.check_statement(json.loads(Path(f"{charliecloud_image}.provenance.json").read_text()))
+    assert receipts.subject_digests(statement) == {image.id}
 
 
 @pytest.mark.docker   # its node.sh runs on this machine's network, on the plan's port

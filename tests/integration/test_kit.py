@@ -4,6 +4,7 @@ all (a network namespace with loopback only, and its own Docker Engine on a fres
 the loader, the venv install, build, verify and a 2-node train all run and pass."""
 import hashlib
 import io
+import json
 import os
 import shutil
 import signal
@@ -18,8 +19,8 @@ import pytest
 from fleetbox.image import matrix
 from fleetbox.ship import kit_load
 from tests import fabric
-from tests.conftest import invoke
-from tests.integration.conftest import MD5_ATTRS, without_pushed
+from tests.conftest import ROOT, invoke
+from tests.integration.conftest import MD5_ATTRS, layer_digests, without_pushed
 from tests.unit.test_cli import one_line_error
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a network namespace and a second dockerd)")
@@ -296,6 +297,13 @@ def test_the_site_loads_the_kit_then_builds_verifies_and_trains_with_no_network(
     there = in_site(site, "docker", "images", "--format", "{{.Tag}}", "fleetbox/paddle").stdout.split()
     content = [t for t in there if t.startswith("cpu-")]
     assert len(content) == 1 and content[0] in here, (there, here)
+    # ... byte for byte: every layer's digest, on an engine that had none of them (its data root was empty), and
+    # the SBOM; the statements differ as the builds did (engine, times), each of its own image
+    ref = f"fleetbox/paddle:{content[0]}"
+    theirs = json.loads(in_site(site, "docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", ref).stdout)
+    assert theirs == layer_digests(ref), (theirs, layer_digests(ref))
+    (sbom,) = (src / "receipts").glob("inputs-*.sbom.json")
+    assert sbom.read_bytes() == (ROOT / "receipts" / sbom.name).read_bytes()
 
 
 def test_a_site_with_no_container_engine_loads_the_kit_and_makes_the_env_from_it(kit, tmp_path):

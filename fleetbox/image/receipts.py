@@ -1,0 +1,281 @@
+"""An image's receipts, in the forms a site's security team and its scanners read: a CycloneDX SBOM of what is in
+it, and an in-toto statement with SLSA provenance of how it was built.
+
+The SBOM is of the build's inputs, so it is the same bytes wherever the same lock and base are built (its serial
+number and time are fixed, named by the content tag): every Python package of the lock with its version, the sha256
+of the wheel the wheelhouse holds and the index it came from (the GPU libraries a variant installs beside Paddle
+marked as such, Paddle's kernels' GPU architectures on Paddle); every Debian package of the base as its dpkg database
+lists it, with the mirror. The statement names the image by its ID (the digest of its config) and gives what
+it was made from (the lock's, the base's, the rendered Dockerfile's and the SBOM's digests, every wheel's), with
+the engine, fleetbox's version and the layers' digests.
+
+`invoke build` keeps both in receipts/ (the SBOM by the inputs' digest, the image's label; the statement by the
+image built), export writes
+them beside every export, and verify holds the image to its SBOM.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import io
+import json
+import tarfile
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
+from fleetbox import files, settings
+from fleetbox.errors import UserError
+from fleetbox.image.matrix import Variant
+
+if TYPE_CHECKING:   # exports read receipts, and run/ reads exports: no lock reading (requests) loaded there
+    from fleetbox.image import locks
+
+SBOM_SUFFIX = ".sbom.json"            # beside an export: <export>.sbom.json
+PROVENANCE_SUFFIX = ".provenance.json"
+STATEMENT = "https://in-toto.io/Statement/v1"
+SLSA = "https://slsa.dev/provenance/v1"
+BUILD_TYPE = "urn:fleetbox:image-build:v1"   # what externalParameters and resolvedDependencies mean (docs: receipts)
+BUILDER = "urn:fleetbox:invoke-build"
+DPKG_STATUS = "/var/lib/dpkg/status"
+FIXED_TIME = datetime.datetime(1980, 1, 1, tzinfo=datetime.UTC)   # the layers' fixed file time (layers.EPOCH)
+PYPI = "https://pypi.org/simple"
+
+
+@dataclass(frozen=True)
+class Deb:
+    name: str
+    version: str
+    arch: str
+    source: str = ""
+
+
+def debian_packages(status: str) -> list[Deb]:
+    """The installed packages of a dpkg status database (deb822 stanzas), by name."""
+    out = []
+    for stanza in status.split("\n\n"):
+        fields, key = {}, None
+        for line in stanza.splitlines():
+            if line[:1] in (" ", "\t") and key:   # a continuation line
+                continue
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+        if fields.get("Package") and fields.get("Status", "").endswith(" installed"):
+            out.append(Deb(fields["Package"], fields.get("Version", ""), fields.get("Architecture", ""),
+                           fields.get("Source", "").split(" ")[0]))
+    return sorted(out, key=lambda d: (d.name, d.arch))
+
+
+def base_packages(c, base_id: str) -> list[Deb]:
+    """The base image's Debian packages, from its dpkg database, read out of a container that never runs; none
+    where the base has no database (a vendor base that is not Debian's)."""
+    import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
+
+    box = c.containers.create(base_id, command=["true"], network_disabled=True)
+    try:
+        bits, _ = box.get_archive(DPKG_STATUS)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
+            member = tar.next()
+            return debian_packages(tar.extractfile(member).read().decode("utf-8", "replace"))
+    except docker.errors.NotFound:
+        return []
+    finally:
+        box.remove(force=True)
+
+
+def _wheel_of(wheels: dict[str, str], e: locks.Locked) -> tuple[str, str] | None:
+    """The wheel the wheelhouse holds for a locked entry (its file name and sha256)."""
+    for name, sha in sorted(wheels.items()):
+        try:
+            n, v, _, _ = parse_wheel_filename(name)
+        except InvalidWheelFilename:
+            continue
+        if canonicalize_name(n) == canonicalize_name(e.name) and str(v) == e.version and sha in e.hashes:
+            return name, sha
+    return None
+
+
+def sbom(variant: Variant, content_tag: str, entries: list[locks.Locked], wheels: dict[str, str],
+         debs: list[Deb], mirror: str = "", suite: str = "", gpus: str = "") -> str:
+    """The image's CycloneDX 1.6 SBOM (JSON), the same text for the same inputs. `wheels`: the wheelhouse's
+    {file name: sha256}; `gpus`: Paddle's kernels' architectures (the image's label)."""
+    from cyclonedx.model import ExternalReference, ExternalReferenceType, HashAlgorithm, HashType, Property, XsUri  # noqa: PLC0415,I001 (heavy: only builds and verify)
+    from cyclonedx.model.bom import Bom  # noqa: PLC0415
+    from cyclonedx.model.component import Component, ComponentType  # noqa: PLC0415
+    from cyclonedx.model.tool import Tool  # noqa: PLC0415
+    from cyclonedx.output.json import JsonV1Dot6  # noqa: PLC0415
+    from packageurl import PackageURL  # noqa: PLC0415
+
+    repo, _, tag = content_tag.rpartition(":")
+    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, f"fleetbox:{content_tag}"))
+    bom.metadata.timestamp = FIXED_TIME
+    bom.metadata.tools.tools.add(Tool(vendor="fleetbox", name="fleetbox", version=fleetbox_version()))
+    image = Component(name=repo, version=tag, type=ComponentType.CONTAINER, bom_ref="image",
+                      properties=[Property(name="fleetbox:variant", value=variant.name),
+                                  Property(name="fleetbox:device", value=variant.device)])
+    bom.metadata.component = image
+    gpu_libraries = {canonicalize_name(n.split("==")[0]) for n in variant.libraries}
+    parts = []
+    for e in sorted(entries, key=lambda e: canonicalize_name(e.name)):
+        name = canonicalize_name(e.name)
+        wheel = _wheel_of(wheels, e)
+        if wheel is None:
+            raise UserError(f"the wheelhouse has no wheel of {e.name}=={e.version} that the lock allows; "
+                            f"run `invoke wheels --variant {variant.name}`")
+        qualifiers = {} if e.index.rstrip("/") == PYPI else {"repository_url": e.index}
+        props = [Property(name="fleetbox:wheel", value=wheel[0])]
+        if name in gpu_libraries:
+            props.append(Property(name="fleetbox:gpu-library", value="true"))
+        if name == canonicalize_name(variant.paddle_name) and gpus:
+            props.append(Property(name="fleetbox:gpu-architectures", value=gpus))
+        parts.append(Component(
+            name=name, version=e.version, type=ComponentType.LIBRARY, bom_ref=f"pypi:{name}",
+            purl=PackageURL("pypi", None, name, e.version, qualifiers or None),
+            hashes=[HashType(alg=HashAlgorithm.SHA_256, content=wheel[1])], properties=props,
+            external_references=[ExternalReference(type=ExternalReferenceType.DISTRIBUTION, url=XsUri(e.index))]))
+    distro = f"debian-{suite}" if suite else None
+    for d in debs:
+        qualifiers = {k: v for k, v in (("arch", d.arch), ("distro", distro)) if v}
+        refs = [ExternalReference(type=ExternalReferenceType.DISTRIBUTION, url=XsUri(mirror))] if mirror else []
+        parts.append(Component(
+            name=d.name, version=d.version, type=ComponentType.LIBRARY, bom_ref=f"deb:{d.name}:{d.arch}",
+            purl=PackageURL("deb", "debian", d.name, d.version, qualifiers or None), external_references=refs,
+            properties=[Property(name="fleetbox:source-package", value=d.source)] if d.source else []))
+    bom.components.update(parts)
+    bom.register_dependency(image, parts)
+    return JsonV1Dot6(bom).output_as_string(indent=1) + "\n"
+
+
+def check_sbom(text: str) -> dict:
+    """The SBOM held to CycloneDX 1.6's own schema (offline: the library carries it); its JSON."""
+    from cyclonedx.schema import SchemaVersion  # noqa: PLC0415
+    from cyclonedx.validation.json import JsonStrictValidator  # noqa: PLC0415
+
+    error = JsonStrictValidator(SchemaVersion.V1_6).validate_str(text)
+    if error is not None:
+        raise UserError(f"the SBOM is not valid CycloneDX 1.6: {str(error)[:300]}")
+    return json.loads(text)
+
+
+def expected(sbom_json: dict) -> dict:
+    """What an image with this SBOM holds: {"python": {name: version}, "deb": {name: version}}."""
+    out: dict = {"python": {}, "deb": {}}
+    for comp in sbom_json.get("components", []):
+        kind = comp.get("purl", "")[4:].split("/")[0]
+        if kind == "pypi":
+            out["python"][comp["name"]] = comp["version"]
+        elif kind == "deb":
+            out["deb"][comp["name"]] = comp["version"]
+    return out
+
+
+def sha256(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def fleetbox_version() -> str:
+    try:
+        return metadata.version("fleetbox")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def provenance(*, image: str, image_id: str, layers: list[str], variant: Variant, lock_text: str,
+               lock_path: str, base_ref: str, base_id: str, dockerfile: str, sbom_text: str,
+               wheels: dict[str, str], engine: str, started: datetime.datetime, finished: datetime.datetime,
+               invocation: str, force: bool) -> dict:
+    """The build as an in-toto statement with SLSA provenance v1: the image (its ID) as its subject."""
+    def digest(value: str) -> dict:
+        return {"sha256": value.removeprefix("sha256:")}
+    return {
+        "_type": STATEMENT,
+        "subject": [{"name": image, "digest": digest(image_id)}],
+        "predicateType": SLSA,
+        "predicate": {
+            "buildDefinition": {
+                "buildType": BUILD_TYPE,
+                "externalParameters": {"variant": variant.name, "force": force},
+                "internalParameters": {"device": variant.device, "python": variant.python_version},
+                "resolvedDependencies": [
+                    {"name": "lock", "uri": lock_path, "digest": digest(sha256(lock_text))},
+                    {"name": "base", "uri": base_ref, "digest": digest(base_id)},
+                    {"name": "dockerfile", "uri": f"images/{variant.name}.Dockerfile",
+                     "digest": digest(sha256(dockerfile))},
+                    {"name": "sbom", "digest": digest(sha256(sbom_text))},
+                    *({"name": name, "uri": f"wheelhouse/{variant.name}/{name}", "digest": digest(sha)}
+                      for name, sha in sorted(wheels.items())),
+                ],
+            },
+            "runDetails": {
+                "builder": {"id": BUILDER, "version": {"fleetbox": fleetbox_version(), "engine": engine}},
+                "metadata": {"invocationId": invocation, "startedOn": _when(started), "finishedOn": _when(finished)},
+                "byproducts": [{"name": f"layer{i}", "digest": digest(d)} for i, d in enumerate(layers)],
+            },
+        },
+    }
+
+
+def _when(t: datetime.datetime) -> str:
+    return t.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def check_statement(statement: dict) -> dict:
+    """The statement held to in-toto's own Statement v1 rules (its library's), and SLSA v1's required fields."""
+    from google.protobuf import json_format  # noqa: PLC0415
+    from in_toto_attestation.v1 import statement_pb2  # noqa: PLC0415
+    from in_toto_attestation.v1.statement import Statement  # noqa: PLC0415
+
+    try:
+        Statement.copy_from_pb(json_format.ParseDict(statement, statement_pb2.Statement())).validate()
+        p = statement["predicate"]
+        if statement["predicateType"] != SLSA or not p["buildDefinition"]["buildType"] or \
+                not p["runDetails"]["builder"]["id"]:
+            raise ValueError("not SLSA provenance v1")
+    except (ValueError, KeyError, TypeError, json_format.ParseError) as e:
+        raise UserError(f"the provenance statement is not a valid in-toto statement: {e}") from None
+    return statement
+
+
+def subject_digests(statement: dict) -> set[str]:
+    return {f"sha256:{s['digest']['sha256']}" for s in statement.get("subject", []) if "sha256" in s.get("digest", {})}
+
+
+# -- where they are kept --
+
+def folder() -> Path:
+    return settings.path_of("receipts")[0]
+
+
+def sbom_path(inputs: str) -> Path:
+    """The SBOM of the images made from these inputs (their label settings.LABEL_INPUTS), wherever they are tagged."""
+    return folder() / f"inputs-{inputs[:16]}{SBOM_SUFFIX}"
+
+
+def provenance_path(image_id: str) -> Path:
+    return folder() / f"image-{image_id.removeprefix('sha256:')[:16]}{PROVENANCE_SUFFIX}"
+
+
+def keep(inputs: str, sbom_text: str, statement: dict, image_id: str) -> None:
+    folder().mkdir(parents=True, exist_ok=True)
+    files.write_atomic(sbom_path(inputs), sbom_text)
+    files.write_json(provenance_path(image_id), statement, indent=1)
+
+
+def beside(out: Path, inputs: str, image_id: str, export_sha256: str | None) -> list[Path]:
+    """The image's receipts written beside an export (`out`): its SBOM, and its statement with the export file
+    as a second subject (where it is one file). None where the image has no receipts here."""
+    src = sbom_path(inputs)
+    if not inputs or not src.exists():
+        return []
+    written = [files.write_atomic(Path(f"{out}{SBOM_SUFFIX}"), src.read_text())]
+    statement = files.read_json(provenance_path(image_id))
+    if statement:
+        if export_sha256:
+            statement["subject"].append({"name": out.name, "digest": {"sha256": export_sha256}})
+        written.append(files.write_json(Path(f"{out}{PROVENANCE_SUFFIX}"), statement, indent=1))
+    return written
