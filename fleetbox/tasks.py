@@ -28,6 +28,8 @@ from fleetbox.run import spec as spec_mod
 DECLARED = {**spec_mod.OPTIONS, **{o.name: o for _, o in backends.all_options()},
             backends.BACKEND.name: backends.BACKEND}
 VARIANT_HELP = DECLARED["variant"].help
+SIGN_KEY_HELP = ("an SSH key (a private key file, or a public one whose key is in ssh-agent) that signs the image's "
+                 "provenance statement, offline (ssh-keygen -Y sign)")
 
 
 class Task(invoke.Task):
@@ -229,17 +231,20 @@ def base(c, variant=None, bootstrap=False, mirror=None, rebuild=False, dry_run=F
             "force": "build again even if an image with the same inputs exists",
             "datasets": "bake these seeded data sets (see `invoke cache`) into the image at Paddle's cache path",
             "dockerfile": "write images/<variant>.Dockerfile, the same build for any OCI builder (with --dry-run: "
-                          "print it); needs no engine"})
+                          "print it); needs no engine",
+            "sign_key": SIGN_KEY_HELP})
 @_fleetbox
-def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets=None, dockerfile=False):
+def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets=None, dockerfile=False,
+          sign_key=None):
     """Build the variant's image hermetically (network off) from the wheelhouse; no-op when up to date."""
     from fleetbox import engine
     from fleetbox.data import datasets as ds
     from fleetbox.image import images as images_mod
     v = _variant(variant)
     if dockerfile:
-        if datasets or force or wheelhouse:
-            raise UserError("--dockerfile renders the file only: --datasets, --force and --wheelhouse do not apply")
+        if datasets or force or wheelhouse or sign_key:
+            raise UserError("--dockerfile renders the file only: --datasets, --force, --wheelhouse and --sign-key do "
+                            "not apply")
         images_mod.write_dockerfile(v, dry_run, log=_log)
         return
     data = ds.select(ds.load(), datasets) if datasets else []
@@ -251,7 +256,8 @@ def build(c, variant=None, dry_run=False, wheelhouse=None, force=False, datasets
         for line in images_mod.dry_run(v, client, data).describe():
             _log(line)
         return
-    images_mod.build(engine.client(), v, Path(wheelhouse) if wheelhouse else None, force=force, log=_log, data=data)
+    images_mod.build(engine.client(), v, Path(wheelhouse) if wheelhouse else None, force=force, log=_log, data=data,
+                     sign_key=Path(sign_key) if sign_key else None)
 
 
 def _as(name: str, help: str, **rest) -> Option:
@@ -300,19 +306,24 @@ JOB = {o.name for o in spec_mod.JOB_OPTIONS}
 @_job_task("variant", "json_out",
            _as("image", "verify this image reference instead of the variant's build (e.g. a pulled image)"),
            _as("nodes", "also run the checks in every node's container and the smoke job across N nodes"),
-           _as("hosts", "with --nodes: comma-separated Docker Engine URLs, one per node", default=None))
+           _as("hosts", "with --nodes: comma-separated Docker Engine URLs, one per node", default=None),
+           Option("trusted_keys", "the SSH public keys (a .pub file, or an allowed_signers file) the image's "
+                                  "provenance statement must be signed by"))
 @_fleetbox
-def verify(c, variant, json_out, image, nodes, hosts):
+def verify(c, variant, json_out, image, nodes, hosts, trusted_keys):
     """Check the image with the network off: run_check(), device, scipy/cv2, installed == lock."""
     from fleetbox import engine, files, options
     from fleetbox.commands import verify as verify_mod
     v = _variant(variant)
     n = options.integer("--nodes", nodes or 0, 0)
     if n:
+        if trusted_keys:
+            raise UserError("--trusted-keys checks one image's statement: verify without --nodes")
         b = backends.get(backends.DEFAULT, **backends.configure(backends.DEFAULT, {"hosts": hosts}))
         report = verify_mod.run_nodes(spec_mod.from_options(v, b, nodes=n, image=image), b, log=_log)
     else:
-        report = verify_mod.run(engine.client(), v, image, log=_log)
+        report = verify_mod.run(engine.client(), v, image, log=_log,
+                                trusted=Path(trusted_keys) if trusted_keys else None)
     if json_out:
         files.write_json(Path(json_out), report)
     if not report["ok"]:
@@ -499,9 +510,10 @@ def clean(c, hosts=None, job=None, force=False, images=False):
             "format": "docker-archive (with .sha256), charliecloud (ch-convert), sif (apptainer), sqsh (enroot)",
             "squash": "charliecloud: a squashfs file instead of a directory",
             "dest": "output folder (default exports/); `train` finds the export there too",
-            "image": "image to export (default: the variant's)"})
+            "image": "image to export (default: the variant's)",
+            "sign_key": SIGN_KEY_HELP})
 @_fleetbox
-def export(c, variant=None, format="docker-archive", squash=False, dest=None, image=None):
+def export(c, variant=None, format="docker-archive", squash=False, dest=None, image=None, sign_key=None):
     """Export the image for HPC runtimes, named for its content hash; a missing converter: the cluster's command."""
     from fleetbox import engine
     from fleetbox.image import built
@@ -509,7 +521,8 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
     v = _variant(variant)
     client = engine.client()
     ref = image or built.resolve(client, v).tags[0]
-    hpc.export(client, v, format, ref, squash, Path(dest) if dest else None, log=_log)
+    hpc.export(client, v, format, ref, squash, Path(dest) if dest else None, log=_log,
+               sign_key=Path(sign_key) if sign_key else None)
 
 
 @task(help={

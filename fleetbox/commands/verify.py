@@ -77,7 +77,8 @@ def verdict(report: dict) -> str:
     return f"PASSED without a GPU (not run on one: {', '.join(rendered)})" if rendered else "PASSED"
 
 
-def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: Path | None = None) -> dict:
+def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: Path | None = None,
+        trusted: Path | None = None) -> dict:
     """Verify the variant's built image, or any image given by reference (e.g. one pulled from a registry)."""
     if image_ref:
         image = image_or_none(c, image_ref)
@@ -92,7 +93,7 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     mount = data_dir if data_dir.is_dir() and any(data_dir.iterdir()) else None
     if mount:
         log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
-    held, expect = receipt_checks(c, image, variant)
+    held, expect = receipt_checks(c, image, variant, trusted)
     with stops_as_interrupt():   # a `kill` or a hang-up removes the probe container as Ctrl-C does
         container, no_gpu = _start(c, image.id, variant, labels, mount, log, expect)
         try:
@@ -116,7 +117,7 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     return report
 
 
-def receipt_checks(c, image, variant: Variant) -> tuple[list[dict], str]:
+def receipt_checks(c, image, variant: Variant, trusted: Path | None = None) -> tuple[list[dict], str]:
     """The image held to its receipts (image/receipts.py), as report rows: its SBOM valid CycloneDX naming the
     Debian packages the image has (its dpkg database, read here), and its provenance statement valid and of this
     image; and what the probe holds its Python packages to (the SBOM's, as JSON). An image fleetbox did not build
@@ -147,7 +148,14 @@ def receipt_checks(c, image, variant: Variant) -> tuple[list[dict], str]:
                   f"its subject is not this image ({image.id[:19]})")
     except UserError as e:
         ok, detail = False, str(e)
-    return [*rows, {"check": "provenance", "ok": ok, "detail": detail}], json.dumps({"python": want["python"]})
+    rows.append({"check": "provenance", "ok": ok, "detail": detail})
+    if trusted is not None:   # --trusted-keys: the statement must be signed by one of them
+        try:
+            who = receipts.signer(receipts.provenance_path(image.id), trusted)
+            rows.append({"check": "signature", "ok": True, "detail": f"signed by {who}"})
+        except UserError as e:
+            rows.append({"check": "signature", "ok": False, "detail": str(e)})
+    return rows, json.dumps({"python": want["python"]})
 
 
 def _start(c, image_id: str, variant: Variant, labels: dict, mount, log, expect_sbom: str = ""):

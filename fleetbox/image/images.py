@@ -254,7 +254,7 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = False, log=print,
-          data: list[datasets.Dataset] = (), data_dir: Path | None = None) -> BuildPlan:
+          data: list[datasets.Dataset] = (), data_dir: Path | None = None, sign_key: Path | None = None) -> BuildPlan:
     """Build the variant's image with the network off, unless an image with the same inputs exists."""
     lock_text, entries = locks.read(variant)
     base = image_or_none(c, variant.base_ref)
@@ -270,6 +270,9 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
             keep_receipts(c, p, lock_text, entries, wheel_dir, existing, None, None, force, log)
     else:
         _build_main(c, p, lock_text, entries, wheel_dir, existing, force, log)
+    if sign_key is not None:
+        signed = receipts.sign(receipts.provenance_path(c.images.get(p.tag).id), sign_key)
+        log(f"signed the provenance statement with {sign_key}: {signed}")
     if data:
         _bake(c, p, data_dir or settings.data_dir(), force, log)
     return p

@@ -20,7 +20,10 @@ import datetime
 import hashlib
 import io
 import json
+import shutil
+import subprocess
 import tarfile
+import tempfile
 import uuid
 from dataclasses import dataclass
 from importlib import metadata
@@ -38,6 +41,8 @@ if TYPE_CHECKING:   # exports read receipts, and run/ reads exports: no lock rea
 
 SBOM_SUFFIX = ".sbom.json"            # beside an export: <export>.sbom.json
 PROVENANCE_SUFFIX = ".provenance.json"
+SIGNATURE_SUFFIX = ".sig"             # a statement's SSH signature, beside it (ssh-keygen -Y sign's own name)
+NAMESPACE = "fleetbox-provenance"     # what an SSH signature of ours is for: it verifies for nothing else
 STATEMENT = "https://in-toto.io/Statement/v1"
 SLSA = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "urn:fleetbox:image-build:v1"   # what externalParameters and resolvedDependencies mean (docs: receipts)
@@ -279,3 +284,54 @@ def beside(out: Path, inputs: str, image_id: str, export_sha256: str | None) -> 
             statement["subject"].append({"name": out.name, "digest": {"sha256": export_sha256}})
         written.append(files.write_json(Path(f"{out}{PROVENANCE_SUFFIX}"), statement, indent=1))
     return written
+
+
+# -- signatures: OpenSSH's own (ssh-keygen -Y), offline, with the keys a site already has --
+
+def sign(statement: Path, key: Path) -> Path:
+    """The statement signed with the SSH key `key` (a private key file; a public one whose private key is in
+    ssh-agent), the signature beside it (<statement>.sig); ssh-keygen asks for a passphrase on the terminal."""
+    if not key.is_file():
+        raise UserError(f"--sign-key {key}: no such key file")
+    with tempfile.TemporaryDirectory(prefix="fleetbox-sign-") as d:
+        tmp = Path(d) / statement.name   # signed in a folder of its own: ssh-keygen asks before writing over a .sig
+        shutil.copyfile(statement, tmp)
+        proc = subprocess.run(["ssh-keygen", "-Y", "sign", "-q", "-f", str(key), "-n", NAMESPACE, str(tmp)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            said = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            raise UserError(f"signing {statement.name} with {key} failed: {said[:300]}")
+        return files.write_atomic(Path(f"{statement}{SIGNATURE_SUFFIX}"), Path(f"{tmp}{SIGNATURE_SUFFIX}").read_bytes())
+
+
+KEY_TYPES = ("ssh-", "ecdsa-", "sk-")   # how a public key's line starts (ssh-ed25519, ecdsa-sha2-nistp256, ...)
+
+
+def signer(statement: Path, trusted: Path) -> str:
+    """Who signed the statement, among the keys of `trusted`: an allowed_signers file (ssh-keygen(1)), or public
+    keys a line each (a .pub file, authorized_keys' form). UserError, in one line, where none of them did."""
+    sig = Path(f"{statement}{SIGNATURE_SUFFIX}")
+    if not sig.is_file():
+        raise UserError(f"{statement.name} is not signed (no {sig.name})")
+    try:
+        lines = [ln.strip() for ln in trusted.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    except OSError as e:
+        raise UserError(f"--trusted-keys {trusted}: {e.strerror}") from None
+    with tempfile.TemporaryDirectory(prefix="fleetbox-verify-") as d:
+        allowed = trusted
+        if lines and all(ln.startswith(KEY_TYPES) for ln in lines):   # public keys: each trusted as "fleetbox"
+            allowed = Path(d) / "allowed_signers"
+            allowed.write_text("".join(f'fleetbox namespaces="{NAMESPACE}" {" ".join(ln.split()[:2])}\n'
+                                       for ln in lines))
+        found = subprocess.run(["ssh-keygen", "-Y", "find-principals", "-s", str(sig), "-f", str(allowed)],
+                               capture_output=True, text=True)
+        who = found.stdout.split()
+        if found.returncode != 0 or not who:
+            raise UserError(f"{sig.name} is not by a key of {trusted}")
+        with open(statement, "rb") as data:
+            ok = subprocess.run(["ssh-keygen", "-Y", "verify", "-f", str(allowed), "-I", who[0], "-n", NAMESPACE,
+                                 "-s", str(sig)], stdin=data, capture_output=True, text=True)
+        if ok.returncode != 0:
+            raise UserError(f"{sig.name} does not verify: the statement changed after it was signed, or the "
+                            f"signature is not for {NAMESPACE}")
+        return f"{who[0]} ({ok.stdout.strip().rsplit(' key ', 1)[-1]})"

@@ -78,7 +78,7 @@ def _tool_missing(fmt: str, image: str, name: str, variant: Variant) -> str:
 
 
 def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest: Path | None = None,
-           log=print) -> Path:
+           log=print, sign_key: Path | None = None) -> Path:
     """Write the image in `fmt` under a name that carries its content hash; temp name first, renamed once
     complete; then record it (ship/shipped.py), so `train` finds it wherever it was written."""
     if fmt not in FORMATS:
@@ -97,6 +97,8 @@ def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest
         digest = _file_sha256(out) if out.is_file() else None
     if content:
         said = receipts.beside(out, (img.labels or {}).get(settings.LABEL_INPUTS, ""), img.id, digest)
+        if sign_key is not None and len(said) == 2:   # this statement names the export: signed as it is
+            said.append(receipts.sign(said[1], sign_key))
         log(f"receipts beside it: {', '.join(p.name for p in said)}" if said else
             f"note: no receipts of {content} here (receipts/); `invoke build --variant {variant.name}` keeps them")
         shipped.record(variant, export_kind(fmt, squash), content, str(out))

@@ -32,7 +32,12 @@ def test_base_is_ours_and_runs_python(cpu_image):
 
 def test_verify_passes_and_writes_a_report(cpu_image, tmp_path):
     report_path = tmp_path / "report.json"
-    proc = invoke("verify", "--variant", "cpu", "--json-out", str(report_path))
+    # the statement signed with a site's SSH key (an up-to-date build signs it), verify given the public key
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "site")], check=True)
+    proc = invoke("build", "--variant", "cpu", "--sign-key", str(tmp_path / "site"))
+    assert proc.returncode == 0 and "signed the provenance statement with" in proc.stdout, proc.stdout + proc.stderr
+    proc = invoke("verify", "--variant", "cpu", "--json-out", str(report_path), "--trusted-keys",
+                  str(tmp_path / "site.pub"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
     checks = {c["check"]: c for c in report["checks"]}
@@ -49,6 +54,7 @@ def test_verify_passes_and_writes_a_report(cpu_image, tmp_path):
                         checks["SBOM: Python"]["detail"]), checks["SBOM: Python"]
     assert re.match(r"CycloneDX 1.6, \d{2,} Debian packages as it says", checks["SBOM"]["detail"]), checks["SBOM"]
     assert checks["provenance"]["detail"] == f"in-toto statement (SLSA provenance v1) of {cpu_image['image'].id[:19]}"
+    assert checks["signature"]["detail"].startswith("signed by fleetbox (SHA256:")
     assert "PASS  paddle.utils.run_check()" in proc.stdout
     assert os.path.exists(report["path"])   # the run keeps its own copy under runs/
 

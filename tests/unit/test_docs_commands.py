@@ -29,6 +29,7 @@ NOT_RUN = {
     "doctor --backend slurm --runtime none --venv /shared/envs/": "an env made by `invoke venv` on /shared",
     "scale --nodes 1,2,4 --procs-per-node 1,2 --image fleetbox/paddle:cpu,my/paddle:next": "an image my/paddle:next",
     "train --backend kubernetes ... (the same, without --dry-run)": "prose: the command above, run",
+    "verify --variant cpu --trusted-keys site-keys.pub": "a site's SSH keys (an integration test signs and checks)",
 }
 
 

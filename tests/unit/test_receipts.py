@@ -3,6 +3,7 @@ database (tests/recorded/dpkg/status: four stanzas of the bookworm base's, and o
 CycloneDX's own schema; the in-toto statement held to in-toto's library."""
 import datetime as dt
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,30 @@ def test_beside_an_export_go_its_sbom_and_its_statement_with_the_export_as_a_sec
     s = receipts.check_statement(json.loads(made[1].read_text()))
     assert s["subject"][1] == {"name": out.name, "digest": {"sha256": "12" * 32}}
     assert receipts.beside(out, "e" * 64, "sha256:" + "ab" * 32, None) == []   # another image's inputs: none
+
+
+def _key(folder, name):
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(folder / name)], check=True)
+    return folder / name
+
+
+def test_a_signed_statement_verifies_with_its_key_and_not_once_changed_or_with_another(tmp_path):
+    """OpenSSH's own signatures (ssh-keygen -Y), offline; trusted keys as .pub lines or an allowed_signers file."""
+    mine, other = _key(tmp_path, "site"), _key(tmp_path, "other")
+    statement = tmp_path / "image-x.provenance.json"
+    statement.write_text('{"_type": "https://in-toto.io/Statement/v1"}\n')
+    with pytest.raises(UserError, match=r"^image-x.provenance.json is not signed \(no image-x.provenance.json.sig\)$"):
+        receipts.signer(statement, Path(f"{mine}.pub"))
+    assert receipts.sign(statement, mine) == Path(f"{statement}.sig")
+    assert receipts.signer(statement, Path(f"{mine}.pub")).startswith("fleetbox (SHA256:")
+    allowed = tmp_path / "allowed_signers"
+    allowed.write_text(f'admin@site namespaces="fleetbox-provenance" {Path(f"{mine}.pub").read_text()}')
+    assert receipts.signer(statement, allowed).startswith("admin@site (SHA256:")
+    with pytest.raises(UserError, match=r"^image-x.provenance.json.sig is not by a key of .*other.pub$"):
+        receipts.signer(statement, Path(f"{other}.pub"))
+    receipts.sign(statement, mine)   # again, over its own signature
+    statement.write_text('{"_type": "https://in-toto.io/Statement/v1", "changed": 1}\n')
+    with pytest.raises(UserError, match=r"does not verify: the statement changed after it was signed"):
+        receipts.signer(statement, Path(f"{mine}.pub"))
+    with pytest.raises(UserError, match=r"^--sign-key .*/none: no such key file$"):
+        receipts.sign(statement, tmp_path / "none")
