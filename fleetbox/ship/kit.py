@@ -34,7 +34,7 @@ from fleetbox.data import datasets as ds
 from fleetbox.engine import image_or_none
 from fleetbox.errors import UserError
 from fleetbox.files import atomic, read_json, write_atomic, write_json
-from fleetbox.image import images, locks, wheelhouse
+from fleetbox.image import images, locks, receipts, wheelhouse
 from fleetbox.image.matrix import Variant
 from fleetbox.ship import kit_load
 
@@ -147,7 +147,17 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
             raise UserError(f"{plan.tag} (this lock and base) is not built: run `invoke build --variant "
                             f"{variant.name}` first")
         tags = sorted(t for t in image.tags if t.startswith(f"{variant.image}:"))
-        parts.append(Part("image", _digest(image.id, tags), save(tags, "image.tar"), tags=tags))
+        # with its receipts (image/receipts.py), which the loader puts in the site's receipts/
+        statement = receipts.provenance_path(image.id)
+        held = [p for p in (receipts.sbom_path((image.labels or {}).get(settings.LABEL_INPUTS, "")), statement,
+                            Path(f"{statement}{receipts.SIGNATURE_SUFFIX}")) if p.is_file()]
+
+        def image_part(d: Path):
+            save(tags, "image.tar")(d)
+            for p in held:
+                shutil.copyfile(p, d / p.name)
+        parts.append(Part("image", _digest(image.id, tags, [(p.name, receipts.sha256(p.read_bytes())) for p in held]),
+                          image_part, tags=tags, receipts=[p.name for p in held]))
     if datasets:
         def pack(d: Path):   # with the manifest that names them: the site restores against the same one
             ds.pack(datasets, data_dir, d / "datasets.tar")

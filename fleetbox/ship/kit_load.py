@@ -182,6 +182,8 @@ def declared_sizes(kit_json: Path) -> dict[str, int]:
 
 
 IMAGE_PARTS = ("base", "image")   # parts that `docker load` takes, each naming the tags it brings
+# an image's receipts (fleetbox/image/receipts.py's names), which an image part may carry for the site's receipts/
+RECEIPT = re.compile(r"inputs-[0-9a-f]{16}\.sbom\.json|image-[0-9a-f]{16}\.provenance\.json(\.sig)?")
 VARIANT = re.compile(r"[a-z0-9][a-z0-9._-]{0,40}")
 IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[0-9]+)?/?[a-z0-9._/-]*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
@@ -201,6 +203,9 @@ def check_info(staging: Path, names: set[str]) -> dict:
             tags = part["tags"] if name in IMAGE_PARTS else part.get("tags", [])   # what an image part loads
             ok = ok and isinstance(tags, list) and (tags or name not in IMAGE_PARTS)
             ok = ok and all(isinstance(t, str) and IMAGE_REF.fullmatch(t) for t in tags)
+            held = part.get("receipts", [])
+            ok = ok and isinstance(held, list) and all(isinstance(r, str) and RECEIPT.fullmatch(r)
+                                                       and f"{name}/{r}" in part["files"] for r in held)
         sizes = info["sizes"]
         ok = ok and isinstance(sizes, dict) and set(sizes) == names - {KIT_JSON}
         ok = ok and all(type(v) is int and v >= 0 for v in sizes.values())
@@ -224,6 +229,18 @@ def check_host(info: dict) -> None:
     need = tuple(int(x) for x in info["glibc"].split("."))
     if libc == "glibc" and tuple(int(x) for x in version.split(".")[:2]) < need:
         raise Refused(f"the kit's wheels need glibc {info['glibc']} or newer; this machine has {version}")
+
+
+def place_receipts(info: dict, staging: Path, src: Path) -> list[str]:
+    """The receipts an image part carries (checked by check_info), moved into the placed source's receipts/,
+    where fleetbox's verify and export find them."""
+    placed = []
+    for part in IMAGE_PARTS:
+        for name in info["parts"].get(part, {}).get("receipts", []):
+            (src / "receipts").mkdir(exist_ok=True)
+            shutil.move(str(staging / part / name), src / "receipts" / name)
+            placed.append(name)
+    return placed
 
 
 def run(argv: list[str], **kw) -> None:
@@ -305,7 +322,8 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
         for part in images:
             log(f"loading the {part} into the Docker Engine ({info['parts'][part]['bytes'] / 2**20:.0f} MiB)")
             undo.expect(info["parts"][part]["tags"], before)
-            run(["docker", "load", "-i", str(staging / info["parts"][part]["files"][0])])
+            run(["docker", "load", "-i", str(staging / next(f for f in info["parts"][part]["files"]
+                                                           if f.endswith(".tar")))])
         src = dest / "fleetbox"
         src.mkdir()
         with tarfile.open(staging / "source" / "fleetbox-src.tar") as tar:
@@ -323,6 +341,8 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
         wheelhouse.parent.mkdir(exist_ok=True)
         shutil.move(str(staging / "wheelhouse"), wheelhouse)
         log(f"placed the source ({info['revision'][:12]}), the lock and the wheelhouse in {src}")
+        if placed := place_receipts(info, staging, src):
+            log(f"placed the image's receipts in {src / 'receipts'}: {', '.join(placed)}")
         venv, wheels = dest / "venv", staging / "host-wheels"
         log(f"installing fleetbox into {venv} from the kit's {len(info['parts']['host-wheels']['files'])} wheels")
         pip = next(wheels.glob("pip-*.whl"), None)

@@ -82,6 +82,9 @@ def test_a_good_small_kit_passes_and_is_extracted_only_into_staging(tmp_path):
     ("parts.base.bytes", "12"), ("parts.wheelhouse.bytes", DROP), ("parts.base.bytes", -1),
     ("sizes", DROP), ("sizes", {n: 1 for n in FILES if n != "lock/cpu.lock"}), ("sizes.extra", 1),
     ("sizes", {**{n: 1 for n in FILES}, "base/base.tar": "1"}), ("sizes", {n: -1 for n in FILES}),
+    # an image part's receipts: only their own names, only among the part's files
+    ("parts.base.receipts", ["../../evil.sbom.json"]), ("parts.base.receipts", ["inputs-0123456789abcdef.sbom.json"]),
+    ("parts.base.receipts", "inputs-0123456789abcdef.sbom.json"),
 ])
 def test_a_kit_json_whose_values_would_reach_outside_is_refused(tmp_path, path, value):
     refused(tmp_path, make(tmp_path / "k.kit", {"kit.json": info(**{path: value}), **FILES}),
@@ -240,3 +243,22 @@ def test_a_large_member_before_kit_json_is_refused_before_it_is_written(tmp_path
     refused(tmp_path, make(tmp_path / "k.kit", {"early.bin": b"x" * 1001}),
             "the kit's early.bin (1001 bytes) comes before its kit.json declares the sizes")
     assert not (tmp_path / "staging" / "early.bin").exists()
+
+
+def test_an_image_parts_receipts_are_checked_then_placed_in_the_sites_receipts_folder(tmp_path):
+    held = ["image-0123456789abcdef.provenance.json", "image-0123456789abcdef.provenance.json.sig",
+            "inputs-fedcba9876543210.sbom.json"]
+    files = {**FILES, "image/image.tar": b"i", **{f"image/{n}": n.encode() for n in held}}
+    text = json.loads(info())
+    text["parts"]["image"] = {"files": sorted(n for n in files if n.startswith("image/")), "bytes": 1,
+                              "tags": ["fleetbox/paddle:cpu-0123456789ab"], "receipts": held}
+    text["sizes"] = {n: len(d) for n, d in files.items()}
+    kit = make(tmp_path / "k.kit", {"kit.json": json.dumps(text).encode(), **files})
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    got = kit_load.verify(kit, staging, None, log=lambda m: None)
+    src = tmp_path / "site" / "fleetbox"
+    src.mkdir(parents=True)
+    assert kit_load.place_receipts(got, staging, src) == held
+    assert sorted(p.name for p in (src / "receipts").iterdir()) == held
+    assert (src / "receipts" / held[2]).read_bytes() == held[2].encode()
