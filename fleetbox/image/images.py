@@ -294,7 +294,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     for line in p.describe():
         log(line)
     rd = run_dir(f"build-{variant.name}")
-    started = datetime.datetime.now(datetime.UTC)
+    began = datetime.datetime.now(datetime.UTC)
     base = c.images.get(p.base_id)   # by ID, as every layer after: the keys name IDs, and a tag can move
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
     files.write_atomic(rd / "by-hand.sh", layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
@@ -342,7 +342,7 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     _tidy(c, existing, image)
     files.write_json(rd / "plan.json", {"tags": p.tags, "build_args": p.build_args, "labels": p.labels,
                                         "layers": [(x.name, x.key) for x in split]})
-    keep_receipts(c, p, lock_text, entries, wheel_dir, image, started, rd, force, log)
+    keep_receipts(c, p, lock_text, entries, wheel_dir, image, began, rd, force, log)
     log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}; "
         f"by hand: {rd / 'by-hand.sh'}")
 
