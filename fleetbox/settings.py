@@ -182,6 +182,8 @@ LOG_DIR = "/fleetbox/logs"                        # --log_dir of paddle.distribu
 WORKDIR = "/workspace"                            # the training script's folder
 VENV = "/opt/venv"                                 # the images' Python environment
 FREEZE = f"{VENV}/fleetbox-freeze.txt"             # pip's freeze of it, written by the last layer
+SBOM = f"{VENV}/fleetbox-sbom.cdx.json"            # the image's SBOM (image/receipts.py), copied in by the last layer
+SBOM_IN_WHEELHOUSE = "fleetbox-sbom.cdx.json"      # ... from the wheelhouse, where `invoke build` puts it first
 WORKSPACE_MAX = 1 << 30   # what a --hosts job copies to each engine: the script's folder, not the data
 HELPERS_DIR = "/fleetbox/helpers"                 # HELPERS, on the containers' PYTHONPATH
 CHECKPOINT_DIR = "/fleetbox/checkpoints"          # the job's checkpoint folder (FLEETBOX_CHECKPOINT_DIR), read-write
@@ -198,6 +200,7 @@ LABEL_OWNER = "io.fleetbox.owner"   # user@<runs folder id> (run/records.py owne
 LABEL_INPUTS = "io.fleetbox.inputs-sha256"   # the digest of everything the image is made from (its content tag)
 LABEL_LOCK = "io.fleetbox.lock-sha256"
 LABEL_FREEZE = "io.fleetbox.pip-freeze"      # `pip freeze` of the image's environment
+LABEL_SBOM = "io.fleetbox.sbom"              # where the image holds its SBOM (SBOM)
 LABEL_ROLE = "io.fleetbox.role"              # a container fleetbox runs that is not a job's (verify)
 
 # An env made by `invoke venv` (image/venvs.py): its record, written last; the Slurm runtime none reads it.

@@ -535,21 +535,24 @@ def export(c, variant=None, format="docker-archive", squash=False, dest=None, im
     "expect": "with --load: the kit's sha256, sent apart from the kit (required, unless --no-expect)",
     "no_expect": "with --load: skip the check of the whole kit against a digest sent apart (not recommended)",
     "dest": "with --load: a new folder to load into (default ./fleetbox-<kit name>)",
-    "skip_images": "with --load: load no image (a site with no container engine: `invoke venv` makes the env)"})
+    "skip_images": "with --load: load no image (a site with no container engine: `invoke venv` makes the env)",
+    "trusted_keys": "with --load: SSH public keys (a .pub file or an allowed_signers file); the kit's image's "
+                    "provenance statement must be signed by one of them"})
 @_fleetbox
 def kit(c, variant=None, out=None, datasets=None, data_dir=None, manifest=None, with_image=False, load=None,
-        expect=None, no_expect=False, dest=None, skip_images=False):
+        expect=None, no_expect=False, dest=None, skip_images=False, trusted_keys=None):
     """One verified bundle for an air-gapped site: source, host wheels, lock, wheelhouse, base (image), datasets."""
     from fleetbox.data import datasets as ds
     from fleetbox.ship import kit as kit_mod
     if load:
         if variant or out or datasets or data_dir or manifest or with_image:
-            raise UserError("--load takes only --expect, --dest and --skip-images: the kit says what it holds")
+            raise UserError("--load takes only --expect, --dest, --skip-images and --trusted-keys: the kit says "
+                            "what it holds")
         kit_mod.load(Path(load), Path(dest) if dest else None, expect, log=_log, no_expect=no_expect,
-                     skip_images=skip_images)
+                     skip_images=skip_images, trusted_keys=Path(trusted_keys) if trusted_keys else None)
         return
-    if expect or no_expect or dest or skip_images:
-        raise UserError("--expect, --no-expect, --dest and --skip-images are for --load")
+    if expect or no_expect or dest or skip_images or trusted_keys:
+        raise UserError("--expect, --no-expect, --dest, --skip-images and --trusted-keys are for --load")
     v = _variant(variant)
     chosen = []
     if datasets:

@@ -9,6 +9,9 @@
 #     --build-context wheelhouse=wheelhouse/cpu --build-arg REVISION=$(git rev-parse HEAD) \
 #     -f images/cpu.Dockerfile -t fleetbox/paddle:cpu "$(mktemp -d)"
 #   docker buildx build (BuildKit, Docker 23 or later) takes the same arguments but --format and --pull
+# The last layer copies in the image's SBOM, the wheelhouse's fleetbox-sbom.cdx.json, which `invoke build`
+# writes there (its inputs alone make it: the same file on every machine); a wheelhouse without one gives an
+# image without.
 ARG BASE_IMAGE=fleetbox/base:bookworm-965f49151f4a
 FROM ${BASE_IMAGE}
 # layer paddle: 16 locked package(s)
@@ -53,7 +56,7 @@ RUN --mount=type=bind,from=wheelhouse,target=/mnt \
     set -- "$(printf '%s\n' \
       'opencv-python-headless==4.12.0.88 --hash=sha256:1e58d664809b3350c1123484dd441e1667cd7bed3086db1b9ea1b6f6cb20b50e --hash=sha256:236c8df54a90f4d02076e6f9c1cc763d794542e886c576a6fee46ec8ff75a7a9 --hash=sha256:365bb2e486b50feffc2d07a405b953a8f3e8eaa63865bc650034e5c71e7a5154 --hash=sha256:86b413bdd6c6bf497832e346cd5371995de148e579b9774f8eba686dee3f5528 --hash=sha256:aeb4b13ecb8b4a0beb2668ea07928160ea7c2cd2d9b5ef571bbee6bafe9cc8d0 --hash=sha256:cfdc017ddf2e59b6c2f53bc12d74b6b0be7ded4ec59083ea70763921af2b6c09 --hash=sha256:fde2cf5c51e4def5f2132d78e0c08f9c14783cd67356922182c6845b9af87dbd' \
     )"; \
-    set -e; t0=$(date -d '-0.05 seconds' +%s.%N); echo "fleetbox-phase start $(date +%s.%N)"; printf '%s' "$1" | TMPDIR=/dev/shm /opt/venv/bin/python -B /mnt/pip-25.3-py3-none-any.whl/pip install --no-index --no-cache-dir --find-links /mnt --require-hashes --only-binary :all: --no-deps --no-compile --disable-pip-version-check --quiet -r /dev/stdin; echo "fleetbox-phase pip $(date +%s.%N)"; sync -f / & find /opt/venv/lib -newermt "@$t0" -name '*.py' -print0 > /dev/shm/fleetbox-new; xargs -0 -r touch -h -d @315532800 < /dev/shm/fleetbox-new; p=$(nproc); n=$(( $(tr -cd '\0' < /dev/shm/fleetbox-new | wc -c) / (4 * p) + 1 )); xargs -0 -r -P "$p" -n "$n" sh -c 'PYTHONHASHSEED=0 /opt/venv/bin/python -B -m compileall -q -f "$@" || [ $? -eq 1 ] || exit 255' sh < /dev/shm/fleetbox-new > /dev/null || [ $? -eq 123 ]; echo "fleetbox-phase compileall $(date +%s.%N)"; TMPDIR=/dev/shm /opt/venv/bin/python -B -m pip freeze --all --disable-pip-version-check > /opt/venv/fleetbox-freeze.txt; mkdir -p /workspace /fleetbox/logs /fleetbox/helpers /fleetbox/checkpoints /fleetbox/resume /root/.cache/paddle/dataset; echo "fleetbox-phase freeze $(date +%s.%N)"; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; wait; echo "fleetbox-phase fixed-times $(date +%s.%N)"
+    set -e; t0=$(date -d '-0.05 seconds' +%s.%N); echo "fleetbox-phase start $(date +%s.%N)"; printf '%s' "$1" | TMPDIR=/dev/shm /opt/venv/bin/python -B /mnt/pip-25.3-py3-none-any.whl/pip install --no-index --no-cache-dir --find-links /mnt --require-hashes --only-binary :all: --no-deps --no-compile --disable-pip-version-check --quiet -r /dev/stdin; echo "fleetbox-phase pip $(date +%s.%N)"; sync -f / & find /opt/venv/lib -newermt "@$t0" -name '*.py' -print0 > /dev/shm/fleetbox-new; xargs -0 -r touch -h -d @315532800 < /dev/shm/fleetbox-new; p=$(nproc); n=$(( $(tr -cd '\0' < /dev/shm/fleetbox-new | wc -c) / (4 * p) + 1 )); xargs -0 -r -P "$p" -n "$n" sh -c 'PYTHONHASHSEED=0 /opt/venv/bin/python -B -m compileall -q -f "$@" || [ $? -eq 1 ] || exit 255' sh < /dev/shm/fleetbox-new > /dev/null || [ $? -eq 123 ]; echo "fleetbox-phase compileall $(date +%s.%N)"; TMPDIR=/dev/shm /opt/venv/bin/python -B -m pip freeze --all --disable-pip-version-check > /opt/venv/fleetbox-freeze.txt; if [ -e /mnt/fleetbox-sbom.cdx.json ]; then install -m 0644 /mnt/fleetbox-sbom.cdx.json /opt/venv/fleetbox-sbom.cdx.json; touch -h -d @315532800 /opt/venv/fleetbox-sbom.cdx.json; fi; mkdir -p /workspace /fleetbox/logs /fleetbox/helpers /fleetbox/checkpoints /fleetbox/resume /root/.cache/paddle/dataset; echo "fleetbox-phase freeze $(date +%s.%N)"; find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /mnt \) -prune -o -newermt "@$t0" -exec touch -h -d @315532800 {} +; wait; echo "fleetbox-phase fixed-times $(date +%s.%N)"
 # the image's settings; what differs by machine or commit comes in as build arguments
 ARG BASE_IMAGE
 ARG BASE_DIGEST=unknown
@@ -71,6 +74,7 @@ LABEL "io.fleetbox.device"="cpu" \
       "io.fleetbox.inputs-sha256"="${CONTENT_HASH}" \
       "io.fleetbox.lock-sha256"="9d50bf3df94d09407c76440465b5471af2fd6a3a5a7d6955cdce8c3debe7dda9" \
       "io.fleetbox.pip-freeze"="anyio==4.16.0 certifi==2026.10.18 h11==0.16.0 httpcore==1.0.9 httpx==0.28.1 idna==3.20 networkx==3.6.1 numpy==2.2.6 opencv-python-headless==4.12.0.88 opt-einsum==3.3.0 paddlepaddle==3.3.1 pillow==13.0.0 pip==25.3 protobuf==7.36.2 safetensors==0.8.0 scipy==1.17.1 setuptools==80.9.0 typing-extensions==4.16.0 visualdl==2.5.3" \
+      "io.fleetbox.sbom"="/opt/venv/fleetbox-sbom.cdx.json" \
       "io.fleetbox.variant"="cpu" \
       "org.opencontainers.image.base.digest"="${BASE_DIGEST}" \
       "org.opencontainers.image.base.name"="${BASE_IMAGE}" \

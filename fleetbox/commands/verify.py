@@ -125,12 +125,16 @@ def receipt_checks(c, image, variant: Variant, trusted: Path | None = None) -> t
     inputs = (image.labels or {}).get(settings.LABEL_INPUTS)
     if not inputs:
         return [], ""
-    path = receipts.sbom_path(inputs)
-    if not path.exists():
-        return [{"check": "SBOM", "ok": False, "detail": f"none of inputs {inputs[:12]} in {receipts.folder()}; "
-                 f"`invoke build --variant {variant.name}` keeps one"}], ""
+    # its own (the image's label names where), else the one its build kept here
+    held, path = receipts.image_file(c, image.id, settings.SBOM), settings.SBOM
+    if held is None:
+        path = receipts.sbom_path(inputs)
+        if not path.exists():
+            return [{"check": "SBOM", "ok": False, "detail": f"none in the image, nor of its inputs "
+                     f"{inputs[:12]} in {receipts.folder()}; `invoke build --variant {variant.name}` makes one"}], ""
+        held = path.read_bytes()
     try:
-        want = receipts.expected(receipts.check_sbom(path.read_text()))
+        want = receipts.expected(receipts.check_sbom(held.decode()))
     except UserError as e:
         return [{"check": "SBOM", "ok": False, "detail": f"{path}: {e}"}], ""
     have = {d.name: d.version for d in receipts.base_packages(c, image.id)}

@@ -168,6 +168,7 @@ def labels(variant: Variant, lock_sha: str, base_id: str, chash: str, entries, r
         settings.LABEL_LOCK: lock_sha,
         settings.LABEL_INPUTS: chash,
         settings.LABEL_FREEZE: freeze(entries),
+        settings.LABEL_SBOM: settings.SBOM,
         **{f"io.fleetbox.{k}": v for k, v in variant.accel.items()},
         **({LABEL_GPUS: k.label()} if (k := kernels.load(variant)) else {}),
     }
@@ -178,7 +179,8 @@ def recipe(variant: Variant, split: list, entries: list) -> str:
     return json.dumps({"layers": [(x.name, x.script, [e.name for e in x.entries]) for x in split],
                        "settings": layers.changes(variant, [], {}), "freeze": freeze(entries), "mount": layers.MOUNT,
                        # the GPUs label: a wheel measured since the last build is a new image, not a stale label
-                       **({"gpus": k.label()} if (k := kernels.load(variant)) else {})})
+                       **({"gpus": k.label()} if (k := kernels.load(variant)) else {}),
+                       "sbom": receipts.FORMAT})   # what the SBOM in its last layer holds
 
 
 # The labels that differ by machine or commit: a rendered Dockerfile takes them as build arguments
@@ -230,6 +232,7 @@ def plan(variant: Variant, base_id: str | None, lock: tuple[str, list] | None, r
     split = layers.plan(variant, lock_text, entries, base_id or "", args["PYTHON"], args["PIP_WHEEL"]) \
         if entries else []
     chash = content_hash(recipe(variant, split, entries), lock_text, base_id, args) if (base_id and lock_text) else ""
+    split = layers.keyed_by_inputs(split, chash) if chash else split
     lbl = labels(variant, lock_sha, base_id or "", chash, entries, revision) if chash else {}
     return BuildPlan(variant, variant.base_ref, base_id or UNKNOWN, args, lock_sha, chash, lbl, tuple(data),
                      tuple(split))
@@ -263,13 +266,22 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
     p = plan(variant, base.id, (lock_text, entries), source_revision(), data=list(data))
     existing = image_or_none(c, p.tag)
     wheel_dir = wheel_dir or wheelhouse.default_dir(variant)
+    # the image's SBOM, which its last layer copies in from the wheelhouse (each way of building mounts it there):
+    # put there up to date builds too, for the Dockerfile and by-hand.sh
+    sbom = None
+    if (wheel_dir / wheelhouse.MANIFEST).exists():   # else the build says which wheelhouse is missing
+        sbom = _sbom(c, p, entries, wheel_dir)
+        try:
+            files.write_atomic(wheel_dir / settings.SBOM_IN_WHEELHOUSE, sbom[0])
+        except OSError as e:
+            raise UserError(f"cannot write the image's SBOM into the wheelhouse {wheel_dir}: {e.strerror}") from None
     if existing and not force:
         _alias(existing, p.aliases)
         log(f"{p.tag} is up to date (same layers, lock, base and args); nothing to build")
-        if not receipts.provenance_path(existing.id).exists():   # built before, by another checkout, or a kit's
-            keep_receipts(c, p, lock_text, entries, wheel_dir, existing, None, None, force, log)
+        if sbom and not receipts.provenance_path(existing.id).exists():   # built before, elsewhere, or a kit's
+            keep_receipts(c, p, lock_text, entries, wheel_dir, existing, None, None, force, log, sbom)
     else:
-        _build_main(c, p, lock_text, entries, wheel_dir, existing, force, log)
+        _build_main(c, p, lock_text, entries, wheel_dir, existing, force, log, sbom)
     if sign_key is not None:
         signed = receipts.sign(receipts.provenance_path(c.images.get(p.tag).id), sign_key)
         log(f"signed the provenance statement with {sign_key}: {signed}")
@@ -278,7 +290,8 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
     return p
 
 
-def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, force: bool, log) -> None:
+def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, force: bool, log,
+                sbom: tuple[str, int]) -> None:
     """The environment in layers (image/layers.py): each layer a container of the one before with the
     wheelhouse mounted read-only and the network off, then committed; a layer whose inputs are unchanged is
     reused. The first layer made installs in its own container; the ones after it are installed beside it on a
@@ -321,7 +334,8 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                     waited = stage.wait()
                     # the last copy empties the stage (copy_script), so that one mounts it writable
                     made = _run_and_commit(c, parent, layer.name, layers.copy_script(layer.last),
-                                           [stage.number(layer)], [stage.mount(read_only=not layer.last)], tag,
+                                           [stage.number(layer)], [stage.mount(read_only=not layer.last),
+                                                                   *[_wheels_mount(wheels)] * layer.last], tag,
                                            [layers.CMD], out, removals, {"waited": waited})
                     if layer is staged[-1]:
                         stage.release()
@@ -338,11 +352,16 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     finally:
         checking.cancel()
         removals.wait()
+    if receipts.image_file(c, image.id, settings.SBOM) != sbom[0].encode():   # not left under its final name
+        with contextlib.suppress(Exception):
+            c.images.remove(p.tag, noprune=True)
+        raise UserError(f"{p.tag}'s SBOM is not the one its build wrote into the wheelhouse {wheel_dir}: another "
+                        f"build changed it meanwhile; build again")
     _alias(image, p.aliases)
     _tidy(c, existing, image)
     files.write_json(rd / "plan.json", {"tags": p.tags, "build_args": p.build_args, "labels": p.labels,
                                         "layers": [(x.name, x.key) for x in split]})
-    keep_receipts(c, p, lock_text, entries, wheel_dir, image, began, rd, force, log)
+    keep_receipts(c, p, lock_text, entries, wheel_dir, image, began, rd, force, log, sbom)
     log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}; "
         f"by hand: {rd / 'by-hand.sh'}")
 
@@ -671,19 +690,24 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     return content, untag(unused), len(stopped)
 
 
+def _sbom(c, p: BuildPlan, entries, wheel_dir: Path) -> tuple[str, int]:
+    """The image's SBOM (image/receipts.py), from the lock, the wheelhouse's wheels and the base's packages; and
+    how many Debian packages it names."""
+    manifest = files.read_json(wheel_dir / wheelhouse.MANIFEST).get("files") or {}
+    said = c.images.get(p.base_id).labels or {}
+    debs = receipts.base_packages(c, p.base_id)
+    return receipts.sbom(p.variant, p.content_hash, entries, manifest, debs, said.get("io.fleetbox.base.mirror", ""),
+                         said.get("io.fleetbox.base.suite", ""), p.labels.get(LABEL_GPUS, "")), len(debs)
+
+
 def keep_receipts(c, p: BuildPlan, lock_text: str, entries, wheel_dir: Path, image, started, rd: Path | None,
-                  force: bool, log) -> None:
+                  force: bool, log, sbom: tuple[str, int]) -> None:
     """The image's SBOM and provenance statement (image/receipts.py), kept in receipts/ and the build's run folder.
     An image already built (`started` None: by an earlier build, another checkout, a kit) gets them from its
     inputs, which its content tag proves the same, and its own creation time."""
     v = p.variant
     manifest = files.read_json(wheel_dir / wheelhouse.MANIFEST).get("files") or {}
-    base = c.images.get(p.base_id)
-    said = base.labels or {}
-    debs = receipts.base_packages(c, p.base_id)
-    sbom_text = receipts.sbom(v, p.tag, entries, manifest, debs,
-                              said.get("io.fleetbox.base.mirror", ""), said.get("io.fleetbox.base.suite", ""),
-                              p.labels.get(LABEL_GPUS, ""))
+    sbom_text, debs = sbom
     created = datetime.datetime.fromisoformat(image.attrs["Created"][:19]).replace(tzinfo=datetime.UTC)
     statement = receipts.check_statement(receipts.provenance(
         image=p.tag, image_id=image.id, layers=image.attrs["RootFS"]["Layers"], variant=v, lock_text=lock_text,
@@ -696,7 +720,7 @@ def keep_receipts(c, p: BuildPlan, lock_text: str, entries, wheel_dir: Path, ima
     if rd is not None:
         files.write_atomic(rd / "sbom.cdx.json", sbom_text)
         files.write_json(rd / "provenance.json", statement)
-    log(f"receipts: SBOM of {len(entries)} Python and {len(debs)} Debian packages, "
+    log(f"receipts: SBOM of {len(entries)} Python and {debs} Debian packages, "
         f"provenance of {image.id[:19]}: {receipts.folder()}")
 
 

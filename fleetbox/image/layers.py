@@ -34,7 +34,7 @@ from fleetbox import settings
 from fleetbox.errors import UserError
 from fleetbox.image import locks
 from fleetbox.image.matrix import Variant
-from fleetbox.settings import FREEZE, VENV  # where the images' environment and its freeze file are
+from fleetbox.settings import FREEZE, SBOM, SBOM_IN_WHEELHOUSE, VENV  # the images' environment, its freeze and SBOM
 
 WHEELS = "/mnt"   # the wheelhouse's mount point: a folder every base has, so no layer records a new one
 MOUNT = f"type=bind,dst={WHEELS},readonly"   # how the wheelhouse reaches a layer's container (no VOLUME)
@@ -171,10 +171,14 @@ def _compile(names: str = "") -> str:
 
 
 def _finish() -> str:
-    """Ours (raw), the last layer's: pip's freeze of the environment, and the folders fleetbox binds onto. It
-    writes nothing else (-B), so a staged last layer settles only those paths (_finished)."""
+    """Ours (raw), the last layer's: pip's freeze of the environment, the image's SBOM from the wheelhouse (where
+    `invoke build` put it; a wheelhouse without one, as `invoke wheels` makes it, gives an image without), and the
+    folders fleetbox binds onto. It writes nothing else (-B), so a staged last layer settles only those paths
+    (_finished; the SBOM, which may not be there, at once)."""
+    sbom = f"{WHEELS}/{SBOM_IN_WHEELHOUSE}"
     return (f"TMPDIR=/dev/shm {VENV}/bin/python -B -m pip freeze --all --disable-pip-version-check "
-            f"> {FREEZE}; mkdir -p {' '.join(settings.BIND_TARGETS)}; {_phase('freeze')}; ")
+            f"> {FREEZE}; if [ -e {sbom} ]; then install -m 0644 {sbom} {SBOM}; touch -h -d @{EPOCH} {SBOM}; fi; "
+            f"mkdir -p {' '.join(settings.BIND_TARGETS)}; {_phase('freeze')}; ")
 
 
 def _finished() -> tuple[str, ...]:
@@ -279,6 +283,15 @@ def plan(variant: Variant, lock_text: str, entries: list[locks.Locked], base_id:
     return out
 
 
+def keyed_by_inputs(split: list[Layer], inputs: str) -> list[Layer]:
+    """The layers with the last one keyed by the image's inputs too (its content hash): it copies in the SBOM,
+    which they make (image/receipts.py)."""
+    if not split:
+        return split
+    last = split[-1]
+    return [*split[:-1], Layer(last.name, last.entries, last.script, _digest(last.key, inputs), last.last)]
+
+
 def _digest(*values) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=list).encode()).hexdigest()
 
@@ -361,6 +374,9 @@ def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], fro
         f"#     --build-context wheelhouse=wheelhouse/{name} --build-arg REVISION=$(git rev-parse HEAD) \\",
         f"#     -f images/{name}.Dockerfile -t {variant.aliases[0]} \"$(mktemp -d)\"",
         "#   docker buildx build (BuildKit, Docker 23 or later) takes the same arguments but --format and --pull",
+        f"# The last layer copies in the image's SBOM, the wheelhouse's {SBOM_IN_WHEELHOUSE}, which `invoke build`",
+        "# writes there (its inputs alone make it: the same file on every machine); a wheelhouse without one gives an",
+        "# image without.",
         f"ARG BASE_IMAGE={variant.base_ref}",
         "FROM ${BASE_IMAGE}",
     ]

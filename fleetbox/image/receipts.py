@@ -50,6 +50,7 @@ BUILDER = "urn:fleetbox:invoke-build"
 DPKG_STATUS = "/var/lib/dpkg/status"
 FIXED_TIME = datetime.datetime(1980, 1, 1, tzinfo=datetime.UTC)   # the layers' fixed file time (layers.EPOCH)
 PYPI = "https://pypi.org/simple"
+FORMAT = 1   # what an SBOM holds: one more at each change, so an image holding an older one is a new image
 
 
 @dataclass(frozen=True)
@@ -76,21 +77,27 @@ def debian_packages(status: str) -> list[Deb]:
     return sorted(out, key=lambda d: (d.name, d.arch))
 
 
-def base_packages(c, base_id: str) -> list[Deb]:
-    """The base image's Debian packages, from its dpkg database, read out of a container that never runs; none
-    where the base has no database (a vendor base that is not Debian's)."""
+def image_file(c, image_id: str, path: str) -> bytes | None:
+    """A file of an image, read out of a container that never runs; None where the image has none."""
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
 
-    box = c.containers.create(base_id, command=["true"], network_disabled=True)
+    box = c.containers.create(image_id, command=["true"], network_disabled=True)
     try:
-        bits, _ = box.get_archive(DPKG_STATUS)
+        bits, _ = box.get_archive(path)
         with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
             member = tar.next()
-            return debian_packages(tar.extractfile(member).read().decode("utf-8", "replace"))
+            return tar.extractfile(member).read() if member is not None and member.isfile() else None
     except docker.errors.NotFound:
-        return []
+        return None
     finally:
         box.remove(force=True)
+
+
+def base_packages(c, base_id: str) -> list[Deb]:
+    """The base image's Debian packages, from its dpkg database; none where the base has none (a vendor base
+    that is not Debian's)."""
+    status = image_file(c, base_id, DPKG_STATUS)
+    return debian_packages(status.decode("utf-8", "replace")) if status else []
 
 
 def _wheel_of(wheels: dict[str, str], e: locks.Locked) -> tuple[str, str] | None:
@@ -105,10 +112,11 @@ def _wheel_of(wheels: dict[str, str], e: locks.Locked) -> tuple[str, str] | None
     return None
 
 
-def sbom(variant: Variant, content_tag: str, entries: list[locks.Locked], wheels: dict[str, str],
+def sbom(variant: Variant, inputs: str, entries: list[locks.Locked], wheels: dict[str, str],
          debs: list[Deb], mirror: str = "", suite: str = "", gpus: str = "") -> str:
-    """The image's CycloneDX 1.6 SBOM (JSON), the same text for the same inputs. `wheels`: the wheelhouse's
-    {file name: sha256}; `gpus`: Paddle's kernels' architectures (the image's label)."""
+    """The image's CycloneDX 1.6 SBOM (JSON), the same text for the same inputs (`inputs`: their digest, the
+    image's content hash), whatever the image is called: it is in the image's last layer. `wheels`: the
+    wheelhouse's {file name: sha256}; `gpus`: Paddle's kernels' architectures (the image's label)."""
     from cyclonedx.model import ExternalReference, ExternalReferenceType, HashAlgorithm, HashType, Property, XsUri  # noqa: PLC0415,I001 (heavy: only builds and verify)
     from cyclonedx.model.bom import Bom  # noqa: PLC0415
     from cyclonedx.model.component import Component, ComponentType  # noqa: PLC0415
@@ -116,13 +124,13 @@ def sbom(variant: Variant, content_tag: str, entries: list[locks.Locked], wheels
     from cyclonedx.output.json import JsonV1Dot6  # noqa: PLC0415
     from packageurl import PackageURL  # noqa: PLC0415
 
-    repo, _, tag = content_tag.rpartition(":")
-    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, f"fleetbox:{content_tag}"))
+    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, f"fleetbox:{variant.name}:{inputs}"))
     bom.metadata.timestamp = FIXED_TIME
-    bom.metadata.tools.tools.add(Tool(vendor="fleetbox", name="fleetbox", version=fleetbox_version()))
-    image = Component(name=repo, version=tag, type=ComponentType.CONTAINER, bom_ref="image",
-                      properties=[Property(name="fleetbox:variant", value=variant.name),
-                                  Property(name="fleetbox:device", value=variant.device)])
+    bom.metadata.tools.tools.add(Tool(vendor="fleetbox", name="fleetbox"))   # no version: the image's inputs only
+    image = Component(name=f"fleetbox-paddle-{variant.name}", version=inputs[:12], type=ComponentType.CONTAINER,
+                      bom_ref="image", properties=[Property(name="fleetbox:variant", value=variant.name),
+                                                   Property(name="fleetbox:device", value=variant.device),
+                                                   Property(name="fleetbox:inputs-sha256", value=inputs)])
     bom.metadata.component = image
     gpu_libraries = {canonicalize_name(n.split("==")[0]) for n in variant.libraries}
     parts = []

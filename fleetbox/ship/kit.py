@@ -305,10 +305,11 @@ def _write_tar(out: Path, entries: dict, info_blob: bytes, manifest: bytes) -> s
 
 
 def load(kit: Path, dest: Path | None, expect: str | None, log=print, no_expect: bool = False,
-         skip_images: bool = False) -> dict:
+         skip_images: bool = False, trusted_keys: Path | None = None) -> dict:
     """`invoke kit --load`: the loader the kit carries, run from this fleetbox."""
     dest = dest or Path(f"fleetbox-{kit.name.rsplit('.', 1)[0]}")
     try:
-        return kit_load.load(kit, dest, expect, log=log, no_expect=no_expect, skip_images=skip_images)
+        return kit_load.load(kit, dest, expect, log=log, no_expect=no_expect, skip_images=skip_images,
+                             trusted_keys=trusted_keys)
     except kit_load.Refused as e:
         raise UserError(f"kit refused: {e}") from None

@@ -243,6 +243,24 @@ def place_receipts(info: dict, staging: Path, src: Path) -> list[str]:
     return placed
 
 
+def signed_by(python: Path, src: Path, trusted: Path) -> str:
+    """Who signed the image's provenance statement among the receipts placed in `src`, asked of the fleetbox
+    just installed (`python`: its venv's), whose rule it is (image/receipts.py); Refused where none of `trusted`'s
+    keys did, or the kit carries no signed statement."""
+    statements = sorted((src / "receipts").glob("image-*.provenance.json"))
+    if not statements:
+        raise Refused("--trusted-keys: the kit carries no image's provenance statement (make it with --with-image, "
+                      "from a build signed with --sign-key)")
+    code = ("import sys; from pathlib import Path; from fleetbox.errors import UserError; "
+            "from fleetbox.image import receipts\ntry: print(receipts.signer(Path(sys.argv[1]), Path(sys.argv[2])))\n"
+            "except UserError as e: sys.exit(str(e))")
+    proc = subprocess.run([str(python), "-c", code, str(statements[-1]), str(Path(trusted).resolve())],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise Refused(f"--trusted-keys: {(proc.stderr.strip().splitlines() or ['no answer'])[-1]}")
+    return proc.stdout.strip()
+
+
 def run(argv: list[str], **kw) -> None:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, **kw)
@@ -286,8 +304,9 @@ class _Undo:
 
 
 def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect: bool = False,
-         skip_images: bool = False) -> dict:
-    """Verify, then load; returns what was placed. Raises Refused with one line."""
+         skip_images: bool = False, trusted_keys: Path | None = None) -> dict:
+    """Verify, then load; returns what was placed. Raises Refused with one line. `trusted_keys`: the image's
+    provenance statement must be signed by one of these SSH keys, or nothing stays loaded."""
     if expect is None and not no_expect:
         raise Refused("give --expect SHA256 (the kit's digest, sent apart from it); --no-expect skips that check")
     if expect is None:
@@ -351,6 +370,8 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
         run([sys.executable, "-m", "venv", "--without-pip", str(venv)])   # no ensurepip needed (Debian)
         run([str(venv / "bin" / "python"), str(pip / "pip"), "install", "-q", "--no-index", "--find-links",
              str(wheels), "--disable-pip-version-check", "pip", "-e", str(src)], cwd=str(dest))
+        if trusted_keys is not None:
+            log(f"the image's provenance statement: signed by {signed_by(venv / 'bin' / 'python', src, trusted_keys)}")
         if "datasets" in info["parts"]:
             log("restoring the dataset cache")
             run([str(venv / "bin" / "python"), "-m", "invoke", "cache", "--from",
@@ -407,11 +428,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dest", default=None, help="a new folder to load into (default: ./fleetbox-<kit name>)")
     ap.add_argument("--skip-images", action="store_true",
                     help="load no image (a site with no container engine: `invoke venv` makes the env)")
+    ap.add_argument("--trusted-keys", type=Path, default=None,
+                    help="SSH public keys (a .pub file or an allowed_signers file) that must have signed the image's "
+                         "provenance statement")
     a = ap.parse_args(argv)
     dest = Path(a.dest or f"fleetbox-{Path(a.kit).name.rsplit('.', 1)[0]}")
     try:
         load(Path(a.kit), dest, a.expect, log=lambda m: print(m, flush=True), no_expect=a.no_expect,
-             skip_images=a.skip_images)
+             skip_images=a.skip_images, trusted_keys=a.trusted_keys)
     except Refused as e:
         print(f"kit-load: refused: {e}", file=sys.stderr)
         return 2

@@ -164,7 +164,12 @@ def test_the_build_keeps_a_valid_sbom_of_every_locked_package_and_a_statement_of
     image = cpu_image["image"]
     v = matrix.load().get("cpu")
     _, entries = locks.read(v)
-    doc = receipts.check_sbom(receipts.sbom_path(image.labels[settings.LABEL_INPUTS]).read_text())   # its schema
+    kept = receipts.sbom_path(image.labels[settings.LABEL_INPUTS]).read_bytes()
+    # in the image, where its label says (its last layer's), the very file kept here
+    assert image.labels["io.fleetbox.sbom"] == "/opt/venv/fleetbox-sbom.cdx.json"
+    inside = docker("run", "--rm", "--network", "none", image.id, "cat", image.labels["io.fleetbox.sbom"])
+    assert inside.stdout.encode() == kept
+    doc = receipts.check_sbom(kept.decode())   # its schema
     comps = {c["bom-ref"]: c for c in doc["components"]}
     manifest = json.loads((ROOT / "wheelhouse" / "cpu" / "manifest.json").read_text())["files"]
     for e in entries:   # each with the sha256 of the very wheel the wheelhouse holds, one the lock allows

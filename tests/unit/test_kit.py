@@ -262,3 +262,25 @@ def test_an_image_parts_receipts_are_checked_then_placed_in_the_sites_receipts_f
     assert kit_load.place_receipts(got, staging, src) == held
     assert sorted(p.name for p in (src / "receipts").iterdir()) == held
     assert (src / "receipts" / held[2]).read_bytes() == held[2].encode()
+
+
+def test_the_loader_asks_the_fleetbox_it_installed_who_signed_the_images_statement(tmp_path):
+    """kit --load --trusted-keys: the rule is receipts.signer's, run by the fleetbox the kit just installed (here,
+    this one); a key the site does not trust, or no statement at all, refuses the load."""
+    import subprocess
+    import sys
+
+    from fleetbox.image import receipts
+    src = tmp_path / "fleetbox"
+    with pytest.raises(kit_load.Refused, match="the kit carries no image's provenance statement"):
+        kit_load.signed_by(Path(sys.executable), src, tmp_path / "site.pub")
+    (src / "receipts").mkdir(parents=True)
+    statement = src / "receipts" / "image-0123456789abcdef.provenance.json"
+    statement.write_text("{}\n")
+    for name in ("site", "other"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    receipts.sign(statement, tmp_path / "site")
+    assert kit_load.signed_by(Path(sys.executable), src, tmp_path / "site.pub").startswith("fleetbox (SHA256:")
+    with pytest.raises(kit_load.Refused, match=r"^--trusted-keys: image-0123456789abcdef.provenance.json.sig is not "
+                                               r"by a key of .*other.pub$"):
+        kit_load.signed_by(Path(sys.executable), src, tmp_path / "other.pub")
