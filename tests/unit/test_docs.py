@@ -59,7 +59,10 @@ def test_the_site_builds_strict_and_a_broken_link_or_a_page_left_out_fails_it(tm
 
 
 def test_a_file_a_job_starts_to_leave_is_named_until_the_job_folder_page_has_it(tmp_path):
-    from fleetbox.run import records
+    """Each backend's own files (Slurm's CANCELLED.<id>, alloc<N>) are its layout's, which the backends register
+    as every command loads them: loaded here, or the test passed only after another in its worker had."""
+    from fleetbox.run import backends, records
+    assert backends.lookup("slurm").layout.earlier == "alloc<N>"
     for name in ("handle.json", "node0", "node12.log", "alloc2", "run-20261127-010203-2", "CANCELLED.41", "hang-0"):
         (tmp_path / name).touch()
     assert records.undescribed(tmp_path) == []
