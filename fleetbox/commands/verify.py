@@ -93,8 +93,8 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
     mount = data_dir if data_dir.is_dir() and any(data_dir.iterdir()) else None
     if mount:
         log(f"mounting the seeded dataset cache {mount} read-only at {CONTAINER_CACHE}")
-    held, expect = receipt_checks(c, image, variant, trusted)
     with stops_as_interrupt():   # a `kill` or a hang-up removes the probe container as Ctrl-C does
+        held, expect = receipt_checks(c, image, variant, trusted)
         container, no_gpu = _start(c, image.id, variant, labels, mount, log, expect)
         try:
             ended = container.wait(timeout=600)
@@ -120,13 +120,17 @@ def run(c, variant: Variant, image_ref: str | None = None, log=print, data_dir: 
 def receipt_checks(c, image, variant: Variant, trusted: Path | None = None) -> tuple[list[dict], str]:
     """The image held to its receipts (image/receipts.py), as report rows: its SBOM valid CycloneDX naming the
     Debian packages the image has (its dpkg database, read here), and its provenance statement valid and of this
-    image; and what the probe holds its Python packages to (the SBOM's, as JSON). An image fleetbox did not build
-    (no inputs label) has none to be held to."""
-    inputs = (image.labels or {}).get(settings.LABEL_INPUTS)
+    image (with --trusted-keys, signed by one of them, and naming that very SBOM); and what the probe holds its
+    Python packages to (the SBOM's, as JSON). An image fleetbox did not build (no inputs label) has none to be
+    held to, but where the site trusts only signed ones."""
+    labels = image.labels or {}
+    inputs = labels.get(settings.LABEL_INPUTS)
     if not inputs:
-        return [], ""
-    # its own (the image's label names where), else the one its build kept here
-    held, path = receipts.image_file(c, image.id, settings.SBOM), settings.SBOM
+        return [{"check": "signature", "ok": False, "detail": "the image is not one fleetbox built (no "
+                 f"{settings.LABEL_INPUTS} label): no statement to check"}] if trusted is not None else [], ""
+    # its own (where its label says), else the one its build kept here
+    path = labels.get(settings.LABEL_SBOM)
+    held = receipts.image_file(c, image.id, path) if path else None
     if held is None:
         path = receipts.sbom_path(inputs)
         if not path.exists():
@@ -154,10 +158,14 @@ def receipt_checks(c, image, variant: Variant, trusted: Path | None = None) -> t
     except UserError as e:
         ok, detail = False, str(e)
     rows.append({"check": "provenance", "ok": ok, "detail": detail})
-    if trusted is not None:   # --trusted-keys: the statement must be signed by one of them
+    if trusted is not None:   # --trusted-keys: the statement signed by one of them, and of this very SBOM
         try:
             who = receipts.signer(receipts.provenance_path(image.id), trusted)
-            rows.append({"check": "signature", "ok": True, "detail": f"signed by {who}"})
+            named = {d.get("name"): d.get("digest", {}).get("sha256") for d in
+                     statement["predicate"]["buildDefinition"]["resolvedDependencies"]}
+            if named.get("sbom") != receipts.sha256(held):
+                raise UserError(f"the SBOM checked ({path}) is not the one the signed statement names")
+            rows.append({"check": "signature", "ok": True, "detail": f"signed by {who}, naming this SBOM"})
         except UserError as e:
             rows.append({"check": "signature", "ok": False, "detail": str(e)})
     return rows, json.dumps({"python": want["python"]})

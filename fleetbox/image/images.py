@@ -97,7 +97,7 @@ class BuildPlan:
                              f"{self.data_tag or UNKNOWN} ({' '.join(self.data_aliases)})"
                              if self.data else "none baked"),
             *[f"layer     {x.name}: {', '.join(e.name for e in x.entries)}"
-              + ("; then the freeze file and bind-mount targets" if x.last else "") for x in self.layers],
+              + ("; then the freeze file, the SBOM and bind-mount targets" if x.last else "") for x in self.layers],
             "settings  the environment, working folder, command and labels, committed onto the last layer (no "
             "layer of their own)",
             "command   per layer: docker run --network none --mount type=bind,dst=/mnt,readonly,src=WHEELHOUSE "
@@ -259,6 +259,8 @@ def _link(src: Path, dst: Path) -> None:
 def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = False, log=print,
           data: list[datasets.Dataset] = (), data_dir: Path | None = None, sign_key: Path | None = None) -> BuildPlan:
     """Build the variant's image with the network off, unless an image with the same inputs exists."""
+    if sign_key is not None:
+        receipts.check_key(sign_key)
     lock_text, entries = locks.read(variant)
     base = image_or_none(c, variant.base_ref)
     if base is None:
@@ -267,19 +269,22 @@ def build(c, variant: Variant, wheel_dir: Path | None = None, force: bool = Fals
     existing = image_or_none(c, p.tag)
     wheel_dir = wheel_dir or wheelhouse.default_dir(variant)
     # the image's SBOM, which its last layer copies in from the wheelhouse (each way of building mounts it there):
-    # put there up to date builds too, for the Dockerfile and by-hand.sh
-    sbom = None
-    if (wheel_dir / wheelhouse.MANIFEST).exists():   # else the build says which wheelhouse is missing
-        sbom = _sbom(c, p, entries, wheel_dir)
-        try:
-            files.write_atomic(wheel_dir / settings.SBOM_IN_WHEELHOUSE, sbom[0])
-        except OSError as e:
-            raise UserError(f"cannot write the image's SBOM into the wheelhouse {wheel_dir}: {e.strerror}") from None
+    # put there by up to date builds too, for the Dockerfile and by-hand.sh (where it can be: a shared wheelhouse
+    # may be read-only to this user)
+    with stops_as_interrupt():   # its reads of the base's files, out of a container, are undone on a kill too
+        sbom = _sbom(c, p, entries, wheel_dir) if (wheel_dir / wheelhouse.MANIFEST).exists() else None
+    if sbom and not _sbom_in(wheel_dir, sbom[0]) and not (existing and not force):
+        raise UserError(f"cannot write the image's SBOM into the wheelhouse {wheel_dir}, whence its last layer "
+                        f"copies it: make it writable, or give one that is (--wheelhouse)")
     if existing and not force:
         _alias(existing, p.aliases)
         log(f"{p.tag} is up to date (same layers, lock, base and args); nothing to build")
+        if sbom and receipts.image_file(c, existing.id, settings.SBOM) != sbom[0].encode():
+            raise UserError(f"{p.tag} holds another SBOM than its inputs make (an image built from a wheelhouse "
+                            f"without it, or changed since): `invoke build --variant {variant.name} --force` makes "
+                            f"it again")
         if sbom and not receipts.provenance_path(existing.id).exists():   # built before, elsewhere, or a kit's
-            keep_receipts(c, p, lock_text, entries, wheel_dir, existing, None, None, force, log, sbom)
+            keep_receipts(c, p, lock_text, entries, existing, None, None, force, log, sbom)
     else:
         _build_main(c, p, lock_text, entries, wheel_dir, existing, force, log, sbom)
     if sign_key is not None:
@@ -312,6 +317,9 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
     change_list = layers.changes(variant, base.attrs["Config"].get("Env") or [], p.labels)
     files.write_atomic(rd / "by-hand.sh", layers.by_hand(variant, split, p.base_id, wheels, p.tag, change_list))
     have = {x.name: None if force else image_or_none(c, layers.layer_tag(x)) for x in split}
+    if split and have[split[-1].name] and \
+            receipts.image_file(c, have[split[-1].name].id, settings.SBOM) != sbom[0].encode():
+        have[split[-1].name] = None   # a last layer made from another SBOM (by hand, from another wheelhouse): again
     made_here, staged, parent = making(split, {k: v.id if v else None for k, v in have.items()}, base.id)
     removals = _Removals(c)
     try:
@@ -348,20 +356,20 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s{how}")
                 parent = made.id
             checking.result()   # also where no layer was made: a tampered wheelhouse stops every build
+            if receipts.image_file(c, parent, settings.SBOM) != sbom[0].encode():   # before the image is tagged
+                with contextlib.suppress(Exception):
+                    c.images.remove(layers.layer_tag(split[-1]), noprune=True)   # nor is the layer reused
+                raise UserError(f"the last layer holds another SBOM than this build wrote into the wheelhouse "
+                                f"{wheel_dir}: another build changed it meanwhile; build again")
             image = _settings(c, parent, p.tag, change_list, out, removals)
     finally:
         checking.cancel()
         removals.wait()
-    if receipts.image_file(c, image.id, settings.SBOM) != sbom[0].encode():   # not left under its final name
-        with contextlib.suppress(Exception):
-            c.images.remove(p.tag, noprune=True)
-        raise UserError(f"{p.tag}'s SBOM is not the one its build wrote into the wheelhouse {wheel_dir}: another "
-                        f"build changed it meanwhile; build again")
     _alias(image, p.aliases)
     _tidy(c, existing, image)
     files.write_json(rd / "plan.json", {"tags": p.tags, "build_args": p.build_args, "labels": p.labels,
                                         "layers": [(x.name, x.key) for x in split]})
-    keep_receipts(c, p, lock_text, entries, wheel_dir, image, began, rd, force, log, sbom)
+    keep_receipts(c, p, lock_text, entries, image, began, rd, force, log, sbom)
     log(f"built {p.tag} ({image.attrs['Size'] / 1e6:.0f} MB); aliases {', '.join(p.aliases)}; "
         f"by hand: {rd / 'by-hand.sh'}")
 
@@ -690,24 +698,34 @@ def prune(c, variants: list[Variant], log=print) -> tuple[int, int, int]:
     return content, untag(unused), len(stopped)
 
 
-def _sbom(c, p: BuildPlan, entries, wheel_dir: Path) -> tuple[str, int]:
-    """The image's SBOM (image/receipts.py), from the lock, the wheelhouse's wheels and the base's packages; and
-    how many Debian packages it names."""
+def _sbom(c, p: BuildPlan, entries, wheel_dir: Path) -> tuple[str, int, dict[str, str]]:
+    """The image's SBOM (image/receipts.py), from the lock, the wheelhouse's wheels and the base's packages; how
+    many Debian packages it names; the wheels ({file name: sha256})."""
     manifest = files.read_json(wheel_dir / wheelhouse.MANIFEST).get("files") or {}
     said = c.images.get(p.base_id).labels or {}
     debs = receipts.base_packages(c, p.base_id)
     return receipts.sbom(p.variant, p.content_hash, entries, manifest, debs, said.get("io.fleetbox.base.mirror", ""),
-                         said.get("io.fleetbox.base.suite", ""), p.labels.get(LABEL_GPUS, "")), len(debs)
+                         said.get("io.fleetbox.base.suite", ""), p.labels.get(LABEL_GPUS, "")), len(debs), manifest
 
 
-def keep_receipts(c, p: BuildPlan, lock_text: str, entries, wheel_dir: Path, image, started, rd: Path | None,
-                  force: bool, log, sbom: tuple[str, int]) -> None:
+def _sbom_in(wheel_dir: Path, text: str) -> bool:
+    """The SBOM in the wheelhouse, written only where it differs; False where it cannot be written."""
+    path = wheel_dir / settings.SBOM_IN_WHEELHOUSE
+    try:
+        if not path.is_file() or path.read_text() != text:
+            files.write_atomic(path, text)
+        return True
+    except OSError:
+        return False
+
+
+def keep_receipts(c, p: BuildPlan, lock_text: str, entries, image, started, rd: Path | None, force: bool, log,
+                  sbom: tuple[str, int, dict[str, str]]) -> None:
     """The image's SBOM and provenance statement (image/receipts.py), kept in receipts/ and the build's run folder.
     An image already built (`started` None: by an earlier build, another checkout, a kit) gets them from its
     inputs, which its content tag proves the same, and its own creation time."""
     v = p.variant
-    manifest = files.read_json(wheel_dir / wheelhouse.MANIFEST).get("files") or {}
-    sbom_text, debs = sbom
+    sbom_text, debs, manifest = sbom
     created = datetime.datetime.fromisoformat(image.attrs["Created"][:19]).replace(tzinfo=datetime.UTC)
     statement = receipts.check_statement(receipts.provenance(
         image=p.tag, image_id=image.id, layers=image.attrs["RootFS"]["Layers"], variant=v, lock_text=lock_text,

@@ -47,7 +47,7 @@ class Layer:
     entries: tuple[locks.Locked, ...]
     script: str       # our own shell fragment (raw); the requirements arrive as "$1"
     key: str          # digest of everything the layer is made from, its parent's key included
-    last: bool = False   # also writes the freeze file and the bind-mount targets (_finish); the image's settings
+    last: bool = False   # also writes the freeze file, the SBOM and the bind-mount targets (_finish); the settings
                          # are committed onto it
 
     @property
@@ -339,7 +339,7 @@ def by_hand(variant: Variant, layers: list[Layer], base_id: str, wheelhouse: str
              f"IMAGE=${{IMAGE:-{q(final_tag)}}}", f"FROM={q(base_id)}   # the base, {variant.base_ref}",
              "CT=", "trap '[ -z \"$CT\" ] || docker rm -f \"$CT\" >/dev/null 2>&1' EXIT"]
     for layer in layers:
-        then = "; then the freeze file and the bind-mount targets" if layer.last else ""
+        then = "; then the freeze file, the SBOM and the bind-mount targets" if layer.last else ""
         lines += [f"# layer {layer.name}: {', '.join(e.name for e in layer.entries)}{then}",
                   f"CT={q(f'fleetbox-layer-{layer.name}-')}$$",
                   f"docker run --name \"$CT\" --network none --mount \"{MOUNT},\\\"src=$WHEELHOUSE\\\"\" \"$FROM\" "
@@ -383,7 +383,8 @@ def dockerfile(variant: Variant, split: list[Layer], labels: dict[str, str], fro
     body = []
     for layer in split:
         what = f"{len(layer.entries)} locked package(s)" + \
-            ("; then pip's freeze of the environment, the folders fleetbox binds onto" if layer.last else "")
+            ("; then pip's freeze of the environment, the image's SBOM, the folders fleetbox binds onto"
+             if layer.last else "")
         # one RUN per layer on purpose (DL3059: each is a layer, shared with invoke build's); /bin/sh as invoke
         # build runs it, no SHELL (DL4006): a SHELL would stay in the image's settings for every build FROM it
         body += [f"# layer {layer.name}: {what}", "# hadolint ignore=DL3059,DL4006"]

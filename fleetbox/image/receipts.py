@@ -35,6 +35,7 @@ from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel
 from fleetbox import files, settings
 from fleetbox.errors import UserError
 from fleetbox.image.matrix import Variant
+from fleetbox.processes import signals_held
 
 if TYPE_CHECKING:   # exports read receipts, and run/ reads exports: no lock reading (requests) loaded there
     from fleetbox.image import locks
@@ -78,10 +79,13 @@ def debian_packages(status: str) -> list[Deb]:
 
 
 def image_file(c, image_id: str, path: str) -> bytes | None:
-    """A file of an image, read out of a container that never runs; None where the image has none."""
+    """A file of an image, read out of a container that never runs (made and removed with signals held, labelled
+    for `invoke clean` should this process be killed between); None where the image has none."""
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used)
 
-    box = c.containers.create(image_id, command=["true"], network_disabled=True)
+    with signals_held():
+        box = c.containers.create(image_id, command=["true"], network_disabled=True,
+                                  labels={settings.LABEL_ROLE: "receipts"})
     try:
         bits, _ = box.get_archive(path)
         with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
@@ -90,7 +94,8 @@ def image_file(c, image_id: str, path: str) -> bytes | None:
     except docker.errors.NotFound:
         return None
     finally:
-        box.remove(force=True)
+        with signals_held():
+            box.remove(force=True)
 
 
 def base_packages(c, base_id: str) -> list[Deb]:
@@ -151,13 +156,14 @@ def sbom(variant: Variant, inputs: str, entries: list[locks.Locked], wheels: dic
             purl=PackageURL("pypi", None, name, e.version, qualifiers or None),
             hashes=[HashType(alg=HashAlgorithm.SHA_256, content=wheel[1])], properties=props,
             external_references=[ExternalReference(type=ExternalReferenceType.DISTRIBUTION, url=XsUri(e.index))]))
-    distro = f"debian-{suite}" if suite else None
+    vendor = variant.base.distro or "debian"   # the purl's namespace: the vulnerability feed a scanner reads
+    distro = f"{vendor}-{suite}" if suite else None
     for d in debs:
         qualifiers = {k: v for k, v in (("arch", d.arch), ("distro", distro)) if v}
         refs = [ExternalReference(type=ExternalReferenceType.DISTRIBUTION, url=XsUri(mirror))] if mirror else []
         parts.append(Component(
             name=d.name, version=d.version, type=ComponentType.LIBRARY, bom_ref=f"deb:{d.name}:{d.arch}",
-            purl=PackageURL("deb", "debian", d.name, d.version, qualifiers or None), external_references=refs,
+            purl=PackageURL("deb", vendor, d.name, d.version, qualifiers or None), external_references=refs,
             properties=[Property(name="fleetbox:source-package", value=d.source)] if d.source else []))
     bom.components.update(parts)
     bom.register_dependency(image, parts)
@@ -266,22 +272,28 @@ def folder() -> Path:
 
 def sbom_path(inputs: str) -> Path:
     """The SBOM of the images made from these inputs (their label settings.LABEL_INPUTS), wherever they are tagged."""
-    return folder() / f"inputs-{inputs[:16]}{SBOM_SUFFIX}"
+    return folder() / f"inputs-{inputs}{SBOM_SUFFIX}"
 
 
 def provenance_path(image_id: str) -> Path:
-    return folder() / f"image-{image_id.removeprefix('sha256:')[:16]}{PROVENANCE_SUFFIX}"
+    """The statement of the image with this ID (its whole digest: no other image's file is taken for it)."""
+    return folder() / f"image-{image_id.removeprefix('sha256:')}{PROVENANCE_SUFFIX}"
 
 
 def keep(inputs: str, sbom_text: str, statement: dict, image_id: str) -> None:
-    folder().mkdir(parents=True, exist_ok=True)
-    files.write_atomic(sbom_path(inputs), sbom_text)
-    files.write_json(provenance_path(image_id), statement, indent=1)
+    try:
+        folder().mkdir(parents=True, exist_ok=True)
+        files.write_atomic(sbom_path(inputs), sbom_text)
+        files.write_json(provenance_path(image_id), statement, indent=1)
+    except OSError as e:
+        raise UserError(f"cannot keep the image's receipts in {folder()}: {e.strerror} (FLEETBOX_RECEIPTS)") from None
 
 
 def beside(out: Path, inputs: str, image_id: str, export_sha256: str | None) -> list[Path]:
     """The image's receipts written beside an export (`out`): its SBOM, and its statement with the export file
     as a second subject (where it is one file). None where the image has no receipts here."""
+    for old in (SBOM_SUFFIX, PROVENANCE_SUFFIX, f"{PROVENANCE_SUFFIX}{SIGNATURE_SUFFIX}"):   # an earlier export's
+        Path(f"{out}{old}").unlink(missing_ok=True)
     src = sbom_path(inputs)
     if not inputs or not src.exists():
         return []
@@ -299,17 +311,32 @@ def beside(out: Path, inputs: str, image_id: str, export_sha256: str | None) -> 
 def sign(statement: Path, key: Path) -> Path:
     """The statement signed with the SSH key `key` (a private key file; a public one whose private key is in
     ssh-agent), the signature beside it (<statement>.sig); ssh-keygen asks for a passphrase on the terminal."""
-    if not key.is_file():
-        raise UserError(f"--sign-key {key}: no such key file")
+    check_key(key)
+    if not statement.is_file():
+        raise UserError(f"no provenance statement to sign ({statement.name} is not in {statement.parent})")
     with tempfile.TemporaryDirectory(prefix="fleetbox-sign-") as d:
         tmp = Path(d) / statement.name   # signed in a folder of its own: ssh-keygen asks before writing over a .sig
         shutil.copyfile(statement, tmp)
-        proc = subprocess.run(["ssh-keygen", "-Y", "sign", "-q", "-f", str(key), "-n", NAMESPACE, str(tmp)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = _ssh_keygen(["-Y", "sign", "-q", "-f", str(key), "-n", NAMESPACE, str(tmp)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             said = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
             raise UserError(f"signing {statement.name} with {key} failed: {said[:300]}")
         return files.write_atomic(Path(f"{statement}{SIGNATURE_SUFFIX}"), Path(f"{tmp}{SIGNATURE_SUFFIX}").read_bytes())
+
+
+def check_key(key: Path) -> None:
+    """--sign-key names a key file: said before any build or export, not after it."""
+    if not key.is_file():
+        raise UserError(f"--sign-key {key}: no such key file")
+
+
+def _ssh_keygen(args: list[str], **kw) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["ssh-keygen", *args], **kw)
+    except FileNotFoundError:
+        raise UserError("ssh-keygen is not installed here (Debian's openssh-client): signatures are "
+                        "OpenSSH's") from None
 
 
 KEY_TYPES = ("ssh-", "ecdsa-", "sk-")   # how a public key's line starts (ssh-ed25519, ecdsa-sha2-nistp256, ...)
@@ -331,14 +358,14 @@ def signer(statement: Path, trusted: Path) -> str:
             allowed = Path(d) / "allowed_signers"
             allowed.write_text("".join(f'fleetbox namespaces="{NAMESPACE}" {" ".join(ln.split()[:2])}\n'
                                        for ln in lines))
-        found = subprocess.run(["ssh-keygen", "-Y", "find-principals", "-s", str(sig), "-f", str(allowed)],
-                               capture_output=True, text=True)
+        found = _ssh_keygen(["-Y", "find-principals", "-s", str(sig), "-f", str(allowed)], capture_output=True,
+                            text=True)
         who = found.stdout.split()
         if found.returncode != 0 or not who:
             raise UserError(f"{sig.name} is not by a key of {trusted}")
         with open(statement, "rb") as data:
-            ok = subprocess.run(["ssh-keygen", "-Y", "verify", "-f", str(allowed), "-I", who[0], "-n", NAMESPACE,
-                                 "-s", str(sig)], stdin=data, capture_output=True, text=True)
+            ok = _ssh_keygen(["-Y", "verify", "-f", str(allowed), "-I", who[0], "-n", NAMESPACE, "-s", str(sig)],
+                             stdin=data, capture_output=True, text=True)
         if ok.returncode != 0:
             raise UserError(f"{sig.name} does not verify: the statement changed after it was signed, or the "
                             f"signature is not for {NAMESPACE}")

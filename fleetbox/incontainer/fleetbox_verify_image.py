@@ -9,6 +9,7 @@ import glob
 import io
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -25,6 +26,11 @@ OPENS = {"cuda": ("libcublas.so", "libcublasLt.so", "libcudnn.so", "libcufft.so"
 DRIVER = {"cuda": "libcuda.so"}
 NAMED = "/etc/ld.so.conf.d/fleetbox-gpu-libraries.conf"   # layers.LIBRARY_NAMES
 DRIVER_GPUS = "/proc/driver/nvidia/gpus"   # one entry per GPU where the host's NVIDIA driver is loaded
+
+
+def norm(name):
+    """A distribution's name as packaging's canonicalize_name gives it (the lock's and the SBOM's)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 class NoGpu(Exception):
@@ -196,8 +202,6 @@ def _freeze():
     from importlib import metadata
     if not EXPECT_FREEZE:
         return "no expectation given"
-    def norm(name):
-        return name.lower().replace("_", "-").replace(".", "-")
     want = {norm(n): v for n, v in (ln.split("==") for ln in EXPECT_FREEZE.split() if "==" in ln)}
     # Only the environment's own site-packages: setuptools puts its vendored copies on sys.path.
     site = sysconfig.get_paths()["purelib"]
@@ -221,8 +225,6 @@ def _sbom():
     if not EXPECT_SBOM:
         return "no SBOM given"
     want = json.loads(EXPECT_SBOM)
-    def norm(name):
-        return name.lower().replace("_", "-").replace(".", "-")
     site = sysconfig.get_paths()["purelib"]
     dists = {norm(d.metadata["Name"]): d for d in metadata.distributions(path=[site])}
     wrong = [f"{n}=={v} is not installed" + (f" ({dists[n].version} is)" if n in dists else "")
@@ -234,9 +236,12 @@ def _sbom():
         for f in dists[n].files or ():
             if f.hash is None or f.suffix == ".pyc":   # the build compiles every .py again, a wheel's .pyc too
                 continue
+            h = hashlib.new(f.hash.mode)   # not hashlib.file_digest: Python 3.11's, and the DCU image has 3.10
             try:
                 with open(f.locate(), "rb") as fh:
-                    got = hashlib.file_digest(fh, f.hash.mode).digest()
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+                got = h.digest()
             except OSError:
                 wrong.append(f"{n}: {f} is missing")
                 continue

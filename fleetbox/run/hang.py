@@ -227,8 +227,11 @@ class Watch:
                 phases.append(self.changed[r] + limit)
         if len(recs) == self.world and all(rec["done"] for rec in recs.values()):
             # every rank ended its script: what is left (its processes', launchers' and nodes' exits, slow under
-            # load) is no step, bounded all the same (a process stuck at its exit is still found)
-            return max(self.changed.values()) + (self.start_s or START_TIMEOUT_S), "hang"
+            # load) is no step, given the longer of the two deadlines, bounded all the same (a process stuck at its
+            # exit is still found), where detection is on at all
+            if not self.hang_s:
+                return None
+            return max(self.changed.values()) + max(self.hang_s, self.start_s or START_TIMEOUT_S), "hang"
         if any(rec["step"] is not None for rec in recs.values()):   # it has made progress: the hang deadline
             if not self.hang_s:
                 return None

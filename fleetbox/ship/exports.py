@@ -83,10 +83,15 @@ def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest
     complete; then record it (ship/shipped.py), so `train` finds it wherever it was written."""
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    if sign_key is not None:
+        receipts.check_key(sign_key)
     img = image_or_none(c, image)
     if img is None:
         raise UserError(f"image {image} is not here; build it (invoke build --variant {variant.name}) or pull it")
     content = built.content_tag(img, variant)
+    if sign_key is not None and not content:
+        raise UserError(f"--sign-key signs the statement of an image built here; {image} is not the {variant.name} "
+                        f"image built here")
     tag = content_part(variant, content) if content else f"id-{img.id.removeprefix('sha256:')[:12]}"
     out = export_path(variant, fmt, squash, dest.resolve() if dest else None, tag)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +102,10 @@ def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest
         digest = _file_sha256(out) if out.is_file() else None
     if content:
         said = receipts.beside(out, (img.labels or {}).get(settings.LABEL_INPUTS, ""), img.id, digest)
-        if sign_key is not None and len(said) == 2:   # this statement names the export: signed as it is
+        if sign_key is not None:   # this statement names the export: signed as it is
+            if len(said) < 2:
+                raise UserError(f"--sign-key: no provenance statement of {content} here to sign (receipts/); "
+                                f"`invoke build --variant {variant.name}` keeps one")
             said.append(receipts.sign(said[1], sign_key))
         log(f"receipts beside it: {', '.join(p.name for p in said)}" if said else
             f"note: no receipts of {content} here (receipts/); `invoke build --variant {variant.name}` keeps them")

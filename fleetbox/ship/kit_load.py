@@ -183,7 +183,7 @@ def declared_sizes(kit_json: Path) -> dict[str, int]:
 
 IMAGE_PARTS = ("base", "image")   # parts that `docker load` takes, each naming the tags it brings
 # an image's receipts (fleetbox/image/receipts.py's names), which an image part may carry for the site's receipts/
-RECEIPT = re.compile(r"inputs-[0-9a-f]{16}\.sbom\.json|image-[0-9a-f]{16}\.provenance\.json(\.sig)?")
+RECEIPT = re.compile(r"inputs-[0-9a-f]{64}\.sbom\.json|image-[0-9a-f]{64}\.provenance\.json(\.sig)?")
 VARIANT = re.compile(r"[a-z0-9][a-z0-9._-]{0,40}")
 IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[0-9]+)?/?[a-z0-9._/-]*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
@@ -243,19 +243,39 @@ def place_receipts(info: dict, staging: Path, src: Path) -> list[str]:
     return placed
 
 
-def signed_by(python: Path, src: Path, trusted: Path) -> str:
-    """Who signed the image's provenance statement among the receipts placed in `src`, asked of the fleetbox
-    just installed (`python`: its venv's), whose rule it is (image/receipts.py); Refused where none of `trusted`'s
-    keys did, or the kit carries no signed statement."""
-    statements = sorted((src / "receipts").glob("image-*.provenance.json"))
-    if not statements:
-        raise Refused("--trusted-keys: the kit carries no image's provenance statement (make it with --with-image, "
-                      "from a build signed with --sign-key)")
-    code = ("import sys; from pathlib import Path; from fleetbox.errors import UserError; "
-            "from fleetbox.image import receipts\ntry: print(receipts.signer(Path(sys.argv[1]), Path(sys.argv[2])))\n"
-            "except UserError as e: sys.exit(str(e))")
-    proc = subprocess.run([str(python), "-c", code, str(statements[-1]), str(Path(trusted).resolve())],
-                          capture_output=True, text=True)
+def image_id(tag: str) -> str:
+    """The ID of the image a tag names in the engine."""
+    try:
+        return subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", tag], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        raise Refused(f"the kit's image {tag} is not in the engine after loading it") from None
+
+
+# run by the fleetbox the kit installed: its statement of the loaded image, and who signed it
+SIGNED_BY = """import json, sys
+from pathlib import Path
+from fleetbox.errors import UserError
+from fleetbox.image import receipts
+try:
+    statement = receipts.provenance_path(sys.argv[3])
+    if not statement.is_file():
+        raise UserError(f"the kit carries no provenance statement of the image it loaded ({sys.argv[3][:19]})")
+    if sys.argv[3] not in receipts.subject_digests(receipts.check_statement(json.loads(statement.read_text()))):
+        raise UserError(f"{statement.name} is not of the image the kit loaded")
+    print(receipts.signer(statement, Path(sys.argv[2])))
+except (UserError, OSError, ValueError) as e:
+    sys.exit(str(e))
+"""
+
+
+def signed_by(python: Path, src: Path, trusted: Path, image: str) -> str:
+    """Who signed the statement of the image the kit loaded (`image`: its ID), among the receipts placed in
+    `src`, asked of the fleetbox just installed (`python`: its venv's), whose rules they are (image/receipts.py);
+    Refused where the kit carries no statement of that image, or none of `trusted`'s keys signed it."""
+    proc = subprocess.run([str(python), "-c", SIGNED_BY, str(src), str(Path(trusted).resolve()), image],
+                          capture_output=True, text=True,
+                          env={**os.environ, "FLEETBOX_RECEIPTS": str(src / "receipts")})
     if proc.returncode != 0:
         raise Refused(f"--trusted-keys: {(proc.stderr.strip().splitlines() or ['no answer'])[-1]}")
     return proc.stdout.strip()
@@ -371,7 +391,12 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
         run([str(venv / "bin" / "python"), str(pip / "pip"), "install", "-q", "--no-index", "--find-links",
              str(wheels), "--disable-pip-version-check", "pip", "-e", str(src)], cwd=str(dest))
         if trusted_keys is not None:
-            log(f"the image's provenance statement: signed by {signed_by(venv / 'bin' / 'python', src, trusted_keys)}")
+            if "image" not in images:
+                raise Refused("--trusted-keys checks the statement of the image the kit loads: the kit carries none "
+                              "(make it --with-image), or --skip-images loaded none")
+            loaded = image_id(info["parts"]["image"]["tags"][0])
+            log(f"the image's provenance statement: signed by "
+                f"{signed_by(venv / 'bin' / 'python', src, trusted_keys, loaded)}")
         if "datasets" in info["parts"]:
             log("restoring the dataset cache")
             run([str(venv / "bin" / "python"), "-m", "invoke", "cache", "--from",

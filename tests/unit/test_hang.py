@@ -613,3 +613,10 @@ def test_once_every_rank_ended_its_script_the_exits_get_the_start_deadline_not_t
     w.see(1, {**rec(2, step=60), "done": True}, now=3)
     assert w.verdict(now=13.5) is None and w.verdict(now=102.9) is None
     assert w.verdict(now=103.5).kind == "hang"
+    # the longer deadline of the two, and none where hang detection is off
+    w = hang.Watch(1, hang_s=300, start_s=60, started=0)
+    w.see(0, {**rec(1, step=60), "done": True}, now=1)
+    assert w.verdict(now=290) is None and w.verdict(now=302).kind == "hang"
+    w = hang.Watch(1, hang_s=0, start_s=60, started=0)
+    w.see(0, {**rec(1, step=60), "done": True}, now=1)
+    assert w.verdict(now=10 ** 6) is None

@@ -75,5 +75,5 @@ def test_the_plan_names_each_layer_and_its_packages():
                         "paddlepaddle==3.3.1 \\\n    --hash=sha256:bb\nscipy==1.17.1 \\\n    --hash=sha256:cc\n")
     text = "\n".join(_plan(lock_text=lock).describe())
     assert "layer     paddle: paddlepaddle, pip\n" in text, text
-    assert "layer     scipy: scipy; then the freeze file and bind-mount targets\n" in text, text   # the last
+    assert "layer     scipy: scipy; then the freeze file, the SBOM and bind-mount targets\n" in text, text   # the last
     assert "\nsettings  the environment, working folder, command and labels, committed onto the last layer" in text

@@ -83,8 +83,8 @@ def test_a_good_small_kit_passes_and_is_extracted_only_into_staging(tmp_path):
     ("sizes", DROP), ("sizes", {n: 1 for n in FILES if n != "lock/cpu.lock"}), ("sizes.extra", 1),
     ("sizes", {**{n: 1 for n in FILES}, "base/base.tar": "1"}), ("sizes", {n: -1 for n in FILES}),
     # an image part's receipts: only their own names, only among the part's files
-    ("parts.base.receipts", ["../../evil.sbom.json"]), ("parts.base.receipts", ["inputs-0123456789abcdef.sbom.json"]),
-    ("parts.base.receipts", "inputs-0123456789abcdef.sbom.json"),
+    ("parts.base.receipts", ["../../evil.sbom.json"]), ("parts.base.receipts", [f"inputs-{'fe' * 32}.sbom.json"]),
+    ("parts.base.receipts", f"inputs-{'fe' * 32}.sbom.json"),
 ])
 def test_a_kit_json_whose_values_would_reach_outside_is_refused(tmp_path, path, value):
     refused(tmp_path, make(tmp_path / "k.kit", {"kit.json": info(**{path: value}), **FILES}),
@@ -246,8 +246,8 @@ def test_a_large_member_before_kit_json_is_refused_before_it_is_written(tmp_path
 
 
 def test_an_image_parts_receipts_are_checked_then_placed_in_the_sites_receipts_folder(tmp_path):
-    held = ["image-0123456789abcdef.provenance.json", "image-0123456789abcdef.provenance.json.sig",
-            "inputs-fedcba9876543210.sbom.json"]
+    held = [f"image-{'ab' * 32}.provenance.json", f"image-{'ab' * 32}.provenance.json.sig",
+            f"inputs-{'fe' * 32}.sbom.json"]
     files = {**FILES, "image/image.tar": b"i", **{f"image/{n}": n.encode() for n in held}}
     text = json.loads(info())
     text["parts"]["image"] = {"files": sorted(n for n in files if n.startswith("image/")), "bytes": 1,
@@ -264,23 +264,29 @@ def test_an_image_parts_receipts_are_checked_then_placed_in_the_sites_receipts_f
     assert (src / "receipts" / held[2]).read_bytes() == held[2].encode()
 
 
-def test_the_loader_asks_the_fleetbox_it_installed_who_signed_the_images_statement(tmp_path):
-    """kit --load --trusted-keys: the rule is receipts.signer's, run by the fleetbox the kit just installed (here,
-    this one); a key the site does not trust, or no statement at all, refuses the load."""
+def test_the_loader_asks_the_fleetbox_it_installed_who_signed_the_loaded_images_statement(tmp_path, monkeypatch):
+    """kit --load --trusted-keys: the rules are receipts.py's, run by the fleetbox the kit just installed (here,
+    this one): the statement must be of the image the kit loaded, and signed by a key the site trusts."""
     import subprocess
     import sys
 
     from fleetbox.image import receipts
+    from tests.unit.test_receipts import inputs, statement
     src = tmp_path / "fleetbox"
-    with pytest.raises(kit_load.Refused, match="the kit carries no image's provenance statement"):
-        kit_load.signed_by(Path(sys.executable), src, tmp_path / "site.pub")
-    (src / "receipts").mkdir(parents=True)
-    statement = src / "receipts" / "image-0123456789abcdef.provenance.json"
-    statement.write_text("{}\n")
+    mine, other = "sha256:" + "ab" * 32, "sha256:" + "cd" * 32
+    monkeypatch.setenv("FLEETBOX_RECEIPTS", str(src / "receipts"))
     for name in ("site", "other"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
-    receipts.sign(statement, tmp_path / "site")
-    assert kit_load.signed_by(Path(sys.executable), src, tmp_path / "site.pub").startswith("fleetbox (SHA256:")
-    with pytest.raises(kit_load.Refused, match=r"^--trusted-keys: image-0123456789abcdef.provenance.json.sig is not "
-                                               r"by a key of .*other.pub$"):
-        kit_load.signed_by(Path(sys.executable), src, tmp_path / "other.pub")
+    with pytest.raises(kit_load.Refused, match="the kit carries no provenance statement of the image it loaded"):
+        kit_load.signed_by(Path(sys.executable), src, tmp_path / "site.pub", mine)
+    receipts.keep("f" * 64, "{}", statement(*inputs("cpu"), image_id=mine), mine)
+    receipts.sign(receipts.provenance_path(mine), tmp_path / "site")
+    assert kit_load.signed_by(Path(sys.executable), src, tmp_path / "site.pub", mine).startswith("fleetbox (SHA256:")
+    with pytest.raises(kit_load.Refused, match=r"^--trusted-keys: image-(ab)+.provenance.json.sig is not by a key of "
+                                               r".*other.pub$"):
+        kit_load.signed_by(Path(sys.executable), src, tmp_path / "other.pub", mine)
+    # a statement of another image, signed, carried under the loaded image's name: not the loaded image's
+    receipts.keep("f" * 64, "{}", statement(*inputs("cpu"), image_id=other), mine)
+    receipts.sign(receipts.provenance_path(mine), tmp_path / "site")
+    with pytest.raises(kit_load.Refused, match=r"is not of the image the kit loaded$"):
+        kit_load.signed_by(Path(sys.executable), src, tmp_path / "site.pub", mine)
