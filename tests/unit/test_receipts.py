@@ -132,3 +132,16 @@ def test_a_signed_statement_verifies_with_its_key_and_not_once_changed_or_with_a
         receipts.signer(statement, Path(f"{mine}.pub"))
     with pytest.raises(UserError, match=r"^--sign-key .*/none: no such key file$"):
         receipts.sign(statement, tmp_path / "none")
+
+
+def test_a_site_that_trusts_only_signed_images_fails_one_fleetbox_did_not_build():
+    """verify --trusted-keys: an image with no inputs label (not fleetbox's, or its label emptied) has no statement
+    to check, which fails it; without --trusted-keys it is not held to receipts at all."""
+    from types import SimpleNamespace
+
+    from fleetbox.commands import verify
+    v = matrix.load().get("cpu")
+    image = SimpleNamespace(id="sha256:" + "ab" * 32, labels={"io.fleetbox.inputs-sha256": ""})
+    assert verify.receipt_checks(None, image, v) == ([], "")
+    rows, expect = verify.receipt_checks(None, image, v, Path("site.pub"))
+    assert [(r["check"], r["ok"]) for r in rows] == [("signature", False)] and expect == ""
