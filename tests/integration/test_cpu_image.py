@@ -160,7 +160,7 @@ def test_image_carries_provenance(cpu_image):
 
 def test_the_build_keeps_a_valid_sbom_of_every_locked_package_and_a_statement_of_the_image(cpu_image):
     from fleetbox import settings
-    from fleetbox.image import locks, matrix, receipts
+    from fleetbox.image import locks, matrix, receipts, wheelhouse
     image = cpu_image["image"]
     v = matrix.load().get("cpu")
     _, entries = locks.read(v)
@@ -171,7 +171,7 @@ def test_the_build_keeps_a_valid_sbom_of_every_locked_package_and_a_statement_of
     assert inside.stdout.encode() == kept
     doc = receipts.check_sbom(kept.decode())   # its schema
     comps = {c["bom-ref"]: c for c in doc["components"]}
-    manifest = json.loads((ROOT / "wheelhouse" / "cpu" / "manifest.json").read_text())["files"]
+    manifest = json.loads((wheelhouse.default_dir(v) / wheelhouse.MANIFEST).read_text())["files"]
     for e in entries:   # each with the sha256 of the very wheel the wheelhouse holds, one the lock allows
         (h,) = comps[f"pypi:{e.name}"]["hashes"]
         assert comps[f"pypi:{e.name}"]["version"] == e.version and h["content"] in e.hashes

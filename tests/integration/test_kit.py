@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from fleetbox.image import matrix
+from fleetbox.image import matrix, receipts
 from fleetbox.ship import kit_load
 from tests import fabric
-from tests.conftest import ROOT, invoke
+from tests.conftest import invoke
 from tests.integration.conftest import MD5_ATTRS, layer_digests, without_pushed
 from tests.unit.test_cli import one_line_error
 
@@ -303,7 +303,7 @@ def test_the_site_loads_the_kit_then_builds_verifies_and_trains_with_no_network(
     theirs = json.loads(in_site(site, "docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", ref).stdout)
     assert theirs == layer_digests(ref), (theirs, layer_digests(ref))
     (sbom,) = (src / "receipts").glob("inputs-*.sbom.json")
-    assert sbom.read_bytes() == (ROOT / "receipts" / sbom.name).read_bytes()
+    assert sbom.read_bytes() == (receipts.folder() / sbom.name).read_bytes()
 
 
 def test_a_site_with_no_container_engine_loads_the_kit_and_makes_the_env_from_it(kit, tmp_path):

@@ -58,7 +58,8 @@ def test_verify_across_two_hosts(hosts):
     assert report["ok"] and [(r["what"], r["host"]) for r in report["rows"]] == \
         [("node0", hosts[0]), ("node1", hosts[1]), ("smoke", "2 nodes")]
     for row in report["rows"][:2]:   # each node's own measured facts
-        assert row["detail"].startswith("10/10 image checks pass; paddle 3.3.1 (commit ")
+        # 10 in the image, then its receipts: the SBOM's Python (in the image), the SBOM and the statement
+        assert row["detail"].startswith("13/13 image checks pass; paddle 3.3.1 (commit ")
         assert "device cpu" in row["detail"]
     # the smoke row prints the parameter checksums the ranks measured, and they agree
     summary = json.loads(open(report["rows"][2]["report"]).read())
