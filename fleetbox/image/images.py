@@ -356,7 +356,9 @@ def _build_main(c, p: BuildPlan, lock_text, entries, wheel_dir: Path, existing, 
                 log(f"layer {layer.name:<24} {size / 2**20:8.1f} MiB in {time.monotonic() - t0:5.1f} s{how}")
                 parent = made.id
             checking.result()   # also where no layer was made: a tampered wheelhouse stops every build
-            if receipts.image_file(c, parent, settings.SBOM) != sbom[0].encode():   # before the image is tagged
+            # a last layer made here holds the SBOM this build wrote (a reused one was checked when chosen), before
+            # the image is tagged
+            if split[-1] in made_here and receipts.image_file(c, parent, settings.SBOM) != sbom[0].encode():
                 with contextlib.suppress(Exception):
                     c.images.remove(layers.layer_tag(split[-1]), noprune=True)   # nor is the layer reused
                 raise UserError(f"the last layer holds another SBOM than this build wrote into the wheelhouse "
@@ -728,7 +730,7 @@ def keep_receipts(c, p: BuildPlan, lock_text: str, entries, image, started, rd: 
     sbom_text, debs, manifest = sbom
     created = datetime.datetime.fromisoformat(image.attrs["Created"][:19]).replace(tzinfo=datetime.UTC)
     statement = receipts.check_statement(receipts.provenance(
-        image=p.tag, image_id=image.id, layers=image.attrs["RootFS"]["Layers"], variant=v, lock_text=lock_text,
+        image=p.tag, image_id=image.id, layers=image.attrs["RootFS"]["Layers"], variant=v, lock_sha256=p.lock_sha256,
         lock_path=str(v.lock_path.relative_to(ROOT)), base_ref=v.base_ref, base_id=p.base_id,
         dockerfile=dockerfile_text(v, lock_text, entries), sbom_text=sbom_text, wheels=manifest,
         engine=f"Docker Engine {c.version().get('Version', '?')}", started=started or created,

@@ -2,16 +2,16 @@
 it, and an in-toto statement with SLSA provenance of how it was built.
 
 The SBOM is of the build's inputs, so it is the same bytes wherever the same lock and base are built (its serial
-number and time are fixed, named by the content tag): every Python package of the lock with its version, the sha256
+number and time are fixed, named by the content hash): every Python package of the lock with its version, the sha256
 of the wheel the wheelhouse holds and the index it came from (the GPU libraries a variant installs beside Paddle
 marked as such, Paddle's kernels' GPU architectures on Paddle); every Debian package of the base as its dpkg database
 lists it, with the mirror. The statement names the image by its ID (the digest of its config) and gives what
 it was made from (the lock's, the base's, the rendered Dockerfile's and the SBOM's digests, every wheel's), with
 the engine, fleetbox's version and the layers' digests.
 
-`invoke build` keeps both in receipts/ (the SBOM by the inputs' digest, the image's label; the statement by the
-image built), export writes
-them beside every export, and verify holds the image to its SBOM.
+`invoke build` puts the SBOM in the image's last layer and keeps both in receipts/ (the SBOM by the inputs' digest,
+the image's label; the statement by the image built); export writes them beside every export, and verify holds
+the image to them.
 """
 
 from __future__ import annotations
@@ -183,13 +183,14 @@ def check_sbom(text: str) -> dict:
 
 def expected(sbom_json: dict) -> dict:
     """What an image with this SBOM holds: {"python": {name: version}, "deb": {name: version}}."""
+    from packageurl import PackageURL  # noqa: PLC0415
+
     out: dict = {"python": {}, "deb": {}}
     for comp in sbom_json.get("components", []):
-        kind = comp.get("purl", "")[4:].split("/")[0]
-        if kind == "pypi":
-            out["python"][comp["name"]] = comp["version"]
-        elif kind == "deb":
-            out["deb"][comp["name"]] = comp["version"]
+        kind = {"pypi": "python", "deb": "deb"}.get(PackageURL.from_string(comp["purl"]).type) if "purl" in comp \
+            else None
+        if kind:
+            out[kind][comp["name"]] = comp["version"]
     return out
 
 
@@ -204,7 +205,7 @@ def fleetbox_version() -> str:
         return "unknown"
 
 
-def provenance(*, image: str, image_id: str, layers: list[str], variant: Variant, lock_text: str,
+def provenance(*, image: str, image_id: str, layers: list[str], variant: Variant, lock_sha256: str,
                lock_path: str, base_ref: str, base_id: str, dockerfile: str, sbom_text: str,
                wheels: dict[str, str], engine: str, started: datetime.datetime, finished: datetime.datetime,
                invocation: str, force: bool) -> dict:
@@ -221,7 +222,7 @@ def provenance(*, image: str, image_id: str, layers: list[str], variant: Variant
                 "externalParameters": {"variant": variant.name, "force": force},
                 "internalParameters": {"device": variant.device, "python": variant.python_version},
                 "resolvedDependencies": [
-                    {"name": "lock", "uri": lock_path, "digest": digest(sha256(lock_text))},
+                    {"name": "lock", "uri": lock_path, "digest": digest(lock_sha256)},
                     {"name": "base", "uri": base_ref, "digest": digest(base_id)},
                     {"name": "dockerfile", "uri": f"images/{variant.name}.Dockerfile",
                      "digest": digest(sha256(dockerfile))},
@@ -262,6 +263,15 @@ def check_statement(statement: dict) -> dict:
 
 def subject_digests(statement: dict) -> set[str]:
     return {f"sha256:{s['digest']['sha256']}" for s in statement.get("subject", []) if "sha256" in s.get("digest", {})}
+
+
+def statement_of(image_id: str) -> dict:
+    """The statement kept for this image: {} where there is none (an image built elsewhere); UserError where it
+    is not a valid statement, or not of this image."""
+    statement = files.read_json(provenance_path(image_id))
+    if statement and image_id not in subject_digests(check_statement(statement)):
+        raise UserError(f"{provenance_path(image_id).name}: its subject is not this image ({image_id[:19]})")
+    return statement
 
 
 # -- where they are kept --

@@ -33,6 +33,14 @@ def norm(name):
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def installed() -> dict:
+    """The environment's distributions by name: only its own site-packages (setuptools puts its vendored copies on
+    sys.path)."""
+    import sysconfig
+    from importlib import metadata
+    return {norm(d.metadata["Name"]): d for d in metadata.distributions(path=[sysconfig.get_paths()["purelib"]])}
+
+
 class NoGpu(Exception):
     """A check that passed as far as it can without a GPU: its detail says what it did."""
 
@@ -198,14 +206,10 @@ def _visualdl():
 
 @check("installed == lock")
 def _freeze():
-    import sysconfig
-    from importlib import metadata
     if not EXPECT_FREEZE:
         return "no expectation given"
     want = {norm(n): v for n, v in (ln.split("==") for ln in EXPECT_FREEZE.split() if "==" in ln)}
-    # Only the environment's own site-packages: setuptools puts its vendored copies on sys.path.
-    site = sysconfig.get_paths()["purelib"]
-    have = {norm(d.metadata["Name"]): d.version for d in metadata.distributions(path=[site])}
+    have = {n: d.version for n, d in installed().items()}
     diff = [f"{n} want {v} have {have.get(n)}" for n, v in want.items() if have.get(n) != v]
     extra = sorted(set(have) - set(want))
     if diff or extra:
@@ -220,13 +224,10 @@ def _sbom():
     name. (Its Debian packages are checked from the host, by receipts.py's reading of dpkg's database.)"""
     import base64
     import hashlib
-    import sysconfig
-    from importlib import metadata
     if not EXPECT_SBOM:
         return "no SBOM given"
     want = json.loads(EXPECT_SBOM)
-    site = sysconfig.get_paths()["purelib"]
-    dists = {norm(d.metadata["Name"]): d for d in metadata.distributions(path=[site])}
+    dists = installed()
     wrong = [f"{n}=={v} is not installed" + (f" ({dists[n].version} is)" if n in dists else "")
              for n, v in sorted(want["python"].items()) if n not in dists or dists[n].version != v]
     wrong += [f"{n} {d.version} is installed and not in the SBOM" for n, d in sorted(dists.items())

@@ -15,7 +15,7 @@ from fleetbox.engine import image_or_none
 from fleetbox.errors import UserError
 from fleetbox.image import built, receipts
 from fleetbox.image.matrix import Variant
-from fleetbox.ship import shipped
+from fleetbox.ship import kit_load, shipped
 
 FORMATS = ("docker-archive", "charliecloud", "sif", "sqsh")
 # What an export is, as its record names it (ship/shipped.py): the format, and for Charliecloud whether squashed.
@@ -99,7 +99,7 @@ def export(c, variant: Variant, fmt: str, image: str, squash: bool = False, dest
         digest = _docker_archive(img, content or image, out, log)
     else:
         _convert(fmt, image, out, export_name(variant, tag), variant, log)
-        digest = _file_sha256(out) if out.is_file() else None
+        digest = kit_load.sha256_file(out) if out.is_file() else None
     if content:
         said = receipts.beside(out, (img.labels or {}).get(settings.LABEL_INPUTS, ""), img.id, digest)
         if sign_key is not None:   # this statement names the export: signed as it is
@@ -141,14 +141,6 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p)
     elif p.exists() or p.is_symlink():
         p.unlink()
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _docker_archive(img, image: str, out: Path, log) -> str:

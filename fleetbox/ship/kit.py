@@ -156,7 +156,7 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
             save(tags, "image.tar")(d)
             for p in held:
                 shutil.copyfile(p, d / p.name)
-        parts.append(Part("image", _digest(image.id, tags, [(p.name, receipts.sha256(p.read_bytes())) for p in held]),
+        parts.append(Part("image", _digest(image.id, tags, [(p.name, kit_load.sha256_file(p)) for p in held]),
                           image_part, tags=tags, receipts=[p.name for p in held]))
     if datasets:
         def pack(d: Path):   # with the manifest that names them: the site restores against the same one

@@ -288,5 +288,5 @@ def test_the_loader_asks_the_fleetbox_it_installed_who_signed_the_loaded_images_
     # a statement of another image, signed, carried under the loaded image's name: not the loaded image's
     receipts.keep("f" * 64, "{}", statement(*inputs("cpu"), image_id=other), mine)
     receipts.sign(receipts.provenance_path(mine), tmp_path / "site")
-    with pytest.raises(kit_load.Refused, match=r"is not of the image the kit loaded$"):
+    with pytest.raises(kit_load.Refused, match=r"provenance.json: its subject is not this image \(sha256:(ab){6}\)$"):
         kit_load.signed_by(Path(sys.executable), src, tmp_path / "site.pub", mine)

@@ -70,10 +70,10 @@ def test_a_wheelhouse_without_the_locked_wheel_or_a_broken_sbom_is_one_line():
 
 
 def statement(v, entries, wheels, image_id="sha256:" + "ab" * 32):
-    lock_text = v.lock_path.read_text()
     return receipts.provenance(
         image="fleetbox/paddle:cpu-0123456789ab", image_id=image_id, layers=["sha256:" + "cd" * 32],
-        variant=v, lock_text=lock_text, lock_path="images/locks/cpu.lock", base_ref="fleetbox/base:bookworm-1",
+        variant=v, lock_sha256=locks.lock_hash(v.lock_path.read_text()), lock_path="images/locks/cpu.lock",
+        base_ref="fleetbox/base:bookworm-1",
         base_id="sha256:" + "ef" * 32, dockerfile="FROM x\n", sbom_text="{}", wheels=wheels, engine="Docker 27",
         started=dt.datetime(2026, 1, 1, tzinfo=dt.UTC), finished=dt.datetime(2026, 1, 1, 0, 5, tzinfo=dt.UTC),
         invocation="build-cpu-1", force=False)
