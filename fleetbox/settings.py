@@ -172,6 +172,15 @@ def board_envs() -> Path:
     return _path("FLEETBOX_BOARD_ENVS", user_cache())
 
 
+BOARD_LOCK = ROOT / "fleetbox" / "commands" / "board.lock"   # VisualDL's server and what it needs, hashed
+
+
+def board_wheels() -> Path:
+    """The board's own wheelhouse (BOARD_LOCK's wheels, which `invoke kit` carries): with it, the board's
+    environment is made with no package index."""
+    return wheelhouse_root() / "board"
+
+
 DEFAULT_SCRIPT = ROOT / "train" / "smoke.py"
 HELPERS = ROOT / "fleetbox" / "incontainer"   # what runs in the containers, mounted at HELPERS_DIR
 
@@ -214,7 +223,7 @@ ENV_LIBRARIES = "fleetbox-libraries.sh"
 ENVIRONMENT_KINDS = {
     "you": "Set by you, read by fleetbox on this machine",
     "job": "Set by fleetbox in every job's containers (your script may read them)",
-    "script": "Set by you with --env, read by the checkpoint helper in the containers",
+    "script": "Set by you with --env, read by fleetbox's helpers in the containers",
     "image": "Set in the images fleetbox builds",
     "internal": "Between fleetbox's own parts (named here so none is a surprise)",
 }
@@ -239,7 +248,8 @@ ENVIRONMENT = {
     "FLEETBOX_CHECKPOINT_DIR": ("job", "the job's checkpoint folder, read-write"),
     "FLEETBOX_RESUME": ("job", "auto, never or the folder of --resume PATH (the checkpoint helper reads it)"),
     "FLEETBOX_CHECKPOINT_SCOPE": ("job", "node where every node has its own checkpoint folder (--hosts volumes)"),
-    "FLEETBOX_PROGRESS_DIR": ("job", "where each rank's progress goes, for hang detection (set when it is on)"),
+    "FLEETBOX_PROGRESS_DIR": ("job", "where each rank's progress goes, for hang detection, and the metrics found in "
+                                     "its training (set when detection is on)"),
     "FLEETBOX_STYLE": ("job", "spawn where the script starts its own ranks (paddle.distributed.spawn); unset "
                               "where Paddle's launcher starts them"),
     "FLEETBOX_LOG_DIR": ("job", "where a script's spawned ranks write their logs (workerlog.<rank>), as the "
@@ -248,6 +258,8 @@ ENVIRONMENT = {
                                      "relative logdir writes: <this>/rank<r>/<logdir>, in the node's log folder"),
     "FLEETBOX_CHECKPOINT_EVERY": ("script", "save every N steps, overriding the script's value"),
     "FLEETBOX_CHECKPOINT_KEEP": ("script", "keep the newest N checkpoints, overriding the script's value"),
+    "FLEETBOX_FIND_METRICS": ("script", "0: no loss, learning rate or samples/s is found in the training itself "
+                                        "(a script with no fleetbox line then logs none)"),
     "FLEETBOX_VARIANT": ("image", "the image's matrix variant"),
     "FLEETBOX_DEVICE": ("image", "the device the image's Paddle is compiled for (cpu, cuda, rocm); verify checks it"),
     "FLEETBOX_VENV": ("internal", "the env a job without a container runs in (--runtime none)"),

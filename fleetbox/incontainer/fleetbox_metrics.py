@@ -1,6 +1,7 @@
-"""fleetbox's metrics protocol, for any training script: one line per step per rank,
+"""fleetbox's metrics protocol, for any training script: one line per step per rank, the protocol's prefix
+(fleetbox_found.PREFIX, shared with the metrics found in a script's training) and then
 
-    FLEETBOX-METRIC {"rank": 0, "step": 12, "time": 1795356000.12, "loss": 0.41, "samples_per_s": 5120.0, ...}
+    {"rank": 0, "step": 12, "time": 1795356000.12, "loss": 0.41, "samples_per_s": 5120.0, ...}
 
 (`time` is the wall clock, so lines from every node line up with the job's start.) fleetbox collects the
 lines of every rank from every node's logs into runs/<job>/metrics.jsonl, on every backend.
@@ -25,13 +26,13 @@ import time
 
 # in a container the helpers' folder is on PYTHONPATH; on the host this is fleetbox.incontainer.fleetbox_metrics
 try:
+    import fleetbox_found
     import fleetbox_progress
 except ImportError:
-    from . import fleetbox_progress
+    from . import fleetbox_found, fleetbox_progress
 
 fleetbox_progress.reporting()   # a script that logs metrics reports progress: hang detection counts on it
 
-PREFIX = "FLEETBOX-METRIC "
 FIXED = ("rank", "step", "time", "node", "attempt")   # node and attempt: fleetbox adds them from where the log is
 
 
@@ -50,7 +51,7 @@ def log(step, loss=None, samples_per_s=None, **scalars):
     if samples_per_s is not None:
         rec["samples_per_s"] = float(samples_per_s)
     rec.update({k: float(v) for k, v in scalars.items()})
-    print(PREFIX + json.dumps(rec), flush=True)
+    print(fleetbox_found.PREFIX + json.dumps(rec), flush=True)
     fleetbox_progress.step(step, own=rec.get("own_seconds"))
 
 

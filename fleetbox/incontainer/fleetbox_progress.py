@@ -47,6 +47,7 @@ _warm = 0   # own times seen and left out
 _written = -1       # the seq last written
 _thread = None
 _soon = threading.Event()   # a phase began: the flusher writes now, not at its next second
+_also = []   # more for the flusher to write each time it wakes (fleetbox_found's metrics)
 
 
 def rank() -> int:
@@ -87,6 +88,7 @@ def _flusher() -> None:
         _soon.wait(EVERY_S)   # a second, or less where a phase began
         _soon.clear()
         _write()
+        _write_also()
 
 
 def _changed(**values) -> None:
@@ -111,6 +113,21 @@ def started() -> None:
 def _finished() -> None:
     _changed(done=True)
     _write()
+    _write_also()
+
+
+def _write_also() -> None:
+    for write in _also:
+        try:
+            write()
+        except Exception:   # never a reason for the progress itself to stop (a false hang)
+            pass
+
+
+def also(write) -> None:
+    """`write()` is called by the same background thread each time it wakes, and at the rank's exit."""
+    if write not in _also:
+        _also.append(write)
 
 
 def reporting() -> None:

@@ -5,7 +5,8 @@ PYTHONPATH), for hang detection; it does nothing outside a job (no FLEETBOX_PROG
   stack to <log folder>/stacks-rank<r>.txt on SIGUSR2 (a C-level handler: it works while the rank is stuck in
   a collective or holds the GIL; SIGTERM and SIGUSR1 belong to fleetbox_checkpoint), the rank's progress
   file is started with its pid, and once the script has imported Paddle, the calls that end a training step
-  report one (fleetbox_progress.auto_step): a script needs no line of ours for its hangs to be seen.
+  report one (fleetbox_progress.auto_step): a script needs no line of ours for its hangs to be seen, nor for
+  its loss and learning rate (fleetbox_found).
 - In Paddle's launcher: a thread waits for fleetbox's request (<log folder>/STACKS-REQUEST, written from
   outside the container on every runtime) and sends SIGUSR2 to the ranks of this node, which only this
   container's processes can signal.
@@ -47,27 +48,18 @@ def _rank_setup(d: str) -> None:
 WRAPPED = "_fleetbox_step"   # set on the wrappers: a class is wrapped once
 
 
-def _wrap(owner, name: str, counts=None, phase: str = "") -> None:
-    """owner.name (a class's own method, or a module's function), reporting a step each time it returns (where
-    `counts()` says so, if given), or, with `phase`, run inside that declared phase."""
+def _wrap(owner, name: str, through) -> None:
+    """owner.name (a class's own method, or a module's function) made to run as through(f, *args, **kwargs)."""
     import functools
-
-    import fleetbox_progress
     f = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
     if not callable(f) or getattr(f, WRAPPED, False):
         return
 
     @functools.wraps(f)
-    def stepped(*args, **kwargs):
-        if phase:
-            with fleetbox_progress.phase(phase):
-                return f(*args, **kwargs)
-        out = f(*args, **kwargs)
-        if counts is None or counts():
-            fleetbox_progress.auto_step()
-        return out
-    setattr(stepped, WRAPPED, True)
-    setattr(owner, name, stepped)
+    def wrapped(*args, **kwargs):
+        return through(f, *args, **kwargs)
+    setattr(wrapped, WRAPPED, True)
+    setattr(owner, name, wrapped)
 
 
 def _paddle_ready():
@@ -85,30 +77,77 @@ def _loader_iterators(p) -> list:
 
 
 def _hook_steps() -> None:
-    """A thread waits for the script to import Paddle, then wraps what shows a rank going on: every optimizer
-    class's step, and minimize in dynamic mode (Adam and others define their own step; paddle.Model's
-    train_batch calls minimize; in static mode minimize builds the graph), Executor.run (static graph), a data
-    loader's next batch (an evaluation goes on without an optimizer); paddle.save and paddle.load run as declared
-    phases (a long save is no hang)."""
-    import threading
-    import time
+    """As the script's `import paddle` finishes (or now, where it has: a spawned rank), wraps what shows a rank
+    going on: every optimizer class's step, and minimize in dynamic mode (Adam and others define their own step;
+    paddle.Model's train_batch calls minimize; in static mode minimize builds the graph), Executor.run (static
+    graph), a data loader's next batch (an evaluation goes on without an optimizer); paddle.save and paddle.load
+    run as declared phases (a long save is no hang). The same wrappers, with backward() and a GradScaler's scale,
+    give fleetbox_found each step's loss, learning rate and batch."""
+    import fleetbox_found as found
+    import fleetbox_progress as progress
 
-    def loop():
-        while (p := _paddle_ready()) is None:
-            time.sleep(0.2)
+    def optimizer_step(f, optimizer, *args, **kwargs):
+        with found.step(optimizer):
+            out = f(optimizer, *args, **kwargs)
+        progress.auto_step()
+        return out
+
+    def loader_next(f, it):
+        out = f(it)
+        found.batch(out)
+        progress.auto_step()
+        return out
+
+    def backward(f, tensor, grad_tensor=None, *args, **kwargs):
+        found.backward(tensor, grad_tensor)
+        return f(tensor, grad_tensor, *args, **kwargs)
+
+    def scale(f, scaler, var, *args, **kwargs):
+        out = f(scaler, var, *args, **kwargs)
+        found.scaled(out, var)
+        return out
+
+    def in_phase(name):
+        def through(f, *args, **kwargs):
+            with progress.phase(name):
+                return f(*args, **kwargs)
+        return through
+
+    def install(p):
+        def minimize(f, optimizer, loss, *args, **kwargs):
+            if p.in_dynamic_mode():
+                return optimizer_step(f, optimizer, loss, *args, **kwargs)
+            out = f(optimizer, loss, *args, **kwargs)   # static: the graph is built, no step taken
+            found.minimised(optimizer, loss)
+            return out
+
+        def executor_run(f, exe, *args, **kwargs):
+            out = f(exe, *args, **kwargs)
+            found.ran(args[0] if args else kwargs.get("program"),
+                      args[2] if len(args) > 2 else kwargs.get("fetch_list"), out)
+            progress.auto_step()
+            return out
         try:
             base = p.optimizer.Optimizer
             for c in {base, *(v for v in vars(p.optimizer).values() if isinstance(v, type) and issubclass(v, base))}:
-                _wrap(c, "step")
-                _wrap(c, "minimize", counts=p.in_dynamic_mode)
-            _wrap(p.static.Executor, "run")
+                _wrap(c, "step", optimizer_step)
+                _wrap(c, "minimize", minimize)
+            _wrap(p.static.Executor, "run", executor_run)
             for c in _loader_iterators(p):
-                _wrap(c, "__next__")
-            _wrap(p, "save", phase="paddle.save")
-            _wrap(p, "load", phase="paddle.load")
+                _wrap(c, "__next__", loader_next)
+            _wrap(p.Tensor, "backward", backward)
+            scalers = sys.modules.get("paddle.amp.grad_scaler")
+            for c in vars(scalers).values() if scalers is not None else ():
+                if isinstance(c, type) and "scale" in vars(c):
+                    _wrap(c, "scale", scale)
+            _wrap(p, "save", in_phase("paddle.save"))
+            _wrap(p, "load", in_phase("paddle.load"))
         except Exception as e:   # another Paddle's layout: the script's own reports still count
             print(f"fleetbox: no steps seen in the training itself: {type(e).__name__}: {e}", file=sys.stderr)
-    threading.Thread(target=loop, name="fleetbox-step-hooks", daemon=True).start()
+    if (p := _paddle_ready()) is not None:
+        install(p)
+    else:
+        sys.meta_path.insert(0, _WhenLoads("paddle", install))
 
 
 def _parent(pid: int) -> int:

@@ -1,5 +1,6 @@
 """Host side of the metrics protocol (incontainer/fleetbox_metrics.py): every rank's lines, from every node's
-worker logs of every attempt and allocation, into runs/<job>/metrics.jsonl."""
+worker logs and found metrics (incontainer/fleetbox_found.py) of every attempt and allocation, into
+runs/<job>/metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fleetbox import files
-from fleetbox.incontainer.fleetbox_metrics import PREFIX  # the writer's, so writer and reader stay one protocol
+from fleetbox.incontainer.fleetbox_found import FILE as FOUND
+from fleetbox.incontainer.fleetbox_found import PREFIX  # the writers', so writers and reader stay one protocol
 from fleetbox.run.jobfolder import JobFolder
 
 
@@ -19,9 +21,10 @@ def attempts(job_dir: Path) -> list[tuple[int, Path]]:
     return JobFolder.at(job_dir).attempts()
 
 
-def worker_logs(job_dir: Path) -> list[tuple[int, int, Path]]:
-    """(attempt, node, log) for every node's worker log of every attempt."""
-    return node_files(job_dir, "workerlog.*")
+def metric_logs(job_dir: Path) -> list[tuple[int, int, Path]]:
+    """(attempt, node, file) for every file of metrics lines of every attempt: each node's worker logs (a script's
+    own lines) and the metrics found in its ranks' training."""
+    return sorted(node_files(job_dir, "workerlog.*") + node_files(job_dir, FOUND.format(rank="*")))
 
 
 def node_files(job_dir: Path, pattern: str) -> list[tuple[int, int, Path]]:
@@ -98,7 +101,7 @@ def read(job_dir: Path) -> list[Record]:   # each a Mapping, as the dicts it was
     """The job's metrics lines, each with its node and attempt (the folder's, whatever the line says), in time
     order."""
     out = []
-    for attempt, node, log in worker_logs(job_dir):
+    for attempt, node, log in metric_logs(job_dir):
         with open(log, errors="replace") as f:   # a line at a time: a week's log is not held whole
             for line in f:
                 if (rec := parse(line)) is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from fleetbox.incontainer.fleetbox_metrics import PREFIX
+from fleetbox.incontainer.fleetbox_found import PREFIX
 
 # Paddle's launcher logs every poll of its HTTP master (dozens of lines per job: /healthy, /<job>/info...);
 # the log files keep them. Other HTTP logging (a user's own) is left alone.

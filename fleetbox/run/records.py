@@ -352,8 +352,8 @@ JOB_FOLDER = {
     "report.md": "the run's report: nodes, image, throughput, time to first step, what failed",
     "report.png": "the run's plot: loss, samples/s, each rank's step time; restarts marked",
     "node<k>": "node k's logs: the launcher's workerlog.<rank>, the container's output (container.log), "
-               "each rank's progress and, after a hang, its stacks; the script's own VisualDL logs "
-               "(visualdl/rank<r>/<logdir>)",
+               "each rank's progress and the metrics found in its training (found-metrics-rank<r>.log) and, after "
+               "a hang, its stacks; the script's own VisualDL logs (visualdl/rank<r>/<logdir>)",
     "hang-<N>": "a hang in attempt N: every rank's stacks and the verdict",
     "checkpoints": "the job's checkpoint folder, where no --checkpoint-dir is given",
     "checkpoints.before-<time>": "checkpoints `--resume never` set aside",

@@ -192,6 +192,26 @@ def steps_text(ranks: dict[int, list[dict]]) -> str:
             + "".join(f"; {n} (last {last}): {some([f'rank {k}' for k in ks])}" for (n, last), ks in others))
 
 
+def lr_series(ranks: dict[int, list[dict]]) -> dict[tuple, list[int]]:
+    """Each distinct learning-rate series, [(step, lr)], with the ranks that logged it (data parallel: one for all)."""
+    out = defaultdict(list)
+    for k, rs in sorted(ranks.items()):
+        if pts := tuple((r["step"], r["lr"]) for r in rs if metrics.number(r.get("lr"))):
+            out[pts].append(k)
+    return dict(out)
+
+
+def lr_text(series: dict[tuple, list[int]], nranks: int) -> str:
+    """The learning rate from its first step to its last, once where every rank logged the same."""
+    if not series:
+        return "not logged (found at each optimizer step, or a Meter's `lr`)"
+    if len(series) == 1 and len(next(iter(series.values()))) == nranks:
+        pts = next(iter(series))
+        return f"{pts[0][1]:.4g} at step {pts[0][0]} to {pts[-1][1]:.4g} at step {pts[-1][0]}, the same on every rank"
+    return "; ".join(f"{pts[0][1]:.4g} to {pts[-1][1]:.4g} ({some([f'rank {k}' for k in ks])})"
+                     for pts, ks in list(series.items())[:NAMED]) + ("; ..." if len(series) > NAMED else "")
+
+
 def draw(job_dir: Path) -> dict:
     """Write report.png and report.md for the job; returns what was drawn and what was missing. The records are
     grouped once; beyond SMALL ranks (nodes) the figures are bands with the ranks outside them drawn and named."""
@@ -206,7 +226,8 @@ def draw(job_dir: Path) -> dict:
     job, summary = files.read_json(job_dir / records.JOB), files.read_json(job_dir / records.SUMMARY)
     missing = []
     if not recs:
-        missing.append("no metrics lines (the script does not use fleetbox_metrics, or no step ran)")
+        missing.append("no metrics lines (no optimizer step ran, or hang detection was off: metrics are found in the "
+                       "training by its writer)")
     if not summary:
         missing.append("no summary.json (the job is still running, or was killed before it ended)")
     last = max((r["attempt"] for r in recs), default=0)
@@ -232,6 +253,14 @@ def draw(job_dir: Path) -> dict:
     else:
         draw_band(ax_loss, loss, odd, "rank")
     ax_loss.set(xlabel="step", ylabel="loss", title=f"{job_dir.name}: loss by rank")
+    lrs = lr_series(ranks_last)
+    if lrs:   # the last attempt's: its steps are those of the loss drawn last
+        ax_lr = ax_loss.twinx()
+        for pts, ks in list(lrs.items())[:NAMED]:
+            ax_lr.plot([s for s, _ in pts], [v for _, v in pts], "--", lw=1, color="grey",
+                       label="learning rate" + ("" if len(lrs) == 1 else f" ({some([f'rank {k}' for k in ks])})"))
+        ax_lr.set(ylabel="learning rate")
+        ax_lr.legend(fontsize=7, loc="upper center")
     began = first_start(job_dir, job)   # the plot's time runs from the job's first start, over every attempt
     t0 = min([r["time"] for r in recs] + ([began] if began is not None else []), default=0.0)
     nodes = {rs[0]["node"] for rs in ranks.values()}
@@ -303,8 +332,9 @@ def draw(job_dir: Path) -> dict:
           "- started: " + (dt.datetime.fromtimestamp(start).isoformat(timespec="seconds") if start else "unknown")
           + (f"; time to first step: {first_step - start:.1f} s" if start and first_step else ""),
           "- final loss: " + final_loss_text(final, odd),
+          "- learning rate: " + lr_text(lrs, len(ranks_last)),
           ("- throughput: " + (f"{rate['total']:.1f} samples/s" if rate["ranks"] else
-                                "unknown (the script reported no samples; fleetbox_metrics' Meter counts them)"))
+                                "unknown (no data loader's batch was seen; fleetbox_metrics' Meter counts samples)"))
           + (f" (attempt {last})" if last and rate["ranks"] else "") + (per_node if rate["ranks"] else ""),
           "- step time: " + (f"{1000 * times['step_seconds']:.1f} ms (mean over ranks and steps)"
                               if times["step_seconds"] is not None else "unknown")
@@ -324,7 +354,9 @@ def draw(job_dir: Path) -> dict:
     md += ["", "![report](report.png)", ""]
     files.write_atomic(job_dir / "report.md", "\n".join(md))
     return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "node_legend": node_legend,
-            "missing": missing, "throughput": rate, "stragglers": slow["stragglers"], "outliers": odd, **times}
+            "missing": missing, "throughput": rate,
+            "lr": {k: pts for pts, ks in lrs.items() for k in ks}, "stragglers": slow["stragglers"], "outliers": odd,
+            **times}
 
 
 def _paddle(job: dict) -> str:

@@ -256,7 +256,7 @@ class JobRuns:
     def _new_lines(self) -> list[tuple[int, dict]]:
         """(attempt, record) of every line written since the last read. A log first seen while a restart moves
         node folders (listed differently before and after) waits for the next read."""
-        before, settled = metrics.worker_logs(self.dir), None
+        before, settled = metrics.metric_logs(self.dir), None
         self.behind = False
         out = []
         for attempt, _, log in before:
@@ -267,7 +267,7 @@ class JobRuns:
             key = (st.st_dev, st.st_ino)
             if key not in self.logs:
                 if settled is None:
-                    settled = metrics.worker_logs(self.dir) == before
+                    settled = metrics.metric_logs(self.dir) == before
                 if not settled:
                     continue
                 self.logs[key] = [0, attempt]

@@ -191,7 +191,7 @@ def test_the_layout_page_names_every_module_and_no_other():
 
 
 @pytest.mark.parametrize(("spelled", "home"), [("fleetbox: node ", "node_log.py"),
-                                               ("FLEETBOX-METRIC", "fleetbox_metrics.py")])
+                                               ("FLEETBOX-METRIC", "fleetbox_found.py")])
 def test_each_log_line_shape_is_spelled_in_one_module(spelled, home):
     """The node log protocol and the metrics lines: writers and readers take the shape from its one module (shell
     templates get it rendered in), so they cannot drift apart."""

@@ -109,7 +109,8 @@ def test_a_second_copy_of_the_helpers_on_the_path_runs_once_and_the_sites_own_si
 # Paddle's layout as far as the step hooks read it (the real one is a 100 MB wheel; the integration tests train
 # with it): optimizer classes, Adam with its own step, a static Executor, a data loader's iterator, save and load
 FAKE_PADDLE = {
-    "paddle/__init__.py": "from paddle import io, optimizer, static\nDYNAMIC = [True]\n"
+    "paddle/__init__.py": "from paddle import amp, io, optimizer, static\nDYNAMIC = [True]\n"
+                          "class Tensor:\n    def backward(self, grad_tensor=None):\n        pass\n"
                           "def in_dynamic_mode():\n    return DYNAMIC[0]\n"
                           "def save(obj, path):\n    import fleetbox_progress\n"
                           "    print('phase while saving:', fleetbox_progress._state['phase'])\n"
@@ -120,6 +121,8 @@ FAKE_PADDLE = {
                                      "    def minimize(self, loss):\n        pass\n",
     "paddle/static/__init__.py": "class Executor:\n    def run(self, program=None):\n        return []\n",
     "paddle/io/__init__.py": "from paddle.io.dataloader import dataloader_iter\n",
+    "paddle/amp/__init__.py": "from paddle.amp import grad_scaler\n",
+    "paddle/amp/grad_scaler.py": "class AmpScaler:\n    def scale(self, var):\n        return var\n",
     "paddle/io/dataloader/__init__.py": "",
     "paddle/io/dataloader/dataloader_iter.py": "class _DataLoaderIterSingleProcess:\n    def __init__(self):\n"
                                               "        self.left = [1, 2]\n    def __iter__(self):\n"

@@ -6,6 +6,7 @@ import json
 import pytest
 from PIL import Image
 
+from fleetbox.incontainer.fleetbox_found import FILE as FOUND
 from fleetbox.run import report
 
 
@@ -90,7 +91,8 @@ def test_restarts_are_reported_per_attempt_and_an_empty_folder_still_draws(tmp_p
     empty.mkdir()
     drawn = report.draw(empty)
     assert not_blank(drawn["png"]) and drawn["legend"] == []
-    assert drawn["missing"][:2] == ["no metrics lines (the script does not use fleetbox_metrics, or no step ran)",
+    assert drawn["missing"][:2] == ["no metrics lines (no optimizer step ran, or hang detection was off: metrics are "
+                                    "found in the training by its writer)",
                                     "no summary.json (the job is still running, or was killed before it ended)"]
 
 
@@ -102,9 +104,31 @@ def test_a_run_whose_script_counts_no_samples_has_an_unknown_throughput(tmp_path
         log = job / f"node{k}" / "workerlog.0"
         lines = [json.dumps({"rank": k, "step": s, "time": 1002.0 + s, "loss": 1.0}) for s in range(5)]
         log.write_text("".join(f"FLEETBOX-METRIC {ln}\n" for ln in lines))
-    report.draw(job)
+    drawn = report.draw(job)
     md = (job / "report.md").read_text()
-    assert "- throughput: unknown (the script reported no samples" in md and "0.0 samples/s" not in md
+    assert "- throughput: unknown (no data loader's batch was seen" in md and "0.0 samples/s" not in md
+    assert "- learning rate: not logged" in md and drawn["lr"] == {}
+
+
+def test_metrics_found_in_the_training_are_read_beside_the_scripts_own_and_the_learning_rate_is_reported(tmp_path):
+    """A node's found-metrics file is read as its worker log is (the report, metrics.jsonl); the learning rate is
+    drawn and said once where every rank has the same, and per rank where they differ."""
+    job = tmp_path / "train-f"
+    write_job(job, attempts=((0, 0),))   # no line of the script's own
+    for k in (0, 1):
+        lines = [json.dumps({"rank": k, "step": s, "time": 1002.0 + s, "loss": 2.0 - s / 10, "lr": 0.1 / s})
+                 for s in range(1, 6)]
+        (job / f"node{k}" / FOUND.format(rank=k)).write_text("".join(f"FLEETBOX-METRIC {ln}\n" for ln in lines))
+    drawn = report.draw(job)
+    md = (job / "report.md").read_text()
+    assert drawn["legend"] == ["rank 0", "rank 1"] and "rank 0 1.5000 (step 5), rank 1 1.5000 (step 5)" in md
+    assert drawn["lr"][0] == drawn["lr"][1] == tuple((s, 0.1 / s) for s in range(1, 6))
+    assert "- learning rate: 0.1 at step 1 to 0.02 at step 5, the same on every rank" in md
+    assert len((job / "metrics.jsonl").read_text().splitlines()) == 10
+    (job / "node1" / FOUND.format(rank=1)).write_text(
+        'FLEETBOX-METRIC {"rank": 1, "step": 1, "time": 1003.0, "lr": 0.5}\n')
+    assert "- learning rate: 0.1 to 0.02 (rank 0); 0.5 to 0.5 (rank 1)" in (report.draw(job) and
+                                                                            (job / "report.md").read_text())
 
 
 def test_a_hung_attempt_and_a_hung_job_say_so(tmp_path):
