@@ -6,7 +6,9 @@ detached job's is here: the board reads them as they grow, from any shell, and n
 
 The server comes from an environment the board makes for it, never the user's own Python and never the images:
 VisualDL 2.5.3 (its last release) and what it needs, locked with hashes in board.lock, installed by uv into a venv
-in the user's cache (settings.board_envs()/board-<lock hash>/, made beside that name and renamed once whole). It
+in the user's cache (settings.board_envs()/board-<lock hash>/, made beside that name and renamed once whole): from
+the board's own wheelhouse (settings.board_wheels(), which `invoke kit` carries) with no index, where it is, else
+from PyPI or uv's configured index. It
 runs with telemetry off and only its scalar and text tabs: its other tabs would `pip install` Paddle, paddle2onnx,
 x2paddle, gradio and tritonclient as it starts.
 """
@@ -38,7 +40,6 @@ from fleetbox.processes import signals_held, stops_as_interrupt
 from fleetbox.run import records, visualdl_logs
 from fleetbox.run.spec import JOB_ID
 
-LOCK = Path(__file__).with_name("board.lock")
 READY = "fleetbox-board.json"     # written last: a folder with it is a whole environment
 # VisualDL's server as its console script starts it (visualdl.server.app._run), but for the thread that asks
 # http://HOST:PORT/ until it answers, which on a Unix socket (--private) never does: a DNS lookup of "unix" every
@@ -54,7 +55,8 @@ START_S = 60.0                    # VisualDL's first start imports matplotlib an
 def env_dir() -> Path:
     """One environment per lock and interpreter (a venv is tied to the Python that made it; a shared home may be
     seen from machines of another kind)."""
-    key = LOCK.read_bytes() + f"\n{platform.machine()} {sys.version} {os.path.realpath(sys.executable)}".encode()
+    key = settings.BOARD_LOCK.read_bytes() + (f"\n{platform.machine()} {sys.version} "
+                                              f"{os.path.realpath(sys.executable)}").encode()
     return settings.board_envs() / f"board-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
@@ -78,24 +80,29 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 def environment(log=print) -> Path:
-    """VisualDL's environment, made once per lock (uv, from the lock's hashes; PyPI or uv's configured index)."""
+    """VisualDL's environment, made once per lock (uv, from the lock's hashes): from the board's wheelhouse with no
+    index where there is one, else from PyPI or uv's configured index."""
     final = env_dir()
     if (final / READY).is_file():
         return final
-    log(f"board: making VisualDL's environment in {final} (once; {LOCK.name}, from PyPI or UV_DEFAULT_INDEX)")
+    wheels = settings.board_wheels()
+    offline = wheels.is_dir() and any(wheels.glob("*.whl"))
+    source = ["--offline", "--no-index", "--find-links", str(wheels)] if offline else []
+    log(f"board: making VisualDL's environment in {final} (once; {settings.BOARD_LOCK.name}, "
+        + (f"from {wheels}, no index)" if offline else "from PyPI or UV_DEFAULT_INDEX)"))
     final.parent.mkdir(parents=True, exist_ok=True)
     part = final.with_name(f"{final.name}.partial-{secrets.token_hex(4)}")
     uv = locks.uv_binary()
     try:
         for argv in ([uv, "venv", "-q", "--python", sys.executable, str(part)],
                      [uv, "pip", "install", "-q", "--python", str(part / "bin" / "python"), "--require-hashes",
-                      "-r", str(LOCK)]):
+                      "-r", str(settings.BOARD_LOCK), *source]):
             done = _run(argv)
             if done.returncode:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
                 raise UserError(f"board: making VisualDL's environment failed ({Path(argv[0]).name} {argv[1]}): "
                                 f"{tail[0]}")
-        (part / READY).write_text(LOCK.read_text().split("\n", 1)[0] + "\n")
+        (part / READY).write_text(settings.BOARD_LOCK.read_text().split("\n", 1)[0] + "\n")
         try:
             part.rename(final)
         except OSError:   # another board made it meanwhile

@@ -6,6 +6,7 @@
     source/              the fleetbox source at its revision (git archive HEAD)
     lock/                the variant's lock (also when it is not committed: `invoke lock` where the index is)
     host-wheels/         wheels of fleetbox's own host dependencies, so the site needs no package index
+    board-wheels/        the board's VisualDL environment, its lock's wheels (placed as the site's wheelhouse/board/)
     wheelhouse/          the variant's verified wheelhouse
     base/, image/        the base image (and with --with-image the built image) as `docker save` archives
     datasets/            the dataset cache pack
@@ -63,6 +64,17 @@ def host_platforms() -> list[str]:
     return [f"manylinux_{GLIBC[0]}_{m}_{arch}" for m in range(GLIBC[1], 16, -1)] + [f"manylinux2014_{arch}"]
 
 
+def _download(d: Path, requirements: list[str], what: str) -> None:
+    """pip's download of `requirements` into `d`: wheels only, for this Python on GLIBC or newer (the site's)."""
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--dest", str(d),
+                           *[f"--platform={p}" for p in host_platforms()], f"--python-version={py}",
+                           "--implementation=cp", f"--abi=cp{sys.version_info[0]}{sys.version_info[1]}",
+                           *requirements], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"pip could not download {what}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
 def revision(variant: Variant) -> str:
     """HEAD, which the kit carries; refused when tracked files differ from it (the site would get HEAD
     without them), except the variant's lock (made by `invoke lock` where the index is, carried apart)."""
@@ -107,14 +119,10 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
         shutil.copyfile(variant.lock_path, d / variant.lock_path.name)
 
     def host_wheels(d: Path):
-        py = f"{sys.version_info[0]}.{sys.version_info[1]}"
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--dest", str(d),
-                               *[f"--platform={p}" for p in host_platforms()], f"--python-version={py}",
-                               "--implementation=cp", f"--abi=cp{sys.version_info[0]}{sys.version_info[1]}",
-                               *host_requirements(rev)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise UserError(f"pip could not download fleetbox's host dependencies: "
-                            f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        _download(d, host_requirements(rev), "fleetbox's host dependencies")
+
+    def board_wheels(d: Path):   # hash-checked by pip against the lock, as uv checks them again at the site
+        _download(d, ["--require-hashes", "-r", str(settings.BOARD_LOCK)], "the board's VisualDL environment")
 
     def wheels(d: Path):   # the lock's wheels and the wheelhouse's own records, not older wheels beside them
         src = wheelhouse.ensure(variant, log=log)
@@ -137,6 +145,8 @@ def _parts(variant: Variant, client, datasets: list, data_dir: Path, manifest: P
              Part("source", _digest(rev), source, revision=rev),
              Part("lock", _digest(lock_text), lock, place=str(variant.lock_path.relative_to(ROOT))),
              Part("host-wheels", _digest(host_requirements(rev), sys.version_info[:2], host_platforms()), host_wheels),
+             Part("board-wheels", _digest(settings.BOARD_LOCK.read_text(), sys.version_info[:2], host_platforms()),
+                  board_wheels),
              Part("wheelhouse", _digest(lock_text, variant.name), wheels),
              Part("base", _digest(base.id, variant.base_ref), save([variant.base_ref], "base.tar"),
                   tags=[variant.base_ref])]
@@ -194,7 +204,8 @@ def make(variant: Variant, out: Path, datasets: list | None = None, data_dir: Pa
     parts_dir.mkdir(exist_ok=True)
     state = read_json(parts_dir / PARTS_STATE)
     folders = {"loader": ".", "source": "source", "lock": "lock", "host-wheels": "host-wheels",
-               "wheelhouse": "wheelhouse", "base": "base", "image": "image", "datasets": "datasets"}
+               "board-wheels": "board-wheels", "wheelhouse": "wheelhouse", "base": "base", "image": "image",
+               "datasets": "datasets"}
     new_state, rows = {}, []
     for p in parts:
         d = parts_dir / p.name

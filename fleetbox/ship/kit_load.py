@@ -196,7 +196,8 @@ def check_info(staging: Path, names: set[str]) -> dict:
         ok = (VARIANT.fullmatch(info["variant"]) and re.fullmatch(r"[0-9a-f]{40}", info["revision"])
               and re.fullmatch(r"3\.[0-9]+", info["python"]) and re.fullmatch(r"2\.[0-9]+", info["glibc"])
               and isinstance(info["machine"], str)
-              and isinstance(parts, dict) and {"source", "lock", "host-wheels", "wheelhouse", "base"} <= set(parts))
+              and isinstance(parts, dict)
+              and {"source", "lock", "host-wheels", "board-wheels", "wheelhouse", "base"} <= set(parts))
         for name, part in parts.items():
             ok = ok and all(isinstance(f, str) and f in names for f in part["files"]) and part["files"]
             ok = ok and type(part["bytes"]) is int and part["bytes"] >= 0
@@ -376,7 +377,8 @@ def load(kit: Path, dest: Path, expect: str | None = None, log=print, no_expect:
         wheelhouse = src / "wheelhouse" / variant
         wheelhouse.parent.mkdir(exist_ok=True)
         shutil.move(str(staging / "wheelhouse"), wheelhouse)
-        log(f"placed the source ({info['revision'][:12]}), the lock and the wheelhouse in {src}")
+        shutil.move(str(staging / "board-wheels"), wheelhouse.parent / "board")   # settings.board_wheels() there
+        log(f"placed the source ({info['revision'][:12]}), the lock, the wheelhouse and the board's in {src}")
         if placed := place_receipts(info, staging, src):
             log(f"placed the image's receipts in {src / 'receipts'}: {', '.join(placed)}")
         venv, wheels = dest / "venv", staging / "host-wheels"

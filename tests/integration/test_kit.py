@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -54,15 +55,16 @@ def files_under(*paths):
 
 def test_a_kit_says_what_it_holds_and_a_second_one_reuses_every_part(kit):
     path = kit["path"]
-    parts = ["loader", "source", "lock", "host-wheels", "wheelhouse", "base", "datasets"]
+    parts = ["loader", "source", "lock", "host-wheels", "board-wheels", "wheelhouse", "base", "datasets"]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == kit["sha"]   # the printed digest is the file's
     assert (path.parent / "cpu.kit.sha256").read_text() == f"{kit['sha']}  cpu.kit\n"
     with tarfile.open(path) as tar:
         names = tar.getnames()
     assert names[:3] == ["kit-load.py", "MANIFEST.sha256", "kit.json"]   # the manifest early: damage shows early
-    assert {n.split("/")[0] for n in names} == {"kit-load.py", "source", "lock", "host-wheels", "wheelhouse",
-                                                "base", "datasets", "kit.json", "MANIFEST.sha256"}
+    assert {n.split("/")[0] for n in names} == {"kit-load.py", "source", "lock", "host-wheels", "board-wheels",
+                                                "wheelhouse", "base", "datasets", "kit.json", "MANIFEST.sha256"}
     assert any(n.startswith("host-wheels/matplotlib-") for n in names)   # fleetbox's own dependencies
+    assert any(n.startswith("board-wheels/visualdl-2.5.3-") for n in names)   # the board's
     # a site without fleetbox checks the unpacked kit with the standard tool
     out = path.parent / "unpacked"
     shutil.rmtree(out, ignore_errors=True)
@@ -304,6 +306,27 @@ def test_the_site_loads_the_kit_then_builds_verifies_and_trains_with_no_network(
     assert theirs == layer_digests(ref), (theirs, layer_digests(ref))
     (sbom,) = (src / "receipts").glob("inputs-*.sbom.json")
     assert sbom.read_bytes() == (receipts.folder() / sbom.name).read_bytes()
+    # the board: its environment made from the kit's wheels, every package index a closed port, and it serves
+    job = re.search(r"^job (\S+): PASSED$", proc.stdout, re.M).group(1)
+    closed = "http://127.0.0.1:9/simple"
+    env = {**site, "FLEETBOX_BOARD_ENVS": str(tmp_path / "board-envs"), **dict.fromkeys(
+        ("UV_DEFAULT_INDEX", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"), closed)}
+    board = subprocess.Popen(["nsenter", f"--net=/run/netns/{NS}", py, "-m", "invoke", "board", job], cwd=src, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = [board.stdout.readline() for _ in range(2)]
+        assert lines[0].startswith(f"board: making VisualDL's environment in {tmp_path / 'board-envs'}/board-") and \
+            lines[0].rstrip().endswith(f"from {src / 'wheelhouse' / 'board'}, no index)"), lines + [board.stderr.read()]
+        while not lines[-1].startswith("board: http://"):
+            lines.append(board.stdout.readline())
+            assert lines[-1], "".join(lines) + board.stderr.read()
+        runs = in_site(site, py, "-c", "import urllib.request; print(urllib.request.urlopen("
+                       "'http://127.0.0.1:8040/app/api/runs', timeout=30).read().decode())")
+        assert f"{job}/attempt0/rank0" in runs.stdout and f"{job}/attempt0/rank1" in runs.stdout, runs
+    finally:
+        board.send_signal(signal.SIGINT)
+        out, err = board.communicate(timeout=60)
+    assert board.returncode == 0 and "board: stopped" in out, out + err
 
 
 def test_a_site_with_no_container_engine_loads_the_kit_and_makes_the_env_from_it(kit, tmp_path):

@@ -39,13 +39,14 @@ def refused(tmp_path, kit, said, expect=None, outside=()):
 
 
 FILES = {"source/fleetbox-src.tar": b"s", "lock/cpu.lock": b"l", "host-wheels/pip.whl": b"p",
-         "wheelhouse/a.whl": b"w", "base/base.tar": b"b"}
+         "board-wheels/visualdl.whl": b"v", "wheelhouse/a.whl": b"w", "base/base.tar": b"b"}
 
 
 def info(**change):
     parts = {"source": {"files": ["source/fleetbox-src.tar"], "bytes": 1},
              "lock": {"files": ["lock/cpu.lock"], "place": "images/locks/cpu.lock", "bytes": 1},
              "host-wheels": {"files": ["host-wheels/pip.whl"], "bytes": 1},
+             "board-wheels": {"files": ["board-wheels/visualdl.whl"], "bytes": 1},
              "wheelhouse": {"files": ["wheelhouse/a.whl"], "bytes": 1},
              "base": {"files": ["base/base.tar"], "tags": ["fleetbox/base:bookworm-965f49151f4a"], "bytes": 1}}
     out = {"variant": "cpu", "revision": "a" * 40, "python": "3.11", "machine": "x86_64", "glibc": "2.28",

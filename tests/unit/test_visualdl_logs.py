@@ -6,6 +6,7 @@ import struct
 
 import pytest
 
+from fleetbox import settings
 from fleetbox.run import backends, metrics
 from fleetbox.run import visualdl_logs as vdl
 from fleetbox.run.visualdl_logs import Point
@@ -329,8 +330,7 @@ def test_a_copy_cut_short_by_a_full_disk_is_taken_back_and_written_whole_next_ti
 
 
 def test_the_board_lock_pins_visualdl_and_every_package_with_hashes():
-    from fleetbox.commands import board
-    lines = board.LOCK.read_text().splitlines()
+    lines = settings.BOARD_LOCK.read_text().splitlines()
     pins = [(i, ln) for i, ln in enumerate(lines) if ln and not ln.startswith((" ", "#"))]
     assert any(ln.startswith("visualdl==2.5.3 ") for _, ln in pins) and len(pins) > 20
     assert all(lines[i + 1].strip().startswith("--hash=sha256:") for i, _ in pins)
