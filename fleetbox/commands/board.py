@@ -100,8 +100,11 @@ def environment(log=print) -> Path:
             done = _run(argv)
             if done.returncode:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                hint = (f" ({wheels} lacks a wheel of {settings.BOARD_LOCK.name} for Python "
+                        f"{sys.version_info[0]}.{sys.version_info[1]} here: fill it again, or empty it to use an index)"
+                        if offline and argv[1] == "pip" else "")
                 raise UserError(f"board: making VisualDL's environment failed ({Path(argv[0]).name} {argv[1]}): "
-                                f"{tail[0]}")
+                                f"{tail[0]}{hint}")
         (part / READY).write_text(settings.BOARD_LOCK.read_text().split("\n", 1)[0] + "\n")
         try:
             part.rename(final)

@@ -9,7 +9,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetbox import ROOT
+from fleetbox import ROOT, settings
 from fleetbox.errors import UserError
 
 MATRIX_PATH = ROOT / "images" / "matrix.toml"
@@ -135,6 +135,8 @@ def parse(data: dict) -> Matrix:
         missing = [k for k in _REQUIRED if k not in v]
         if missing:
             raise UserError(f"matrix: variant {name!r} lacks {', '.join(missing)}")
+        if name == settings.board_wheels().name:   # a variant's wheelhouse would be the board's
+            raise UserError(f"matrix: a variant may not be named {name!r}: its wheelhouse folder is the board's")
         if v["base"] not in bases:
             raise UserError(f"matrix: variant {name!r} names unknown base {v['base']!r}")
         if "==" not in v["paddle"]:

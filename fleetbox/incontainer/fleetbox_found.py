@@ -6,7 +6,10 @@ samples/s at every optimizer step, in the metrics protocol's lines (fleetbox_met
   loss counts as the loss it scaled), or, in a static graph, the value Executor.run fetched of the variable the
   program's optimizer minimised; paddle.Model's fit is either;
 - the learning rate: the stepping optimizer's get_lr(), as the step begins;
-- samples/s: the first dimension of the data loader's last batch over the time since the previous step.
+- samples/s: the first dimensions of the data loader's batches since the previous step, over its time.
+
+A step is the outermost optimizer step (or dynamic-mode minimize, or GradScaler step or minimize, which an
+overflow makes skip the optimizer's own); with several optimizers, the first one's steps, said once.
 
 A step whose loss is not one scalar (backward() called twice, on a tensor of several values, or with a
 grad_tensor: several losses, gradient accumulation, a penalty) gets no loss, and the log says why, once: fleetbox
@@ -36,10 +39,12 @@ ENV = "FLEETBOX_FIND_METRICS"
 FILE = "found-metrics-rank{rank}.log"   # in the node's log folder, beside the worker logs: lines of the protocol
 
 _local = threading.local()   # depth: an optimizer's step inside another's (a wrapper's, a subclass's) is one step
-_lock = threading.Lock()
+_lock = threading.Lock()     # the queue
+_writing = threading.Lock()  # the file: the writer thread and the exit handler may both write
 _queue = []                  # records not written yet; "loss" may still be a tensor
-_said = set()                # the reasons already logged
-_now = {"loss": None, "backwards": 0, "odd": None, "batch": None, "scaled": None}   # the step in progress
+_said = set()                # the kinds of reason already logged
+_first = []                  # the first optimizer that stepped: with several, the steps found are its own
+_now = {"loss": None, "backwards": 0, "odd": None, "samples": None, "scaled": None}   # the step in progress
 _last = {"step": 0, "at": None, "mode": "w"}   # "w": this process's first write starts the file, as the launcher
                                                  # starts each rank's worker log
 _minimised = {}              # id(static program) -> (its loss variable, its name, the optimizer, program)
@@ -70,11 +75,11 @@ def _never_raises(f):
     return safe
 
 
-def _say(reason: str) -> None:
-    if reason not in _said:
-        _said.add(reason)
-        print(f"fleetbox: no loss is found for steps where {reason}; log one with fleetbox_metrics.Meter",
-              file=sys.stderr, flush=True)
+def _say(kind: str, text: str) -> None:
+    """Said once per kind (a shape or a count may differ from step to step)."""
+    if kind not in _said:
+        _said.add(kind)
+        print(f"fleetbox: {text}; log your own with fleetbox_metrics.Meter", file=sys.stderr, flush=True)
 
 
 @_never_raises
@@ -92,28 +97,36 @@ def backward(tensor, grad_tensor) -> None:
         tensor = pair[1]
     shape = list(getattr(tensor, "shape", None) or [])
     if grad_tensor is not None:
-        _now["odd"] = "backward() is given a grad_tensor"
+        _now["odd"] = ("grad_tensor", "no loss is found for steps where backward() is given a grad_tensor")
     elif math.prod(shape) != 1:
-        _now["odd"] = f"backward() is called on a tensor of shape {shape}, not on one loss"
+        _now["odd"] = ("vector", f"no loss is found for steps where backward() is called on a tensor of several "
+                                 f"values (shape {shape}), not on one loss")
     _now["loss"] = tensor
 
 
-@_never_raises
 def batch(out) -> None:
-    """The data loader gave `out`: its first tensor's first dimension is the batch size."""
-    while isinstance(out, (list, tuple)) and out:
-        out = out[0]
-    if isinstance(out, dict) and out:
-        out = next(iter(out.values()))
-    shape = getattr(out, "shape", None)
-    _now["batch"] = int(shape[0]) if shape else None
+    """The data loader gave `out`: its first tensor's first dimension is the batch size, added to the step's (a
+    step of several batches, gradient accumulation, counts them all). A batch of another shape counts none."""
+    try:
+        while isinstance(out, (list, tuple)) and out:
+            out = out[0]
+        if isinstance(out, dict) and out:
+            out = next(iter(out.values()))
+        shape = getattr(out, "shape", None)
+        shape = shape() if callable(shape) else shape   # a static loader's LoDTensor has it as a method
+        n = int(shape[0])
+    except Exception:
+        return
+    _now["samples"] = (_now["samples"] or 0) + n
 
 
 @_never_raises
 def minimised(optimizer, loss) -> None:
     """In a static graph, `optimizer` minimised `loss` in the program being built: running it is a training step."""
-    import paddle
-    program = paddle.static.default_main_program()
+    program = getattr(getattr(loss, "block", None), "program", None)   # a legacy Variable's
+    if program is None:   # PIR's value: the program being built
+        import paddle
+        program = paddle.static.default_main_program()
     try:   # a legacy Variable's name; PIR's values have none here, and are fetched as themselves
         name = loss.name
     except Exception:
@@ -140,7 +153,9 @@ def _leave() -> None:
 
 
 class step:
-    """A context around an optimizer's step (or a dynamic-mode minimize): the outermost is one training step."""
+    """A context around an optimizer's step (a dynamic-mode minimize, a GradScaler's step or minimize, which may
+    skip the optimizer's step on an overflow): the outermost is one training step. With several optimizers, the
+    first one's steps are the steps."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -151,16 +166,24 @@ class step:
 
     @_never_raises
     def _begin(self):
-        if self.outer and on():
+        if not self.outer:
+            return
+        if not _first:
+            _first.append(self.optimizer)
+        if self.optimizer is not _first[0]:
+            names = f"{type(_first[0]).__name__}, {type(self.optimizer).__name__}"
+            _say("optimizers", f"several optimizers step ({names}): the steps, loss and learning rate found are "
+                               f"the first one's")
+        elif on():
             loss, backwards, odd = _now["loss"], _now["backwards"], _now["odd"]
             if backwards > 1 and odd is None:
-                odd = f"backward() is called {backwards} times in one step"
+                odd = ("twice", "no loss is found for steps where backward() is called more than once (several "
+                                "losses, gradient accumulation)")
             if odd is not None:
-                _say(odd)
+                _say(*odd)
                 loss = None
-            _record(loss, _lr(self.optimizer))
-        if self.outer:
-            _now.update(loss=None, backwards=0, odd=None, scaled=None)
+            _record(loss.detach() if hasattr(loss, "detach") else loss, _lr(self.optimizer))
+        _now.update(loss=None, backwards=0, odd=None, samples=None, scaled=None)
 
     def __exit__(self, *exc):
         _leave()
@@ -190,6 +213,7 @@ def ran(program, fetch_list, out) -> None:
                 loss = None
             break
     _record(loss, _lr(optimizer))
+    _now.update(samples=None)
 
 
 def _record(loss, lr) -> None:
@@ -200,7 +224,7 @@ def _record(loss, lr) -> None:
         rec["loss"] = loss
     if lr is not None:
         rec["lr"] = lr
-    samples, since = _now["batch"], _last["at"]
+    samples, since = _now["samples"], _last["at"]
     if samples and since is not None and now > since:
         rec.update(samples=samples, seconds=now - since, samples_per_s=samples / (now - since))
     _last["at"] = now
@@ -230,12 +254,19 @@ def _value(loss):
 
 
 def write() -> None:
-    """Append the queued records to this rank's file (fleetbox_progress's writer calls it once a second)."""
-    with _lock:
-        recs = _queue[:]
-        del _queue[:]
-    if not recs:
+    """Append the queued records to this rank's file (fleetbox_progress's writer calls it once a second, and the
+    exit handler last), one writer at a time."""
+    if fleetbox_progress.path() is None:   # a forked child, with a copy of its parent's queue
         return
+    with _writing:
+        with _lock:
+            recs = _queue[:]
+            del _queue[:]
+        if recs:
+            _append(recs)
+
+
+def _append(recs: list[dict]) -> None:
     newest_on_device = max((i for i, r in enumerate(recs) if _on_device(r.get("loss"))), default=None)
     lines = []
     for i, r in enumerate(recs):

@@ -107,6 +107,10 @@ def _hook_steps() -> None:
         found.scaled(out, var)
         return out
 
+    def scaler_step(f, scaler, optimizer, *args, **kwargs):   # a step, also where an overflow skips the optimizer's
+        with found.step(optimizer):
+            return f(scaler, optimizer, *args, **kwargs)
+
     def in_phase(name):
         def through(f, *args, **kwargs):
             with progress.phase(name):
@@ -138,8 +142,10 @@ def _hook_steps() -> None:
             _wrap(p.Tensor, "backward", backward)
             scalers = sys.modules.get("paddle.amp.grad_scaler")
             for c in vars(scalers).values() if scalers is not None else ():
-                if isinstance(c, type) and "scale" in vars(c):
+                if isinstance(c, type) and c.__module__ == scalers.__name__:   # its own, not what it imports
                     _wrap(c, "scale", scale)
+                    _wrap(c, "step", scaler_step)
+                    _wrap(c, "minimize", scaler_step)
             _wrap(p, "save", in_phase("paddle.save"))
             _wrap(p, "load", in_phase("paddle.load"))
         except Exception as e:   # another Paddle's layout: the script's own reports still count

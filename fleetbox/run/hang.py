@@ -52,7 +52,8 @@ GLOO_TIMEOUT_S = 30.0
 # TIMEOUT too, at once, and a crash's peers must not make it a hang
 TIMEOUT_QUIET_S = 20.0
 TIMED_OUT = "COLLECTIVE-TIMEOUT"    # node.sh's mark in its log folder (Slurm): a rank there timed out so
-LEFT_OVER = ("progress-rank*.json", "stacks-rank*.txt", REQUEST, TIMED_OUT)   # an earlier run's: cleared first
+# an earlier run's: cleared first (with the metrics found in its training: fleetbox_found.FILE)
+LEFT_OVER = ("progress-rank*.json", "stacks-rank*.txt", "found-metrics-rank*.log", REQUEST, TIMED_OUT)
 # NCCL's process-group timeout (Paddle's comm-task watchdog; PADDLE_PG_TIMEOUT, ms, 30 min unset) is set above
 # fleetbox's own deadlines: fleetbox's detection, with every rank's stacks, comes first
 PG_TIMEOUT_S = 1800.0

@@ -58,12 +58,12 @@ def test_each_paddle_style_gets_its_loss_and_learning_rate_found_exactly_and_odd
     for r, s in zip(odd, seen["odd"], strict=True):   # the loss only where backward() was called once on a scalar
         assert r.get("loss") == (s["loss"] if s["kind"] == "plain" else None), (r, s)
         assert r["lr"] == s["lr"] and r.get("samples", s["batch"]) == s["batch"]
-    assert all(r["samples"] == 8 and r["samples_per_s"] == 8 / r["seconds"] for r in odd[1:])   # the loader's batch
+    assert all(r["samples"] == 8 and r["seconds"] > 0 for r in odd[1:])   # the loader's batch, over the step's time
     said = [ln for ln in (tmp_path / "odd" / "err").read_text().splitlines() if ln.startswith("fleetbox:")]
-    assert said == ["fleetbox: no loss is found for steps where backward() is called 2 times in one step; log one "
-                    "with fleetbox_metrics.Meter",   # once, for two such steps
-                    "fleetbox: no loss is found for steps where backward() is called on a tensor of shape [8, 1], "
-                    "not on one loss; log one with fleetbox_metrics.Meter"], said
+    assert said == ["fleetbox: no loss is found for steps where backward() is called more than once (several losses, "
+                    "gradient accumulation); log your own with fleetbox_metrics.Meter",   # once, for two such steps
+                    "fleetbox: no loss is found for steps where backward() is called on a tensor of several values "
+                    "(shape [8, 1]), not on one loss; log your own with fleetbox_metrics.Meter"], said
     for c in ("meter", "off"):   # a script that logs its own metrics, and finding turned off: nothing found
         assert seen[c] and not (tmp_path / c / FILE.format(rank=0)).exists(), c
         assert (tmp_path / c / "progress-rank0.json").exists()   # while its steps are still seen

@@ -1,6 +1,7 @@
 """`invoke board`'s refusals, before it makes or starts anything: a job it cannot find, a port in use; and which
 runs a scaling study's name stands for."""
 import socket
+import sys
 
 from tests.conftest import invoke_here  # refusals only: in this process
 from tests.unit.test_cli import one_line_error
@@ -54,3 +55,28 @@ def test_a_job_that_cannot_be_read_is_said_once_per_reason_and_the_others_go_on(
     (bad / "job.json").write_text("{}")
     board.refresh(logs, jobs, said, lines.append)
     assert said == {} and len(lines) == 1
+
+
+def test_a_board_wheelhouse_without_the_locks_wheels_is_one_line_and_leaves_no_environment(tmp_path, monkeypatch):
+    """The board's own wheelhouse (as a kit places it) is used with no index; one that lacks a wheel fails in one
+    line naming the folder, and nothing half-made is left (uv, for real, offline)."""
+    import pytest
+
+    from fleetbox import settings
+    from fleetbox.commands import board
+    from fleetbox.errors import UserError
+    monkeypatch.setenv("FLEETBOX_WHEELHOUSE", str(tmp_path / "wh"))
+    monkeypatch.setenv("FLEETBOX_BOARD_ENVS", str(tmp_path / "envs"))
+    wheels = settings.board_wheels()
+    wheels.mkdir(parents=True)
+    (wheels / "six-1.17.0-py2.py3-none-any.whl").write_bytes(b"not a wheel")
+    said = []
+    with pytest.raises(UserError) as e:
+        board.environment(log=said.append)
+    assert said == [f"board: making VisualDL's environment in {board.env_dir()} (once; board.lock, from {wheels}, "
+                    f"no index)"]
+    assert str(e.value).startswith("board: making VisualDL's environment failed (uv pip): ")
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert str(e.value).endswith(f" ({wheels} lacks a wheel of board.lock for Python {py} here: fill it again, or "
+                                 f"empty it to use an index)") and "\n" not in str(e.value)
+    assert list((tmp_path / "envs").iterdir()) == []

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from fleetbox.incontainer import fleetbox_found
+from fleetbox.incontainer import fleetbox_found, fleetbox_progress
+from fleetbox.run import hang
 
 
 class Place:
@@ -44,6 +45,7 @@ def found(tmp_path, monkeypatch):
     monkeypatch.delenv("FLEETBOX_PROGRESS_PID", raising=False)
     monkeypatch.delenv(fleetbox_found.ENV, raising=False)
     monkeypatch.setattr("atexit.register", lambda f: None)   # the test writes itself
+    monkeypatch.setattr(fleetbox_progress, "_also", [])
     Tensor.reads = 0
     yield importlib.reload(fleetbox_found)
     importlib.reload(fleetbox_found)
@@ -54,10 +56,13 @@ def written(tmp_path) -> list[dict]:
     return [json.loads(ln.removeprefix(fleetbox_found.PREFIX)) for ln in text.splitlines()]
 
 
-def steps(found, losses, lr=0.1):
+OPT = Optimizer(0.1)   # one optimizer: a second one's steps are not steps
+
+
+def steps(found, losses, optimizer=OPT):
     for loss in losses:
         found.backward(loss, None)
-        with found.step(Optimizer(lr)):
+        with found.step(optimizer):
             pass
 
 
@@ -77,12 +82,12 @@ def test_a_scaled_loss_counts_as_the_loss_it_scaled_and_a_grad_tensor_gives_none
     found.scaled(scaled, loss)
     steps(found, [scaled])
     found.backward(Tensor(7.0), Tensor(2.0))   # backward(grad_tensor): which loss is not the script's to guess
-    with found.step(Optimizer(0.05)):
+    with found.step(OPT):
         pass
     found.write()
-    assert [(r.get("loss"), r["lr"]) for r in written(tmp_path)] == [(0.25, 0.1), (None, 0.05)]
+    assert [(r.get("loss"), r["lr"]) for r in written(tmp_path)] == [(0.25, 0.1), (None, 0.1)]
     assert capsys.readouterr().err == ("fleetbox: no loss is found for steps where backward() is given a grad_tensor; "
-                                       "log one with fleetbox_metrics.Meter\n")
+                                       "log your own with fleetbox_metrics.Meter\n")
 
 
 def test_an_error_of_finding_ends_finding_once_and_never_reaches_the_script(found, tmp_path, capsys):
@@ -96,6 +101,43 @@ def test_an_error_of_finding_ends_finding_once_and_never_reaches_the_script(foun
     assert not (tmp_path / fleetbox_found.FILE.format(rank=0)).exists()
     assert capsys.readouterr().err == ("fleetbox: no more metrics are found in this rank's training: RuntimeError: "
                                        "no shape here\n")
+
+
+def test_a_step_counts_every_batch_since_the_last_one_and_a_second_optimizers_steps_are_not_steps(found, tmp_path,
+                                                                                                 capsys):
+    """Gradient accumulation: two batches of 8, one step of 16 samples (and no loss: backward() twice). A GAN's
+    second optimizer: said once, its steps not counted, the first one's loss found. A scaler's step around the
+    optimizer's: one step."""
+    adam, sgd = Optimizer(0.1), Optimizer(0.5)
+    for _ in range(2):
+        found.batch([Tensor(0.0, shape=(8, 3))])
+        found.backward(Tensor(1.0), None)
+    with found.step(adam):
+        pass
+    for d_loss in (2.0, 3.0):
+        found.batch({"x": Tensor(0.0, shape=(4, 3))})
+        found.backward(Tensor(d_loss), None)
+        with found.step(adam), found.step(adam):   # a GradScaler's step, then the optimizer's own inside it
+            pass
+        found.backward(Tensor(9.0), None)
+        with found.step(sgd):
+            pass
+    found.write()
+    got = written(tmp_path)
+    assert [(r["step"], r.get("loss"), r["lr"], r.get("samples")) for r in got] == [
+        (1, None, 0.1, None), (2, 2.0, 0.1, 4), (3, 3.0, 0.1, 4)]   # the first step has no time since a previous
+    assert capsys.readouterr().err.splitlines() == [
+        "fleetbox: no loss is found for steps where backward() is called more than once (several losses, gradient "
+        "accumulation); log your own with fleetbox_metrics.Meter",
+        "fleetbox: several optimizers step (Optimizer, Optimizer): the steps, loss and learning rate found are the "
+        "first one's; log your own with fleetbox_metrics.Meter"]
+    steps(found, [Tensor(1.0)], adam)   # with no batch since: no samples, never the last batch's again
+    found.write()
+    assert "samples" not in written(tmp_path)[-1]
+
+
+def test_an_earlier_runs_found_metrics_are_cleared_with_its_progress():
+    assert fleetbox_found.FILE.format(rank="*") in hang.LEFT_OVER
 
 
 def test_finding_turned_off_finds_nothing(found, tmp_path, monkeypatch):

@@ -54,6 +54,11 @@ def test_bad_matrix_is_a_user_error(tmp_path):
     p.write_text("[variants.v]\nbase='nope'\n")
     with pytest.raises(UserError, match="lacks device"):
         matrix.load(p)
+    p.write_text("[bases.b]\npython='x'\n[variants.board]\nbase='b'\ndevice='cpu'\npython_version='3.11'\n"
+                 "platform='manylinux_2_36_x86_64'\npaddle='paddlepaddle==3.3.1'\n")
+    with pytest.raises(UserError, match="^matrix: a variant may not be named 'board': its wheelhouse folder is the "
+                                        "board's$"):
+        matrix.load(p)
     p.write_text("[bases.b]\npython='x'\n[variants.v]\nbase='b'\ndevice='cuda'\npython_version='3.11'\n"
                  "platform='manylinux_2_36_x86_64'\npaddle='paddlepaddle-gpu==2.6.2'\n"
                  "published_capabilities=['8.0', 'sm_90']\npublished_source='x'\n")

@@ -514,7 +514,7 @@ def test_the_batch_script_runs_the_hang_watcher_beside_srun_only_with_a_deadline
             "\"$SRUN\" & WATCH=$!;").replace("/x/runs", str(slurm.settings.runs_root())) in on
     assert "sys.version_info < (3, 8)" in on   # RHEL 8's python3 is 3.6: detection off, said in the batch output
     assert 'rm -f "$JOB_DIR"/node[0-9]*/progress-rank*.json "$JOB_DIR"/node[0-9]*/stacks-rank*.txt ' \
-        '"$JOB_DIR"/node[0-9]*/STACKS-REQUEST' in on
+        '"$JOB_DIR"/node[0-9]*/found-metrics-rank*.log "$JOB_DIR"/node[0-9]*/STACKS-REQUEST' in on
     bash_ok(on)
     off = sbatch(job(hang_timeout=0.0, start_timeout=0.0))
     assert "hang.py" not in off and 'WATCH=""' in off
