@@ -6,7 +6,8 @@ samples/s at every optimizer step, in the metrics protocol's lines (fleetbox_met
   loss counts as the loss it scaled), or, in a static graph, the value Executor.run fetched of the variable the
   program's optimizer minimised; paddle.Model's fit is either;
 - the learning rate: the stepping optimizer's get_lr(), as the step begins;
-- samples/s: the first dimensions of the data loader's batches since the previous step, over its time.
+- samples/s: the data loader's batches trained on since the previous step (a batch counts when a backward()
+  follows it; in a static graph, the training program's run), over that time.
 
 A step is the outermost optimizer step (or dynamic-mode minimize, or GradScaler step or minimize, which an
 overflow makes skip the optimizer's own); with several optimizers, the first one's steps, said once.
@@ -44,12 +45,12 @@ _writing = threading.Lock()  # the file: the writer thread and the exit handler 
 _queue = []                  # records not written yet; "loss" may still be a tensor
 _said = set()                # the kinds of reason already logged
 _first = []                  # the first optimizer that stepped: with several, the steps found are its own
-_now = {"loss": None, "backwards": 0, "odd": None, "samples": None, "scaled": None}   # the step in progress
+# the step in progress; "batch": the size of the loader's last batch, counted into "samples" by a backward() (a batch
+# that none follows, an evaluation's, counts nothing)
+_now = {"loss": None, "backwards": 0, "odd": None, "batch": None, "samples": None, "scaled": None}
 _last = {"step": 0, "at": None, "mode": "w"}   # "w": this process's first write starts the file, as the launcher
                                                  # starts each rank's worker log
 _minimised = {}              # id(static program) -> (its loss variable, its name, the optimizer, program)
-
-
 _broken = []                 # an error of ours: finding stops, the training goes on
 
 
@@ -90,8 +91,11 @@ def scaled(out, loss) -> None:
 
 @_never_raises
 def backward(tensor, grad_tensor) -> None:
-    """backward() was called on `tensor`."""
+    """backward() was called on `tensor`: the batch it was computed on is trained on."""
     _now["backwards"] += 1
+    if _now["batch"]:
+        _now["samples"] = (_now["samples"] or 0) + _now["batch"]
+        _now["batch"] = None
     pair = _now["scaled"]
     if pair is not None and pair[0] is tensor:
         tensor = pair[1]
@@ -105,8 +109,9 @@ def backward(tensor, grad_tensor) -> None:
 
 
 def batch(out) -> None:
-    """The data loader gave `out`: its first tensor's first dimension is the batch size, added to the step's (a
-    step of several batches, gradient accumulation, counts them all). A batch of another shape counts none."""
+    """The data loader gave `out`: its first tensor's first dimension is the batch size, counted into the step's by
+    the backward() that follows it (gradient accumulation's micro-batches each; an evaluation's, none). A batch of
+    another shape counts none."""
     try:
         while isinstance(out, (list, tuple)) and out:
             out = out[0]
@@ -116,8 +121,8 @@ def batch(out) -> None:
         shape = shape() if callable(shape) else shape   # a static loader's LoDTensor has it as a method
         n = int(shape[0])
     except Exception:
-        return
-    _now["samples"] = (_now["samples"] or 0) + n
+        n = None
+    _now["batch"] = n
 
 
 @_never_raises
@@ -212,8 +217,9 @@ def ran(program, fetch_list, out) -> None:
             except Exception:
                 loss = None
             break
+    _now["samples"] = _now["batch"]   # a static program has no backward() of the script's: its batch is trained on
     _record(loss, _lr(optimizer))
-    _now.update(samples=None)
+    _now.update(batch=None, samples=None)
 
 
 def _record(loss, lr) -> None:

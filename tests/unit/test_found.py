@@ -105,16 +105,19 @@ def test_an_error_of_finding_ends_finding_once_and_never_reaches_the_script(foun
 
 def test_a_step_counts_every_batch_since_the_last_one_and_a_second_optimizers_steps_are_not_steps(found, tmp_path,
                                                                                                  capsys):
-    """Gradient accumulation: two batches of 8, one step of 16 samples (and no loss: backward() twice). A GAN's
+    """Gradient accumulation: two batches of 8, one step of 16 samples (and no loss: backward() twice); an
+    evaluation's batch, with no backward(), counts nothing. A GAN's
     second optimizer: said once, its steps not counted, the first one's loss found. A scaler's step around the
     optimizer's: one step."""
     adam, sgd = Optimizer(0.1), Optimizer(0.5)
+    steps(found, [Tensor(5.0)], adam)   # a first step: the next ones have a time since it
     for _ in range(2):
         found.batch([Tensor(0.0, shape=(8, 3))])
         found.backward(Tensor(1.0), None)
     with found.step(adam):
         pass
     for d_loss in (2.0, 3.0):
+        found.batch([Tensor(0.0, shape=(100, 3))])   # an evaluation's batch: no backward() follows, never counted
         found.batch({"x": Tensor(0.0, shape=(4, 3))})
         found.backward(Tensor(d_loss), None)
         with found.step(adam), found.step(adam):   # a GradScaler's step, then the optimizer's own inside it
@@ -125,7 +128,7 @@ def test_a_step_counts_every_batch_since_the_last_one_and_a_second_optimizers_st
     found.write()
     got = written(tmp_path)
     assert [(r["step"], r.get("loss"), r["lr"], r.get("samples")) for r in got] == [
-        (1, None, 0.1, None), (2, 2.0, 0.1, 4), (3, 3.0, 0.1, 4)]   # the first step has no time since a previous
+        (1, 5.0, 0.1, None), (2, None, 0.1, 16), (3, 2.0, 0.1, 4), (4, 3.0, 0.1, 4)]
     assert capsys.readouterr().err.splitlines() == [
         "fleetbox: no loss is found for steps where backward() is called more than once (several losses, gradient "
         "accumulation); log your own with fleetbox_metrics.Meter",
