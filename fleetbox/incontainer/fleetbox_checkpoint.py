@@ -7,6 +7,9 @@ from where it was.
                                                                   # told to stop at the last step, it finishes
     start = ckpt.restore(model, opt)                              # 0 on a fresh start
     mine = ckpt.rank_state or {}                                  # this rank's own state, as it was saved
+    # ckpt.saved_world: the ranks that saved it (None on a fresh start); a job that went on without a failed
+    # node (--min-nodes) has fewer now: rank r resumes with what rank r saved, and the state of the ranks
+    # beyond the new world is left out (the replicated model and optimizer are whole; samplers re-shard)
     for step in range(start, total_steps):
         ...                                                       # one training step
         ckpt.step(step + 1, model, opt, rank_state={"losses": losses})   # saves every `every` steps, and
@@ -306,6 +309,7 @@ class Checkpoint:
         # node, so the node is told by FLEETBOX_NODE (set by fleetbox), else by the host's name
         self.place = "shared" if self.shared else os.environ.get("FLEETBOX_NODE") or socket.gethostname()
         self.rank_state: dict | None = None
+        self.saved_world: int | None = None   # the ranks that saved the checkpoint restored (the world then)
         self.total = total   # the script's last step, where given: told to stop there, it finishes instead
         self.saved_step = self.last_step = 0
         self._stop = False
@@ -468,6 +472,7 @@ class Checkpoint:
             self.rank_state = saved["rank_state"]
         else:   # the job now has more ranks than when it saved
             _say(f"rank {self.rank}: no state of its own in {d} (saved by {meta['world']} ranks); starting it fresh")
+        self.saved_world = int(meta["world"])
         return int(meta["step"])
 
     # -- save --

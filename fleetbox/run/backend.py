@@ -64,6 +64,7 @@ class Capabilities:
     timeout: bool = False            # `--timeout` stops an attached run; otherwise the backend's own limit does ...
     own_limit: str = ""              # ... set this way (said when --timeout is refused)
     restarts: bool = False           # carries out --max-restarts (else a job asking for restarts is refused)
+    fewer_nodes: bool = False        # carries out --min-nodes: a restart without the node that failed
     watches_hangs: bool = False      # carries out --hang-timeout / --start-timeout (run/hang.py's Watcher)
     attempts_are: str = "restarts"   # what a job's later attempts are called (a scheduler's chain: allocations)
     names_hosts: bool = False        # a failure names the node's host (a scheduler's node names mean something)

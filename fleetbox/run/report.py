@@ -212,6 +212,12 @@ def lr_text(series: dict[tuple, list[int]], nranks: int) -> str:
                      for pts, ks in list(series.items())[:NAMED]) + ("; ..." if len(series) > NAMED else "")
 
 
+def world_changes(summary: dict) -> dict[int, int]:
+    """{attempt: its nodes} for each attempt that ran on fewer nodes than the one before (--min-nodes)."""
+    attempts = [a for a in summary.get("attempts", []) if isinstance(a.get("nodes"), int)]
+    return {b["attempt"]: b["nodes"] for a, b in zip(attempts, attempts[1:]) if b["nodes"] < a["nodes"]}
+
+
 def draw(job_dir: Path) -> dict:
     """Write report.png and report.md for the job; returns what was drawn and what was missing. The records are
     grouped once; beyond SMALL ranks (nodes) the figures are bands with the ranks outside them drawn and named."""
@@ -288,13 +294,20 @@ def draw(job_dir: Path) -> dict:
     ax_own.set(xlabel="step", ylabel="ms", title="own work per step by rank (not waiting for the others)"
                + (f" (attempt {last})" if last else ""))
     word = backends.attempts_are(job, summary).removesuffix("s")
-    for a in range(1, last + 1):   # where each restart (or allocation) began
+    shrank = world_changes(summary)
+    for a in range(1, last + 1):   # where each restart (or allocation) began, and where the world shrank
         firsts = [r for r in recs if r["attempt"] == a]
         if firsts:
-            ax_loss.axvline(min(r["step"] for r in firsts), color="grey", ls="--", lw=0.8)
+            at = min(r["step"] for r in firsts)
+            ax_loss.axvline(at, color="grey", ls="--", lw=0.8)
+            if a in shrank:
+                ax_loss.annotate(f"{shrank[a]} nodes from here", (at, 0), xycoords=("data", "axes fraction"),
+                                 rotation=90, fontsize=7, color="grey", va="bottom")
             ax_rate.axvline(min(r["time"] for r in firsts) - t0, color="grey", ls="--", lw=0.8)
-            ax_rate.annotate(f"{word} {a + (1 if word == 'allocation' else 0)}",
-                             (min(r["time"] for r in firsts) - t0, 0), rotation=90, fontsize=7, color="grey")
+            ax_rate.annotate(f"{word} {a + (1 if word == 'allocation' else 0)}"
+                             + (f": {shrank[a]} nodes" if a in shrank else ""),
+                             (min(r["time"] for r in firsts) - t0, 0), xycoords=("data", "axes fraction"),
+                             rotation=90, fontsize=7, color="grey", va="bottom")
     for ax in (ax_loss, ax_rate, ax_own):
         if ax.lines:
             ax.legend(fontsize=7, loc="best")
@@ -324,7 +337,8 @@ def draw(job_dir: Path) -> dict:
     md = [f"# {job_dir.name}: {state}", "",
           f"- backend: {job.get('backend', summary.get('backend', '?'))}"
           + (f" ({job['runtime']})" if job.get("runtime") else "")
-          + f", {job.get('nodes', '?')} node(s) x {job.get('procs_per_node', '?')} process(es)",
+          + f", {job.get('nodes', '?')} node(s) x {job.get('procs_per_node', '?')} process(es)"
+          + (f" ({summary['attempts'][0]['nodes']} at the start)" if shrank else ""),
           f"- image: {job.get('image', '?')}" + (f" (id {job['image_id'][7:19]}" if job.get("image_id") else "")
           + (f", content tag {job['content_tag'][:12]})" if job.get("content_tag")
              else ")" if job.get("image_id") else ""),
@@ -344,7 +358,9 @@ def draw(job_dir: Path) -> dict:
           "- steps: " + steps_text(ranks),
           f"- plotted: {plotted}"]
     for a in summary.get("attempts", []):
-        md.append(f"- attempt {a['attempt']}" + (f" ({a['state']})" if a.get("state") else "") + f": {a['ended']}")
+        md.append(f"- attempt {a['attempt']}" + (f" ({a['state']})" if a.get("state") else "")
+                  + (f", on {shrank[a['attempt']]} nodes: the world shrank" if a["attempt"] in shrank else "")
+                  + f": {a['ended']}")
     if summary and not ok:
         md.append(f"- failure: {_failure(summary)}")
     if summary.get("hang"):
@@ -355,7 +371,8 @@ def draw(job_dir: Path) -> dict:
     files.write_atomic(job_dir / "report.md", "\n".join(md))
     return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "node_legend": node_legend,
             "missing": missing, "throughput": rate,
-            "lr": {k: pts for pts, ks in lrs.items() for k in ks}, "stragglers": slow["stragglers"], "outliers": odd,
+            "lr": {k: pts for pts, ks in lrs.items() for k in ks}, "shrank": shrank,
+            "stragglers": slow["stragglers"], "outliers": odd,
             **times}
 
 

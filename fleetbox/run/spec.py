@@ -55,6 +55,8 @@ class JobSpec:
     resume: str = "auto"                 # auto | never | a checkpoint (step folder or checkpoint folder) to start from
     max_restarts: int = 0                # start the job again after a failure, this many times (as the backend
                                          # does it: at once, or in a new allocation)
+    min_nodes: int = 0                   # a restart goes on without the failed node while this many are left (0:
+                                         # never; each such restart is one of max_restarts)
     hang_timeout: float = hang.HANG_TIMEOUT_S    # seconds without progress before the job counts as hung (0: off)
     start_timeout: float = hang.START_TIMEOUT_S  # seconds from the start to the first progress (0: off)
     command: tuple[str, ...] = ()        # the containers' command instead of Paddle's launcher (invoke doctor)
@@ -143,6 +145,8 @@ JOB_OPTIONS: tuple[Option, ...] = (
                      "from"),
     Option("max_restarts", "after a node fails, start the whole job again from its newest checkpoint, up to N times "
                            "(default 0; docker: at once, slurm: in a new allocation)", kind=int, low=0),
+    Option("min_nodes", "a restart goes on without the node that failed (or hung), from the newest checkpoint, while "
+                        "at least M nodes are left (default: every node, always; docker)", kind=int, low=1),
     Option("hang_timeout", "a rank that makes no progress for this long is hung: every rank's stacks are kept, the "
                            "job stopped (and restarted with --max-restarts); 90, 90s, 20m, 1h; 0: off (default 10m)",
            kind=float),
@@ -221,6 +225,9 @@ def from_options(variant: Variant, backend=None, **given) -> JobSpec:
     validate(spec)
     if backend is not None:
         backend.check(spec)
+        if spec.min_nodes and spec.min_nodes < spec.nodes and not backend.capabilities.fewer_nodes:
+            raise UserError(f"--min-nodes: the {backend.name} backend does not go on with fewer nodes yet (docker "
+                            f"does); drop it")
     for name in spec.pass_env:   # its value is read where a container is made: it must be there now
         if name not in os.environ:
             raise UserError(f"--pass-env {name}: it is not set in your environment")
@@ -282,6 +289,11 @@ def validate(spec: JobSpec) -> None:
         raise UserError(f"--shm-size {spec.shm_size!r} must be a size such as 8g or 512m")
     if spec.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more (got {spec.max_restarts})")
+    if spec.min_nodes > spec.nodes:
+        raise UserError(f"--min-nodes {spec.min_nodes} is above --nodes {spec.nodes}")
+    if spec.min_nodes and spec.min_nodes < spec.nodes and not spec.max_restarts:
+        raise UserError(f"--min-nodes {spec.min_nodes} goes on with fewer nodes at a restart: give --max-restarts "
+                        f"too (each time the job goes on without a node is one)")
     if spec.resume not in ("auto", "never") and not Path(spec.resume).is_dir():
         raise UserError(f"--resume {spec.resume}: give auto, never, or a checkpoint folder (not found here)")
     if placeholders.used(spec.checkpoint_dir):   # fleetbox itself reads and writes it, on this machine

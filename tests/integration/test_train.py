@@ -12,7 +12,7 @@ import time
 import pytest
 
 from fleetbox import settings
-from fleetbox.run import records
+from fleetbox.run import records, report
 from tests.conftest import ROOT, ctrl_c_reaches_it, invoke
 from tests.unit.test_cli import one_line_error
 
@@ -171,20 +171,20 @@ def test_rank_failing_after_the_group_formed_is_named_and_its_peer_is_aborted(cp
     assert_png(ROOT / "runs" / s["job_id"] / "report.png")
 
 
-def _start_job(*args):
-    """`invoke train` in the background; returns the process and its job's containers once both run."""
+def _start_job(*args, nodes=2):
+    """`invoke train` in the background; returns the process and its job's containers once all run."""
     job_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
-    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--nodes", "2", "--job-id", job_id, *args],
+    p = subprocess.Popen([sys.executable, "-m", "invoke", "train", "--nodes", str(nodes), "--job-id", job_id, *args],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=ctrl_c_reaches_it)
     deadline = time.monotonic() + 60
     names = []
-    while len(names) < 2 and time.monotonic() < deadline:
+    while len(names) < nodes and time.monotonic() < deadline:
         time.sleep(0.2)
         names = subprocess.run(["docker", "ps", "--format", "{{.Names}}",
                                 "--filter", f"label=io.fleetbox.job={job_id}"],
                                capture_output=True, text=True).stdout.split()   # running ones only
-    if len(names) < 2:
+    if len(names) < nodes:
         p.kill()
         raise AssertionError(f"the job's containers never started: {p.communicate()}")
     return p, sorted(names), job_id
@@ -449,6 +449,40 @@ def test_a_killed_node_restarts_the_job_from_its_checkpoint_and_ends_bit_for_bit
         [(k, t, 0) for k in (0, 1) for t in range(60)]
     aside = [d for d in job_dir.iterdir() if d.name.startswith("checkpoints.before-")]
     assert ckpt.is_dir() and len(aside) == 1 and (aside[0] / "step-00000060" / "COMPLETE").exists()
+
+
+def test_with_min_nodes_a_killed_node_is_left_out_and_the_job_finishes_on_the_others(cpu_image):
+    """--nodes 3 --min-nodes 2 and no spare: node2 killed after a checkpoint; the job goes on from it on the other
+    two and passes, its loss going on from where it was; the report says where the world shrank."""
+    p, names, job_id = _start_job("--max-restarts", "1", "--min-nodes", "2", "--args",
+                                  "--checkpoint-every 5 --step-sleep 0.2", nodes=3)
+    job_dir = ROOT / "runs" / job_id
+    deadline = time.monotonic() + 60
+    while not (job_dir / "checkpoints" / "step-00000010" / "COMPLETE").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    subprocess.run(["docker", "kill", "--signal", "KILL", names[2]], check=True, capture_output=True)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, out[-3000:] + err
+    s = json.loads((job_dir / "summary.json").read_text())
+    assert [(a["attempt"], a["ok"], a["nodes"]) for a in s["attempts"]] == [(0, False, 3), (1, True, 2)]
+    assert s["attempts"][0]["ended"] == "node2 (rank 2) exited with exit code 137 (killed by SIGKILL)"
+    assert "going on without node2 from the newest checkpoint, on 2 nodes (restart 1 of 1): the world is 2 " \
+           "ranks, was 3" in out
+    smoke = s["smoke"]
+    assert smoke["world"] == 2 and smoke["resumed_from"] >= 10 and smoke["steps"] == 60, smoke
+    assert smoke["loss_falls"] and smoke["params_identical"], smoke
+    recs = [json.loads(ln) for ln in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = smoke["resumed_from"]
+    assert {r["rank"] for r in recs if r["attempt"] == 0} == {0, 1, 2}
+    assert sorted((r["rank"], r["step"]) for r in recs if r["attempt"] == 1) == \
+        [(k, t) for k in (0, 1) for t in range(resumed, 60)]
+    loss = {(r["attempt"], r["step"]): r["loss"] for r in recs if r["rank"] == 0}
+    first = sum(loss[(0, t)] for t in range(3))
+    assert sum(loss[(1, t)] for t in range(resumed, resumed + 3)) < first / 2, loss   # it went on, not again
+    drawn = report.draw(job_dir)
+    assert drawn["shrank"] == {1: 2}
+    assert "- attempt 1 (PASSED), on 2 nodes: the world shrank: " in (job_dir / "report.md").read_text()
+    assert job_containers(job_id) == []
 
 
 @pytest.fixture

@@ -783,6 +783,31 @@ def test_a_failed_node_restarts_the_whole_job_from_its_checkpoints():
     assert "attempt 0: node1 (rank 1) exited with exit code 3" in r.table()
 
 
+def test_with_min_nodes_a_restart_goes_on_without_the_node_that_failed_numbered_again():
+    """--nodes 3 --min-nodes 2: node1 fails; the next attempt runs the other two as node0 and node1 (Paddle's
+    launcher told 2 nodes), on the same checkpoints; a second failure there restarts those two, never fewer."""
+    engine = FakeEngine({0: [Life(code=None), Life(code=3, after=2), Life(code=0)],
+                         1: [Life(code=3, after=2), Life(code=None), Life(code=0)], 2: [Life(code=None)]})
+    b, plan, r, lines = run(engine, nodes=3, spec_kw={"max_restarts": 2, "min_nodes": 2})
+    assert r.ok, r.failure()
+    made = [sorted(h, key=lambda c: c.rank) for h in (engine.history[:3], engine.history[3:5], engine.history[5:])]
+    assert [len(m) for m in made] == [3, 2, 2] and len(engine.history) == 7 and all(c.removed for c in engine.history)
+    for attempt, nodes in ((1, made[1]), (2, made[2])):
+        for k, c in enumerate(nodes):   # numbered again: node0 and node1 of a 2-node job
+            env = c.kwargs["environment"]
+            assert (c.rank, env["FLEETBOX_NODE"], env["FLEETBOX_ATTEMPT"]) == (k, str(k), str(attempt))
+            assert c.command[c.command.index("--nnodes") + 1] == "2", c.command
+            assert f"{plan.checkpoints}:{settings.CHECKPOINT_DIR}:rw" in c.kwargs["volumes"]
+    assert made[0][0].command[made[0][0].command.index("--nnodes") + 1] == "3"
+    assert [(a["attempt"], a["ok"], a["nodes"]) for a in r.attempts] == [(0, False, 3), (1, False, 2), (2, True, 2)]
+    assert len(r.nodes) == 2 and json.loads((plan.dir / "job.json").read_text())["nodes"] == 2
+    assert (plan.dir / "attempt0" / "node2").is_dir() and not (plan.dir / "node2").exists()
+    said = [ln for ln in lines if ln.startswith("attempt ")]
+    assert said[0].startswith("attempt 0 failed: node1 (rank 1) exited with exit code 3; going on without node1 "
+                              "from the newest checkpoint, on 2 nodes (restart 1 of 2): the world is 2 ranks, was 3")
+    assert said[1].startswith("attempt 1 failed: node0 (rank 0) exited with exit code 3; restarting the whole job")
+
+
 def test_after_the_last_restart_the_last_failure_is_named():
     engine = FakeEngine({0: [Life(code=None), Life(code=None)], 1: [Life(code=3), Life(code=7)]})
     b, plan, r, lines = run(engine, spec_kw={"max_restarts": 1})

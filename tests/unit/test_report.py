@@ -87,6 +87,14 @@ def test_restarts_are_reported_per_attempt_and_an_empty_folder_still_draws(tmp_p
     drawn = report.draw(job)
     md = (job / "report.md").read_text()
     assert "(attempt 1)" in md and "- attempt 0: x" in md and "rank 0 65 (last 59)" in md
+    assert drawn["shrank"] == {} and "shrank" not in md
+    summary = json.loads((job / "summary.json").read_text())   # the same restart, on one node fewer
+    summary["attempts"] = [{**a, "nodes": n} for a, n in zip(summary["attempts"], (3, 2), strict=True)]
+    (job / "summary.json").write_text(json.dumps(summary))
+    drawn = report.draw(job)
+    md = (job / "report.md").read_text()
+    assert drawn["shrank"] == {1: 2} and "- attempt 1, on 2 nodes: the world shrank: x" in md
+    assert "2 node(s) x 1 process(es) (3 at the start)" in md
     empty = tmp_path / "train-d"
     empty.mkdir()
     drawn = report.draw(empty)

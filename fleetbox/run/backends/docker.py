@@ -142,7 +142,7 @@ class DockerBackend(ClientRestarts):
                      "`invoke cancel` removed them itself"})
     # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
     # ranks' progress files
-    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True)
+    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True, fewer_nodes=True)
     doctoring = Doctoring(no_driver_fix=runtimes.Docker.no_driver_fix)   # its containers: Docker Engine's
     SUPERVISOR_STOP_S = 60   # `invoke cancel`: how long a job's supervisor has to clean up before this does
     options = (
@@ -193,6 +193,9 @@ class DockerBackend(ClientRestarts):
                                           len(self.hosts))
         if len(self.hosts) != spec.nodes:
             raise UserError(f"--hosts names {len(self.hosts)} hosts for {spec.nodes} nodes: give one per node")
+        if spec.min_nodes and spec.min_nodes < spec.nodes and not spec.checkpoint_dir:
+            raise UserError(f"--min-nodes {spec.min_nodes} with --hosts needs a --checkpoint-dir every host shares: "
+                            f"each host's own volume holds its own ranks' state, which the ranks left cannot read")
         if spec.resume not in ("auto", "never"):
             raise UserError("--resume PATH needs the folder on every node; with --hosts, copy it into the job's "
                             "checkpoint volume or use a shared --checkpoint-dir")
@@ -267,10 +270,11 @@ class DockerBackend(ClientRestarts):
                              facts, plan.template.memlock, plan.image_id, plan.content_tag, plan.paddle)
 
     def _settled(self, spec: spec_mod.JobSpec, job_id: str, master_ip: str, port: int, facts: list[dict],
-                 memlock: int, image_id: str, content_tag: str, paddle: str) -> DockerPlan:
+                 memlock: int, image_id: str, content_tag: str, paddle: str, hosts: list[str] | None = None
+                 ) -> DockerPlan:
         """The plan, once what the engines said is settled: `facts` per node its interface and own address
-        ({iface, local}), `memlock` what its containers may lock."""
-        hosts = list(self.hosts) or [""] * spec.nodes
+        ({iface, local}), `memlock` what its containers may lock; `hosts` each node's engine (default: --hosts')."""
+        hosts = hosts or list(self.hosts) or [""] * spec.nodes
         owner, fresh = records.owner(), ""
         if self.hosts:
             # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
@@ -305,6 +309,9 @@ class DockerBackend(ClientRestarts):
         notes = () if t.memlock == -1 else (
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
             f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
+        if spec.min_nodes and spec.min_nodes < spec.nodes:
+            notes += (f"note: --min-nodes {spec.min_nodes}: a restart goes on without the node that failed or hung, "
+                      f"from the newest checkpoint, while {spec.min_nodes} or more are left",)
         resume_note = "" if not fresh else (
             f"its checkpoints are in a fresh volume per node (fleetbox-{job_id}-*-checkpoints-*) on each host; a run "
             f"of the same id without --resume never reads the job's first ones, not these")
@@ -388,6 +395,17 @@ class DockerBackend(ClientRestarts):
             elif plan.spec.checkpoint_dir:
                 _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id,
                                                      self._checkpoint_helper(plan)))
+
+    def without(self, plan: DockerPlan, node: int) -> DockerPlan:
+        """The plan on every node but `node`, numbered again from 0 (the master is the first one left), with what
+        the engines said at the start."""
+        keep = [k for k in range(len(plan.nodes)) if k != node]
+        hosts = [plan.nodes[k].host for k in keep]
+        master_ip = plan.values[keep[0]]["master_ip"] if keep[0] == 0 or not hosts[0] else \
+            hostnet.host_address(hosts[0])
+        facts = [{"iface": plan.values[k]["iface"], "local": plan.values[k]["node_ip"]} for k in keep]
+        return self._settled(replace(plan.spec, nodes=len(keep)), plan.job_id, master_ip, plan.port, facts,
+                             plan.template.memlock, plan.image_id, plan.content_tag, plan.paddle, hosts=hosts)
 
     def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
         """The same nodes with {attempt} filled again (FLEETBOX_ATTEMPT, and wherever the user wrote it)."""

@@ -18,6 +18,14 @@ EARLIER = ("an earlier attempt's node folders and summary, where fleetbox restar
            "at the top)")
 
 
+def fewer(spec, result: JobResult | None) -> int | None:
+    """The node a restart goes on without: the one that failed or hung (the judge's culprit), where --min-nodes
+    leaves room for one fewer; None: the whole job again, on the same nodes."""
+    if result is None or result.culprit is None or not spec.min_nodes or spec.nodes - 1 < spec.min_nodes:
+        return None
+    return result.culprit
+
+
 class ClientRestarts(Backend):
     """A backend whose `run` restarts the job itself (`restarting`), each attempt's plan from `for_attempt`."""
 
@@ -38,13 +46,24 @@ class ClientRestarts(Backend):
                     raise
                 result, why = None, str(e).removeprefix("train failed: ")
             attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
-                             "state": result.state if result is not None else "FAILED", "logs": str(plan.dir)})
+                             "state": result.state if result is not None else "FAILED", "logs": str(plan.dir),
+                             "nodes": plan.spec.nodes})
             if result is not None and (result.ok or result.timed_out) or attempt == restarts \
                     or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
                 break
             attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
-            log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
-                f"(restart {attempt + 1} of {restarts})")
+            left_out = fewer(plan.spec, result)
+            if left_out is None:
+                log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
+                    f"(restart {attempt + 1} of {restarts})")
+                continue
+            ranks = plan.spec.nodes * plan.spec.procs_per_node
+            plan = self.without(plan, left_out)
+            log(f"attempt {attempt} failed: {why}; going on without node{left_out} from the newest checkpoint, on "
+                f"{plan.spec.nodes} nodes (restart {attempt + 1} of {restarts}): the world is "
+                f"{plan.spec.nodes * plan.spec.procs_per_node} ranks, was {ranks}; each rank's batch is the script's, "
+                f"so the global batch shrinks with it (PADDLE_TRAINERS_NUM, and the checkpoint helper's "
+                f"saved_world, tell the script)")
         if len(attempts) > 1:
             result.attempts = attempts
             result.save()
@@ -54,6 +73,10 @@ class ClientRestarts(Backend):
     def for_attempt(self, plan: Plan, attempt: int) -> Plan:
         """The plan of the job's attempt `attempt` (0: the first), for `restarting`."""
         return plan
+
+    def without(self, plan: Plan, node: int) -> Plan:
+        """The plan on every node but `node` (a backend that capabilities.fewer_nodes says can)."""
+        raise NotImplementedError(f"the {self.name} backend does not go on with fewer nodes")
 
     def keep_attempt(self, plan: Plan, attempt: int) -> Path:
         """Move a finished attempt's node folders and summary aside (the layout's attempt folder), so the next one
