@@ -338,7 +338,7 @@ def draw(job_dir: Path) -> dict:
           f"- backend: {job.get('backend', summary.get('backend', '?'))}"
           + (f" ({job['runtime']})" if job.get("runtime") else "")
           + f", {job.get('nodes', '?')} node(s) x {job.get('procs_per_node', '?')} process(es)"
-          + (f" ({summary['attempts'][0]['nodes']} at the start)" if shrank else ""),
+          + (f" ({summary['attempts'][0].get('nodes', '?')} at the start)" if shrank else ""),
           f"- image: {job.get('image', '?')}" + (f" (id {job['image_id'][7:19]}" if job.get("image_id") else "")
           + (f", content tag {job['content_tag'][:12]})" if job.get("content_tag")
              else ")" if job.get("image_id") else ""),

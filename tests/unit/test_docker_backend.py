@@ -808,6 +808,26 @@ def test_with_min_nodes_a_restart_goes_on_without_the_node_that_failed_numbered_
     assert said[1].startswith("attempt 1 failed: node0 (rank 0) exited with exit code 3; restarting the whole job")
 
 
+def test_a_plan_without_a_node_keeps_each_left_nodes_devices_also_in_a_detached_jobs_supervisor():
+    """`without` reads the plan alone: a supervisor's backend, made from the plan's JSON with no --devices, leaves
+    node1 out of 3 (GPUs 2,3 / 4,5 / 6,7): node0 keeps 2,3 and the old node2 keeps 6,7; then node0 out of those
+    two: the old node2 alone, master at its own address, its devices still 6,7."""
+    from fleetbox.run import records
+    engine = FakeEngine(images=("fleetbox/paddle:cu118-pypi",))
+    b = DockerBackend(connect=engine.connect, devices="2,3,4,5,6,7")
+    plan = b.plan(spec_mod.JobSpec(variant=matrix.load().get("cu118-pypi"), nodes=3, job_id=JOB, procs_per_node=2,
+                                   max_restarts=2, min_nodes=1))
+    assert [v["gpus"] for v in plan.values] == ["2,3", "4,5", "6,7"]
+    carried = records.from_record(type(plan), json.loads(json.dumps(records.to_record(plan))))
+    two = DockerBackend(connect=engine.connect).without(carried, 1)
+    assert [(v["rank"], v["nnodes"], v["gpus"]) for v in two.values] == [("0", "2", "2,3"), ("1", "2", "6,7")]
+    assert two.spec.nodes == 2 and [n.labels[settings.LABEL_RANK] for n in two.nodes] == ["0", "1"]
+    assert [n.gpus for n in two.nodes] == [plan.nodes[0].gpus, plan.nodes[2].gpus]
+    one = DockerBackend(connect=engine.connect).without(two, 0)
+    assert [(v["rank"], v["nnodes"], v["gpus"], v["master_ip"]) for v in one.values] == \
+        [("0", "1", "6,7", plan.values[2]["node_ip"])]
+
+
 def test_after_the_last_restart_the_last_failure_is_named():
     engine = FakeEngine({0: [Life(code=None), Life(code=None)], 1: [Life(code=3), Life(code=7)]})
     b, plan, r, lines = run(engine, spec_kw={"max_restarts": 1})

@@ -397,15 +397,20 @@ class DockerBackend(ClientRestarts):
                                                      self._checkpoint_helper(plan)))
 
     def without(self, plan: DockerPlan, node: int) -> DockerPlan:
-        """The plan on every node but `node`, numbered again from 0 (the master is the first one left), with what
-        the engines said at the start."""
+        """The plan on every node but `node`, numbered again from 0: each node left keeps its engine, address,
+        interface and devices (the failed node's sit idle), and the first is the master, at its own address. From
+        the plan alone: a detached job's supervisor has no --hosts or --devices of its own."""
         keep = [k for k in range(len(plan.nodes)) if k != node]
-        hosts = [plan.nodes[k].host for k in keep]
-        master_ip = plan.values[keep[0]]["master_ip"] if keep[0] == 0 or not hosts[0] else \
-            hostnet.host_address(hosts[0])
-        facts = [{"iface": plan.values[k]["iface"], "local": plan.values[k]["node_ip"]} for k in keep]
-        return self._settled(replace(plan.spec, nodes=len(keep)), plan.job_id, master_ip, plan.port, facts,
-                             plan.template.memlock, plan.image_id, plan.content_tag, plan.paddle, hosts=hosts)
+        old = [plan.values[k] for k in keep]
+        master_ip = old[0]["master_ip"] if keep[0] == 0 else old[0]["node_ip"]
+        values = tuple(planner.node_values(i, len(keep), plan.job_id, master_ip, plan.port, v["node_ip"], v["iface"],
+                                           v["home"], v["user"], procs=plan.spec.procs_per_node, gpus=v["gpus"])
+                       for i, v in enumerate(old))
+        nodes = tuple(replace(plan.template, host=plan.nodes[k].host).fill(v) for k, v in zip(keep, values))
+        return replace(plan, spec=replace(plan.spec, nodes=len(keep)), nodes=nodes, values=values)
+
+    def host_of(self, plan: DockerPlan, node: int) -> str:
+        return plan.nodes[node].host
 
     def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
         """The same nodes with {attempt} filled again (FLEETBOX_ATTEMPT, and wherever the user wrote it)."""

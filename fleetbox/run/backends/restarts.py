@@ -52,14 +52,15 @@ class ClientRestarts(Backend):
                     or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
                 break
             attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
-            left_out = fewer(plan.spec, result)
+            left_out = fewer(plan.spec, result) if self.capabilities.fewer_nodes else None
             if left_out is None:
                 log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
                     f"(restart {attempt + 1} of {restarts})")
                 continue
-            ranks = plan.spec.nodes * plan.spec.procs_per_node
+            ranks, host = plan.spec.nodes * plan.spec.procs_per_node, self.host_of(plan, left_out)
             plan = self.without(plan, left_out)
-            log(f"attempt {attempt} failed: {why}; going on without node{left_out} from the newest checkpoint, on "
+            log(f"attempt {attempt} failed: {why}; going on without node{left_out}{f' ({host})' if host else ''} "
+                f"from the newest checkpoint, on "
                 f"{plan.spec.nodes} nodes (restart {attempt + 1} of {restarts}): the world is "
                 f"{plan.spec.nodes * plan.spec.procs_per_node} ranks, was {ranks}; each rank's batch is the script's, "
                 f"so the global batch shrinks with it (PADDLE_TRAINERS_NUM, and the checkpoint helper's "
@@ -77,6 +78,10 @@ class ClientRestarts(Backend):
     def without(self, plan: Plan, node: int) -> Plan:
         """The plan on every node but `node` (a backend that capabilities.fewer_nodes says can)."""
         raise NotImplementedError(f"the {self.name} backend does not go on with fewer nodes")
+
+    def host_of(self, plan: Plan, node: int) -> str:
+        """Where node `node` of the plan runs, for the line that leaves it out ("": nowhere worth naming)."""
+        return ""
 
     def keep_attempt(self, plan: Plan, attempt: int) -> Path:
         """Move a finished attempt's node folders and summary aside (the layout's attempt folder), so the next one
