@@ -17,8 +17,7 @@ import tempfile
 from pathlib import Path
 
 import benchlib as bl
-from benchlib import ROOT
-from hang import job_dir
+from hang import plain_job
 
 # No fleetbox line: each step's time from one batch to the next, printed by rank 0
 PLAIN = """import sys, time
@@ -52,16 +51,12 @@ while steps > 0:
 
 def one(arm: str, steps: int, script: Path) -> dict:
     off = ["--env", "FLEETBOX_FIND_METRICS=0"] if arm == "off" else []
-    t = bl.run([sys.executable, "-m", "invoke", "train", "--nodes", "2", *off, "--script", str(script),
-                "--args", str(steps)], cwd=ROOT)
-    d = job_dir(t.proc.stdout)
-    log = (d / "node0" / "workerlog.0").read_text(errors="replace")
-    seconds = [float(ln.split()[1]) for ln in log.splitlines() if ln.startswith("BENCH-STEP ")][20:]   # warm
+    d, seconds, wall = plain_job(off, steps, script, warm=20)
     found = d / "node0" / "found-metrics-rank0.log"
     n = len(found.read_text().splitlines()) if found.exists() else 0
     if n != (steps if arm == "on" else 0):   # on: every step found; off: none
         sys.exit(f"arm {arm}: {n} steps found of {steps}")
-    return {"step_ms": statistics.median(seconds) * 1000, "wall": t.wall}
+    return {"step_ms": statistics.median(seconds) * 1000, "wall": wall}
 
 
 def main():

@@ -92,18 +92,24 @@ for step in range(int(sys.argv[1])):
 """
 
 
-def plain(arm: str, steps: int, script: Path) -> dict:
-    off = ["--hang-timeout", "0", "--start-timeout", "0"] if arm == "plain-off" else []
-    t = bl.run([sys.executable, "-m", "invoke", "train", "--nodes", "2", *off, "--script", str(script),
+def plain_job(options: list[str], steps: int, script: Path, warm: int) -> tuple[Path, list[float], float]:
+    """`script` (no fleetbox line; rank 0 prints each step's time as BENCH-STEP) as a 2-node job with `options`:
+    its folder, rank 0's step times after the first `warm`, and the whole process's wall time."""
+    t = bl.run([sys.executable, "-m", "invoke", "train", "--nodes", "2", *options, "--script", str(script),
                 "--args", str(steps)], cwd=ROOT)
     d = job_dir(t.proc.stdout)
     log = (d / "node0" / "workerlog.0").read_text(errors="replace")
-    seconds = [float(ln.split()[1]) for ln in log.splitlines() if ln.startswith("BENCH-STEP ")][5:]   # warm
+    return d, [float(ln.split()[1]) for ln in log.splitlines() if ln.startswith("BENCH-STEP ")][warm:], t.wall
+
+
+def plain(arm: str, steps: int, script: Path) -> dict:
+    off = ["--hang-timeout", "0", "--start-timeout", "0"] if arm == "plain-off" else []
+    d, seconds, wall = plain_job(off, steps, script, warm=5)
     rec = d / "node0" / "progress-rank0.json"
     seen = json.loads(rec.read_text())["step"] if rec.exists() else None
     if (arm == "plain-on") != (seen == steps):   # on: every step seen in the training itself; off: none
         sys.exit(f"arm {arm}: progress file says step {seen} of {steps}")
-    return {"step_ms": statistics.median(seconds) * 1000, "wall": t.wall}
+    return {"step_ms": statistics.median(seconds) * 1000, "wall": wall}
 
 
 def main():
