@@ -273,12 +273,13 @@ def write() -> None:
 
 
 def _append(recs: list[dict]) -> None:
-    newest_on_device = max((i for i, r in enumerate(recs) if _on_device(r.get("loss"))), default=None)
+    device = [_on_device(r.get("loss")) for r in recs]
+    newest_on_device = max((i for i, on in enumerate(device) if on), default=None)
     lines = []
     for i, r in enumerate(recs):
         loss = r.get("loss")
         if loss is not None:
-            value = None if _on_device(loss) and i != newest_on_device else _value(loss)
+            value = None if device[i] and i != newest_on_device else _value(loss)
             if value is None:
                 del r["loss"]
             else:

@@ -113,7 +113,6 @@ def started() -> None:
 def _finished() -> None:
     _changed(done=True)
     _write()
-    _write_also()
 
 
 def _write_also() -> None:
@@ -125,7 +124,8 @@ def _write_also() -> None:
 
 
 def also(write) -> None:
-    """`write()` is called by the same background thread each time it wakes, and at the rank's exit."""
+    """`write()` is called by the same background thread each time it wakes. Its last write, at the rank's exit, is
+    its own to register (fleetbox_found's must run before Paddle's exit handlers, registered after this module's)."""
     if write not in _also:
         _also.append(write)
 

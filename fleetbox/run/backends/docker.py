@@ -270,11 +270,10 @@ class DockerBackend(ClientRestarts):
                              facts, plan.template.memlock, plan.image_id, plan.content_tag, plan.paddle)
 
     def _settled(self, spec: spec_mod.JobSpec, job_id: str, master_ip: str, port: int, facts: list[dict],
-                 memlock: int, image_id: str, content_tag: str, paddle: str, hosts: list[str] | None = None
-                 ) -> DockerPlan:
+                 memlock: int, image_id: str, content_tag: str, paddle: str) -> DockerPlan:
         """The plan, once what the engines said is settled: `facts` per node its interface and own address
-        ({iface, local}), `memlock` what its containers may lock; `hosts` each node's engine (default: --hosts')."""
-        hosts = hosts or list(self.hosts) or [""] * spec.nodes
+        ({iface, local}), `memlock` what its containers may lock."""
+        hosts = list(self.hosts) or [""] * spec.nodes
         owner, fresh = records.owner(), ""
         if self.hosts:
             # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
