@@ -10,6 +10,15 @@ class LeftRunning(UserError):
     the line says how to ask again."""
 
 
+class NodeRefused(UserError):
+    """A node's engine refused to start its part of the job: that node is broken, not the job (a spare may take its
+    place)."""
+
+    def __init__(self, message: str, node: int):
+        super().__init__(message)
+        self.node = node
+
+
 class Failed(Exception):
     """The work ran and did not pass (a job, a check): one line saying what failed and where the logs are."""
 

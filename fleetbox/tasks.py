@@ -357,8 +357,8 @@ def cache(c, datasets=None, mirror=None, dest=None, verify=False, pack=None, fro
 
 @_job_task("nodes", "procs_per_node", "variant", "script", "args", "image", "iface", "ib_hca", "debug",
            "gpus_per_node", "port", "env", "pass_env", "mount", "data_dir", "shm_size", "timeout",
-           "dry_run", "backend", "job_id", "checkpoint_dir", "resume", "max_restarts", "min_nodes", "hang_timeout",
-           "start_timeout", "detach", "preflight")
+           "dry_run", "backend", "job_id", "checkpoint_dir", "resume", "max_restarts", "min_nodes", "spare_nodes",
+           "hang_timeout", "start_timeout", "detach", "preflight")
 @_fleetbox
 def train(c, variant, args, timeout, dry_run, backend, detach, preflight, **job):
     """Multi-node collective training: one host-network container per node, failures propagated, logs kept."""

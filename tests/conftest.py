@@ -20,7 +20,7 @@ pytest_plugins = ["tests.skips"]
 # Where no fixture says it, a module's mark does (pytestmark).
 RESOURCES = {
     "slurm": {"cluster"},    # the Slurm test cluster, in fabric.SLURM's namespaces
-    "rig": {"hosts"},        # the multi-engine rig: fabric.RIG's namespaces, an engine in each
+    "rig": {"hosts", "rig_engines"},   # the multi-engine rig: fabric.RIG's namespaces, an engine in each
     "docker": set(),         # the default engine's jobs: this machine's ports (their host network; each job picks
                              # its own, and two at once could pick the same) and `invoke clean`'s engine-wide sweep
     "images": {"bumped", "kit"},   # the default engine's images and verify's containers: builds, `invoke verify`,

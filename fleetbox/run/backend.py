@@ -46,6 +46,8 @@ class Plan:
     notes: tuple[str, ...] = ()   # what the user should know of what it settled for or was given (a line each)
     resume_note: str = ""   # where a stopped job's checkpoints are, where no command can go on from them ("": the
     #                         job's own command, run again, does)
+    left_out: tuple[dict, ...] = ()   # nodes' hosts left out so far, a spare in each one's place: {attempt (the
+    #                                   first without it), node, host, by (the spare), why}
 
     def make_dir(self) -> Path:
         """The job's folder; private to the user (0700) when the job has --env values, which its scripts and
@@ -65,6 +67,7 @@ class Capabilities:
     own_limit: str = ""              # ... set this way (said when --timeout is refused)
     restarts: bool = False           # carries out --max-restarts (else a job asking for restarts is refused)
     fewer_nodes: bool = False        # carries out --min-nodes: a restart without the node that failed
+    spares: bool = False             # carries out --spare-nodes: a spare takes the place of the node that failed
     watches_hangs: bool = False      # carries out --hang-timeout / --start-timeout (run/hang.py's Watcher)
     attempts_are: str = "restarts"   # what a job's later attempts are called (a scheduler's chain: allocations)
     names_hosts: bool = False        # a failure names the node's host (a scheduler's node names mean something)

@@ -218,6 +218,16 @@ def world_changes(summary: dict) -> dict[int, int]:
     return {b["attempt"]: b["nodes"] for a, b in zip(attempts, attempts[1:]) if b["nodes"] < a["nodes"]}
 
 
+def spare_text(left: dict, recs: list[dict]) -> str:
+    """A node's host left out, a spare in its place (the summary's left_out), with the steps the metrics show:
+    the last its attempt ran, the first the spare's ran."""
+    ran = {a: [r["step"] for r in recs if r["attempt"] == a] for a in (left["attempt"] - 1, left["attempt"])}
+    failed = f"failed at step {max(ran[left['attempt'] - 1])}" if ran[left["attempt"] - 1] else "was left out"
+    took = f" from step {min(ran[left['attempt']])}" if ran[left["attempt"]] else ""
+    return (f"node{left['node']} on {left['host']} {failed} ({left['why']}); the spare {left['by']} took its "
+            f"place{took} (attempt {left['attempt']})")
+
+
 def draw(job_dir: Path) -> dict:
     """Write report.png and report.md for the job; returns what was drawn and what was missing. The records are
     grouped once; beyond SMALL ranks (nodes) the figures are bands with the ranks outside them drawn and named."""
@@ -361,6 +371,7 @@ def draw(job_dir: Path) -> dict:
         md.append(f"- attempt {a['attempt']}" + (f" ({a['state']})" if a.get("state") else "")
                   + (f", on {shrank[a['attempt']]} nodes: the world shrank" if a["attempt"] in shrank else "")
                   + f": {a['ended']}")
+    md += [f"- {spare_text(left, recs)}" for left in summary.get("left_out", [])]
     if summary and not ok:
         md.append(f"- failure: {_failure(summary)}")
     if summary.get("hang"):

@@ -57,6 +57,8 @@ class JobSpec:
                                          # does it: at once, or in a new allocation)
     min_nodes: int = 0                   # a restart goes on without the failed node while this many are left (0:
                                          # never; each such restart is one of max_restarts)
+    spare_nodes: int = 0                 # nodes kept in reserve: one takes the place of a node that fails, hangs or
+                                         # fails its check at start, for the rest of the job
     hang_timeout: float = hang.HANG_TIMEOUT_S    # seconds without progress before the job counts as hung (0: off)
     start_timeout: float = hang.START_TIMEOUT_S  # seconds from the start to the first progress (0: off)
     command: tuple[str, ...] = ()        # the containers' command instead of Paddle's launcher (invoke doctor)
@@ -147,6 +149,9 @@ JOB_OPTIONS: tuple[Option, ...] = (
                            "(default 0; docker: at once, slurm: in a new allocation)", kind=int, low=0),
     Option("min_nodes", "a restart goes on without the node that failed (or hung), from the newest checkpoint, while "
                         "at least M nodes are left (default: every node, always; docker)", kind=int, low=1),
+    Option("spare_nodes", "nodes kept in reserve: one takes the place of a node that fails, hangs or fails its check "
+                          "at start, and the job goes on from the newest checkpoint on as many nodes (docker: the "
+                          "--hosts after the first N; default 0)", kind=int, low=0),
     Option("hang_timeout", "a rank that makes no progress for this long is hung: every rank's stacks are kept, the "
                            "job stopped (and restarted with --max-restarts); 90, 90s, 20m, 1h; 0: off (default 10m)",
            kind=float),
@@ -227,6 +232,9 @@ def from_options(variant: Variant, backend=None, **given) -> JobSpec:
         backend.check(spec)
         if spec.min_nodes and spec.min_nodes < spec.nodes and not backend.capabilities.fewer_nodes:
             raise UserError(f"--min-nodes: the {backend.name} backend does not go on with fewer nodes yet (docker "
+                            f"does); drop it")
+        if spec.spare_nodes and not backend.capabilities.spares:
+            raise UserError(f"--spare-nodes: the {backend.name} backend keeps no spare nodes yet (docker with --hosts "
                             f"does); drop it")
     for name in spec.pass_env:   # its value is read where a container is made: it must be there now
         if name not in os.environ:

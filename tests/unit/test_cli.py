@@ -80,6 +80,15 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
      "--min-nodes: the slurm backend does not go on with fewer nodes yet (docker does); drop it"),
     (["train", "--nodes", "2", "--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.2:2375", "--min-nodes", "1",
       "--max-restarts", "1", "--dry-run"], "--min-nodes 1 with --hosts needs a --checkpoint-dir every host shares"),
+    (["train", "--nodes", "2", "--spare-nodes", "1", "--dry-run"], "--spare-nodes needs --hosts: the spares are the "
+     "hosts after the first N"),
+    (["train", "--nodes", "2", "--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.2:2375", "--spare-nodes", "1",
+      "--dry-run"], "--hosts names 2 hosts for 2 nodes and 1 spare(s): give one per node, then the spares"),
+    (["train", "--nodes", "1", "--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.2:2375", "--spare-nodes", "1",
+      "--max-restarts", "1", "--dry-run"], "--spare-nodes 1 with --hosts needs a --checkpoint-dir every host shares"),
+    (["train", "--backend", "slurm", "--nodes", "2", "--spare-nodes", "1", "--dry-run"],
+     "--spare-nodes: the slurm backend keeps no spare nodes yet (docker with --hosts does); drop it"),
+    (["train", "--nodes", "2", "--spare-nodes", "-1", "--dry-run"], "--spare-nodes"),
     (["train", "--resume", "/nonexistent/ck", "--dry-run"], "--resume /nonexistent/ck: give auto, never, or a"),
     (["train", "--checkpoint-dir", "/etc/hostname", "--dry-run"], "--checkpoint-dir /etc/hostname is not a folder"),
     (["train", "--backend", "slurm", "--signal-grace", "0", "--dry-run"], "--signal-grace must be between 1 and 65535"),
@@ -233,7 +242,7 @@ def test_an_engine_failure_or_fresh_hosts_volumes_say_how_to_go_on(monkeypatch, 
         def plan(self, spec):
             facts = [{"iface": "eth0", "local": f"10.0.0.{k + 1}"} for k in range(spec.nodes)]
             return self._settled(replace(spec, port=29500), "J", "10.0.0.1", 29500, facts, -1, "sha256:x", "",
-                                 "3.2.0")
+                                 "3.2.0", hosts=list(self.hosts) or [""] * spec.nodes)
 
         def run(self, plan, log, timeout):
             raise Failed("train failed: the Docker Engine at tcp://h1:2375 failed")

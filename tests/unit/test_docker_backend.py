@@ -139,8 +139,11 @@ class _Containers:
 
     def create(self, image, command, **kwargs):
         rank = int(kwargs["labels"][settings.LABEL_RANK])
-        if rank in self.engine.refuse:
-            raise self.engine.refuse[rank]
+        refusal = self.engine.refuse.get(rank)
+        if isinstance(refusal, list):   # one per create: None, made
+            refusal = refusal.pop(0)
+        if refusal is not None:
+            raise refusal
         life = self.engine.lives.get(rank, Life(code=0))
         if isinstance(life, list):   # one Life per attempt of a restarted job
             life = life.pop(0)
@@ -171,7 +174,7 @@ class FakeEngine:
 
     def __init__(self, lives: dict[int, Life] | None = None, images=(IMAGE,), refuse=None):
         self.lives = lives or {}
-        self.refuse = refuse or {}        # rank -> the exception its create raises
+        self.refuse = refuse or {}        # rank -> the exception its create raises (a list: one per create)
         self.images = _Images(images)
         self.containers = _Containers(self)
         self.made: dict[int, FakeContainer] = {}
@@ -470,7 +473,7 @@ def test_refused_create_removes_what_was_created():
                                      explanation='Conflict. The container name "/x" is already in use')
     engine = FakeEngine(refuse={1: refusal})
     b, plan = job(engine)
-    with pytest.raises(UserError, match="the engine refused to start the job's containers: .*already in use"):
+    with pytest.raises(UserError, match="node1's engine refused to start its container: .*already in use"):
         b.run(plan, log=lambda _: None)
     assert list(engine.made) == [0]
     assert engine.made[0].removed and not engine.made[0].started
@@ -826,6 +829,80 @@ def test_a_plan_without_a_node_keeps_each_left_nodes_devices_also_in_a_detached_
     one = DockerBackend(connect=engine.connect).without(two, 0)
     assert [(v["rank"], v["nnodes"], v["gpus"], v["master_ip"]) for v in one.values] == \
         [("0", "1", "6,7", plan.values[2]["node_ip"])]
+
+
+def with_spare(plan, host=""):
+    """A local plan given a spare on this machine's fake engine (a real one is a --hosts engine, probed)."""
+    return dataclasses.replace(plan, spares=({"host": host, "iface": "lo", "local": "127.0.0.9"},))
+
+
+def test_a_spare_takes_the_failed_nodes_place_then_with_none_left_the_whole_job_restarts():
+    """node1 fails: the spare takes its place (its address, the same ranks and world); node1 fails again, no spare
+    is left, so the same nodes again. The summary names the node left out; the restart lines say what happened."""
+    engine = FakeEngine({0: [Life(code=None), Life(code=None), Life(code=0)],
+                         1: [Life(code=3, after=2), Life(code=3, after=2), Life(code=0)]})
+    b, plan = job(engine, max_restarts=2)
+    lines: list[str] = []
+    r = b.run(with_spare(plan), log=lines.append)
+    assert r.ok, r.failure()
+    made = [sorted(h, key=lambda c: c.rank) for h in (engine.history[:2], engine.history[2:4], engine.history[4:])]
+    ips = [[c.command[c.command.index("--host") + 1] for c in m] for m in made]
+    assert ips[0][1] != "127.0.0.9" and ips[1][1] == ips[2][1] == "127.0.0.9" and ips[1][0] == ips[0][0]
+    for m in made:   # the same world each time: two nodes
+        assert [c.command[c.command.index("--nnodes") + 1] for c in m] == ["2", "2"]
+    assert [(a["attempt"], a["ok"], a["nodes"]) for a in r.attempts] == [(0, False, 2), (1, False, 2), (2, True, 2)]
+    assert r.left_out == [{"attempt": 1, "node": 1, "host": "", "by": "",
+                           "why": "node1 (rank 1) exited with exit code 3"}]
+    assert json.loads((plan.dir / "summary.json").read_text())["left_out"] == r.left_out
+    said = [ln for ln in lines if ln.startswith("attempt ")]
+    assert said[0].startswith("attempt 0 failed: node1 (rank 1) exited with exit code 3; , a spare, takes node1's ")
+    assert said[1].startswith("attempt 1 failed: node1 (rank 1) exited with exit code 3; restarting the whole job")
+
+
+def test_a_node_whose_engine_refuses_its_container_is_replaced_by_a_spare_before_the_job_starts():
+    """No restart is spent: node1's create is refused, the spare takes its place, and attempt 0 runs; without a
+    spare the same refusal is the job's one line."""
+    refusal = docker.errors.APIError("409", explanation='Conflict. The container name "/x" is already in use')
+    engine = FakeEngine(refuse={1: [refusal, None]})
+    b, plan = job(engine)
+    lines: list[str] = []
+    r = b.run(with_spare(plan), log=lines.append)
+    assert r.ok and r.attempts == [] and engine.all_removed()
+    assert sorted(c.rank for c in engine.history) == [0, 0, 1]   # the first try's node0 made, then removed
+    (new,) = [c for c in engine.history if c.rank == 1]
+    assert new.command[new.command.index("--host") + 1] == "127.0.0.9"
+    assert r.left_out[0]["attempt"] == 0 and r.left_out[0]["why"].startswith(
+        "node1's engine refused to start its container: Conflict.")
+    assert any(ln.startswith("node1's engine refused to start its container: ") and ", a spare, takes node1's place"
+               in ln for ln in lines)
+
+
+def test_a_spare_in_the_masters_place_is_the_new_master_for_every_node_and_is_carried_to_a_supervisor():
+    from fleetbox.run import records
+    engine = FakeEngine()
+    b = DockerBackend(connect=engine.connect)
+    plan = with_spare(b.plan(make_spec(3)), "tcp://h9:2375")
+    carried = records.from_record(type(plan), json.loads(json.dumps(records.to_record(plan))))
+    assert carried.spares == plan.spares
+    new, by = DockerBackend(connect=engine.connect).replaced(carried, 0)
+    assert by == "tcp://h9:2375" and new.spares == () and new.spec.nodes == 3
+    assert [n.host for n in new.nodes] == ["tcp://h9:2375", "", ""]
+    assert [(v["rank"], v["nnodes"], v["master_ip"]) for v in new.values] == [(str(k), "3", "127.0.0.9")
+                                                                              for k in range(3)]
+    assert [v["node_ip"] for v in new.values] == ["127.0.0.9"] + [v["node_ip"] for v in plan.values[1:]]
+    assert all(n.command[n.command.index("--master") + 1].startswith("127.0.0.9:") for n in new.nodes)
+    assert "# spare on tcp://h9:2375: " in b.describe(plan) and "# spare" not in b.describe(new)
+
+
+def test_hosts_that_fail_their_check_at_start_give_their_place_to_spares_in_order():
+    assert docker_backend.assign(("a", "b", "c", "d"), 2, {}) == (["a", "b"], ["c", "d"], (), ())
+    nodes, spares, said, left = docker_backend.assign(("a", "b", "c", "d"), 2, {"a": "no image", "c": "unreachable"})
+    assert (nodes, spares) == (["d", "b"], [])
+    assert said == ("note: node0's host a failed its check at start (no image); the spare d takes its place",
+                    "note: the spare c failed its check at start (unreachable): it is left out")
+    assert left == ({"attempt": 0, "node": 0, "host": "a", "by": "d", "why": "no image"},)
+    with pytest.raises(UserError, match=r"^unreachable \(node1's host, and no spare is left to take its place\)$"):
+        docker_backend.assign(("a", "b", "c"), 2, {"b": "unreachable", "c": "no image"})
 
 
 def test_after_the_last_restart_the_last_failure_is_named():

@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 from fleetbox import ROOT, engine, files, incontainer, settings
 from fleetbox import options as options_mod
 from fleetbox.archives import safe_extract
-from fleetbox.errors import Failed, UserError
+from fleetbox.errors import Failed, NodeRefused, UserError
 from fleetbox.options import Option
 from fleetbox.processes import process_start, this_host
 from fleetbox.run import checkpoints, hang, hostnet, placeholders, records, shell
@@ -61,6 +61,7 @@ class DockerPlan(Plan):
     image_id: str = ""                        # node 0's image, for the run's report
     content_tag: str = ""
     paddle: str = ""                          # the image's Paddle version, where it says (our images' label)
+    spares: tuple[dict, ...] = ()             # --spare-nodes left, in order: {host, iface, local} as probed
 
     @property
     def elsewhere(self) -> bool:
@@ -119,6 +120,37 @@ def check_devices(devices: str, sharing: int, each: int, procs: int) -> None:
                         f"each; each process needs its own device")
 
 
+class _Broken(UserError):
+    """A --hosts engine that cannot run the job (unreachable, no image, its probe failed): with --spare-nodes a
+    spare takes its place; without, the line the user reads."""
+
+    def __init__(self, message: str, host: str):
+        super().__init__(message)
+        self.host = host
+
+
+def assign(hosts: tuple[str, ...], nodes: int, broken: dict[str, str]) \
+        -> tuple[list[str], list[str], tuple[str, ...], tuple[dict, ...]]:
+    """--hosts' first `nodes` are the nodes, the rest the spares; a host that failed its check at start (`broken`:
+    why) is left out, the first spare left taking a node's place. Returns the nodes' hosts, the spares left, a note
+    for each host left out, and the nodes' left out (Plan.left_out)."""
+    spares = [h for h in hosts[nodes:] if h not in broken]
+    chosen, said, left_out = [], (), ()
+    for k, host in enumerate(hosts[:nodes]):
+        if host not in broken:
+            chosen.append(host)
+            continue
+        if not spares:
+            raise UserError(f"{broken[host]} (node{k}'s host, and no spare is left to take its place)")
+        chosen.append(spares.pop(0))
+        left_out += ({"attempt": 0, "node": k, "host": host, "by": chosen[-1], "why": broken[host]},)
+        said += (f"note: node{k}'s host {host} failed its check at start ({broken[host]}); the spare {chosen[-1]} "
+                 f"takes its place",)
+    said += tuple(f"note: the spare {h} failed its check at start ({broken[h]}): it is left out"
+                  for h in dict.fromkeys(hosts[nodes:]) if h in broken)
+    return chosen, spares, said, left_out
+
+
 def node_gpus(spec: spec_mod.JobSpec, rank: int, devices: str = "", sharing: int = 0) -> str:
     """The accelerator ids node `rank` gets: each node one per process, or --gpus-per-node. The `sharing` nodes
     of one machine (0: every node) share its GPUs, so node k takes the k-th block: of `devices` in order, else
@@ -142,12 +174,13 @@ class DockerBackend(ClientRestarts):
                      "`invoke cancel` removed them itself"})
     # restarts: the whole job again, at once, from its newest checkpoint (run); hangs: _Live.watch reads the
     # ranks' progress files
-    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True, fewer_nodes=True)
+    capabilities = Capabilities(timeout=True, restarts=True, watches_hangs=True, fewer_nodes=True, spares=True)
     doctoring = Doctoring(no_driver_fix=runtimes.Docker.no_driver_fix)   # its containers: Docker Engine's
     SUPERVISOR_STOP_S = 60   # `invoke cancel`: how long a job's supervisor has to clean up before this does
     options = (
         Option("hosts", "docker backend: comma-separated Docker Engine URLs, one per node "
-                        "(ssh://user@h1,ssh://user@h2); master = first", (), kind=tuple),
+                        "(ssh://user@h1,ssh://user@h2); master = first; train --spare-nodes K: K more after them", (),
+               kind=tuple),
         Option("devices", "docker backend: the accelerator ids the job may use, e.g. 4,5,6,7, split among the nodes "
                           "(Slurm gives each node its own: --gpus-per-node)", ""),
     )
@@ -187,15 +220,22 @@ class DockerBackend(ClientRestarts):
                 raise UserError("--gpus-per-node 0 runs on CPU: drop --devices, or give as many GPUs as processes")
             check_devices(self.devices, self.sharing or spec.nodes, spec.gpus_each, spec.procs_per_node)
         if not self.hosts:
+            if spec.spare_nodes:
+                raise UserError("--spare-nodes needs --hosts: the spares are the hosts after the first N (on one "
+                                "machine, a restart there is the same)")
             return super().check(spec)
         if spec.spawns and len(self.hosts) > 1:
             raise spec_mod.on_one_machine(f"{spec.script} starts its own ranks (paddle.distributed.spawn)",
                                           len(self.hosts))
-        if len(self.hosts) != spec.nodes:
-            raise UserError(f"--hosts names {len(self.hosts)} hosts for {spec.nodes} nodes: give one per node")
-        if spec.min_nodes and spec.min_nodes < spec.nodes and not spec.checkpoint_dir:
-            raise UserError(f"--min-nodes {spec.min_nodes} with --hosts needs a --checkpoint-dir every host shares: "
-                            f"each host's own volume holds its own ranks' state, which the ranks left cannot read")
+        if len(self.hosts) != spec.nodes + spec.spare_nodes:
+            spares = f" and {spec.spare_nodes} spare(s)" if spec.spare_nodes else ""
+            raise UserError(f"--hosts names {len(self.hosts)} hosts for {spec.nodes} nodes{spares}: give one per node"
+                            + (", then the spares" if spares else ""))
+        for flag, value, asks in (("--min-nodes", spec.min_nodes, spec.min_nodes and spec.min_nodes < spec.nodes),
+                                  ("--spare-nodes", spec.spare_nodes, spec.spare_nodes and spec.max_restarts)):
+            if asks and not spec.checkpoint_dir:
+                raise UserError(f"{flag} {value} with --hosts needs a --checkpoint-dir every host shares: each host's "
+                                f"own volume holds its own ranks' state, which the nodes after a restart cannot read")
         if spec.resume not in ("auto", "never"):
             raise UserError("--resume PATH needs the folder on every node; with --hosts, copy it into the job's "
                             "checkpoint volume or use a shared --checkpoint-dir")
@@ -228,26 +268,42 @@ class DockerBackend(ClientRestarts):
     def _plan(self, spec: spec_mod.JobSpec) -> DockerPlan:
         self.check(spec)   # a spec made without from_options (a study's runs, Python callers) too
         job_id = spec.job_id or spec_mod.new_job_id()
-        hosts = list(self.hosts) or [""] * spec.nodes
-        image = None
         owner = records.owner()
-        for host in dict.fromkeys(hosts):
-            if spec.job_id:
-                self._refuse_taken(host, spec.job_id, owner)
-            found = engine.image_or_none(self.engine(host), spec.image_ref)
+        broken: dict[str, str] = {}   # a --hosts engine that failed its check at start: why (--spare-nodes)
+        image = None
+        for host in dict.fromkeys(self.hosts or [""]):
+            try:
+                found = self._ready(spec, host, owner)
+            except _Broken as e:
+                if not spec.spare_nodes:
+                    raise
+                broken[host] = str(e)
+                continue
             image = image or found
-            if found is None:
-                where = f"on {host}" if host else "here"
-                raise UserError(f"image {spec.image_ref} is not {where}; run `invoke build --variant "
-                                f"{spec.variant.name}`" + (" there (or push it and pull it there)" if host else ""))
+        said: tuple[str, ...] = ()
+        spares: tuple[dict, ...] = ()
+        left_out: tuple[dict, ...] = ()
         if self.hosts:
-            master_ip = hostnet.host_address(self.hosts[0])
             port = spec.port or hostnet.random_port()
             hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
-            facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0)) for i, h in enumerate(hosts)]
+            while True:   # a host whose probe fails leaves the nodes (or the spares); a spare takes its place
+                hosts, spare_hosts, said, left_out = assign(self.hosts, spec.nodes, broken)
+                master_ip = hostnet.host_address(hosts[0])
+                try:
+                    facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0))
+                             for i, h in enumerate(hosts + spare_hosts)]
+                except _Broken as e:
+                    if not spec.spare_nodes:
+                        raise
+                    broken[e.host] = str(e)
+                    continue
+                break
+            facts, spares = facts[:spec.nodes], tuple(
+                {"host": h, "iface": f["iface"], "local": f["local"]} for h, f in zip(spare_hosts, facts[spec.nodes:]))
             caps = [f["memlock"] for f in facts if f["memlock"] != -1]
             memlock = min(caps) if caps else -1
         else:
+            hosts = [""] * spec.nodes
             master_ip = "127.0.0.1"
             if spec.iface:
                 hostnet.check_iface(spec.iface)
@@ -260,20 +316,40 @@ class DockerBackend(ClientRestarts):
             memlock = hostnet.memlock()
         labels = image.labels or {}
         return self._settled(spec, job_id, master_ip, port, facts, memlock, image.id,
-                             labels.get(settings.LABEL_INPUTS, ""), _paddle_of(labels) or spec.paddle_pin)
+                             labels.get(settings.LABEL_INPUTS, ""), _paddle_of(labels) or spec.paddle_pin,
+                             hosts=hosts, spares=spares, said=said, left_out=left_out)
+
+    def _ready(self, spec: spec_mod.JobSpec, host: str, owner: str):
+        """The image on `host`'s engine, once the engine answers and runs nothing of this job id; _Broken where
+        the host cannot run the job (--spare-nodes: a spare takes its place)."""
+        try:
+            self.engine(host)
+        except UserError as e:
+            raise _Broken(str(e), host) from None
+        if spec.job_id:
+            self._refuse_taken(host, spec.job_id, owner)
+        found = engine.image_or_none(self.engine(host), spec.image_ref)
+        if found is None:
+            where = f"on {host}" if host else "here"
+            raise _Broken(f"image {spec.image_ref} is not {where}; run `invoke build --variant {spec.variant.name}`"
+                          + (" there (or push it and pull it there)" if host else ""), host)
+        return found
 
     def probe_plan(self, plan: DockerPlan, spec: spec_mod.JobSpec) -> DockerPlan:
         """The job's settled values reused (each node's interface and address, the master's, the engines' locked
         memory, the image): the probe runs on exactly what the job will, with no second network probe."""
         facts = [{"iface": v["iface"], "local": v["node_ip"]} for v in plan.values]
         return self._settled(replace(spec, port=plan.port), spec.job_id, plan.values[0]["master_ip"], plan.port,
-                             facts, plan.template.memlock, plan.image_id, plan.content_tag, plan.paddle)
+                             facts, plan.template.memlock, plan.image_id, plan.content_tag, plan.paddle,
+                             hosts=[n.host for n in plan.nodes], spares=plan.spares, left_out=plan.left_out)
 
     def _settled(self, spec: spec_mod.JobSpec, job_id: str, master_ip: str, port: int, facts: list[dict],
-                 memlock: int, image_id: str, content_tag: str, paddle: str) -> DockerPlan:
-        """The plan, once what the engines said is settled: `facts` per node its interface and own address
-        ({iface, local}), `memlock` what its containers may lock."""
-        hosts = list(self.hosts) or [""] * spec.nodes
+                 memlock: int, image_id: str, content_tag: str, paddle: str, hosts: list[str],
+                 spares: tuple[dict, ...] = (), said: tuple[str, ...] = (), left_out: tuple[dict, ...] = ()) \
+            -> DockerPlan:
+        """The plan, once what the engines said is settled: `hosts` each node's engine ("": this machine's),
+        `facts` per node its interface and own address ({iface, local}), `memlock` what its containers may lock,
+        `spares` the --spare-nodes kept in reserve, `said` what became of the hosts that failed their check."""
         owner, fresh = records.owner(), ""
         if self.hosts:
             # no folder here is seen there: each engine keeps the checkpoints in a volume of its own (a fresh
@@ -305,9 +381,13 @@ class DockerBackend(ClientRestarts):
             for m in nodes[0].mounts:
                 if m.dst not in (settings.LOG_DIR, settings.CHECKPOINT_DIR) and not Path(m.src).exists():
                     raise UserError(f"mount source {m.src} does not exist here")
-        notes = () if t.memlock == -1 else (
+        notes = said + (() if t.memlock == -1 else (
             f"note: the engine caps locked memory at {t.memlock} bytes, so containers get that, not unlimited "
-            f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",)
+            f"(fine for Gloo/TCP; NCCL over InfiniBand needs unlimited)",))
+        if spares:
+            notes += (f"note: --spare-nodes: {', '.join(s['host'] for s in spares)} kept in reserve: a node that "
+                      f"fails or hangs is left out for the rest of the job, a spare in its place, from the newest "
+                      f"checkpoint",)
         if spec.min_nodes and spec.min_nodes < spec.nodes:
             notes += (f"note: --min-nodes {spec.min_nodes}: a restart goes on without the node that failed or hung, "
                       f"from the newest checkpoint, while {spec.min_nodes} or more are left",)
@@ -316,7 +396,7 @@ class DockerBackend(ClientRestarts):
             f"of the same id without --resume never reads the job's first ones, not these")
         return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, str(ckpt), t, values,
                           image_id=image_id, content_tag=content_tag, paddle=paddle, notes=notes,
-                          resume_note=resume_note)
+                          resume_note=resume_note, spares=spares, left_out=left_out)
 
     def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
@@ -324,16 +404,17 @@ class DockerBackend(ClientRestarts):
         code, out, why = self._throwaway(host, spec.image_ref, job_id, "fleetbox_netinfo", [master_ip, str(port)],
                                          network_mode="host")
         if code != 0:
-            raise UserError(f"the network probe failed on {host} (exit {code}): {why[:200]}")
+            raise _Broken(f"the network probe failed on {host} (exit {code}): {why[:200]}", host)
         info = json.loads(out.decode().strip().splitlines()[-1])
         if spec.iface:
             if spec.iface not in info["names"]:
-                raise UserError(f"interface {spec.iface!r} does not exist on {host} (have: {', '.join(info['names'])})")
+                raise _Broken(f"interface {spec.iface!r} does not exist on {host} (have: {', '.join(info['names'])})",
+                              host)
             return {**info, "iface": spec.iface}
         if check_port and not info["port_free"]:
             raise UserError(f"port {port} on {master_ip} is already in use; pick another with --port")
         if not info["iface"]:
-            raise UserError(f"no interface on {host} routes to the master {master_ip}; pass --iface")
+            raise _Broken(f"no interface on {host} routes to the master {master_ip}; pass --iface", host)
         return info
 
     def _refuse_taken(self, host: str, job_id: str, owner: str) -> None:
@@ -411,6 +492,23 @@ class DockerBackend(ClientRestarts):
     def host_of(self, plan: DockerPlan, node: int) -> str:
         return plan.nodes[node].host
 
+    def spares_left(self, plan: DockerPlan) -> int:
+        return len(plan.spares)
+
+    def replaced(self, plan: DockerPlan, node: int) -> tuple[DockerPlan, str]:
+        """The plan with its first spare in node `node`'s place: the same ranks, that node's engine, address and
+        interface the spare's (the master's too, where it is node 0's), its devices the node's. From the plan
+        alone, as `without`."""
+        spare, values = plan.spares[0], list(plan.values)
+        values[node] = {**values[node], "node_ip": spare["local"], "iface": spare["iface"]}
+        master_ip = spare["local"] if node == 0 else plan.values[0]["master_ip"]
+        values = tuple(planner.node_values(k, len(values), plan.job_id, master_ip, plan.port, v["node_ip"], v["iface"],
+                                           v["home"], v["user"], procs=plan.spec.procs_per_node, gpus=v["gpus"])
+                       for k, v in enumerate(values))
+        hosts = [spare["host"] if k == node else n.host for k, n in enumerate(plan.nodes)]
+        nodes = tuple(replace(plan.template, host=h).fill(v) for h, v in zip(hosts, values))
+        return replace(plan, nodes=nodes, values=values, spares=plan.spares[1:]), spare["host"]
+
     def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
         """The same nodes with {attempt} filled again (FLEETBOX_ATTEMPT, and wherever the user wrote it)."""
         return replace(plan, attempt=attempt, nodes=tuple(
@@ -421,6 +519,7 @@ class DockerBackend(ClientRestarts):
         out = []
         for k, n in enumerate(plan.nodes):
             out += [f"# node{k} (rank {k}) on {n.host or 'this machine'}", shell_line(n)]
+        out += [f"# spare on {s['host']}: takes the place of a node that fails or hangs" for s in plan.spares]
         return "\n".join(out)
 
     # -- acting --
@@ -764,16 +863,23 @@ class _Live:
                     with open(pack, "rb") as f:
                         container.put_archive(where, f)
 
+            def on_node(act):
+                def node(k: int):
+                    try:
+                        act(k)
+                    except docker.errors.APIError as e:
+                        why = (e.explanation or str(e)).strip().splitlines()[-1]
+                        where = f" ({nodes[k].host})" if nodes[k].host else ""
+                        raise NodeRefused(f"node{k}'s engine{where} refused to start its container: {why[:300]}",
+                                          k) from None
+                return node
+
             for n in nodes:   # engine clients are made here, once, not from several threads
                 self.backend.engine(n.host)
             try:
                 with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
-                    list(pool.map(create, range(len(nodes))))                   # all created before any starts
-                    list(pool.map(lambda k: self.containers[k].start(), sorted(self.containers)))
-            except docker.errors.APIError as e:
-                self.remove_all()
-                why = (e.explanation or str(e)).strip().splitlines()[-1]
-                raise UserError(f"the engine refused to start the job's containers: {why[:300]}") from None
+                    list(pool.map(on_node(create), range(len(nodes))))   # all created before any starts
+                    list(pool.map(on_node(lambda k: self.containers[k].start()), sorted(self.containers)))
             except BaseException:
                 self.remove_all()
                 raise

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from fleetbox.errors import Failed
+from fleetbox.errors import Failed, NodeRefused
 from fleetbox.run import metrics
 from fleetbox.run.backend import CANCELLED, Backend, Plan
 from fleetbox.run.result import JobResult
@@ -18,12 +19,18 @@ EARLIER = ("an earlier attempt's node folders and summary, where fleetbox restar
            "at the top)")
 
 
-def fewer(spec, result: JobResult | None) -> int | None:
-    """The node a restart goes on without: the one that failed or hung (the judge's culprit), where --min-nodes
-    leaves room for one fewer; None: the whole job again, on the same nodes."""
-    if result is None or result.culprit is None or not spec.min_nodes or spec.nodes - 1 < spec.min_nodes:
-        return None
-    return result.culprit
+def next_nodes(spec, result: JobResult | None, spares: int) -> tuple[str, int | None]:
+    """What a restart after `result` runs on: ("spare", node) a spare in the place of the node that failed or hung
+    (the judge's culprit), while `spares` are left; else ("fewer", node) without it, where --min-nodes leaves room
+    for one fewer; else ("same", None): the whole job again, on the same nodes."""
+    culprit = None if result is None else result.culprit
+    if culprit is None:
+        return "same", None
+    if spares:
+        return "spare", culprit
+    if spec.min_nodes and spec.nodes - 1 >= spec.min_nodes:
+        return "fewer", culprit
+    return "same", None
 
 
 class ClientRestarts(Backend):
@@ -37,9 +44,8 @@ class ClientRestarts(Backend):
         deadline = time.monotonic() + timeout if timeout else None
         restarts, attempts = plan.spec.max_restarts, []
         for attempt in range(restarts + 1):
-            left = None if deadline is None else max(0.001, deadline - time.monotonic())
             try:
-                result = self._run_once(self.for_attempt(plan, attempt), log, left, on_submit)
+                result, plan = self._started(plan, attempt, log, deadline, on_submit)
                 why = result.reason()
             except Failed as e:   # the engine or cluster failed under the job: _run_once has cleaned up
                 if attempt == restarts:
@@ -52,24 +58,55 @@ class ClientRestarts(Backend):
                     or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
                 break
             attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
-            left_out = fewer(plan.spec, result) if self.capabilities.fewer_nodes else None
-            if left_out is None:
-                log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint "
-                    f"(restart {attempt + 1} of {restarts})")
+            how, node = next_nodes(plan.spec, result, self.spares_left(plan) if self.capabilities.spares else 0)
+            if how == "fewer" and not self.capabilities.fewer_nodes:
+                how = "same"
+            restart = f"(restart {attempt + 1} of {restarts})"
+            if how == "same":
+                log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint {restart}")
                 continue
-            ranks, host = plan.spec.nodes * plan.spec.procs_per_node, self.host_of(plan, left_out)
-            plan = self.without(plan, left_out)
-            log(f"attempt {attempt} failed: {why}; going on without node{left_out}{f' ({host})' if host else ''} "
+            host = self.host_of(plan, node)
+            if how == "spare":
+                plan = self._spare_for(plan, node, attempt + 1, why)
+                spare = plan.left_out[-1]["by"]
+                log(f"attempt {attempt} failed: {why}; {spare}, a spare, takes node{node}'s place"
+                    f"{f' ({host} is left out for the rest of the job)' if host else ''}: restarting from the "
+                    f"newest checkpoint on {plan.spec.nodes} nodes {restart}")
+                continue
+            ranks = plan.spec.nodes * plan.spec.procs_per_node
+            plan = self.without(plan, node)
+            log(f"attempt {attempt} failed: {why}; going on without node{node}{f' ({host})' if host else ''} "
                 f"from the newest checkpoint, on "
-                f"{plan.spec.nodes} nodes (restart {attempt + 1} of {restarts}): the world is "
+                f"{plan.spec.nodes} nodes {restart}: the world is "
                 f"{plan.spec.nodes * plan.spec.procs_per_node} ranks, was {ranks}; each rank's batch is the script's, "
                 f"so the global batch shrinks with it (PADDLE_TRAINERS_NUM, and the checkpoint helper's "
                 f"saved_world, tell the script)")
-        if len(attempts) > 1:
-            result.attempts = attempts
+        if len(attempts) > 1 or plan.left_out:
+            result.attempts, result.left_out = attempts if len(attempts) > 1 else [], list(plan.left_out)
             result.save()
         metrics.collect(plan.dir)
         return result
+
+    def _started(self, plan: Plan, attempt: int, log, deadline: float | None, on_submit) -> tuple[JobResult, Plan]:
+        """Attempt `attempt` run to its end, and the plan it ran: a node whose engine refuses to start it is left
+        out before the job starts, a spare in its place, while spares are left (no restart is spent on it)."""
+        while True:
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                return self._run_once(self.for_attempt(plan, attempt), log, left, on_submit), plan
+            except NodeRefused as e:   # nothing of the job ran: _run_once has cleaned up
+                if not (self.capabilities.spares and self.spares_left(plan)):
+                    raise
+                plan = self._spare_for(plan, e.node, attempt, str(e))
+                host, spare = plan.left_out[-1]["host"], plan.left_out[-1]["by"]
+                log(f"{e}; {spare}, a spare, takes node{e.node}'s place{f' ({host} is left out)' if host else ''}")
+
+    def _spare_for(self, plan: Plan, node: int, attempt: int, why: str) -> Plan:
+        """The plan with a spare in node `node`'s place from attempt `attempt` on, recorded in its left_out."""
+        host = self.host_of(plan, node)
+        plan, spare = self.replaced(plan, node)
+        return replace(plan, left_out=(*plan.left_out, {"attempt": attempt, "node": node, "host": host, "by": spare,
+                                                         "why": why}))
 
     def for_attempt(self, plan: Plan, attempt: int) -> Plan:
         """The plan of the job's attempt `attempt` (0: the first), for `restarting`."""
@@ -78,6 +115,14 @@ class ClientRestarts(Backend):
     def without(self, plan: Plan, node: int) -> Plan:
         """The plan on every node but `node` (a backend that capabilities.fewer_nodes says can)."""
         raise NotImplementedError(f"the {self.name} backend does not go on with fewer nodes")
+
+    def spares_left(self, plan: Plan) -> int:
+        """How many spare nodes the plan still keeps (a backend that capabilities.spares says keeps them)."""
+        return 0
+
+    def replaced(self, plan: Plan, node: int) -> tuple[Plan, str]:
+        """The plan with its first spare in node `node`'s place, and where that spare is."""
+        raise NotImplementedError(f"the {self.name} backend keeps no spare nodes")
 
     def host_of(self, plan: Plan, node: int) -> str:
         """Where node `node` of the plan runs, for the line that leaves it out ("": nowhere worth naming)."""
