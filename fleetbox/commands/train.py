@@ -49,6 +49,9 @@ def train(spec: JobSpec, backend: str = "docker", backend_options: dict | None =
 def _start(spec: JobSpec, b, dry_run: bool, timeout: float | None, detach: bool, log, preflight: bool,
            command: str) -> JobResult | None:
     """Plan once, then describe that plan, run it, or leave it running."""
+    if preflight and spec.spare_nodes:
+        raise UserError("--preflight checks the nodes as --hosts names them; with --spare-nodes the job picks its "
+                        "nodes as it starts (a host that fails its check gives its place to a spare): drop one")
     if preflight and not dry_run:   # the job's own plan (nodes, containers, ports) checked, then run as checked
         log(f"preflight: checking {spec.nodes} node(s) before starting the job")
         checked, plan = doctor.preflight(b, spec, log=log)

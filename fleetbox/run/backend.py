@@ -46,7 +46,7 @@ class Plan:
     notes: tuple[str, ...] = ()   # what the user should know of what it settled for or was given (a line each)
     resume_note: str = ""   # where a stopped job's checkpoints are, where no command can go on from them ("": the
     #                         job's own command, run again, does)
-    left_out: tuple[dict, ...] = ()   # nodes' hosts left out so far, a spare in each one's place: {attempt (the
+    replaced: tuple[dict, ...] = ()   # nodes' hosts left out so far, a spare in each one's place: {attempt (the
     #                                   first without it), node, host, by (the spare), why}
 
     def make_dir(self) -> Path:

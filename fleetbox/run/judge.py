@@ -33,6 +33,8 @@ class NodeFacts:
     said: str = ""                     # why it ended, in its own script's words, where its exit code cannot say
     output: str = ""                   # the node's own output: the launcher's words (its settings, spawn's end)
     tail_of: str = ""                  # the log whose last lines a failure shows ("": its output)
+    lost: str = ""                     # it could not be asked any more while the job ran (its engine, its machine):
+                                       # why, in the backend's words
 
 
 @dataclass(frozen=True)
@@ -48,17 +50,18 @@ class JobFacts:
 
 def blamed(facts: JobFacts) -> int | None:
     """The node that failed first, by evidence: only a node that ended by itself can be to blame (one that was
-    stopped exits 15 or 137 because it was); a vanished one first; then one whose own words do not say it ended
+    stopped exits 15 or 137 because it was); a vanished or lost one first; then one whose own words do not say it ended
     waiting for a peer; then the earliest last words where each of them has some, else the order the ends were
     seen. A hang blames whom its stacks blame; a time limit, no one."""
     if facts.hang is not None:
         return facts.hang["node"]
     if facts.timed_out:
         return None
-    failed = sorted((n for n in facts.nodes if (n.vanished or n.exit_code not in (0, None)) and not n.stopped),
-                    key=lambda n: (not n.vanished, float("inf") if n.ended is None else n.ended))
-    failed = [n for n in failed if n.vanished or not waited(n)] or failed
-    evidence = {n.rank: n.last_words for n in failed if n.last_words is not None and not n.vanished}
+    failed = sorted((n for n in facts.nodes if (n.vanished or n.lost or n.exit_code not in (0, None))
+                     and not n.stopped),
+                    key=lambda n: (not (n.vanished or n.lost), float("inf") if n.ended is None else n.ended))
+    failed = [n for n in failed if n.vanished or n.lost or not waited(n)] or failed
+    evidence = {n.rank: n.last_words for n in failed if n.last_words is not None and not (n.vanished or n.lost)}
     return culprit([n.rank for n in failed], evidence)
 
 
@@ -74,7 +77,7 @@ def state(n: NodeFacts, bad: int | None, hang: dict | None) -> str:
         return "hung"
     if hang is not None and n.rank in hang.get("timed_out_nodes", ()):
         return "timed out"
-    if n.exit_code == 0 and not n.vanished:
+    if n.exit_code == 0 and not (n.vanished or n.lost):
         return "ok"
     if n.rank == bad:
         return "FAILED"
@@ -82,12 +85,16 @@ def state(n: NodeFacts, bad: int | None, hang: dict | None) -> str:
         return "stopped"
     if n.vanished:
         return "gone"
+    if n.lost:
+        return "lost"
     return "aborted" if n.exit_code is not None else "?"
 
 
 def why(n: NodeFacts, bad: int | None) -> str:
     if n.vanished:
         return VANISHED
+    if n.lost:
+        return n.lost
     if n.rank != bad:
         return ""
     return n.said or (spawned_end(Path(n.output)) if n.output else "")

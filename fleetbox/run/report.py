@@ -17,7 +17,7 @@ from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import backends, hang, metrics, records
 from fleetbox.run.jobfolder import JobFolder
-from fleetbox.run.result import JobResult
+from fleetbox.run.result import JobResult, replaced_text
 
 
 def first_start(job_dir: Path, job: dict) -> float | None:
@@ -218,14 +218,12 @@ def world_changes(summary: dict) -> dict[int, int]:
     return {b["attempt"]: b["nodes"] for a, b in zip(attempts, attempts[1:]) if b["nodes"] < a["nodes"]}
 
 
-def spare_text(left: dict, recs: list[dict]) -> str:
-    """A node's host left out, a spare in its place (the summary's left_out), with the steps the metrics show:
-    the last its attempt ran, the first the spare's ran."""
-    ran = {a: [r["step"] for r in recs if r["attempt"] == a] for a in (left["attempt"] - 1, left["attempt"])}
-    failed = f"failed at step {max(ran[left['attempt'] - 1])}" if ran[left["attempt"] - 1] else "was left out"
-    took = f" from step {min(ran[left['attempt']])}" if ran[left["attempt"]] else ""
-    return (f"node{left['node']} on {left['host']} {failed} ({left['why']}); the spare {left['by']} took its "
-            f"place{took} (attempt {left['attempt']})")
+def replaced_steps(r: dict, recs: list[dict]) -> tuple[int | None, int | None]:
+    """For a node's host a spare took the place of (the summary's replaced): the last step the metrics show of
+    the attempt before (where that host ran it), and the first of the spare's attempt."""
+    ran = {a: [x["step"] for x in recs if x["attempt"] == a] for a in (r["attempt"] - 1, r["attempt"])}
+    before, after = ran[r["attempt"] - 1], ran[r["attempt"]]
+    return (max(before) if before and r.get("ran") else None), (min(after) if after else None)
 
 
 def draw(job_dir: Path) -> dict:
@@ -371,7 +369,7 @@ def draw(job_dir: Path) -> dict:
         md.append(f"- attempt {a['attempt']}" + (f" ({a['state']})" if a.get("state") else "")
                   + (f", on {shrank[a['attempt']]} nodes: the world shrank" if a["attempt"] in shrank else "")
                   + f": {a['ended']}")
-    md += [f"- {spare_text(left, recs)}" for left in summary.get("left_out", [])]
+    md += [f"- {replaced_text(r, *replaced_steps(r, recs))}" for r in summary.get("replaced", [])]
     if summary and not ok:
         md.append(f"- failure: {_failure(summary)}")
     if summary.get("hang"):

@@ -41,7 +41,7 @@ class JobResult:
     scheduler: str = ""          # the scheduler's own view of the job, as its backend words it (after the state)
     end_state: str = ""          # how the scheduler saw a job end that no node failed, as its backend words it
     attempts: list[dict] = field(default_factory=list)   # with restarts: {attempt, ok, ended, logs} each
-    left_out: list[dict] = field(default_factory=list)   # hosts a spare took the place of (Plan.left_out)
+    replaced: list[dict] = field(default_factory=list)   # hosts a spare took the place of (Plan.replaced)
     ended: str = ""              # why a job that no node failed did not pass (e.g. a chain of allocations stopped)
     attempts_are: str = "restarts"   # what the backend calls a job's later attempts (Capabilities.attempts_are)
     name_host: bool = False          # the failure line names the failing node's host (a scheduler's node)
@@ -92,7 +92,7 @@ class JobResult:
             out.append(f"  {n.node:<6} {n.host:<28} {n.rank:>4} {str(n.exit_code):>5}  {n.state:<8} {n.logs}")
         for a in self.attempts:
             out.append(f"  attempt {a['attempt']}: {a['ended']}" + ("" if a["logs"] == self.dir else f" ({a['logs']})"))
-        out += [f"  {spared(s)}" for s in self.left_out]
+        out += [f"  {replaced_text(r)}" for r in self.replaced]
         if self.smoke:
             out.append(f"  smoke: {smoke_line(self.smoke)}")
         if self.hang:
@@ -117,10 +117,19 @@ class JobResult:
         return cls(**{**data, "nodes": [NodeResult(**n) for n in data.get("nodes", [])]})
 
 
-def spared(left: dict) -> str:
-    """One line for a node's host left out, a spare in its place (JobResult.left_out)."""
-    return (f"node{left['node']}: {left['host']} left out from attempt {left['attempt']} ({left['why']}); the spare "
-            f"{left['by']} took its place")
+def took_place(r: dict) -> str:
+    """A spare in a node's place (JobResult.replaced), as the restart line and the result table say it."""
+    return (f"the spare {r['by']} takes node{r['node']}'s place" + (f" ({r['host']} is left out for the rest of the "
+                                                                    f"job)" if r["host"] else ""))
+
+
+def replaced_text(r: dict, failed_at: int | None = None, from_step: int | None = None) -> str:
+    """A node's host left out, a spare in its place (JobResult.replaced), with the steps where known: the last
+    the host ran, the first the spare ran."""
+    ended = (f"failed at step {failed_at}" if failed_at is not None else "failed") if r.get("ran") \
+        else "could not start the job"
+    return (f"node{r['node']} on {r['host']} {ended} ({r['why']}); the spare {r['by']} took its place"
+            f"{f' from step {from_step}' if from_step is not None else ''} (attempt {r['attempt']})")
 
 
 def exit_meaning(code: int | None, oom_killed: bool = False) -> str:

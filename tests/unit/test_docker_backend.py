@@ -851,11 +851,12 @@ def test_a_spare_takes_the_failed_nodes_place_then_with_none_left_the_whole_job_
     for m in made:   # the same world each time: two nodes
         assert [c.command[c.command.index("--nnodes") + 1] for c in m] == ["2", "2"]
     assert [(a["attempt"], a["ok"], a["nodes"]) for a in r.attempts] == [(0, False, 2), (1, False, 2), (2, True, 2)]
-    assert r.left_out == [{"attempt": 1, "node": 1, "host": "", "by": "",
-                           "why": "node1 (rank 1) exited with exit code 3"}]
-    assert json.loads((plan.dir / "summary.json").read_text())["left_out"] == r.left_out
+    assert r.replaced == [{"attempt": 1, "node": 1, "host": "", "by": "",
+                           "why": "node1 (rank 1) exited with exit code 3", "ran": True}]
+    assert json.loads((plan.dir / "summary.json").read_text())["replaced"] == r.replaced
     said = [ln for ln in lines if ln.startswith("attempt ")]
-    assert said[0].startswith("attempt 0 failed: node1 (rank 1) exited with exit code 3; , a spare, takes node1's ")
+    assert said[0].startswith("attempt 0 failed: node1 (rank 1) exited with exit code 3; the spare  takes node1's "
+                              "place: restarting from the newest checkpoint on 2 nodes (restart 1 of 2)")
     assert said[1].startswith("attempt 1 failed: node1 (rank 1) exited with exit code 3; restarting the whole job")
 
 
@@ -871,10 +872,21 @@ def test_a_node_whose_engine_refuses_its_container_is_replaced_by_a_spare_before
     assert sorted(c.rank for c in engine.history) == [0, 0, 1]   # the first try's node0 made, then removed
     (new,) = [c for c in engine.history if c.rank == 1]
     assert new.command[new.command.index("--host") + 1] == "127.0.0.9"
-    assert r.left_out[0]["attempt"] == 0 and r.left_out[0]["why"].startswith(
+    assert r.replaced[0]["attempt"] == 0 and r.replaced[0]["why"].startswith(
         "node1's engine refused to start its container: Conflict.")
-    assert any(ln.startswith("node1's engine refused to start its container: ") and ", a spare, takes node1's place"
+    assert any(ln.startswith("node1's engine refused to start its container: ") and "; the spare  takes node1's place"
                in ln for ln in lines)
+    assert r.replaced[0]["ran"] is False and "node1 on  could not start the job" in r.table()
+
+
+def test_a_refusal_of_every_node_alike_is_the_jobs_own_line_and_spends_no_spare():
+    refusal = docker.errors.APIError("400", explanation="invalid mount config for type bind")
+    engine = FakeEngine(refuse={0: refusal, 1: refusal})
+    b, plan = job(engine)
+    with pytest.raises(UserError) as e:
+        b.run(with_spare(plan), log=lambda _: None)
+    assert type(e.value) is UserError
+    assert str(e.value) == "every node's engine refused to start its container: invalid mount config for type bind"
 
 
 def test_a_spare_in_the_masters_place_is_the_new_master_for_every_node_and_is_carried_to_a_supervisor():
@@ -884,7 +896,7 @@ def test_a_spare_in_the_masters_place_is_the_new_master_for_every_node_and_is_ca
     plan = with_spare(b.plan(make_spec(3)), "tcp://h9:2375")
     carried = records.from_record(type(plan), json.loads(json.dumps(records.to_record(plan))))
     assert carried.spares == plan.spares
-    new, by = DockerBackend(connect=engine.connect).replaced(carried, 0)
+    new, by = DockerBackend(connect=engine.connect).with_spare(carried, 0)
     assert by == "tcp://h9:2375" and new.spares == () and new.spec.nodes == 3
     assert [n.host for n in new.nodes] == ["tcp://h9:2375", "", ""]
     assert [(v["rank"], v["nnodes"], v["master_ip"]) for v in new.values] == [(str(k), "3", "127.0.0.9")
@@ -900,9 +912,61 @@ def test_hosts_that_fail_their_check_at_start_give_their_place_to_spares_in_orde
     assert (nodes, spares) == (["d", "b"], [])
     assert said == ("note: node0's host a failed its check at start (no image); the spare d takes its place",
                     "note: the spare c failed its check at start (unreachable): it is left out")
-    assert left == ({"attempt": 0, "node": 0, "host": "a", "by": "d", "why": "no image"},)
+    assert left == ({"attempt": 0, "node": 0, "host": "a", "by": "d", "why": "no image", "ran": False},)
     with pytest.raises(UserError, match=r"^unreachable \(node1's host, and no spare is left to take its place\)$"):
         docker_backend.assign(("a", "b", "c"), 2, {"b": "unreachable", "c": "no image"})
+
+
+def planned_on_hosts(monkeypatch, hosts, nodes, spares, ready_fails=(), probe_fails=(), busy=()):
+    """A --hosts plan whose engines are scripted: `ready_fails` hosts fail their first check (unreachable, no
+    image), `probe_fails` their network probe, `busy` have the port taken. Returns the plan and every probe made
+    (host, the master address it was asked to reach)."""
+    from fleetbox.run import hostnet
+    ip = {h: f"10.0.0.{k + 1}" for k, h in enumerate(hosts)}
+    monkeypatch.setattr(hostnet, "host_address", lambda url: ip[url])
+    monkeypatch.setattr(hostnet, "random_port", lambda: 29500)
+    monkeypatch.setattr(hostnet, "check_room", lambda port, count: None)
+    b, probes = DockerBackend(hosts=hosts), []
+
+    def ready(spec, host, owner):
+        if host in ready_fails:
+            raise docker_backend._Broken(f"{host} unreachable", host)
+        return types.SimpleNamespace(id="sha256:" + "0" * 64, labels={})
+
+    def probe(spec, job_id, host, master_ip, port, check_port, spare=False):
+        probes.append((host, master_ip))
+        if host in probe_fails:
+            raise docker_backend._Broken(f"{host}: the network probe failed", host)
+        if host in busy and (check_port or spare):
+            if spare:
+                raise docker_backend._Broken(f"{host}: port in use", host)
+            raise UserError(f"port {port} on {master_ip} is already in use; pick another with --port")
+        return {"iface": "eth0", "local": ip[host], "memlock": 1000 + 10 * hosts.index(host), "names": ["eth0"]}
+    monkeypatch.setattr(b, "_ready", ready)
+    monkeypatch.setattr(b, "_probe", probe)
+    return b.plan(make_spec(nodes, spare_nodes=spares)), probes
+
+
+def test_a_plan_on_hosts_gives_a_failed_hosts_place_to_a_spare_and_probes_again_against_a_new_master(monkeypatch):
+    plan, probes = planned_on_hosts(monkeypatch, ("a", "b", "c", "d"), 2, 2, ready_fails={"b"}, probe_fails={"c"})
+    assert [n.host for n in plan.nodes] == ["a", "d"] and plan.spares == ()
+    assert [r["host"] for r in plan.replaced] == ["b"] and plan.replaced[0]["by"] == "d"
+    assert plan.notes[:2] == ("note: node1's host b failed its check at start (b unreachable); the spare d takes its "
+                              "place", "note: the spare c failed its check at start (c: the network probe failed): it "
+                              "is left out")
+    assert plan.template.memlock == 1000   # the lowest of every host probed, the spares' too
+    # the master fails its probe: a spare is node0 and the master, and every host is asked again to reach it
+    plan, probes = planned_on_hosts(monkeypatch, ("a", "b", "c"), 2, 1, probe_fails={"a"})
+    assert [n.host for n in plan.nodes] == ["c", "b"] and plan.values[0]["master_ip"] == "10.0.0.3"
+    assert probes[-2:] == [("c", "10.0.0.3"), ("b", "10.0.0.3")]
+    # a spare whose port is taken could not be the master: left out; the master's own is the user's line
+    plan, _ = planned_on_hosts(monkeypatch, ("a", "b", "c"), 2, 1, busy={"c"})
+    assert plan.spares == () and any("the spare c failed its check at start (c: port in use)" in n for n in plan.notes)
+    with pytest.raises(UserError) as e:
+        planned_on_hosts(monkeypatch, ("a", "b", "c"), 2, 1, busy={"a"})
+    assert type(e.value) is UserError and str(e.value).startswith("port 29500 on 10.0.0.1 is already in use")
+    with pytest.raises(UserError, match=r"^a unreachable \(node0's host, and no spare is left to take its place\)$"):
+        planned_on_hosts(monkeypatch, ("a", "b", "c"), 2, 1, ready_fails={"a", "c"})
 
 
 def test_after_the_last_restart_the_last_failure_is_named():
@@ -925,6 +989,35 @@ def test_an_engine_lost_under_the_job_is_a_failed_attempt():
     b, plan, r, lines = run(engine, spec_kw={"max_restarts": 1})
     assert r.ok and r.attempts[0]["ended"].startswith("the Docker Engine failed while running the job")
     assert all(c.removed for c in engine.history)
+
+
+def test_a_remote_node_whose_engine_stops_answering_is_lost_and_blamed_and_no_call_waits_on_that_engine(
+        monkeypatch):
+    """--hosts: node1's engine stops answering mid-run. That node is lost (the judge blames it: a spare or
+    --min-nodes can leave it out), the others are stopped, and nothing more is asked of the lost engine (each call
+    would wait for the client's timeout): no stop, no remove, no log copy. This machine's own engine lost stays the
+    whole job's failure (test_an_engine_lost_under_the_job_is_a_failed_attempt)."""
+    monkeypatch.setattr(docker_backend, "GRACE_S", 0)
+    from fleetbox.run.judge import judge
+    b, plan = job(FakeEngine())
+    plan = dataclasses.replace(plan, nodes=(plan.nodes[0], dataclasses.replace(plan.nodes[1], host="tcp://h2:2375")))
+    live = docker_backend._Live(b, plan)
+    lost = requests.exceptions.ConnectionError("Connection aborted")
+    for k, life in ((0, Life(code=None)), (1, Life(code=None, error=lost, errors=10**6))):
+        c = FakeContainer(IMAGE, ["x"], {"name": f"n{k}", "labels": {settings.LABEL_RANK: str(k)}}, life)
+        c.status = "running"
+        live.containers[k] = c
+    said: list[str] = []
+    live.watch(said.append)
+    live.gather()
+    live.remove_all()
+    r = judge(live.facts(), JOB, "docker", str(plan.dir))
+    assert r.culprit == 1 and [n.state for n in r.nodes] == ["stopped", "FAILED"]
+    assert r.reason() == "node1 (rank 1) was lost: its engine (tcp://h2:2375) stopped answering (Connection aborted)"
+    assert said[0].startswith("node1's engine (tcp://h2:2375) stopped answering; stopping the other nodes")
+    one, two = live.containers[0], live.containers[1]
+    assert one.stopped and one.removed and not two.stopped and not two.removes
+    assert (plan.dir / "node1" / "gather-error.txt").read_text().startswith("was lost: its engine (tcp://h2:2375)")
 
 
 def test_a_timeout_or_ctrl_c_is_not_restarted():

@@ -95,11 +95,17 @@ def test_restarts_are_reported_per_attempt_and_an_empty_folder_still_draws(tmp_p
     md = (job / "report.md").read_text()
     assert drawn["shrank"] == {1: 2} and "- attempt 1, on 2 nodes: the world shrank: x" in md
     assert "2 node(s) x 1 process(es) (3 at the start)" in md
-    summary["left_out"] = [{"attempt": 1, "node": 1, "host": "tcp://h2:2375", "by": "tcp://h3:2375", "why": "y"}]
+    summary["replaced"] = [{"attempt": 1, "node": 1, "host": "tcp://h2:2375", "by": "tcp://h3:2375", "why": "y",
+                            "ran": True},
+                           {"attempt": 1, "node": 0, "host": "tcp://h1:2375", "by": "tcp://h4:2375", "why": "z",
+                            "ran": False}]
     (job / "summary.json").write_text(json.dumps(summary))   # a spare, where the world stayed as it was
     report.draw(job)
+    md = (job / "report.md").read_text()
     assert "- node1 on tcp://h2:2375 failed at step 19 (y); the spare tcp://h3:2375 took its place from step 15 " \
-        "(attempt 1)" in (job / "report.md").read_text()
+        "(attempt 1)" in md   # a spare that could not start it: no step of its own
+    assert "- node0 on tcp://h1:2375 could not start the job (z); the spare tcp://h4:2375 took its place from step " \
+        "15 (attempt 1)" in md
     empty = tmp_path / "train-d"
     empty.mkdir()
     drawn = report.draw(empty)

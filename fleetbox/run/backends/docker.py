@@ -133,9 +133,9 @@ def assign(hosts: tuple[str, ...], nodes: int, broken: dict[str, str]) \
         -> tuple[list[str], list[str], tuple[str, ...], tuple[dict, ...]]:
     """--hosts' first `nodes` are the nodes, the rest the spares; a host that failed its check at start (`broken`:
     why) is left out, the first spare left taking a node's place. Returns the nodes' hosts, the spares left, a note
-    for each host left out, and the nodes' left out (Plan.left_out)."""
+    for each host left out, and the nodes' left out (Plan.replaced)."""
     spares = [h for h in hosts[nodes:] if h not in broken]
-    chosen, said, left_out = [], (), ()
+    chosen, said, replaced = [], (), ()
     for k, host in enumerate(hosts[:nodes]):
         if host not in broken:
             chosen.append(host)
@@ -143,12 +143,12 @@ def assign(hosts: tuple[str, ...], nodes: int, broken: dict[str, str]) \
         if not spares:
             raise UserError(f"{broken[host]} (node{k}'s host, and no spare is left to take its place)")
         chosen.append(spares.pop(0))
-        left_out += ({"attempt": 0, "node": k, "host": host, "by": chosen[-1], "why": broken[host]},)
+        replaced += ({"attempt": 0, "node": k, "host": host, "by": chosen[-1], "why": broken[host], "ran": False},)
         said += (f"note: node{k}'s host {host} failed its check at start ({broken[host]}); the spare {chosen[-1]} "
                  f"takes its place",)
     said += tuple(f"note: the spare {h} failed its check at start ({broken[h]}): it is left out"
                   for h in dict.fromkeys(hosts[nodes:]) if h in broken)
-    return chosen, spares, said, left_out
+    return chosen, spares, said, replaced
 
 
 def node_gpus(spec: spec_mod.JobSpec, rank: int, devices: str = "", sharing: int = 0) -> str:
@@ -227,6 +227,8 @@ class DockerBackend(ClientRestarts):
         if spec.spawns and len(self.hosts) > 1:
             raise spec_mod.on_one_machine(f"{spec.script} starts its own ranks (paddle.distributed.spawn)",
                                           len(self.hosts))
+        if spec.spare_nodes and len(set(self.hosts)) != len(self.hosts):
+            raise UserError("--spare-nodes: --hosts names a host twice; a spare must be a machine no node runs on")
         if len(self.hosts) != spec.nodes + spec.spare_nodes:
             spares = f" and {spec.spare_nodes} spare(s)" if spec.spare_nodes else ""
             raise UserError(f"--hosts names {len(self.hosts)} hosts for {spec.nodes} nodes{spares}: give one per node"
@@ -282,15 +284,15 @@ class DockerBackend(ClientRestarts):
             image = image or found
         said: tuple[str, ...] = ()
         spares: tuple[dict, ...] = ()
-        left_out: tuple[dict, ...] = ()
+        replaced: tuple[dict, ...] = ()
         if self.hosts:
             port = spec.port or hostnet.random_port()
             hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
             while True:   # a host whose probe fails leaves the nodes (or the spares); a spare takes its place
-                hosts, spare_hosts, said, left_out = assign(self.hosts, spec.nodes, broken)
+                hosts, spare_hosts, said, replaced = assign(self.hosts, spec.nodes, broken)
                 master_ip = hostnet.host_address(hosts[0])
                 try:
-                    facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0))
+                    facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0), spare=i >= spec.nodes)
                              for i, h in enumerate(hosts + spare_hosts)]
                 except _Broken as e:
                     if not spec.spare_nodes:
@@ -298,10 +300,10 @@ class DockerBackend(ClientRestarts):
                     broken[e.host] = str(e)
                     continue
                 break
+            caps = [f["memlock"] for f in facts if f["memlock"] != -1]   # a spare's too: it may run a node
+            memlock = min(caps) if caps else -1
             facts, spares = facts[:spec.nodes], tuple(
                 {"host": h, "iface": f["iface"], "local": f["local"]} for h, f in zip(spare_hosts, facts[spec.nodes:]))
-            caps = [f["memlock"] for f in facts if f["memlock"] != -1]
-            memlock = min(caps) if caps else -1
         else:
             hosts = [""] * spec.nodes
             master_ip = "127.0.0.1"
@@ -317,7 +319,7 @@ class DockerBackend(ClientRestarts):
         labels = image.labels or {}
         return self._settled(spec, job_id, master_ip, port, facts, memlock, image.id,
                              labels.get(settings.LABEL_INPUTS, ""), _paddle_of(labels) or spec.paddle_pin,
-                             hosts=hosts, spares=spares, said=said, left_out=left_out)
+                             hosts=hosts, spares=spares, said=said, replaced=replaced)
 
     def _ready(self, spec: spec_mod.JobSpec, host: str, owner: str):
         """The image on `host`'s engine, once the engine answers and runs nothing of this job id; _Broken where
@@ -326,9 +328,14 @@ class DockerBackend(ClientRestarts):
             self.engine(host)
         except UserError as e:
             raise _Broken(str(e), host) from None
-        if spec.job_id:
-            self._refuse_taken(host, spec.job_id, owner)
-        found = engine.image_or_none(self.engine(host), spec.image_ref)
+        try:
+            if spec.job_id:
+                self._refuse_taken(host, spec.job_id, owner)
+            found = engine.image_or_none(self.engine(host), spec.image_ref)
+        except Exception as e:
+            if not host or (failure := engine_failure(e)) is None:   # this machine's engine: the job's failure
+                raise
+            raise _Broken(f"its engine failed: {failure}", host) from None
         if found is None:
             where = f"on {host}" if host else "here"
             raise _Broken(f"image {spec.image_ref} is not {where}; run `invoke build --variant {spec.variant.name}`"
@@ -341,11 +348,11 @@ class DockerBackend(ClientRestarts):
         facts = [{"iface": v["iface"], "local": v["node_ip"]} for v in plan.values]
         return self._settled(replace(spec, port=plan.port), spec.job_id, plan.values[0]["master_ip"], plan.port,
                              facts, plan.template.memlock, plan.image_id, plan.content_tag, plan.paddle,
-                             hosts=[n.host for n in plan.nodes], spares=plan.spares, left_out=plan.left_out)
+                             hosts=[n.host for n in plan.nodes], spares=plan.spares, replaced=plan.replaced)
 
     def _settled(self, spec: spec_mod.JobSpec, job_id: str, master_ip: str, port: int, facts: list[dict],
                  memlock: int, image_id: str, content_tag: str, paddle: str, hosts: list[str],
-                 spares: tuple[dict, ...] = (), said: tuple[str, ...] = (), left_out: tuple[dict, ...] = ()) \
+                 spares: tuple[dict, ...] = (), said: tuple[str, ...] = (), replaced: tuple[dict, ...] = ()) \
             -> DockerPlan:
         """The plan, once what the engines said is settled: `hosts` each node's engine ("": this machine's),
         `facts` per node its interface and own address ({iface, local}), `memlock` what its containers may lock,
@@ -396,13 +403,20 @@ class DockerBackend(ClientRestarts):
             f"of the same id without --resume never reads the job's first ones, not these")
         return DockerPlan(spec, job_id, settings.runs_root() / job_id, port, nodes, str(ckpt), t, values,
                           image_id=image_id, content_tag=content_tag, paddle=paddle, notes=notes,
-                          resume_note=resume_note, spares=spares, left_out=left_out)
+                          resume_note=resume_note, spares=spares, replaced=replaced)
 
-    def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool) -> dict:
+    def _probe(self, spec, job_id: str, host: str, master_ip: str, port: int, check_port: bool,
+               spare: bool = False) -> dict:
         """Ask a throwaway host-network container on `host` which NIC and own address reach the master,
-        whether the port is free, and how much locked memory that engine's containers may get."""
-        code, out, why = self._throwaway(host, spec.image_ref, job_id, "fleetbox_netinfo", [master_ip, str(port)],
-                                         network_mode="host")
+        whether the port is free (`check_port`, or on a `spare`, which may become the master), and how much locked
+        memory that engine's containers may get. _Broken where the host cannot run a node."""
+        try:
+            code, out, why = self._throwaway(host, spec.image_ref, job_id, "fleetbox_netinfo", [master_ip, str(port)],
+                                             network_mode="host")
+        except Exception as e:
+            if (failure := engine_failure(e)) is None:
+                raise
+            raise _Broken(f"its engine failed the network probe: {failure}", host) from None
         if code != 0:
             raise _Broken(f"the network probe failed on {host} (exit {code}): {why[:200]}", host)
         info = json.loads(out.decode().strip().splitlines()[-1])
@@ -411,6 +425,8 @@ class DockerBackend(ClientRestarts):
                 raise _Broken(f"interface {spec.iface!r} does not exist on {host} (have: {', '.join(info['names'])})",
                               host)
             return {**info, "iface": spec.iface}
+        if spare and not info["port_free"]:
+            raise _Broken(f"port {port} is in use on it, were it to become the master", host)
         if check_port and not info["port_free"]:
             raise UserError(f"port {port} on {master_ip} is already in use; pick another with --port")
         if not info["iface"]:
@@ -467,14 +483,14 @@ class DockerBackend(ClientRestarts):
         engine), stop every node and start the whole job again from its newest checkpoint, with the same job id,
         up to spec.max_restarts times (torchrun's --max-restarts). Each attempt keeps its own logs: the last in
         the job folder, earlier ones under attempt<N>/."""
-        try:
-            return self.restarting(plan, log, timeout, on_submit)
-        finally:   # every way out: the job has ended (a restart goes on inside restarting)
-            if not plan.elsewhere:
-                _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id))
-            elif plan.spec.checkpoint_dir:
-                _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id,
-                                                     self._checkpoint_helper(plan)))
+        return self.restarting(plan, log, timeout, on_submit)
+
+    def ended(self, plan: DockerPlan) -> None:
+        """The checkpoint folder let go, from the nodes the job last ran on (a spare may be node0's now)."""
+        if not plan.elsewhere:
+            _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id))
+        elif plan.spec.checkpoint_dir:
+            _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id, self._checkpoint_helper(plan)))
 
     def without(self, plan: DockerPlan, node: int) -> DockerPlan:
         """The plan on every node but `node`, numbered again from 0: each node left keeps its engine, address,
@@ -495,7 +511,7 @@ class DockerBackend(ClientRestarts):
     def spares_left(self, plan: DockerPlan) -> int:
         return len(plan.spares)
 
-    def replaced(self, plan: DockerPlan, node: int) -> tuple[DockerPlan, str]:
+    def with_spare(self, plan: DockerPlan, node: int) -> tuple[DockerPlan, str]:
         """The plan with its first spare in node `node`'s place: the same ranks, that node's engine, address and
         interface the spare's (the master's too, where it is node 0's), its devices the node's. From the plan
         alone, as `without`."""
@@ -650,7 +666,8 @@ class DockerBackend(ClientRestarts):
             except subprocess.TimeoutExpired:   # stuck: stop it, and remove what it had started ourselves
                 proc.kill()
                 proc.wait()
-                self.clean(list(dict.fromkeys(n.host for n in plan.nodes)), job=plan.job_id, force=True,
+                self.clean(list(dict.fromkeys([n.host for n in plan.nodes] + [s["host"] for s in plan.spares])),
+                           job=plan.job_id, force=True,
                            log=lambda m: None)
             raise
         return Handle.load(plan.dir)
@@ -836,6 +853,7 @@ class _Live:
         self.finished: dict[int, str] = {}
         self.oom: dict[int, bool] = {}
         self.gone: set[int] = set()      # containers removed behind our back while the job ran
+        self.lost: dict[int, str] = {}   # --hosts nodes whose engine stopped answering while the job ran: why
         self.timed_out = False
         self.hang: dict | None = None      # the job hung: what the hang watcher kept (JobResult.hang)
 
@@ -863,23 +881,37 @@ class _Live:
                     with open(pack, "rb") as f:
                         container.put_archive(where, f)
 
-            def on_node(act):
-                def node(k: int):
+            def each(pool, act, ks) -> None:
+                """`act` on every node in `ks`; a refusal, or (--hosts) an engine that stops answering, is that
+                node's (NodeRefused: a spare may take its place), unless every node was refused alike (the job's
+                own containers are wrong: one line)."""
+                refused = {}
+
+                def one(k: int):
                     try:
                         act(k)
                     except docker.errors.APIError as e:
-                        why = (e.explanation or str(e)).strip().splitlines()[-1]
-                        where = f" ({nodes[k].host})" if nodes[k].host else ""
-                        raise NodeRefused(f"node{k}'s engine{where} refused to start its container: {why[:300]}",
-                                          k) from None
-                return node
+                        refused[k] = "refused to start its container: " + (
+                            e.explanation or str(e)).strip().splitlines()[-1][:300]
+                    except Exception as e:
+                        if not nodes[k].host or (failure := engine_failure(e)) is None:
+                            raise
+                        refused[k] = f"stopped answering: {failure}"
+                list(pool.map(one, ks))
+                if not refused:
+                    return
+                k = min(refused)
+                if len(refused) == len(nodes) > 1 and len(set(refused.values())) == 1:
+                    raise UserError(f"every node's engine {refused[k]}")
+                where = f" ({nodes[k].host})" if nodes[k].host else ""
+                raise NodeRefused(f"node{k}'s engine{where} {refused[k]}", k)
 
             for n in nodes:   # engine clients are made here, once, not from several threads
                 self.backend.engine(n.host)
             try:
                 with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
-                    list(pool.map(on_node(create), range(len(nodes))))   # all created before any starts
-                    list(pool.map(on_node(lambda k: self.containers[k].start()), sorted(self.containers)))
+                    each(pool, create, range(len(nodes)))   # all created before any starts
+                    each(pool, lambda k: self.containers[k].start(), sorted(self.containers))
             except BaseException:
                 self.remove_all()
                 raise
@@ -924,6 +956,17 @@ class _Live:
                         first_fail = time.monotonic()
                         log(f"node{rank}'s container was removed while the job ran; stopping the other nodes")
                     continue
+                except Exception as e:   # a --hosts node's engine (its machine) stopped answering: that node is lost
+                    if not (host := self.plan.nodes[rank].host) or (why := engine_failure(e)) is None:
+                        raise   # this machine's engine: every node's (engine_errors)
+                    self.lost[rank] = f"was lost: its engine ({host}) stopped answering ({why})"
+                    self.exits.append((rank, None))
+                    if first_fail is None:
+                        first_fail = time.monotonic()
+                        log(f"node{rank}'s engine ({host}) stopped answering; stopping the other nodes (where that "
+                            f"engine comes back, `invoke clean --hosts {host} --job {self.plan.job_id}` removes what "
+                            f"is left of the job there)")
+                    continue
                 if c.status in ("exited", "dead"):
                     self.exits.append((rank, c.attrs["State"]["ExitCode"]))
                     if self.exits[-1][1] != 0 and first_fail is None:
@@ -951,11 +994,15 @@ class _Live:
                 return
             time.sleep(POLL_S)
 
+    def answering(self) -> list:
+        """The containers whose engine still answers (a lost one's would hold every call for its timeout)."""
+        return [c for k, c in self.containers.items() if k not in self.lost]
+
     def stop_all(self, timeout: float = STOP_TIMEOUT_S) -> None:
         seen = dict(self.exits)
         self.stopped |= {r for r in self.containers if r not in seen}
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(self.containers)))) as pool:
-            list(pool.map(lambda c: _quietly(lambda: c.stop(timeout=timeout)), self.containers.values()))
+            list(pool.map(lambda c: _quietly(lambda: c.stop(timeout=timeout)), self.answering()))
         for rank, c in self.containers.items():
             if rank not in seen:
                 try:
@@ -969,6 +1016,9 @@ class _Live:
             d = self.plan.dir / f"node{rank}"
             d.mkdir(parents=True, exist_ok=True)
             if rank in self.gone:
+                continue
+            if rank in self.lost:
+                (d / "gather-error.txt").write_text(self.lost[rank] + "\n")
                 continue
             try:
                 c.reload()
@@ -985,7 +1035,7 @@ class _Live:
 
     def remove_all(self) -> None:
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(self.containers)))) as pool:
-            list(pool.map(lambda c: _quietly(lambda: c.remove(force=True)), self.containers.values()))
+            list(pool.map(lambda c: _quietly(lambda: c.remove(force=True)), self.answering()))
 
     def facts(self) -> JobFacts:
         """What the engines said of each node, in the order their ends were seen."""
@@ -1004,7 +1054,7 @@ class _Live:
                 last_words(here, here / OUTPUT) if one_worker and not n.host and not gone and not stopped
                 and code not in (0, None) else None,
                 self.finished.get(k, ""), output=str(here / OUTPUT),
-                tail_of=str(worker) if worker.exists() and worker.stat().st_size else ""))
+                tail_of=str(worker) if worker.exists() and worker.stat().st_size else "", lost=self.lost.get(k, "")))
         # every node ended well, but told to stop from outside (SIGTERM): saved, not finished
         well = not self.timed_out and self.hang is None and all(exits.get(k) == 0 for k in range(len(self.plan.nodes)))
         said = checkpoints.state(Path(self.plan.checkpoints)) if well and not self.plan.elsewhere else {}
@@ -1032,6 +1082,8 @@ class ContainerFiles(hang.NodeFiles):
     def read(self, k: int, name: str, last: int | None = None) -> bytes | None:
         if not self.live.plan.nodes[k].host:
             return super().read(k, name, last)
+        if k in self.live.lost:
+            return None
         try:
             bits, _ = self.live.containers[k].get_archive(f"{settings.LOG_DIR}/{name}")
             with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
@@ -1044,6 +1096,8 @@ class ContainerFiles(hang.NodeFiles):
     def write(self, k: int, name: str, data: bytes) -> None:
         if not self.live.plan.nodes[k].host:
             super().write(k, name, data)
+            return
+        if k in self.live.lost:
             return
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:

@@ -12,7 +12,7 @@ from pathlib import Path
 from fleetbox.errors import Failed, NodeRefused
 from fleetbox.run import metrics
 from fleetbox.run.backend import CANCELLED, Backend, Plan
-from fleetbox.run.result import JobResult
+from fleetbox.run.result import JobResult, took_place
 
 # what its layout's earlier-attempt folder holds (the job folder's reference page)
 EARLIER = ("an earlier attempt's node folders and summary, where fleetbox restarted the job (the last attempt's are "
@@ -39,53 +39,60 @@ class ClientRestarts(Backend):
     def restarting(self, plan: Plan, log=print, timeout: float | None = None, on_submit=None) -> JobResult:
         """fleetbox's own restarts (torchrun's --max-restarts), for a backend that does them in its client: submit
         and follow; after a failure or a hang, the whole job again from its newest checkpoint, with the same job
-        id (`for_attempt`), up to spec.max_restarts times. Each attempt keeps its own logs: the last in the job
-        folder, earlier ones in the layout's attempt folders (`keep_attempt`)."""
+        id (`for_attempt`), up to spec.max_restarts times: a spare in the failed node's place while one is left,
+        else without it (--min-nodes), else on the same nodes. Each attempt keeps its own logs: the last in the
+        job folder, earlier ones in the layout's attempt folders (`keep_attempt`). `ended(plan)` is called with
+        the plan the job last ran, on every way out."""
         deadline = time.monotonic() + timeout if timeout else None
-        restarts, attempts = plan.spec.max_restarts, []
-        for attempt in range(restarts + 1):
-            try:
-                result, plan = self._started(plan, attempt, log, deadline, on_submit)
-                why = result.reason()
-            except Failed as e:   # the engine or cluster failed under the job: _run_once has cleaned up
-                if attempt == restarts:
-                    raise
-                result, why = None, str(e).removeprefix("train failed: ")
-            attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
-                             "state": result.state if result is not None else "FAILED", "logs": str(plan.dir),
-                             "nodes": plan.spec.nodes})
-            if result is not None and (result.ok or result.timed_out) or attempt == restarts \
-                    or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may have come mid-cleanup)
-                break
-            attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
-            how, node = next_nodes(plan.spec, result, self.spares_left(plan) if self.capabilities.spares else 0)
-            if how == "fewer" and not self.capabilities.fewer_nodes:
-                how = "same"
-            restart = f"(restart {attempt + 1} of {restarts})"
-            if how == "same":
-                log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint {restart}")
-                continue
-            host = self.host_of(plan, node)
-            if how == "spare":
-                plan = self._spare_for(plan, node, attempt + 1, why)
-                spare = plan.left_out[-1]["by"]
-                log(f"attempt {attempt} failed: {why}; {spare}, a spare, takes node{node}'s place"
-                    f"{f' ({host} is left out for the rest of the job)' if host else ''}: restarting from the "
-                    f"newest checkpoint on {plan.spec.nodes} nodes {restart}")
-                continue
-            ranks = plan.spec.nodes * plan.spec.procs_per_node
-            plan = self.without(plan, node)
-            log(f"attempt {attempt} failed: {why}; going on without node{node}{f' ({host})' if host else ''} "
-                f"from the newest checkpoint, on "
-                f"{plan.spec.nodes} nodes {restart}: the world is "
-                f"{plan.spec.nodes * plan.spec.procs_per_node} ranks, was {ranks}; each rank's batch is the script's, "
-                f"so the global batch shrinks with it (PADDLE_TRAINERS_NUM, and the checkpoint helper's "
-                f"saved_world, tell the script)")
-        if len(attempts) > 1 or plan.left_out:
-            result.attempts, result.left_out = attempts if len(attempts) > 1 else [], list(plan.left_out)
-            result.save()
-        metrics.collect(plan.dir)
-        return result
+        restarts, attempts, result = plan.spec.max_restarts, [], None
+        try:
+            for attempt in range(restarts + 1):
+                try:
+                    result, plan = self._started(plan, attempt, log, deadline, on_submit)
+                    why = result.reason()
+                except Failed as e:   # the engine or cluster failed under the job: _run_once has cleaned up
+                    if attempt == restarts:
+                        raise
+                    result, why = None, str(e).removeprefix("train failed: ")
+                attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
+                                 "state": result.state if result is not None else "FAILED", "logs": str(plan.dir),
+                                 "nodes": plan.spec.nodes})
+                if result is not None and (result.ok or result.timed_out) or attempt == restarts \
+                        or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may come mid-cleanup)
+                    break
+                attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
+                plan = self._next(plan, result, attempt, why, log)
+            if result is not None and (len(attempts) > 1 or plan.replaced):
+                result.attempts, result.replaced = attempts if len(attempts) > 1 else [], list(plan.replaced)
+                result.save()
+            metrics.collect(plan.dir)
+            return result
+        finally:
+            self.ended(plan)
+
+    def _next(self, plan: Plan, result: JobResult | None, attempt: int, why: str, log) -> Plan:
+        """The plan of the restart after a failed attempt, said in one line."""
+        restarts = plan.spec.max_restarts
+        how, node = next_nodes(plan.spec, result, self.spares_left(plan) if self.capabilities.spares else 0)
+        if how == "fewer" and not self.capabilities.fewer_nodes:
+            how = "same"
+        restart = f"(restart {attempt + 1} of {restarts})"
+        if how == "same":
+            log(f"attempt {attempt} failed: {why}; restarting the whole job from its newest checkpoint {restart}")
+            return plan
+        if how == "spare":
+            plan = self._spare_for(plan, node, attempt + 1, why, ran=True)
+            log(f"attempt {attempt} failed: {why}; {took_place(plan.replaced[-1])}: restarting from the newest "
+                f"checkpoint on {plan.spec.nodes} nodes {restart}")
+            return plan
+        host, ranks = self.host_of(plan, node), plan.spec.nodes * plan.spec.procs_per_node
+        plan = self.without(plan, node)
+        log(f"attempt {attempt} failed: {why}; going on without node{node}{f' ({host})' if host else ''} from the "
+            f"newest checkpoint, on {plan.spec.nodes} nodes {restart}: the world is "
+            f"{plan.spec.nodes * plan.spec.procs_per_node} ranks, was {ranks}; each rank's batch is the script's, "
+            f"so the global batch shrinks with it (PADDLE_TRAINERS_NUM, and the checkpoint helper's saved_world, "
+            f"tell the script)")
+        return plan
 
     def _started(self, plan: Plan, attempt: int, log, deadline: float | None, on_submit) -> tuple[JobResult, Plan]:
         """Attempt `attempt` run to its end, and the plan it ran: a node whose engine refuses to start it is left
@@ -95,18 +102,21 @@ class ClientRestarts(Backend):
             try:
                 return self._run_once(self.for_attempt(plan, attempt), log, left, on_submit), plan
             except NodeRefused as e:   # nothing of the job ran: _run_once has cleaned up
-                if not (self.capabilities.spares and self.spares_left(plan)):
+                if not (self.capabilities.spares and self.spares_left(plan)) or (plan.dir / CANCELLED).exists():
                     raise
-                plan = self._spare_for(plan, e.node, attempt, str(e))
-                host, spare = plan.left_out[-1]["host"], plan.left_out[-1]["by"]
-                log(f"{e}; {spare}, a spare, takes node{e.node}'s place{f' ({host} is left out)' if host else ''}")
+                plan = self._spare_for(plan, e.node, attempt, str(e), ran=False)
+                log(f"{e}; {took_place(plan.replaced[-1])}")
 
-    def _spare_for(self, plan: Plan, node: int, attempt: int, why: str) -> Plan:
-        """The plan with a spare in node `node`'s place from attempt `attempt` on, recorded in its left_out."""
+    def _spare_for(self, plan: Plan, node: int, attempt: int, why: str, ran: bool) -> Plan:
+        """The plan with a spare in node `node`'s place from attempt `attempt` on, recorded in plan.replaced
+        (`ran`: the host left out ran the attempt before; else it could not start it)."""
         host = self.host_of(plan, node)
-        plan, spare = self.replaced(plan, node)
-        return replace(plan, left_out=(*plan.left_out, {"attempt": attempt, "node": node, "host": host, "by": spare,
-                                                         "why": why}))
+        plan, spare = self.with_spare(plan, node)
+        return replace(plan, replaced=(*plan.replaced, {"attempt": attempt, "node": node, "host": host, "by": spare,
+                                                         "why": why, "ran": ran}))
+
+    def ended(self, plan: Plan) -> None:
+        """The job has ended (every way out of `restarting`), on the nodes of `plan`: what it held is let go."""
 
     def for_attempt(self, plan: Plan, attempt: int) -> Plan:
         """The plan of the job's attempt `attempt` (0: the first), for `restarting`."""
@@ -120,7 +130,7 @@ class ClientRestarts(Backend):
         """How many spare nodes the plan still keeps (a backend that capabilities.spares says keeps them)."""
         return 0
 
-    def replaced(self, plan: Plan, node: int) -> tuple[Plan, str]:
+    def with_spare(self, plan: Plan, node: int) -> tuple[Plan, str]:
         """The plan with its first spare in node `node`'s place, and where that spare is."""
         raise NotImplementedError(f"the {self.name} backend keeps no spare nodes")
 
