@@ -232,7 +232,7 @@ def from_options(variant: Variant, backend=None, **given) -> JobSpec:
         backend.check(spec)
         if spec.min_nodes and spec.min_nodes < spec.nodes and not backend.capabilities.fewer_nodes:
             raise UserError(f"--min-nodes: the {backend.name} backend does not go on with fewer nodes yet (docker "
-                            f"does); drop it")
+                            f"and kubernetes do); drop it")
         if spec.spare_nodes and not backend.capabilities.spares:
             raise UserError(f"--spare-nodes: the {backend.name} backend keeps no spare nodes yet (docker with --hosts "
                             f"does); drop it")

@@ -58,9 +58,9 @@ def job():
     subprocess.run(["podman", "network", "rm", "-f", name], capture_output=True)
 
 
-def train(job: str, *args: str) -> list[str]:
+def train(job: str, *args: str, nodes: int = 2) -> list[str]:
     return [sys.executable, "-m", "invoke", "train", "--backend", "kubernetes", "--k8s-client", "podman",
-            "--nodes", "2", *LOCAL, "--job-id", job, "--k8s-checkpoint-claim", f"{job}-ckpt",
+            "--nodes", str(nodes), *LOCAL, "--job-id", job, "--k8s-checkpoint-claim", f"{job}-ckpt",
             "--k8s-checkpoint-size", "1Gi", *args]
 
 
@@ -176,26 +176,30 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing_but_the_claim(podman_cpu, job
     assert_nothing_left(job)
 
 
-def test_a_hung_rank_is_named_from_its_pods_stacks_and_the_whole_job_restarts_from_the_claim(podman_cpu, job):
+def test_a_hung_rank_is_named_from_its_pods_stacks_and_the_job_goes_on_from_the_claim_without_its_node(
+        podman_cpu, job):
     """Hang detection in the command that follows the job (the ranks' progress and stacks read and asked for
-    through `podman exec`, as `kubectl exec` does on a cluster), then fleetbox's own restart of the whole job: the
-    same objects played again, FLEETBOX_ATTEMPT 1, resuming from the claim. The deadline leaves the stacks 20 s
-    before Gloo's own 30 s timeout ends the waiting rank: at 20 s, `podman exec` under load once reached rank 0
-    after that, and it gave no stack (the record could not tell which rank was stuck)."""
-    proc = subprocess.run(train(job, "--hang-timeout", "10", "--max-restarts", "1", "--args",
+    through `podman exec`, as `kubectl exec` does on a cluster), then fleetbox's own restart with --min-nodes: the
+    same objects for 2 nodes of 3 played again, FLEETBOX_ATTEMPT 1, resuming from the claim. The deadline leaves
+    the stacks 20 s before Gloo's own 30 s timeout ends the waiting ranks: at 20 s, `podman exec` under load once
+    reached rank 0 after that, and it gave no stack (the record could not tell which rank was stuck). (The whole
+    job restarting on the same nodes: the next test.)"""
+    proc = subprocess.run(train(job, "--hang-timeout", "10", "--max-restarts", "1", "--min-nodes", "2", "--args",
                                 "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 "
-                                "--hang-attempt 0"),
+                                "--hang-attempt 0", nodes=3),
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, **podman_cpu}, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     d = ROOT / "runs" / job
     s = json.loads((d / "summary.json").read_text())
-    assert [a["state"] for a in s["attempts"]] == ["HUNG", "PASSED"], s["attempts"]
+    assert [(a["state"], a["nodes"]) for a in s["attempts"]] == [("HUNG", 3), ("PASSED", 2)], s["attempts"]
     assert s["smoke"]["resumed_from"] == 30 and s["smoke"]["whole_run"] and s["smoke"]["params_identical"]
+    assert s["smoke"]["world"] == 2 and len(s["nodes"]) == 2
+    assert "going on without node1 from the newest checkpoint, on 2 nodes (restart 1 of 1)" in proc.stdout
     first = json.loads((d / "attempt0" / "summary.json").read_text())
     h = first["hang"]
     assert (h["kind"], h["ranks"], h["decided"], first["culprit"]) == ("hang", [1], True, 1), h
     assert "in `load_batch_that_never_returns` (smoke.py:" in h["text"], h["text"]
-    assert [n["state"] for n in first["nodes"]] == ["stopped", "hung"]
+    assert [n["state"] for n in first["nodes"]] == ["stopped", "hung", "stopped"]
     # every rank's stacks, taken in its pod while it was stuck
     assert "in load_batch_that_never_returns" in (d / "hang-0" / "rank1.txt").read_text()
     assert "in fused_allreduce_gradients" in (d / "hang-0" / "rank0.txt").read_text()

@@ -77,7 +77,12 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
     (["train", "--nodes", "3", "--min-nodes", "2", "--dry-run"], "--min-nodes 2 goes on with fewer nodes at a restart: "
                                                                   "give --max-restarts too"),
     (["train", "--backend", "slurm", "--nodes", "3", "--min-nodes", "2", "--max-restarts", "1", "--dry-run"],
-     "--min-nodes: the slurm backend does not go on with fewer nodes yet (docker does); drop it"),
+     "--min-nodes: the slurm backend does not go on with fewer nodes yet (docker and kubernetes do); drop it"),
+    (["train", "--backend", "kubernetes", "--k8s-kind", "volcano", "--nodes", "3", "--min-nodes", "2",
+      "--max-restarts", "1", "--k8s-checkpoint-claim", "ck", "--dry-run"],
+     "--min-nodes 2 with --k8s-kind volcano: Volcano's controller restarts the whole job, on every node"),
+    (["train", "--backend", "kubernetes", "--nodes", "3", "--min-nodes", "2", "--max-restarts", "1", "--dry-run"],
+     "--min-nodes 2 on kubernetes needs --k8s-checkpoint-claim: the nodes left resume from it"),
     (["train", "--nodes", "2", "--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.2:2375", "--min-nodes", "1",
       "--max-restarts", "1", "--dry-run"], "--min-nodes 1 with --hosts needs a --checkpoint-dir every host shares"),
     (["train", "--nodes", "2", "--spare-nodes", "1", "--dry-run"], "--spare-nodes needs --hosts: the spares are the "

@@ -197,6 +197,27 @@ def test_the_paddlejob_is_what_the_training_operator_finds():
     assert restarting["paddleReplicaSpecs"]["Worker"]["restartPolicy"] == "Never"
 
 
+@pytest.mark.parametrize("kind", ["indexed", "paddlejob"])
+def test_a_restart_without_a_node_is_the_same_objects_for_one_node_fewer(kind):
+    """--min-nodes: fleetbox's own restart after node1 failed runs the same objects for 2 nodes of 3, numbered
+    again (an Indexed Job's completions, a PaddleJob's replicas), on the same claim; each node's launcher is told
+    the new world."""
+    b = backend(k8s_kind=kind, k8s_checkpoint_claim="ck")
+    plan = b.plan(replace(spec(max_restarts=1, min_nodes=2), nodes=3))
+    assert any(n.startswith("note: --min-nodes 2: a restart goes on without the node") for n in plan.notes)
+    fewer = b.for_attempt(b.without(plan, 1), 1)
+    job = fewer.manifests[-1]
+    count = job["spec"]["completions"] if kind == "indexed" else job["spec"]["paddleReplicaSpecs"]["Worker"]["replicas"]
+    assert fewer.spec.nodes == 2 and count == 2
+    script = template_of(job)["spec"]["containers"][0]["command"][-1]
+    assert "FLEETBOX_ATTEMPT=1\n" in script and " --nnodes 2 " in script
+    assert " --nnodes 3 " in template_of(plan.manifests[-1])["spec"]["containers"][0]["command"][-1]
+    assert [v["persistentVolumeClaim"]["claimName"] for v in template_of(job)["spec"]["volumes"]
+            if "persistentVolumeClaim" in v] == ["ck"]
+    assert [m for m in fewer.manifests if m["kind"] != job["kind"]] == \
+        [m for m in plan.manifests if m["kind"] != job["kind"]]
+
+
 # -- the node's wiring, by value: the container's script run with a stand-in python --
 
 PYTHON = r'''#!{py}

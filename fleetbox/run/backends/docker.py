@@ -395,9 +395,7 @@ class DockerBackend(ClientRestarts):
             notes += (f"note: --spare-nodes: {', '.join(s['host'] for s in spares)} kept in reserve: a node that "
                       f"fails or hangs is left out for the rest of the job, a spare in its place, from the newest "
                       f"checkpoint",)
-        if spec.min_nodes and spec.min_nodes < spec.nodes:
-            notes += (f"note: --min-nodes {spec.min_nodes}: a restart goes on without the node that failed or hung, "
-                      f"from the newest checkpoint, while {spec.min_nodes} or more are left",)
+        notes += restarts.fewer_note(spec)
         resume_note = "" if not fresh else (
             f"its checkpoints are in a fresh volume per node (fleetbox-{job_id}-*-checkpoints-*) on each host; a run "
             f"of the same id without --resume never reads the job's first ones, not these")

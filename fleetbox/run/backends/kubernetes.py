@@ -311,6 +311,8 @@ class KubernetesBackend(ClientRestarts):
                 raise UserError(why)
             self.capabilities = replace(self.capabilities, names_hosts=False)
             self.doctoring = replace(self.doctoring, runtime="podman")
+        if k8s_kind != "volcano":   # fleetbox's own restarts (run): they may go on with fewer nodes
+            self.capabilities = replace(self.capabilities, fewer_nodes=True)
 
     # -- what a job is here --
 
@@ -327,6 +329,12 @@ class KubernetesBackend(ClientRestarts):
                                 f"it absolute, without placeholders")
         if self.client == "podman" and (why := PodmanPlay.cannot(pass_env=spec.pass_env)):
             raise UserError(why)
+        if spec.min_nodes and spec.min_nodes < spec.nodes and self.kind == "volcano":
+            raise UserError(f"--min-nodes {spec.min_nodes} with --k8s-kind volcano: Volcano's controller restarts the "
+                            f"whole job, on every node; give --k8s-kind indexed or paddlejob")
+        if spec.min_nodes and spec.min_nodes < spec.nodes and not self.claim:
+            raise UserError(f"--min-nodes {spec.min_nodes} on kubernetes needs --k8s-checkpoint-claim: the nodes left "
+                            f"resume from it (without one, the checkpoints go with the pods)")
 
     # -- plan and describe (pure) --
 
@@ -341,6 +349,7 @@ class KubernetesBackend(ClientRestarts):
         manifests = self.render(spec, names, port, secret)
         return KubePlan(spec, job_id, settings.runs_root() / job_id, port, self.kind, self.namespace,
                         tuple(manifests), secret, bool(secret) and not self.secret, self.client,
+                        notes=restarts.fewer_note(spec),
                         resume_note="" if self.claim else "it had no --k8s-checkpoint-claim: its checkpoints went "
                                                           "with its pods")
 
@@ -353,6 +362,13 @@ class KubernetesBackend(ClientRestarts):
             return plan
         return replace(plan, attempt=attempt, manifests=tuple(self.render(
             plan.spec, self.names(plan.job_id), plan.port, plan.secret, attempt)))
+
+    def without(self, plan: KubePlan, node: int) -> KubePlan:
+        """The same objects for one node fewer (an Indexed Job's completions, a PaddleJob's replicas): the pods are
+        numbered again from index 0; the scheduler places them where it will (--min-nodes)."""
+        spec = replace(plan.spec, nodes=plan.spec.nodes - 1)
+        return replace(plan, spec=spec, manifests=tuple(self.render(spec, self.names(plan.job_id), plan.port,
+                                                                   plan.secret, plan.attempt)))
 
     def render(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> list[dict]:
         """Every object of the job, in the order they are applied: the ConfigMaps and the claim before the pods

@@ -33,6 +33,14 @@ def next_nodes(spec, result: JobResult | None, spares: int) -> tuple[str, int | 
     return "same", None
 
 
+def fewer_note(spec) -> tuple[str, ...]:
+    """What --min-nodes will do, for the plan's notes (--dry-run shows them)."""
+    if not spec.min_nodes or spec.min_nodes >= spec.nodes:
+        return ()
+    return (f"note: --min-nodes {spec.min_nodes}: a restart goes on without the node that failed or hung, from the "
+            f"newest checkpoint, while {spec.min_nodes} or more are left",)
+
+
 class ClientRestarts(Backend):
     """A backend whose `run` restarts the job itself (`restarting`), each attempt's plan from `for_attempt`."""
 
