@@ -9,7 +9,9 @@ from where it was.
     mine = ckpt.rank_state or {}                                  # this rank's own state, as it was saved
     # ckpt.saved_world: the ranks that saved it (None on a fresh start); a job that went on without a failed
     # node (--min-nodes) has fewer now: rank r resumes with what rank r saved, and the state of the ranks
-    # beyond the new world is left out (the replicated model and optimizer are whole; samplers re-shard)
+    # beyond the new world is left out (the replicated model and optimizer are whole; samplers re-shard).
+    # A script whose own state cannot move to another world says so: Checkpoint(..., world_change="refuse")
+    # stops it at restore, in one line, rather than resume it on another world
     for step in range(start, total_steps):
         ...                                                       # one training step
         ckpt.step(step + 1, model, opt, rank_state={"losses": losses})   # saves every `every` steps, and
@@ -292,7 +294,8 @@ def _positive(name: str, default: int) -> int:
 
 
 class Checkpoint:
-    def __init__(self, every: int = 100, keep: int = 3, folder: str | None = None, total: int | None = None):
+    def __init__(self, every: int = 100, keep: int = 3, folder: str | None = None, total: int | None = None,
+                 world_change: str = "carry"):
         import paddle.distributed as dist
         self.dist = dist
         self.folder = folder if folder is not None else os.environ.get("FLEETBOX_CHECKPOINT_DIR", "")
@@ -311,6 +314,9 @@ class Checkpoint:
         self.rank_state: dict | None = None
         self.saved_world: int | None = None   # the ranks that saved the checkpoint restored (the world then)
         self.total = total   # the script's last step, where given: told to stop there, it finishes instead
+        if world_change not in ("carry", "refuse"):
+            raise ValueError(f"world_change={world_change!r}: give carry or refuse")
+        self.world_change = world_change   # a checkpoint of another world: its rank states carried, or refused
         self.saved_step = self.last_step = 0
         self._stop = False
         self._seed = (None, 0)   # (step, seed) step() last set, where the RNG state does not pickle (_reseed)
@@ -438,6 +444,10 @@ class Checkpoint:
         import paddle
         with open(os.path.join(d, COMPLETE)) as f:
             meta = json.load(f)
+        if self.world_change == "refuse" and int(meta["world"]) != self.world:
+            _fail(f"the checkpoint at step {meta['step']} was saved by {meta['world']} ranks, and this job has "
+                  f"{self.world}: the script's own state does not move to another world (world_change=\"refuse\"); "
+                  f"run it on {meta['world']} ranks again, or start over with --resume never")
         if _static(model):
             saved = {**paddle.load(os.path.join(d, MODEL)),
                      **(paddle.load(os.path.join(d, OPTIMIZER)) if os.path.exists(os.path.join(d, OPTIMIZER)) else {})}

@@ -261,7 +261,7 @@ def rank_main(world, rank, barrier, box, env, steps, every, keep, out, data, sig
         at_restore, at_save = [], []
         record_reads(data, at_restore)
         model, opt = Model(rank), Optimizer()
-        ckpt = fc.Checkpoint(every=every, keep=keep)
+        ckpt = fc.Checkpoint(every=every, keep=keep, world_change=os.environ.get("WORLD_CHANGE", "carry"))
         start = ckpt.restore(model, opt)
         record_reads(data, at_save)   # from here on: steps and saves
         stopped = None
@@ -419,6 +419,21 @@ def test_a_rank_the_checkpoint_has_no_file_of_starts_its_own_state_fresh(tmp_pat
     assert [r["start"] for r in again] == [8] * 3 and [r["w"] for r in again] == [[9.0] * 3] * 3
     assert [r["rank_state"] for r in again] == [{"rank": 0, "step": 8}, {"rank": 1, "step": 8}, None]
     assert "rank 2: no state of its own" in said(tmp_path, "b", 2) and not list(ck.glob("*.damaged-*"))
+
+
+def test_a_script_whose_own_state_cannot_move_to_another_world_is_stopped_at_restore_in_one_line(tmp_path):
+    """world_change="refuse": resuming on fewer ranks (a job that went on without a node) ends every rank with one
+    line, before any state is read; on as many ranks as saved it resumes as always."""
+    ck = tmp_path / "data" / "ck"
+    run_ranks(tmp_path, 3, shared(ck, WORLD_CHANGE="refuse"), steps=8, name="a")
+    run_ranks(tmp_path, 2, shared(ck, WORLD_CHANGE="refuse"), steps=9, name="b", exits=2)
+    for r in (0, 1):
+        lines = [ln for ln in said(tmp_path, "b", r).splitlines() if "error" in ln]
+        assert lines == ["fleetbox-checkpoint: error: the checkpoint at step 8 was saved by 3 ranks, and this job "
+                         "has 2: the script's own state does not move to another world (world_change=\"refuse\"); "
+                         "run it on 3 ranks again, or start over with --resume never"], said(tmp_path, "b", r)
+    again = run_ranks(tmp_path, 3, shared(ck, WORLD_CHANGE="refuse"), steps=9, name="c")
+    assert [r["start"] for r in again] == [8] * 3
 
 
 def test_node_scope_gives_each_node_its_own_writer_and_the_ranks_agree_on_a_step_every_node_has(tmp_path):
