@@ -303,13 +303,18 @@ def draw(job_dir: Path) -> dict:
                + (f" (attempt {last})" if last else ""))
     word = backends.attempts_are(job, summary).removesuffix("s")
     shrank = world_changes(summary)
-    for a in range(1, last + 1):   # where each restart (or allocation) began, and where the world shrank
+    spared = {}   # attempt: the nodes a spare took the place of from there
+    for r in summary.get("replaced", []):
+        spared.setdefault(r["attempt"], []).append(r["node"])
+    for a in range(1, last + 1):   # where each restart (or allocation) began, where the world shrank, where spares came
         firsts = [r for r in recs if r["attempt"] == a]
         if firsts:
             at = min(r["step"] for r in firsts)
             ax_loss.axvline(at, color="grey", ls="--", lw=0.8)
-            if a in shrank:
-                ax_loss.annotate(f"{shrank[a]} nodes from here", (at, 0), xycoords=("data", "axes fraction"),
+            said = ([f"{shrank[a]} nodes from here"] if a in shrank else []) + \
+                [f"node{k} on a spare from here" for k in spared.get(a, [])]
+            if said:
+                ax_loss.annotate("; ".join(said), (at, 0), xycoords=("data", "axes fraction"),
                                  rotation=90, fontsize=7, color="grey", va="bottom")
             ax_rate.axvline(min(r["time"] for r in firsts) - t0, color="grey", ls="--", lw=0.8)
             ax_rate.annotate(f"{word} {a + (1 if word == 'allocation' else 0)}"
@@ -380,7 +385,7 @@ def draw(job_dir: Path) -> dict:
     files.write_atomic(job_dir / "report.md", "\n".join(md))
     return {"png": str(png), "md": str(job_dir / "report.md"), "legend": legend, "node_legend": node_legend,
             "missing": missing, "throughput": rate,
-            "lr": {k: pts for pts, ks in lrs.items() for k in ks}, "shrank": shrank,
+            "lr": {k: pts for pts, ks in lrs.items() for k in ks}, "shrank": shrank, "spared": spared,
             "stragglers": slow["stragglers"], "outliers": odd,
             **times}
 

@@ -100,7 +100,8 @@ def test_restarts_are_reported_per_attempt_and_an_empty_folder_still_draws(tmp_p
                            {"attempt": 1, "node": 0, "host": "tcp://h1:2375", "by": "tcp://h4:2375", "why": "z",
                             "ran": False}]
     (job / "summary.json").write_text(json.dumps(summary))   # a spare, where the world stayed as it was
-    report.draw(job)
+    drawn = report.draw(job)
+    assert drawn["spared"] == {1: [1, 0]}   # marked on the loss chart where attempt 1 began
     md = (job / "report.md").read_text()
     assert "- node1 on tcp://h2:2375 failed at step 19 (y); the spare tcp://h3:2375 took its place from step 15 " \
         "(attempt 1)" in md   # a spare that could not start it: no step of its own
