@@ -47,7 +47,8 @@ class Plan:
     resume_note: str = ""   # where a stopped job's checkpoints are, where no command can go on from them ("": the
     #                         job's own command, run again, does)
     replaced: tuple[dict, ...] = ()   # nodes' hosts left out so far, a spare in each one's place: {attempt (the
-    #                                   first without it), node, host, by (the spare), why}
+    #                                   first without it), node, host, by (the spare), why, ran (the host ran the
+    #                                   attempt before; else it could not start the job)}
 
     def make_dir(self) -> Path:
         """The job's folder; private to the user (0700) when the job has --env values, which its scripts and

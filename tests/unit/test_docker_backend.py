@@ -879,6 +879,21 @@ def test_a_node_whose_engine_refuses_its_container_is_replaced_by_a_spare_before
     assert r.replaced[0]["ran"] is False and "node1 on  could not start the job" in r.table()
 
 
+def test_the_job_lets_its_checkpoint_folder_go_once_from_the_plan_it_last_ran(monkeypatch):
+    """ended(plan) runs once, on every way out, with the plan of the nodes the job last ran on: after a spare took
+    a node's place at the start, also when the next refusal, with no spare left, ends the job."""
+    seen = []
+    monkeypatch.setattr(DockerBackend, "ended", lambda self, plan: seen.append(plan))
+    refusal = docker.errors.APIError("409", explanation="Conflict")
+    b, plan = job(FakeEngine(refuse={1: [refusal, None]}))
+    assert b.run(with_spare(plan), log=lambda _: None).ok
+    assert len(seen) == 1 and seen[0].spares == () and len(seen[0].replaced) == 1
+    b, plan = job(FakeEngine(refuse={1: [refusal, refusal]}))
+    with pytest.raises(UserError, match="node1's engine refused"):
+        b.run(with_spare(plan), log=lambda _: None)
+    assert len(seen) == 2 and seen[1].spares == () and seen[1].replaced[0]["node"] == 1
+
+
 def test_a_refusal_of_every_node_alike_is_the_jobs_own_line_and_spends_no_spare():
     refusal = docker.errors.APIError("400", explanation="invalid mount config for type bind")
     engine = FakeEngine(refuse={0: refusal, 1: refusal})
@@ -1018,6 +1033,15 @@ def test_a_remote_node_whose_engine_stops_answering_is_lost_and_blamed_and_no_ca
     one, two = live.containers[0], live.containers[1]
     assert one.stopped and one.removed and not two.stopped and not two.removes
     assert (plan.dir / "node1" / "gather-error.txt").read_text().startswith("was lost: its engine (tcp://h2:2375)")
+    # an error the engine answered with is not a lost node: the job's own failure, as before
+    live = docker_backend._Live(b, plan)
+    for k, life in ((0, Life(code=None)), (1, Life(code=None, error=docker.errors.APIError("500"), errors=10**6))):
+        c = FakeContainer(IMAGE, ["x"], {"name": f"n{k}", "labels": {settings.LABEL_RANK: str(k)}}, life)
+        c.status = "running"
+        live.containers[k] = c
+    with pytest.raises(docker.errors.APIError):
+        live.watch(lambda _: None)
+    assert live.lost == {}
 
 
 def test_a_timeout_or_ctrl_c_is_not_restarted():

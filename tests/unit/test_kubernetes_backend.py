@@ -205,8 +205,16 @@ def test_a_restart_without_a_node_is_the_same_objects_for_one_node_fewer(kind):
     b = backend(k8s_kind=kind, k8s_checkpoint_claim="ck")
     plan = b.plan(replace(spec(max_restarts=1, min_nodes=2), nodes=3))
     assert any(n.startswith("note: --min-nodes 2: a restart goes on without the node") for n in plan.notes)
-    fewer = b.for_attempt(b.without(plan, 1), 1)
+    fewer = b.for_attempt(b.without(plan, 1, "kube-n3"), 1)
     job = fewer.manifests[-1]
+    validate(job)
+    assert "affinity" not in template_of(plan.manifests[-1])["spec"]   # the failed pod's machine, kept out
+    assert template_of(job)["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] \
+        == {"nodeSelectorTerms": [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                                         "values": ["kube-n3"]}]}]}
+    assert template_of(b.without(fewer, 0, "kube-n1").manifests[-1])["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] \
+        == ["kube-n3", "kube-n1"]
     count = job["spec"]["completions"] if kind == "indexed" else job["spec"]["paddleReplicaSpecs"]["Worker"]["replicas"]
     assert fewer.spec.nodes == 2 and count == 2
     script = template_of(job)["spec"]["containers"][0]["command"][-1]

@@ -104,7 +104,7 @@ def test_restarts_are_reported_per_attempt_and_an_empty_folder_still_draws(tmp_p
     assert drawn["spared"] == {1: [1, 0]}   # marked on the loss chart where attempt 1 began
     md = (job / "report.md").read_text()
     assert "- node1 on tcp://h2:2375 failed at step 19 (y); the spare tcp://h3:2375 took its place from step 15 " \
-        "(attempt 1)" in md   # a spare that could not start it: no step of its own
+        "(attempt 1)" in md   # a host that ran: its last step; one that could not start the job: none
     assert "- node0 on tcp://h1:2375 could not start the job (z); the spare tcp://h4:2375 took its place from step " \
         "15 (attempt 1)" in md
     empty = tmp_path / "train-d"

@@ -227,8 +227,10 @@ class DockerBackend(ClientRestarts):
         if spec.spawns and len(self.hosts) > 1:
             raise spec_mod.on_one_machine(f"{spec.script} starts its own ranks (paddle.distributed.spawn)",
                                           len(self.hosts))
-        if spec.spare_nodes and len(set(self.hosts)) != len(self.hosts):
-            raise UserError("--spare-nodes: --hosts names a host twice; a spare must be a machine no node runs on")
+        spares = self.hosts[spec.nodes:]
+        if len(set(spares)) != len(spares) or set(spares) & set(self.hosts[:spec.nodes]):
+            raise UserError("--spare-nodes: --hosts names a spare twice, or a node's host as a spare; a spare must "
+                            "be a machine no node runs on")
         if len(self.hosts) != spec.nodes + spec.spare_nodes:
             spares = f" and {spec.spare_nodes} spare(s)" if spec.spare_nodes else ""
             raise UserError(f"--hosts names {len(self.hosts)} hosts for {spec.nodes} nodes{spares}: give one per node"
@@ -335,7 +337,7 @@ class DockerBackend(ClientRestarts):
         except Exception as e:
             if not host or (failure := engine_failure(e)) is None:   # this machine's engine: the job's failure
                 raise
-            raise _Broken(f"its engine failed: {failure}", host) from None
+            raise _Broken(f"{host}'s engine failed: {failure}", host) from None
         if found is None:
             where = f"on {host}" if host else "here"
             raise _Broken(f"image {spec.image_ref} is not {where}; run `invoke build --variant {spec.variant.name}`"
@@ -414,19 +416,19 @@ class DockerBackend(ClientRestarts):
         except Exception as e:
             if (failure := engine_failure(e)) is None:
                 raise
-            raise _Broken(f"its engine failed the network probe: {failure}", host) from None
+            raise _Broken(f"{host}'s engine failed the network probe: {failure}", host) from None
         if code != 0:
             raise _Broken(f"the network probe failed on {host} (exit {code}): {why[:200]}", host)
         info = json.loads(out.decode().strip().splitlines()[-1])
+        if spare and not info["port_free"]:
+            raise _Broken(f"port {port} is in use on {host}, were it to become the master", host)
+        if check_port and not info["port_free"]:
+            raise UserError(f"port {port} on {master_ip} is already in use; pick another with --port")
         if spec.iface:
             if spec.iface not in info["names"]:
                 raise _Broken(f"interface {spec.iface!r} does not exist on {host} (have: {', '.join(info['names'])})",
                               host)
             return {**info, "iface": spec.iface}
-        if spare and not info["port_free"]:
-            raise _Broken(f"port {port} is in use on it, were it to become the master", host)
-        if check_port and not info["port_free"]:
-            raise UserError(f"port {port} on {master_ip} is already in use; pick another with --port")
         if not info["iface"]:
             raise _Broken(f"no interface on {host} routes to the master {master_ip}; pass --iface", host)
         return info
@@ -457,10 +459,11 @@ class DockerBackend(ClientRestarts):
         finally:
             _quietly(lambda: c.remove(force=True))
 
-    def _checkpoint_helper(self, plan: DockerPlan):
+    def _checkpoint_helper(self, plan: DockerPlan, host: str = ""):
         """checkpoints.prepare's helper for a folder every --hosts engine shares: fleetbox_checkpoint_folder in a
-        container on the first host, with the folder's parent mounted (the folder itself is set aside from it)."""
-        folder, host = PurePosixPath(plan.checkpoints), plan.nodes[0].host
+        container on `host` (default: the first node's), with the folder's parent mounted (the folder itself is set
+        aside from it)."""
+        folder, host = PurePosixPath(plan.checkpoints), host or plan.nodes[0].host
         parent = PurePosixPath("/fleetbox/parent")
 
         def helper(*args: str):
@@ -484,16 +487,22 @@ class DockerBackend(ClientRestarts):
         return self.restarting(plan, log, timeout, on_submit)
 
     def ended(self, plan: DockerPlan) -> None:
-        """The checkpoint folder let go, from the nodes the job last ran on (a spare may be node0's now)."""
+        """The checkpoint folder let go, from the nodes the job last ran on (a spare may be node0's now): on the
+        first whose engine answers."""
         if not plan.elsewhere:
             _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id))
-        elif plan.spec.checkpoint_dir:
-            _quietly(lambda: checkpoints.release(Path(plan.checkpoints), plan.job_id, self._checkpoint_helper(plan)))
+            return
+        for host in dict.fromkeys(n.host for n in plan.nodes) if plan.spec.checkpoint_dir else ():
+            try:
+                return checkpoints.release(Path(plan.checkpoints), plan.job_id, self._checkpoint_helper(plan, host))
+            except Exception:   # that engine is gone: the next
+                continue
 
-    def without(self, plan: DockerPlan, node: int) -> DockerPlan:
+    def without(self, plan: DockerPlan, node: int, machine: str = "") -> DockerPlan:
         """The plan on every node but `node`, numbered again from 0: each node left keeps its engine, address,
         interface and devices (the failed node's sit idle), and the first is the master, at its own address. From
-        the plan alone: a detached job's supervisor has no --hosts or --devices of its own."""
+        the plan alone: a detached job's supervisor has no --hosts or --devices of its own. (`machine` is not
+        needed: the failed node's engine is its machine, left out with it.)"""
         keep = [k for k in range(len(plan.nodes)) if k != node]
         old = [plan.values[k] for k in keep]
         master_ip = old[0]["master_ip"] if keep[0] == 0 else old[0]["node_ip"]
@@ -857,6 +866,7 @@ class _Live:
 
     def start(self, log=print) -> None:
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
+        import requests  # noqa: PLC0415 (deferred: with the Docker SDK, only where an engine is used)
         nodes = self.plan.nodes
         # a remote engine cannot see our files: the workspace is copied in (packed once, to a temporary file
         # each node's upload streams from)
@@ -869,6 +879,8 @@ class _Live:
 
             def create(k: int):
                 n = nodes[k]
+                if n.host and self.plan.attempt:   # an earlier attempt's, left on an engine that was lost and is back
+                    _quietly(lambda: self.backend.engine(n.host).containers.get(n.name).remove(force=True))
                 if not n.host:
                     logs = Path(next(m.src for m in n.mounts if m.dst == settings.LOG_DIR))
                     logs.mkdir(parents=True, exist_ok=True)
@@ -891,10 +903,11 @@ class _Live:
                     except docker.errors.APIError as e:
                         refused[k] = "refused to start its container: " + (
                             e.explanation or str(e)).strip().splitlines()[-1][:300]
-                    except Exception as e:
+                    except requests.exceptions.ConnectionError as e:
                         if not nodes[k].host or (failure := engine_failure(e)) is None:
                             raise
                         refused[k] = f"stopped answering: {failure}"
+                        self.lost[k] = refused[k]   # nothing more is asked of it (remove_all)
                 list(pool.map(one, ks))
                 if not refused:
                     return
@@ -934,6 +947,7 @@ class _Live:
     def watch(self, log, timeout: float | None = None) -> None:
         """Until every node exited, or the first failure (plus a short grace) stops the rest."""
         import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
+        import requests  # noqa: PLC0415 (deferred: with the Docker SDK, only where an engine is used)
         deadline = time.monotonic() + timeout if timeout else None
         first_fail = None
         spec = self.plan.spec
@@ -954,7 +968,8 @@ class _Live:
                         first_fail = time.monotonic()
                         log(f"node{rank}'s container was removed while the job ran; stopping the other nodes")
                     continue
-                except Exception as e:   # a --hosts node's engine (its machine) stopped answering: that node is lost
+                except requests.exceptions.ConnectionError as e:   # a --hosts node's engine (its machine) no
+                    # longer answers: that node is lost (an error the engine answered with is the job's)
                     if not (host := self.plan.nodes[rank].host) or (why := engine_failure(e)) is None:
                         raise   # this machine's engine: every node's (engine_errors)
                     self.lost[rank] = f"was lost: its engine ({host}) stopped answering ({why})"

@@ -198,6 +198,7 @@ class KubePlan(Plan):
     secret_made: bool = False  # ... fleetbox's own, made from this environment (not one --k8s-secret names)
     client: str = "kubectl"   # what runs them (--k8s-client)
     attempt: int = 0          # fleetbox's own restarts: which attempt these manifests run (FLEETBOX_ATTEMPT)
+    avoid: tuple[str, ...] = ()   # machines a failed node ran on, kept out for the rest of the job (--min-nodes)
 
 
 @dataclass
@@ -361,16 +362,18 @@ class KubernetesBackend(ClientRestarts):
         if attempt == plan.attempt:
             return plan
         return replace(plan, attempt=attempt, manifests=tuple(self.render(
-            plan.spec, self.names(plan.job_id), plan.port, plan.secret, attempt)))
+            plan.spec, self.names(plan.job_id), plan.port, plan.secret, attempt, plan.avoid)))
 
-    def without(self, plan: KubePlan, node: int) -> KubePlan:
-        """The same objects for one node fewer (an Indexed Job's completions, a PaddleJob's replicas): the pods are
-        numbered again from index 0; the scheduler places them where it will (--min-nodes)."""
-        spec = replace(plan.spec, nodes=plan.spec.nodes - 1)
-        return replace(plan, spec=spec, manifests=tuple(self.render(spec, self.names(plan.job_id), plan.port,
-                                                                   plan.secret, plan.attempt)))
+    def without(self, plan: KubePlan, node: int, machine: str = "") -> KubePlan:
+        """The same objects for one node fewer (an Indexed Job's completions, a PaddleJob's replicas), the pods
+        numbered again from index 0 and kept off the `machine` the failed one ran on, for the rest of the job
+        (--min-nodes); the scheduler places them on the others."""
+        spec, avoid = replace(plan.spec, nodes=plan.spec.nodes - 1), (*plan.avoid, *([machine] if machine else []))
+        return replace(plan, spec=spec, avoid=avoid, manifests=tuple(self.render(
+            spec, self.names(plan.job_id), plan.port, plan.secret, plan.attempt, avoid)))
 
-    def render(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> list[dict]:
+    def render(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0,
+               avoid: tuple[str, ...] = ()) -> list[dict]:
         """Every object of the job, in the order they are applied: the ConfigMaps and the claim before the pods
         that mount them."""
         objs = []
@@ -381,7 +384,7 @@ class KubernetesBackend(ClientRestarts):
                                    "metadata": {"name": self.claim},
                                    "spec": {"accessModes": ["ReadWriteMany"],   # every node mounts it at once
                                             "resources": {"requests": {"storage": self.claim_size}}}}, names))
-        template = self.pod_template(spec, names, port, secret, attempt)
+        template = self.pod_template(spec, names, port, secret, attempt, avoid)
         if self.kind == "indexed":
             objs += [self.headless_service(names), self.indexed_job(spec, names, template)]
         elif self.kind == "volcano":
@@ -475,7 +478,8 @@ class KubernetesBackend(ClientRestarts):
                   'exit "$rc"']
         return "\n".join(lines)
 
-    def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0) -> dict:
+    def pod_template(self, spec: spec_mod.JobSpec, names: Names, port: int, secret: str, attempt: int = 0,
+                     avoid: tuple[str, ...] = ()) -> dict:
         t = self.node_run(spec, names.job)
         env = [{"name": POD_IP_VAR, "valueFrom": POD_IP_REF}]
         if self.kind == "indexed":   # as the Job controller sets it (it adds none where the pod has one)
@@ -529,6 +533,10 @@ class KubernetesBackend(ClientRestarts):
             pod["subdomain"] = names.service
         if self.host_network:   # and still the cluster's DNS, for the master's name
             pod.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
+        if avoid:   # the machines failed nodes ran on: none of this job's pods goes there again
+            pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": list(avoid)}]}]}}}
         labels = {settings.LABEL_JOB: names.job, settings.LABEL_OWNER: names.owner,
                   settings.LABEL_VARIANT: spec.variant.name}
         if self.kind != "volcano":   # fleetbox's own restarts: which attempt a pod is of

@@ -53,15 +53,17 @@ class ClientRestarts(Backend):
         the plan the job last ran, on every way out."""
         deadline = time.monotonic() + timeout if timeout else None
         restarts, attempts, result = plan.spec.max_restarts, [], None
+        now = [plan]   # the plan the job runs now, also where _started gave a node's place to a spare and failed
         try:
             for attempt in range(restarts + 1):
                 try:
-                    result, plan = self._started(plan, attempt, log, deadline, on_submit)
+                    result = self._started(now, attempt, log, deadline, on_submit)
+                    plan = now[0]
                     why = result.reason()
                 except Failed as e:   # the engine or cluster failed under the job: _run_once has cleaned up
                     if attempt == restarts:
                         raise
-                    result, why = None, str(e).removeprefix("train failed: ")
+                    plan, result, why = now[0], None, str(e).removeprefix("train failed: ")
                 attempts.append({"attempt": attempt, "ok": bool(result and result.ok), "ended": why,
                                  "state": result.state if result is not None else "FAILED", "logs": str(plan.dir),
                                  "nodes": plan.spec.nodes})
@@ -69,14 +71,14 @@ class ClientRestarts(Backend):
                         or (plan.dir / CANCELLED).exists():   # `invoke cancel` (its SIGTERM may come mid-cleanup)
                     break
                 attempts[-1]["logs"] = str(self.keep_attempt(plan, attempt))
-                plan = self._next(plan, result, attempt, why, log)
+                plan = now[0] = self._next(plan, result, attempt, why, log)
             if result is not None and (len(attempts) > 1 or plan.replaced):
                 result.attempts, result.replaced = attempts if len(attempts) > 1 else [], list(plan.replaced)
                 result.save()
             metrics.collect(plan.dir)
             return result
         finally:
-            self.ended(plan)
+            self.ended(now[0])
 
     def _next(self, plan: Plan, result: JobResult | None, attempt: int, why: str, log) -> Plan:
         """The plan of the restart after a failed attempt, said in one line."""
@@ -94,7 +96,9 @@ class ClientRestarts(Backend):
                 f"checkpoint on {plan.spec.nodes} nodes {restart}")
             return plan
         host, ranks = self.host_of(plan, node), plan.spec.nodes * plan.spec.procs_per_node
-        plan = self.without(plan, node)
+        # the machine it ran on, where the result names a scheduler's node (kept out from here on)
+        machine = next((n.host for n in result.nodes if n.rank == node), "") if self.capabilities.names_hosts else ""
+        plan = self.without(plan, node, machine)
         log(f"attempt {attempt} failed: {why}; going on without node{node}{f' ({host})' if host else ''} from the "
             f"newest checkpoint, on {plan.spec.nodes} nodes {restart}: the world is "
             f"{plan.spec.nodes * plan.spec.procs_per_node} ranks, was {ranks}; each rank's batch is the script's, "
@@ -102,18 +106,20 @@ class ClientRestarts(Backend):
             f"tell the script)")
         return plan
 
-    def _started(self, plan: Plan, attempt: int, log, deadline: float | None, on_submit) -> tuple[JobResult, Plan]:
-        """Attempt `attempt` run to its end, and the plan it ran: a node whose engine refuses to start it is left
-        out before the job starts, a spare in its place, while spares are left (no restart is spent on it)."""
+    def _started(self, now: list, attempt: int, log, deadline: float | None, on_submit) -> JobResult:
+        """Attempt `attempt` of the plan now[0] run to its end: a node whose engine refuses to start it is left out
+        before the job starts, a spare in its place (now[0] the plan with it), while spares are left (no restart
+        is spent on it)."""
         while True:
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             try:
-                return self._run_once(self.for_attempt(plan, attempt), log, left, on_submit), plan
+                return self._run_once(self.for_attempt(now[0], attempt), log, left, on_submit)
             except NodeRefused as e:   # nothing of the job ran: _run_once has cleaned up
-                if not (self.capabilities.spares and self.spares_left(plan)) or (plan.dir / CANCELLED).exists():
+                if not (self.capabilities.spares and self.spares_left(now[0])) \
+                        or (now[0].dir / CANCELLED).exists():
                     raise
-                plan = self._spare_for(plan, e.node, attempt, str(e), ran=False)
-                log(f"{e}; {took_place(plan.replaced[-1])}")
+                now[0] = self._spare_for(now[0], e.node, attempt, str(e), ran=False)
+                log(f"{e}; {took_place(now[0].replaced[-1])}")
 
     def _spare_for(self, plan: Plan, node: int, attempt: int, why: str, ran: bool) -> Plan:
         """The plan with a spare in node `node`'s place from attempt `attempt` on, recorded in plan.replaced
@@ -130,8 +136,9 @@ class ClientRestarts(Backend):
         """The plan of the job's attempt `attempt` (0: the first), for `restarting`."""
         return plan
 
-    def without(self, plan: Plan, node: int) -> Plan:
-        """The plan on every node but `node` (a backend that capabilities.fewer_nodes says can)."""
+    def without(self, plan: Plan, node: int, machine: str = "") -> Plan:
+        """The plan on every node but `node` (a backend that capabilities.fewer_nodes says can); `machine`: where
+        it ran, as the result names a scheduler's node ("": unnamed)."""
         raise NotImplementedError(f"the {self.name} backend does not go on with fewer nodes")
 
     def spares_left(self, plan: Plan) -> int:
