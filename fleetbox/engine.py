@@ -10,6 +10,15 @@ from fleetbox import settings
 from fleetbox.errors import UserError
 
 
+class Unreachable(UserError):
+    """No Docker Engine answers at `where`: `why`, as the SDK said it."""
+
+    def __init__(self, where: str, why: str):
+        super().__init__(f"cannot reach the Docker Engine at {where} ({why}); start it (`dockerd &` or `systemctl "
+                         f"start docker`) or set DOCKER_HOST")
+        self.where, self.why = where, why
+
+
 def client(base_url: str | None = None):
     import docker  # noqa: PLC0415 (deferred: the Docker SDK loads where an engine is used, so planners stay light)
 
@@ -19,8 +28,7 @@ def client(base_url: str | None = None):
         return c
     except docker.errors.DockerException as e:
         where = base_url or os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-        raise UserError(f"cannot reach the Docker Engine at {where} ({str(e).splitlines()[0][:120]}); "
-                        f"start it (`dockerd &` or `systemctl start docker`) or set DOCKER_HOST") from None
+        raise Unreachable(where, str(e).splitlines()[0][:120]) from None
 
 
 def device_kwargs(devices=(), group_add=(), security_opt=(), gpus: str = "") -> dict:

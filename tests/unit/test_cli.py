@@ -95,7 +95,8 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
      "--spare-nodes: the slurm backend keeps no spare nodes yet (docker with --hosts does); drop it"),
     (["train", "--nodes", "2", "--spare-nodes", "-1", "--dry-run"], "--spare-nodes must be at least 0 (got -1)"),
     (["train", "--nodes", "1", "--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.1:2375", "--spare-nodes", "1",
-      "--dry-run"], "--spare-nodes: --hosts names a host twice; a spare must be a machine no node runs on"),
+      "--dry-run"], "--spare-nodes: --hosts names a spare twice, or a node's host as a spare; a spare must be a "
+     "machine no node runs on"),
     (["train", "--nodes", "1", "--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.2:2375", "--spare-nodes", "1",
       "--preflight"], "--preflight checks the nodes as --hosts names them; with --spare-nodes the job picks"),
     (["train", "--resume", "/nonexistent/ck", "--dry-run"], "--resume /nonexistent/ck: give auto, never, or a"),

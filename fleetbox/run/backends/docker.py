@@ -124,9 +124,9 @@ class _Broken(UserError):
     """A --hosts engine that cannot run the job (unreachable, no image, its probe failed): with --spare-nodes a
     spare takes its place; without, the line the user reads."""
 
-    def __init__(self, message: str, host: str):
+    def __init__(self, message: str, host: str, brief: str = ""):
         super().__init__(message)
-        self.host = host
+        self.host, self.brief = host, brief or message   # brief: as a note says it, where a spare took its place
 
 
 def assign(hosts: tuple[str, ...], nodes: int, broken: dict[str, str]) \
@@ -281,7 +281,7 @@ class DockerBackend(ClientRestarts):
             except _Broken as e:
                 if not spec.spare_nodes:
                     raise
-                broken[host] = str(e)
+                broken[host] = e.brief
                 continue
             image = image or found
         said: tuple[str, ...] = ()
@@ -299,7 +299,7 @@ class DockerBackend(ClientRestarts):
                 except _Broken as e:
                     if not spec.spare_nodes:
                         raise
-                    broken[e.host] = str(e)
+                    broken[e.host] = e.brief
                     continue
                 break
             caps = [f["memlock"] for f in facts if f["memlock"] != -1]   # a spare's too: it may run a node
@@ -328,8 +328,8 @@ class DockerBackend(ClientRestarts):
         the host cannot run the job (--spare-nodes: a spare takes its place)."""
         try:
             self.engine(host)
-        except UserError as e:
-            raise _Broken(str(e), host) from None
+        except engine.Unreachable as e:
+            raise _Broken(str(e), host, f"cannot reach the Docker Engine at {e.where} ({e.why})") from None
         try:
             if spec.job_id:
                 self._refuse_taken(host, spec.job_id, owner)
