@@ -220,10 +220,10 @@ def world_changes(summary: dict) -> dict[int, int]:
 
 def replaced_steps(r: dict, recs: list[dict]) -> tuple[int | None, int | None]:
     """For a node's host a spare took the place of (the summary's replaced): the last step the metrics show of
-    the attempt before (where that host ran it), and the first of the spare's attempt."""
+    the attempt before, and the first of the spare's attempt."""
     ran = {a: [x["step"] for x in recs if x["attempt"] == a] for a in (r["attempt"] - 1, r["attempt"])}
     before, after = ran[r["attempt"] - 1], ran[r["attempt"]]
-    return (max(before) if before and r.get("ran") else None), (min(after) if after else None)
+    return (max(before) if before else None), (min(after) if after else None)
 
 
 def draw(job_dir: Path) -> dict:
