@@ -36,6 +36,11 @@ class NodeFacts:
     lost: str = ""                     # it could not be asked any more while the job ran (its engine, its machine):
                                        # why, in the backend's words
 
+    @property
+    def unseen(self) -> bool:
+        """Its end was not seen: it vanished or was lost (blamed before any node whose end was seen)."""
+        return self.vanished or bool(self.lost)
+
 
 @dataclass(frozen=True)
 class JobFacts:
@@ -57,11 +62,10 @@ def blamed(facts: JobFacts) -> int | None:
         return facts.hang["node"]
     if facts.timed_out:
         return None
-    failed = sorted((n for n in facts.nodes if (n.vanished or n.lost or n.exit_code not in (0, None))
-                     and not n.stopped),
-                    key=lambda n: (not (n.vanished or n.lost), float("inf") if n.ended is None else n.ended))
-    failed = [n for n in failed if n.vanished or n.lost or not waited(n)] or failed
-    evidence = {n.rank: n.last_words for n in failed if n.last_words is not None and not (n.vanished or n.lost)}
+    failed = sorted((n for n in facts.nodes if (n.unseen or n.exit_code not in (0, None)) and not n.stopped),
+                    key=lambda n: (not n.unseen, float("inf") if n.ended is None else n.ended))
+    failed = [n for n in failed if n.unseen or not waited(n)] or failed
+    evidence = {n.rank: n.last_words for n in failed if n.last_words is not None and not n.unseen}
     return culprit([n.rank for n in failed], evidence)
 
 
@@ -77,7 +81,7 @@ def state(n: NodeFacts, bad: int | None, hang: dict | None) -> str:
         return "hung"
     if hang is not None and n.rank in hang.get("timed_out_nodes", ()):
         return "timed out"
-    if n.exit_code == 0 and not (n.vanished or n.lost):
+    if n.exit_code == 0 and not n.unseen:
         return "ok"
     if n.rank == bad:
         return "FAILED"

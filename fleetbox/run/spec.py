@@ -68,6 +68,11 @@ class JobSpec:
                                          # Paddle's launcher, on one node (run/styles.py tells, not an option)
 
     @property
+    def may_shrink(self) -> bool:
+        """--min-nodes lets a restart go on with one node fewer than this spec has."""
+        return 0 < self.min_nodes < self.nodes
+
+    @property
     def image_ref(self) -> str:
         return self.image or self.variant.aliases[0]
 
@@ -148,7 +153,8 @@ JOB_OPTIONS: tuple[Option, ...] = (
     Option("max_restarts", "after a node fails, start the whole job again from its newest checkpoint, up to N times "
                            "(default 0; docker: at once, slurm: in a new allocation)", kind=int, low=0),
     Option("min_nodes", "a restart goes on without the node that failed (or hung), from the newest checkpoint, while "
-                        "at least M nodes are left (default: every node, always; docker)", kind=int, low=1),
+                        "at least M nodes are left (default: every node, always; docker, kubernetes)", kind=int,
+           low=1),
     Option("spare_nodes", "nodes kept in reserve: one takes the place of a node that fails, hangs or fails its check "
                           "at start, and the job goes on from the newest checkpoint on as many nodes (docker: the "
                           "--hosts after the first N; default 0)", kind=int, low=0),
@@ -230,7 +236,7 @@ def from_options(variant: Variant, backend=None, **given) -> JobSpec:
     validate(spec)
     if backend is not None:
         backend.check(spec)
-        if spec.min_nodes and spec.min_nodes < spec.nodes and not backend.capabilities.fewer_nodes:
+        if spec.may_shrink and not backend.capabilities.fewer_nodes:
             raise UserError(f"--min-nodes: the {backend.name} backend does not go on with fewer nodes yet (docker "
                             f"and kubernetes do); drop it")
         if spec.spare_nodes and not backend.capabilities.spares:
@@ -299,7 +305,7 @@ def validate(spec: JobSpec) -> None:
         raise UserError(f"--max-restarts must be 0 or more (got {spec.max_restarts})")
     if spec.min_nodes > spec.nodes:
         raise UserError(f"--min-nodes {spec.min_nodes} is above --nodes {spec.nodes}")
-    if spec.min_nodes and spec.min_nodes < spec.nodes and not spec.max_restarts:
+    if spec.may_shrink and not spec.max_restarts:
         raise UserError(f"--min-nodes {spec.min_nodes} goes on with fewer nodes at a restart: give --max-restarts "
                         f"too (each time the job goes on without a node is one)")
     if spec.resume not in ("auto", "never") and not Path(spec.resume).is_dir():

@@ -970,6 +970,7 @@ def test_a_plan_on_hosts_gives_a_failed_hosts_place_to_a_spare_and_probes_again_
                               "place", "note: the spare c failed its check at start (c: the network probe failed): it "
                               "is left out")
     assert plan.template.memlock == 1000   # the lowest of every host probed, the spares' too
+    assert probes == [("a", "10.0.0.1"), ("c", "10.0.0.1"), ("d", "10.0.0.1")]   # a, asked once, is not asked again
     # the master fails its probe: a spare is node0 and the master, and every host is asked again to reach it
     plan, probes = planned_on_hosts(monkeypatch, ("a", "b", "c"), 2, 1, probe_fails={"a"})
     assert [n.host for n in plan.nodes] == ["c", "b"] and plan.values[0]["master_ip"] == "10.0.0.3"

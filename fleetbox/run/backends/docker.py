@@ -151,6 +151,16 @@ def assign(hosts: tuple[str, ...], nodes: int, broken: dict[str, str]) \
     return chosen, spares, said, replaced
 
 
+def renumbered(plan: DockerPlan, old: list[tuple[str, dict]], master_ip: str) -> DockerPlan:
+    """The plan's nodes made again from (engine, earlier values) in order, numbered from 0 for plan.spec.nodes: each
+    keeps its address, interface, devices and home; the master is at `master_ip` (without, with_spare)."""
+    values = tuple(planner.node_values(k, len(old), plan.job_id, master_ip, plan.port, v["node_ip"], v["iface"],
+                                       v["home"], v["user"], procs=plan.spec.procs_per_node, gpus=v["gpus"])
+                   for k, (_, v) in enumerate(old))
+    return replace(plan, values=values,
+                   nodes=tuple(replace(plan.template, host=host).fill(v) for (host, _), v in zip(old, values)))
+
+
 def node_gpus(spec: spec_mod.JobSpec, rank: int, devices: str = "", sharing: int = 0) -> str:
     """The accelerator ids node `rank` gets: each node one per process, or --gpus-per-node. The `sharing` nodes
     of one machine (0: every node) share its GPUs, so node k takes the k-th block: of `devices` in order, else
@@ -235,7 +245,7 @@ class DockerBackend(ClientRestarts):
             spares = f" and {spec.spare_nodes} spare(s)" if spec.spare_nodes else ""
             raise UserError(f"--hosts names {len(self.hosts)} hosts for {spec.nodes} nodes{spares}: give one per node"
                             + (", then the spares" if spares else ""))
-        for flag, value, asks in (("--min-nodes", spec.min_nodes, spec.min_nodes and spec.min_nodes < spec.nodes),
+        for flag, value, asks in (("--min-nodes", spec.min_nodes, spec.may_shrink),
                                   ("--spare-nodes", spec.spare_nodes, spec.spare_nodes and spec.max_restarts)):
             if asks and not spec.checkpoint_dir:
                 raise UserError(f"{flag} {value} with --hosts needs a --checkpoint-dir every host shares: each host's "
@@ -290,12 +300,18 @@ class DockerBackend(ClientRestarts):
         if self.hosts:
             port = spec.port or hostnet.random_port()
             hostnet.check_room(port, planner.ports_needed(spec.nodes, spec.procs_per_node))
+            probed: dict[tuple, dict] = {}   # a host asked once per master and place (the loop goes round again)
+
+            def probe(host: str, master_ip: str, master: bool, spare: bool) -> dict:
+                if (host, master_ip, master, spare) not in probed:
+                    probed[host, master_ip, master, spare] = self._probe(spec, job_id, host, master_ip, port,
+                                                                         check_port=master, spare=spare)
+                return probed[host, master_ip, master, spare]
             while True:   # a host whose probe fails leaves the nodes (or the spares); a spare takes its place
                 hosts, spare_hosts, said, replaced = assign(self.hosts, spec.nodes, broken)
                 master_ip = hostnet.host_address(hosts[0])
                 try:
-                    facts = [self._probe(spec, job_id, h, master_ip, port, check_port=(i == 0), spare=i >= spec.nodes)
-                             for i, h in enumerate(hosts + spare_hosts)]
+                    facts = [probe(h, master_ip, i == 0, i >= spec.nodes) for i, h in enumerate(hosts + spare_hosts)]
                 except _Broken as e:
                     if not spec.spare_nodes:
                         raise
@@ -504,13 +520,9 @@ class DockerBackend(ClientRestarts):
         the plan alone: a detached job's supervisor has no --hosts or --devices of its own. (`machine` is not
         needed: the failed node's engine is its machine, left out with it.)"""
         keep = [k for k in range(len(plan.nodes)) if k != node]
-        old = [plan.values[k] for k in keep]
-        master_ip = old[0]["master_ip"] if keep[0] == 0 else old[0]["node_ip"]
-        values = tuple(planner.node_values(i, len(keep), plan.job_id, master_ip, plan.port, v["node_ip"], v["iface"],
-                                           v["home"], v["user"], procs=plan.spec.procs_per_node, gpus=v["gpus"])
-                       for i, v in enumerate(old))
-        nodes = tuple(replace(plan.template, host=plan.nodes[k].host).fill(v) for k, v in zip(keep, values))
-        return replace(plan, spec=replace(plan.spec, nodes=len(keep)), nodes=nodes, values=values)
+        master_ip = plan.values[0]["master_ip"] if keep[0] == 0 else plan.values[keep[0]]["node_ip"]
+        return renumbered(replace(plan, spec=replace(plan.spec, nodes=len(keep))),
+                          [(plan.nodes[k].host, plan.values[k]) for k in keep], master_ip)
 
     def host_of(self, plan: DockerPlan, node: int) -> str:
         return plan.nodes[node].host
@@ -522,15 +534,11 @@ class DockerBackend(ClientRestarts):
         """The plan with its first spare in node `node`'s place: the same ranks, that node's engine, address and
         interface the spare's (the master's too, where it is node 0's), its devices the node's. From the plan
         alone, as `without`."""
-        spare, values = plan.spares[0], list(plan.values)
-        values[node] = {**values[node], "node_ip": spare["local"], "iface": spare["iface"]}
+        spare = plan.spares[0]
+        old = [(n.host, v) if k != node else (spare["host"], {**v, "node_ip": spare["local"], "iface": spare["iface"]})
+               for k, (n, v) in enumerate(zip(plan.nodes, plan.values))]
         master_ip = spare["local"] if node == 0 else plan.values[0]["master_ip"]
-        values = tuple(planner.node_values(k, len(values), plan.job_id, master_ip, plan.port, v["node_ip"], v["iface"],
-                                           v["home"], v["user"], procs=plan.spec.procs_per_node, gpus=v["gpus"])
-                       for k, v in enumerate(values))
-        hosts = [spare["host"] if k == node else n.host for k, n in enumerate(plan.nodes)]
-        nodes = tuple(replace(plan.template, host=h).fill(v) for h, v in zip(hosts, values))
-        return replace(plan, nodes=nodes, values=values, spares=plan.spares[1:]), spare["host"]
+        return renumbered(replace(plan, spares=plan.spares[1:]), old, master_ip), spare["host"]
 
     def for_attempt(self, plan: DockerPlan, attempt: int) -> DockerPlan:
         """The same nodes with {attempt} filled again (FLEETBOX_ATTEMPT, and wherever the user wrote it)."""
@@ -904,9 +912,9 @@ class _Live:
                         refused[k] = "refused to start its container: " + (
                             e.explanation or str(e)).strip().splitlines()[-1][:300]
                     except requests.exceptions.ConnectionError as e:
-                        if not nodes[k].host or (failure := engine_failure(e)) is None:
+                        if not nodes[k].host:
                             raise
-                        refused[k] = f"stopped answering: {failure}"
+                        refused[k] = f"stopped answering: {engine_failure(e)}"
                         self.lost[k] = refused[k]   # nothing more is asked of it (remove_all)
                 list(pool.map(one, ks))
                 if not refused:
@@ -970,9 +978,9 @@ class _Live:
                     continue
                 except requests.exceptions.ConnectionError as e:   # a --hosts node's engine (its machine) no
                     # longer answers: that node is lost (an error the engine answered with is the job's)
-                    if not (host := self.plan.nodes[rank].host) or (why := engine_failure(e)) is None:
+                    if not (host := self.plan.nodes[rank].host):
                         raise   # this machine's engine: every node's (engine_errors)
-                    self.lost[rank] = f"was lost: its engine ({host}) stopped answering ({why})"
+                    self.lost[rank] = f"was lost: its engine ({host}) stopped answering ({engine_failure(e)})"
                     self.exits.append((rank, None))
                     if first_fail is None:
                         first_fail = time.monotonic()

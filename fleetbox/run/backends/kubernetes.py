@@ -330,10 +330,10 @@ class KubernetesBackend(ClientRestarts):
                                 f"it absolute, without placeholders")
         if self.client == "podman" and (why := PodmanPlay.cannot(pass_env=spec.pass_env)):
             raise UserError(why)
-        if spec.min_nodes and spec.min_nodes < spec.nodes and self.kind == "volcano":
+        if spec.may_shrink and self.kind == "volcano":
             raise UserError(f"--min-nodes {spec.min_nodes} with --k8s-kind volcano: Volcano's controller restarts the "
                             f"whole job, on every node; give --k8s-kind indexed or paddlejob")
-        if spec.min_nodes and spec.min_nodes < spec.nodes and not self.claim:
+        if spec.may_shrink and not self.claim:
             raise UserError(f"--min-nodes {spec.min_nodes} on kubernetes needs --k8s-checkpoint-claim: the nodes left "
                             f"resume from it (without one, the checkpoints go with the pods)")
 

@@ -28,14 +28,14 @@ def next_nodes(spec, result: JobResult | None, spares: int) -> tuple[str, int | 
         return "same", None
     if spares:
         return "spare", culprit
-    if spec.min_nodes and spec.nodes - 1 >= spec.min_nodes:
+    if spec.may_shrink:
         return "fewer", culprit
     return "same", None
 
 
 def fewer_note(spec) -> tuple[str, ...]:
     """What --min-nodes will do, for the plan's notes (--dry-run shows them)."""
-    if not spec.min_nodes or spec.min_nodes >= spec.nodes:
+    if not spec.may_shrink:
         return ()
     return (f"note: --min-nodes {spec.min_nodes}: a restart goes on without the node that failed or hung, from the "
             f"newest checkpoint, while {spec.min_nodes} or more are left",)
