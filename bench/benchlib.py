@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,3 +133,20 @@ def disk(path) -> str:
     dev = os.path.basename(os.path.realpath(source))   # a journal shows as /proc/fs/jbd2/<dev>-<inode>
     journal = any(p.name.rsplit("-", 1)[0] == dev for p in Path("/proc/fs/jbd2").glob("*"))
     return f"{path}: {source}, ext4 {'with' if journal else 'without'} a journal"
+
+
+@contextmanager
+def slurm_cluster(tmp: Path, image: str = "fleetbox/paddle:cpu"):
+    """The Slurm test cluster (tests/slurmcluster.py) while the block runs, its nodes' Podman holding `image` from
+    the Docker Engine; yields the environment its clients need. Stopped on every way out."""
+    sys.path.insert(0, str(ROOT))
+    from tests import slurmcluster  # the tests' own cluster, as they make it
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    subprocess.run(["podman", "load", "-q"], stdin=save.stdout, check=True, capture_output=True)
+    save.wait()
+    d = Path(tmp) / "slurm"
+    d.mkdir()
+    try:
+        yield slurmcluster.start(d)
+    finally:
+        slurmcluster.stop(d)

@@ -2,7 +2,7 @@
 """No container against Podman on the same Slurm cluster: a 2-node job's time to its first step (not a test).
 
 The same smoke job (`--args "--steps N"`), submitted with `invoke train --backend slurm` on the test cluster
-(tests/slurmcluster.py: slurmctld plus a slurmd in each of two network namespaces), once with `--runtime none
+(tests/slurmcluster.py: slurmctld plus a slurmd in each of its network namespaces), once with `--runtime none
 --venv ENV` (the env made by `invoke venv` from the same lock and wheelhouse as the image) and once with
 `--runtime podman` (the image, loaded into Podman). Rounds alternate the order. Per run, from the job's own
 records: the allocation's start (job.sbatch's "allocation 1 started at" line) to rank 0's first step (the time
@@ -15,16 +15,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import benchlib as bl
 from benchlib import ROOT
-
-sys.path.insert(0, str(ROOT))
-from tests import slurmcluster  # noqa: E402
 
 PODMAN_ARGS = "--ulimit nofile=20000:20000 --ulimit nproc=32768:32768"   # this machine's limits (tests/test_hpc)
 
@@ -49,16 +45,10 @@ def main():
         bl.private_runs_dir(Path(tmp))
         env_made = bl.run([py, "-m", "invoke", "venv", "--variant", "cpu", "--dest", Path(tmp) / "envs"], cwd=ROOT)
         venv = env_made.proc.stdout.strip().splitlines()[-1]
-        save = subprocess.Popen(["docker", "save", "fleetbox/paddle:cpu"], stdout=subprocess.PIPE)
-        subprocess.run(["podman", "load", "-q"], stdin=save.stdout, check=True, capture_output=True)
-        save.wait()
-        cluster = Path(tmp) / "slurm"
-        cluster.mkdir()
-        env = slurmcluster.start(cluster)
         arms = {"none": ["--runtime", "none", "--venv", venv],
                 "podman": ["--runtime", "podman", "--runtime-args", PODMAN_ARGS]}
         got = {arm: {"first": [], "whole": []} for arm in arms}
-        try:
+        with bl.slurm_cluster(Path(tmp)) as env:
             for i, arm in bl.rounds(list(arms), a.repeat):
                 t = bl.run([py, "-m", "invoke", "train", "--backend", "slurm", "--nodes", "2", *arms[arm],
                             "--args", f"--steps {a.steps}"], cwd=ROOT, env={**os.environ, **env},
@@ -68,8 +58,6 @@ def main():
                 got[arm]["whole"].append(t.wall)
                 print(f"round {i} {arm:<6}: first step {got[arm]['first'][-1]:6.2f} s, whole {t.wall:6.2f} s",
                       flush=True)
-        finally:
-            slurmcluster.stop(cluster)
     rows = [[arm, f"{bl.med(v['first']):.2f} s {bl.spread(v['first'])}", f"{bl.med(v['whole']):.2f} s "
              f"{bl.spread(v['whole'])}"] for arm, v in got.items()]
     print(f"\n2 nodes, {a.steps} steps, {a.repeat} rounds each, interleaved; env made by invoke venv in "

@@ -1,6 +1,7 @@
-"""A real 2-node Slurm cluster made by the tests: slurmctld here, one slurmd per node namespace.
+"""A real Slurm cluster made by the tests: slurmctld here, one slurmd per node namespace; 3 nodes, so that a
+2-node job can keep a spare.
 
-Nodes are fabric.SLURM's namespaces (fbn1, fbn2 with their own addresses). Each slurmd gets its own UTS
+Nodes are fabric.SLURM's namespaces (fbn1, fbn2, ... with their own addresses). Each slurmd gets its own UTS
 namespace (hostname nodeN) and enters the node's network namespace with nsenter (not `ip netns exec`,
 which remounts /sys so slurmd finds no cgroup filesystem). Clients use SLURM_CONF.
 
@@ -106,7 +107,10 @@ def _names(addrs: list[str] | None) -> None:
         f.truncate()
 
 
-def start(d: Path, n: int = 2) -> dict:
+NODES = 3
+
+
+def start(d: Path, n: int = NODES) -> dict:
     addrs = fabric.SLURM.network(n)
     _names(addrs)
     _munge(d)
@@ -146,7 +150,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-def stop(d: Path, n: int = 2) -> None:
+def stop(d: Path, n: int = NODES) -> None:
     pids = []
     for p in [d / "slurmctld.pid"] + [d / f"slurmd-node{k}.pid" for k in range(1, n + 1)]:
         try:

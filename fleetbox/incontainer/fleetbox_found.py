@@ -22,6 +22,8 @@ Each step's record is queued; fleetbox_progress's background writer appends them
 and only the newest of those queued (a read waits for the device's queue: once per write, never per step); a loss
 on the CPU is read for every step.
 """
+from __future__ import annotations
+
 import atexit
 import json
 import math

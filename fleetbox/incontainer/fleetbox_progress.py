@@ -21,6 +21,8 @@ system (entering a phase wakes the thread to write at once: the phase may be lon
 reported, so a stuck loop stops the file changing even though the thread lives on. A rank's child processes
 (a subprocess, a data loader's workers) write nothing: the rank's own pid is in FLEETBOX_PROGRESS_PID.
 """
+from __future__ import annotations
+
 import atexit
 import collections
 import contextlib

@@ -69,6 +69,19 @@ def blamed(facts: JobFacts) -> int | None:
     return culprit([n.rank for n in failed], evidence)
 
 
+def next_nodes(culprit: int | None, spares: int, may_shrink: bool) -> tuple[str, int | None]:
+    """What a restart runs on, its culprit (the judge's) known: ("spare", node) a spare in its place while `spares`
+    are left; else ("fewer", node) without it, where --min-nodes leaves room for one fewer (`may_shrink`); else
+    ("same", None): the whole job again, on the same nodes."""
+    if culprit is None:
+        return "same", None
+    if spares:
+        return "spare", culprit
+    if may_shrink:
+        return "fewer", culprit
+    return "same", None
+
+
 def waited(n: NodeFacts, lines: int = 60) -> bool:
     """The node's own words end saying it waited for a peer that was gone (a collective's timeout, a peer's
     connection closed): it noticed another node's failure, and failed of it. Its worker's log (`tail_of`), and its

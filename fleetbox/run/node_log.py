@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 SAYS = "fleetbox: node {node} on {host}: "
+HELD = "ended waiting in a collective; holding the node for its peers' stacks"   # a rank's, after its timeout
 LINE = re.compile(r"^fleetbox: node (\d+) on ([^:\s]+): (.*)$", re.M)
 
 

@@ -32,8 +32,9 @@ from fleetbox import files, settings
 from fleetbox.errors import UserError
 from fleetbox.incontainer.fleetbox_checkpoint_folder import OWNER, partial_of  # a checkpoint folder's
 from fleetbox.processes import process_start, this_host
+from fleetbox.run.result import SUMMARY
 
-HANDLE, JOB, PLAN, SUMMARY = "handle.json", "job.json", "plan.json", "summary.json"
+HANDLE, JOB, PLAN = "handle.json", "job.json", "plan.json"
 SUPERVISOR_READY, SUPERVISOR_LOG = "supervisor.ready", "supervisor.log"   # a detached job's supervisor
 
 

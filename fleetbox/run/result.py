@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from fleetbox import files
-from fleetbox.run.records import SUMMARY
+
+SUMMARY = "summary.json"   # a job's result, in its folder (records.py names the folder's other files)
 
 
 @dataclass
@@ -121,6 +122,21 @@ def took_place(r: dict) -> str:
     """A spare in a node's place (JobResult.replaced), as the restart line and the result table say it."""
     return (f"the spare {r['by']} takes node{r['node']}'s place" + (f" ({r['host']} is left out for the rest of the "
                                                                     f"job)" if r["host"] else ""))
+
+
+def spare_line(attempt: int, why: str, r: dict, nodes: int, restart: str) -> str:
+    """The line that says attempt `attempt` failed and a spare takes the culprit's place (r: JobResult.replaced's)."""
+    return (f"attempt {attempt} failed: {why}; {took_place(r)}: restarting from the newest checkpoint on {nodes} "
+            f"nodes {restart}")
+
+
+def fewer_line(attempt: int, why: str, node: int, host: str, nodes: int, procs_per_node: int, restart: str) -> str:
+    """The line that says attempt `attempt` failed and the job goes on without node `node` (on `host`, "": unnamed),
+    on `nodes` nodes: what changes for the script, and what tells it."""
+    return (f"attempt {attempt} failed: {why}; going on without node{node}{f' ({host})' if host else ''} from the "
+            f"newest checkpoint, on {nodes} nodes {restart}: the world is {nodes * procs_per_node} ranks, was "
+            f"{(nodes + 1) * procs_per_node}; each rank's batch is the script's, so the global batch shrinks with it "
+            f"(PADDLE_TRAINERS_NUM, and the checkpoint helper's saved_world, tell the script)")
 
 
 def replaced_text(r: dict, failed_at: int | None = None, from_step: int | None = None) -> str:

@@ -151,13 +151,15 @@ JOB_OPTIONS: tuple[Option, ...] = (
     Option("resume", "auto (default: from the newest complete checkpoint), never, or a checkpoint folder to start "
                      "from"),
     Option("max_restarts", "after a node fails, start the whole job again from its newest checkpoint, up to N times "
-                           "(default 0; docker: at once, slurm: in a new allocation)", kind=int, low=0),
+                           "(default 0; docker: at once, slurm: in a new allocation, or in the same one on a spare "
+                           "or fewer nodes)", kind=int, low=0),
     Option("min_nodes", "a restart goes on without the node that failed (or hung), from the newest checkpoint, while "
-                        "at least M nodes are left (default: every node, always; docker, kubernetes)", kind=int,
+                        "at least M nodes are left (default: every node, always; docker, kubernetes, slurm)", kind=int,
            low=1),
     Option("spare_nodes", "nodes kept in reserve: one takes the place of a node that fails, hangs or fails its check "
                           "at start, and the job goes on from the newest checkpoint on as many nodes (docker: the "
-                          "--hosts after the first N; default 0)", kind=int, low=0),
+                          "--hosts after the first N; slurm: K more nodes in the allocation; default 0)", kind=int,
+           low=0),
     Option("hang_timeout", "a rank that makes no progress for this long is hung: every rank's stacks are kept, the "
                            "job stopped (and restarted with --max-restarts); 90, 90s, 20m, 1h; 0: off (default 10m)",
            kind=float),
@@ -237,11 +239,11 @@ def from_options(variant: Variant, backend=None, **given) -> JobSpec:
     if backend is not None:
         backend.check(spec)
         if spec.may_shrink and not backend.capabilities.fewer_nodes:
-            raise UserError(f"--min-nodes: the {backend.name} backend does not go on with fewer nodes yet (docker "
-                            f"and kubernetes do); drop it")
+            raise UserError(f"--min-nodes: the {backend.name} backend does not go on with fewer nodes yet (docker, "
+                            f"slurm and kubernetes do); drop it")
         if spec.spare_nodes and not backend.capabilities.spares:
-            raise UserError(f"--spare-nodes: the {backend.name} backend keeps no spare nodes yet (docker with --hosts "
-                            f"does); drop it")
+            raise UserError(f"--spare-nodes: the {backend.name} backend keeps no spare nodes yet (docker with --hosts, "
+                            f"and slurm, do); drop it")
     for name in spec.pass_env:   # its value is read where a container is made: it must be there now
         if name not in os.environ:
             raise UserError(f"--pass-env {name}: it is not set in your environment")

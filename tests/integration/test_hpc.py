@@ -235,24 +235,45 @@ def test_slurm_a_script_that_spawns_its_ranks_runs_them_on_one_node_and_a_failed
     assert podman_containers(s["job_id"]) == podman_containers(summary(bad)[0]["job_id"]) == []
 
 
-def test_slurm_a_static_program_on_two_nodes_killed_and_restarted_ends_bit_for_bit(cluster, podman_image):
-    """tests/integration/test_job_styles.py's static job on the Slurm cluster: rank 1 is killed after step 6
-    (saved at 4); the restart goes on from step 4 and every rank ends as in a run that never stopped."""
-    def run(*more):
+def test_slurm_a_spare_takes_a_killed_nodes_place_in_the_same_allocation_and_the_job_ends_bit_for_bit(cluster,
+                                                                                                       podman_image):
+    """tests/integration/test_job_styles.py's static job, 2 nodes and a spare on the 3-node cluster: rank 1 is
+    killed after step 6 (saved at 4). The next step runs in the same Slurm job (no requeue, no queue) on the spare
+    in its node's place, from step 4, and every rank ends as in a run that never stopped. Without a spare,
+    --min-nodes 1 goes on with the one node left; more spares than the partition has is one line."""
+    def run(*more, ok=True):
         proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL, *STATIC, *more)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr
+        if not ok:
+            return proc, None
         s, job_dir = summary(proc)
-        results = [json.loads(ln[7:]) for k in (0, 1) for ln in
+        results = [json.loads(ln[7:]) for k in range(len(s["nodes"])) for ln in
                    Path(job_dir, f"node{k}", "workerlog.0").read_text().splitlines() if ln.startswith("RESULT ")]
         return s, {r["rank"]: r for r in results}
 
     _, want = run("--args", STATIC_ARGS)
-    s, got = run("--max-restarts", "1", "--args", f"{STATIC_ARGS} --kill-rank 1 --kill-at 6")
-    assert [a["ok"] for a in s["attempts"]] == [False, True], s["attempts"]
-    ended = s["attempts"][0]["ended"]   # the launcher exits 247 or srun reports the kill (137): either is a failure
-    assert ended.startswith("failed (exit ") and "); restarted from step 4 in Slurm job " in ended, s["attempts"]
+    s, got = run("--spare-nodes", "1", "--max-restarts", "1", "--args", f"{STATIC_ARGS} --kill-rank 1 --kill-at 6")
+    failed, passed = s["attempts"]
+    assert (failed["ok"], passed["ok"], failed["slurm_job"]) == (False, True, passed["slurm_job"]), s["attempts"]
+    assert failed["ended"].startswith("failed (exit ") and failed["ended"].endswith(
+        f"node2 left out, a spare in its place: restarted from step 4 in the same Slurm job {failed['slurm_job']}")
+    (r,) = s["replaced"]
+    assert (r["attempt"], r["node"], r["host"], r["by"], r["ran"]) == (1, 1, "node2", "node3", True), r
+    assert sorted(n["host"] for n in s["nodes"]) == ["node1", "node3"] and s["ok"], s["nodes"]
+    shown = subprocess.run(["scontrol", "show", "job", failed["slurm_job"]], capture_output=True, text=True,
+                           env={**os.environ, **cluster}).stdout
+    assert " Restarts=0 " in shown and " NumNodes=3 " in shown, shown   # Slurm never requeued it
     for r in (0, 1):
         assert got[r]["first"] == 4 and got[r]["sha256"] == want[r]["sha256"], (got, want)
+
+    s, got = run("--min-nodes", "1", "--max-restarts", "1", "--args",
+                 "--steps 12 --every 4 --optimizer sgd --average --kill-rank 1 --kill-at 6")
+    assert [(a["ok"], a["nodes"]) for a in s["attempts"]] == [(False, 2), (True, 1)], s["attempts"]
+    assert "node2 left out: restarted from step 4 on one node fewer" in s["attempts"][0]["ended"]
+    assert [n["host"] for n in s["nodes"]] == ["node1"] and got[0]["first"] == 4, (s["nodes"], got)
+
+    proc, _ = run("--spare-nodes", "2", "--args", STATIC_ARGS, ok=False)
+    assert proc.stderr == "fleetbox: error: 4 nodes (2 and 2 spare(s)) are more than partition (the default) has: 3\n"
 
 
 def test_slurm_two_nodes_with_podman_run_the_gpu_image_on_cpu(cluster, podman_image, cuda_image):

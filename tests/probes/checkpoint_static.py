@@ -66,6 +66,8 @@ def average() -> None:
     import paddle.distributed as dist
     with paddle.base.dygraph.guard():
         world = dist.get_world_size()
+        if world == 1:   # the mean of one (a job gone on alone, --min-nodes): no process group was made
+            return
         for name in params:
             t = scope.find_var(name).get_tensor()
             v = paddle.to_tensor(np.array(t))

@@ -76,8 +76,6 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
      "--min-nodes 3 is above --nodes 2"),
     (["train", "--nodes", "3", "--min-nodes", "2", "--dry-run"], "--min-nodes 2 goes on with fewer nodes at a restart: "
                                                                   "give --max-restarts too"),
-    (["train", "--backend", "slurm", "--nodes", "3", "--min-nodes", "2", "--max-restarts", "1", "--dry-run"],
-     "--min-nodes: the slurm backend does not go on with fewer nodes yet (docker and kubernetes do); drop it"),
     (["train", "--backend", "kubernetes", "--k8s-kind", "volcano", "--nodes", "3", "--min-nodes", "2",
       "--max-restarts", "1", "--k8s-checkpoint-claim", "ck", "--dry-run"],
      "--min-nodes 2 with --k8s-kind volcano: Volcano's controller restarts the whole job, on every node"),
@@ -91,8 +89,8 @@ def test_docker_daemon_unreachable_says_how_to_start_it(run_invoke, tmp_path):
       "--dry-run"], "--hosts names 2 hosts for 2 nodes and 1 spare(s): give one per node, then the spares"),
     (["train", "--nodes", "1", "--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.2:2375", "--spare-nodes", "1",
       "--max-restarts", "1", "--dry-run"], "--spare-nodes 1 with --hosts needs a --checkpoint-dir every host shares"),
-    (["train", "--backend", "slurm", "--nodes", "2", "--spare-nodes", "1", "--dry-run"],
-     "--spare-nodes: the slurm backend keeps no spare nodes yet (docker with --hosts does); drop it"),
+    (["train", "--backend", "kubernetes", "--nodes", "2", "--spare-nodes", "1", "--dry-run"],
+     "--spare-nodes: the kubernetes backend keeps no spare nodes yet (docker with --hosts, and slurm, do); drop it"),
     (["train", "--nodes", "2", "--spare-nodes", "-1", "--dry-run"], "--spare-nodes must be at least 0 (got -1)"),
     (["train", "--nodes", "1", "--hosts", "tcp://10.0.0.1:2375,tcp://10.0.0.1:2375", "--spare-nodes", "1",
       "--dry-run"], "--spare-nodes: --hosts names a spare twice, or a node's host as a spare; a spare must be a "

@@ -14,7 +14,7 @@ import pytest
 
 from fleetbox.run.backends import docker as docker_backend
 from fleetbox.run.backends import kubernetes as kube
-from fleetbox.run.backends import podman_play, slurm
+from fleetbox.run.backends import podman_play, slurm, slurm_step
 from fleetbox.run.judge import JobFacts, NodeFacts, judge
 from fleetbox.run.records import JobState
 from tests.unit.test_docker_backend import FakeEngine, job
@@ -244,10 +244,10 @@ def test_slurm_takes_each_tasks_first_report_and_only_the_jobs_tasks(tmp_path):
 
 
 def test_the_hold_after_a_collective_timeout_is_not_why_node_sh_stopped_its_node(tmp_path):
-    from fleetbox.run.backends import node_script
+    from fleetbox.run import node_log
     log = tmp_path / "node0.log"
     log.write_text(f"fleetbox: node 0 on n1: eth0 10.0.0.1 -> master 10.0.0.1:29555\nTraceback ...\n"
-                   f"fleetbox: node 0 on n1: workerlog.0 {node_script.HELD}\n")
-    assert slurm.node_said(log) == ""
+                   f"fleetbox: node 0 on n1: workerlog.0 {node_log.HELD}\n")
+    assert slurm_step.node_said(log) == ""
     log.write_text("fleetbox: node 0 on n1: `module load dtk/9` failed: no such module\n")
-    assert slurm.node_said(log) == "`module load dtk/9` failed: no such module"
+    assert slurm_step.node_said(log) == "`module load dtk/9` failed: no such module"

@@ -10,7 +10,7 @@ import pytest
 from fleetbox import ROOT
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
-from fleetbox.run.backends import slurm
+from fleetbox.run.backends import slurm, slurm_step
 from tests.unit.conftest import given_image, run_node
 
 TOPOLOGY = ROOT / "tests" / "probes" / "kfd-topology"   # GPUs 0..5 are renderD130, 128, 131, 129, 133, 132
@@ -217,10 +217,10 @@ def test_a_missing_prerequisite_stops_the_node_in_one_line_before_its_container_
     said = said.format(image=tmp_path / "img:tag", stubs=stubs)
     assert prerequisite_said(proc) == said
     assert proc.stderr.strip().splitlines()[-1] == f"fleetbox: node 1 on {os.uname().nodename}: " + \
-        said   # the line the job's summary shows (slurm.node_said)
+        said   # the line the job's summary shows (slurm_step.node_said)
     log = tmp_path / "node1.log"
     log.write_text(proc.stderr)
-    assert slurm.node_said(log) == said and 5 in slurm.NODE_EXITS
+    assert slurm_step.node_said(log) == said and 5 in slurm_step.NODE_EXITS
 
 
 def test_runtimes_without_a_node_side_prerequisite_check_none(stubs, tmp_path, monkeypatch):

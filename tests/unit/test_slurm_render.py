@@ -17,7 +17,7 @@ from fleetbox.errors import UserError
 from fleetbox.image import matrix
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backends import node_script as fragments
-from fleetbox.run.backends import runtimes, slurm
+from fleetbox.run.backends import runtimes, slurm, slurm_step
 from fleetbox.ship import exports as hpc
 from tests.unit.conftest import REGISTRY, SHIPPED_HASH, fake_env, given_image
 
@@ -62,6 +62,7 @@ def test_shellcheck_passes_the_scripts_as_rendered(runtime, variant, tmp_path):
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck is not installed (scripts/setup-host.sh installs it)")
     files = job(variant, runtime, iface="eth0", image_identity=True, max_restarts=1, env={"A": "a b {rank}"},
+                spare_nodes=1, min_nodes=1,
                 args=("--tag", "it's $(id) {node}"), mounts=(spec_mod.Mount("{home}/data", "/data"),))
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -79,7 +80,7 @@ def test_every_runtime_and_variant_renders_valid_bash(runtime, variant):
     bash_ok(node)
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu",
                  "#SBATCH --time=01:00:00", "#SBATCH --account=proj42", "MASTER_PORT=29555",
-                 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1'):
+                 'MASTER_HOST=${STEP%%,*}'):
         assert line in sb, line
     assert "srun --kill-on-bad-exit=1 --wait=60" in sb
     for piece in ('--master "$MASTER_IP":"$MASTER_PORT"', '--host "$NODE_IP"', '--nnodes "$SLURM_NNODES"',
@@ -152,7 +153,7 @@ def test_failures_are_read_from_sruns_messages():
            "srun: error: node2: task 1: Exited with exit code 3\n"
            "srun: error: node3: task 2: Killed\n"
            "srun: error: node4: task 3: Out Of Memory\n")
-    assert slurm.failures(out) == [(0, 250, "node1", False, False), (1, 3, "node2", False, False),
+    assert slurm_step.failures(out) == [(0, 250, "node1", False, False), (1, 3, "node2", False, False),
                                    (2, 137, "node3", False, True), (3, 137, "node4", True, False)]
 
 
@@ -321,7 +322,7 @@ def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, 
         (ck / "STATE").write_text(f'{{"state": "{stale}", "step": {from_step}}}')
     script = "\n".join([
         "set -euo pipefail", f"JOB_DIR={job}", f"CHECKPOINTS={ck}", "SLURM_JOB_ID=7",
-        f"MAX_ALLOCATIONS={max_alloc} MAX_RESTARTS={max_restarts}", f"SLURM_RESTART_COUNT={requeues}",
+        f"MAX_ALLOCATIONS={max_alloc} MAX_RESTARTS={max_restarts} NODES=2", f"SLURM_RESTART_COUNT={requeues}",
         f"FLEETBOX_ALLOCATION={allocation}", f"FLEETBOX_RESTARTS={restarts}", "FLEETBOX_CHAIN=7",
         # the allocation starts at from_step; the script then ran, checkpointed up to to_step and recorded its state
         f"mv {ck}/step-{to_step:08d} {tmp_path}/later" if to_step != from_step else ":",
@@ -331,7 +332,8 @@ def _allocation(tmp_path, *, state, rc, from_step=10, to_step=20, allocation=1, 
         f"echo '{{\"state\": \"{state}\", \"step\": {to_step}}}' > {ck}/STATE" if state else ":",
         'echo "attempt=$FLEETBOX_ATTEMPT"', f"rc={rc}", "next_allocation", 'echo "exit=$rc"'])
     if requeues and stale != "started":   # the run Slurm cut short (run `requeues` of job 7) began at step 5
-        (job / "started.7").write_text(f"7 {requeues} 5\n")
+        # as allocation (its step) and restart number the requeue's count makes, on 2 nodes
+        (job / "started.7").write_text(f"7 {requeues} 5 {allocation + requeues - 1} {restarts + requeues - 1} 2\n")
     elif requeues:   # it never got as far: what is there is the previous job's
         (job / "started.7").write_text("6 1 0\n")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
@@ -351,10 +353,11 @@ def test_a_requeued_allocation_is_a_restart_from_the_newest_checkpoint(tmp_path)
     recs, out, job = _allocation(tmp_path, state="done", rc=0, requeues=1, max_restarts=1)
     cut, this = recs
     assert cut == {"chain": "7", "allocation": 1, "max_allocations": 3, "slurm_job": "7", "from_step": 5,
-                   "to_step": 10, "state": "", "exit": -1, "ended": "requeued", "next": ""}
+                   "to_step": 10, "state": "", "exit": -1, "ended": "requeued", "next": "", "nodes": 2,
+                   "left_out": ""}
     assert this["allocation"] == 2 and this["from_step"] == 10 and this["ended"] == "finished"
     assert "attempt=1" in out and (job / "alloc1" / "node0.log").read_text() == "node 0 said\n"
-    assert slurm.chain_end(cut).startswith("requeued by Slurm (a node failure, preemption or scontrol requeue) at "
+    assert slurm_step.chain_end(cut).startswith("requeued by Slurm (a node failure, preemption or scontrol requeue) at "
                                            "checkpoint step 10")
 
 
@@ -381,12 +384,14 @@ def test_a_requeue_with_no_restart_left_is_not_run_again(tmp_path):
 def test_an_allocation_that_checkpointed_and_stopped_is_continued(tmp_path):
     rec, sbatch, job, out = _allocation(tmp_path, state="continue", rc=0)
     assert rec == {"chain": "7", "allocation": 1, "max_allocations": 3, "slurm_job": "7", "from_step": 10,
-                   "to_step": 20, "state": "continue", "exit": 0, "ended": "continue", "next": "99"}
+                   "to_step": 20, "state": "continue", "exit": 0, "ended": "continue", "next": "99", "nodes": 2,
+                   "left_out": ""}
     assert "--dependency=afterany:7" in sbatch
     assert "FLEETBOX_ALLOCATION=2,FLEETBOX_RESTARTS=0,FLEETBOX_CHAIN=7" in sbatch
     assert sorted(p.name for p in (job / "alloc1").iterdir()) == ["node0", "node0.log"]   # its logs kept apart
     assert (job / "node.sh").exists() and "exit=0" in out
-    assert slurm.chain_end(rec) == "stopped at the time limit with a checkpoint at step 20; continued in Slurm job 99"
+    assert slurm_step.chain_end(rec) == ("stopped at the time limit with a checkpoint at step 20; continued in Slurm "
+                                         "job 99")
 
 
 @pytest.mark.parametrize("case,kw,ended,submits", [
@@ -409,17 +414,17 @@ def test_how_an_allocation_ends_is_read_from_the_checkpoint_folder(tmp_path, cas
     if ended == "restart":
         assert "FLEETBOX_RESTARTS=1" in sbatch and rec["exit"] == 3
     if ended == "no-progress":
-        assert slurm.chain_end(rec) == ("allocation 1 made no progress (its newest checkpoint is still step 10): "
+        assert slurm_step.chain_end(rec) == ("allocation 1 made no progress (its newest checkpoint is still step 10): "
                                         "not continuing")
     if ended == "max-allocations":
-        assert slurm.chain_end(rec) == "stopped at step 20 to continue, but --max-allocations 3 was reached"
+        assert slurm_step.chain_end(rec) == "stopped at step 20 to continue, but --max-allocations 3 was reached"
 
 
 def test_an_allocation_of_a_cancelled_chain_ends_at_once(tmp_path):
     import subprocess
     (tmp_path / "CANCELLED.7").touch()
     script = "\n".join(["set -euo pipefail", f"JOB_DIR={tmp_path}", f"CHECKPOINTS={tmp_path}", "SLURM_JOB_ID=8",
-                        "FLEETBOX_CHAIN=7", str(slurm.CHAIN_SH), "echo started"])
+                        "FLEETBOX_CHAIN=7", "NODES=2", str(slurm.CHAIN_SH), "echo started"])
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout == "fleetbox: run 1 of Slurm job 8\nfleetbox: the job was cancelled\n"
 
@@ -429,7 +434,8 @@ def test_slurm_is_asked_to_warn_before_the_time_limit_and_the_chain_is_bounded(t
     p = b.plan(spec_mod.JobSpec(variant=matrix.load().get("cpu"), nodes=2, job_id="train-x", max_restarts=2))
     sbatch = dict(p.files)["job.sbatch"]
     assert "#SBATCH --signal=B:USR1@90\n" in sbatch and "#SBATCH --time=00:04:00\n" in sbatch
-    assert "MAX_ALLOCATIONS=4 MAX_RESTARTS=2\n" in sbatch and sbatch.rstrip().endswith('next_allocation\nexit "$rc"')
+    assert "MAX_ALLOCATIONS=4 MAX_RESTARTS=2 NODES=2\n" in sbatch
+    assert sbatch.rstrip().endswith('next_allocation\nexit "$rc"')
     assert "#SBATCH --requeue\n" in sbatch   # a node failure or preemption is a restart
     assert f"CHECKPOINTS={p.checkpoints}" in sbatch and p.checkpoints == str(p.dir / "checkpoints")
     node = dict(p.files)["node.sh"]
@@ -510,8 +516,8 @@ def test_a_followed_log_loses_no_line_when_an_allocation_moves_it_aside(tmp_path
 
 def test_the_batch_script_runs_the_hang_watcher_beside_srun_only_with_a_deadline(tmp_path):
     on = sbatch(job(hang_timeout=20.0))
-    assert ("then python3 -I /x/runs/train-t-0001/hang.py /x/runs/train-t-0001 2 1 20 900 \"$FLEETBOX_ATTEMPT\" "
-            "\"$SRUN\" & WATCH=$!;").replace("/x/runs", str(slurm.settings.runs_root())) in on
+    assert ('[ -z "$PYTHON" ] || { python3 -I /x/runs/train-t-0001/hang.py /x/runs/train-t-0001 "$STEP_NODES" 1 20 '
+            '900 "$FLEETBOX_ATTEMPT" "$SRUN" & WATCH=$!; }').replace("/x/runs", str(slurm.settings.runs_root())) in on
     assert "sys.version_info < (3, 8)" in on   # RHEL 8's python3 is 3.6: detection off, said in the batch output
     assert 'rm -f "$JOB_DIR"/node[0-9]*/progress-rank*.json "$JOB_DIR"/node[0-9]*/stacks-rank*.txt ' \
         '"$JOB_DIR"/node[0-9]*/found-metrics-rank*.log "$JOB_DIR"/node[0-9]*/STACKS-REQUEST' in on
@@ -654,12 +660,12 @@ def test_a_node_that_node_sh_stopped_says_why_in_the_summary(tmp_path):
                    "ERROR: Unable to locate a modulefile for 'dtk/9'\n"
                    "fleetbox: node 1 on n2: `module load dtk/9` failed: ERROR: Unable to locate a modulefile for "
                    "'dtk/9'\n")
-    assert slurm.node_said(log) == "`module load dtk/9` failed: ERROR: Unable to locate a modulefile for 'dtk/9'"
+    assert slurm_step.node_said(log) == "`module load dtk/9` failed: ERROR: Unable to locate a modulefile for 'dtk/9'"
     log.write_text("fleetbox: image missing /s/envs/cpu-0 is not an env made by invoke venv on n2 (no x)\n")
-    assert slurm.node_said(log) == "image missing /s/envs/cpu-0 is not an env made by invoke venv on n2 (no x)"
+    assert slurm_step.node_said(log) == "image missing /s/envs/cpu-0 is not an env made by invoke venv on n2 (no x)"
     log.write_text("fleetbox: node 1 on n2: eth0 10.0.0.2 -> master 10.0.0.1:29555\nTraceback ...\nValueError: x\n")
-    assert slurm.node_said(log) == ""   # the training ran: its own words are the log's tail
-    assert slurm.node_said(tmp_path / "missing.log") == ""
+    assert slurm_step.node_said(log) == ""   # the training ran: its own words are the log's tail
+    assert slurm_step.node_said(tmp_path / "missing.log") == ""
 
 
 def test_with_no_container_a_module_that_did_not_load_stops_the_node_and_the_sites_pythonpath_is_kept(
@@ -923,7 +929,7 @@ def test_the_batch_script_asks_a_busy_controller_again_for_the_masters_address(f
     """Run as rendered with a stand-in scontrol that times out `fails` times: the address once it answers; with
     no answer the script goes on with the host name (set -euo pipefail would have ended it at once)."""
     monkeypatch.setattr(slurm, "START_WAITS", (0, 0, 0))
-    asked = next(ln for ln in sbatch(job()).splitlines() if ln.startswith("MASTER_ADDR="))
+    asked = next(ln.strip() for ln in sbatch(job()).splitlines() if ln.strip().startswith("MASTER_ADDR="))
     stub = tmp_path / "scontrol"
     stub.write_text(f'#!/bin/bash\nn=$(cat {tmp_path}/n 2>/dev/null || echo 0); echo $((n + 1)) > {tmp_path}/n\n'
                     f'if [ "$n" -lt {fails} ]; then echo "slurm_load_node error: Socket timed out on send/recv '
@@ -979,3 +985,94 @@ def test_the_shells_sbatch_and_srun_variables_never_steer_the_job_fleetbox_plann
     monkeypatch.setenv("SBATCH_QOS", "long\n#SBATCH --partition=evil")   # still one line, in the log and dry-run
     assert slurm.environment_line(b.plan(spec).environment).endswith(
         "taken from the environment: SBATCH_ACCOUNT=proj42, SBATCH_QOS=long #SBATCH --partition=evil")
+
+
+# -- the next step in the allocation (slurm_step.py, run from the job folder's pack as job.sbatch runs it) --
+
+KILLED = ("srun: error: node2: task 1: Exited with exit code 137\nsrun: Job step aborted: Waiting up to 62 seconds "
+          "for job step to finish.\nsrun: error: node1: task 0: Terminated\n")
+START = "fleetbox: allocation 1 (Slurm job 7) starts from checkpoint step 0\n"
+
+
+def _next_step(tmp_path, batch: str, *, spares="node3", min_nodes=0, restarts=0, max_restarts=1, said=None):
+    """A failed step's job folder (node k ran on node<k+1>, `said`: what node.sh printed last on a node), and the
+    pack's answer: (stdout, the line it said, what it recorded of a spare)."""
+    job = tmp_path / "train-s"
+    job.mkdir(exist_ok=True)
+    (job / "slurm-7.out").write_text("fleetbox: run 1 of Slurm job 7\n" + batch)
+    for k in (0, 1):
+        (job / f"node{k}.log").write_text(f"fleetbox: node {k} on node{k + 1}: eth0 10.0.0.{k} -> master\n"
+                                          + (said or {}).get(k, "training...\n"))
+    slurm_step.pack(job / slurm_step.ALLOCATION_PYZ)
+    proc = subprocess.run(["python3", "-I", "-S", str(job / slurm_step.ALLOCATION_PYZ), str(job), "7", "1", "1",
+                           str(min_nodes), str(restarts), str(max_restarts), "node1,node2", spares or "-"],
+                          capture_output=True, text=True, env={"SLURM_JOB_ID": "7", "PATH": os.environ["PATH"]})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, proc.stderr, slurm_step.replaced(job, "7")
+
+
+def test_after_a_killed_node_the_next_step_puts_the_spare_in_its_place_spending_a_restart(tmp_path):
+    out, said, replaced = _next_step(tmp_path, START + KILLED)
+    assert out == "node2 2 1\n"
+    assert said.startswith("fleetbox: attempt 0 failed: node1 (rank 1) on node2 exited with exit code 137") and \
+        said.rstrip().endswith("the spare node3 takes node1's place (node2 is left out for the rest of the job): "
+                               "restarting from the newest checkpoint on 2 nodes (restart 1 of 1)")
+    assert [{k: r[k] for k in ("attempt", "node", "host", "by", "ran")} for r in replaced] == \
+        [{"attempt": 1, "node": 1, "host": "node2", "by": "node3", "ran": True}]
+
+
+def test_with_no_spare_min_nodes_goes_on_with_one_node_fewer(tmp_path):
+    out, said, replaced = _next_step(tmp_path, START + KILLED, spares="", min_nodes=1)
+    assert (out, replaced) == ("node2 1 1\n", [])
+    assert "going on without node1 (node2) from the newest checkpoint, on 1 nodes (restart 1 of 1): the world is " \
+           "1 ranks, was 2" in said
+
+
+@pytest.mark.parametrize("why,kw", [
+    ("no restart left", dict(restarts=1)),
+    ("no spare and no --min-nodes", dict(spares="")),
+    ("the failure is an earlier step's", dict(batch=KILLED + START)),
+    ("every node stopped alike before the training", dict(said={k: f"fleetbox: node {k} on node{k + 1}: /s is not on "
+                                                                f"this node\n" for k in (0, 1)},
+                                                          batch=START + "srun: error: node1: task 0: Exited with exit "
+                                                                "code 3\nsrun: error: node2: task 1: Exited with exit "
+                                                                "code 3\n")),
+])
+def test_the_next_step_is_not_this_allocations(tmp_path, why, kw):
+    out, said, replaced = _next_step(tmp_path, kw.pop("batch", START + KILLED), **kw)
+    assert (out, said, replaced) == ("", "", []), why
+
+
+@pytest.mark.parametrize("other_trained", [True, False])
+def test_a_node_that_stopped_before_the_training_is_replaced_spending_no_restart_where_another_one_trained(
+        tmp_path, other_trained):
+    """Node 1 stopped in node.sh's checks; node 0 was stopped by srun: where node 0's workers had started, node 1
+    alone is at fault and a spare takes its place without a restart; where they had not (the same checks may
+    fail everywhere), the spare spends one."""
+    if other_trained:
+        (tmp_path / "train-s" / "node0").mkdir(parents=True)
+        (tmp_path / "train-s" / "node0" / "workerlog.0").write_text("step 0\n")
+    out, said, replaced = _next_step(
+        tmp_path, START + "srun: error: node2: task 1: Exited with exit code 3\nsrun: error: node1: task 0: "
+        "Terminated\n", max_restarts=1,
+        said={1: "fleetbox: node 1 on node2: /s is not on this node: it must be on a file system every node mounts\n"})
+    if other_trained:
+        assert out == "node2 2 0\n" and said.rstrip().endswith("(no restart spent: it never started)"), said
+    else:
+        assert out == "node2 2 1\n" and said.rstrip().endswith("(restart 1 of 1)"), said
+    assert [(r["host"], r["by"], r["ran"]) for r in replaced] == [("node2", "node3", False)]
+
+
+def test_a_step_after_one_node_fewer_that_the_time_limit_ended_is_an_attempt_of_its_own_on_its_nodes(tmp_path):
+    """Slurm job 77 went on with one node fewer (recorded), and its time limit then killed the batch script during
+    the next step (no record): that step is the last attempt, on 1 node, timed out, and no node is blamed."""
+    h = _recorded_job(tmp_path, "fleetbox: run 1 of Slurm job 77\n" + START.replace("7)", "77)") +
+                      "srun: error: node1: task 0: Terminated\n", {0: 1_000_000_000})
+    rec = {"chain": "77", "allocation": 1, "max_allocations": 1, "slurm_job": "77", "from_step": 0, "to_step": 4,
+           "state": "running", "exit": 1, "ended": "fewer", "next": "", "nodes": 2, "left_out": "node2"}
+    r = slurm.SlurmBackend(runtime="podman").result(h, "TIMEOUT", "77", [rec])
+    assert (r.timed_out, r.culprit, [n.node for n in r.nodes]) == (True, None, ["node0"])
+    assert [(a["attempt"], a["nodes"], a["ok"]) for a in r.attempts] == [(0, 2, False), (1, 1, False)]
+    assert r.attempts[0]["ended"] == ("failed (exit 1); node2 left out, one node fewer: restarted from step 4 in the "
+                                      "same Slurm job 77")
+    assert r.attempts[1]["ended"] == "ended with no record of its own (Slurm: TIMEOUT)"

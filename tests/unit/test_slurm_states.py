@@ -8,7 +8,7 @@ import types
 import pytest
 
 from fleetbox.errors import UserError
-from fleetbox.run.backends import slurm
+from fleetbox.run.backends import slurm, slurm_step
 from fleetbox.run.records import Handle, JobState
 
 # scontrol show job ID -o: the state the test gave job ID in states.json (none: Slurm forgot it);
@@ -152,9 +152,9 @@ def test_a_requeued_jobs_earlier_run_is_not_read_as_this_ones_failure():
            "srun: error: node2: task 1: Terminated\n")
     rerun = ("fleetbox: run 2 of Slurm job 7\n"
              "fleetbox: Slurm requeued job 7 (restart count 1): allocation 2 goes on from the newest checkpoint\n")
-    assert [f.rank for f in slurm.failures(cut + rerun)] == [1]
-    assert slurm.failures(slurm.this_run(cut + rerun)) == []
-    assert slurm.this_run("no marker\n") == "no marker\n"
+    assert [f.rank for f in slurm_step.failures(cut + rerun)] == [1]
+    assert slurm_step.failures(slurm_step.this_run(cut + rerun)) == []
+    assert slurm_step.this_run("no marker\n") == "no marker\n"
 
 
 def test_a_requeued_run_that_ends_with_no_record_ends_the_job(stub_slurm, tmp_path):

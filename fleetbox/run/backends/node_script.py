@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 
-from fleetbox.run import hang
+from fleetbox.run import hang, node_log
 from fleetbox.run import plan as planner
 from fleetbox.run.shell import Raw
 
@@ -27,7 +27,6 @@ def port_range(index: str, master_port: str, procs_per_node: int) -> str:
     return (f'PORT_RANGE="$(({master_port} + 1 + {index} * {width})):'
             f'$(({master_port} + {width} + {index} * {width}))"')
 
-HELD = "ended waiting in a collective; holding the node for its peers' stacks"   # the hold's line, after the rank
 # a node held after a collective's timeout, ended by the hang watcher's stop once it has the stacks (its look, the
 # stacks' wait, a slow shared file system or API server); the cap, where no watcher runs
 HOLD_S = 60
@@ -51,5 +50,5 @@ def hold_after_timeout(logs: str, says: str, hold_s: float, bash: bool = True) -
              f'tail -c 65536 -- "$f" 2>/dev/null | grep -qsE -- {pattern}')
     hold = f"sleep {hold_s:g}" if bash else f'sleep {hold_s:g} & wait "$!" || {{ kill "$!" 2>/dev/null || true; }}'
     return (f'if [ "$rc" -ne 0 ] && [ -z "${{STOPPING:-}}" ]; then for f in {logs}/workerlog.*; do if {found}; '
-            f'then echo "{says}${{f##*/}} {HELD}" >&2; : > {logs}/{hang.TIMED_OUT} || true; {hold}; break; fi; '
-            'done; fi')
+            f'then echo "{says}${{f##*/}} {node_log.HELD}" >&2; : > {logs}/{hang.TIMED_OUT} || true; {hold}; break; '
+            'fi; done; fi')

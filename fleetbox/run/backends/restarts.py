@@ -12,25 +12,12 @@ from pathlib import Path
 from fleetbox.errors import Failed, NodeRefused
 from fleetbox.run import metrics
 from fleetbox.run.backend import CANCELLED, Backend, Plan
-from fleetbox.run.result import JobResult, took_place
+from fleetbox.run.judge import next_nodes
+from fleetbox.run.result import JobResult, fewer_line, spare_line, took_place
 
 # what its layout's earlier-attempt folder holds (the job folder's reference page)
 EARLIER = ("an earlier attempt's node folders and summary, where fleetbox restarted the job (the last attempt's are "
            "at the top)")
-
-
-def next_nodes(spec, result: JobResult | None, spares: int) -> tuple[str, int | None]:
-    """What a restart after `result` runs on: ("spare", node) a spare in the place of the node that failed or hung
-    (the judge's culprit), while `spares` are left; else ("fewer", node) without it, where --min-nodes leaves room
-    for one fewer; else ("same", None): the whole job again, on the same nodes."""
-    culprit = None if result is None else result.culprit
-    if culprit is None:
-        return "same", None
-    if spares:
-        return "spare", culprit
-    if spec.may_shrink:
-        return "fewer", culprit
-    return "same", None
 
 
 def fewer_note(spec) -> tuple[str, ...]:
@@ -83,7 +70,8 @@ class ClientRestarts(Backend):
     def _next(self, plan: Plan, result: JobResult | None, attempt: int, why: str, log) -> Plan:
         """The plan of the restart after a failed attempt, said in one line."""
         restarts = plan.spec.max_restarts
-        how, node = next_nodes(plan.spec, result, self.spares_left(plan) if self.capabilities.spares else 0)
+        how, node = next_nodes(None if result is None else result.culprit,
+                               self.spares_left(plan) if self.capabilities.spares else 0, plan.spec.may_shrink)
         if how == "fewer" and not self.capabilities.fewer_nodes:
             how = "same"
         restart = f"(restart {attempt + 1} of {restarts})"
@@ -92,18 +80,13 @@ class ClientRestarts(Backend):
             return plan
         if how == "spare":
             plan = self._spare_for(plan, node, attempt + 1, why, ran=True)
-            log(f"attempt {attempt} failed: {why}; {took_place(plan.replaced[-1])}: restarting from the newest "
-                f"checkpoint on {plan.spec.nodes} nodes {restart}")
+            log(spare_line(attempt, why, plan.replaced[-1], plan.spec.nodes, restart))
             return plan
-        host, ranks = self.host_of(plan, node), plan.spec.nodes * plan.spec.procs_per_node
+        host = self.host_of(plan, node)
         # the machine it ran on, where the result names a scheduler's node (kept out from here on)
         machine = next((n.host for n in result.nodes if n.rank == node), "") if self.capabilities.names_hosts else ""
         plan = self.without(plan, node, machine)
-        log(f"attempt {attempt} failed: {why}; going on without node{node}{f' ({host})' if host else ''} from the "
-            f"newest checkpoint, on {plan.spec.nodes} nodes {restart}: the world is "
-            f"{plan.spec.nodes * plan.spec.procs_per_node} ranks, was {ranks}; each rank's batch is the script's, "
-            f"so the global batch shrinks with it (PADDLE_TRAINERS_NUM, and the checkpoint helper's saved_world, "
-            f"tell the script)")
+        log(fewer_line(attempt, why, node, host, plan.spec.nodes, plan.spec.procs_per_node, restart))
         return plan
 
     def _started(self, now: list, attempt: int, log, deadline: float | None, on_submit) -> JobResult:

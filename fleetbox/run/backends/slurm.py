@@ -20,7 +20,6 @@ import subprocess
 import time
 from dataclasses import KW_ONLY, asdict, dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 from fleetbox import files, incontainer, settings
 from fleetbox import options as parse
@@ -29,12 +28,13 @@ from fleetbox.run import checkpoints, filesystems, hang, hostnet, node_log, plac
 from fleetbox.run import plan as planner
 from fleetbox.run import spec as spec_mod
 from fleetbox.run.backend import CANCELLED, Backend, Capabilities, Doctoring, Option, Plan
-from fleetbox.run.backends import node_script, runtimes
+from fleetbox.run.backends import node_script, restarts, runtimes, slurm_step
 from fleetbox.run.backends.runtimes import template
+from fleetbox.run.backends.slurm_step import chain_end, goes_on, hang_of
 from fleetbox.run.jobfolder import Layout
-from fleetbox.run.judge import JobFacts, NodeFacts, judge
+from fleetbox.run.judge import judge
 from fleetbox.run.records import Handle, JobInfo, JobState
-from fleetbox.run.result import JobResult, last_words, read_lines, smoke_report
+from fleetbox.run.result import JobResult, read_lines, smoke_report
 from fleetbox.run.shell import Raw, line
 from fleetbox.ship import shipped
 
@@ -230,10 +230,13 @@ class SlurmBackend(Backend):
         "helpers": "Slurm: fleetbox's in-container helpers (a copy, for the same reason)",
         "slurm-<N>.out": "Slurm: the batch script's output, per allocation",
         "allocations.jsonl": "Slurm: how each allocation ended",
+        slurm_step.REPLACED: "Slurm: each node a spare took the place of",
+        slurm_step.ALLOCATION_PYZ: "Slurm: what picks a failed step's next nodes (with --spare-nodes or --min-nodes)",
         "started.<N>": "Slurm: when an allocation's job step started"})
     # restarts: in the chain of allocations (job.sbatch); hangs: the batch script runs run/hang.py beside srun
+    # spares and fewer nodes: the next step in the same allocation (job.sbatch's loop, slurm_step.py)
     capabilities = Capabilities(own_limit="Slurm: --time", restarts=True, watches_hangs=True,
-                                attempts_are="allocations", names_hosts=True)
+                                attempts_are="allocations", names_hosts=True, spares=True, fewer_nodes=True)
     doctoring = Doctoring(reports_image=True,
                           unreported_fix="node.sh did not run on this node: see the batch output (slurm-<id>.out)")
     # another backend's own options, given to this one: why they have no place here
@@ -336,8 +339,13 @@ class SlurmBackend(Backend):
         self.runtime.check(t, image)
         files = (("job.sbatch", self.render_sbatch(spec, job_id, job_dir, port, t, image, ckpt)),
                  ("node.sh", self.render_node_script(spec, job_id, job_dir, t, image)))
+        spares = (f"note: --spare-nodes {spec.spare_nodes}: the allocation holds {spec.nodes + spec.spare_nodes} "
+                  f"nodes and the job runs on {spec.nodes}; a node that fails, hangs or stops before the training is "
+                  f"left out and the next spare takes its place, from the newest checkpoint, in the same allocation",) \
+            if spec.spare_nodes else ()
         return SlurmPlan(spec, job_id, job_dir, port, self.runtime.name, image, files, str(ckpt), image_why,
-                         submit_environment(os.environ, files[0][1]), notes=(self.time_note,) if self.time_note else ())
+                         submit_environment(os.environ, files[0][1]),
+                         notes=(*((self.time_note,) if self.time_note else ()), *spares, *restarts.fewer_note(spec)))
 
     def node_run(self, spec: spec_mod.JobSpec, job_id: str, job_dir: Path, ckpt: Path,
                  owner: str = "") -> planner.NodeRun:
@@ -452,8 +460,9 @@ class SlurmBackend(Backend):
         rt = self.runtime
         # B:USR1: the warning goes to this script only, which asks the training processes (whatever runtime
         # holds them) to checkpoint and stop through a file in the checkpoint folder
-        head = ["#!/bin/bash", f"#SBATCH --job-name=fleetbox-{job_id}", f"#SBATCH --nodes={spec.nodes}",
-                "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={job_dir}/slurm-%j.out",
+        head = ["#!/bin/bash", f"#SBATCH --job-name=fleetbox-{job_id}",
+                f"#SBATCH --nodes={spec.nodes + spec.spare_nodes}", "#SBATCH --ntasks-per-node=1",
+                f"#SBATCH --output={job_dir}/slurm-%j.out",
                 "#SBATCH --open-mode=append",   # a requeued run keeps the cut one's output (Slurm truncates)
                 f"#SBATCH --signal=B:USR1@{self.signal_grace}"]
         head += [f"#SBATCH --{k}={v}" for k, v in self.sbatch.items() if v]
@@ -463,45 +472,75 @@ class SlurmBackend(Backend):
         head.append("#SBATCH --requeue" if spec.max_restarts else "#SBATCH --no-requeue")
         if spec.device != "cpu":   # one per process; node.sh gives each runtime exactly these
             head.append(f"#SBATCH --gpus-per-node={spec.gpus_each}")
+        here = bool(spec.spare_nodes or spec.may_shrink)   # a failed step may be followed in this allocation
         body = [
             "set -euo pipefail",
             f"JOB_DIR={shlex.quote(str(job_dir))}",
             f"CHECKPOINTS={shlex.quote(str(ckpt))}",
-            f"MAX_ALLOCATIONS={self.max_allocations} MAX_RESTARTS={spec.max_restarts}",
+            f"MAX_ALLOCATIONS={self.max_allocations} MAX_RESTARTS={spec.max_restarts} NODES={spec.nodes}",
             CHAIN_SH,
-            "# the master: first host of the allocation, as a numeric IP (Paddle's master needs one)",
-            'MASTER_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            # the node's address, asked of the controller, again while it is busy (the loop ends in a success, else
-            # in a sleep: never an error that ends the script), else the host name
-            "MASTER_ADDR=$(for wait in " + " ".join(str(w) for w in START_WAITS) + "; do "
+            f"MASTER_PORT={port}",
+            "export MASTER_PORT",
+            # the master: the step's first node, as a numeric IP (Paddle's master needs one); its address asked of
+            # the controller, again while it is busy (the loop ends in a success, else in a sleep: never an error
+            # that ends the script), else the host name
+            "find_master() {",
+            '  MASTER_HOST=${STEP%%,*}',
+            "  MASTER_ADDR=$(for wait in " + " ".join(str(w) for w in START_WAITS) + "; do "
             "scontrol show node \"$MASTER_HOST\" -o 2>/dev/null && break; sleep \"$wait\"; done "
             "| sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
-            "MASTER_IP=$(getent ahostsv4 \"${MASTER_ADDR:-$MASTER_HOST}\" | awk 'NR == 1 {print $1}') || true",
-            '[ -n "$MASTER_IP" ] || { echo "fleetbox: the master $MASTER_HOST has no IPv4 address here" >&2; exit 2; }',
-            f"MASTER_PORT={port}",
-            "export MASTER_IP MASTER_PORT",
-            'echo "fleetbox: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_HOST = $MASTER_IP:$MASTER_PORT"',
-            "mkdir -p " + line([str(job_dir / f"node{k}") for k in range(spec.nodes)]),
-            # what an earlier run of this job id left for hang detection (our own fixed names: raw shell)
-            "rm -f " + " ".join(f'"$JOB_DIR"/node[0-9]*/{name}' for name in hang.LEFT_OVER),
+            "  MASTER_IP=$(getent ahostsv4 \"${MASTER_ADDR:-$MASTER_HOST}\" | awk 'NR == 1 {print $1}') || true",
+            '  [ -n "$MASTER_IP" ] || { echo "fleetbox: the master $MASTER_HOST has no IPv4 address here" >&2; '
+            'exit 2; }',
+            "  export MASTER_IP",
+            "}",
+            # python3 runs run/hang.py and the choice of a failed step's next nodes (slurm_step.py), where asked
+            "PYTHON=$(python3 -c 'import sys; sys.exit(sys.version_info < (3, 8))' 2>/dev/null && echo python3) "
+            "|| true",
         ]
+        if spec.hang_timeout or spec.start_timeout or here:
+            body.append('[ -n "$PYTHON" ] || echo "fleetbox: no python3 3.8 or newer on $(hostname): no hang '
+                        'detection, and no next step on a spare or fewer nodes, in this allocation" >&2')
+        if here:   # the culprit (the judge's, slurm_step.py) left out: the next step on a spare, or one node fewer
+            body += ["another_step() {",
+                     # not after a cancel, nor once the time limit is near (Slurm warns once: STOP stays)
+                     '  [ -n "$PYTHON" ] && [ ! -e "$JOB_DIR/CANCELLED.$CHAIN" ] && [ ! -e "$CHECKPOINTS/STOP" ] '
+                     '&& [ "$(script_state)" != continue ] || return 1',
+                     "  local next host nodes spent",
+                     "  next=$(" + line(["python3", "-I", "-S", str(job_dir / slurm_step.ALLOCATION_PYZ),
+                                        Raw('"$JOB_DIR" "$CHAIN" "$ALLOCATION"'), str(spec.procs_per_node),
+                                        str(spec.min_nodes),
+                                        Raw('"$RESTARTS" "$MAX_RESTARTS" "$STEP" "${SPARES:--}"')])
+                     + ") && read -r host nodes spent <<<\"$next\" && [ -n \"$host\" ] || return 1",
+                     '  step_here "$host" "$nodes" "$spent"',
+                     "}"]
+        else:
+            body.append("another_step() { return 1; }")
+        body += ["set +e", "while :; do",
+                 "hosts; find_master",
+                 'echo "fleetbox: job $SLURM_JOB_ID on $STEP, master $MASTER_HOST = $MASTER_IP:$MASTER_PORT"'
+                 + (' "(spares: ${SPARES:-none})"' if here else ""),
+                 'for k in $(seq 0 $((STEP_NODES - 1))); do mkdir -p "$JOB_DIR/node$k"; done',
+                 # what an earlier run of this job id left for hang detection (our own fixed names: raw shell)
+                 "rm -f " + " ".join(f'"$JOB_DIR"/node[0-9]*/{name}' for name in hang.LEFT_OVER)]
         if rt.node_script_inside and (home_cache := rt.home_cache_dir(t)):
             body.append(self.words(["mkdir", "-p", home_cache], job_id))   # the mount point, before srun mounts
-        srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", Raw('--nodes="$SLURM_NNODES"'), "--ntasks-per-node=1",
+        # the step's nodes, one task each (the allocation's task count, which the batch script's environment
+        # holds, counts the spares too)
+        srun = ["srun", "--kill-on-bad-exit=1", "--wait=60",
+                Raw('--nodes="$STEP_NODES" --nodelist="$STEP" --ntasks="$STEP_NODES"'), "--ntasks-per-node=1",
                 *cpus_srun,
                 # each node's own log, fresh: the batch script's append (SLURM_OPEN_MODE) is for its own output
                 f"--output={job_dir}/node%n.log", "--open-mode=truncate",
                 *rt.srun_options(t, image), "bash", str(job_dir / "node.sh")]
-        body += ["set +e", self.words(srun, job_id) + " &",
+        body += [self.words(srun, job_id) + " &",
                  "SRUN=$!", 'WATCH=""']
         if spec.hang_timeout or spec.start_timeout:   # run/hang.py as a program, standard library only
             # -I: the file's own folder (fleetbox/run) is not put on sys.path
-            watch = line(["python3", "-I", str(job_dir / HANG_PY), str(job_dir), str(spec.nodes),
+            watch = line(["python3", "-I", str(job_dir / HANG_PY), str(job_dir), Raw('"$STEP_NODES"'),
                           str(spec.procs_per_node), f"{spec.hang_timeout:g}", f"{spec.start_timeout:g}",
                           Raw('"$FLEETBOX_ATTEMPT"'), Raw('"$SRUN"')])
-            body.append("if python3 -c 'import sys; sys.exit(sys.version_info < (3, 8))' 2>/dev/null; "
-                        f"then {watch} & WATCH=$!; else echo \"fleetbox: no python3 3.8 or newer on $(hostname): "
-                        "no hang detection in this allocation\" >&2; fi")
+            body.append(f'[ -z "$PYTHON" ] || {{ {watch} & WATCH=$!; }}')
         body += ["# wait returns early when USR1 arrives (the trap runs then); go on waiting for srun itself",
                  'while :; do wait "$SRUN"; rc=$?; '
                  'kill -0 "$SRUN" 2>/dev/null || { wait "$SRUN"; rc=$?; break; }; done',
@@ -513,6 +552,7 @@ class SlurmBackend(Backend):
             sweep = line([rt.name, "ps", "-aq", *mine]) + f" | xargs -r {rt.name} rm -f"
             body.append('srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --output=/dev/null bash -c '
                         f"{shlex.quote(sweep)} || true")
+        body += ['{ [ "$rc" -ne 0 ] && another_step; } || break', "done"]
         body += ["next_allocation", 'exit "$rc"']
         return "\n".join(head + body) + "\n"
 
@@ -524,6 +564,7 @@ class SlurmBackend(Backend):
     # -- acting --
 
     def submit(self, plan: SlurmPlan, log=print) -> SlurmHandle:
+        self.check_partition(plan)
         plan.make_dir()
         checkpoints.prepare(Path(plan.checkpoints), plan.spec.resume, plan.job_id, log)
         (plan.dir / "summary.json").unlink(missing_ok=True)   # an earlier run's of the same job id
@@ -532,6 +573,8 @@ class SlurmBackend(Backend):
         for name, text in plan.files:
             files.write_atomic(plan.dir / name, text)
         files.write_atomic(plan.dir / HANG_PY, Path(hang.__file__).read_text())
+        if plan.spec.spare_nodes or plan.spec.may_shrink:
+            slurm_step.pack(plan.dir / slurm_step.ALLOCATION_PYZ)
         (plan.dir / HELPERS).mkdir(exist_ok=True)
         for src in sorted(settings.HELPERS.glob("*.py")):
             files.write_atomic(plan.dir / HELPERS / src.name, src.read_bytes())
@@ -549,6 +592,19 @@ class SlurmBackend(Backend):
         log(f"submitted Slurm job {handle.scheduler_job} ({plan.spec.nodes} nodes, runtime {plan.runtime}); "
             f"logs in {plan.dir}")
         return handle
+
+    def check_partition(self, plan: SlurmPlan) -> None:
+        """A job that asks more nodes than its partition has would wait in the queue for ever (Slurm keeps it
+        pending, reason PartitionConfig): refused in one line, where Slurm says how many it has. Its partition:
+        --partition, else the environment's SBATCH_PARTITION where taken, else Slurm's default."""
+        spec = plan.spec
+        taken = next((v for name, v, why in plan.environment if name == "SBATCH_PARTITION" and not why), "")
+        asked, part = spec.nodes + spec.spare_nodes, self.sbatch["partition"] or taken
+        has = partition_nodes(part) if "," not in part else None
+        if has is not None and asked > has:
+            spares = f" and {spec.spare_nodes} spare(s)" if spec.spare_nodes else ""
+            raise UserError(f"{asked} nodes ({spec.nodes}{spares}) are more than partition "
+                            f"{part or '(the default)'} has: {has}")
 
     def warn_unshared(self, plan: SlurmPlan, log) -> None:
         """One line when a path the nodes need is where they may not see it (run/filesystems.py has the rule)."""
@@ -619,7 +675,7 @@ class SlurmBackend(Backend):
     def job_state(self, handle: SlurmHandle) -> tuple[JobState, int, str]:
         d = Path(handle.dir)
         recs = allocations(d, handle.scheduler_job)
-        chained = bool(recs and (recs[-1]["next"] or recs[-1]["ended"] == REQUEUED_RUN))   # another run follows
+        chained = bool(recs) and goes_on(recs[-1])   # another run follows
         attempt = len(recs) + 1 if chained or not recs else len(recs)
         cancelled = (d / f"{CANCELLED}.{handle.scheduler_job}").exists()
         summary = files.read_json(d / records.SUMMARY)
@@ -628,7 +684,7 @@ class SlurmBackend(Backend):
                 recs, current, state = self.newest(handle, lambda j: job_state(j, QUERY_WAITS[:2])[0])
             except UserError as e:
                 return JobState.UNKNOWN, attempt, str(e)
-            chained = bool(recs and (recs[-1]["next"] or recs[-1]["ended"] == REQUEUED_RUN))
+            chained = bool(recs) and goes_on(recs[-1])
             attempt = len(recs) + 1 if chained or not recs else len(recs)
             if alive(state):
                 return STATES.get(state, (JobState.UNKNOWN,))[0], attempt, "" if state in STATES else state
@@ -661,7 +717,7 @@ class SlurmBackend(Backend):
             nonlocal shown, current
             recs, current, state = self.newest(handle, lambda j: patient_state(j, log)[0])
             for rec in recs[shown:]:
-                if rec["next"] or rec["allocation"] > 1:
+                if rec["next"] or rec["allocation"] > 1 or rec["ended"] in slurm_step.HERE:
                     log(f"allocation {rec['allocation']} (Slurm job {rec['slurm_job']}) ended: {chain_end(rec)}")
             shown = len(recs)
             for ln in read_lines(job_dir / f"slurm-{current}.out"):   # what the batch script's watcher noticed
@@ -679,50 +735,17 @@ class SlurmBackend(Backend):
         records = allocations(job_dir, chain)
         return self.result(handle, patient_state(current, log)[0], current, records)
 
-    @staticmethod
-    def facts(handle: SlurmHandle, state: str, fails: list[TaskFailure], last: dict | None,
-              slurm_job: str = "") -> JobFacts:
-        """What srun reported of each node's task (in the order it reported them), what the chain recorded of its
-        last allocation, and Slurm's final state of the job (Slurm job `slurm_job`)."""
-        job_dir = Path(handle.dir)
-        one_worker = handle.procs_per_node == 1
-        # the time limit ended it, the chain not going on (it records each allocation it ends: this one, none)
-        timed_out = state == "TIMEOUT" and (last is None or last["slurm_job"] != slurm_job)
-        cancelled = state == "CANCELLED" or bool(last and last["ended"] == "cancelled")
-        nodes, ranks = [], set()
-        for f in fails:
-            if f.rank in ranks or not 0 <= f.rank < handle.nodes:   # srun's first word of each of the job's tasks
-                continue
-            log = job_dir / f"node{f.rank}.log"
-            said = node_said(log) if f.code in NODE_EXITS else ""   # node.sh stopped it, saying why
-            # srun --kill-on-bad-exit stops the other tasks after the first failure: a task it reports after that
-            # was stopped by Slurm, not failing by itself (at the time limit or a cancel, Slurm stopped every one)
-            stopped = (bool(nodes) or timed_out or cancelled) and f.stopped
-            nodes.append(NodeFacts(f.rank, str(log), f.node or node_host(log), f.code, len(nodes), stopped, oom=f.oom,
-                                   last_words=last_words(job_dir / f"node{f.rank}", log)
-                                   if one_worker and not stopped else None,
-                                   said=f"stopped before the training: {said} (exit {f.code})" if said else "",
-                                   output=str(log)))
-            ranks.add(f.rank)
-        for k in range(handle.nodes):   # the others ended well if the job did; else Slurm did not say
-            if k not in ranks:
-                log = job_dir / f"node{k}.log"
-                nodes.append(NodeFacts(k, str(log), node_host(log), 0 if state == "COMPLETED" else None,
-                                       output=str(log)))
-        chain = last["ended"] if last else "finished"
-        return JobFacts(nodes, timed_out, hang_of(job_dir, last) if last else None,   # its stacks blame a node
-                        completed=state == "COMPLETED" and chain == "finished",
-                        ended="" if timed_out or chain in ("finished", "failed", "restart", "hung")
-                        else chain_end(last) + (f"; that run ended with no record (Slurm: {state})"
-                                                if chain == REQUEUED_RUN else ""))
-
     def result(self, handle: SlurmHandle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
         job_dir, slurm_job, records = Path(handle.dir), slurm_job or handle.scheduler_job, records or []
         batch = job_dir / f"slurm-{slurm_job}.out"
-        fails = failures(this_run(batch.read_text(errors="replace") if batch.exists() else ""))
+        fails = slurm_step.failures(slurm_step.this_run(batch.read_text(errors="replace") if batch.exists() else ""))
+        if records and records[-1]["ended"] in slurm_step.HERE:   # the step after it has no record of its own
+            records = [*records, slurm_step.unrecorded(records[-1], state)]
         last = records[-1] if records else None
         caps = self.capabilities
-        r = judge(self.facts(handle, state, fails, last, slurm_job), handle.job_id, self.name, str(job_dir),
+        nodes = last.get("nodes", handle.nodes) if last else handle.nodes   # the last step's (--min-nodes)
+        r = judge(slurm_step.facts(job_dir, nodes, handle.procs_per_node, state, fails, last, slurm_job),
+                  handle.job_id, self.name, str(job_dir),
                   SlurmResult, attempts_are=caps.attempts_are, name_host=caps.names_hosts,
                   smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
                   scheduler=f"Slurm job {slurm_job}, {state}" if slurm_job else "", end_state=state,
@@ -733,11 +756,21 @@ class SlurmBackend(Backend):
                            "ended": attempt_end(job_dir, rec), "slurm_job": rec["slurm_job"],
                            "state": "HUNG" if hang_of(job_dir, rec) else
                            "PASSED" if rec["ended"] in ("finished", "continue") else "FAILED",
-                           "steps": [rec["from_step"], rec["to_step"]],
+                           "steps": [rec["from_step"], rec["to_step"]], "nodes": rec.get("nodes", handle.nodes),
                            "logs": str(kept if (kept := job_dir / f"alloc{rec['allocation']}").is_dir() else job_dir)}
                           for rec in records]
+        r.replaced = slurm_step.replaced(job_dir, handle.scheduler_job)
         r.save()
         return r
+
+
+def attempt_end(job_dir: Path, rec: dict) -> str:
+    """How an allocation ended, for the list of attempts: a hang in the summary's words."""
+    hung = hang_of(job_dir, rec)
+    if hung is None:
+        return chain_end(rec)
+    return hung["text"] + (f"; restarted in Slurm job {rec['next']}" if rec["next"] else
+                           f"; {slurm_step.went_on(rec)}" if rec["ended"] in slurm_step.HERE else "")
 
 
 def tail_file(path: Path, running, log, poll: float) -> None:
@@ -790,42 +823,6 @@ def _record_of(job_dir: Path, chain: str, slurm_job: str, wait: float = 5.0) -> 
         if found or time.monotonic() > end:
             return found[-1] if found else None
         time.sleep(0.2)
-
-
-def hang_of(job_dir: Path, rec: dict) -> dict | None:
-    """What hang detection kept of an allocation that hung (hang-<attempt>/hang.json, written by that Slurm job's
-    own watcher), else None."""
-    found = files.read_json(job_dir / f"hang-{rec['allocation'] - 1}" / "hang.json")
-    return found if found and found.get("slurm_job") == rec["slurm_job"] else None
-
-
-def attempt_end(job_dir: Path, rec: dict) -> str:
-    """How an allocation ended, for the list of attempts: a hang in the summary's words."""
-    hung = hang_of(job_dir, rec)
-    if hung is None:
-        return chain_end(rec)
-    return hung["text"] + (f"; restarted in Slurm job {rec['next']}" if rec["next"] else "")
-
-
-def chain_end(rec: dict) -> str:
-    """How one allocation ended, in words."""
-    step = rec["to_step"]
-    return {
-        "finished": f"finished at checkpoint step {step}",
-        "continue": f"stopped at the time limit with a checkpoint at step {step}; continued in Slurm job {rec['next']}",
-        "no-progress": f"allocation {rec['allocation']} made no progress (its newest checkpoint is still step "
-                       f"{rec['from_step']}): not continuing",
-        "max-allocations": f"stopped at step {step} to continue, but --max-allocations {rec['max_allocations']} "
-                           f"was reached",
-        "restart": f"failed (exit {rec['exit']}); restarted from step {step} in Slurm job {rec['next']}",
-        "failed": f"failed (exit {rec['exit']})",
-        "hung": "hung (stopped by hang detection)",
-        "cancelled": "cancelled",
-        "submit-failed": f"could not submit the next allocation (see slurm-{rec['slurm_job']}.out)",
-        REQUEUED_RUN: f"requeued by Slurm (a node failure, preemption or scontrol requeue) at checkpoint step {step}; "
-                    f"restarted in the same Slurm job {rec['slurm_job']}",
-        "requeue-refused": "requeued by Slurm, but --max-restarts was spent: not run again",
-    }.get(rec["ended"], rec["ended"])
 
 
 def cpus_per_node_option(value) -> int | str:
@@ -908,25 +905,6 @@ def time_seconds(value: str) -> int | None:
     return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
 
 
-NODE_EXITS = (2, 3, 4, 5)   # node.sh's own: no route or allocation, no image or env, modules, GPU prerequisite
-IMAGE_MISSING = re.compile(r"^fleetbox: (image missing .+)$")   # runtimes.Runtime.identify's own line
-
-
-def node_said(node_log_path: Path) -> str:
-    """Why node.sh stopped its node before the training started (a module, the allocation, the image or env), from
-    the line it printed last; "" when the training ran."""
-    lines = [ln for ln in (node_log_path.read_text(errors="replace") if node_log_path.exists() else "").splitlines()
-             if ln]
-    last = next((ln for ln in reversed(lines) if node_script.HELD not in ln), "")   # the hold's line is after it
-    said = node_log.lines(last)
-    return said[0][2] if said else m.group(1) if (m := IMAGE_MISSING.match(last)) else ""
-
-
-def node_host(node_log_path: Path) -> str:
-    """The Slurm node a task ran on, from the line node.sh prints first."""
-    return node_log.host(node_log_path.read_text(errors="replace") if node_log_path.exists() else "")
-
-
 def _slurm(*argv, check=True, env=None) -> subprocess.CompletedProcess:
     if not shutil.which(argv[0]):
         raise UserError(f"{argv[0]} not found: run on a Slurm login node (or install Slurm's client tools)")
@@ -980,6 +958,17 @@ def job_state(job_id: str, waits=QUERY_WAITS) -> tuple[str, str]:
                                   f"{said[-1] if said else f'scontrol exit {proc.returncode}'}")
         pause(wait)
     raise AssertionError("unreachable")
+
+
+def partition_nodes(partition: str) -> int | None:
+    """How many nodes the partition has (the default one where none is named), as Slurm answers; None where it
+    gives no answer."""
+    proc = _slurm("scontrol", "show", "partition", "-o", check=False)
+    for ln in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        f = dict(w.split("=", 1) for w in ln.split() if "=" in w)
+        if f.get("PartitionName") == partition if partition else f.get("Default") == "YES":
+            return int(f["TotalNodes"]) if f.get("TotalNodes", "").isdigit() else None
+    return None
 
 
 def pause(seconds: float) -> None:
@@ -1057,44 +1046,7 @@ STATES = {
     "TIMEOUT": (None, "ended: its time limit"),
 }
 FORGOTTEN = "UNKNOWN"   # job_state's answer when Slurm no longer knows the job
-REQUEUED_RUN = "requeued"   # how chain.sh records a run that Slurm cut short and ran again in the same job
-
-
 def alive(state: str) -> bool:
     """Slurm has not ended the job: every state but the terminal ones."""
     return state != FORGOTTEN and STATES.get(state, (JobState.UNKNOWN, ""))[0] is not None
 
-
-FAILED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: "
-                         r"(?:Exited with exit code (\d+)|(Killed|Terminated|Out Of Memory))")
-SIGNALLED = {"Killed": 128 + 9, "Out Of Memory": 128 + 9, "Terminated": 128 + 15}
-
-
-STEP_STOPPING = re.compile(r"srun: .*(Terminating StepId|Job step aborted)")
-
-
-class TaskFailure(NamedTuple):
-    rank: int
-    code: int
-    node: str
-    oom: bool = False
-    stopped: bool = False   # reported killed, or after srun began stopping the step: maybe srun's doing
-
-
-def this_run(batch_output: str) -> str:
-    """The batch output of the job's newest run: a requeued job appends each run's to the same file."""
-    starts = [m.start() for m in re.finditer(r"^fleetbox: run \d+ of Slurm job ", batch_output, re.M)]
-    return batch_output[starts[-1]:] if starts else batch_output
-
-
-def failures(batch_output: str) -> list[TaskFailure]:
-    """Failed tasks in the order srun reported them (one task per node). srun names a task killed by a
-    signal rather than giving its code: we give the shell's 128+N."""
-    out, stopping = [], False
-    for ln in batch_output.splitlines():
-        stopping = stopping or bool(STEP_STOPPING.search(ln))
-        if m := FAILED_TASK.search(ln):
-            code = int(m.group(3)) if m.group(3) else SIGNALLED[m.group(4)]
-            out.append(TaskFailure(int(m.group(2)), code, m.group(1), m.group(4) == "Out Of Memory",
-                                   stopping or m.group(4) in ("Killed", "Terminated")))
-    return out
