@@ -269,7 +269,7 @@ def test_slurm_a_spare_takes_a_killed_nodes_place_in_the_same_allocation_and_the
     s, got = run("--min-nodes", "1", "--max-restarts", "1", "--args",
                  "--steps 12 --every 4 --optimizer sgd --average --kill-rank 1 --kill-at 6")
     assert [(a["ok"], a["nodes"]) for a in s["attempts"]] == [(False, 2), (True, 1)], s["attempts"]
-    assert "node2 left out: restarted from step 4 on one node fewer" in s["attempts"][0]["ended"]
+    assert "node2 left out, one node fewer: restarted from step 4 in the same Slurm job" in s["attempts"][0]["ended"]
     assert [n["host"] for n in s["nodes"]] == ["node1"] and got[0]["first"] == 4, (s["nodes"], got)
 
     proc, _ = run("--spare-nodes", "2", "--args", STATIC_ARGS, ok=False)
