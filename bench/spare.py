@@ -34,12 +34,13 @@ def times(workerlog: Path) -> list[float]:
             if ln.startswith("FLEETBOX-METRIC ")]
 
 
-def gap(job_dir: Path) -> float:
-    """Seconds from rank 1's last step in the failed attempt to rank 0's first step in the last one."""
+def gap(job_dir: Path, same_job: bool) -> float:
+    """Seconds from rank 1's last step in the failed attempt to rank 0's first step in the last one (which ran in
+    the failed one's Slurm job, or in another, as `same_job` says)."""
     s = json.loads((job_dir / "summary.json").read_text())
     failed, last = s["attempts"][0], s["attempts"][-1]
-    if failed["ok"] or not last["ok"]:
-        raise SystemExit(f"the job did not fail once and pass: {s['attempts']}")
+    if failed["ok"] or not last["ok"] or (failed["slurm_job"] == last["slurm_job"]) != same_job:
+        raise SystemExit(f"the job did not fail once and pass as planned: {s['attempts']}")
     return times(job_dir / "node0" / "workerlog.0")[0] - times(Path(failed["logs"]) / "node1" / "workerlog.0")[-1]
 
 
@@ -58,7 +59,7 @@ def main():
                             "--runtime-args", PODMAN_ARGS, "--image", "fleetbox/paddle:cpu", "--max-restarts", "1",
                             *arms[arm], "--args", JOB], cwd=ROOT, env={**os.environ, **env}, timeout=900)
                 job_dir = Path(t.proc.stdout.split("logs in ")[1].split()[0].rstrip(";"))
-                got[arm]["gap"].append(gap(job_dir))
+                got[arm]["gap"].append(gap(job_dir, same_job=arm == "spare"))
                 got[arm]["whole"].append(t.wall)
                 print(f"round {i} {arm:<5}: failure -> first step {got[arm]['gap'][-1]:6.2f} s, whole "
                       f"{t.wall:6.2f} s", flush=True)
