@@ -10,6 +10,7 @@ import pytest
 
 from fleetbox.run import hang
 from tests.conftest import ROOT, invoke
+from tests.integration.conftest import ON_CPU
 from tests.integration.test_train import job_containers, summary_of, when
 
 pytestmark = pytest.mark.docker   # its jobs on the default engine, their containers counted (tests/conftest.py)
@@ -30,8 +31,8 @@ def last_metric_time(workerlog) -> float:
     return max(metric_times(workerlog).values())
 
 
-def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_passes(image_args):
-    proc = invoke("train", *image_args, "--nodes", "2", "--hang-timeout", str(HANG_S), "--max-restarts", "1", "--args",
+def test_a_rank_stuck_mid_run_is_named_from_the_stacks_and_the_job_restarts_and_passes(cpu_image):
+    proc = invoke("train", "--nodes", "2", "--hang-timeout", str(HANG_S), "--max-restarts", "1", "--args",
                   "--steps 60 --checkpoint-every 10 --step-sleep 0.05 --hang-rank 1 --hang-step 30 --hang-attempt 0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     s = summary_of(proc)
@@ -130,9 +131,12 @@ def test_gloos_own_timeout_is_read_as_the_hang_it_is_and_the_rank_that_waited_is
 
 
 @pytest.mark.parametrize("how", ["attached", "detached"])
-def test_a_rank_that_never_reaches_its_first_step_is_named_at_the_start_deadline(cpu_image, how):
-    """Detached, the supervisor watches the deadlines: the client is gone once it started the job."""
-    args = ["--nodes", "2", "--start-timeout", "15", "--args", "--steps 20 --hang-rank 1"]
+def test_a_rank_that_never_reaches_its_first_step_is_named_at_the_start_deadline(how, request):
+    """Detached, the supervisor watches the deadlines: the client is gone once it started the job. The detached
+    job runs the GPU image (its ranks on CPU): hang detection's helpers in the other image, under its Paddle."""
+    request.getfixturevalue("cpu_image" if how == "attached" else "cuda_image")
+    args = [*(ON_CPU if how == "detached" else ()), "--nodes", "2", "--start-timeout", "15", "--args",
+            "--steps 20 --hang-rank 1"]
     if how == "attached":
         proc = invoke("train", *args)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stdout[-3000:] + proc.stderr

@@ -237,10 +237,11 @@ def test_slurm_a_script_that_spawns_its_ranks_runs_them_on_one_node_and_a_failed
 
 def test_slurm_a_spare_takes_a_killed_nodes_place_in_the_same_allocation_and_the_job_ends_bit_for_bit(cluster,
                                                                                                        podman_image):
-    """tests/integration/test_job_styles.py's static job, 2 nodes and a spare on the 3-node cluster: rank 1 is
-    killed after step 6 (saved at 4). The next step runs in the same Slurm job (no requeue, no queue) on the spare
-    in its node's place, from step 4, and every rank ends as in a run that never stopped. Without a spare,
-    --min-nodes 1 goes on with the one node left; more spares than the partition has is one line."""
+    """tests/integration/test_job_styles.py's static job (its ranks' parameters averaged, BatchNorm's statistics
+    each rank's own), 2 nodes and a spare on the 3-node cluster: rank 1 is killed after step 6 (saved at 4). The
+    next step runs in the same Slurm job (no requeue, no queue) on the spare in its node's place, from step 4, and
+    every rank ends as in a run that never stopped. Without a spare, --min-nodes 1 goes on with the one node left;
+    more spares than the partition has is one line."""
     def run(*more, ok=True):
         proc = slurm_train(cluster, "--runtime", "podman", "--runtime-args", PODMAN_ARGS, *LOCAL, *STATIC, *more)
         assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr
@@ -252,6 +253,7 @@ def test_slurm_a_spare_takes_a_killed_nodes_place_in_the_same_allocation_and_the
         return s, {r["rank"]: r for r in results}
 
     _, want = run("--args", STATIC_ARGS)
+    assert want[0]["params"] == want[1]["params"] and want[0]["losses"] == 12   # one model, two ranks' data
     s, got = run("--spare-nodes", "1", "--max-restarts", "1", "--args", f"{STATIC_ARGS} --kill-rank 1 --kill-at 6")
     failed, passed = s["attempts"]
     assert (failed["ok"], passed["ok"], failed["slurm_job"]) == (False, True, passed["slurm_job"]), s["attempts"]

@@ -76,37 +76,10 @@ def test_a_spawning_script_asked_for_two_nodes_is_one_line_and_starts_nothing(cp
 # Static-graph programs. Paddle's own static collective (fleet's minimize) cannot make its communicator on CPU
 # ("comm_id must be generated in paddlepaddle-xpu or paddlepaddle-gpu"), so two static ranks here average their
 # parameters after every step themselves (checkpoint_static.py --average: plain SGD, so data parallelism); the
-# checkpoints, the ranks' agreement and the restart are fleetbox's, as they would be under fleet on GPUs.
+# checkpoints, the ranks' agreement and the restart are fleetbox's, as they would be under fleet on GPUs (the Slurm
+# spare test in test_hpc.py kills one and restarts it on a spare).
 STATIC = ["--script", "tests/probes/checkpoint_static.py"]
 STATIC_ARGS = "--steps 12 --every 4 --optimizer sgd --average --batchnorm"   # each rank its own statistics
-
-
-def static_results(proc) -> dict:
-    d = job_dir_of(proc)
-    out = {}
-    for k in (0, 1):
-        line = next(ln for ln in (d / f"node{k}" / "workerlog.0").read_text().splitlines() if ln.startswith("RESULT "))
-        r = json.loads(line[7:])
-        out[r["rank"]] = r
-    return out
-
-
-def test_a_static_program_on_two_nodes_killed_and_restarted_ends_bit_for_bit(cpu_image):
-    ref = invoke("train", "--nodes", "2", *STATIC, "--args", STATIC_ARGS)
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr
-    want = static_results(ref)
-    assert want[0]["params"] == want[1]["params"] and want[0]["losses"] == 12   # one model, two ranks' data
-    again = invoke("train", "--nodes", "2", *STATIC, "--max-restarts", "1", "--args",
-                   f"{STATIC_ARGS} --kill-rank 1 --kill-at 6")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr
-    s = summary_of(again)
-    assert [(a["attempt"], a["ok"]) for a in s["attempts"]] == [(0, False), (1, True)]
-    assert s["attempts"][0]["ended"].startswith("node1 (rank 1) exited with "), s["attempts"]
-    got = static_results(again)
-    for r in (0, 1):   # every persistable and the whole run's losses, bit for bit
-        assert got[r]["first"] == 4 and got[r]["sha256"] == want[r]["sha256"], (got, want)
-    assert "fleetbox-checkpoint: resumed from step 4" in (job_dir_of(again) / "node0" / "workerlog.0").read_text()
-    assert job_containers(job_dir_of(ref).name, job_dir_of(again).name) == []
 
 
 def test_the_static_example_run_again_with_its_id_resumes_mid_epoch_and_ends_as_an_uninterrupted_run(

@@ -962,7 +962,9 @@ def job_state(job_id: str, waits=QUERY_WAITS) -> tuple[str, str]:
 
 def partition_nodes(partition: str) -> int | None:
     """How many nodes the partition has (the default one where none is named), as Slurm answers; None where it
-    gives no answer."""
+    gives no answer (scontrol missing: sbatch's own check says so)."""
+    if not shutil.which("scontrol"):
+        return None
     proc = _slurm("scontrol", "show", "partition", "-o", check=False)
     for ln in proc.stdout.splitlines() if proc.returncode == 0 else []:
         f = dict(w.split("=", 1) for w in ln.split() if "=" in w)

@@ -122,7 +122,7 @@ def chain_end(rec: dict) -> str:
         "requeue-refused": "requeued by Slurm, but --max-restarts was spent: not run again",
         "spare": f"failed (exit {rec['exit']}); {went_on(rec)}",
         "fewer": f"failed (exit {rec['exit']}); {went_on(rec)}",
-        UNRECORDED: f"ended with no record of its own (Slurm: {rec['state']})",
+        UNRECORDED: f"ended with no record of its own (Slurm: {rec.get('state')})",
     }.get(rec["ended"], rec["ended"])
 
 
