@@ -1076,3 +1076,15 @@ def test_a_step_after_one_node_fewer_that_the_time_limit_ended_is_an_attempt_of_
     assert r.attempts[0]["ended"] == ("failed (exit 1); node2 left out, one node fewer: restarted from step 4 in the "
                                       "same Slurm job 77")
     assert r.attempts[1]["ended"] == "ended with no record of its own (Slurm: TIMEOUT)"
+
+
+def test_after_a_hang_the_spare_takes_the_place_of_the_node_its_stacks_blame(tmp_path):
+    """The watcher stopped the step (every task Terminated) and kept hang-0/hang.json naming node 0: node1 is left
+    out, whatever srun's order."""
+    (tmp_path / "train-s" / "hang-0").mkdir(parents=True)
+    (tmp_path / "train-s" / "hang-0" / "hang.json").write_text(json.dumps(
+        {"node": 0, "slurm_job": "7", "kind": "hang", "ranks": [0], "text": "node0 (rank 0) hung: no progress"}))
+    out, said, replaced = _next_step(tmp_path, START + "srun: error: node2: task 1: Terminated\n"
+                                     "srun: error: node1: task 0: Terminated\n")
+    assert out == "node1 2 1\n" and "attempt 0 failed: node0 (rank 0) hung: no progress" in said, said
+    assert [(r["node"], r["host"], r["by"]) for r in replaced] == [(0, "node1", "node3")]
