@@ -472,7 +472,7 @@ class SlurmBackend(Backend):
         head.append("#SBATCH --requeue" if spec.max_restarts else "#SBATCH --no-requeue")
         if spec.device != "cpu":   # one per process; node.sh gives each runtime exactly these
             head.append(f"#SBATCH --gpus-per-node={spec.gpus_each}")
-        here = bool(spec.spare_nodes or spec.may_shrink)   # a failed step may be followed in this allocation
+        here = steps_here(spec)
         body = [
             "set -euo pipefail",
             f"JOB_DIR={shlex.quote(str(job_dir))}",
@@ -573,7 +573,7 @@ class SlurmBackend(Backend):
         for name, text in plan.files:
             files.write_atomic(plan.dir / name, text)
         files.write_atomic(plan.dir / HANG_PY, Path(hang.__file__).read_text())
-        if plan.spec.spare_nodes or plan.spec.may_shrink:
+        if steps_here(plan.spec):
             slurm_step.pack(plan.dir / slurm_step.ALLOCATION_PYZ)
         (plan.dir / HELPERS).mkdir(exist_ok=True)
         for src in sorted(settings.HELPERS.glob("*.py")):
@@ -737,14 +737,12 @@ class SlurmBackend(Backend):
 
     def result(self, handle: SlurmHandle, state: str, slurm_job: str = "", records: list | None = None) -> JobResult:
         job_dir, slurm_job, records = Path(handle.dir), slurm_job or handle.scheduler_job, records or []
-        batch = job_dir / f"slurm-{slurm_job}.out"
-        fails = slurm_step.failures(slurm_step.this_run(batch.read_text(errors="replace") if batch.exists() else ""))
         if records and records[-1]["ended"] in slurm_step.HERE:   # the step after it has no record of its own
             records = [*records, slurm_step.unrecorded(records[-1], state)]
         last = records[-1] if records else None
         caps = self.capabilities
         nodes = last.get("nodes", handle.nodes) if last else handle.nodes   # the last step's (--min-nodes)
-        r = judge(slurm_step.facts(job_dir, nodes, handle.procs_per_node, state, fails, last, slurm_job),
+        r = judge(slurm_step.facts(job_dir, slurm_job, nodes, handle.procs_per_node, state, last),
                   handle.job_id, self.name, str(job_dir),
                   SlurmResult, attempts_are=caps.attempts_are, name_host=caps.names_hosts,
                   smoke=smoke_report(job_dir / "node0" / "workerlog.0"),
@@ -762,6 +760,11 @@ class SlurmBackend(Backend):
         r.replaced = slurm_step.replaced(job_dir, handle.scheduler_job)
         r.save()
         return r
+
+
+def steps_here(spec: spec_mod.JobSpec) -> bool:
+    """A failed step may be followed by another in the same allocation: on a spare, or on one node fewer."""
+    return bool(spec.spare_nodes or spec.may_shrink)
 
 
 def attempt_end(job_dir: Path, rec: dict) -> str:

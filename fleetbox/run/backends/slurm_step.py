@@ -133,10 +133,11 @@ def went_on(rec: dict) -> str:
             f"{rec['slurm_job']}")
 
 
-def facts(job_dir: Path, nodes: int, procs_per_node: int, state: str, fails: list[TaskFailure], last: dict | None,
-          slurm_job: str = "") -> JobFacts:
-    """What srun reported of each of the step's `nodes` tasks (in the order it reported them), what the chain
-    recorded of its last allocation, and Slurm's state of the job (Slurm job `slurm_job`)."""
+def facts(job_dir: Path, slurm_job: str, nodes: int, procs_per_node: int, state: str, last: dict | None) -> JobFacts:
+    """What srun reported of each of the newest step's `nodes` tasks (in the order it reported them, in Slurm job
+    `slurm_job`'s batch output), what the chain recorded of its last allocation, and Slurm's state of the job."""
+    batch = job_dir / f"slurm-{slurm_job}.out"
+    fails = failures(this_run(batch.read_text(errors="replace") if batch.exists() else ""))
     one_worker = procs_per_node == 1
     # the time limit ended it, the chain not going on (it records each allocation it ends: this one, none)
     timed_out = state == "TIMEOUT" and (last is None or last["slurm_job"] != slurm_job or last["ended"] == UNRECORDED)
@@ -184,15 +185,14 @@ def next_step(job_dir: Path, slurm_job: str, allocation: int, procs_per_node: in
     failed: the judge's culprit left out, the first of `spares` in its place, else one node fewer while --min-nodes
     allows; None where the next step is not this allocation's (no culprit, no restart left, or every node stopped
     before the training alike: the job's own failure, which no other node mends)."""
-    text = (job_dir / f"slurm-{slurm_job}.out").read_text(errors="replace")
     last = {"allocation": allocation, "slurm_job": slurm_job, "ended": "restart"}
-    seen = facts(job_dir, len(step), procs_per_node, "RUNNING", failures(this_run(text)), last, slurm_job)
+    seen = facts(job_dir, slurm_job, len(step), procs_per_node, "RUNNING", last)
     result = judge(seen, job_dir.name, "slurm", str(job_dir), JobResult, attempts_are="allocations", name_host=True)
     bad = next((n for n in seen.nodes if n.rank == result.culprit), None)
     how, node = next_nodes(result.culprit, len(spares), 0 < min_nodes < len(step))
     if how == "same" or bad is None:
         return None
-    said = [n.said.rsplit("(exit ", 1)[-1] for n in seen.nodes if n.said]
+    said = [n.exit_code for n in seen.nodes if n.said]
     if len(step) > 1 and len(said) == len(step) and len(set(said)) == 1:
         return None
     # a node that stopped before the training is its own fault (no restart spent) only where another node of the
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
         return 0
     if got.replaced is not None:
         with open(Path(job_dir, REPLACED), "a") as f:
-            f.write(json.dumps({"chain": chain, "slurm_job": slurm_job, **got.replaced}) + "\n")
+            f.write(json.dumps({"chain": chain, **got.replaced}) + "\n")
     print(f"fleetbox: {got.line}", file=sys.stderr, flush=True)
     print(got.host, got.nodes, int(got.spent))
     return 0
@@ -234,7 +234,7 @@ def replaced(job_dir: Path, chain: str) -> list[dict]:
     """Each spare's place in the chain that began with Slurm job `chain` (JobResult.replaced)."""
     p = job_dir / REPLACED
     recs = [json.loads(ln) for ln in (p.read_text().splitlines() if p.exists() else []) if ln.strip()]
-    return [{k: v for k, v in r.items() if k not in ("chain", "slurm_job")} for r in recs if r.get("chain") == chain]
+    return [{k: v for k, v in r.items() if k != "chain"} for r in recs if r.get("chain") == chain]
 
 
 # What the pack holds: this module and what it imports, the standard library apart (the "allocation" contract)
